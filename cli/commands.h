@@ -1,0 +1,10 @@
+// The subcommands of the `infinigen` binary. Each takes the arguments after its name and
+// returns the process exit code (0 ok, 1 runtime failure, 2 bad command line or input).
+#pragma once
+
+namespace infinigen::cli {
+
+int RunGenerate(int argc, char** argv);
+int RunLogits(int argc, char** argv);
+
+}  // namespace infinigen::cli

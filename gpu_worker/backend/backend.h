@@ -1,0 +1,134 @@
+// Backend: the only part of the worker that knows about the device. Model code is written once
+// against this interface; CpuBackend (the reference) and CudaBackend implement it.
+//
+// Memory: Allocate() returns device memory owned by a Buffer. Compute takes non-owning views
+// (MatView, KvView) of that memory. Operations may run asynchronously on the backend's stream;
+// Synchronize() waits for them and reports the first error. Nothing here allocates in an
+// operation, so a decode step allocates nothing once its workspace exists.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "kernels/cpu/ops.h"
+
+namespace infinigen {
+
+// Device memory; freed by the destructor.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual void* data() = 0;
+  virtual size_t size() const = 0;
+};
+
+// A row-major matrix in device memory: row r starts at data + r * stride elements.
+struct MatView {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t stride = 0;
+
+  MatView Rows(int64_t begin, int64_t count) const {
+    return {static_cast<uint8_t*>(data) + begin * stride * DTypeSize(dtype), dtype, count, cols,
+            stride};
+  }
+  MatView Cols(int64_t begin, int64_t count) const {
+    return {static_cast<uint8_t*>(data) + begin * DTypeSize(dtype), dtype, rows, count, stride};
+  }
+  template <typename T>
+  T* As() const {
+    return static_cast<T*>(data);
+  }
+};
+
+// K or V rows of one layer of one sequence: row j of KV head g starts at
+// data + (g * head_stride + j * row_stride) elements.
+struct KvView {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+
+  // Rows [begin, begin + count) of KV head g as a matrix.
+  MatView Head(int64_t g, int64_t begin, int64_t count, int64_t head_dim) const {
+    return {static_cast<uint8_t*>(data) + (g * head_stride + begin * row_stride) * DTypeSize(dtype),
+            dtype, count, head_dim, row_stride};
+  }
+};
+
+struct AttentionShape {
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  float scale = 1.0f;  // multiplies q·k
+};
+
+// A weight in the backend's storage format. Matrices are [rows = out_features, cols =
+// in_features]; vectors have rows = 1.
+struct Weight {
+  std::unique_ptr<Buffer> buffer;
+  DType dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+
+  explicit operator bool() const { return buffer != nullptr; }
+  const void* data() const { return buffer ? buffer->data() : nullptr; }
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string Name() const = 0;
+  // The dtype of activations (and of MatViews the model allocates for them).
+  virtual DType activation_dtype() const = 0;
+  // Bytes of device memory still free for caches and workspaces.
+  virtual size_t FreeMemory() const = 0;
+
+  virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) = 0;
+  virtual absl::Status CopyToDevice(const void* host, void* device, size_t bytes) = 0;
+  virtual absl::Status CopyToHost(const void* device, void* host, size_t bytes) = 0;
+  virtual absl::Status Synchronize() = 0;
+
+  // Uploads a float32 host matrix [rows, cols] in the backend's weight format.
+  virtual absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) = 0;
+
+  // out[i, :] = table[ids[i], :]; ids in device memory, already checked against the vocab.
+  virtual absl::Status Embedding(const Weight& table, const int32_t* ids, MatView out) = 0;
+  virtual absl::Status RmsNorm(MatView x, const Weight& weight, float eps, MatView out) = 0;
+  // bias may be null.
+  virtual absl::Status LayerNorm(MatView x, const Weight& weight, const Weight* bias, float eps,
+                                 MatView out) = 0;
+  // out = x · wᵀ + bias (+ out when accumulate). bias may be null.
+  virtual absl::Status Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
+                              bool accumulate) = 0;
+  // Rotates heads of x in place; positions [x.rows] and inv_freq [rotary_dim / 2] are device
+  // arrays.
+  virtual absl::Status Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
+                            const int32_t* positions, const float* inv_freq,
+                            cpu::RopeLayout layout) = 0;
+  virtual absl::Status SwiGlu(MatView gate, MatView up, MatView out) = 0;
+  virtual absl::Status Relu(MatView x) = 0;
+  // y += x.
+  virtual absl::Status Add(MatView x, MatView y) = 0;
+  // dst = src (same shape, any strides).
+  virtual absl::Status Copy(MatView src, MatView dst) = 0;
+
+  // Causal attention of q's rows (positions q_start ..) over K/V rows 0 .. q_start + q.rows - 1.
+  virtual absl::Status AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                       const AttentionShape& shape, MatView out) = 0;
+  // One query row over num_rows rows per KV head, listed by indices [num_kv_heads, num_rows]
+  // in device memory (null: rows 0 .. num_rows - 1).
+  virtual absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
+                                       int64_t num_rows, const AttentionShape& shape,
+                                       MatView out) = 0;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,184 @@
+#include "gpu_worker/backend/cpu_backend.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace infinigen {
+namespace {
+
+constexpr size_t kAlignment = 64;
+
+class HostBuffer final : public Buffer {
+ public:
+  HostBuffer(void* data, size_t size) : data_(data), size_(size) {}
+  ~HostBuffer() override { std::free(data_); }
+  void* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  void* data_;
+  size_t size_;
+};
+
+absl::Status CheckF32(const MatView& m, const char* op) {
+  if (m.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: ", op, " needs f32 activations, got ", DTypeName(m.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+const float* F(const Weight& w) { return static_cast<const float*>(w.data()); }
+const float* F(const Weight* w) { return w != nullptr && *w ? F(*w) : nullptr; }
+
+}  // namespace
+
+CpuBackend::CpuBackend(const CpuBackendOptions& options) {
+  if (options.num_threads > 0) {
+    openblas_set_num_threads(options.num_threads);
+    omp_set_num_threads(options.num_threads);
+  }
+}
+
+size_t CpuBackend::FreeMemory() const {
+  const long pages = ::sysconf(_SC_AVPHYS_PAGES);
+  const long page_size = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page_size > 0 ? static_cast<size_t>(pages) * page_size : 0;
+}
+
+absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t bytes) {
+  const size_t rounded = (std::max<size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
+  void* p = std::aligned_alloc(kAlignment, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend: cannot allocate ", bytes, " bytes of host memory"));
+  }
+  return std::make_unique<HostBuffer>(p, bytes);
+}
+
+absl::Status CpuBackend::CopyToDevice(const void* host, void* device, size_t bytes) {
+  std::memcpy(device, host, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyToHost(const void* device, void* host, size_t bytes) {
+  std::memcpy(host, device, bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Weight> CpuBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {
+  Weight w;
+  auto buf = Allocate(static_cast<size_t>(rows * cols) * 4);
+  if (!buf.ok()) return buf.status();
+  w.buffer = std::move(*buf);
+  std::memcpy(w.buffer->data(), host, static_cast<size_t>(rows * cols) * 4);
+  w.dtype = DType::kF32;
+  w.rows = rows;
+  w.cols = cols;
+  return w;
+}
+
+absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatView out) {
+  if (auto st = CheckF32(out, "Embedding"); !st.ok()) return st;
+  cpu::Embedding(F(table), table.cols, ids, out.rows, out.As<float>(), out.stride);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::RmsNorm(MatView x, const Weight& weight, float eps, MatView out) {
+  if (auto st = CheckF32(x, "RmsNorm"); !st.ok()) return st;
+  cpu::RmsNorm(x.As<float>(), x.stride, F(weight), x.rows, x.cols, eps, out.As<float>(),
+               out.stride);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::LayerNorm(MatView x, const Weight& weight, const Weight* bias, float eps,
+                                   MatView out) {
+  if (auto st = CheckF32(x, "LayerNorm"); !st.ok()) return st;
+  cpu::LayerNorm(x.As<float>(), x.stride, F(weight), F(bias), x.rows, x.cols, eps,
+                 out.As<float>(), out.stride);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
+                                bool accumulate) {
+  if (auto st = CheckF32(x, "Linear"); !st.ok()) return st;
+  if (x.cols != w.cols || out.cols != w.rows || out.rows != x.rows) {
+    return absl::InvalidArgumentError(absl::StrCat("cpu backend: Linear shapes [", x.rows, ", ",
+                                                   x.cols, "] x [", w.rows, ", ", w.cols,
+                                                   "]^T -> [", out.rows, ", ", out.cols, "]"));
+  }
+  cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride, x.rows,
+            w.rows, w.cols, accumulate);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
+                              const int32_t* positions, const float* inv_freq,
+                              cpu::RopeLayout layout) {
+  if (auto st = CheckF32(x, "Rope"); !st.ok()) return st;
+  cpu::Rope(x.As<float>(), x.stride, x.rows, num_heads, head_dim, rotary_dim, positions, inv_freq,
+            layout);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::SwiGlu(MatView gate, MatView up, MatView out) {
+  if (auto st = CheckF32(gate, "SwiGlu"); !st.ok()) return st;
+  cpu::SwiGlu(gate.As<float>(), gate.stride, up.As<float>(), up.stride, gate.rows, gate.cols,
+              out.As<float>(), out.stride);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Relu(MatView x) {
+  if (auto st = CheckF32(x, "Relu"); !st.ok()) return st;
+  cpu::Relu(x.As<float>(), x.stride, x.rows, x.cols);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Add(MatView x, MatView y) {
+  if (auto st = CheckF32(x, "Add"); !st.ok()) return st;
+  cpu::Add(x.As<float>(), x.stride, x.rows, x.cols, y.As<float>(), y.stride);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Copy(MatView src, MatView dst) {
+  if (src.dtype != dst.dtype || src.rows != dst.rows || src.cols != dst.cols) {
+    return absl::InvalidArgumentError("cpu backend: Copy needs equal shapes and dtypes");
+  }
+  const size_t row_bytes = src.cols * DTypeSize(src.dtype);
+  for (int64_t r = 0; r < src.rows; ++r) {
+    std::memcpy(dst.Rows(r, 1).data, src.Rows(r, 1).data, row_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                         const AttentionShape& s, MatView out) {
+  if (auto st = CheckF32(q, "AttentionCausal"); !st.ok()) return st;
+  cpu::AttentionCausal(q.As<float>(), q.stride, q.rows, q_start,
+                       {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
+                       {static_cast<const float*>(v.data), v.head_stride, v.row_stride},
+                       s.num_heads, s.num_kv_heads, s.head_dim, s.scale, out.As<float>(),
+                       out.stride);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
+                                         int64_t num_rows, const AttentionShape& s,
+                                         MatView out) {
+  if (auto st = CheckF32(q, "AttentionDecode"); !st.ok()) return st;
+  cpu::AttentionDecode(q.As<float>(),
+                       {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
+                       {static_cast<const float*>(v.data), v.head_stride, v.row_stride}, indices,
+                       num_rows, s.num_heads, s.num_kv_heads, s.head_dim, s.scale,
+                       out.As<float>());
+  return absl::OkStatus();
+}
+
+}  // namespace infinigen

@@ -1,0 +1,48 @@
+// The reference backend: float32 activations and K/V in host memory, kernels/cpu for compute,
+// OpenBLAS for GEMM. Runs everywhere; the CUDA backend is tested against it.
+#pragma once
+
+#include "gpu_worker/backend/backend.h"
+
+namespace infinigen {
+
+struct CpuBackendOptions {
+  int num_threads = 0;  // 0: all cores
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options = {});
+
+  std::string Name() const override { return "cpu"; }
+  DType activation_dtype() const override { return DType::kF32; }
+  size_t FreeMemory() const override;
+
+  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
+  absl::Status CopyToHost(const void* device, void* host, size_t bytes) override;
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
+
+  absl::Status Embedding(const Weight& table, const int32_t* ids, MatView out) override;
+  absl::Status RmsNorm(MatView x, const Weight& weight, float eps, MatView out) override;
+  absl::Status LayerNorm(MatView x, const Weight& weight, const Weight* bias, float eps,
+                         MatView out) override;
+  absl::Status Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
+                      bool accumulate) override;
+  absl::Status Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
+                    const int32_t* positions, const float* inv_freq,
+                    cpu::RopeLayout layout) override;
+  absl::Status SwiGlu(MatView gate, MatView up, MatView out) override;
+  absl::Status Relu(MatView x) override;
+  absl::Status Add(MatView x, MatView y) override;
+  absl::Status Copy(MatView src, MatView dst) override;
+  absl::Status AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                               const AttentionShape& shape, MatView out) override;
+  absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
+                               int64_t num_rows, const AttentionShape& shape,
+                               MatView out) override;
+};
+
+}  // namespace infinigen

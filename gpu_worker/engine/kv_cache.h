@@ -1,0 +1,56 @@
+// KvCache: where a sequence's K/V rows live between steps. The model appends the K/V of every
+// token it processes and reads them back for attention. ResidentKvCache keeps them in backend
+// memory; the KV store service implements the same seam with host RAM on another process.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gpu_worker/backend/backend.h"
+
+namespace infinigen {
+
+using SequenceId = uint64_t;
+
+// The K/V layout of a model: what every cache of it stores per token.
+struct KvCacheShape {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  DType dtype = DType::kF32;
+
+  size_t BytesPerToken() const {
+    return static_cast<size_t>(2) * num_layers * num_kv_heads * head_dim * DTypeSize(dtype);
+  }
+};
+
+struct KvLayerView {
+  KvView k;
+  KvView v;
+};
+
+class KvCache {
+ public:
+  virtual ~KvCache() = default;
+
+  // Starts `seq` with room for `capacity_tokens` (a hint: appending past it may allocate).
+  // ALREADY_EXISTS if open; RESOURCE_EXHAUSTED when the cache is full.
+  virtual absl::Status Open(SequenceId seq, int64_t capacity_tokens) = 0;
+  // Frees `seq`; unknown ids are ignored.
+  virtual void Close(SequenceId seq) = 0;
+  // Tokens stored for `seq` in every layer.
+  virtual absl::StatusOr<int64_t> Length(SequenceId seq) const = 0;
+
+  // Stores K and V of tokens [start, start + k.rows) at `layer`; k, v: [n, num_kv_heads *
+  // head_dim] in backend memory. start may not pass the layer's length (no holes); rows at and
+  // after `start` are replaced, so a sequence can be rolled back by appending at an earlier
+  // position.
+  virtual absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k,
+                              MatView v) = 0;
+  // K/V rows [0, length) of `layer`, readable by the backend until the next Append or Close.
+  virtual absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer, int64_t length) = 0;
+};
+
+}  // namespace infinigen

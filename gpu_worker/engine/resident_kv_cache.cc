@@ -1,0 +1,115 @@
+#include "gpu_worker/engine/resident_kv_cache.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace infinigen {
+
+ResidentKvCache::ResidentKvCache(Backend& backend, const KvCacheShape& shape, size_t max_bytes)
+    : backend_(backend), shape_(shape), max_bytes_(max_bytes) {}
+
+KvView ResidentKvCache::View(Buffer& b, int64_t capacity) const {
+  return {b.data(), shape_.dtype, capacity * shape_.head_dim, shape_.head_dim};
+}
+
+absl::Status ResidentKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
+  if (sequences_.contains(seq)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
+  }
+  Sequence s;
+  s.layers.resize(shape_.num_layers);
+  IG_RETURN_IF_ERROR(Grow(s, std::max<int64_t>(capacity_tokens, 16)));
+  sequences_.emplace(seq, std::move(s));
+  return absl::OkStatus();
+}
+
+void ResidentKvCache::Close(SequenceId seq) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return;
+  bytes_reserved_ -= it->second.capacity * shape_.BytesPerToken();
+  sequences_.erase(it);
+}
+
+absl::StatusOr<int64_t> ResidentKvCache::Length(SequenceId seq) const {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  return it->second.layers.back().length;
+}
+
+absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
+  const int64_t capacity = std::max(min_capacity, s.capacity * 2);
+  const size_t extra = (capacity - s.capacity) * shape_.BytesPerToken();
+  if (max_bytes_ > 0 && bytes_reserved_ + extra > max_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache full: ", capacity, " tokens need ", extra, " more bytes, ",
+        max_bytes_ - bytes_reserved_, " of ", max_bytes_, " left"));
+  }
+  const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * capacity * shape_.head_dim *
+                       DTypeSize(shape_.dtype);
+  for (Layer& layer : s.layers) {
+    IG_ASSIGN_OR_RETURN(std::unique_ptr<Buffer> k, backend_.Allocate(bytes));
+    IG_ASSIGN_OR_RETURN(std::unique_ptr<Buffer> v, backend_.Allocate(bytes));
+    if (layer.length > 0) {
+      for (int g = 0; g < shape_.num_kv_heads; ++g) {
+        IG_RETURN_IF_ERROR(backend_.Copy(View(*layer.k, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
+                                         View(*k, capacity).Head(g, 0, layer.length, shape_.head_dim)));
+        IG_RETURN_IF_ERROR(backend_.Copy(View(*layer.v, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
+                                         View(*v, capacity).Head(g, 0, layer.length, shape_.head_dim)));
+      }
+    }
+    layer.k = std::move(k);
+    layer.v = std::move(v);
+  }
+  bytes_reserved_ += extra;
+  s.capacity = capacity;
+  return absl::OkStatus();
+}
+
+absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k,
+                                     MatView v) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  Sequence& s = it->second;
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  const int64_t n = k.rows;
+  const int64_t kv_cols = static_cast<int64_t>(shape_.num_kv_heads) * shape_.head_dim;
+  if (k.cols != kv_cols || v.cols != kv_cols || v.rows != n || k.dtype != shape_.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("K/V rows must be [n, ", kv_cols, "] of ",
+                                                   DTypeName(shape_.dtype)));
+  }
+  if (start < 0 || start > s.layers[layer].length) {
+    return absl::InvalidArgumentError(absl::StrCat("append at ", start, " would leave a hole after ",
+                                                   s.layers[layer].length, " stored tokens"));
+  }
+  if (start + n > s.capacity) IG_RETURN_IF_ERROR(Grow(s, start + n));
+  Layer& l = s.layers[layer];
+  for (int g = 0; g < shape_.num_kv_heads; ++g) {
+    IG_RETURN_IF_ERROR(backend_.Copy(k.Cols(g * shape_.head_dim, shape_.head_dim),
+                                     View(*l.k, s.capacity).Head(g, start, n, shape_.head_dim)));
+    IG_RETURN_IF_ERROR(backend_.Copy(v.Cols(g * shape_.head_dim, shape_.head_dim),
+                                     View(*l.v, s.capacity).Head(g, start, n, shape_.head_dim)));
+  }
+  l.length = start + n;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KvLayerView> ResidentKvCache::Read(SequenceId seq, int layer, int64_t length) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  Sequence& s = it->second;
+  if (layer < 0 || layer >= shape_.num_layers || length > s.layers[layer].length) {
+    return absl::OutOfRangeError(absl::StrCat("layer ", layer, " holds ",
+                                              layer < 0 || layer >= shape_.num_layers
+                                                  ? 0
+                                                  : s.layers[layer].length,
+                                              " tokens, ", length, " requested"));
+  }
+  Layer& l = s.layers[layer];
+  return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity)};
+}
+
+}  // namespace infinigen

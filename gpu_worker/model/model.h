@@ -1,0 +1,73 @@
+// The decoder-only transformer of the Llama family and OPT, written once against Backend.
+// Forward() runs a ragged batch: each chunk is some new tokens of one sequence (a whole prompt,
+// a prefill chunk, or one decode token), so prefill and decode share one code path and
+// continuous batching can mix them in a step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/model/checkpoint.h"
+#include "gpu_worker/model/config.h"
+#include "gpu_worker/model/weights.h"
+
+namespace infinigen {
+
+struct ForwardChunk {
+  SequenceId seq = 0;
+  int64_t start = 0;                // tokens of `seq` already in the cache (= first position)
+  std::span<const int32_t> tokens;  // the new tokens
+  bool all_logits = false;          // logits of every new token, else of the last one only
+};
+
+class Model {
+ public:
+  // Loads every weight of `ckpt` onto `backend`, which must outlive the model.
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const Checkpoint& ckpt, Backend& backend);
+
+  const ModelConfig& config() const { return config_; }
+  Backend& backend() const { return backend_; }
+  // The K/V layout a cache for this model must have.
+  KvCacheShape kv_shape() const;
+
+  // Logit rows that Forward writes for `batch`: per chunk, all its tokens or its last one.
+  static int64_t NumLogitRows(std::span<const ForwardChunk> batch);
+
+  // Runs `batch`, appending each chunk's K/V to `cache` (the sequences must be open there), and
+  // writes float32 logits [NumLogitRows(batch), vocab_size] to host memory `logits`, chunk by
+  // chunk in order. INVALID_ARGUMENT for out-of-range token ids or positions.
+  absl::Status Forward(std::span<const ForwardChunk> batch, KvCache& cache,
+                       std::span<float> logits);
+
+ private:
+  Model(const ModelConfig& config, Backend& backend, ModelWeights weights);
+
+  // Scratch activations, sized for a number of tokens and logit rows; grows only.
+  struct Workspace {
+    int64_t max_tokens = 0;
+    int64_t max_logit_rows = 0;
+    std::unique_ptr<Buffer> ids, positions, x, h, qkv, attn, mlp, act, sel, sel_proj, logits;
+  };
+  absl::Status Reserve(int64_t tokens, int64_t logit_rows);
+  MatView Activations(Buffer& b, int64_t rows, int64_t cols) const;
+
+  absl::Status Embed(int64_t num_tokens);
+  absl::Status Norm(MatView x, const Weight& w, const Weight& b, MatView out);
+  absl::Status Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
+                         int64_t num_tokens);
+  absl::Status Mlp(const LayerWeights& L, int64_t num_tokens);
+  absl::Status Logits(std::span<const ForwardChunk> batch, int64_t num_tokens, std::span<float> out);
+
+  ModelConfig config_;
+  Backend& backend_;
+  ModelWeights weights_;
+  Workspace ws_;
+  std::vector<int32_t> host_ids_, host_positions_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,102 @@
+// Row-wise and element-wise reference operations: embedding, norms, activations, softmax.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/ops.h"
+
+namespace infinigen::cpu {
+namespace {
+// Below this many elements OpenMP's fork/join costs more than the work.
+constexpr int64_t kParallelElements = 1 << 15;
+}  // namespace
+
+void Embedding(const float* table, int64_t dim, const int32_t* ids, int64_t n, float* out,
+               int64_t out_stride) {
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(out + i * out_stride, table + static_cast<int64_t>(ids[i]) * dim, dim * 4);
+  }
+}
+
+void RmsNorm(const float* x, int64_t x_stride, const float* weight, int64_t rows, int64_t cols,
+             float eps, float* out, int64_t out_stride) {
+#pragma omp parallel for if (rows * cols > kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float* o = out + r * out_stride;
+    double sum_sq = 0.0;
+    for (int64_t i = 0; i < cols; ++i) sum_sq += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sum_sq / cols) + eps);
+    for (int64_t i = 0; i < cols; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+void LayerNorm(const float* x, int64_t x_stride, const float* weight, const float* bias,
+               int64_t rows, int64_t cols, float eps, float* out, int64_t out_stride) {
+#pragma omp parallel for if (rows * cols > kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float* o = out + r * out_stride;
+    double sum = 0.0;
+    for (int64_t i = 0; i < cols; ++i) sum += xr[i];
+    const double mean = sum / cols;
+    double var = 0.0;
+    for (int64_t i = 0; i < cols; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    const float inv = 1.0f / std::sqrt(static_cast<float>(var / cols) + eps);
+    const float m = static_cast<float>(mean);
+    for (int64_t i = 0; i < cols; ++i) {
+      float y = (xr[i] - m) * inv;
+      if (weight != nullptr) y *= weight[i];
+      if (bias != nullptr) y += bias[i];
+      o[i] = y;
+    }
+  }
+}
+
+void SwiGlu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride,
+            int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+#pragma omp parallel for if (rows * cols > kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate + r * gate_stride;
+    const float* u = up + r * up_stride;
+    float* o = out + r * out_stride;
+    for (int64_t i = 0; i < cols; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+void Relu(float* x, int64_t stride, int64_t rows, int64_t cols) {
+#pragma omp parallel for if (rows * cols > kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * stride;
+    for (int64_t i = 0; i < cols; ++i) xr[i] = std::max(xr[i], 0.0f);
+  }
+}
+
+void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y,
+         int64_t y_stride) {
+#pragma omp parallel for if (rows * cols > kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float* yr = y + r * y_stride;
+    for (int64_t i = 0; i < cols; ++i) yr[i] += xr[i];
+  }
+}
+
+void Softmax(float* x, int64_t n) {
+  if (n <= 0) return;
+  float max_v = x[0];
+  for (int64_t i = 1; i < n; ++i) max_v = std::max(max_v, x[i]);
+  if (max_v == -INFINITY) {  // everything masked: uniform is the only finite answer
+    for (int64_t i = 0; i < n; ++i) x[i] = 1.0f / n;
+    return;
+  }
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max_v);
+    sum += x[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+}  // namespace infinigen::cpu

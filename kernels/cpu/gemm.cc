@@ -1,0 +1,32 @@
+// GEMM through OpenBLAS (cblas). Weights are [out_features, in_features] as checkpoints store
+// them, so the product is x · wᵀ.
+#include <cblas.h>
+
+#include <cstring>
+
+#include "kernels/cpu/ops.h"
+
+namespace infinigen::cpu {
+
+void Gemm(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias, float* y,
+          int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
+  if (m <= 0 || n <= 0) return;
+  float beta = accumulate ? 1.0f : 0.0f;
+  if (bias != nullptr && !accumulate) {
+    for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * ldy, bias, n * 4);
+    beta = 1.0f;
+  } else if (bias != nullptr) {
+    for (int64_t r = 0; r < m; ++r) {
+      float* yr = y + r * ldy;
+      for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
+    }
+  }
+  if (m == 1) {
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, ldw, x, 1, beta, y, 1);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y,
+                ldy);
+  }
+}
+
+}  // namespace infinigen::cpu

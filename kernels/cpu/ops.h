@@ -1,0 +1,75 @@
+// CPU reference operations, float32. These are the oracles every device kernel is tested
+// against, and the compute of CpuBackend. All matrices are row-major with an explicit row
+// stride in elements; outputs never alias inputs unless a function says so. The caller owns
+// all memory.
+#pragma once
+
+#include <cstdint>
+
+namespace infinigen::cpu {
+
+// How RoPE pairs the channels of a head: kHalf rotates (i, i + rotary_dim/2) as Hugging Face
+// Llama does ("rotate_half"); kInterleaved rotates (2i, 2i + 1) as Meta's original code and
+// GGUF llama files do.
+enum class RopeLayout { kHalf, kInterleaved };
+
+// K or V rows of one layer: row j of KV head g starts at data + g * head_stride + j * row_stride.
+struct KvRows {
+  const float* data = nullptr;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+};
+
+// out[i, :] = table[ids[i], :]. Ids are checked by the caller (0 <= id < vocab).
+void Embedding(const float* table, int64_t dim, const int32_t* ids, int64_t n, float* out,
+               int64_t out_stride);
+
+// out = x / sqrt(mean(x^2) + eps) * weight, per row. out may alias x.
+void RmsNorm(const float* x, int64_t x_stride, const float* weight, int64_t rows, int64_t cols,
+             float eps, float* out, int64_t out_stride);
+
+// out = (x - mean) / sqrt(var + eps) * weight + bias, per row (biased variance). out may
+// alias x. weight or bias may be null (1 and 0).
+void LayerNorm(const float* x, int64_t x_stride, const float* weight, const float* bias,
+               int64_t rows, int64_t cols, float eps, float* out, int64_t out_stride);
+
+// y[m, n] = x[m, k] · w[n, k]ᵀ + bias[n] (+ y[m, n] when accumulate). bias may be null.
+void Gemm(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias, float* y,
+          int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate);
+
+// Rotates the first rotary_dim channels of every head of every row in place. Row r holds
+// num_heads heads of head_dim channels and sits at position positions[r]; channel pair i
+// turns by positions[r] * inv_freq[i] (inv_freq has rotary_dim / 2 entries).
+void Rope(float* x, int64_t stride, int64_t rows, int num_heads, int head_dim, int rotary_dim,
+          const int32_t* positions, const float* inv_freq, RopeLayout layout);
+
+// out[r, i] = silu(gate[r, i]) * up[r, i].
+void SwiGlu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride,
+            int64_t rows, int64_t cols, float* out, int64_t out_stride);
+
+// x = max(x, 0) in place, over rows × cols.
+void Relu(float* x, int64_t stride, int64_t rows, int64_t cols);
+
+// y[r, :] += x[r, :].
+void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y,
+         int64_t y_stride);
+
+// Numerically stable softmax of x[0..n) in place.
+void Softmax(float* x, int64_t n);
+
+// Causal attention of num_q new query rows that sit at positions q_start .. q_start+num_q-1
+// over keys/values at positions 0 .. q_start+num_q-1. q: [num_q, num_heads * head_dim];
+// out: same shape. Query head h uses KV head h / (num_heads / num_kv_heads). Scores are
+// q·k * scale.
+void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start,
+                     KvRows k, KvRows v, int num_heads, int num_kv_heads, int head_dim,
+                     float scale, float* out, int64_t out_stride);
+
+// Attention of one query row (all heads) over an explicit list of rows per KV head: KV head g
+// attends rows indices[g * num_rows + j] for j < num_rows (indices may be null: rows 0 ..
+// num_rows-1). GQA as in AttentionCausal. q, out: [num_heads * head_dim].
+void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
+                     int64_t num_rows, int num_heads, int num_kv_heads, int head_dim,
+                     float scale, float* out);
+
+}  // namespace infinigen::cpu

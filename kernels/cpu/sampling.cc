@@ -1,0 +1,105 @@
+#include "kernels/cpu/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/philox.h"
+
+namespace infinigen {
+
+absl::Status SamplingParams::Validate() const {
+  if (!(temperature >= 0.0f) || !std::isfinite(temperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature must be a finite number >= 0 (0 = greedy), got ", temperature));
+  }
+  if (top_k < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0 (0 = off), got ", top_k));
+  }
+  if (!(top_p > 0.0f && top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", top_p));
+  }
+  if (!(min_p >= 0.0f && min_p <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("min_p must be in [0, 1], got ", min_p));
+  }
+  if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "repetition_penalty must be a finite number > 0 (1 = off), got ", repetition_penalty));
+  }
+  return absl::OkStatus();
+}
+
+int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
+                    std::span<const int32_t> history, uint64_t position,
+                    SamplingScratch& scratch) {
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  if (params.repetition_penalty != 1.0f && !history.empty()) {
+    scratch.seen.assign(vocab, 0);
+    for (int32_t id : history) {
+      if (id < 0 || id >= vocab || scratch.seen[id]) continue;
+      scratch.seen[id] = 1;
+      float& l = logits[id];
+      l = l > 0.0f ? l / params.repetition_penalty : l * params.repetition_penalty;
+    }
+  }
+  if (params.greedy()) {
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
+
+  // Candidates sorted by logit, descending (ties: lower id first, so results are stable).
+  auto& cand = scratch.candidates;
+  cand.clear();
+  const float inv_t = 1.0f / params.temperature;
+  for (int64_t i = 0; i < vocab; ++i) cand.emplace_back(logits[i] * inv_t, static_cast<int32_t>(i));
+  auto by_logit = [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  size_t keep = cand.size();
+  if (params.top_k > 0 && static_cast<size_t>(params.top_k) < keep) {
+    std::nth_element(cand.begin(), cand.begin() + params.top_k - 1, cand.end(), by_logit);
+    const float kth = cand[params.top_k - 1].first;
+    // Hugging Face keeps every token tied with the k-th.
+    auto mid = std::partition(cand.begin(), cand.end(),
+                              [kth](const auto& c) { return c.first >= kth; });
+    keep = mid - cand.begin();
+  }
+  std::sort(cand.begin(), cand.begin() + keep, by_logit);
+
+  // Probabilities of the kept candidates (in `first` from here on).
+  const float max_logit = cand[0].first;
+  double sum = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    cand[i].first = std::exp(cand[i].first - max_logit);
+    sum += cand[i].first;
+  }
+  for (size_t i = 0; i < keep; ++i) cand[i].first = static_cast<float>(cand[i].first / sum);
+
+  if (params.top_p < 1.0f) {
+    double cum = 0.0;
+    size_t n = 0;
+    while (n < keep) {
+      cum += cand[n].first;
+      ++n;
+      if (cum >= params.top_p) break;
+    }
+    keep = std::max<size_t>(n, 1);
+  }
+  if (params.min_p > 0.0f) {
+    const float threshold = params.min_p * cand[0].first;
+    size_t n = 1;
+    while (n < keep && cand[n].first >= threshold) ++n;
+    keep = n;
+  }
+
+  double total = 0.0;
+  for (size_t i = 0; i < keep; ++i) total += cand[i].first;
+  const double u = UniformForPosition(params.seed, position) * total;
+  double cum = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    cum += cand[i].first;
+    if (u < cum) return cand[i].second;
+  }
+  return cand[keep - 1].second;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,41 @@
+// Token sampling: the reference for device-side sampling. Processors run in Hugging Face's
+// order: repetition penalty, temperature, top-k, top-p, min-p; then one draw from the
+// counter-based generator keyed by (seed, position).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace infinigen {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0 = greedy (argmax, lowest id on ties)
+  int32_t top_k = 0;         // 0 = off
+  float top_p = 1.0f;        // 1 = off
+  float min_p = 0.0f;        // 0 = off
+  float repetition_penalty = 1.0f;  // 1 = off; > 1 discourages tokens already in the sequence
+  uint64_t seed = 0;
+
+  bool greedy() const { return temperature == 0.0f; }
+  // INVALID_ARGUMENT naming the field and its allowed range.
+  absl::Status Validate() const;
+};
+
+// Reusable buffers so that sampling allocates nothing in steady state.
+struct SamplingScratch {
+  std::vector<std::pair<float, int32_t>> candidates;
+  std::vector<uint8_t> seen;
+};
+
+// Picks the token at `position` (its index in the whole sequence, prompt included) from
+// `logits` [vocab], which it modifies. `history` is every token id before it (prompt and
+// generated), used by the repetition penalty.
+int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
+                    std::span<const int32_t> history, uint64_t position,
+                    SamplingScratch& scratch);
+
+}  // namespace infinigen

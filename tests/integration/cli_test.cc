@@ -1,0 +1,97 @@
+// The `infinigen` binary as a user runs it: help, one-line errors with exit code 2, and the
+// logits command writing the engine's logits to a .npy file.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "common/npy.h"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CommandResult {
+  int exit_code;
+  std::string out, err;
+};
+
+std::string Slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+CommandResult Infinigen(const std::string& args) {
+  const fs::path tmp = fs::temp_directory_path();
+  const std::string out = (tmp / "infinigen_cli_out").string();
+  const std::string err = (tmp / "infinigen_cli_err").string();
+  const std::string cmd =
+      testing::BinaryPath("infinigen") + " " + args + " >" + out + " 2>" + err + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(out), Slurp(err)};
+}
+
+int Lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
+
+TEST(Cli, HelpForEveryCommand) {
+  CommandResult top = Infinigen("--help");
+  EXPECT_EQ(top.exit_code, 0);
+  EXPECT_NE(top.out.find("generate"), std::string::npos);
+  for (const char* cmd : {"generate", "logits"}) {
+    CommandResult r = Infinigen(std::string(cmd) + " --help");
+    EXPECT_EQ(r.exit_code, 0) << cmd;
+    EXPECT_NE(r.out.find("--model"), std::string::npos) << cmd;
+  }
+}
+
+TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
+  for (const std::string args :
+       {"generate --bogus 1", "generate --model", "logits --model /no/such/model --token-ids 1 --out x.npy",
+        "generate --model /no/such/model --prompt-ids 1,2", "generate --model . --prompt-ids a,b",
+        "frobnicate", "generate --max-tokens many"}) {
+    CommandResult r = Infinigen(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
+    EXPECT_EQ(Lines(r.err), 1) << args << ": " << r.err;
+  }
+}
+
+TEST(Cli, LogitsCommandWritesTheEnginesLogits) {
+  const std::string dir = testing::FixturePath("hf/opt_preln");
+  const std::string out = (fs::temp_directory_path() / "infinigen_cli_logits.npy").string();
+  auto tokens = testing::NpyInts(dir + "/tokens.npy");
+  std::string ids;
+  for (int32_t t : tokens) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+  CommandResult r = Infinigen("logits --model " + dir + " --token-ids " + ids + " --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto got = ReadNpy(out);
+  ASSERT_TRUE(got.ok()) << got.status();
+  auto want = ReadNpy(dir + "/logits.npy");
+  EXPECT_EQ(got->shape, want->shape);
+  auto g = *got->AsFloat(), w = *want->AsFloat();
+  for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], w[i], 1e-4) << i;
+  fs::remove(out);
+}
+
+TEST(Cli, GenerateGreedyPrintsTheFixturesContinuation) {
+  const std::string dir = testing::FixturePath("hf/llama32_tied");
+  auto prompt = testing::NpyInts(dir + "/prompt.npy");
+  auto want = testing::NpyInts(dir + "/greedy.npy");
+  std::string ids, expect;
+  for (int32_t t : prompt) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+  for (int32_t t : want) expect += (expect.empty() ? "[" : ",") + std::to_string(t);
+  CommandResult r = Infinigen("generate --model " + dir + " --prompt-ids " + ids +
+                    " --max-tokens 32 --ignore-eos --temperature 0");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, expect + "]\n");
+}
+
+}  // namespace
+}  // namespace infinigen

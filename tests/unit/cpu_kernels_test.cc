@@ -1,0 +1,242 @@
+// Every CPU reference kernel against a straightforward double-precision loop, on odd sizes,
+// strided inputs and fresh random data.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+
+namespace infinigen::cpu {
+namespace {
+
+std::vector<float> Random(size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+void ExpectNear(const std::vector<double>& want, const float* got, size_t n, double tol,
+                const char* what) {
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_NEAR(want[i], got[i], tol * (1.0 + std::abs(want[i]))) << what << " at " << i;
+  }
+}
+
+TEST(CpuKernels, RmsNormMatchesDoubleLoop) {
+  std::mt19937 rng(1);
+  const int64_t rows = 5, cols = 37, stride = 41;
+  auto x = Random(rows * stride, rng, 3.0f);
+  auto w = Random(cols, rng);
+  std::vector<float> out(rows * cols);
+  RmsNorm(x.data(), stride, w.data(), rows, cols, 1e-5f, out.data(), cols);
+  std::vector<double> want(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < cols; ++i) ss += double(x[r * stride + i]) * x[r * stride + i];
+    const double inv = 1.0 / std::sqrt(ss / cols + 1e-5);
+    for (int64_t i = 0; i < cols; ++i) want[r * cols + i] = w[i] * x[r * stride + i] * inv;
+  }
+  ExpectNear(want, out.data(), want.size(), 1e-5, "rmsnorm");
+}
+
+TEST(CpuKernels, LayerNormMatchesDoubleLoopInPlace) {
+  std::mt19937 rng(2);
+  const int64_t rows = 3, cols = 29;
+  auto x = Random(rows * cols, rng, 2.0f);
+  for (float& v : x) v += 5.0f;  // a large mean tests the centring
+  auto w = Random(cols, rng), b = Random(cols, rng);
+  std::vector<double> want(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < cols; ++i) mean += x[r * cols + i];
+    mean /= cols;
+    for (int64_t i = 0; i < cols; ++i) var += (x[r * cols + i] - mean) * (x[r * cols + i] - mean);
+    var /= cols;
+    for (int64_t i = 0; i < cols; ++i) {
+      want[r * cols + i] = (x[r * cols + i] - mean) / std::sqrt(var + 1e-5) * w[i] + b[i];
+    }
+  }
+  LayerNorm(x.data(), cols, w.data(), b.data(), rows, cols, 1e-5f, x.data(), cols);
+  ExpectNear(want, x.data(), want.size(), 1e-5, "layernorm");
+}
+
+void CheckGemm(int64_t m, int64_t n, int64_t k, bool bias, bool accumulate) {
+  std::mt19937 rng(static_cast<unsigned>(m * 100 + n + k));
+  const int64_t ldx = k + 3, ldw = k + 1, ldy = n + 2;
+  auto x = Random(m * ldx, rng), w = Random(n * ldw, rng), b = Random(n, rng);
+  auto y = Random(m * ldy, rng);
+  std::vector<double> want(m * n);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double s = bias ? b[j] : 0.0;
+      for (int64_t p = 0; p < k; ++p) s += double(x[i * ldx + p]) * w[j * ldw + p];
+      if (accumulate) s += y[i * ldy + j];
+      want[i * n + j] = s;
+    }
+  }
+  Gemm(x.data(), ldx, w.data(), ldw, bias ? b.data() : nullptr, y.data(), ldy, m, n, k,
+       accumulate);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      ASSERT_NEAR(want[i * n + j], y[i * ldy + j], 1e-4 * (1 + std::abs(want[i * n + j])))
+          << "m=" << m << " i=" << i << " j=" << j;
+    }
+  }
+}
+
+TEST(CpuKernels, GemmMatchesDoubleLoop) {
+  for (bool bias : {false, true}) {
+    for (bool acc : {false, true}) {
+      CheckGemm(1, 13, 29, bias, acc);  // the GEMV path
+      CheckGemm(7, 13, 29, bias, acc);
+    }
+  }
+}
+
+TEST(CpuKernels, RopeBothLayoutsMatchDoubleLoop) {
+  std::mt19937 rng(3);
+  const int rows = 4, heads = 3, head_dim = 10, rotary = 8;
+  const int64_t stride = heads * head_dim + 2;
+  std::vector<int32_t> pos = {0, 5, 17, 1023};
+  auto inv = Random(rotary / 2, rng, 0.5f);
+  for (auto layout : {RopeLayout::kHalf, RopeLayout::kInterleaved}) {
+    auto x = Random(rows * stride, rng);
+    std::vector<double> want(x.begin(), x.end());
+    for (int r = 0; r < rows; ++r) {
+      for (int h = 0; h < heads; ++h) {
+        for (int i = 0; i < rotary / 2; ++i) {
+          const int64_t base = r * stride + h * head_dim;
+          const int64_t a = layout == RopeLayout::kHalf ? base + i : base + 2 * i;
+          const int64_t b = layout == RopeLayout::kHalf ? base + i + rotary / 2 : base + 2 * i + 1;
+          const double th = double(pos[r]) * inv[i];
+          want[a] = x[a] * std::cos(th) - x[b] * std::sin(th);
+          want[b] = x[b] * std::cos(th) + x[a] * std::sin(th);
+        }
+      }
+    }
+    Rope(x.data(), stride, rows, heads, head_dim, rotary, pos.data(), inv.data(), layout);
+    // float32 angles at position 1023 carry ~1e-4 absolute error, as in Hugging Face.
+    ExpectNear(want, x.data(), want.size(), 5e-4, "rope");
+  }
+}
+
+TEST(CpuKernels, ElementwiseOpsMatchDoubleLoops) {
+  std::mt19937 rng(4);
+  const int64_t rows = 3, cols = 11;
+  auto g = Random(rows * cols, rng, 3.0f), u = Random(rows * cols, rng);
+  std::vector<float> out(rows * cols);
+  SwiGlu(g.data(), cols, u.data(), cols, rows, cols, out.data(), cols);
+  std::vector<double> want(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) want[i] = g[i] / (1.0 + std::exp(-double(g[i]))) * u[i];
+  ExpectNear(want, out.data(), want.size(), 1e-5, "swiglu");
+
+  auto r = g;
+  Relu(r.data(), cols, rows, cols);
+  for (int64_t i = 0; i < rows * cols; ++i) ASSERT_EQ(r[i], g[i] > 0 ? g[i] : 0.0f);
+
+  auto y = u;
+  Add(g.data(), cols, rows, cols, y.data(), cols);
+  for (int64_t i = 0; i < rows * cols; ++i) ASSERT_FLOAT_EQ(y[i], u[i] + g[i]);
+
+  auto s = Random(17, rng, 10.0f);
+  std::vector<double> ws(17);
+  double mx = -1e30, sum = 0;
+  for (float v : s) mx = std::max(mx, double(v));
+  for (int i = 0; i < 17; ++i) sum += std::exp(s[i] - mx);
+  for (int i = 0; i < 17; ++i) ws[i] = std::exp(s[i] - mx) / sum;
+  Softmax(s.data(), 17);
+  ExpectNear(ws, s.data(), 17, 1e-6, "softmax");
+
+  const int64_t dim = 6;
+  auto table = Random(9 * dim, rng);
+  std::vector<int32_t> ids = {8, 0, 3};
+  std::vector<float> e(3 * dim);
+  Embedding(table.data(), dim, ids.data(), 3, e.data(), dim);
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < dim; ++j) ASSERT_EQ(e[i * dim + j], table[ids[i] * dim + j]);
+  }
+}
+
+// Double-precision attention of one query row over listed rows of its KV head.
+std::vector<double> RefAttendRow(const float* q, const std::vector<float>& k,
+                                 const std::vector<float>& v, int64_t head_stride,
+                                 int64_t row_stride, const std::vector<int32_t>& rows_of_head,
+                                 int g, int d, double scale) {
+  std::vector<double> s(rows_of_head.size());
+  double mx = -1e300;
+  for (size_t j = 0; j < rows_of_head.size(); ++j) {
+    double dot = 0;
+    for (int c = 0; c < d; ++c) dot += double(q[c]) * k[g * head_stride + rows_of_head[j] * row_stride + c];
+    s[j] = dot * scale;
+    mx = std::max(mx, s[j]);
+  }
+  double sum = 0;
+  for (double& x : s) sum += (x = std::exp(x - mx));
+  std::vector<double> out(d, 0.0);
+  for (size_t j = 0; j < rows_of_head.size(); ++j) {
+    for (int c = 0; c < d; ++c) out[c] += s[j] / sum * v[g * head_stride + rows_of_head[j] * row_stride + c];
+  }
+  return out;
+}
+
+TEST(CpuKernels, CausalAttentionWithGqaMatchesDoubleLoop) {
+  std::mt19937 rng(5);
+  const int heads = 6, kv_heads = 3, d = 13;
+  const int64_t ctx_cap = 300, row_stride = d + 3, head_stride = ctx_cap * row_stride;
+  for (int64_t q_start : {0, 37}) {
+    const int64_t num_q = 150;  // more than one query block
+    auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
+    const int64_t q_stride = heads * d + 1;
+    auto q = Random(num_q * q_stride, rng, 2.0f);
+    std::vector<float> out(num_q * heads * d);
+    const float scale = 1.0f / std::sqrt(float(d));
+    AttentionCausal(q.data(), q_stride, num_q, q_start, {k.data(), head_stride, row_stride},
+                    {v.data(), head_stride, row_stride}, heads, kv_heads, d, scale, out.data(),
+                    heads * d);
+    for (int64_t i = 0; i < num_q; i += 7) {
+      std::vector<int32_t> visible(q_start + i + 1);
+      for (size_t j = 0; j < visible.size(); ++j) visible[j] = static_cast<int32_t>(j);
+      for (int h = 0; h < heads; ++h) {
+        auto want = RefAttendRow(q.data() + i * q_stride + h * d, k, v, head_stride, row_stride,
+                                 visible, h / (heads / kv_heads), d, scale);
+        for (int c = 0; c < d; ++c) {
+          ASSERT_NEAR(want[c], out[i * heads * d + h * d + c], 1e-5)
+              << "q_start=" << q_start << " row " << i << " head " << h;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuKernels, DecodeAttentionOverIndexListMatchesDoubleLoop) {
+  std::mt19937 rng(6);
+  const int heads = 8, kv_heads = 2, d = 12;
+  const int64_t cap = 64, row_stride = d, head_stride = cap * d;
+  auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
+  auto q = Random(heads * d, rng, 2.0f);
+  const int64_t num_rows = 9;
+  std::vector<int32_t> idx(kv_heads * num_rows);
+  for (auto& i : idx) i = static_cast<int32_t>(rng() % cap);  // repeats allowed
+  const float scale = 0.3f;
+  for (bool with_indices : {true, false}) {
+    std::vector<float> out(heads * d);
+    AttentionDecode(q.data(), {k.data(), head_stride, row_stride}, {v.data(), head_stride, row_stride},
+                    with_indices ? idx.data() : nullptr, num_rows, heads, kv_heads, d, scale,
+                    out.data());
+    for (int h = 0; h < heads; ++h) {
+      const int g = h / (heads / kv_heads);
+      std::vector<int32_t> rows(num_rows);
+      for (int64_t j = 0; j < num_rows; ++j) {
+        rows[j] = with_indices ? idx[g * num_rows + j] : static_cast<int32_t>(j);
+      }
+      auto want = RefAttendRow(q.data() + h * d, k, v, head_stride, row_stride, rows, g, d, scale);
+      for (int c = 0; c < d; ++c) ASSERT_NEAR(want[c], out[h * d + c], 1e-5) << "head " << h;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace infinigen::cpu

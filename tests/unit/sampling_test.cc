@@ -1,0 +1,136 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "kernels/cpu/philox.h"
+#include "kernels/cpu/sampling.h"
+
+namespace infinigen {
+namespace {
+
+TEST(Philox, MatchesRandom123KnownAnswers) {
+  Philox4x32 zero = Philox4x32_10(0, 0, 0);
+  EXPECT_EQ(zero.v[0], 0x6627e8d5u);
+  EXPECT_EQ(zero.v[1], 0xe169c58du);
+  EXPECT_EQ(zero.v[2], 0xbc57ac4cu);
+  EXPECT_EQ(zero.v[3], 0x9b00dbd8u);
+  Philox4x32 ones = Philox4x32_10(~0ull, ~0ull, ~0ull);
+  EXPECT_EQ(ones.v[0], 0x408f276du);
+  EXPECT_EQ(ones.v[1], 0x41c83b0eu);
+  EXPECT_EQ(ones.v[2], 0xa20bc7c6u);
+  EXPECT_EQ(ones.v[3], 0x6d5451fdu);
+}
+
+std::vector<float> LogitsFromProbs(const std::vector<double>& p) {
+  std::vector<float> l;
+  for (double x : p) l.push_back(static_cast<float>(std::log(x)));
+  return l;
+}
+
+int32_t Sample(std::vector<float> logits, const SamplingParams& params, uint64_t position,
+               const std::vector<int32_t>& history = {}) {
+  SamplingScratch scratch;
+  return SampleToken(logits, params, history, position, scratch);
+}
+
+// Frequencies of each token over `n` positions.
+std::map<int32_t, double> Frequencies(const std::vector<float>& logits, const SamplingParams& p,
+                                      int n) {
+  std::map<int32_t, double> f;
+  for (int i = 0; i < n; ++i) f[Sample(logits, p, static_cast<uint64_t>(i))] += 1.0 / n;
+  return f;
+}
+
+TEST(Sampling, GreedyPicksArgmaxAndLowestIdOnTies) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  EXPECT_EQ(Sample({0.1f, 3.0f, -1.0f, 2.9f}, p, 0), 1);
+  EXPECT_EQ(Sample({1.0f, 5.0f, 5.0f}, p, 7), 1);
+}
+
+TEST(Sampling, SameSeedAndPositionGiveSameToken) {
+  std::vector<float> logits(100);
+  for (int i = 0; i < 100; ++i) logits[i] = std::sin(i * 0.7f);
+  SamplingParams p;
+  p.seed = 42;
+  for (uint64_t pos = 0; pos < 50; ++pos) EXPECT_EQ(Sample(logits, p, pos), Sample(logits, p, pos));
+  int differ = 0;
+  SamplingParams q = p;
+  q.seed = 43;
+  for (uint64_t pos = 0; pos < 50; ++pos) differ += Sample(logits, p, pos) != Sample(logits, q, pos);
+  EXPECT_GT(differ, 25);  // ~99% of draws differ between seeds over 100 near-uniform tokens
+}
+
+TEST(Sampling, FrequenciesFollowTemperatureScaledSoftmax) {
+  const std::vector<double> probs = {0.5, 0.3, 0.15, 0.05};
+  const auto logits = LogitsFromProbs(probs);
+  SamplingParams p;
+  p.temperature = 2.0f;
+  auto f = Frequencies(logits, p, 20000);
+  double z = 0;
+  for (double x : probs) z += std::sqrt(x);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(f[i], std::sqrt(probs[i]) / z, 0.015) << i;
+}
+
+TEST(Sampling, TopKTopPAndMinPRestrictTheCandidates) {
+  const auto logits = LogitsFromProbs({0.5, 0.3, 0.15, 0.05});
+  SamplingParams p;
+  p.top_k = 2;
+  auto f = Frequencies(logits, p, 5000);
+  EXPECT_EQ(f.size(), 2u);
+  EXPECT_NEAR(f[0], 0.5 / 0.8, 0.03);
+
+  SamplingParams q;
+  q.top_p = 0.7f;  // 0.5 < 0.7 <= 0.8: tokens 0 and 1
+  f = Frequencies(logits, q, 5000);
+  EXPECT_EQ(f.size(), 2u);
+
+  SamplingParams m;
+  m.min_p = 0.5f;  // keep p >= 0.25
+  f = Frequencies(logits, m, 5000);
+  EXPECT_EQ(f.size(), 2u);
+
+  SamplingParams k1;
+  k1.top_k = 1;
+  for (uint64_t pos = 0; pos < 100; ++pos) EXPECT_EQ(Sample(logits, k1, pos), 0);
+}
+
+TEST(Sampling, TopKKeepsTiesWithTheKth) {
+  SamplingParams p;
+  p.top_k = 1;
+  auto f = Frequencies({2.0f, 2.0f, -5.0f}, p, 4000);
+  EXPECT_EQ(f.size(), 2u);
+  EXPECT_NEAR(f[0], 0.5, 0.04);
+}
+
+TEST(Sampling, RepetitionPenaltyDividesPositiveAndMultipliesNegativeLogits) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.repetition_penalty = 2.0f;
+  // Token 0 (logit 3) was seen: 3 / 2 = 1.5 < 2, so token 1 wins.
+  EXPECT_EQ(Sample({3.0f, 2.0f, -1.0f}, p, 0, {0, 0}), 1);
+  // Negative logits of seen tokens get more negative: -0.5 * 2 = -1 < -0.8.
+  EXPECT_EQ(Sample({-0.5f, -0.8f}, p, 0, {0}), 1);
+  EXPECT_EQ(Sample({-0.5f, -0.8f}, p, 0, {}), 0);
+}
+
+TEST(Sampling, ValidateNamesTheBadField) {
+  SamplingParams p;
+  p.top_p = 0.0f;
+  EXPECT_NE(p.Validate().message().find("top_p"), std::string::npos);
+  p = {};
+  p.temperature = -1.0f;
+  EXPECT_NE(p.Validate().message().find("temperature"), std::string::npos);
+  p = {};
+  p.repetition_penalty = 0.0f;
+  EXPECT_FALSE(p.Validate().ok());
+  p = {};
+  p.top_k = -3;
+  EXPECT_FALSE(p.Validate().ok());
+  EXPECT_TRUE(SamplingParams{}.Validate().ok());
+}
+
+}  // namespace
+}  // namespace infinigen
