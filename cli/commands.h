@@ -4,6 +4,7 @@
 
 namespace infinigen::cli {
 
+int RunBench(int argc, char** argv);
 int RunGenerate(int argc, char** argv);
 int RunLogits(int argc, char** argv);
 

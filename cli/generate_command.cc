@@ -13,9 +13,10 @@ namespace infinigen::cli {
 
 int RunGenerate(int argc, char** argv) {
   std::string model_path, prompt_ids;
-  int64_t max_tokens = 64, top_k = 0, threads = 0, seed = 0;
+  int64_t max_tokens = 64, top_k = 0, seed = 0;
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
   bool ignore_eos = false;
+  BackendFlags backend_flags;
   FlagSet flags("generate", "--model PATH --prompt-ids 1,2,3 [flags]",
                 "Generates a continuation of a prompt with the model on the CPU and prints the "
                 "generated token ids as a JSON array.");
@@ -29,7 +30,7 @@ int RunGenerate(int argc, char** argv) {
   flags.Float("repetition-penalty", &repetition_penalty, "penalty for repeated tokens (1 = off)");
   flags.Int("seed", &seed, "random seed for sampling");
   flags.Bool("ignore-eos", &ignore_eos, "keep generating past end-of-sequence tokens");
-  flags.Int("threads", &threads, "CPU threads (0 = all cores)");
+  backend_flags.Register(flags);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("generate", parsed.status());
   if (!*parsed) return 0;
@@ -53,7 +54,7 @@ int RunGenerate(int argc, char** argv) {
   options.sampling.seed = static_cast<uint64_t>(seed);
   if (auto st = options.Validate(); !st.ok()) return ReportError("generate", st);
 
-  auto loaded = LoadModel(model_path, static_cast<int>(threads));
+  auto loaded = LoadModel(model_path, backend_flags);
   if (!loaded.ok()) return ReportError("generate", loaded.status());
   Model& model = *loaded->model;
   ResidentKvCache cache(model.backend(), model.kv_shape());

@@ -11,14 +11,14 @@ namespace infinigen::cli {
 
 int RunLogits(int argc, char** argv) {
   std::string model_path, token_ids, out;
-  int64_t threads = 0;
+    BackendFlags backend_flags;
   FlagSet flags("logits", "--model PATH --token-ids 1,2,3 --out FILE.npy",
                 "Runs the tokens through the model in one pass and writes the final logits at "
                 "every position as a float32 .npy of shape [num_tokens, vocab_size].");
   flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");
   flags.String("token-ids", &token_ids, "comma-separated token ids");
   flags.String("out", &out, "output .npy file");
-  flags.Int("threads", &threads, "CPU threads (0 = all cores)");
+  backend_flags.Register(flags);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("logits", parsed.status());
   if (!*parsed) return 0;
@@ -31,7 +31,7 @@ int RunLogits(int argc, char** argv) {
   }
   auto ids = ParseIdList(token_ids, "token-ids");
   if (!ids.ok()) return ReportError("logits", ids.status());
-  auto loaded = LoadModel(model_path, static_cast<int>(threads));
+  auto loaded = LoadModel(model_path, backend_flags);
   if (!loaded.ok()) return ReportError("logits", loaded.status());
   Model& model = *loaded->model;
   const int64_t n = static_cast<int64_t>(ids->size());

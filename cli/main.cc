@@ -14,6 +14,7 @@ struct Command {
 };
 
 constexpr Command kCommands[] = {
+    {"bench", "measure prefill and decode throughput and peak memory", infinigen::cli::RunBench},
     {"generate", "generate a continuation of a prompt on the CPU", infinigen::cli::RunGenerate},
     {"logits", "write the model's logits for a token sequence to a .npy file",
      infinigen::cli::RunLogits},

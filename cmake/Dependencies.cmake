@@ -6,7 +6,25 @@ find_package(absl CONFIG REQUIRED)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(nlohmann_json CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)
-pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
+
+# OpenBLAS built with OpenMP, so that BLAS and our OpenMP kernels share one thread pool (the
+# pthread build's threads and OpenMP's spinning workers fight over the cores: 5x slower prefill
+# on 2 cores). Debian installs it beside the default pthread build; RPATH makes it win at run time.
+find_library(INFINIGEN_OPENBLAS_LIB NAMES openblas
+             PATHS /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp NO_DEFAULT_PATH)
+find_path(INFINIGEN_OPENBLAS_INCLUDE cblas.h
+          PATHS /usr/include/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp NO_DEFAULT_PATH)
+if(INFINIGEN_OPENBLAS_LIB AND INFINIGEN_OPENBLAS_INCLUDE)
+  add_library(infinigen_openblas INTERFACE)
+  target_link_libraries(infinigen_openblas INTERFACE ${INFINIGEN_OPENBLAS_LIB})
+  target_include_directories(infinigen_openblas INTERFACE ${INFINIGEN_OPENBLAS_INCLUDE})
+  set(INFINIGEN_OPENBLAS_VARIANT openmp)
+else()
+  pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
+  add_library(infinigen_openblas INTERFACE)
+  target_link_libraries(infinigen_openblas INTERFACE PkgConfig::OPENBLAS)
+  set(INFINIGEN_OPENBLAS_VARIANT "default (install libopenblas-openmp-dev for speed)")
+endif()
 find_package(Threads REQUIRED)
 
 set(INFINIGEN_HAVE_CUDA OFF)

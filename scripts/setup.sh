@@ -9,7 +9,7 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates python3 python3-venv
-  libabsl-dev libopenblas-dev nlohmann-json3-dev
+  libabsl-dev libopenblas-dev libopenblas-openmp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libucx-dev ucx-utils prometheus-cpp-dev clang-format

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "kernels/cpu/ops.h"
 
@@ -70,11 +71,21 @@ struct AttentionShape {
   float scale = 1.0f;  // multiplies q·k
 };
 
+// How a backend stores a weight matrix. Vectors (norms, biases) are always float32.
+enum class WeightFormat : uint8_t {
+  kF32,
+  kF16,
+  kBF16,
+  kQ8,  // int8 with one float32 scale per 32 weights of a row (kernels/cpu/packed_gemm.h)
+};
+const char* WeightFormatName(WeightFormat f);
+absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
+
 // A weight in the backend's storage format. Matrices are [rows = out_features, cols =
 // in_features]; vectors have rows = 1.
 struct Weight {
   std::unique_ptr<Buffer> buffer;
-  DType dtype = DType::kF32;
+  WeightFormat format = WeightFormat::kF32;
   int64_t rows = 0;
   int64_t cols = 0;
 

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/packed_gemm.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -38,13 +39,26 @@ absl::Status CheckF32(const MatView& m, const char* op) {
 const float* F(const Weight& w) { return static_cast<const float*>(w.data()); }
 const float* F(const Weight* w) { return w != nullptr && *w ? F(*w) : nullptr; }
 
+// A Q8 weight's buffer holds the int8 values, then (64-byte aligned) the per-block scales.
+size_t Q8ScalesOffset(int64_t rows, int64_t cols) { return (rows * cols + 63) / 64 * 64; }
+
+cpu::Q8Matrix Q8View(const Weight& w) {
+  const auto* base = static_cast<const uint8_t*>(w.data());
+  return {reinterpret_cast<const int8_t*>(base),
+          reinterpret_cast<const float*>(base + Q8ScalesOffset(w.rows, w.cols)), w.rows, w.cols};
+}
+
 }  // namespace
 
-CpuBackend::CpuBackend(const CpuBackendOptions& options) {
+CpuBackend::CpuBackend(const CpuBackendOptions& options) : options_(options) {
   if (options.num_threads > 0) {
     openblas_set_num_threads(options.num_threads);
     omp_set_num_threads(options.num_threads);
   }
+}
+
+std::string CpuBackend::Name() const {
+  return absl::StrCat("cpu-", WeightFormatName(options_.weight_format));
 }
 
 size_t CpuBackend::FreeMemory() const {
@@ -75,19 +89,47 @@ absl::Status CpuBackend::CopyToHost(const void* device, void* host, size_t bytes
 
 absl::StatusOr<Weight> CpuBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {
   Weight w;
-  auto buf = Allocate(static_cast<size_t>(rows * cols) * 4);
-  if (!buf.ok()) return buf.status();
-  w.buffer = std::move(*buf);
-  std::memcpy(w.buffer->data(), host, static_cast<size_t>(rows * cols) * 4);
-  w.dtype = DType::kF32;
   w.rows = rows;
   w.cols = cols;
+  w.format = rows == 1 ? WeightFormat::kF32 : options_.weight_format;
+  if (w.format == WeightFormat::kQ8 && cols % cpu::kQ8Block != 0) w.format = WeightFormat::kF32;
+  if (w.format == WeightFormat::kF16) w.format = WeightFormat::kBF16;  // no f16 kernels on CPU
+  const size_t n = static_cast<size_t>(rows * cols);
+  size_t bytes = n * 4;
+  if (w.format == WeightFormat::kBF16) bytes = n * 2;
+  if (w.format == WeightFormat::kQ8) bytes = Q8ScalesOffset(rows, cols) + n / cpu::kQ8Block * 4;
+  auto buf = Allocate(bytes);
+  if (!buf.ok()) return buf.status();
+  w.buffer = std::move(*buf);
+  switch (w.format) {
+    case WeightFormat::kBF16:
+      ConvertFromFloat(host, DType::kBF16, w.buffer->data(), n);
+      break;
+    case WeightFormat::kQ8: {
+      auto* base = static_cast<uint8_t*>(w.buffer->data());
+      cpu::QuantizeQ8(host, rows, cols, reinterpret_cast<int8_t*>(base),
+                      reinterpret_cast<float*>(base + Q8ScalesOffset(rows, cols)));
+      break;
+    }
+    default:
+      std::memcpy(w.buffer->data(), host, n * 4);
+  }
   return w;
 }
 
 absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatView out) {
   if (auto st = CheckF32(out, "Embedding"); !st.ok()) return st;
-  cpu::Embedding(F(table), table.cols, ids, out.rows, out.As<float>(), out.stride);
+  switch (table.format) {
+    case WeightFormat::kBF16:
+      cpu::EmbeddingBf16(static_cast<const uint16_t*>(table.data()), table.cols, ids, out.rows,
+                         out.As<float>(), out.stride);
+      break;
+    case WeightFormat::kQ8:
+      cpu::EmbeddingQ8(Q8View(table), ids, out.rows, out.As<float>(), out.stride);
+      break;
+    default:
+      cpu::Embedding(F(table), table.cols, ids, out.rows, out.As<float>(), out.stride);
+  }
   return absl::OkStatus();
 }
 
@@ -114,8 +156,19 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
                                                    x.cols, "] x [", w.rows, ", ", w.cols,
                                                    "]^T -> [", out.rows, ", ", out.cols, "]"));
   }
-  cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride, x.rows,
-            w.rows, w.cols, accumulate);
+  switch (w.format) {
+    case WeightFormat::kBF16:
+      cpu::GemmBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), F(bias),
+                    out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
+      break;
+    case WeightFormat::kQ8:
+      cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride,
+                  x.rows, accumulate);
+      break;
+    default:
+      cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride,
+                x.rows, w.rows, w.cols, accumulate);
+  }
   return absl::OkStatus();
 }
 

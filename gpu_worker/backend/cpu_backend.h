@@ -8,13 +8,17 @@ namespace infinigen {
 
 struct CpuBackendOptions {
   int num_threads = 0;  // 0: all cores
+  // Storage of weight matrices. f32 is exact (the reference); bf16 and q8 trade a little
+  // accuracy for 2x / ~3.8x fewer bytes per decode step. Matrices whose rows are not a multiple
+  // of 32 stay f32 under q8.
+  WeightFormat weight_format = WeightFormat::kF32;
 };
 
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options = {});
 
-  std::string Name() const override { return "cpu"; }
+  std::string Name() const override;
   DType activation_dtype() const override { return DType::kF32; }
   size_t FreeMemory() const override;
 
@@ -43,6 +47,9 @@ class CpuBackend final : public Backend {
   absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                int64_t num_rows, const AttentionShape& shape,
                                MatView out) override;
+
+ private:
+  CpuBackendOptions options_;
 };
 
 }  // namespace infinigen

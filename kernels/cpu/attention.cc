@@ -65,6 +65,7 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
     for (int64_t j = 0; j < num_rows; ++j) {
       const float* kr = kh + (idx != nullptr ? idx[j] : j) * k.row_stride;
       float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
       for (int d = 0; d < head_dim; ++d) dot += qh[d] * kr[d];
       s[j] = dot * scale;
     }
@@ -74,6 +75,7 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
     for (int64_t j = 0; j < num_rows; ++j) {
       const float* vr = vh + (idx != nullptr ? idx[j] : j) * v.row_stride;
       const float p = s[j];
+#pragma omp simd
       for (int d = 0; d < head_dim; ++d) oh[d] += p * vr[d];
     }
   }

@@ -93,21 +93,22 @@ TEST_F(SmolLm2, GreedyContinuationMatchesTransformers) {
   EXPECT_EQ(result->tokens, want);
 }
 
-TEST_F(SmolLm2, WikiText2PerplexityMatchesTransformersAndIsSane) {
+// Perplexity of the first 4096 WikiText-2 test tokens, one window, fed as chunked prefill (512
+// tokens per pass) with every logit kept.
+double WikiText2Perplexity(Model& model) {
   auto ids = testing::NpyInts(FixturePath("smollm2/wikitext2_test_4096.npy"));
-  ASSERT_EQ(ids.size(), 4096u);
-  std::ifstream ref_file(FixturePath("smollm2/reference.json"));
-  const double want = nlohmann::json::parse(ref_file)["wikitext2_test_4096_perplexity"];
-  const int64_t vocab = model_->config().vocab_size;
-  ResidentKvCache cache(*backend_, model_->kv_shape());
-  ASSERT_TRUE(cache.Open(1, 4096).ok());
-  // One 4096-token window, fed as chunked prefill (512 tokens per pass) with every logit kept.
+  EXPECT_EQ(ids.size(), 4096u);
+  const int64_t vocab = model.config().vocab_size;
+  ResidentKvCache cache(model.backend(), model.kv_shape());
+  EXPECT_TRUE(cache.Open(1, 4096).ok());
   const int64_t kChunk = 512;
   std::vector<float> logits(kChunk * vocab);
   double nll = 0;
   for (int64_t pos = 0; pos < 4096; pos += kChunk) {
     ForwardChunk chunk{1, pos, std::span(ids).subspan(pos, kChunk), true};
-    ASSERT_TRUE(model_->Forward({&chunk, 1}, cache, logits).ok());
+    auto st = model.Forward({&chunk, 1}, cache, logits);
+    EXPECT_TRUE(st.ok()) << st;
+    if (!st.ok()) return 0;
     for (int64_t t = 0; t < kChunk && pos + t + 1 < 4096; ++t) {
       const float* row = logits.data() + t * vocab;
       double mx = row[0];
@@ -117,12 +118,61 @@ TEST_F(SmolLm2, WikiText2PerplexityMatchesTransformersAndIsSane) {
       nll += std::log(sum) + mx - row[ids[pos + t + 1]];
     }
   }
-  const double ppl = std::exp(nll / 4095);
+  return std::exp(nll / 4095);
+}
+
+// Perplexity of the first `n` WikiText-2 tokens fed one token per pass: the decode path.
+double DecodePerplexity(Model& model, int64_t n) {
+  auto ids = testing::NpyInts(FixturePath("smollm2/wikitext2_test_4096.npy"));
+  const int64_t vocab = model.config().vocab_size;
+  ResidentKvCache cache(model.backend(), model.kv_shape());
+  EXPECT_TRUE(cache.Open(1, n).ok());
+  std::vector<float> logits(vocab);
+  double nll = 0;
+  for (int64_t pos = 0; pos + 1 < n; ++pos) {
+    ForwardChunk chunk{1, pos, std::span(ids).subspan(pos, 1), false};
+    EXPECT_TRUE(model.Forward({&chunk, 1}, cache, logits).ok());
+    double mx = *std::max_element(logits.begin(), logits.end()), sum = 0;
+    for (float l : logits) sum += std::exp(l - mx);
+    nll += std::log(sum) + mx - logits[ids[pos + 1]];
+  }
+  return std::exp(nll / (n - 1));
+}
+
+double ReferencePerplexity() {
+  std::ifstream ref_file(FixturePath("smollm2/reference.json"));
+  return nlohmann::json::parse(ref_file)["wikitext2_test_4096_perplexity"];
+}
+
+TEST_F(SmolLm2, WikiText2PerplexityMatchesTransformersAndIsSane) {
+  const double ppl = WikiText2Perplexity(*model_);
+  const double want = ReferencePerplexity();
   RecordProperty("perplexity", std::to_string(ppl));
   // docs/model.md explains the range: a 135M model on WikiText-2's <unk>-tokenised text.
   EXPECT_GT(ppl, 10.0);
   EXPECT_LT(ppl, 25.0);
   EXPECT_NEAR(ppl, want, want * 2e-3) << "transformers says " << want;
+}
+
+// The faster CPU weight formats stay close to the exact model: perplexity within 2% on the
+// prefill path and 3% on the decode path (where Q8 also quantizes activations to int8). The
+// Q4_1 checkpoint is already quantized; bf16 rounding and int8 requantization add little.
+TEST_F(SmolLm2, PackedWeightFormatsKeepPerplexity) {
+  const double want = ReferencePerplexity();
+  const double want_decode = DecodePerplexity(*model_, 512);
+  for (WeightFormat format : {WeightFormat::kBF16, WeightFormat::kQ8}) {
+    CpuBackend backend(CpuBackendOptions{0, format});
+    auto model = Model::Load(*ckpt_, backend);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const std::string name = WeightFormatName(format);
+    const double ppl = WikiText2Perplexity(**model);
+    const double decode_ppl = DecodePerplexity(**model, 512);
+    RecordProperty("perplexity_" + name, std::to_string(ppl));
+    RecordProperty("decode_perplexity_" + name, std::to_string(decode_ppl));
+    EXPECT_NEAR(ppl, want, want * 0.02) << name;
+    EXPECT_NEAR(decode_ppl, want_decode, want_decode * 0.03) << name;
+  }
+  RecordProperty("decode_perplexity_f32", std::to_string(want_decode));
 }
 
 }  // namespace

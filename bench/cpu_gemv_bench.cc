@@ -1,0 +1,123 @@
+// Matrix-vector products of a decode step on the CPU, per weight format, at SmolLM2 and
+// Llama-3.2-1B shapes. Reports weight bytes streamed per second next to the memory bandwidth
+// a plain read of the same bytes reaches (the roofline for memory-bound decode).
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+
+#include <random>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/packed_gemm.h"
+
+namespace infinigen::cpu {
+namespace {
+
+struct Problem {
+  std::vector<float> x, w, y;
+  std::vector<uint16_t> w_bf16;
+  std::vector<int8_t> qs;
+  std::vector<float> scales;
+  int64_t n, k;
+
+  Problem(int64_t n_, int64_t k_) : n(n_), k(k_) {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> d;
+    x.resize(k);
+    w.resize(n * k);
+    y.resize(n);
+    for (auto& v : x) v = d(rng);
+    for (auto& v : w) v = d(rng);
+    w_bf16.resize(n * k);
+    ConvertFromFloat(w.data(), DType::kBF16, w_bf16.data(), w.size());
+    qs.resize(n * k);
+    scales.resize(n * k / kQ8Block);
+    QuantizeQ8(w.data(), n, k, qs.data(), scales.data());
+  }
+};
+
+void SetBytes(benchmark::State& state, int64_t bytes) {
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+void BM_GemvF32(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  for (auto _ : state) {
+    Gemm(p.x.data(), p.k, p.w.data(), p.k, nullptr, p.y.data(), p.n, 1, p.n, p.k, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k * 4);
+}
+
+void BM_GemvBf16(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  for (auto _ : state) {
+    GemmBf16(p.x.data(), p.k, p.w_bf16.data(), nullptr, p.y.data(), p.n, 1, p.n, p.k, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k * 2);
+}
+
+void BM_GemvQ8(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  Q8Matrix m{p.qs.data(), p.scales.data(), p.n, p.k};
+  for (auto _ : state) {
+    GemmQ8(p.x.data(), p.k, m, nullptr, p.y.data(), p.n, 1, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k + p.n * p.k / kQ8Block * 4);
+}
+
+// A plain sum over the same number of bytes as the Q8 weights: the bandwidth roofline.
+void BM_ReadBandwidth(benchmark::State& state) {
+  const int64_t bytes = state.range(0) * state.range(1);
+  std::vector<float> buf(bytes / 4, 1.0f);
+  const int64_t chunks = static_cast<int64_t>(buf.size()) / 16;
+  for (auto _ : state) {
+    float total = 0;
+#pragma omp parallel for reduction(+ : total)
+    for (int64_t c = 0; c < chunks; ++c) {
+      float lane[16];
+      for (int j = 0; j < 16; ++j) lane[j] = buf[c * 16 + j];  // one 64-byte line per chunk
+      for (int j = 1; j < 16; ++j) lane[0] += lane[j];
+      total += lane[0];
+    }
+    benchmark::DoNotOptimize(total);
+  }
+  SetBytes(state, bytes);
+}
+
+// A decode step's pattern: many GEMVs in a row, each on a matrix that is not in any cache
+// (60 matrices of [3072, 576] = 106 MB in Q8), so every call pays its own stream ramp-up.
+void BM_GemvQ8Sequence(benchmark::State& state) {
+  const int64_t n = 3072, k = 576, count = 60;
+  Problem p(n, k);
+  std::vector<std::vector<int8_t>> qs(count, p.qs);
+  std::vector<std::vector<float>> scales(count, p.scales);
+  for (auto _ : state) {
+    for (int64_t i = 0; i < count; ++i) {
+      Q8Matrix m{qs[i].data(), scales[i].data(), n, k};
+      GemmQ8(p.x.data(), k, m, nullptr, p.y.data(), n, 1, false);
+    }
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, count * (n * k + n * k / kQ8Block * 4));
+}
+BENCHMARK(BM_GemvQ8Sequence);
+
+// SmolLM2-135M: fused gate+up [3072, 576], down [576, 1536], lm_head [49152, 576];
+// Llama-3.2-1B: gate+up [16384, 2048].
+// The last shape (113 MB in Q8) cannot stay in any cache: it streams from DRAM as decode does.
+#define SHAPES                                                                         \
+  ->Args({3072, 576})->Args({576, 1536})->Args({49152, 576})->Args({16384, 2048}) \
+      ->Args({196608, 576})
+BENCHMARK(BM_GemvF32) SHAPES;
+BENCHMARK(BM_GemvBf16) SHAPES;
+BENCHMARK(BM_GemvQ8) SHAPES;
+BENCHMARK(BM_ReadBandwidth) SHAPES;
+
+}  // namespace
+}  // namespace infinigen::cpu
+
+BENCHMARK_MAIN();

@@ -1,0 +1,107 @@
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <random>
+
+#include "absl/strings/str_format.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "cli/loaded_model.h"
+#include "gpu_worker/engine/resident_kv_cache.h"
+
+namespace infinigen::cli {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double PeakRssMiB() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_maxrss / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+}  // namespace
+
+int RunBench(int argc, char** argv) {
+  std::string model_path;
+  int64_t prompt_tokens = 512, gen_tokens = 128, repetitions = 3;
+  BackendFlags backend_flags;
+  FlagSet flags("bench", "--model PATH [flags]",
+                "Measures prefill and decode throughput the way llama-bench does (pp: one "
+                "prompt of random tokens from an empty cache; tg: single-token steps from an "
+                "empty cache), best of the repetitions, and prints one JSON line with the peak "
+                "resident memory.");
+  flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");
+  flags.Int("prompt-tokens", &prompt_tokens, "tokens in the prefill test (0 = skip)");
+  flags.Int("gen-tokens", &gen_tokens, "decode steps in the generation test (0 = skip)");
+  flags.Int("repetitions", &repetitions, "runs of each test; the best is reported");
+  backend_flags.Register(flags);
+  auto parsed = flags.Parse(argc, argv);
+  if (!parsed.ok()) return ReportError("bench", parsed.status());
+  if (!*parsed) return 0;
+  if (model_path.empty()) {
+    return ReportError("bench", absl::InvalidArgumentError("--model is required"));
+  }
+  if (prompt_tokens < 0 || gen_tokens < 0 || repetitions < 1) {
+    return ReportError("bench", absl::InvalidArgumentError(
+                                    "--prompt-tokens and --gen-tokens must be >= 0, "
+                                    "--repetitions >= 1"));
+  }
+  const double t_load = Now();
+  auto loaded = LoadModel(model_path, backend_flags);
+  if (!loaded.ok()) return ReportError("bench", loaded.status());
+  const double load_seconds = Now() - t_load;
+  Model& model = *loaded->model;
+  const ModelConfig& c = model.config();
+  if (prompt_tokens + gen_tokens > c.max_position_embeddings) {
+    return ReportError("bench", absl::InvalidArgumentError("tests exceed the model's context"));
+  }
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(c.vocab_size - 1));
+  std::vector<float> logits(c.vocab_size);
+  ResidentKvCache cache(model.backend(), model.kv_shape());
+
+  double best_pp = 0, best_tg = 0;
+  for (int64_t r = 0; r < repetitions; ++r) {
+    if (prompt_tokens > 0) {
+      std::vector<int32_t> prompt(prompt_tokens);
+      for (auto& t : prompt) t = token(rng);
+      if (auto st = cache.Open(1, prompt_tokens); !st.ok()) return ReportError("bench", st);
+      ForwardChunk chunk{1, 0, prompt, false};
+      const double t0 = Now();
+      if (auto st = model.Forward({&chunk, 1}, cache, logits); !st.ok()) {
+        return ReportError("bench", st);
+      }
+      best_pp = std::max(best_pp, prompt_tokens / (Now() - t0));
+      cache.Close(1);
+    }
+    if (gen_tokens > 0) {
+      if (auto st = cache.Open(1, gen_tokens); !st.ok()) return ReportError("bench", st);
+      int32_t next = c.bos_token_id >= 0 ? c.bos_token_id : 0;
+      const double t0 = Now();
+      for (int64_t pos = 0; pos < gen_tokens; ++pos) {
+        ForwardChunk chunk{1, pos, std::span<const int32_t>(&next, 1), false};
+        if (auto st = model.Forward({&chunk, 1}, cache, logits); !st.ok()) {
+          return ReportError("bench", st);
+        }
+        next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                    logits.begin());
+      }
+      best_tg = std::max(best_tg, gen_tokens / (Now() - t0));
+      cache.Close(1);
+    }
+  }
+  std::cout << absl::StrFormat(
+      "{\"engine\": \"infinigen\", \"backend\": \"%s\", \"threads\": %d, \"prompt_tokens\": %d, "
+      "\"gen_tokens\": %d, \"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, "
+      "\"load_seconds\": %.3f, \"peak_rss_mib\": %.1f}\n",
+      model.backend().Name(), backend_flags.threads, prompt_tokens, gen_tokens, best_pp, best_tg, load_seconds,
+      PeakRssMiB());
+  return 0;
+}
+
+}  // namespace infinigen::cli
