@@ -18,6 +18,8 @@ constexpr Command kCommands[] = {
     {"generate", "generate a continuation of a prompt on the CPU", infinigen::cli::RunGenerate},
     {"logits", "write the model's logits for a token sequence to a .npy file",
      infinigen::cli::RunLogits},
+    {"tokenize", "text to token ids and back, with any supported tokenizer",
+     infinigen::cli::RunTokenize},
 };
 
 void PrintUsage(std::ostream& out) {
