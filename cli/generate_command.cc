@@ -8,19 +8,71 @@
 #include "cli/loaded_model.h"
 #include "gpu_worker/engine/generator.h"
 #include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/tokenizer/chat_template.h"
+#include "nlohmann/json.hpp"
 
 namespace infinigen::cli {
+namespace {
+
+// --chat '[{"role": "user", "content": "..."}]' -> messages.
+absl::StatusOr<std::vector<ChatMessage>> ParseMessages(const std::string& text) {
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  auto bad = absl::InvalidArgumentError(
+      "--chat must be a JSON array of {\"role\": ..., \"content\": ...} objects");
+  if (!j.is_array() || j.empty()) return bad;
+  std::vector<ChatMessage> messages;
+  for (const auto& m : j) {
+    if (!m.is_object() || !m.contains("role") || !m.contains("content") ||
+        !m["role"].is_string() || !m["content"].is_string()) {
+      return bad;
+    }
+    messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  }
+  return messages;
+}
+
+// The prompt's token ids from exactly one of --prompt-ids, --prompt, --chat.
+absl::StatusOr<std::vector<int32_t>> PromptIds(const std::string& ids, const std::string& text,
+                                               const std::string& chat,
+                                               const std::string& chat_format,
+                                               const Tokenizer* tokenizer) {
+  if ((!ids.empty()) + (!text.empty()) + (!chat.empty()) != 1) {
+    return absl::InvalidArgumentError("give exactly one of --prompt-ids, --prompt and --chat");
+  }
+  if (!ids.empty()) return ParseIdList(ids, "prompt-ids");
+  if (!text.empty()) return tokenizer->Encode(text, /*add_special=*/true);
+  auto messages = ParseMessages(chat);
+  if (!messages.ok()) return messages.status();
+  const std::string bos = tokenizer->TokenText(tokenizer->bos_id());
+  const std::string eos =
+      tokenizer->eos_ids().empty() ? "" : tokenizer->TokenText(tokenizer->eos_ids()[0]);
+  auto tmpl = chat_format.empty() ? ChatTemplate::FromJinja(tokenizer->chat_template(), bos, eos)
+                                  : ChatTemplate::ForFormat(chat_format, bos, eos);
+  if (!tmpl.ok()) return tmpl.status();
+  auto rendered = tmpl->Render(*messages, /*add_generation_prompt=*/true);
+  if (!rendered.ok()) return rendered.status();
+  // The template already holds BOS where the model wants it.
+  return tokenizer->Encode(*rendered, /*add_special=*/false);
+}
+
+}  // namespace
 
 int RunGenerate(int argc, char** argv) {
-  std::string model_path, prompt_ids;
+  std::string model_path, prompt_ids, prompt, chat, chat_format;
   int64_t max_tokens = 64, top_k = 0, seed = 0;
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
-  bool ignore_eos = false;
+  bool ignore_eos = false, print_ids = false;
   BackendFlags backend_flags;
-  FlagSet flags("generate", "--model PATH --prompt-ids 1,2,3 [flags]",
-                "Generates a continuation of a prompt with the model on the CPU and prints the "
-                "generated token ids as a JSON array.");
+  FlagSet flags("generate", "--model PATH (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
+                "Generates a continuation with the model on the CPU and streams the text to "
+                "stdout (token ids with --ids). Statistics go to stderr.");
   flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");
+  flags.String("prompt", &prompt, "prompt text (BOS added as the tokenizer says)");
+  flags.String("chat", &chat,
+               "conversation as JSON: [{\"role\": \"user\", \"content\": \"...\"}, ...], "
+               "rendered with the model's chat template");
+  flags.String("chat-format", &chat_format,
+               "use this chat format instead of the model's template: llama3, llama2, chatml");
   flags.String("prompt-ids", &prompt_ids, "prompt as comma-separated token ids");
   flags.Int("max-tokens", &max_tokens, "most tokens to generate");
   flags.Float("temperature", &temperature, "sampling temperature; 0 = greedy");
@@ -30,6 +82,7 @@ int RunGenerate(int argc, char** argv) {
   flags.Float("repetition-penalty", &repetition_penalty, "penalty for repeated tokens (1 = off)");
   flags.Int("seed", &seed, "random seed for sampling");
   flags.Bool("ignore-eos", &ignore_eos, "keep generating past end-of-sequence tokens");
+  flags.Bool("ids", &print_ids, "print the generated token ids as a JSON array, not text");
   backend_flags.Register(flags);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("generate", parsed.status());
@@ -37,11 +90,6 @@ int RunGenerate(int argc, char** argv) {
   if (model_path.empty()) {
     return ReportError("generate", absl::InvalidArgumentError("--model is required"));
   }
-  if (prompt_ids.empty()) {
-    return ReportError("generate", absl::InvalidArgumentError("--prompt-ids is required"));
-  }
-  auto prompt = ParseIdList(prompt_ids, "prompt-ids");
-  if (!prompt.ok()) return ReportError("generate", prompt.status());
 
   GenerateOptions options;
   options.max_new_tokens = max_tokens;
@@ -56,12 +104,31 @@ int RunGenerate(int argc, char** argv) {
 
   auto loaded = LoadModel(model_path, backend_flags);
   if (!loaded.ok()) return ReportError("generate", loaded.status());
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (prompt_ids.empty() || !print_ids) {
+    auto t = LoadTokenizer(*loaded->checkpoint);
+    if (!t.ok()) return ReportError("generate", t.status());
+    tokenizer = std::move(*t);
+  }
+  auto prompt_tokens = PromptIds(prompt_ids, prompt, chat, chat_format, tokenizer.get());
+  if (!prompt_tokens.ok()) return ReportError("generate", prompt_tokens.status());
+
   Model& model = *loaded->model;
   ResidentKvCache cache(model.backend(), model.kv_shape());
-  auto result = Generate(model, cache, /*seq=*/1, *prompt, options);
+  std::unique_ptr<IncrementalDecoder> stream;
+  if (!print_ids) stream = std::make_unique<IncrementalDecoder>(*tokenizer, /*skip_special=*/true);
+  auto result = Generate(model, cache, /*seq=*/1, *prompt_tokens, options, [&](int32_t token) {
+    if (stream != nullptr) {
+      std::cout << stream->Add(token) << std::flush;
+    }
+    return true;
+  });
   if (!result.ok()) return ReportError("generate", result.status());
-
-  std::cout << "[" << absl::StrJoin(result->tokens, ",") << "]\n";
+  if (stream != nullptr) {
+    std::cout << stream->Finish() << "\n";
+  } else {
+    std::cout << "[" << absl::StrJoin(result->tokens, ",") << "]\n";
+  }
   const double decode_tps = result->tokens.size() > 1
                                 ? (result->tokens.size() - 1) / result->decode_seconds
                                 : 0.0;

@@ -31,4 +31,9 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& path, const BackendFlag
   return m;
 }
 
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const Checkpoint& checkpoint) {
+  if (checkpoint.gguf() != nullptr) return Tokenizer::FromGguf(*checkpoint.gguf(), checkpoint.path());
+  return Tokenizer::Load(checkpoint.path());
+}
+
 }  // namespace infinigen::cli

@@ -11,6 +11,7 @@
 #include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
+#include "gpu_worker/tokenizer/tokenizer.h"
 
 namespace infinigen::cli {
 
@@ -28,6 +29,10 @@ struct LoadedModel {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Model> model;
 };
+
+// The checkpoint's own tokenizer: the one inside a GGUF, or the tokenizer files of a Hugging
+// Face folder.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const Checkpoint& checkpoint);
 
 // Opens `path` and loads it on the CPU backend.
 absl::StatusOr<LoadedModel> LoadModel(const std::string& path, const BackendFlags& flags);

@@ -6,7 +6,5 @@ cd "$(dirname "$0")/.."
 MODEL="$(scripts/setup.sh)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build --target infinigen >/dev/null
-# "Photosynthesis is the process by which" in SmolLM2's vocabulary (text prompts come with the
-# tokenizers).
-exec build/bin/infinigen generate --model "$MODEL" --prompt-ids 33580,14870,314,260,980,411,527 \
-  --max-tokens 48 "$@"
+exec build/bin/infinigen generate --model "$MODEL" \
+  --prompt "Photosynthesis is the process by which" --max-tokens 48 "$@"

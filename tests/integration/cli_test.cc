@@ -34,7 +34,7 @@ CommandResult Infinigen(const std::string& args) {
   const std::string out = (tmp / "infinigen_cli_out").string();
   const std::string err = (tmp / "infinigen_cli_err").string();
   const std::string cmd =
-      testing::BinaryPath("infinigen") + " " + args + " >" + out + " 2>" + err + " </dev/null";
+      testing::BinaryPath("infinigen") + " </dev/null " + args + " >" + out + " 2>" + err;
   const int status = std::system(cmd.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(out), Slurp(err)};
 }
@@ -45,10 +45,10 @@ TEST(Cli, HelpForEveryCommand) {
   CommandResult top = Infinigen("--help");
   EXPECT_EQ(top.exit_code, 0);
   EXPECT_NE(top.out.find("generate"), std::string::npos);
-  for (const char* cmd : {"generate", "logits"}) {
+  for (const char* cmd : {"generate", "logits", "bench", "tokenize"}) {
     CommandResult r = Infinigen(std::string(cmd) + " --help");
     EXPECT_EQ(r.exit_code, 0) << cmd;
-    EXPECT_NE(r.out.find("--model"), std::string::npos) << cmd;
+    EXPECT_NE(r.out.find("--"), std::string::npos) << cmd;
   }
 }
 
@@ -56,7 +56,8 @@ TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
   for (const std::string args :
        {"generate --bogus 1", "generate --model", "logits --model /no/such/model --token-ids 1 --out x.npy",
         "generate --model /no/such/model --prompt-ids 1,2", "generate --model . --prompt-ids a,b",
-        "frobnicate", "generate --max-tokens many"}) {
+        "frobnicate", "generate --max-tokens many", "tokenize --tokenizer /nope --text x",
+        "tokenize --text x", "bench --model /nope"}) {
     CommandResult r = Infinigen(args);
     EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
     EXPECT_EQ(Lines(r.err), 1) << args << ": " << r.err;
@@ -88,9 +89,45 @@ TEST(Cli, GenerateGreedyPrintsTheFixturesContinuation) {
   for (int32_t t : prompt) ids += (ids.empty() ? "" : ",") + std::to_string(t);
   for (int32_t t : want) expect += (expect.empty() ? "[" : ",") + std::to_string(t);
   CommandResult r = Infinigen("generate --model " + dir + " --prompt-ids " + ids +
-                    " --max-tokens 32 --ignore-eos --temperature 0");
+                    " --max-tokens 32 --ignore-eos --temperature 0 --ids");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, expect + "]\n");
+}
+
+
+std::string WriteTemp(const std::string& name, const std::string& content) {
+  const std::string path = (fs::temp_directory_path() / name).string();
+  std::ofstream(path) << content;
+  return path;
+}
+
+TEST(Cli, TokenizeJsonlEncodesAndDecodes) {
+  const std::string tok = testing::SharedTestdataPath("tokenizers/gpt2");
+  IG_REQUIRE_FILE(tok, "GPT-2 tokenizer");
+  const std::string in = WriteTemp("infinigen_tok_in.jsonl", "\"Hello world\"\n\" caf\\u00e9\"\n");
+  CommandResult enc = Infinigen("tokenize --tokenizer " + tok + " --jsonl <" + in);
+  // stdin is /dev/null unless the arguments redirect it.
+  ASSERT_EQ(enc.exit_code, 0) << enc.err;
+  EXPECT_EQ(enc.out, "[15496,995]\n[40304]\n");  // " café" is one GPT-2 token
+  const std::string ids = WriteTemp("infinigen_tok_ids.jsonl", "[15496,995]\n[40304]\n");
+  CommandResult dec = Infinigen("tokenize --tokenizer " + tok + " --jsonl --decode <" + ids);
+  ASSERT_EQ(dec.exit_code, 0) << dec.err;
+  EXPECT_EQ(dec.out, "\"Hello world\"\n\" caf\xC3\xA9\"\n");
+  const std::string bad = WriteTemp("infinigen_tok_bad.jsonl", "[1,2]\nnot json\n");
+  CommandResult err = Infinigen("tokenize --tokenizer " + tok + " --jsonl <" + bad);
+  EXPECT_EQ(err.exit_code, 2);
+  EXPECT_NE(err.err.find("line 1"), std::string::npos) << err.err;
+}
+
+TEST(Cli, GenerateStreamsTextForAChat) {
+  const std::string model = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(model, "SmolLM2 GGUF");
+  CommandResult r = Infinigen("generate --model " + model +
+                              " --chat '[{\"role\": \"user\", \"content\": \"What is the "
+                              "capital of France?\"}]' --max-tokens 12 --cpu-weights q8");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("Paris"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("(stop)"), std::string::npos) << r.err;  // ended at <|im_end|>
 }
 
 }  // namespace

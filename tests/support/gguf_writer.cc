@@ -60,6 +60,15 @@ void GgufWriter::AddI32Array(const std::string& key, const std::vector<int32_t>&
   ++kv_count_;
 }
 
+void GgufWriter::AddF32Array(const std::string& key, const std::vector<float>& values) {
+  PutString(kv_, key);
+  Put<uint32_t>(kv_, 9);
+  Put<uint32_t>(kv_, 6);
+  Put<uint64_t>(kv_, values.size());
+  for (float v : values) Put<float>(kv_, v);
+  ++kv_count_;
+}
+
 void GgufWriter::AddTensor(const std::string& name, const std::vector<int64_t>& shape,
                            uint32_t ggml_type, std::vector<uint8_t> bytes, int64_t offset) {
   tensors_.push_back({name, shape, ggml_type, std::move(bytes), offset});

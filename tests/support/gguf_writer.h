@@ -14,6 +14,7 @@ class GgufWriter {
   void AddF32(const std::string& key, float value);
   void AddStringArray(const std::string& key, const std::vector<std::string>& values);
   void AddI32Array(const std::string& key, const std::vector<int32_t>& values);
+  void AddF32Array(const std::string& key, const std::vector<float>& values);
   // shape outermost first (as PyTorch); ggml_type is the GGUF type id; bytes are the data.
   // `offset` forces the recorded data offset (to forge overlapping tensors); -1: next free.
   void AddTensor(const std::string& name, const std::vector<int64_t>& shape, uint32_t ggml_type,
