@@ -12,7 +12,7 @@ PACKAGES=(
   libabsl-dev libopenblas-dev libopenblas-openmp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libucx-dev ucx-utils prometheus-cpp-dev clang-format
+  libucx-dev ucx-utils prometheus-cpp-dev clang-format clang-14 libclang-rt-14-dev
 )
 
 missing=()

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The test command: installs what is missing, builds everything, runs every test (CTest labels:
-# unit, integration, slow; gpu tests skip without a GPU). Extra arguments go to ctest, e.g.
-# `scripts/test.sh -L unit`.
+# The test command: installs what is missing, builds everything, runs a bounded tokenizer fuzz
+# (scripts/fuzz.sh, 60 s) and then every test (CTest labels: unit, integration, slow; gpu tests
+# skip without a GPU). Extra arguments go to ctest, e.g. `scripts/test.sh -L unit` (which also
+# skips the fuzz run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build
+if [ "$#" -eq 0 ]; then
+  scripts/fuzz.sh 60
+fi
 ctest --test-dir build --output-on-failure --timeout 900 -j "$(nproc)" "$@"

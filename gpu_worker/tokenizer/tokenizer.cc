@@ -73,6 +73,18 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(TokenizerSpec spec)
           static_cast<int32_t>(i));
     }
   }
+  if (s.decoder == TokenizerSpec::Decoder::kSentencePiece && s.split == SplitPattern::kNone) {
+    t->split_at_space_symbol_ = std::none_of(
+        s.id_to_token.begin(), s.id_to_token.end(), [](const std::string& tok) {
+          const absl::string_view t = tok, sym = kSpaceSymbol;
+          for (size_t p = t.find(sym, 1); p != absl::string_view::npos; p = t.find(sym, p + 1)) {
+            if (p < sym.size() || t.substr(p - sym.size(), sym.size()) != sym) {
+              return true;  // "x▁": a merge could cross a word start
+            }
+          }
+          return false;
+        });
+  }
   for (auto& bucket : t->added_by_first_byte_) {
     std::sort(bucket.begin(), bucket.end(), [&](int32_t a, int32_t b) {
       return s.added[a].content.size() > s.added[b].content.size();
@@ -122,6 +134,21 @@ void Tokenizer::EncodeSegment(absl::string_view segment, std::vector<int32_t>& o
     std::vector<std::pair<size_t, size_t>> sub;
     SplitByPattern(spec_.split, cps.data() + b, e - b, sub);
     for (const auto& [sb, se] : sub) pieces.emplace_back(b + sb, b + se);
+  }
+  if (split_at_space_symbol_) {
+    constexpr uint32_t kSpaceCp = 0x2581;
+    std::vector<std::pair<size_t, size_t>> words;
+    for (const auto& [b, e] : pieces) {
+      size_t start = b;
+      for (size_t i = b + 1; i < e; ++i) {
+        if (cps[i] == kSpaceCp && cps[i - 1] != kSpaceCp) {
+          words.emplace_back(start, i);
+          start = i;
+        }
+      }
+      words.emplace_back(start, e);
+    }
+    pieces.swap(words);
   }
   std::string piece, mapped;
   for (size_t k = 0; k < pieces.size(); ++k) {

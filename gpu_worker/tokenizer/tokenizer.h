@@ -100,6 +100,10 @@ class Tokenizer {
   absl::flat_hash_map<std::string, int32_t> token_to_id_;
   static constexpr uint8_t kAdded = 1, kSpecial = 2;
   std::vector<uint8_t> flags_;  // per id
+  // SentencePiece-style text with no pre-tokenizer is one long "word"; when no vocabulary
+  // entry holds a U+2581 right after another character, no merge can cross the start of a
+  // ▁-word, and encoding word by word gives the same ids in linear time.
+  bool split_at_space_symbol_ = false;
   // Added tokens by first byte, longest first, for leftmost-longest matching.
   std::vector<std::vector<int32_t>> added_by_first_byte_;
 };

@@ -21,7 +21,10 @@ namespace {
 struct Case {
   std::string name;      // fixture file stem
   std::string path;      // tokenizer to load
-  bool lossless;         // decode(encode(x)) == x for every valid x
+  // decode(encode(x)) == x for every valid x. Not for tokenizer.json files of the
+  // SentencePiece style: the text after a special token gets its own dummy-prefix space
+  // ("a<s>b" decodes to "a<s> b"), as in Hugging Face.
+  bool lossless;
 };
 
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
@@ -128,7 +131,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"mistral-7b", testing::SharedTestdataPath("tokenizers/mistral-7b"), false},
         Case{"gpt2", testing::SharedTestdataPath("tokenizers/gpt2"), true},
         Case{"llama2-spm", testing::SharedTestdataPath("tokenizers/llama2-spm/tokenizer.model"),
-             false},
+             true},
         Case{"smollm2-gguf", testing::SmolLm2Path(), true}),
     [](const ::testing::TestParamInfo<Case>& info) {
       std::string n = info.param.name;
