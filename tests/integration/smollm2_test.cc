@@ -13,6 +13,7 @@
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
+#include "gpu_worker/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/test_paths.h"
 
@@ -96,6 +97,7 @@ TEST_F(SmolLm2, GreedyContinuationMatchesTransformers) {
 // Perplexity of the first 4096 WikiText-2 test tokens, one window, fed as chunked prefill (512
 // tokens per pass) with every logit kept.
 double WikiText2Perplexity(Model& model) {
+  // Token ids from the GGUF's own vocabulary (checked against transformers' ids below).
   auto ids = testing::NpyInts(FixturePath("smollm2/wikitext2_test_4096.npy"));
   EXPECT_EQ(ids.size(), 4096u);
   const int64_t vocab = model.config().vocab_size;
@@ -142,6 +144,18 @@ double DecodePerplexity(Model& model, int64_t n) {
 double ReferencePerplexity() {
   std::ifstream ref_file(FixturePath("smollm2/reference.json"));
   return nlohmann::json::parse(ref_file)["wikitext2_test_4096_perplexity"];
+}
+
+TEST_F(SmolLm2, OurTokenizerGivesTheReferenceWikiTextIds) {
+  auto tok = Tokenizer::FromGguf(*ckpt_->gguf(), ckpt_->path());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  std::ifstream in(testing::SharedTestdataPath("corpora/wikitext-2/test.txt"), std::ios::binary);
+  ASSERT_TRUE(in.good()) << "missing ../shared/testdata/corpora/wikitext-2/test.txt";
+  std::string text(40000, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  auto ids = (*tok)->Encode(text);
+  ids.resize(4096);
+  EXPECT_EQ(ids, testing::NpyInts(FixturePath("smollm2/wikitext2_test_4096.npy")));
 }
 
 TEST_F(SmolLm2, WikiText2PerplexityMatchesTransformersAndIsSane) {
