@@ -109,8 +109,11 @@ BENCHMARK(BM_GemvQ8Sequence);
 // SmolLM2-135M: fused gate+up [3072, 576], down [576, 1536], lm_head [49152, 576];
 // Llama-3.2-1B: gate+up [16384, 2048].
 // The last shape (113 MB in Q8) cannot stay in any cache: it streams from DRAM as decode does.
-#define SHAPES                                                                         \
-  ->Args({3072, 576})->Args({576, 1536})->Args({49152, 576})->Args({16384, 2048}) \
+#define SHAPES              \
+  ->Args({3072, 576})       \
+      ->Args({576, 1536})   \
+      ->Args({49152, 576})  \
+      ->Args({16384, 2048}) \
       ->Args({196608, 576})
 BENCHMARK(BM_GemvF32) SHAPES;
 BENCHMARK(BM_GemvBf16) SHAPES;

@@ -35,10 +35,12 @@ int main(int argc, char** argv) {
   for (int r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     tokens = (*tok)->Encode(text).size();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::printf("{\"engine\": \"infinigen\", \"bytes\": %zu, \"tokens\": %zu, \"seconds\": %.4f, "
-              "\"mb_per_s\": %.3f}\n",
-              text.size(), tokens, best, text.size() / best / 1e6);
+  std::printf(
+      "{\"engine\": \"infinigen\", \"bytes\": %zu, \"tokens\": %zu, \"seconds\": %.4f, "
+      "\"mb_per_s\": %.3f}\n",
+      text.size(), tokens, best, text.size() / best / 1e6);
   return 0;
 }

@@ -47,9 +47,9 @@ int RunBench(int argc, char** argv) {
     return ReportError("bench", absl::InvalidArgumentError("--model is required"));
   }
   if (prompt_tokens < 0 || gen_tokens < 0 || repetitions < 1) {
-    return ReportError("bench", absl::InvalidArgumentError(
-                                    "--prompt-tokens and --gen-tokens must be >= 0, "
-                                    "--repetitions >= 1"));
+    return ReportError("bench",
+                       absl::InvalidArgumentError("--prompt-tokens and --gen-tokens must be >= 0, "
+                                                  "--repetitions >= 1"));
   }
   const double t_load = Now();
   auto loaded = LoadModel(model_path, backend_flags);
@@ -88,8 +88,8 @@ int RunBench(int argc, char** argv) {
         if (auto st = model.Forward({&chunk, 1}, cache, logits); !st.ok()) {
           return ReportError("bench", st);
         }
-        next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                    logits.begin());
+        next =
+            static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
       }
       best_tg = std::max(best_tg, gen_tokens / (Now() - t0));
       cache.Close(1);
@@ -99,8 +99,8 @@ int RunBench(int argc, char** argv) {
       "{\"engine\": \"infinigen\", \"backend\": \"%s\", \"threads\": %d, \"prompt_tokens\": %d, "
       "\"gen_tokens\": %d, \"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, "
       "\"load_seconds\": %.3f, \"peak_rss_mib\": %.1f}\n",
-      model.backend().Name(), backend_flags.threads, prompt_tokens, gen_tokens, best_pp, best_tg, load_seconds,
-      PeakRssMiB());
+      model.backend().Name(), backend_flags.threads, prompt_tokens, gen_tokens, best_pp, best_tg,
+      load_seconds, PeakRssMiB());
   return 0;
 }
 

@@ -33,9 +33,12 @@ void FlagSet::Float(const std::string& name, double* value, const std::string& h
 
 void FlagSet::Bool(const std::string& name, bool* value, const std::string& help) {
   Flag f{name, help, "", *value ? "true" : "false", [value](const std::string& v) {
-           if (v.empty() || v == "true" || v == "1") *value = true;
-           else if (v == "false" || v == "0") *value = false;
-           else return false;
+           if (v.empty() || v == "true" || v == "1")
+             *value = true;
+           else if (v == "false" || v == "0")
+             *value = false;
+           else
+             return false;
            return true;
          }};
   f.needs_value = false;
@@ -96,8 +99,8 @@ absl::StatusOr<bool> FlagSet::Parse(int argc, char** argv) {
 }
 
 std::string FlagSet::Help() const {
-  std::string out = absl::StrCat("usage: infinigen ", command_, " ", usage_, "\n\n", summary_,
-                                 "\n\nflags:\n");
+  std::string out =
+      absl::StrCat("usage: infinigen ", command_, " ", usage_, "\n\n", summary_, "\n\nflags:\n");
   for (const Flag& f : flags_) {
     std::string left = absl::StrCat("  --", f.name, f.kind.empty() ? "" : " " + f.kind);
     absl::StrAppendFormat(&out, "%-28s %s", left, f.help);
@@ -128,8 +131,7 @@ int ReportError(const std::string& command, const absl::Status& status) {
   }
 }
 
-absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text,
-                                                 const std::string& flag) {
+absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const std::string& flag) {
   std::vector<int32_t> ids;
   for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
     int32_t id;

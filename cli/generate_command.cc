@@ -22,8 +22,8 @@ absl::StatusOr<std::vector<ChatMessage>> ParseMessages(const std::string& text) 
   if (!j.is_array() || j.empty()) return bad;
   std::vector<ChatMessage> messages;
   for (const auto& m : j) {
-    if (!m.is_object() || !m.contains("role") || !m.contains("content") ||
-        !m["role"].is_string() || !m["content"].is_string()) {
+    if (!m.is_object() || !m.contains("role") || !m.contains("content") || !m["role"].is_string() ||
+        !m["content"].is_string()) {
       return bad;
     }
     messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
@@ -129,13 +129,12 @@ int RunGenerate(int argc, char** argv) {
   } else {
     std::cout << "[" << absl::StrJoin(result->tokens, ",") << "]\n";
   }
-  const double decode_tps = result->tokens.size() > 1
-                                ? (result->tokens.size() - 1) / result->decode_seconds
-                                : 0.0;
+  const double decode_tps =
+      result->tokens.size() > 1 ? (result->tokens.size() - 1) / result->decode_seconds : 0.0;
   std::cerr << absl::StrCat("prompt ", result->prompt_tokens, " tokens in ",
                             result->prefill_seconds, " s; generated ", result->tokens.size(),
-                            " tokens (", FinishReasonName(result->finish_reason), "), ",
-                            decode_tps, " tokens/s\n");
+                            " tokens (", FinishReasonName(result->finish_reason), "), ", decode_tps,
+                            " tokens/s\n");
   return 0;
 }
 

@@ -32,7 +32,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& path, const BackendFlag
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const Checkpoint& checkpoint) {
-  if (checkpoint.gguf() != nullptr) return Tokenizer::FromGguf(*checkpoint.gguf(), checkpoint.path());
+  if (checkpoint.gguf() != nullptr)
+    return Tokenizer::FromGguf(*checkpoint.gguf(), checkpoint.path());
   return Tokenizer::Load(checkpoint.path());
 }
 

@@ -11,7 +11,7 @@ namespace infinigen::cli {
 
 int RunLogits(int argc, char** argv) {
   std::string model_path, token_ids, out;
-    BackendFlags backend_flags;
+  BackendFlags backend_flags;
   FlagSet flags("logits", "--model PATH --token-ids 1,2,3 --out FILE.npy",
                 "Runs the tokens through the model in one pass and writes the final logits at "
                 "every position as a float32 .npy of shape [num_tokens, vocab_size].");
@@ -22,11 +22,11 @@ int RunLogits(int argc, char** argv) {
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("logits", parsed.status());
   if (!*parsed) return 0;
-  for (auto [name, value] : {std::pair{"model", &model_path}, {"token-ids", &token_ids},
-                             {"out", &out}}) {
+  for (auto [name, value] :
+       {std::pair{"model", &model_path}, {"token-ids", &token_ids}, {"out", &out}}) {
     if (value->empty()) {
-      return ReportError("logits", absl::InvalidArgumentError(absl::StrCat("--", name,
-                                                                           " is required")));
+      return ReportError("logits",
+                         absl::InvalidArgumentError(absl::StrCat("--", name, " is required")));
     }
   }
   auto ids = ParseIdList(token_ids, "token-ids");
@@ -37,9 +37,9 @@ int RunLogits(int argc, char** argv) {
   const int64_t n = static_cast<int64_t>(ids->size());
   const int64_t vocab = model.config().vocab_size;
   if (n > model.config().max_position_embeddings) {
-    return ReportError("logits", absl::InvalidArgumentError(absl::StrCat(
-                                     n, " tokens exceed the model's context of ",
-                                     model.config().max_position_embeddings)));
+    return ReportError("logits", absl::InvalidArgumentError(
+                                     absl::StrCat(n, " tokens exceed the model's context of ",
+                                                  model.config().max_position_embeddings)));
   }
   ResidentKvCache cache(model.backend(), model.kv_shape());
   if (auto st = cache.Open(1, n); !st.ok()) return ReportError("logits", st);

@@ -46,11 +46,11 @@ int RunTokenize(int argc, char** argv) {
     ++line_no;
     const auto value = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (decode) {
-      if (!value.is_array() || !std::all_of(value.begin(), value.end(), [](const auto& v) {
-            return v.is_number_integer();
-          })) {
-        return ReportError("tokenize", absl::InvalidArgumentError(absl::StrCat(
-                                           "stdin line ", line_no, ": expected a JSON array of ids")));
+      if (!value.is_array() || !std::all_of(value.begin(), value.end(),
+                                            [](const auto& v) { return v.is_number_integer(); })) {
+        return ReportError(
+            "tokenize", absl::InvalidArgumentError(absl::StrCat("stdin line ", line_no,
+                                                                ": expected a JSON array of ids")));
       }
       const auto ids = value.get<std::vector<int32_t>>();
       std::cout << nlohmann::json((*tok)->Decode(ids, skip_special)).dump() << "\n";

@@ -79,7 +79,8 @@ absl::StatusOr<std::vector<int64_t>> NpyArray::AsInt() const {
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a valid .npy file: ", what));
   };
@@ -135,7 +136,14 @@ absl::Status WriteNpyF32(const std::string& path, const std::vector<int64_t>& sh
   header.push_back('\n');
   std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
   if (!f) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open for writing"));
-  const uint8_t preamble[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0,
+  const uint8_t preamble[10] = {0x93,
+                                'N',
+                                'U',
+                                'M',
+                                'P',
+                                'Y',
+                                1,
+                                0,
                                 static_cast<uint8_t>(header.size() & 0xff),
                                 static_cast<uint8_t>(header.size() >> 8)};
   int64_t n = 1;

@@ -12,9 +12,9 @@
 namespace infinigen {
 
 struct NpyArray {
-  std::string descr;            // numpy dtype string, e.g. "<f4", "<i4", "<i8"
-  std::vector<int64_t> shape;   // C order
-  std::vector<uint8_t> data;    // raw little-endian bytes
+  std::string descr;           // numpy dtype string, e.g. "<f4", "<i4", "<i8"
+  std::vector<int64_t> shape;  // C order
+  std::vector<uint8_t> data;   // raw little-endian bytes
 
   int64_t NumElements() const;
   // Element access with conversion; fails on an unsupported descr.

@@ -8,11 +8,11 @@
 #define IG_STATUS_CONCAT(a, b) IG_STATUS_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define IG_RETURN_IF_ERROR(expr)                   \
-  do {                                             \
+#define IG_RETURN_IF_ERROR(expr)                        \
+  do {                                                  \
     if (::absl::Status _ig_st = (expr); !_ig_st.ok()) { \
-      return _ig_st;                               \
-    }                                              \
+      return _ig_st;                                    \
+    }                                                   \
   } while (0)
 
 // `lhs` = value of `expr` (an absl::StatusOr<T>), or returns its error.

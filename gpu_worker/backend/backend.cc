@@ -6,17 +6,21 @@ namespace infinigen {
 
 const char* WeightFormatName(WeightFormat f) {
   switch (f) {
-    case WeightFormat::kF32: return "f32";
-    case WeightFormat::kF16: return "f16";
-    case WeightFormat::kBF16: return "bf16";
-    case WeightFormat::kQ8: return "q8";
+    case WeightFormat::kF32:
+      return "f32";
+    case WeightFormat::kF16:
+      return "f16";
+    case WeightFormat::kBF16:
+      return "bf16";
+    case WeightFormat::kQ8:
+      return "q8";
   }
   return "?";
 }
 
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name) {
-  for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kF16, WeightFormat::kBF16,
-                         WeightFormat::kQ8}) {
+  for (WeightFormat f :
+       {WeightFormat::kF32, WeightFormat::kF16, WeightFormat::kBF16, WeightFormat::kQ8}) {
     if (name == WeightFormatName(f)) return f;
   }
   return absl::InvalidArgumentError(

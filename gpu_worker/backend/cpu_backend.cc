@@ -143,8 +143,8 @@ absl::Status CpuBackend::RmsNorm(MatView x, const Weight& weight, float eps, Mat
 absl::Status CpuBackend::LayerNorm(MatView x, const Weight& weight, const Weight* bias, float eps,
                                    MatView out) {
   if (auto st = CheckF32(x, "LayerNorm"); !st.ok()) return st;
-  cpu::LayerNorm(x.As<float>(), x.stride, F(weight), F(bias), x.rows, x.cols, eps,
-                 out.As<float>(), out.stride);
+  cpu::LayerNorm(x.As<float>(), x.stride, F(weight), F(bias), x.rows, x.cols, eps, out.As<float>(),
+                 out.stride);
   return absl::OkStatus();
 }
 
@@ -162,12 +162,12 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
                     out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
       break;
     case WeightFormat::kQ8:
-      cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride,
-                  x.rows, accumulate);
+      cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride, x.rows,
+                  accumulate);
       break;
     default:
-      cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride,
-                x.rows, w.rows, w.cols, accumulate);
+      cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride, x.rows,
+                w.rows, w.cols, accumulate);
   }
   return absl::OkStatus();
 }
@@ -223,14 +223,12 @@ absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t 
 }
 
 absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
-                                         int64_t num_rows, const AttentionShape& s,
-                                         MatView out) {
+                                         int64_t num_rows, const AttentionShape& s, MatView out) {
   if (auto st = CheckF32(q, "AttentionDecode"); !st.ok()) return st;
   cpu::AttentionDecode(q.As<float>(),
                        {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
                        {static_cast<const float*>(v.data), v.head_stride, v.row_stride}, indices,
-                       num_rows, s.num_heads, s.num_kv_heads, s.head_dim, s.scale,
-                       out.As<float>());
+                       num_rows, s.num_heads, s.num_kv_heads, s.head_dim, s.scale, out.As<float>());
   return absl::OkStatus();
 }
 

@@ -41,9 +41,12 @@ absl::Status GenerateOptions::Validate() const {
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kCancelled:
+      return "cancelled";
   }
   return "?";
 }
@@ -62,7 +65,8 @@ absl::StatusOr<GenerateResult> Generate(Model& model, KvCache& cache, SequenceId
         ") exceeds the model's context of ", c.max_position_embeddings, " tokens"));
   }
   std::vector<int32_t> stops = options.stop_token_ids;
-  if (!options.ignore_eos) stops.insert(stops.end(), c.eos_token_ids.begin(), c.eos_token_ids.end());
+  if (!options.ignore_eos)
+    stops.insert(stops.end(), c.eos_token_ids.begin(), c.eos_token_ids.end());
 
   IG_RETURN_IF_ERROR(cache.Open(seq, total));
   SequenceGuard guard(cache, seq);

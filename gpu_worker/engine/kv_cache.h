@@ -47,8 +47,7 @@ class KvCache {
   // head_dim] in backend memory. start may not pass the layer's length (no holes); rows at and
   // after `start` are replaced, so a sequence can be rolled back by appending at an earlier
   // position.
-  virtual absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k,
-                              MatView v) = 0;
+  virtual absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v) = 0;
   // K/V rows [0, length) of `layer`, readable by the backend until the next Append or Close.
   virtual absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer, int64_t length) = 0;
 };

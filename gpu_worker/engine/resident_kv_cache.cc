@@ -42,9 +42,9 @@ absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
   const int64_t capacity = std::max(min_capacity, s.capacity * 2);
   const size_t extra = (capacity - s.capacity) * shape_.BytesPerToken();
   if (max_bytes_ > 0 && bytes_reserved_ + extra > max_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache full: ", capacity, " tokens need ", extra, " more bytes, ",
-        max_bytes_ - bytes_reserved_, " of ", max_bytes_, " left"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: ", capacity, " tokens need ", extra, " more bytes, ",
+                     max_bytes_ - bytes_reserved_, " of ", max_bytes_, " left"));
   }
   const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * capacity * shape_.head_dim *
                        DTypeSize(shape_.dtype);
@@ -53,10 +53,12 @@ absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
     IG_ASSIGN_OR_RETURN(std::unique_ptr<Buffer> v, backend_.Allocate(bytes));
     if (layer.length > 0) {
       for (int g = 0; g < shape_.num_kv_heads; ++g) {
-        IG_RETURN_IF_ERROR(backend_.Copy(View(*layer.k, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
-                                         View(*k, capacity).Head(g, 0, layer.length, shape_.head_dim)));
-        IG_RETURN_IF_ERROR(backend_.Copy(View(*layer.v, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
-                                         View(*v, capacity).Head(g, 0, layer.length, shape_.head_dim)));
+        IG_RETURN_IF_ERROR(
+            backend_.Copy(View(*layer.k, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
+                          View(*k, capacity).Head(g, 0, layer.length, shape_.head_dim)));
+        IG_RETURN_IF_ERROR(
+            backend_.Copy(View(*layer.v, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
+                          View(*v, capacity).Head(g, 0, layer.length, shape_.head_dim)));
       }
     }
     layer.k = std::move(k);
@@ -78,11 +80,12 @@ absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, M
   const int64_t n = k.rows;
   const int64_t kv_cols = static_cast<int64_t>(shape_.num_kv_heads) * shape_.head_dim;
   if (k.cols != kv_cols || v.cols != kv_cols || v.rows != n || k.dtype != shape_.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("K/V rows must be [n, ", kv_cols, "] of ",
-                                                   DTypeName(shape_.dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("K/V rows must be [n, ", kv_cols, "] of ", DTypeName(shape_.dtype)));
   }
   if (start < 0 || start > s.layers[layer].length) {
-    return absl::InvalidArgumentError(absl::StrCat("append at ", start, " would leave a hole after ",
+    return absl::InvalidArgumentError(absl::StrCat("append at ", start,
+                                                   " would leave a hole after ",
                                                    s.layers[layer].length, " stored tokens"));
   }
   if (start + n > s.capacity) IG_RETURN_IF_ERROR(Grow(s, start + n));
@@ -102,11 +105,10 @@ absl::StatusOr<KvLayerView> ResidentKvCache::Read(SequenceId seq, int layer, int
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   Sequence& s = it->second;
   if (layer < 0 || layer >= shape_.num_layers || length > s.layers[layer].length) {
-    return absl::OutOfRangeError(absl::StrCat("layer ", layer, " holds ",
-                                              layer < 0 || layer >= shape_.num_layers
-                                                  ? 0
-                                                  : s.layers[layer].length,
-                                              " tokens, ", length, " requested"));
+    return absl::OutOfRangeError(
+        absl::StrCat("layer ", layer, " holds ",
+                     layer < 0 || layer >= shape_.num_layers ? 0 : s.layers[layer].length,
+                     " tokens, ", length, " requested"));
   }
   Layer& l = s.layers[layer];
   return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity)};

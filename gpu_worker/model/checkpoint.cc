@@ -37,8 +37,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   } else if (fs::is_regular_file(path, ec)) {
     IG_RETURN_IF_ERROR(ckpt->OpenGguf(path));
   } else {
-    return absl::NotFoundError(absl::StrCat(
-        path, ": no such model (expected a folder with config.json or a .gguf file)"));
+    return absl::NotFoundError(
+        absl::StrCat(path, ": no such model (expected a folder with config.json or a .gguf file)"));
   }
   return ckpt;
 }
@@ -56,8 +56,7 @@ absl::Status Checkpoint::OpenHfFolder(const std::string& dir) {
     IG_ASSIGN_OR_RETURN(std::string text, ReadText(index.string()));
     auto j = nlohmann::json::parse(text, nullptr, false);
     if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(index.string(), ": no \"weight_map\" object"));
+      return absl::InvalidArgumentError(absl::StrCat(index.string(), ": no \"weight_map\" object"));
     }
     std::set<std::string> names;
     for (auto& [tensor, file] : j["weight_map"].items()) {
@@ -76,9 +75,10 @@ absl::Status Checkpoint::OpenHfFolder(const std::string& dir) {
   } else if (fs::exists(single, ec)) {
     shards.push_back(single.string());
   } else {
-    return absl::NotFoundError(absl::StrCat(
-        dir, ": no model.safetensors or model.safetensors.index.json (only safetensors "
-        "checkpoints are supported)"));
+    return absl::NotFoundError(
+        absl::StrCat(dir,
+                     ": no model.safetensors or model.safetensors.index.json (only safetensors "
+                     "checkpoints are supported)"));
   }
   for (const auto& shard : shards) {
     IG_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(shard));
@@ -118,8 +118,8 @@ absl::Status Checkpoint::AddTensors(std::vector<StoredTensor> tensors) {
     std::string name = t.name;
     auto [it, inserted] = tensors_.emplace(name, std::move(t));
     if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", name, " appears twice (in ", it->second.file, " and again)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", name, " appears twice (in ", it->second.file, " and again)"));
     }
   }
   return absl::OkStatus();
@@ -135,14 +135,14 @@ absl::StatusOr<const StoredTensor*> Checkpoint::Get(absl::string_view name,
   const StoredTensor* t = Find(name);
   if (t == nullptr) {
     std::string gguf_name = gguf_ ? HfToGgufName(std::string(name)) : "";
-    return absl::NotFoundError(absl::StrCat(
-        path_, ": tensor ", name, gguf_name.empty() ? "" : absl::StrCat(" (", gguf_name, ")"),
-        " is missing"));
+    return absl::NotFoundError(
+        absl::StrCat(path_, ": tensor ", name,
+                     gguf_name.empty() ? "" : absl::StrCat(" (", gguf_name, ")"), " is missing"));
   }
   if (t->shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        t->file, ": tensor ", t->file_name, " has shape ", t->ShapeString(), ", config expects [",
-        absl::StrJoin(shape, ", "), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(t->file, ": tensor ", t->file_name, " has shape ", t->ShapeString(),
+                     ", config expects [", absl::StrJoin(shape, ", "), "]"));
   }
   return t;
 }

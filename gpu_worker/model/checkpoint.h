@@ -6,11 +6,11 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/mapped_file.h"
 #include "gpu_worker/model/config.h"
 #include "gpu_worker/model/gguf.h"

@@ -55,8 +55,10 @@ absl::Status ParseRopeScaling(const json& j, const std::string& path, RopeConfig
   if (it == j.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_object()) return Bad(path, "\"rope_scaling\" must be an object or null");
   std::string type;
-  if (it->contains("rope_type")) type = (*it)["rope_type"].get<std::string>();
-  else if (it->contains("type")) type = (*it)["type"].get<std::string>();
+  if (it->contains("rope_type"))
+    type = (*it)["rope_type"].get<std::string>();
+  else if (it->contains("type"))
+    type = (*it)["type"].get<std::string>();
   if (type.empty() || type == "default") return absl::OkStatus();
   rope.factor = Number(*it, "factor", 1.0);
   if (!(rope.factor > 0)) return Bad(path, "rope_scaling.factor must be > 0");
@@ -176,8 +178,8 @@ absl::Status ModelConfig::Validate(const std::string& source) const {
     if (auto st = positive(what, v); !st.ok()) return st;
   }
   if (num_heads % num_kv_heads != 0) {
-    return Bad(source, absl::StrCat("num_heads (", num_heads, ") is not a multiple of num_kv_heads (",
-                                    num_kv_heads, ")"));
+    return Bad(source, absl::StrCat("num_heads (", num_heads,
+                                    ") is not a multiple of num_kv_heads (", num_kv_heads, ")"));
   }
   if (architecture == Architecture::kOpt) {
     if (num_heads * head_dim != hidden_size) {

@@ -18,9 +18,9 @@ enum class RopeScaling { kNone, kLinear, kLlama3 };
 struct RopeConfig {
   double theta = 10000.0;
   RopeScaling scaling = RopeScaling::kNone;
-  double factor = 1.0;  // linear and llama3
-  double low_freq_factor = 1.0;   // llama3
-  double high_freq_factor = 4.0;  // llama3
+  double factor = 1.0;                              // linear and llama3
+  double low_freq_factor = 1.0;                     // llama3
+  double high_freq_factor = 4.0;                    // llama3
   int64_t original_max_position_embeddings = 8192;  // llama3
   cpu::RopeLayout layout = cpu::RopeLayout::kHalf;
   int rotary_dim = 0;  // channels rotated per head (= head_dim for Llama)
@@ -45,10 +45,10 @@ struct ModelConfig {
   RopeConfig rope;              // Llama family only
 
   // OPT only.
-  bool pre_norm = true;              // do_layer_norm_before
-  bool final_norm = true;            // decoder-level final LayerNorm present
-  int64_t word_embed_proj_dim = 0;   // != hidden_size: project_in/out exist
-  int64_t position_offset = 2;       // learned position p is row p + offset
+  bool pre_norm = true;             // do_layer_norm_before
+  bool final_norm = true;           // decoder-level final LayerNorm present
+  int64_t word_embed_proj_dim = 0;  // != hidden_size: project_in/out exist
+  int64_t position_offset = 2;      // learned position p is row p + offset
 
   int32_t bos_token_id = -1;
   std::vector<int32_t> eos_token_ids;

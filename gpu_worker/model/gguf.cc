@@ -33,7 +33,8 @@ class Reader {
   }
   bool Read(void* dst, uint64_t n, const char* what) {
     if (!ok_) return false;
-    if (n > remaining()) return Fail(absl::StrCat("truncated: ", what, " runs past the end of the file"));
+    if (n > remaining())
+      return Fail(absl::StrCat("truncated: ", what, " runs past the end of the file"));
     std::memcpy(dst, f_.data() + pos_, n);
     pos_ += n;
     return true;
@@ -66,12 +67,25 @@ class Reader {
 // Smallest encoded size of a value of `t`, to bound array lengths before allocating.
 uint64_t MinEncodedSize(GgufType t) {
   switch (t) {
-    case GgufType::kU8: case GgufType::kI8: case GgufType::kBool: return 1;
-    case GgufType::kU16: case GgufType::kI16: return 2;
-    case GgufType::kU32: case GgufType::kI32: case GgufType::kF32: return 4;
-    case GgufType::kU64: case GgufType::kI64: case GgufType::kF64: return 8;
-    case GgufType::kString: return 8;
-    case GgufType::kArray: return 12;
+    case GgufType::kU8:
+    case GgufType::kI8:
+    case GgufType::kBool:
+      return 1;
+    case GgufType::kU16:
+    case GgufType::kI16:
+      return 2;
+    case GgufType::kU32:
+    case GgufType::kI32:
+    case GgufType::kF32:
+      return 4;
+    case GgufType::kU64:
+    case GgufType::kI64:
+    case GgufType::kF64:
+      return 8;
+    case GgufType::kString:
+      return 8;
+    case GgufType::kArray:
+      return 12;
   }
   return 1;
 }
@@ -79,18 +93,42 @@ uint64_t MinEncodedSize(GgufType t) {
 bool ReadValue(Reader& r, GgufType type, GgufValue& v, int depth) {
   v.type = type;
   switch (type) {
-    case GgufType::kU8: v.u = r.Get<uint8_t>("u8 value"); return r.ok();
-    case GgufType::kI8: v.i = r.Get<int8_t>("i8 value"); return r.ok();
-    case GgufType::kU16: v.u = r.Get<uint16_t>("u16 value"); return r.ok();
-    case GgufType::kI16: v.i = r.Get<int16_t>("i16 value"); return r.ok();
-    case GgufType::kU32: v.u = r.Get<uint32_t>("u32 value"); return r.ok();
-    case GgufType::kI32: v.i = r.Get<int32_t>("i32 value"); return r.ok();
-    case GgufType::kU64: v.u = r.Get<uint64_t>("u64 value"); return r.ok();
-    case GgufType::kI64: v.i = r.Get<int64_t>("i64 value"); return r.ok();
-    case GgufType::kF32: v.f = r.Get<float>("f32 value"); return r.ok();
-    case GgufType::kF64: v.f = r.Get<double>("f64 value"); return r.ok();
-    case GgufType::kBool: v.u = r.Get<uint8_t>("bool value") != 0; return r.ok();
-    case GgufType::kString: v.s = r.String("string value"); return r.ok();
+    case GgufType::kU8:
+      v.u = r.Get<uint8_t>("u8 value");
+      return r.ok();
+    case GgufType::kI8:
+      v.i = r.Get<int8_t>("i8 value");
+      return r.ok();
+    case GgufType::kU16:
+      v.u = r.Get<uint16_t>("u16 value");
+      return r.ok();
+    case GgufType::kI16:
+      v.i = r.Get<int16_t>("i16 value");
+      return r.ok();
+    case GgufType::kU32:
+      v.u = r.Get<uint32_t>("u32 value");
+      return r.ok();
+    case GgufType::kI32:
+      v.i = r.Get<int32_t>("i32 value");
+      return r.ok();
+    case GgufType::kU64:
+      v.u = r.Get<uint64_t>("u64 value");
+      return r.ok();
+    case GgufType::kI64:
+      v.i = r.Get<int64_t>("i64 value");
+      return r.ok();
+    case GgufType::kF32:
+      v.f = r.Get<float>("f32 value");
+      return r.ok();
+    case GgufType::kF64:
+      v.f = r.Get<double>("f64 value");
+      return r.ok();
+    case GgufType::kBool:
+      v.u = r.Get<uint8_t>("bool value") != 0;
+      return r.ok();
+    case GgufType::kString:
+      v.s = r.String("string value");
+      return r.ok();
     case GgufType::kArray: {
       if (depth > 2) return r.Fail("arrays nested too deeply");
       const uint32_t elem = r.Get<uint32_t>("array type");
@@ -116,18 +154,26 @@ bool ReadValue(Reader& r, GgufType type, GgufValue& v, int depth) {
 absl::StatusOr<StorageType> GgmlType(uint32_t id, const std::string& tensor,
                                      const std::string& path) {
   switch (id) {
-    case 0: return StorageType::kF32;
-    case 1: return StorageType::kF16;
-    case 2: return StorageType::kQ4_0;
-    case 3: return StorageType::kQ4_1;
-    case 6: return StorageType::kQ5_0;
-    case 7: return StorageType::kQ5_1;
-    case 8: return StorageType::kQ8_0;
-    case 30: return StorageType::kBF16;
+    case 0:
+      return StorageType::kF32;
+    case 1:
+      return StorageType::kF16;
+    case 2:
+      return StorageType::kQ4_0;
+    case 3:
+      return StorageType::kQ4_1;
+    case 6:
+      return StorageType::kQ5_0;
+    case 7:
+      return StorageType::kQ5_1;
+    case 8:
+      return StorageType::kQ8_0;
+    case 30:
+      return StorageType::kBF16;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": tensor ", tensor, " has GGML type id ", id,
-          ", which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor ", tensor, " has GGML type id ", id,
+                       ", which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)"));
   }
 }
 
@@ -135,8 +181,14 @@ absl::StatusOr<StorageType> GgmlType(uint32_t id, const std::string& tensor,
 
 bool GgufValue::IsInteger() const {
   switch (type) {
-    case GgufType::kU8: case GgufType::kI8: case GgufType::kU16: case GgufType::kI16:
-    case GgufType::kU32: case GgufType::kI32: case GgufType::kU64: case GgufType::kI64:
+    case GgufType::kU8:
+    case GgufType::kI8:
+    case GgufType::kU16:
+    case GgufType::kI16:
+    case GgufType::kU32:
+    case GgufType::kI32:
+    case GgufType::kU64:
+    case GgufType::kI64:
     case GgufType::kBool:
       return true;
     default:
@@ -146,7 +198,10 @@ bool GgufValue::IsInteger() const {
 
 int64_t GgufValue::AsInt() const {
   switch (type) {
-    case GgufType::kI8: case GgufType::kI16: case GgufType::kI32: case GgufType::kI64:
+    case GgufType::kI8:
+    case GgufType::kI16:
+    case GgufType::kI32:
+    case GgufType::kI64:
       return i;
     default:
       return static_cast<int64_t>(u);
@@ -175,9 +230,9 @@ absl::StatusOr<GgufFile> GgufFile::Parse(const MappedFile& file) {
   if (!r.ok()) return fail();
   // Each key/value needs >= 13 bytes and each tensor info >= 24: reject absurd counts early.
   if (kv_count > r.remaining() / 13 || tensor_count > r.remaining() / 24) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.path(), ": truncated: ", kv_count, " metadata entries and ", tensor_count,
-        " tensors cannot fit in the file"));
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": truncated: ", kv_count,
+                                                   " metadata entries and ", tensor_count,
+                                                   " tensors cannot fit in the file"));
   }
   for (uint64_t k = 0; k < kv_count; ++k) {
     std::string key = r.String("metadata key");
@@ -216,8 +271,8 @@ absl::StatusOr<GgufFile> GgufFile::Parse(const MappedFile& file) {
       const uint64_t v = r.Get<uint64_t>("tensor dims");
       if (v == 0 || v > (uint64_t{1} << 40)) {
         if (!r.ok()) return fail();
-        return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor ", info.name,
-                                                       " has an invalid dimension ", v));
+        return absl::InvalidArgumentError(
+            absl::StrCat(file.path(), ": tensor ", info.name, " has an invalid dimension ", v));
       }
       d = static_cast<int64_t>(v);
     }
@@ -322,10 +377,10 @@ const std::map<std::string, std::string>& GlobalNames() {
 // GGUF block tensor stem -> Hugging Face module path within model.layers.N.
 const std::map<std::string, std::string>& LayerNames() {
   static const auto* names = new std::map<std::string, std::string>{
-      {"attn_norm", "input_layernorm"},     {"attn_q", "self_attn.q_proj"},
-      {"attn_k", "self_attn.k_proj"},       {"attn_v", "self_attn.v_proj"},
-      {"attn_output", "self_attn.o_proj"},  {"ffn_norm", "post_attention_layernorm"},
-      {"ffn_gate", "mlp.gate_proj"},        {"ffn_up", "mlp.up_proj"},
+      {"attn_norm", "input_layernorm"},    {"attn_q", "self_attn.q_proj"},
+      {"attn_k", "self_attn.k_proj"},      {"attn_v", "self_attn.v_proj"},
+      {"attn_output", "self_attn.o_proj"}, {"ffn_norm", "post_attention_layernorm"},
+      {"ffn_gate", "mlp.gate_proj"},       {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"},
   };
   return *names;
@@ -365,8 +420,8 @@ std::string HfToGgufName(const std::string& hf_name) {
 absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& g, const std::string& path) {
   const std::string arch = g.StringOr("general.architecture", "");
   if (arch != "llama") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": GGUF architecture \"", arch, "\" is not supported (supported: llama)"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": GGUF architecture \"", arch,
+                                                   "\" is not supported (supported: llama)"));
   }
   auto required = [&](const std::string& key) -> absl::StatusOr<int64_t> {
     const GgufValue* v = g.Find(key);
@@ -391,7 +446,8 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& g, const std::string
   c.intermediate_size = *ffn;
   c.num_heads = *heads;
   c.num_kv_heads = g.IntOr("llama.attention.head_count_kv", c.num_heads);
-  c.head_dim = g.IntOr("llama.attention.key_length", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+  c.head_dim =
+      g.IntOr("llama.attention.key_length", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
   c.max_position_embeddings = g.IntOr("llama.context_length", 2048);
   c.norm_eps = static_cast<float>(g.FloatOr("llama.attention.layer_norm_rms_epsilon", 1e-5));
   c.activation = Activation::kSilu;
@@ -404,9 +460,10 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& g, const std::string
     c.rope.scaling = RopeScaling::kLinear;
     c.rope.factor = g.FloatOr("llama.rope.scaling.factor", 1.0);
   } else if (scaling != "none") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": rope scaling \"", scaling, "\" is not supported (none, linear; llama3 scaling "
-        "comes as the rope_freqs tensor)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": rope scaling \"", scaling,
+                     "\" is not supported (none, linear; llama3 scaling "
+                     "comes as the rope_freqs tensor)"));
   }
   bool has_output = false;
   int64_t vocab = -1;
@@ -427,8 +484,8 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& g, const std::string
   // As llama.cpp does, every control token spelled like an end of turn also ends generation
   // (SmolLM2's GGUF names <|im_start|> as EOS while chat turns end with <|im_end|>).
   static const std::set<std::string> kEndOfGeneration = {
-      "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
-      "</s>", "<|end|>", "<end_of_turn>"};
+      "<|im_end|>",      "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
+      "<|end_of_text|>", "</s>",          "<|end|>",    "<end_of_turn>"};
   const GgufValue* tokens = g.Find("tokenizer.ggml.tokens");
   const GgufValue* types = g.Find("tokenizer.ggml.token_type");
   if (tokens != nullptr && types != nullptr && types->array.size() == tokens->array.size()) {

@@ -16,16 +16,27 @@
 namespace infinigen {
 
 enum class GgufType : uint32_t {
-  kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7,
-  kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,
+  kU8 = 0,
+  kI8 = 1,
+  kU16 = 2,
+  kI16 = 3,
+  kU32 = 4,
+  kI32 = 5,
+  kF32 = 6,
+  kBool = 7,
+  kString = 8,
+  kArray = 9,
+  kU64 = 10,
+  kI64 = 11,
+  kF64 = 12,
 };
 
 struct GgufValue {
   GgufType type = GgufType::kU8;
-  uint64_t u = 0;   // unsigned integers and bool
-  int64_t i = 0;    // signed integers
-  double f = 0.0;   // floats
-  std::string s;    // strings
+  uint64_t u = 0;  // unsigned integers and bool
+  int64_t i = 0;   // signed integers
+  double f = 0.0;  // floats
+  std::string s;   // strings
   GgufType array_type = GgufType::kU8;
   std::vector<GgufValue> array;
 

@@ -121,8 +121,8 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
       IG_RETURN_IF_ERROR(backend_.AttentionDecode(q.Rows(row, 1), kv.k, kv.v, nullptr,
                                                   chunk.start + 1, shape, out.Rows(row, 1)));
     } else {
-      IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start,
-                                                  shape, out.Rows(row, len)));
+      IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start, shape,
+                                                  out.Rows(row, len)));
     }
     row += len;
   }
@@ -209,14 +209,14 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
     for (size_t t = 0; t < chunk.tokens.size(); ++t, ++i) {
       const int32_t id = chunk.tokens[t];
       if (id < 0 || id >= c.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat("token id ", id, " is outside the vocabulary [0, ",
-                                                       c.vocab_size, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
       }
       const int64_t pos = chunk.start + static_cast<int64_t>(t);
       if (c.architecture == Architecture::kOpt && pos >= c.max_position_embeddings) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "position ", pos, " exceeds the model's ", c.max_position_embeddings,
-            " learned positions"));
+        return absl::InvalidArgumentError(absl::StrCat("position ", pos, " exceeds the model's ",
+                                                       c.max_position_embeddings,
+                                                       " learned positions"));
       }
       host_ids_[i] = id;
       host_positions_[i] = static_cast<int32_t>(pos);
@@ -231,8 +231,8 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
   IG_RETURN_IF_ERROR(backend_.CopyToDevice(host_ids_.data(), dev_ids, n * sizeof(int32_t)));
   IG_RETURN_IF_ERROR(
       backend_.CopyToDevice(host_ids_.data() + n, dev_ids + ws_.max_tokens, n * sizeof(int32_t)));
-  IG_RETURN_IF_ERROR(backend_.CopyToDevice(host_positions_.data(), ws_.positions->data(),
-                                           n * sizeof(int32_t)));
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToDevice(host_positions_.data(), ws_.positions->data(), n * sizeof(int32_t)));
 
   IG_RETURN_IF_ERROR(Embed(n));
   MatView x = Activations(*ws_.x, n, c.hidden_size);

@@ -61,7 +61,8 @@ class Model {
   absl::Status Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
                          int64_t num_tokens);
   absl::Status Mlp(const LayerWeights& L, int64_t num_tokens);
-  absl::Status Logits(std::span<const ForwardChunk> batch, int64_t num_tokens, std::span<float> out);
+  absl::Status Logits(std::span<const ForwardChunk> batch, int64_t num_tokens,
+                      std::span<float> out);
 
   ModelConfig config_;
   Backend& backend_;

@@ -54,10 +54,14 @@ absl::Status ParseSafetensors(const MappedFile& file, std::vector<StoredTensor>&
     const json& dtype = t["dtype"];
     if (!dtype.is_string()) return bad_tensor("dtype is not a string");
     const std::string dt = dtype.get<std::string>();
-    if (dt == "F32") st.type = StorageType::kF32;
-    else if (dt == "F16") st.type = StorageType::kF16;
-    else if (dt == "BF16") st.type = StorageType::kBF16;
-    else return bad_tensor(absl::StrCat("dtype ", dt, " is not supported (F32, F16, BF16)"));
+    if (dt == "F32")
+      st.type = StorageType::kF32;
+    else if (dt == "F16")
+      st.type = StorageType::kF16;
+    else if (dt == "BF16")
+      st.type = StorageType::kBF16;
+    else
+      return bad_tensor(absl::StrCat("dtype ", dt, " is not supported (F32, F16, BF16)"));
 
     const json& shape = t["shape"];
     if (!shape.is_array()) return bad_tensor("shape is not an array");

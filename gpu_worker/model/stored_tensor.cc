@@ -41,14 +41,22 @@ void DecodeQ5Block(const uint8_t* qh_bytes, const uint8_t* qs, float d, float m,
 
 absl::string_view StorageTypeName(StorageType t) {
   switch (t) {
-    case StorageType::kF32: return "F32";
-    case StorageType::kF16: return "F16";
-    case StorageType::kBF16: return "BF16";
-    case StorageType::kQ4_0: return "Q4_0";
-    case StorageType::kQ4_1: return "Q4_1";
-    case StorageType::kQ5_0: return "Q5_0";
-    case StorageType::kQ5_1: return "Q5_1";
-    case StorageType::kQ8_0: return "Q8_0";
+    case StorageType::kF32:
+      return "F32";
+    case StorageType::kF16:
+      return "F16";
+    case StorageType::kBF16:
+      return "BF16";
+    case StorageType::kQ4_0:
+      return "Q4_0";
+    case StorageType::kQ4_1:
+      return "Q4_1";
+    case StorageType::kQ5_0:
+      return "Q5_0";
+    case StorageType::kQ5_1:
+      return "Q5_1";
+    case StorageType::kQ8_0:
+      return "Q8_0";
   }
   return "?";
 }
@@ -66,14 +74,22 @@ int64_t StorageBlockElements(StorageType t) {
 
 int64_t StorageBlockBytes(StorageType t) {
   switch (t) {
-    case StorageType::kF32: return 4;
-    case StorageType::kF16: return 2;
-    case StorageType::kBF16: return 2;
-    case StorageType::kQ4_0: return 2 + 16;
-    case StorageType::kQ4_1: return 2 + 2 + 16;
-    case StorageType::kQ5_0: return 2 + 4 + 16;
-    case StorageType::kQ5_1: return 2 + 2 + 4 + 16;
-    case StorageType::kQ8_0: return 2 + 32;
+    case StorageType::kF32:
+      return 4;
+    case StorageType::kF16:
+      return 2;
+    case StorageType::kBF16:
+      return 2;
+    case StorageType::kQ4_0:
+      return 2 + 16;
+    case StorageType::kQ4_1:
+      return 2 + 2 + 16;
+    case StorageType::kQ5_0:
+      return 2 + 4 + 16;
+    case StorageType::kQ5_1:
+      return 2 + 2 + 4 + 16;
+    case StorageType::kQ8_0:
+      return 2 + 32;
   }
   return 0;
 }
@@ -81,9 +97,8 @@ int64_t StorageBlockBytes(StorageType t) {
 absl::StatusOr<int64_t> StorageBytes(StorageType t, int64_t num_elements) {
   const int64_t block = StorageBlockElements(t);
   if (num_elements % block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(num_elements, " elements of type ",
-                                                   StorageTypeName(t), " do not fill blocks of ",
-                                                   block));
+    return absl::InvalidArgumentError(absl::StrCat(
+        num_elements, " elements of type ", StorageTypeName(t), " do not fill blocks of ", block));
   }
   return num_elements / block * StorageBlockBytes(t);
 }

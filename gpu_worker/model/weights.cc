@@ -69,8 +69,8 @@ class Loader {
 absl::Status LoadLlama(const Checkpoint& ckpt, Backend& backend, ModelWeights& w) {
   const ModelConfig& c = ckpt.config();
   Loader load(ckpt, backend);
-  IG_ASSIGN_OR_RETURN(w.embed, load.Matrix("model.embed_tokens.weight", c.vocab_size,
-                                           c.hidden_size));
+  IG_ASSIGN_OR_RETURN(w.embed,
+                      load.Matrix("model.embed_tokens.weight", c.vocab_size, c.hidden_size));
   IG_ASSIGN_OR_RETURN(w.final_norm, load.Vector("model.norm.weight", c.hidden_size));
   if (!c.tie_word_embeddings) {
     IG_ASSIGN_OR_RETURN(w.lm_head, load.Matrix("lm_head.weight", c.vocab_size, c.hidden_size));
@@ -91,25 +91,26 @@ absl::Status LoadLlama(const Checkpoint& ckpt, Backend& backend, ModelWeights& w
     IG_ASSIGN_OR_RETURN(L.mlp_norm,
                         load.Vector(p + "post_attention_layernorm.weight", c.hidden_size));
     const std::string a = p + "self_attn.";
-    IG_ASSIGN_OR_RETURN(L.qkv, load.StackedMatrices({a + "q_proj.weight", a + "k_proj.weight",
-                                           a + "v_proj.weight"},
-                                          {c.q_dim(), c.kv_dim(), c.kv_dim()}, c.hidden_size));
+    IG_ASSIGN_OR_RETURN(
+        L.qkv, load.StackedMatrices({a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+                                    {c.q_dim(), c.kv_dim(), c.kv_dim()}, c.hidden_size));
     IG_ASSIGN_OR_RETURN(L.o, load.Matrix(a + "o_proj.weight", c.hidden_size, c.q_dim()));
     if (c.attention_bias) {
-      IG_ASSIGN_OR_RETURN(L.qkv_bias, load.ConcatenatedVectors({a + "q_proj.bias", a + "k_proj.bias",
-                                                  a + "v_proj.bias"},
-                                                 {c.q_dim(), c.kv_dim(), c.kv_dim()}));
+      IG_ASSIGN_OR_RETURN(L.qkv_bias, load.ConcatenatedVectors(
+                                          {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"},
+                                          {c.q_dim(), c.kv_dim(), c.kv_dim()}));
       IG_ASSIGN_OR_RETURN(L.o_bias, load.Vector(a + "o_proj.bias", c.hidden_size));
     }
     const std::string m = p + "mlp.";
-    IG_ASSIGN_OR_RETURN(L.up, load.StackedMatrices({m + "gate_proj.weight", m + "up_proj.weight"},
-                                         {c.intermediate_size, c.intermediate_size},
-                                         c.hidden_size));
+    IG_ASSIGN_OR_RETURN(
+        L.up, load.StackedMatrices({m + "gate_proj.weight", m + "up_proj.weight"},
+                                   {c.intermediate_size, c.intermediate_size}, c.hidden_size));
     IG_ASSIGN_OR_RETURN(L.down,
                         load.Matrix(m + "down_proj.weight", c.hidden_size, c.intermediate_size));
     if (c.mlp_bias) {
-      IG_ASSIGN_OR_RETURN(L.up_bias, load.ConcatenatedVectors({m + "gate_proj.bias", m + "up_proj.bias"},
-                                                {c.intermediate_size, c.intermediate_size}));
+      IG_ASSIGN_OR_RETURN(L.up_bias,
+                          load.ConcatenatedVectors({m + "gate_proj.bias", m + "up_proj.bias"},
+                                                   {c.intermediate_size, c.intermediate_size}));
       IG_ASSIGN_OR_RETURN(L.down_bias, load.Vector(m + "down_proj.bias", c.hidden_size));
     }
   }
@@ -120,21 +121,20 @@ absl::Status LoadOpt(const Checkpoint& ckpt, Backend& backend, ModelWeights& w) 
   const ModelConfig& c = ckpt.config();
   Loader load(ckpt, backend);
   const std::string d = "model.decoder.";
-  IG_ASSIGN_OR_RETURN(w.embed, load.Matrix(d + "embed_tokens.weight", c.vocab_size,
-                                           c.word_embed_proj_dim));
+  IG_ASSIGN_OR_RETURN(w.embed,
+                      load.Matrix(d + "embed_tokens.weight", c.vocab_size, c.word_embed_proj_dim));
   IG_ASSIGN_OR_RETURN(w.positions,
                       load.Matrix(d + "embed_positions.weight",
                                   c.max_position_embeddings + c.position_offset, c.hidden_size));
   if (c.has_projections()) {
-    IG_ASSIGN_OR_RETURN(w.project_in, load.Matrix(d + "project_in.weight", c.hidden_size,
-                                                  c.word_embed_proj_dim));
-    IG_ASSIGN_OR_RETURN(w.project_out, load.Matrix(d + "project_out.weight",
-                                                   c.word_embed_proj_dim, c.hidden_size));
+    IG_ASSIGN_OR_RETURN(w.project_in,
+                        load.Matrix(d + "project_in.weight", c.hidden_size, c.word_embed_proj_dim));
+    IG_ASSIGN_OR_RETURN(
+        w.project_out, load.Matrix(d + "project_out.weight", c.word_embed_proj_dim, c.hidden_size));
   }
   if (c.final_norm) {
     IG_ASSIGN_OR_RETURN(w.final_norm, load.Vector(d + "final_layer_norm.weight", c.hidden_size));
-    IG_ASSIGN_OR_RETURN(w.final_norm_bias,
-                        load.Vector(d + "final_layer_norm.bias", c.hidden_size));
+    IG_ASSIGN_OR_RETURN(w.final_norm_bias, load.Vector(d + "final_layer_norm.bias", c.hidden_size));
   }
   if (!c.tie_word_embeddings) {
     IG_ASSIGN_OR_RETURN(w.lm_head,
@@ -150,14 +150,14 @@ absl::Status LoadOpt(const Checkpoint& ckpt, Backend& backend, ModelWeights& w) 
     IG_ASSIGN_OR_RETURN(L.mlp_norm, load.Vector(p + "final_layer_norm.weight", c.hidden_size));
     IG_ASSIGN_OR_RETURN(L.mlp_norm_bias, load.Vector(p + "final_layer_norm.bias", c.hidden_size));
     const std::string a = p + "self_attn.";
-    IG_ASSIGN_OR_RETURN(L.qkv, load.StackedMatrices({a + "q_proj.weight", a + "k_proj.weight",
-                                           a + "v_proj.weight"},
-                                          {c.q_dim(), c.kv_dim(), c.kv_dim()}, c.hidden_size));
+    IG_ASSIGN_OR_RETURN(
+        L.qkv, load.StackedMatrices({a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+                                    {c.q_dim(), c.kv_dim(), c.kv_dim()}, c.hidden_size));
     IG_ASSIGN_OR_RETURN(L.o, load.Matrix(a + "out_proj.weight", c.hidden_size, c.q_dim()));
     if (bias) {
-      IG_ASSIGN_OR_RETURN(L.qkv_bias, load.ConcatenatedVectors({a + "q_proj.bias", a + "k_proj.bias",
-                                                  a + "v_proj.bias"},
-                                                 {c.q_dim(), c.kv_dim(), c.kv_dim()}));
+      IG_ASSIGN_OR_RETURN(L.qkv_bias, load.ConcatenatedVectors(
+                                          {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"},
+                                          {c.q_dim(), c.kv_dim(), c.kv_dim()}));
       IG_ASSIGN_OR_RETURN(L.o_bias, load.Vector(a + "out_proj.bias", c.hidden_size));
     }
     IG_ASSIGN_OR_RETURN(L.up, load.Matrix(p + "fc1.weight", c.intermediate_size, c.hidden_size));

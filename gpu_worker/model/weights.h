@@ -16,16 +16,16 @@ struct LayerWeights {
   Weight qkv, qkv_bias;              // [q_dim + 2 * kv_dim, hidden]: Q rows, then K, then V
   Weight o, o_bias;                  // [hidden, q_dim]
   Weight mlp_norm, mlp_norm_bias;    // [1, hidden]
-  Weight up, up_bias;  // Llama: [2 * intermediate, hidden], gate rows then up; OPT: fc1
-  Weight down, down_bias;            // [hidden, intermediate]
+  Weight up, up_bias;      // Llama: [2 * intermediate, hidden], gate rows then up; OPT: fc1
+  Weight down, down_bias;  // [hidden, intermediate]
 };
 
 struct ModelWeights {
-  Weight embed;                          // [vocab, embed_dim]
-  Weight positions;                      // OPT: [max_positions + offset, hidden]
-  Weight project_in, project_out;        // OPT with word_embed_proj_dim != hidden
-  Weight final_norm, final_norm_bias;    // [1, hidden]
-  Weight lm_head;                        // [vocab, embed_dim]; empty when tied to embed
+  Weight embed;                           // [vocab, embed_dim]
+  Weight positions;                       // OPT: [max_positions + offset, hidden]
+  Weight project_in, project_out;         // OPT with word_embed_proj_dim != hidden
+  Weight final_norm, final_norm_bias;     // [1, hidden]
+  Weight lm_head;                         // [vocab, embed_dim]; empty when tied to embed
   std::unique_ptr<Buffer> rope_inv_freq;  // float32 [rotary_dim / 2], Llama only
   std::vector<LayerWeights> layers;
 

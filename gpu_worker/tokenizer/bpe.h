@@ -25,9 +25,9 @@ class BpeModel {
  public:
   // `vocab`: token string -> id. `merges`: pairs in rank order; each merged string must be in
   // the vocabulary. Errors name the offending merge.
-  static absl::StatusOr<BpeModel> Create(absl::flat_hash_map<std::string, int32_t> vocab,
-                                         const std::vector<std::pair<std::string, std::string>>& merges,
-                                         const BpeOptions& options);
+  static absl::StatusOr<BpeModel> Create(
+      absl::flat_hash_map<std::string, int32_t> vocab,
+      const std::vector<std::pair<std::string, std::string>>& merges, const BpeOptions& options);
 
   // Appends the ids of `word` (UTF-8, already in the model's alphabet) to `out`.
   void Encode(absl::string_view word, std::vector<int32_t>& out) const;

@@ -48,13 +48,14 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromJinja(absl::string_view jinja, st
       if (close == absl::string_view::npos) {
         return absl::UnimplementedError("ChatML template with an unterminated system turn");
       }
-      t.default_system_ = std::string(jinja.substr(open + kOpen.size(), close - open - kOpen.size()));
+      t.default_system_ =
+          std::string(jinja.substr(open + kOpen.size(), close - open - kOpen.size()));
     }
     return t;
   }
-  return absl::UnimplementedError(absl::StrCat(
-      "chat template not recognized (known: Llama 3, Llama 2, ChatML); it begins: ",
-      jinja.substr(0, 80)));
+  return absl::UnimplementedError(
+      absl::StrCat("chat template not recognized (known: Llama 3, Llama 2, ChatML); it begins: ",
+                   jinja.substr(0, 80)));
 }
 
 absl::StatusOr<ChatTemplate> ChatTemplate::ForFormat(absl::string_view name, std::string bos,

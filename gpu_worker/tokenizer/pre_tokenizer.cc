@@ -100,9 +100,8 @@ size_t Llama3Piece(const uint32_t* cps, size_t i, size_t n) {
 absl::StatusOr<SplitPattern> RecognizeSplitRegex(absl::string_view regex) {
   if (regex == kGpt2Regex) return SplitPattern::kGpt2;
   if (regex == kLlama3Regex) return SplitPattern::kLlama3;
-  return absl::UnimplementedError(
-      absl::StrCat("pre-tokenizer regex is not one this tokenizer implements (GPT-2 or Llama 3): ",
-                   regex));
+  return absl::UnimplementedError(absl::StrCat(
+      "pre-tokenizer regex is not one this tokenizer implements (GPT-2 or Llama 3): ", regex));
 }
 
 void SplitByPattern(SplitPattern pattern, const uint32_t* cps, size_t n,

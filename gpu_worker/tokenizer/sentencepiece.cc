@@ -52,14 +52,18 @@ class WireReader {
     absl::string_view s;
     uint32_t f;
     switch (wire) {
-      case 0: return Varint(&v);
+      case 0:
+        return Varint(&v);
       case 1:
         if (data_.size() - pos_ < 8) return ok_ = false;
         pos_ += 8;
         return true;
-      case 2: return Bytes(&s);
-      case 5: return Fixed32(&f);
-      default: return ok_ = false;
+      case 2:
+        return Bytes(&s);
+      case 5:
+        return Fixed32(&f);
+      default:
+        return ok_ = false;
     }
   }
 

@@ -29,7 +29,7 @@ struct SentencePieceSpec {
     PieceType type = PieceType::kNormal;
   };
   std::vector<Piece> pieces;
-  bool bpe = true;            // trainer_spec.model_type == BPE (unigram is not supported)
+  bool bpe = true;  // trainer_spec.model_type == BPE (unigram is not supported)
   bool byte_fallback = false;
   bool add_dummy_prefix = true;
   bool remove_extra_whitespaces = true;

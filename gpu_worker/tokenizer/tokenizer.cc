@@ -74,8 +74,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(TokenizerSpec spec)
     }
   }
   if (s.decoder == TokenizerSpec::Decoder::kSentencePiece && s.split == SplitPattern::kNone) {
-    t->split_at_space_symbol_ = std::none_of(
-        s.id_to_token.begin(), s.id_to_token.end(), [](const std::string& tok) {
+    t->split_at_space_symbol_ =
+        std::none_of(s.id_to_token.begin(), s.id_to_token.end(), [](const std::string& tok) {
           const absl::string_view t = tok, sym = kSpaceSymbol;
           for (size_t p = t.find(sym, 1); p != absl::string_view::npos; p = t.find(sym, p + 1)) {
             if (p < sym.size() || t.substr(p - sym.size(), sym.size()) != sym) {

@@ -28,9 +28,9 @@ struct GgufFile;
 struct AddedToken {
   std::string content;
   int32_t id = -1;
-  bool special = true;  // skipped by Decode(skip_special = true)
-  bool lstrip = false;  // absorbs whitespace to its left
-  bool rstrip = false;  // absorbs whitespace to its right
+  bool special = true;        // skipped by Decode(skip_special = true)
+  bool lstrip = false;        // absorbs whitespace to its left
+  bool rstrip = false;        // absorbs whitespace to its right
   bool match_in_text = true;  // false: only ever produced by ids (SentencePiece control pieces)
 };
 
@@ -38,12 +38,12 @@ struct AddedToken {
 struct TokenizerSpec {
   // Normalizer, applied to each text segment between added tokens.
   bool collapse_spaces = false;  // SentencePiece remove_extra_whitespaces: trim, single spaces
-  std::string prepend;  // prefixed to a non-empty segment (SentencePiece's dummy prefix)
+  std::string prepend;           // prefixed to a non-empty segment (SentencePiece's dummy prefix)
   std::vector<std::pair<std::string, std::string>> replacements;  // applied in order
   // Pre-tokenizer.
   bool split_digits = false;
   SplitPattern split = SplitPattern::kNone;
-  bool byte_level = false;           // map bytes to GPT-2's printable characters
+  bool byte_level = false;  // map bytes to GPT-2's printable characters
   bool byte_level_prefix_space = false;
   // Subword model.
   std::variant<std::monostate, BpeModel, SentencePieceBpe> model;

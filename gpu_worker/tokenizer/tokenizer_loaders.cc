@@ -3,8 +3,8 @@
 // tokenizer inside a GGUF. Anything a file asks for that is not implemented is an error that
 // names it, never a silently different tokenization.
 #include <filesystem>
-#include <optional>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -64,8 +64,10 @@ absl::StatusOr<TokenizerConfig> ReadTokenizerConfig(const std::string& path) {
   if (!fs::exists(path, ec)) return c;
   IG_ASSIGN_OR_RETURN(json j, ReadJson(path));
   if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not an object"));
-  if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean()) c.add_bos = j["add_bos_token"];
-  if (j.contains("add_eos_token") && j["add_eos_token"].is_boolean()) c.add_eos = j["add_eos_token"];
+  if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean())
+    c.add_bos = j["add_bos_token"];
+  if (j.contains("add_eos_token") && j["add_eos_token"].is_boolean())
+    c.add_eos = j["add_eos_token"];
   if (j.contains("bos_token")) c.bos_token = TokenString(j["bos_token"]);
   if (j.contains("eos_token")) c.eos_token = TokenString(j["eos_token"]);
   if (j.contains("chat_template")) {
@@ -143,7 +145,8 @@ absl::Status ParsePreTokenizer(const json& p, const std::string& path, Tokenizer
   if (p.is_null()) return absl::OkStatus();
   const std::string type = p.value("type", "");
   if (type == "Sequence") {
-    for (const json& sub : p["pretokenizers"]) IG_RETURN_IF_ERROR(ParsePreTokenizer(sub, path, spec));
+    for (const json& sub : p["pretokenizers"])
+      IG_RETURN_IF_ERROR(ParsePreTokenizer(sub, path, spec));
     return absl::OkStatus();
   }
   if (type == "Split") {
@@ -266,7 +269,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfJson(const std::string& path,
       if (it != vocab.end()) options.unk_id = it->second;
     }
     auto bpe = BpeModel::Create(vocab, merges, options);
-    if (!bpe.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", bpe.status().message()));
+    if (!bpe.ok())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", bpe.status().message()));
     spec.model = std::move(*bpe);
 
     if (j.contains("added_tokens")) {
@@ -303,7 +307,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadVocabMerges(const std::string& di
   if (!v.is_object()) return absl::InvalidArgumentError(vocab_path + ": not a JSON object");
   for (auto& [token, id] : v.items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(vocab_path, ": token ", token, " has a bad id"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(vocab_path, ": token ", token, " has a bad id"));
     }
     const int32_t i = id.get<int32_t>();
     vocab[token] = i;
@@ -324,7 +329,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadVocabMerges(const std::string& di
     merges.emplace_back(std::string(line.substr(0, space)), std::string(line.substr(space + 1)));
   }
   auto bpe = BpeModel::Create(vocab, merges, BpeOptions{});
-  if (!bpe.ok()) return absl::InvalidArgumentError(absl::StrCat(merges_path, ": ", bpe.status().message()));
+  if (!bpe.ok())
+    return absl::InvalidArgumentError(absl::StrCat(merges_path, ": ", bpe.status().message()));
   spec.model = std::move(*bpe);
   spec.byte_level = true;
   spec.split = SplitPattern::kGpt2;
@@ -373,7 +379,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePiece(const std::string& 
   auto sp = ParseSentencePieceModel(bytes);
   if (!sp.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", sp.status().message()));
   // Like the sentencepiece library, control pieces (<s>, </s>) are not recognized in text.
-  IG_ASSIGN_OR_RETURN(TokenizerSpec spec, SpecFromSentencePiece(*sp, path, /*match_control=*/false));
+  IG_ASSIGN_OR_RETURN(TokenizerSpec spec,
+                      SpecFromSentencePiece(*sp, path, /*match_control=*/false));
   return Tokenizer::Create(std::move(spec));
 }
 
@@ -395,9 +402,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g
     return absl::InvalidArgumentError(absl::StrCat(path, ": no tokenizer.ggml.tokens"));
   }
   if (types != nullptr && types->array.size() != tokens.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": tokenizer.ggml.token_type has ", types->array.size(),
-                     " entries for ", tokens.size(), " tokens"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": tokenizer.ggml.token_type has ",
+                                                   types->array.size(), " entries for ",
+                                                   tokens.size(), " tokens"));
   }
   auto type_of = [&](size_t i) {
     return types != nullptr ? static_cast<int32_t>(types->array[i].AsInt()) : 1;
@@ -405,7 +412,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g
   TokenizerSpec spec;
   if (kind == "gpt2") {
     absl::flat_hash_map<std::string, int32_t> vocab;
-    for (size_t i = 0; i < tokens.size(); ++i) vocab.try_emplace(tokens[i], static_cast<int32_t>(i));
+    for (size_t i = 0; i < tokens.size(); ++i)
+      vocab.try_emplace(tokens[i], static_cast<int32_t>(i));
     std::vector<std::pair<std::string, std::string>> merges;
     for (const std::string& m : StringArray(g.Find("tokenizer.ggml.merges"))) {
       const size_t space = m.find(' ');
@@ -428,7 +436,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g
       return Unsupported(path, absl::StrCat("GGUF pre-tokenizer \"", pre, "\""));
     }
     auto bpe = BpeModel::Create(std::move(vocab), merges, options);
-    if (!bpe.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", bpe.status().message()));
+    if (!bpe.ok())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", bpe.status().message()));
     spec.model = std::move(*bpe);
     spec.byte_level = true;
     spec.decoder = TokenizerSpec::Decoder::kByteLevel;
@@ -451,7 +460,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g
       SentencePieceSpec::Piece p;
       p.text = tokens[i];
       p.score = scores != nullptr && i < scores->array.size()
-                    ? static_cast<float>(scores->array[i].f) : 0.0f;
+                    ? static_cast<float>(scores->array[i].f)
+                    : 0.0f;
       const int32_t t = type_of(i);
       p.type = t >= 1 && t <= 6 ? static_cast<PieceType>(t) : PieceType::kNormal;
       sp.byte_fallback = sp.byte_fallback || p.type == PieceType::kByte;
@@ -485,9 +495,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
   if (fs::is_directory(path, ec)) {
     const fs::path dir(path);
     if (fs::exists(dir / "tokenizer.json", ec)) {
-      return LoadHfJson((dir / "tokenizer.json").string(), (dir / "tokenizer_config.json").string());
+      return LoadHfJson((dir / "tokenizer.json").string(),
+                        (dir / "tokenizer_config.json").string());
     }
-    if (fs::exists(dir / "tokenizer.model", ec)) return LoadSentencePiece((dir / "tokenizer.model").string());
+    if (fs::exists(dir / "tokenizer.model", ec))
+      return LoadSentencePiece((dir / "tokenizer.model").string());
     if (fs::exists(dir / "vocab.json", ec) && fs::exists(dir / "merges.txt", ec)) {
       return LoadVocabMerges(path);
     }

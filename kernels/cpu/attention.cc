@@ -23,9 +23,9 @@ float* Scratch(size_t n) {
 
 }  // namespace
 
-void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start,
-                     KvRows k, KvRows v, int num_heads, int num_kv_heads, int head_dim,
-                     float scale, float* out, int64_t out_stride) {
+void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start, KvRows k,
+                     KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
+                     float* out, int64_t out_stride) {
   const int group = num_heads / num_kv_heads;
   for (int h = 0; h < num_heads; ++h) {
     const int g = h / group;
@@ -44,15 +44,14 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
         std::fill(sr + visible, sr + ctx, 0.0f);
         Softmax(sr, visible);
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, head_dim, ctx, 1.0f, s, ctx,
-                  vh, v.row_stride, 0.0f, out + b0 * out_stride + h * head_dim, out_stride);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, head_dim, ctx, 1.0f, s, ctx, vh,
+                  v.row_stride, 0.0f, out + b0 * out_stride + h * head_dim, out_stride);
     }
   }
 }
 
-void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
-                     int64_t num_rows, int num_heads, int num_kv_heads, int head_dim,
-                     float scale, float* out) {
+void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices, int64_t num_rows,
+                     int num_heads, int num_kv_heads, int head_dim, float scale, float* out) {
   const int group = num_heads / num_kv_heads;
 #pragma omp parallel for if (num_rows * num_heads * head_dim > (1 << 16))
   for (int h = 0; h < num_heads; ++h) {

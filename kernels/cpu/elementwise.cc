@@ -72,8 +72,7 @@ void Relu(float* x, int64_t stride, int64_t rows, int64_t cols) {
   }
 }
 
-void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y,
-         int64_t y_stride) {
+void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y, int64_t y_stride) {
 #pragma omp parallel for if (rows * cols > kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;

@@ -51,8 +51,7 @@ void SwiGlu(const float* gate, int64_t gate_stride, const float* up, int64_t up_
 void Relu(float* x, int64_t stride, int64_t rows, int64_t cols);
 
 // y[r, :] += x[r, :].
-void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y,
-         int64_t y_stride);
+void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y, int64_t y_stride);
 
 // Numerically stable softmax of x[0..n) in place.
 void Softmax(float* x, int64_t n);
@@ -61,15 +60,14 @@ void Softmax(float* x, int64_t n);
 // over keys/values at positions 0 .. q_start+num_q-1. q: [num_q, num_heads * head_dim];
 // out: same shape. Query head h uses KV head h / (num_heads / num_kv_heads). Scores are
 // q·k * scale.
-void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start,
-                     KvRows k, KvRows v, int num_heads, int num_kv_heads, int head_dim,
-                     float scale, float* out, int64_t out_stride);
+void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start, KvRows k,
+                     KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
+                     float* out, int64_t out_stride);
 
 // Attention of one query row (all heads) over an explicit list of rows per KV head: KV head g
 // attends rows indices[g * num_rows + j] for j < num_rows (indices may be null: rows 0 ..
 // num_rows-1). GQA as in AttentionCausal. q, out: [num_heads * head_dim].
-void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
-                     int64_t num_rows, int num_heads, int num_kv_heads, int head_dim,
-                     float scale, float* out);
+void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices, int64_t num_rows,
+                     int num_heads, int num_kv_heads, int head_dim, float scale, float* out);
 
 }  // namespace infinigen::cpu

@@ -111,8 +111,10 @@ void AddBiasOrZero(const float* bias, float* y, int64_t ldy, int64_t m, int64_t 
   for (int64_t r = 0; r < m; ++r) {
     float* yr = y + r * ldy;
     if (!accumulate) {
-      if (bias != nullptr) std::memcpy(yr, bias, n * 4);
-      else std::memset(yr, 0, n * 4);
+      if (bias != nullptr)
+        std::memcpy(yr, bias, n * 4);
+      else
+        std::memset(yr, 0, n * 4);
     } else if (bias != nullptr) {
       for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
     }
@@ -122,8 +124,8 @@ void AddBiasOrZero(const float* bias, float* y, int64_t ldy, int64_t m, int64_t 
 // y[:, j0 : j0 + rows] += x · panelᵀ (panel: float32 [rows, k]).
 void PanelGemm(const float* x, int64_t ldx, const float* panel, int64_t rows, int64_t k, float* y,
                int64_t ldy, int64_t m) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, rows, k, 1.0f, x, ldx, panel, k, 1.0f,
-              y, ldy);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, rows, k, 1.0f, x, ldx, panel, k, 1.0f, y,
+              ldy);
 }
 
 }  // namespace

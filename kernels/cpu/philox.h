@@ -18,7 +18,7 @@ struct Philox4x32 {
 };
 
 IG_HOST_DEVICE inline Philox4x32 Philox4x32_10(uint64_t key, uint64_t counter_lo,
-                                                uint64_t counter_hi) {
+                                               uint64_t counter_hi) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   uint32_t c0 = static_cast<uint32_t>(counter_lo), c1 = static_cast<uint32_t>(counter_lo >> 32);

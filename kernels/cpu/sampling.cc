@@ -30,8 +30,7 @@ absl::Status SamplingParams::Validate() const {
 }
 
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
-                    std::span<const int32_t> history, uint64_t position,
-                    SamplingScratch& scratch) {
+                    std::span<const int32_t> history, uint64_t position, SamplingScratch& scratch) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
   if (params.repetition_penalty != 1.0f && !history.empty()) {
     scratch.seen.assign(vocab, 0);
@@ -59,8 +58,8 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
     std::nth_element(cand.begin(), cand.begin() + params.top_k - 1, cand.end(), by_logit);
     const float kth = cand[params.top_k - 1].first;
     // Hugging Face keeps every token tied with the k-th.
-    auto mid = std::partition(cand.begin(), cand.end(),
-                              [kth](const auto& c) { return c.first >= kth; });
+    auto mid =
+        std::partition(cand.begin(), cand.end(), [kth](const auto& c) { return c.first >= kth; });
     keep = mid - cand.begin();
   }
   std::sort(cand.begin(), cand.begin() + keep, by_logit);

@@ -13,10 +13,10 @@
 namespace infinigen {
 
 struct SamplingParams {
-  float temperature = 1.0f;  // 0 = greedy (argmax, lowest id on ties)
-  int32_t top_k = 0;         // 0 = off
-  float top_p = 1.0f;        // 1 = off
-  float min_p = 0.0f;        // 0 = off
+  float temperature = 1.0f;         // 0 = greedy (argmax, lowest id on ties)
+  int32_t top_k = 0;                // 0 = off
+  float top_p = 1.0f;               // 1 = off
+  float min_p = 0.0f;               // 0 = off
   float repetition_penalty = 1.0f;  // 1 = off; > 1 discourages tokens already in the sequence
   uint64_t seed = 0;
 
@@ -35,7 +35,6 @@ struct SamplingScratch {
 // `logits` [vocab], which it modifies. `history` is every token id before it (prompt and
 // generated), used by the repetition penalty.
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
-                    std::span<const int32_t> history, uint64_t position,
-                    SamplingScratch& scratch);
+                    std::span<const int32_t> history, uint64_t position, SamplingScratch& scratch);
 
 }  // namespace infinigen

@@ -27,10 +27,10 @@ std::vector<Loaded>& Tokenizers() {
       const char* path;
       bool lossless, spm;
     };
-    for (const Entry& e : {Entry{"/tokenizers/gpt2", true, false},
-                           Entry{"/tokenizers/llama3.1", true, false},
-                           Entry{"/tokenizers/llama2-spm/tokenizer.model", true, true},
-                           Entry{"/tokenizers/mistral-7b", false, true}}) {
+    for (const Entry& e :
+         {Entry{"/tokenizers/gpt2", true, false}, Entry{"/tokenizers/llama3.1", true, false},
+          Entry{"/tokenizers/llama2-spm/tokenizer.model", true, true},
+          Entry{"/tokenizers/mistral-7b", false, true}}) {
       auto t = infinigen::Tokenizer::Load(root + e.path);
       if (!t.ok()) __builtin_trap();  // the harness needs its tokenizers
       v->push_back({std::move(*t), e.lossless, e.spm});

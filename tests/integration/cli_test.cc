@@ -1,8 +1,8 @@
 // The `infinigen` binary as a user runs it: help, one-line errors with exit code 2, and the
 // logits command writing the engine's logits to a .npy file.
 #include <gtest/gtest.h>
-
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -30,13 +30,20 @@ std::string Slurp(const std::string& path) {
 }
 
 CommandResult Infinigen(const std::string& args) {
-  const fs::path tmp = fs::temp_directory_path();
-  const std::string out = (tmp / "infinigen_cli_out").string();
-  const std::string err = (tmp / "infinigen_cli_err").string();
+  // CTest runs these tests in parallel processes: every run gets its own output files.
+  static int calls = 0;
+  const std::string stem =
+      (fs::temp_directory_path() /
+       ("infinigen_cli_" + std::to_string(getpid()) + "_" + std::to_string(++calls)))
+          .string();
+  const std::string out = stem + ".out", err = stem + ".err";
   const std::string cmd =
       testing::BinaryPath("infinigen") + " </dev/null " + args + " >" + out + " 2>" + err;
   const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(out), Slurp(err)};
+  CommandResult result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(out), Slurp(err)};
+  fs::remove(out);
+  fs::remove(err);
+  return result;
 }
 
 int Lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
@@ -54,7 +61,8 @@ TEST(Cli, HelpForEveryCommand) {
 
 TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
   for (const std::string args :
-       {"generate --bogus 1", "generate --model", "logits --model /no/such/model --token-ids 1 --out x.npy",
+       {"generate --bogus 1", "generate --model",
+        "logits --model /no/such/model --token-ids 1 --out x.npy",
         "generate --model /no/such/model --prompt-ids 1,2", "generate --model . --prompt-ids a,b",
         "frobnicate", "generate --max-tokens many", "tokenize --tokenizer /nope --text x",
         "tokenize --text x", "bench --model /nope"}) {
@@ -66,7 +74,8 @@ TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
 
 TEST(Cli, LogitsCommandWritesTheEnginesLogits) {
   const std::string dir = testing::FixturePath("hf/opt_preln");
-  const std::string out = (fs::temp_directory_path() / "infinigen_cli_logits.npy").string();
+  const std::string out =
+      (fs::temp_directory_path() / (std::to_string(getpid()) + "_cli_logits.npy")).string();
   auto tokens = testing::NpyInts(dir + "/tokens.npy");
   std::string ids;
   for (int32_t t : tokens) ids += (ids.empty() ? "" : ",") + std::to_string(t);
@@ -89,14 +98,14 @@ TEST(Cli, GenerateGreedyPrintsTheFixturesContinuation) {
   for (int32_t t : prompt) ids += (ids.empty() ? "" : ",") + std::to_string(t);
   for (int32_t t : want) expect += (expect.empty() ? "[" : ",") + std::to_string(t);
   CommandResult r = Infinigen("generate --model " + dir + " --prompt-ids " + ids +
-                    " --max-tokens 32 --ignore-eos --temperature 0 --ids");
+                              " --max-tokens 32 --ignore-eos --temperature 0 --ids");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, expect + "]\n");
 }
 
-
 std::string WriteTemp(const std::string& name, const std::string& content) {
-  const std::string path = (fs::temp_directory_path() / name).string();
+  const std::string path =
+      (fs::temp_directory_path() / (std::to_string(getpid()) + "_" + name)).string();
   std::ofstream(path) << content;
   return path;
 }

@@ -69,15 +69,18 @@ TEST(GgufModel, ConvertedFixtureMatchesTransformersLogits) {
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     const std::string b = "blk." + std::to_string(l) + ".";
-    w.AddF32Tensor(b + "attn_norm.weight", {c.hidden_size}, read(p + "input_layernorm.weight", {c.hidden_size}));
+    w.AddF32Tensor(b + "attn_norm.weight", {c.hidden_size},
+                   read(p + "input_layernorm.weight", {c.hidden_size}));
     w.AddF32Tensor(b + "ffn_norm.weight", {c.hidden_size},
                    read(p + "post_attention_layernorm.weight", {c.hidden_size}));
-    w.AddF32Tensor(b + "attn_q.weight", {c.q_dim(), c.hidden_size},
-                   PermuteForInterleavedRope(read(p + "self_attn.q_proj.weight", {c.q_dim(), c.hidden_size}),
-                                             c.num_heads, c.head_dim, c.hidden_size));
-    w.AddF32Tensor(b + "attn_k.weight", {c.kv_dim(), c.hidden_size},
-                   PermuteForInterleavedRope(read(p + "self_attn.k_proj.weight", {c.kv_dim(), c.hidden_size}),
-                                             c.num_kv_heads, c.head_dim, c.hidden_size));
+    w.AddF32Tensor(
+        b + "attn_q.weight", {c.q_dim(), c.hidden_size},
+        PermuteForInterleavedRope(read(p + "self_attn.q_proj.weight", {c.q_dim(), c.hidden_size}),
+                                  c.num_heads, c.head_dim, c.hidden_size));
+    w.AddF32Tensor(
+        b + "attn_k.weight", {c.kv_dim(), c.hidden_size},
+        PermuteForInterleavedRope(read(p + "self_attn.k_proj.weight", {c.kv_dim(), c.hidden_size}),
+                                  c.num_kv_heads, c.head_dim, c.hidden_size));
     w.AddF32Tensor(b + "attn_v.weight", {c.kv_dim(), c.hidden_size},
                    read(p + "self_attn.v_proj.weight", {c.kv_dim(), c.hidden_size}));
     w.AddF32Tensor(b + "attn_output.weight", {c.hidden_size, c.q_dim()},
@@ -107,7 +110,8 @@ TEST(GgufModel, ConvertedFixtureMatchesTransformersLogits) {
   ForwardChunk chunk{1, 0, tokens, true};
   ASSERT_TRUE((*model)->Forward({&chunk, 1}, cache, logits).ok());
   float max_diff = 0;
-  for (size_t i = 0; i < logits.size(); ++i) max_diff = std::max(max_diff, std::abs(logits[i] - want[i]));
+  for (size_t i = 0; i < logits.size(); ++i)
+    max_diff = std::max(max_diff, std::abs(logits[i] - want[i]));
   EXPECT_LE(max_diff, 1e-4f);
   std::filesystem::remove(path);
 }

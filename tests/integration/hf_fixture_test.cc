@@ -112,19 +112,23 @@ TEST_P(HfGeneration, RaggedBatchEqualsSequencesAlone) {
   ForwardChunk step0[] = {{1, 0, a.subspan(0, 10), false}, {2, 0, b.subspan(0, 6), true}};
   ASSERT_TRUE(model.Forward(step0, cache, logits).ok());
   EXPECT_LE(MaxAbsDiff({logits.begin(), logits.begin() + vocab},
-                       {alone.begin() + 9 * vocab, alone.begin() + 10 * vocab}), 2e-5f);
+                       {alone.begin() + 9 * vocab, alone.begin() + 10 * vocab}),
+            2e-5f);
   EXPECT_LE(MaxAbsDiff({logits.begin() + vocab, logits.begin() + 7 * vocab},
-                       {b_alone.begin(), b_alone.begin() + 6 * vocab}), 2e-5f);
+                       {b_alone.begin(), b_alone.begin() + 6 * vocab}),
+            2e-5f);
   for (int64_t step = 0; step < 8; ++step) {
     ForwardChunk s[] = {{1, 10 + step, a.subspan(10 + step, 1), false},
                         {2, 6 + step, b.subspan(6 + step, 1), false}};
     ASSERT_TRUE(model.Forward(s, cache, logits).ok());
-    EXPECT_LE(MaxAbsDiff({logits.begin(), logits.begin() + vocab},
-                         {alone.begin() + (10 + step) * vocab, alone.begin() + (11 + step) * vocab}),
-              2e-5f);
-    EXPECT_LE(MaxAbsDiff({logits.begin() + vocab, logits.begin() + 2 * vocab},
-                         {b_alone.begin() + (6 + step) * vocab, b_alone.begin() + (7 + step) * vocab}),
-              2e-5f);
+    EXPECT_LE(
+        MaxAbsDiff({logits.begin(), logits.begin() + vocab},
+                   {alone.begin() + (10 + step) * vocab, alone.begin() + (11 + step) * vocab}),
+        2e-5f);
+    EXPECT_LE(
+        MaxAbsDiff({logits.begin() + vocab, logits.begin() + 2 * vocab},
+                   {b_alone.begin() + (6 + step) * vocab, b_alone.begin() + (7 + step) * vocab}),
+        2e-5f);
   }
 }
 
@@ -145,8 +149,8 @@ TEST_P(HfGeneration, GreedyTokensMatchTransformersGenerate) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllModels, HfGeneration,
-                         ::testing::Values("llama2_mha", "llama31_gqa", "llama32_tied",
-                                           "opt_preln", "opt_proj_postln"));
+                         ::testing::Values("llama2_mha", "llama31_gqa", "llama32_tied", "opt_preln",
+                                           "opt_proj_postln"));
 
 TEST(HfFixtureErrors, TokenIdOutsideVocabularyIsInvalidArgument) {
   Loaded l = Load(FixturePath("hf/llama31_gqa"));

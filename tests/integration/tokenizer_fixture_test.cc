@@ -19,8 +19,8 @@ namespace infinigen {
 namespace {
 
 struct Case {
-  std::string name;      // fixture file stem
-  std::string path;      // tokenizer to load
+  std::string name;  // fixture file stem
+  std::string path;  // tokenizer to load
   // decode(encode(x)) == x for every valid x. Not for tokenizer.json files of the
   // SentencePiece style: the text after a special token gets its own dummy-prefix space
   // ("a<s>b" decodes to "a<s> b"), as in Hugging Face.
@@ -121,7 +121,7 @@ TEST(GgufTokenizer, LlamaVocabularyMatchesSentencePiece) {
   EXPECT_GT(compared, 300);
   EXPECT_EQ(equal, compared);
   EXPECT_EQ((*tok)->Encode("<s>hi", false).front(), 1);  // control token recognized in text
-  EXPECT_EQ((*tok)->Encode("hi", true).front(), 1);       // BOS added by default
+  EXPECT_EQ((*tok)->Encode("hi", true).front(), 1);      // BOS added by default
 }
 
 INSTANTIATE_TEST_SUITE_P(

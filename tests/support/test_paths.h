@@ -22,12 +22,12 @@ std::string SmolLm2Path();
 // Whether `path` exists. If it does not: under CI (CI set) the test fails naming the path,
 // otherwise it is skipped with that message. Use as: if (!RequireFile(p)) return;
 bool RequireFile(const std::string& path, const std::string& what);
-#define IG_REQUIRE_FILE(path, what)                                                   \
-  do {                                                                                \
-    if (!::infinigen::testing::RequireFile(path, what)) {                             \
-      if (std::getenv("CI") != nullptr) FAIL() << (what) << " missing: " << (path);   \
+#define IG_REQUIRE_FILE(path, what)                                                  \
+  do {                                                                               \
+    if (!::infinigen::testing::RequireFile(path, what)) {                            \
+      if (std::getenv("CI") != nullptr) FAIL() << (what) << " missing: " << (path);  \
       GTEST_SKIP() << (what) << " missing: " << (path) << " (run scripts/setup.sh)"; \
-    }                                                                                 \
+    }                                                                                \
   } while (0)
 
 }  // namespace infinigen::testing

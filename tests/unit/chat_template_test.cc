@@ -1,10 +1,11 @@
 // Chat templates against jinja2's rendering of the real templates
 // (tests/fixtures/tokenizers/chat_templates.jsonl), and their error cases.
+#include "gpu_worker/tokenizer/chat_template.h"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
 
-#include "gpu_worker/tokenizer/chat_template.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/test_paths.h"
 
@@ -19,10 +20,12 @@ TEST(ChatTemplate, RendersLikeJinja) {
   while (std::getline(in, line)) {
     const auto row = nlohmann::json::parse(line);
     const std::string family = row["family"];
-    const std::string bos = family == "llama3" ? "<|begin_of_text|>"
-                            : family == "llama2" ? "<s>" : "<|im_start|>";
-    const std::string eos = family == "llama3" ? "<|eot_id|>"
-                            : family == "llama2" ? "</s>" : "<|im_end|>";
+    const std::string bos = family == "llama3"   ? "<|begin_of_text|>"
+                            : family == "llama2" ? "<s>"
+                                                 : "<|im_start|>";
+    const std::string eos = family == "llama3"   ? "<|eot_id|>"
+                            : family == "llama2" ? "</s>"
+                                                 : "<|im_end|>";
     auto t = ChatTemplate::FromJinja(row["template"].get<std::string>(), bos, eos);
     ASSERT_TRUE(t.ok()) << family << ": " << t.status();
     std::vector<ChatMessage> messages;

@@ -24,7 +24,8 @@ class CheckpointErrors : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
-           ("infinigen_ckpt_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+           ("infinigen_ckpt_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -55,7 +56,8 @@ const char* kTinyLlamaConfig = R"({"model_type": "llama", "vocab_size": 4, "hidd
 void ExpectError(const absl::Status& st, absl::StatusCode code,
                  std::initializer_list<std::string> words) {
   EXPECT_EQ(st.code(), code) << st;
-  for (const auto& w : words) EXPECT_NE(st.message().find(w), std::string::npos) << w << " not in: " << st;
+  for (const auto& w : words)
+    EXPECT_NE(st.message().find(w), std::string::npos) << w << " not in: " << st;
 }
 
 absl::Status LoadModel(const std::string& path) {
@@ -78,9 +80,10 @@ TEST_F(CheckpointErrors, SafetensorsHeaderIsNotJson) {
 }
 
 TEST_F(CheckpointErrors, SafetensorsTruncatedData) {
-  auto dir = HfFolder(kTinyLlamaConfig,
-                      R"({"model.norm.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
-                      std::vector<uint8_t>(5));
+  auto dir =
+      HfFolder(kTinyLlamaConfig,
+               R"({"model.norm.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
+               std::vector<uint8_t>(5));
   ExpectError(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
               {"model.safetensors", "model.norm.weight", "truncated"});
 }
@@ -95,33 +98,37 @@ TEST_F(CheckpointErrors, SafetensorsOverlappingTensors) {
 }
 
 TEST_F(CheckpointErrors, SafetensorsUnknownDtype) {
-  auto dir = HfFolder(kTinyLlamaConfig,
-                      R"({"model.norm.weight": {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]}})",
-                      std::vector<uint8_t>(16));
+  auto dir =
+      HfFolder(kTinyLlamaConfig,
+               R"({"model.norm.weight": {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]}})",
+               std::vector<uint8_t>(16));
   ExpectError(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
               {"model.norm.weight", "F64", "not supported"});
 }
 
 TEST_F(CheckpointErrors, SafetensorsSizeDisagreesWithShape) {
-  auto dir = HfFolder(kTinyLlamaConfig,
-                      R"({"model.norm.weight": {"dtype": "F16", "shape": [3], "data_offsets": [0, 8]}})",
-                      std::vector<uint8_t>(8));
+  auto dir =
+      HfFolder(kTinyLlamaConfig,
+               R"({"model.norm.weight": {"dtype": "F16", "shape": [3], "data_offsets": [0, 8]}})",
+               std::vector<uint8_t>(8));
   ExpectError(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
               {"model.norm.weight", "holds 8 bytes", "needs 6"});
 }
 
 TEST_F(CheckpointErrors, MissingTensorIsNamed) {
   // Only the embedding exists; the final norm is the next tensor the loader asks for.
-  auto dir = HfFolder(kTinyLlamaConfig,
-                      R"({"model.embed_tokens.weight": {"dtype": "F32", "shape": [4, 2], "data_offsets": [0, 32]}})",
-                      std::vector<uint8_t>(32));
+  auto dir = HfFolder(
+      kTinyLlamaConfig,
+      R"({"model.embed_tokens.weight": {"dtype": "F32", "shape": [4, 2], "data_offsets": [0, 32]}})",
+      std::vector<uint8_t>(32));
   ExpectError(LoadModel(dir), absl::StatusCode::kNotFound, {"model.norm.weight", "missing"});
 }
 
 TEST_F(CheckpointErrors, ShapeThatContradictsConfigIsNamed) {
-  auto dir = HfFolder(kTinyLlamaConfig,
-                      R"({"model.embed_tokens.weight": {"dtype": "F32", "shape": [4, 3], "data_offsets": [0, 48]}})",
-                      std::vector<uint8_t>(48));
+  auto dir = HfFolder(
+      kTinyLlamaConfig,
+      R"({"model.embed_tokens.weight": {"dtype": "F32", "shape": [4, 3], "data_offsets": [0, 48]}})",
+      std::vector<uint8_t>(48));
   ExpectError(LoadModel(dir), absl::StatusCode::kInvalidArgument,
               {"model.embed_tokens.weight", "[4, 3]", "config expects [4, 2]"});
 }

@@ -77,8 +77,7 @@ void CheckGemm(int64_t m, int64_t n, int64_t k, bool bias, bool accumulate) {
       want[i * n + j] = s;
     }
   }
-  Gemm(x.data(), ldx, w.data(), ldw, bias ? b.data() : nullptr, y.data(), ldy, m, n, k,
-       accumulate);
+  Gemm(x.data(), ldx, w.data(), ldw, bias ? b.data() : nullptr, y.data(), ldy, m, n, k, accumulate);
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
       ASSERT_NEAR(want[i * n + j], y[i * ldy + j], 1e-4 * (1 + std::abs(want[i * n + j])))
@@ -169,7 +168,8 @@ std::vector<double> RefAttendRow(const float* q, const std::vector<float>& k,
   double mx = -1e300;
   for (size_t j = 0; j < rows_of_head.size(); ++j) {
     double dot = 0;
-    for (int c = 0; c < d; ++c) dot += double(q[c]) * k[g * head_stride + rows_of_head[j] * row_stride + c];
+    for (int c = 0; c < d; ++c)
+      dot += double(q[c]) * k[g * head_stride + rows_of_head[j] * row_stride + c];
     s[j] = dot * scale;
     mx = std::max(mx, s[j]);
   }
@@ -177,7 +177,8 @@ std::vector<double> RefAttendRow(const float* q, const std::vector<float>& k,
   for (double& x : s) sum += (x = std::exp(x - mx));
   std::vector<double> out(d, 0.0);
   for (size_t j = 0; j < rows_of_head.size(); ++j) {
-    for (int c = 0; c < d; ++c) out[c] += s[j] / sum * v[g * head_stride + rows_of_head[j] * row_stride + c];
+    for (int c = 0; c < d; ++c)
+      out[c] += s[j] / sum * v[g * head_stride + rows_of_head[j] * row_stride + c];
   }
   return out;
 }
@@ -223,9 +224,9 @@ TEST(CpuKernels, DecodeAttentionOverIndexListMatchesDoubleLoop) {
   const float scale = 0.3f;
   for (bool with_indices : {true, false}) {
     std::vector<float> out(heads * d);
-    AttentionDecode(q.data(), {k.data(), head_stride, row_stride}, {v.data(), head_stride, row_stride},
-                    with_indices ? idx.data() : nullptr, num_rows, heads, kv_heads, d, scale,
-                    out.data());
+    AttentionDecode(q.data(), {k.data(), head_stride, row_stride},
+                    {v.data(), head_stride, row_stride}, with_indices ? idx.data() : nullptr,
+                    num_rows, heads, kv_heads, d, scale, out.data());
     for (int h = 0; h < heads; ++h) {
       const int g = h / (heads / kv_heads);
       std::vector<int32_t> rows(num_rows);

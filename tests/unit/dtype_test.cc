@@ -1,9 +1,9 @@
+#include "common/dtype.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
-
-#include "common/dtype.h"
 
 namespace infinigen {
 namespace {
@@ -20,7 +20,7 @@ TEST(DType, HalfRoundTripsEveryBitPattern) {
 }
 
 TEST(DType, HalfRoundsToNearestEvenAndSaturatesToInfinity) {
-  EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 1.0f / 2048)), 1.0f);           // tie -> even
+  EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 1.0f / 2048)), 1.0f);                // tie -> even
   EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 3.0f / 2048)), 1.0f + 2.0f / 1024);  // tie -> even
   EXPECT_EQ(HalfToFloat(FloatToHalf(65504.0f)), 65504.0f);
   EXPECT_TRUE(std::isinf(HalfToFloat(FloatToHalf(65520.0f))));

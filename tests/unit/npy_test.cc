@@ -1,10 +1,10 @@
+#include "common/npy.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-
-#include "common/npy.h"
 
 namespace infinigen {
 namespace {

@@ -1,4 +1,6 @@
 // bf16 and Q8 weight GEMMs against double-precision products of the same (rounded) weights.
+#include "kernels/cpu/packed_gemm.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,7 +8,6 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "kernels/cpu/packed_gemm.h"
 
 namespace infinigen::cpu {
 namespace {

@@ -64,7 +64,8 @@ TEST(HfConfig, ParsesLlamaFieldsAndRejectsWhatItCannotRun) {
 
   auto yarn = ParseHfConfig(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
       "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-      "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})", "x/config.json");
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})",
+                            "x/config.json");
   EXPECT_EQ(yarn.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(yarn.status().message().find("yarn"), std::string::npos);
 
@@ -73,7 +74,8 @@ TEST(HfConfig, ParsesLlamaFieldsAndRejectsWhatItCannotRun) {
 
   auto gqa = ParseHfConfig(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 12,
       "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 3,
-      "num_key_value_heads": 2})", "z/config.json");
+      "num_key_value_heads": 2})",
+                           "z/config.json");
   EXPECT_NE(gqa.status().message().find("num_kv_heads"), std::string::npos);
 }
 

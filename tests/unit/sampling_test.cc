@@ -1,3 +1,5 @@
+#include "kernels/cpu/sampling.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -5,7 +7,6 @@
 #include <vector>
 
 #include "kernels/cpu/philox.h"
-#include "kernels/cpu/sampling.h"
 
 namespace infinigen {
 namespace {
@@ -59,7 +60,8 @@ TEST(Sampling, SameSeedAndPositionGiveSameToken) {
   int differ = 0;
   SamplingParams q = p;
   q.seed = 43;
-  for (uint64_t pos = 0; pos < 50; ++pos) differ += Sample(logits, p, pos) != Sample(logits, q, pos);
+  for (uint64_t pos = 0; pos < 50; ++pos)
+    differ += Sample(logits, p, pos) != Sample(logits, q, pos);
   EXPECT_GT(differ, 25);  // ~99% of draws differ between seeds over 100 near-uniform tokens
 }
 

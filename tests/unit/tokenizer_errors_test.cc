@@ -47,9 +47,9 @@ TEST(TokenizerErrors, MalformedFilesAreNamed) {
                                     R"({"model": {"type": "BPE", "vocab": {"a": 0},
                                         "merges": ["a c"]}, "decoder": {"type": "ByteLevel"}})")),
               {"merge.json", "\"a\" + \"c\"", "missing from the vocabulary"});
-  ExpectError(Tokenizer::Load(Write("wordpiece.json",
-                                    R"({"model": {"type": "WordPiece", "vocab": {}}})")),
-              {"model type WordPiece", "not supported"});
+  ExpectError(
+      Tokenizer::Load(Write("wordpiece.json", R"({"model": {"type": "WordPiece", "vocab": {}}})")),
+      {"model type WordPiece", "not supported"});
   ExpectError(Tokenizer::Load(Write("nfkc.json",
                                     R"({"model": {"type": "BPE", "vocab": {}, "merges": []},
                                         "normalizer": {"type": "NFKC"},
@@ -84,7 +84,10 @@ TEST(TokenizerErrors, GgufTokenizerKindsAreChecked) {
 
 TEST(Unicode, SanitizeReplacesMaximalInvalidSubsequences) {
   EXPECT_EQ(unicode::SanitizeUtf8("ok"), "ok");
-  EXPECT_EQ(unicode::SanitizeUtf8("a\xff" "b"), "a\xEF\xBF\xBD" "b");
+  EXPECT_EQ(unicode::SanitizeUtf8("a\xff"
+                                  "b"),
+            "a\xEF\xBF\xBD"
+            "b");
   // A truncated 3-byte sequence is one replacement; a bad continuation restarts decoding.
   EXPECT_EQ(unicode::SanitizeUtf8("\xE2\x82"), "\xEF\xBF\xBD");
   EXPECT_EQ(unicode::SanitizeUtf8("\xC3\x28"), "\xEF\xBF\xBD(");
