@@ -136,10 +136,11 @@ class Backend {
   virtual absl::Status AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                        const AttentionShape& shape, MatView out) = 0;
   // One query row over num_rows rows per KV head, listed by indices [num_kv_heads, num_rows]
-  // in device memory (null: rows 0 .. num_rows - 1).
+  // in device memory (null: rows 0 .. num_rows - 1). `weights_out` (device, [num_heads,
+  // num_rows], may be null) receives the attention probabilities.
   virtual absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                        int64_t num_rows, const AttentionShape& shape,
-                                       MatView out) = 0;
+                                       MatView out, float* weights_out = nullptr) = 0;
 };
 
 }  // namespace infinigen

@@ -45,7 +45,8 @@ class CpuBackend final : public Backend {
   absl::Status AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                const AttentionShape& shape, MatView out) override;
   absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
-                               int64_t num_rows, const AttentionShape& shape, MatView out) override;
+                               int64_t num_rows, const AttentionShape& shape, MatView out,
+                               float* weights_out = nullptr) override;
 
  private:
   CpuBackendOptions options_;

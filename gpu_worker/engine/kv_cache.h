@@ -1,6 +1,11 @@
 // KvCache: where a sequence's K/V rows live between steps. The model appends the K/V of every
 // token it processes and reads them back for attention. ResidentKvCache keeps them in backend
 // memory; the KV store service implements the same seam with host RAM on another process.
+//
+// Rows of one layer are "slots". Without a memory limit a token's slot is its position. A cache
+// with a limit (the KV pool of INFINIGEN.md) overwrites evicted slots, so after eviction a slot
+// holds whichever token was written there last, and the slot of a token may differ per KV head.
+// Attention does not care: K is stored after RoPE, so rows can be attended in any order.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +34,7 @@ struct KvCacheShape {
 struct KvLayerView {
   KvView k;
   KvView v;
+  int64_t num_slots = 0;  // valid rows per KV head
 };
 
 class KvCache {
@@ -46,10 +52,14 @@ class KvCache {
   // Stores K and V of tokens [start, start + k.rows) at `layer`; k, v: [n, num_kv_heads *
   // head_dim] in backend memory. start may not pass the layer's length (no holes); rows at and
   // after `start` are replaced, so a sequence can be rolled back by appending at an earlier
-  // position.
-  virtual absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v) = 0;
-  // K/V rows [0, length) of `layer`, readable by the backend until the next Append or Close.
-  virtual absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer, int64_t length) = 0;
+  // position. `slots_out` (host, [n, num_kv_heads], may be null) receives each row's slot.
+  virtual absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
+                              int32_t* slots_out = nullptr) = 0;
+  // The valid slots of `layer`, readable by the backend until the next Append or Close.
+  virtual absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) = 0;
+  // A decode step at `layer` read these slots (host, [num_kv_heads, count]). Caches that evict
+  // keep fetch counts and recency from it; others ignore it.
+  virtual void RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {}
 };
 
 }  // namespace infinigen

@@ -70,7 +70,7 @@ absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
 }
 
 absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k,
-                                     MatView v) {
+                                     MatView v, int32_t* slots_out) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   Sequence& s = it->second;
@@ -97,21 +97,24 @@ absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, M
                                      View(*l.v, s.capacity).Head(g, start, n, shape_.head_dim)));
   }
   l.length = start + n;
+  if (slots_out != nullptr) {
+    for (int64_t t = 0; t < n; ++t) {
+      std::fill_n(slots_out + t * shape_.num_kv_heads, shape_.num_kv_heads,
+                  static_cast<int32_t>(start + t));
+    }
+  }
   return absl::OkStatus();
 }
 
-absl::StatusOr<KvLayerView> ResidentKvCache::Read(SequenceId seq, int layer, int64_t length) {
+absl::StatusOr<KvLayerView> ResidentKvCache::Read(SequenceId seq, int layer) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   Sequence& s = it->second;
-  if (layer < 0 || layer >= shape_.num_layers || length > s.layers[layer].length) {
-    return absl::OutOfRangeError(
-        absl::StrCat("layer ", layer, " holds ",
-                     layer < 0 || layer >= shape_.num_layers ? 0 : s.layers[layer].length,
-                     " tokens, ", length, " requested"));
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
   Layer& l = s.layers[layer];
-  return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity)};
+  return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity), l.length};
 }
 
 }  // namespace infinigen

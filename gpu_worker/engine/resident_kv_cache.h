@@ -19,8 +19,9 @@ class ResidentKvCache final : public KvCache {
   absl::Status Open(SequenceId seq, int64_t capacity_tokens) override;
   void Close(SequenceId seq) override;
   absl::StatusOr<int64_t> Length(SequenceId seq) const override;
-  absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v) override;
-  absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer, int64_t length) override;
+  absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
+                      int32_t* slots_out = nullptr) override;
+  absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) override;
 
   size_t bytes_reserved() const { return bytes_reserved_; }
 

@@ -55,6 +55,10 @@ absl::Status Model::Reserve(int64_t tokens, int64_t logit_rows) {
     IG_RETURN_IF_ERROR(grow(ws_.attn, tokens, c.q_dim(), e));
     IG_RETURN_IF_ERROR(grow(ws_.mlp, tokens, mlp_cols, e));
     IG_RETURN_IF_ERROR(grow(ws_.act, tokens, c.intermediate_size, e));
+    IG_RETURN_IF_ERROR(grow(ws_.h_prev, tokens, c.hidden_size, e));
+    IG_RETURN_IF_ERROR(grow(ws_.x_prev, tokens, c.hidden_size, e));
+    IG_RETURN_IF_ERROR(grow(ws_.spec_in, tokens, c.hidden_size, e));
+    IG_RETURN_IF_ERROR(grow(ws_.spec_qkv, tokens, c.q_dim() + 2 * c.kv_dim(), e));
     ws_.max_tokens = tokens;
   }
   if (logit_rows > ws_.max_logit_rows) {
@@ -63,6 +67,13 @@ absl::Status Model::Reserve(int64_t tokens, int64_t logit_rows) {
     IG_RETURN_IF_ERROR(grow(ws_.logits, logit_rows, c.vocab_size, sizeof(float)));
     ws_.max_logit_rows = logit_rows;
   }
+  return absl::OkStatus();
+}
+
+absl::Status Model::EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes) {
+  if (b != nullptr && b->size() >= bytes) return absl::OkStatus();
+  b.reset();
+  IG_ASSIGN_OR_RETURN(b, backend_.Allocate(std::max<size_t>(bytes, 64)));
   return absl::OkStatus();
 }
 
@@ -92,6 +103,43 @@ absl::Status Model::Embed(int64_t n) {
   return backend_.Add(pos, x);
 }
 
+absl::Status Model::Speculate(std::span<const ForwardChunk> batch, int layer, int64_t n,
+                              MatView attention_input) {
+  const ModelConfig& c = config_;
+  MatView x = Activations(*ws_.x, n, c.hidden_size);
+  MatView h_prev = Activations(*ws_.h_prev, n, c.hidden_size);
+  MatView x_prev = Activations(*ws_.x_prev, n, c.hidden_size);
+  if (layer > 0) {
+    MatView spec_in = Activations(*ws_.spec_in, n, c.hidden_size);
+    int64_t row = 0;
+    for (const ForwardChunk& chunk : batch) {
+      const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+      const SpeculationInput kind =
+          chunk.policy != nullptr ? chunk.policy->speculation_input() : SpeculationInput::kNone;
+      if (kind == SpeculationInput::kThisLayerNorm) {
+        const LayerWeights& L = weights_.layers[layer];
+        IG_RETURN_IF_ERROR(
+            Norm(x_prev.Rows(row, len), L.attn_norm, L.attn_norm_bias, spec_in.Rows(row, len)));
+      } else {
+        IG_RETURN_IF_ERROR(backend_.Copy(h_prev.Rows(row, len), spec_in.Rows(row, len)));
+      }
+      row += len;
+    }
+    const LayerWeights& L = weights_.layers[layer];
+    MatView spec_qkv = Activations(*ws_.spec_qkv, n, c.q_dim() + 2 * c.kv_dim());
+    IG_RETURN_IF_ERROR(
+        backend_.Linear(spec_in, L.qkv, L.qkv_bias ? &L.qkv_bias : nullptr, spec_qkv, false));
+    if (c.architecture == Architecture::kLlama) {
+      IG_RETURN_IF_ERROR(backend_.Rope(
+          spec_qkv.Cols(0, c.q_dim()), c.num_heads, c.head_dim, c.rope.rotary_dim,
+          static_cast<const int32_t*>(ws_.positions->data()),
+          static_cast<const float*>(weights_.rope_inv_freq->data()), c.rope.layout));
+    }
+  }
+  IG_RETURN_IF_ERROR(backend_.Copy(attention_input, h_prev));
+  return backend_.Copy(x, x_prev);
+}
+
 absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
                               int64_t n) {
   const ModelConfig& c = config_;
@@ -111,18 +159,80 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
                              static_cast<int>(c.head_dim),
                              1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   MatView out = Activations(*ws_.attn, n, c.q_dim());
+  const int64_t kv_heads = c.num_kv_heads;
+  host_slots_.resize(static_cast<size_t>(n * kv_heads));
+  MatView spec_q = Activations(*ws_.spec_qkv, n, c.q_dim() + 2 * c.kv_dim()).Cols(0, c.q_dim());
   int64_t row = 0;
   for (const ForwardChunk& chunk : batch) {
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
-    IG_RETURN_IF_ERROR(
-        cache.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len)));
-    IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Read(chunk.seq, layer, chunk.start + len));
-    if (len == 1) {
-      IG_RETURN_IF_ERROR(backend_.AttentionDecode(q.Rows(row, 1), kv.k, kv.v, nullptr,
-                                                  chunk.start + 1, shape, out.Rows(row, 1)));
-    } else {
-      IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start, shape,
-                                                  out.Rows(row, len)));
+    KvSelectionPolicy* policy = chunk.policy;
+    int32_t* slots = host_slots_.data() + row * kv_heads;
+    IG_RETURN_IF_ERROR(cache.Append(chunk.seq, layer, chunk.start, k.Rows(row, len),
+                                    v.Rows(row, len), slots));
+    IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Read(chunk.seq, layer));
+    if (policy != nullptr) {
+      LayerKeys keys{chunk.seq,           layer,        chunk.start,
+                     len,                 k.Rows(row, len).As<const float>(),
+                     k.stride,            q.Rows(row, len).As<const float>(),
+                     q.stride,            slots,        kv};
+      IG_RETURN_IF_ERROR(policy->OnKeys(keys));
+    }
+    if (len > 1 || policy == nullptr) {
+      if (len > 1 && kv.num_slots != chunk.start + len) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "prefill of sequence ", chunk.seq, " needs all its ", chunk.start + len,
+            " tokens in the KV cache, which holds ", kv.num_slots, " (capacity too small)"));
+      }
+      if (len == 1) {
+        IG_RETURN_IF_ERROR(backend_.AttentionDecode(q.Rows(row, 1), kv.k, kv.v, nullptr,
+                                                    kv.num_slots, shape, out.Rows(row, 1)));
+      } else {
+        IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start,
+                                                    shape, out.Rows(row, len)));
+      }
+      row += len;
+      continue;
+    }
+    // A decode token with a selection policy.
+    SelectRequest request;
+    request.seq = chunk.seq;
+    request.layer = layer;
+    request.position = chunk.start;
+    request.current_slots = slots;
+    request.kv = kv;
+    request.q = q.Rows(row, 1).As<const float>();
+    if (speculating_ && layer > 0 &&
+        policy->speculation_input() != SpeculationInput::kNone) {
+      request.speculated_q = spec_q.Rows(row, 1).As<const float>();
+    }
+    Selection selection;
+    IG_RETURN_IF_ERROR(policy->Select(request, selection));
+    const int32_t* indices = nullptr;
+    int64_t rows = kv.num_slots;
+    if (!selection.all) {
+      rows = selection.count;
+      if (rows <= 0 || static_cast<int64_t>(selection.indices.size()) != rows * kv_heads) {
+        return absl::InternalError(absl::StrCat("policy ", policy->Name(),
+                                                " returned a malformed selection"));
+      }
+      const size_t bytes = selection.indices.size() * sizeof(int32_t);
+      IG_RETURN_IF_ERROR(EnsureBuffer(ws_.indices, bytes));
+      IG_RETURN_IF_ERROR(backend_.CopyToDevice(selection.indices.data(), ws_.indices->data(), bytes));
+      indices = static_cast<const int32_t*>(ws_.indices->data());
+      cache.RecordFetch(chunk.seq, layer, selection.indices.data(), rows);
+    }
+    float* weights = nullptr;
+    if (policy->wants_attention_weights()) {
+      IG_RETURN_IF_ERROR(EnsureBuffer(ws_.weights, c.num_heads * rows * sizeof(float)));
+      weights = static_cast<float*>(ws_.weights->data());
+    }
+    IG_RETURN_IF_ERROR(backend_.AttentionDecode(q.Rows(row, 1), kv.k, kv.v, indices, rows, shape,
+                                                out.Rows(row, 1), weights));
+    if (weights != nullptr) {
+      host_weights_.resize(static_cast<size_t>(c.num_heads * rows));
+      IG_RETURN_IF_ERROR(backend_.CopyToHost(weights, host_weights_.data(),
+                                             host_weights_.size() * sizeof(float)));
+      policy->OnAttentionWeights(chunk.seq, layer, selection, host_weights_.data(), rows);
     }
     row += len;
   }
@@ -235,6 +345,10 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
       backend_.CopyToDevice(host_positions_.data(), ws_.positions->data(), n * sizeof(int32_t)));
 
   IG_RETURN_IF_ERROR(Embed(n));
+  speculating_ = std::any_of(batch.begin(), batch.end(), [](const ForwardChunk& chunk) {
+    return chunk.policy != nullptr &&
+           chunk.policy->speculation_input() != SpeculationInput::kNone;
+  });
   MatView x = Activations(*ws_.x, n, c.hidden_size);
   MatView h = Activations(*ws_.h, n, c.hidden_size);
   MatView qkv = Activations(*ws_.qkv, n, c.q_dim() + 2 * c.kv_dim());
@@ -246,6 +360,7 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
       IG_RETURN_IF_ERROR(Norm(x, L.attn_norm, L.attn_norm_bias, h));
       in = h;
     }
+    if (speculating_) IG_RETURN_IF_ERROR(Speculate(batch, layer, n, in));
     IG_RETURN_IF_ERROR(backend_.Linear(in, L.qkv, L.qkv_bias ? &L.qkv_bias : nullptr, qkv, false));
     IG_RETURN_IF_ERROR(Attention(batch, layer, cache, n));
     IG_RETURN_IF_ERROR(backend_.Linear(attn, L.o, L.o_bias ? &L.o_bias : nullptr, x, true));

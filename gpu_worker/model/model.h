@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/engine/kv_selection.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/config.h"
 #include "gpu_worker/model/weights.h"
@@ -23,6 +24,8 @@ struct ForwardChunk {
   int64_t start = 0;                // tokens of `seq` already in the cache (= first position)
   std::span<const int32_t> tokens;  // the new tokens
   bool all_logits = false;          // logits of every new token, else of the last one only
+  // Which rows decode steps of this sequence attend to; null = all (dense).
+  KvSelectionPolicy* policy = nullptr;
 };
 
 class Model {
@@ -52,11 +55,21 @@ class Model {
     int64_t max_tokens = 0;
     int64_t max_logit_rows = 0;
     std::unique_ptr<Buffer> ids, positions, x, h, qkv, attn, mlp, act, sel, sel_proj, logits;
+    // Speculation (policies that predict layer i from layer i-1): the previous layer's
+    // attention input and residual input, this layer's speculation input and projection.
+    std::unique_ptr<Buffer> h_prev, x_prev, spec_in, spec_qkv;
+    // Decode selection: row indices in device memory and attention weights, sized on demand.
+    std::unique_ptr<Buffer> indices, weights;
   };
   absl::Status Reserve(int64_t tokens, int64_t logit_rows);
   MatView Activations(Buffer& b, int64_t rows, int64_t cols) const;
 
   absl::Status Embed(int64_t num_tokens);
+  // For layer `layer`, the speculated queries of the rows whose policy asks for them, from the
+  // inputs saved at the previous layer; then saves this layer's inputs for the next one.
+  absl::Status Speculate(std::span<const ForwardChunk> batch, int layer, int64_t num_tokens,
+                         MatView attention_input);
+  absl::Status EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes);
   absl::Status Norm(MatView x, const Weight& w, const Weight& b, MatView out);
   absl::Status Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
                          int64_t num_tokens);
@@ -69,6 +82,9 @@ class Model {
   ModelWeights weights_;
   Workspace ws_;
   std::vector<int32_t> host_ids_, host_positions_;
+  std::vector<int32_t> host_slots_;  // [tokens, num_kv_heads] slots from the last Append
+  std::vector<float> host_weights_;
+  bool speculating_ = false;         // some chunk of the current batch speculates
 };
 
 }  // namespace infinigen

@@ -1,6 +1,8 @@
 #include "gpu_worker/model/safetensors.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <cstring>
 #include <limits>
 
@@ -18,7 +20,8 @@ absl::Status Bad(const MappedFile& f, const std::string& what) {
 
 }  // namespace
 
-absl::Status ParseSafetensors(const MappedFile& file, std::vector<StoredTensor>& out) {
+absl::Status ParseSafetensors(const MappedFile& file, std::vector<StoredTensor>& out,
+                              std::map<std::string, std::string>* metadata) {
   if (file.size() < 8) return Bad(file, "truncated: shorter than the 8-byte header length");
   uint64_t header_len;
   std::memcpy(&header_len, file.data(), 8);
@@ -38,7 +41,14 @@ absl::Status ParseSafetensors(const MappedFile& file, std::vector<StoredTensor>&
   };
   std::vector<Range> ranges;
   for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
+    if (it.key() == "__metadata__") {
+      if (metadata != nullptr && it.value().is_object()) {
+        for (auto& [k, v] : it.value().items()) {
+          if (v.is_string()) (*metadata)[k] = v.get<std::string>();
+        }
+      }
+      continue;
+    }
     const std::string& name = it.key();
     const json& t = it.value();
     auto bad_tensor = [&](const std::string& what) {
@@ -103,6 +113,38 @@ absl::Status ParseSafetensors(const MappedFile& file, std::vector<StoredTensor>&
       return Bad(file, absl::StrCat("tensors ", ranges[i - 1].name, " and ", ranges[i].name,
                                     " overlap in the data section"));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    const uint64_t bytes = t.values.size() * 4;
+    header[t.name] = {{"dtype", "F32"},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
+  const std::string tmp = path + ".tmp";
+  std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+  if (!f) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open for writing"));
+  const uint64_t len = text.size();
+  f.write(reinterpret_cast<const char*>(&len), 8);
+  f.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& t : tensors) {
+    f.write(reinterpret_cast<const char*>(t.values.data()),
+            static_cast<std::streamsize>(t.values.size() * 4));
+  }
+  f.close();
+  if (!f) return absl::DataLossError(absl::StrCat(path, ": write failed (disk full?)"));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot rename ", tmp, " into place"));
   }
   return absl::OkStatus();
 }

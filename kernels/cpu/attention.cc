@@ -51,7 +51,8 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
 }
 
 void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices, int64_t num_rows,
-                     int num_heads, int num_kv_heads, int head_dim, float scale, float* out) {
+                     int num_heads, int num_kv_heads, int head_dim, float scale, float* out,
+                     float* weights_out) {
   const int group = num_heads / num_kv_heads;
 #pragma omp parallel for if (num_rows * num_heads * head_dim > (1 << 16))
   for (int h = 0; h < num_heads; ++h) {
@@ -69,6 +70,7 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
       s[j] = dot * scale;
     }
     Softmax(s, num_rows);
+    if (weights_out != nullptr) std::copy_n(s, num_rows, weights_out + h * num_rows);
     float* oh = out + h * head_dim;
     std::fill(oh, oh + head_dim, 0.0f);
     for (int64_t j = 0; j < num_rows; ++j) {

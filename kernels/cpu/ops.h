@@ -66,8 +66,10 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
 
 // Attention of one query row (all heads) over an explicit list of rows per KV head: KV head g
 // attends rows indices[g * num_rows + j] for j < num_rows (indices may be null: rows 0 ..
-// num_rows-1). GQA as in AttentionCausal. q, out: [num_heads * head_dim].
+// num_rows-1). GQA as in AttentionCausal. q, out: [num_heads * head_dim]. weights_out
+// ([num_heads, num_rows], may be null) receives the attention probabilities.
 void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices, int64_t num_rows,
-                     int num_heads, int num_kv_heads, int head_dim, float scale, float* out);
+                     int num_heads, int num_kv_heads, int head_dim, float scale, float* out,
+                     float* weights_out = nullptr);
 
 }  // namespace infinigen::cpu

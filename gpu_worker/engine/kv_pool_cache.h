@@ -1,0 +1,72 @@
+// A KvCache with a memory limit per sequence: the KV pool of INFINIGEN.md. Each (layer, KV
+// head) holds at most `capacity` tokens; a decode token that finds its head full overwrites a
+// victim's slot. Victims: `counter` (the lowest fetch count among the older half, the paper's
+// policy), `fifo` (the oldest) or `lru` (the least recently fetched). An evicted token is gone:
+// no later step can select it. Prefill must fit the capacity.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "gpu_worker/engine/kv_cache.h"
+
+namespace infinigen {
+
+enum class EvictionPolicy { kCounter, kFifo, kLru };
+absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(absl::string_view name);
+
+struct KvPoolConfig {
+  // Capacity of a sequence: capacity_tokens when > 0, else ceil(capacity_fraction x the
+  // capacity given to Open (its prompt plus most new tokens)).
+  double capacity_fraction = 1.0;
+  int64_t capacity_tokens = 0;
+  EvictionPolicy eviction = EvictionPolicy::kCounter;
+};
+
+class KvPoolCache final : public KvCache {
+ public:
+  KvPoolCache(Backend& backend, const KvCacheShape& shape, const KvPoolConfig& config);
+
+  absl::Status Open(SequenceId seq, int64_t capacity_tokens) override;
+  void Close(SequenceId seq) override;
+  absl::StatusOr<int64_t> Length(SequenceId seq) const override;
+  absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
+                      int32_t* slots_out = nullptr) override;
+  absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) override;
+  void RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) override;
+
+  // Position of the token in each slot of one head (tests and metrics).
+  const std::vector<int64_t>& SlotPositions(SequenceId seq, int layer, int head) const;
+  int64_t capacity(SequenceId seq) const;
+  int64_t evictions() const { return evictions_; }
+
+ private:
+  struct Head {
+    std::vector<int64_t> position;  // [slot]
+    std::vector<int64_t> fetches;   // [slot] fetch count since the token arrived
+    std::vector<int64_t> last_use;  // [slot] step of the last fetch (or arrival)
+  };
+  struct Layer {
+    std::unique_ptr<Buffer> k, v;  // [num_kv_heads, capacity, head_dim]
+    int64_t size = 0;              // filled slots (equal for all heads)
+    int64_t length = 0;            // tokens appended
+    std::vector<Head> heads;
+  };
+  struct Sequence {
+    int64_t capacity = 0;
+    int64_t step = 0;
+    std::vector<Layer> layers;
+  };
+
+  int32_t Victim(const Head& head, int64_t size) const;
+  KvView View(Buffer& b, int64_t capacity) const;
+
+  Backend& backend_;
+  KvCacheShape shape_;
+  KvPoolConfig config_;
+  int64_t evictions_ = 0;
+  absl::flat_hash_map<SequenceId, Sequence> sequences_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,82 @@
+// KvSelectionPolicy: which stored tokens a decode step attends to, per layer and KV head. The
+// model asks the policy at every layer of every decode token; `full` answers "all", InfiniGen
+// speculates from the previous layer, and the baselines (H2O, window, oracle) are the paper's
+// comparisons. Policies keep per-sequence state (partial key caches, accumulated scores) and
+// see every key row the model stores, with its slot.
+//
+// Policies run on the host: the pointers below are host memory (the CPU backend's activations).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gpu_worker/engine/kv_cache.h"
+
+namespace infinigen {
+
+// The rows one decode step reads at one layer.
+struct Selection {
+  bool all = true;  // every valid slot (dense attention)
+  int64_t count = 0;             // rows per KV head when !all
+  std::vector<int32_t> indices;  // [num_kv_heads, count] slots; each head's list includes the
+                                 // current token's slot
+};
+
+// Keys the model just stored at one layer for one sequence (prefill chunk or decode token).
+struct LayerKeys {
+  SequenceId seq = 0;
+  int layer = 0;
+  int64_t start = 0;  // position of the first row
+  int64_t count = 0;
+  const float* k = nullptr;  // [count, num_kv_heads * head_dim], after RoPE
+  int64_t k_stride = 0;
+  const float* q = nullptr;  // [count, num_heads * head_dim], after RoPE (for scoring policies)
+  int64_t q_stride = 0;
+  const int32_t* slots = nullptr;  // [count, num_kv_heads]
+  KvLayerView kv;                  // the layer's stored rows after the append
+};
+
+// What a decode step knows when it must choose rows for `layer`.
+struct SelectRequest {
+  SequenceId seq = 0;
+  int layer = 0;
+  int64_t position = 0;                 // the current token's position
+  const int32_t* current_slots = nullptr;  // [num_kv_heads]
+  KvLayerView kv;                       // valid slots of the layer (current token included)
+  const float* q = nullptr;             // this layer's query [num_heads * head_dim], after RoPE
+  // This layer's query speculated from the previous layer's attention input (after RoPE), when
+  // the policy asked for it; else null.
+  const float* speculated_q = nullptr;
+};
+
+// Which attention input the speculation for layer i starts from (INFINIGEN.md, decode step 1).
+enum class SpeculationInput {
+  kNone,          // the policy does not speculate
+  kPreviousNorm,  // layer i-1's normalized attention input (the paper's choice)
+  kThisLayerNorm  // layer i-1's residual input normalized with layer i's norm weights
+};
+
+class KvSelectionPolicy {
+ public:
+  virtual ~KvSelectionPolicy() = default;
+  virtual std::string Name() const = 0;
+
+  virtual SpeculationInput speculation_input() const { return SpeculationInput::kNone; }
+  // Whether the model should report attention probabilities of decode steps (H2O).
+  virtual bool wants_attention_weights() const { return false; }
+
+  // Every K row the model stores, prefill and decode, in order.
+  virtual absl::Status OnKeys(const LayerKeys& keys) { return absl::OkStatus(); }
+  // Rows for one decode token at one layer.
+  virtual absl::Status Select(const SelectRequest& request, Selection& out) = 0;
+  // Attention probabilities of that step: [num_heads, rows], rows in the selection's order
+  // (all valid slots when the selection was `all`).
+  virtual void OnAttentionWeights(SequenceId seq, int layer, const Selection& selection,
+                                  const float* weights, int64_t rows) {}
+  // The sequence is finished; drop its state.
+  virtual void Release(SequenceId seq) {}
+};
+
+}  // namespace infinigen

@@ -1,0 +1,151 @@
+#include "gpu_worker/infinigen/infinigen_policy.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "gpu_worker/infinigen/selection_util.h"
+
+namespace infinigen {
+namespace {
+
+class InfinigenPolicy final : public KvSelectionPolicy {
+ public:
+  InfinigenPolicy(const SelectionConfig& config, const ModelConfig& model,
+                  const InfinigenSidecar& sidecar)
+      : config_(config), model_(model), partial_dim_(sidecar.partial_dim) {
+    for (int l = 0; l < model.num_layers; ++l) partial_skew_.push_back(sidecar.PartialSkew(l));
+  }
+
+  std::string Name() const override { return "infinigen"; }
+  SpeculationInput speculation_input() const override { return config_.speculation; }
+
+  // Rotates and cuts every new key of a sparse layer into the partial key cache, at its slot.
+  absl::Status OnKeys(const LayerKeys& keys) override {
+    positions_.Record(keys, static_cast<int>(model_.num_kv_heads));
+    if (keys.layer < config_.dense_layers) return absl::OkStatus();
+    auto& layers = partial_[keys.seq];
+    if (static_cast<int>(layers.size()) < model_.num_layers) layers.resize(model_.num_layers);
+    auto& heads = layers[keys.layer];
+    const int kv_heads = static_cast<int>(model_.num_kv_heads);
+    const int d = static_cast<int>(model_.head_dim), p = partial_dim_;
+    if (static_cast<int>(heads.size()) < kv_heads) heads.resize(kv_heads);
+    const float* skew = partial_skew_[keys.layer].data();
+    for (int64_t t = 0; t < keys.count; ++t) {
+      for (int g = 0; g < kv_heads; ++g) {
+        const int32_t slot = keys.slots[t * kv_heads + g];
+        auto& cache = heads[g];  // [slot, p]
+        if (static_cast<int64_t>(cache.size()) < (slot + 1) * static_cast<int64_t>(p)) {
+          cache.resize(static_cast<size_t>(slot + 1) * p, 0.0f);
+        }
+        Project(keys.k + t * keys.k_stride + g * d, skew + static_cast<size_t>(g) * d * p, d, p,
+                cache.data() + static_cast<size_t>(slot) * p);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Select(const SelectRequest& r, Selection& out) override {
+    const int64_t n = r.kv.num_slots;
+    const int64_t k_max = config_.Budget(n);
+    if (r.layer < config_.dense_layers) {
+      out.all = true;
+      return absl::OkStatus();
+    }
+    if (r.speculated_q == nullptr) {
+      return absl::InternalError("infinigen: the model did not provide a speculated query");
+    }
+    const int heads = static_cast<int>(model_.num_heads);
+    const int kv_heads = static_cast<int>(model_.num_kv_heads);
+    const int group = heads / kv_heads;
+    const int d = static_cast<int>(model_.head_dim), p = partial_dim_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const auto& cache = partial_[r.seq][r.layer];
+    const float* skew = partial_skew_[r.layer].data();
+    // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d).
+    scores_.resize(static_cast<size_t>(heads) * n);
+    std::vector<float> q_partial(p);
+    double count_sum = 0;
+    for (int h = 0; h < heads; ++h) {
+      const int g = h / group;
+      Project(r.speculated_q + static_cast<size_t>(h) * d, skew + static_cast<size_t>(g) * d * p, d,
+              p, q_partial.data());
+      float* s = scores_.data() + static_cast<size_t>(h) * n;
+      const float* kp = cache[g].data();
+      for (int64_t j = 0; j < n; ++j) {
+        float dot = 0.0f;
+        for (int c = 0; c < p; ++c) dot += q_partial[c] * kp[j * p + c];
+        s[j] = dot * scale;
+      }
+      const float best = *std::max_element(s, s + n);
+      const float threshold = best - static_cast<float>(config_.alpha);
+      count_sum += std::count_if(s, s + n, [&](float v) { return v > threshold; });
+    }
+    const int64_t k = std::clamp<int64_t>(std::llround(count_sum / heads),
+                                          std::min(config_.min_tokens, k_max), k_max);
+    if (k >= n) {
+      out.all = true;
+      return absl::OkStatus();
+    }
+    GroupAttentionMass(scores_.data(), heads, kv_heads, n, mass_);
+    out.all = false;
+    out.count = k;
+    out.indices.clear();
+    for (int g = 0; g < kv_heads; ++g) {
+      std::vector<int32_t> forced = {r.current_slots[g]};
+      AddAlwaysKept(r, g, n, forced);
+      TopK(mass_.data() + static_cast<size_t>(g) * n, n, k, forced, out.indices);
+    }
+    return absl::OkStatus();
+  }
+
+  void Release(SequenceId seq) override {
+    partial_.erase(seq);
+    positions_.Release(seq);
+  }
+
+ private:
+  // out[c] = Σ_i x[i] · a[i, c] for a: [d, p].
+  static void Project(const float* x, const float* a, int d, int p, float* out) {
+    std::fill(out, out + p, 0.0f);
+    for (int i = 0; i < d; ++i) {
+      const float xi = x[i];
+      const float* row = a + static_cast<size_t>(i) * p;
+      for (int c = 0; c < p; ++c) out[c] += xi * row[c];
+    }
+  }
+
+  // Optional attention sinks and recent window (default off, as in the paper).
+  void AddAlwaysKept(const SelectRequest& r, int g, int64_t n, std::vector<int32_t>& forced) const {
+    if (config_.sink_tokens == 0 && config_.recent_tokens == 0) return;
+    const auto& pos = positions_.Of(r.seq, r.layer, g);
+    for (int32_t j = 0; j < n && j < static_cast<int32_t>(pos.size()); ++j) {
+      if (pos[j] < config_.sink_tokens || pos[j] > r.position - config_.recent_tokens) {
+        forced.push_back(j);
+      }
+    }
+  }
+
+  SelectionConfig config_;
+  const ModelConfig& model_;
+  int partial_dim_;
+  std::vector<std::vector<float>> partial_skew_;  // [layer] -> [kv_heads, d, p]
+  // seq -> [layer][kv head] -> [slot, p] partial keys
+  absl::flat_hash_map<SequenceId, std::vector<std::vector<std::vector<float>>>> partial_;
+  SlotPositions positions_;
+  std::vector<float> scores_, mass_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeInfinigenPolicy(
+    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar& sidecar) {
+  if (sidecar.num_layers != model.num_layers || sidecar.num_kv_heads != model.num_kv_heads ||
+      sidecar.head_dim != model.head_dim) {
+    return absl::FailedPreconditionError("the InfiniGen sidecar does not match the model's shape");
+  }
+  return std::unique_ptr<KvSelectionPolicy>(new InfinigenPolicy(config, model, sidecar));
+}
+
+}  // namespace infinigen

@@ -1,0 +1,31 @@
+// `infinigen prepare`: the offline skewing of INFINIGEN.md. A dense prefill of a calibration
+// text collects, per layer and KV head, the Gram matrix of the group's (post-RoPE, 1/sqrt(d)
+// scaled) query rows; its eigenvectors are the skew A. A second prefill scores the rotated
+// channels by Σ|Q·A| + Σ|K·A| and keeps the top d' = ceil(r·d).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/model/model.h"
+
+namespace infinigen {
+
+struct PrepareOptions {
+  float ratio = 0.2f;
+  bool skew = true;             // false: A = I (ablation)
+  int64_t chunk_tokens = 512;   // prefill chunk size
+};
+
+// Called as calibration advances: pass (1 or 2), tokens done, tokens in all.
+using PrepareProgress = std::function<void(int pass, int64_t done, int64_t total)>;
+
+absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint& checkpoint,
+                                                  std::span<const int32_t> calibration,
+                                                  const PrepareOptions& options,
+                                                  const PrepareProgress& progress = {});
+
+}  // namespace infinigen

@@ -1,0 +1,40 @@
+// Settings of the KV selection policies (INFINIGEN.md): which policy, its budget and knobs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "gpu_worker/engine/kv_selection.h"
+#include "gpu_worker/model/config.h"
+
+namespace infinigen {
+
+struct InfinigenSidecar;
+
+struct SelectionConfig {
+  std::string policy = "full";  // full | infinigen | h2o | window | oracle
+  int dense_layers = 2;         // layers below this always attend to every row
+  // Budget: the most rows per KV head a decode step reads: budget_tokens when > 0, else
+  // ceil(budget_fraction x stored rows). InfiniGen reads fewer when its threshold says so.
+  double budget_fraction = 0.2;
+  int64_t budget_tokens = 0;
+  int64_t min_tokens = 1;       // InfiniGen's k_min
+  double alpha = 5.0;           // InfiniGen: rows within alpha logits of the head's best
+  int64_t sink_tokens = 0;      // always-kept first tokens (window: 4 unless set)
+  int64_t recent_tokens = 0;    // always-kept latest tokens (InfiniGen option)
+  double h2o_recent_fraction = 0.5;  // H2O: share of the budget for the recent window
+  SpeculationInput speculation = SpeculationInput::kPreviousNorm;
+
+  // Rows allowed for `stored` valid rows.
+  int64_t Budget(int64_t stored) const;
+  // INVALID_ARGUMENT naming the field.
+  absl::Status Validate() const;
+};
+
+// The policy `config.policy` for a model. InfiniGen needs its prepared sidecar.
+absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(
+    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar* sidecar);
+
+}  // namespace infinigen

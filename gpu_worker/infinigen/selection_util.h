@@ -1,0 +1,42 @@
+// Pieces shared by the selection policies: which token sits in which slot, per-KV-head top-k
+// without a full sort, and the group aggregation of GQA.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "gpu_worker/engine/kv_selection.h"
+
+namespace infinigen {
+
+// Position of the token in every slot, per (sequence, layer, KV head), kept from OnKeys.
+class SlotPositions {
+ public:
+  void Record(const LayerKeys& keys, int num_kv_heads);
+  // [slot] -> position for one head; empty if unknown.
+  const std::vector<int64_t>& Of(SequenceId seq, int layer, int head) const;
+  void Release(SequenceId seq) { seqs_.erase(seq); }
+
+ private:
+  // seq -> [layer][head][slot]
+  absl::flat_hash_map<SequenceId, std::vector<std::vector<std::vector<int64_t>>>> seqs_;
+};
+
+// Chooses `k` slots of one KV head: every slot in `forced` first, then the highest
+// `scores[slot]` among the other slots in [0, n), ties to the lower slot. Appends them in
+// ascending slot order to `out`. Uses nth_element (no full sort of the n scores).
+void TopK(const float* scores, int64_t n, int64_t k, const std::vector<int32_t>& forced,
+          std::vector<int32_t>& out);
+
+// For GQA: per KV head, the sum over its query heads of softmax(scores[h]) (the predicted
+// attention mass). scores: [num_heads, n]; out: [num_kv_heads, n].
+void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
+                        std::vector<float>& out);
+
+// Exact attention logits q_h · k_j * scale of every head over rows [0, n) of the layer.
+// q: [num_heads * head_dim]; out: [num_heads, n].
+void ExactScores(const float* q, const KvLayerView& kv, int num_heads, int num_kv_heads,
+                 int head_dim, float scale, std::vector<float>& out);
+
+}  // namespace infinigen

@@ -1,0 +1,50 @@
+// The offline math of InfiniGen's skewing (INFINIGEN.md, "Offline preparation"): an orthogonal
+// rotation A of a KV head's query/key space from the SVD of its query rows, and the few
+// channels of the rotated space that carry most of q·k.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace infinigen {
+
+// Eigen-decomposition of a symmetric n x n matrix (row-major) by cyclic Jacobi rotations.
+// Returns eigenvalues in descending order; `vectors` (n x n, row-major) gets the matching
+// eigenvectors as columns.
+std::vector<double> SymmetricEigen(std::vector<double> matrix, int n, std::vector<double>& vectors);
+
+// Accumulates the Gram matrix Σ rowᵀ·row of query rows (d x d, double).
+class GramAccumulator {
+ public:
+  explicit GramAccumulator(int d) : d_(d), gram_(static_cast<size_t>(d) * d, 0.0) {}
+  void Add(const float* row);
+  int dim() const { return d_; }
+  const std::vector<double>& gram() const { return gram_; }
+
+ private:
+  int d_;
+  std::vector<double> gram_;
+};
+
+// The skew of one KV head: A's columns are the right singular vectors of the stacked query
+// rows (the eigenvectors of their Gram matrix), by decreasing singular value. Returns A as a
+// d x d row-major float matrix (x · A rotates a row x).
+std::vector<float> SkewFromGram(const GramAccumulator& gram);
+
+// Channel scores Σ_rows |row · A| (d values), accumulated over query and key rows.
+class ChannelScores {
+ public:
+  ChannelScores(int d, const std::vector<float>& skew) : d_(d), skew_(skew), scores_(d, 0.0) {}
+  void Add(const float* row);
+  // The `count` channels with the largest scores, ascending.
+  std::vector<int32_t> Top(int count) const;
+
+ private:
+  int d_;
+  std::vector<float> skew_;
+  std::vector<double> scores_;
+  std::vector<double> rotated_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,207 @@
+// The math and semantics of KV selection on hand-made inputs: skew invariance and the
+// eigen-solver, per-head top-k, GQA aggregation, InfiniGen's alpha margin and budget clamp,
+// window and oracle choices, and the sidecar file.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "gpu_worker/infinigen/infinigen_policy.h"
+#include "gpu_worker/infinigen/selection_config.h"
+#include "gpu_worker/infinigen/selection_util.h"
+#include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/infinigen/skew.h"
+
+namespace infinigen {
+namespace {
+
+TEST(Skew, EigenvectorsAreOrthonormalAndReconstructTheMatrix) {
+  const int n = 9;
+  std::mt19937 rng(3);
+  std::normal_distribution<double> d;
+  std::vector<double> m(n * n);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j <= i; ++j) m[i * n + j] = m[j * n + i] = d(rng);
+  }
+  std::vector<double> v;
+  const auto values = SymmetricEigen(m, n, v);
+  for (int i = 1; i < n; ++i) EXPECT_GE(values[i - 1], values[i]);
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      double dot = 0, rec = 0;
+      for (int k = 0; k < n; ++k) {
+        dot += v[k * n + a] * v[k * n + b];
+        rec += v[a * n + k] * values[k] * v[b * n + k];
+      }
+      EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-10);
+      EXPECT_NEAR(rec, m[a * n + b], 1e-9);
+    }
+  }
+}
+
+TEST(Skew, RotatingQueriesAndKeysKeepsTheirProducts) {
+  const int d = 12;
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd;
+  GramAccumulator gram(d);
+  std::vector<float> q(30 * d), k(30 * d);
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : k) x = nd(rng);
+  for (int r = 0; r < 30; ++r) gram.Add(q.data() + r * d);
+  const auto a = SkewFromGram(gram);
+  auto rotate = [&](const float* x, std::vector<double>& out) {
+    out.assign(d, 0.0);
+    for (int i = 0; i < d; ++i) {
+      for (int j = 0; j < d; ++j) out[j] += x[i] * a[i * d + j];
+    }
+  };
+  std::vector<double> qa, ka;
+  for (int r = 0; r < 30; ++r) {
+    rotate(q.data() + r * d, qa);
+    rotate(k.data() + r * d, ka);
+    double plain = 0, skewed = 0;
+    for (int i = 0; i < d; ++i) {
+      plain += double(q[r * d + i]) * k[r * d + i];
+      skewed += qa[i] * ka[i];
+    }
+    EXPECT_NEAR(plain, skewed, 1e-4 * (1 + std::abs(plain)));
+  }
+  // Skewing concentrates the queries: the first rotated channel carries the most energy.
+  ChannelScores scores(d, a);
+  for (int r = 0; r < 30; ++r) scores.Add(q.data() + r * d);
+  EXPECT_EQ(scores.Top(1)[0], 0);
+}
+
+TEST(SelectionUtil, TopKKeepsForcedSlotsAndIsSorted) {
+  const float scores[] = {0.1f, 0.9f, 0.5f, 0.9f, 0.0f, 0.7f};
+  std::vector<int32_t> out;
+  TopK(scores, 6, 3, {4}, out);
+  EXPECT_EQ(out, (std::vector<int32_t>{1, 3, 4}));  // 4 forced, then 0.9 (slot 1) and 0.9 (3)
+  out.clear();
+  TopK(scores, 6, 2, {}, out);
+  EXPECT_EQ(out, (std::vector<int32_t>{1, 3}));  // tie at 0.9 keeps both; lower slot first
+}
+
+TEST(SelectionUtil, GroupMassSumsSoftmaxOfTheGroupsHeads) {
+  // 4 heads, 2 KV heads, 2 rows.
+  const float s[] = {0, 0, std::log(3.0f), 0, 0, 100, 100, 0};
+  std::vector<float> mass;
+  GroupAttentionMass(s, 4, 2, 2, mass);
+  EXPECT_NEAR(mass[0], 0.5 + 0.75, 1e-6);
+  EXPECT_NEAR(mass[1], 0.5 + 0.25, 1e-6);
+  EXPECT_NEAR(mass[2], 0.0 + 1.0, 1e-6);
+  EXPECT_NEAR(mass[3], 1.0 + 0.0, 1e-6);
+}
+
+// A 2-layer model with 4 query heads, 2 KV heads, head_dim 2 and an identity skew keeping both
+// channels: speculated scores are then plain q·k / sqrt(2).
+struct TinySetup {
+  ModelConfig model;
+  InfinigenSidecar sidecar;
+  TinySetup() {
+    model.num_layers = 2;
+    model.num_heads = 4;
+    model.num_kv_heads = 2;
+    model.head_dim = 2;
+    sidecar.num_layers = 2;
+    sidecar.num_kv_heads = 2;
+    sidecar.head_dim = 2;
+    sidecar.partial_dim = 2;
+    for (int l = 0; l < 2; ++l) {
+      sidecar.skew.push_back({1, 0, 0, 1, 1, 0, 0, 1});
+      sidecar.channels.push_back({0, 1, 0, 1});
+    }
+  }
+};
+
+// Stores `keys` ([n, 2 heads x 2]) at layer 1 with slot == position and selects for query q.
+Selection RunInfinigen(KvSelectionPolicy& policy, const std::vector<float>& keys,
+                       const std::vector<float>& q) {
+  const int64_t n = static_cast<int64_t>(keys.size() / 4);
+  std::vector<int32_t> slots(n * 2);
+  for (int64_t t = 0; t < n; ++t) slots[2 * t] = slots[2 * t + 1] = static_cast<int32_t>(t);
+  LayerKeys k;
+  k.seq = 1;
+  k.layer = 1;
+  k.count = n;
+  k.k = keys.data();
+  k.k_stride = 4;
+  k.slots = slots.data();
+  EXPECT_TRUE(policy.OnKeys(k).ok());
+  SelectRequest r;
+  r.seq = 1;
+  r.layer = 1;
+  r.position = n - 1;
+  const int32_t current[2] = {static_cast<int32_t>(n - 1), static_cast<int32_t>(n - 1)};
+  r.current_slots = current;
+  r.kv.num_slots = n;
+  r.q = q.data();
+  r.speculated_q = q.data();
+  Selection sel;
+  EXPECT_TRUE(policy.Select(r, sel).ok());
+  return sel;
+}
+
+TEST(InfinigenPolicy, AlphaMarginCountsAndBudgetClamps) {
+  TinySetup t;
+  // Keys of KV head 0 along channel 0 with logits 10, 9.5, 2, 1 (scaled by 1/sqrt(2)); KV head 1
+  // along channel 1 with 10, 2, 1, 0.5. Position 4 (current) is a weak key for both heads.
+  const float s2 = std::sqrt(2.0f);
+  std::vector<float> keys = {10 * s2, 0, 0, 10 * s2, 9.5f * s2, 0, 0, 2 * s2,
+                             2 * s2,  0, 0, 1 * s2,  1 * s2,    0, 0, 0.5f * s2,
+                             0,       0, 0, 0};
+  std::vector<float> q = {1, 0, 1, 0, 0, 1, 0, 1};  // heads 0,1 -> KV 0; heads 2,3 -> KV 1
+  SelectionConfig config;
+  config.policy = "infinigen";
+  config.dense_layers = 1;
+  config.alpha = 1.0;  // head on KV 0 counts {10, 9.5} = 2, head on KV 1 counts {10} = 1
+  config.budget_fraction = 1.0;
+  auto policy = MakeSelectionPolicy(config, t.model, &t.sidecar);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  Selection sel = RunInfinigen(**policy, keys, q);
+  ASSERT_FALSE(sel.all);
+  EXPECT_EQ(sel.count, 2);  // round(mean(2, 2, 1, 1)) = round(1.5) = 2
+  // KV head 0: the current token (slot 4) is forced, then the top mass (slot 0).
+  EXPECT_EQ(std::vector<int32_t>(sel.indices.begin(), sel.indices.begin() + 2),
+            (std::vector<int32_t>{0, 4}));
+  EXPECT_EQ(std::vector<int32_t>(sel.indices.begin() + 2, sel.indices.end()),
+            (std::vector<int32_t>{0, 4}));
+
+  // A wide margin wants everything; a 40% budget caps k at 2 of 5.
+  config.alpha = 100.0;
+  config.budget_fraction = 0.4;
+  auto capped = MakeSelectionPolicy(config, t.model, &t.sidecar);
+  Selection c = RunInfinigen(**capped, keys, q);
+  ASSERT_FALSE(c.all);
+  EXPECT_EQ(c.count, 2);
+
+  // Budget 100% and an unbounded margin: every row, the dense result.
+  config.budget_fraction = 1.0;
+  auto all = MakeSelectionPolicy(config, t.model, &t.sidecar);
+  EXPECT_TRUE(RunInfinigen(**all, keys, q).all);
+}
+
+TEST(InfinigenPolicy, NeedsItsSidecar) {
+  TinySetup t;
+  SelectionConfig config;
+  config.policy = "infinigen";
+  EXPECT_EQ(MakeSelectionPolicy(config, t.model, nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  config.policy = "magic";
+  EXPECT_EQ(MakeSelectionPolicy(config, t.model, &t.sidecar).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SelectionConfig, BudgetIsAFractionOrACountClampedToTheRows) {
+  SelectionConfig c;
+  c.budget_fraction = 0.2;
+  EXPECT_EQ(c.Budget(100), 20);
+  EXPECT_EQ(c.Budget(3), 1);
+  c.budget_tokens = 50;
+  EXPECT_EQ(c.Budget(100), 50);
+  EXPECT_EQ(c.Budget(10), 10);
+}
+
+}  // namespace
+}  // namespace infinigen
