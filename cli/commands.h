@@ -5,8 +5,10 @@
 namespace infinigen::cli {
 
 int RunBench(int argc, char** argv);
+int RunEval(int argc, char** argv);
 int RunGenerate(int argc, char** argv);
 int RunLogits(int argc, char** argv);
+int RunPrepare(int argc, char** argv);
 int RunTokenize(int argc, char** argv);
 
 }  // namespace infinigen::cli

@@ -15,9 +15,12 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"bench", "measure prefill and decode throughput and peak memory", infinigen::cli::RunBench},
+    {"eval", "accuracy of KV selection policies against dense attention", infinigen::cli::RunEval},
     {"generate", "generate a continuation of a prompt on the CPU", infinigen::cli::RunGenerate},
     {"logits", "write the model's logits for a token sequence to a .npy file",
      infinigen::cli::RunLogits},
+    {"prepare", "compute a model's InfiniGen skew and partial channels (sidecar)",
+     infinigen::cli::RunPrepare},
     {"tokenize", "text to token ids and back, with any supported tokenizer",
      infinigen::cli::RunTokenize},
 };

@@ -55,4 +55,40 @@ PY
   mv "$MODEL.part" "$MODEL"
   rm -rf "$CACHE/downloads"
 fi
+# Public-domain books (Jane Austen's six novels, Debian's r-cran-janeaustenr) as plain text: the
+# default InfiniGen calibration text and the long-context evaluation corpus. The package is
+# downloaded, not installed, and its R data file is decoded here.
+BOOKS="$CACHE/books"
+if [ ! -f "$BOOKS/pride_and_prejudice.txt" ]; then
+  mkdir -p "$BOOKS" "$CACHE/downloads"
+  echo "setup: extracting public-domain books from r-cran-janeaustenr" >&2
+  (cd "$CACHE/downloads" && apt-get download r-cran-janeaustenr >/dev/null 2>&1 ||
+     { apt-get update -qq >/dev/null && apt-get download r-cran-janeaustenr >/dev/null; })
+  dpkg-deb -x "$CACHE"/downloads/r-cran-janeaustenr_*.deb "$CACHE/downloads/janeaustenr"
+  python3 - "$CACHE/downloads/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb" \
+    "$BOOKS" <<'PY'
+# R's lazy-load database: zlib blocks, each an XDR-serialized character vector (one per line).
+import os, struct, sys, zlib
+rdb, out = open(sys.argv[1], "rb").read(), sys.argv[2]
+names = {"EMMA": "emma", "MANSFIELD PARK": "mansfield_park", "NORTHANGER ABBEY": "northanger_abbey",
+         "Persuasion": "persuasion", "PRIDE AND PREJUDICE": "pride_and_prejudice",
+         "SENSE AND SENSIBILITY": "sense_and_sensibility"}
+pos = 0
+while pos < len(rdb):
+    d = zlib.decompressobj()
+    data = d.decompress(rdb[pos + 4:])
+    pos = len(rdb) - len(d.unused_data)
+    i = data.find(b"\x00\x00\x00\x10")  # STRSXP
+    count, j, lines = struct.unpack(">i", data[i + 4:i + 8])[0], i + 8, []
+    for _ in range(count):
+        _, n = struct.unpack(">ii", data[j:j + 8])
+        j += 8
+        lines.append("" if n < 0 else data[j:j + n].decode("utf-8", "replace"))
+        j += max(n, 0)
+    title = next(l for l in lines if l)
+    with open(os.path.join(out, names.get(title, title.lower()) + ".txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+PY
+  rm -rf "$CACHE/downloads"
+fi
 echo "$MODEL"

@@ -18,7 +18,7 @@ namespace infinigen {
 
 // The rows one decode step reads at one layer.
 struct Selection {
-  bool all = true;  // every valid slot (dense attention)
+  bool all = true;               // every valid slot (dense attention)
   int64_t count = 0;             // rows per KV head when !all
   std::vector<int32_t> indices;  // [num_kv_heads, count] slots; each head's list includes the
                                  // current token's slot
@@ -42,10 +42,10 @@ struct LayerKeys {
 struct SelectRequest {
   SequenceId seq = 0;
   int layer = 0;
-  int64_t position = 0;                 // the current token's position
+  int64_t position = 0;                    // the current token's position
   const int32_t* current_slots = nullptr;  // [num_kv_heads]
-  KvLayerView kv;                       // valid slots of the layer (current token included)
-  const float* q = nullptr;             // this layer's query [num_heads * head_dim], after RoPE
+  KvLayerView kv;                          // valid slots of the layer (current token included)
+  const float* q = nullptr;                // this layer's query [num_heads * head_dim], after RoPE
   // This layer's query speculated from the previous layer's attention input (after RoPE), when
   // the policy asked for it; else null.
   const float* speculated_q = nullptr;
@@ -53,9 +53,10 @@ struct SelectRequest {
 
 // Which attention input the speculation for layer i starts from (INFINIGEN.md, decode step 1).
 enum class SpeculationInput {
-  kNone,          // the policy does not speculate
-  kPreviousNorm,  // layer i-1's normalized attention input (the paper's choice)
-  kThisLayerNorm  // layer i-1's residual input normalized with layer i's norm weights
+  kNone,           // the policy does not speculate
+  kPreviousNorm,   // layer i-1's normalized attention input (the paper's choice)
+  kThisLayerNorm,  // layer i-1's residual input normalized with layer i's norm weights
+  kActualQuery     // no speculation: layer i's own query (analysis only: it cannot prefetch)
 };
 
 class KvSelectionPolicy {

@@ -19,7 +19,10 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   }
 
   std::string Name() const override { return "infinigen"; }
-  SpeculationInput speculation_input() const override { return config_.speculation; }
+  SpeculationInput speculation_input() const override {
+    return config_.speculation == SpeculationInput::kActualQuery ? SpeculationInput::kNone
+                                                                 : config_.speculation;
+  }
 
   // Rotates and cuts every new key of a sparse layer into the partial key cache, at its slot.
   absl::Status OnKeys(const LayerKeys& keys) override {
@@ -53,7 +56,9 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       out.all = true;
       return absl::OkStatus();
     }
-    if (r.speculated_q == nullptr) {
+    const float* query =
+        config_.speculation == SpeculationInput::kActualQuery ? r.q : r.speculated_q;
+    if (query == nullptr) {
       return absl::InternalError("infinigen: the model did not provide a speculated query");
     }
     const int heads = static_cast<int>(model_.num_heads);
@@ -69,8 +74,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     double count_sum = 0;
     for (int h = 0; h < heads; ++h) {
       const int g = h / group;
-      Project(r.speculated_q + static_cast<size_t>(h) * d, skew + static_cast<size_t>(g) * d * p, d,
-              p, q_partial.data());
+      Project(query + static_cast<size_t>(h) * d, skew + static_cast<size_t>(g) * d * p, d, p,
+              q_partial.data());
       float* s = scores_.data() + static_cast<size_t>(h) * n;
       const float* kp = cache[g].data();
       for (int64_t j = 0; j < n; ++j) {

@@ -48,10 +48,10 @@ class CalibrationObserver final : public KvSelectionPolicy {
           if (skews_ == nullptr) {
             grams_[idx].Add(q_scaled.data());
           } else {
-            scores_[idx].Add(q_scaled.data());
+            scores_[idx].AddQuery(q_scaled.data());
           }
         }
-        if (skews_ != nullptr) scores_[idx].Add(k + g * d);
+        if (skews_ != nullptr) scores_[idx].AddKey(k + g * d);
       }
     }
     return absl::OkStatus();
@@ -98,8 +98,7 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
                                                   const PrepareProgress& progress) {
   const ModelConfig& c = model.config();
   if (!(options.ratio > 0.0f && options.ratio <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ratio must be in (0, 1], got ", options.ratio));
+    return absl::InvalidArgumentError(absl::StrCat("ratio must be in (0, 1], got ", options.ratio));
   }
   if (calibration.size() < 2) {
     return absl::InvalidArgumentError("the calibration text has fewer than 2 tokens");
@@ -146,7 +145,7 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
   for (int64_t l = 0; l < c.num_layers; ++l) {
     std::vector<int32_t> channels;
     for (int64_t g = 0; g < c.num_kv_heads; ++g) {
-      auto top = scores.scores(l, g).Top(s.partial_dim);
+      auto top = scores.scores(l, g).Top(s.partial_dim, options.channel_rule);
       channels.insert(channels.end(), top.begin(), top.end());
     }
     s.channels.push_back(std::move(channels));

@@ -10,14 +10,16 @@
 
 #include "absl/status/statusor.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/infinigen/skew.h"
 #include "gpu_worker/model/model.h"
 
 namespace infinigen {
 
 struct PrepareOptions {
   float ratio = 0.2f;
-  bool skew = true;             // false: A = I (ablation)
-  int64_t chunk_tokens = 512;   // prefill chunk size
+  bool skew = true;  // false: A = I (ablation)
+  ChannelRule channel_rule = ChannelRule::kSumAbs;
+  int64_t chunk_tokens = 512;  // prefill chunk size
 };
 
 // Called as calibration advances: pass (1 or 2), tokens done, tokens in all.

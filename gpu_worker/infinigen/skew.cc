@@ -71,21 +71,28 @@ std::vector<float> SkewFromGram(const GramAccumulator& gram) {
   return std::vector<float>(vectors.begin(), vectors.end());
 }
 
-void ChannelScores::Add(const float* row) {
+void ChannelScores::Add(const float* row, std::vector<double>& sums, int64_t& rows) {
   rotated_.assign(d_, 0.0);
   for (int i = 0; i < d_; ++i) {
     const double ri = row[i];
     const float* a = skew_.data() + static_cast<size_t>(i) * d_;
     for (int j = 0; j < d_; ++j) rotated_[j] += ri * a[j];
   }
-  for (int j = 0; j < d_; ++j) scores_[j] += std::abs(rotated_[j]);
+  for (int j = 0; j < d_; ++j) sums[j] += std::abs(rotated_[j]);
+  ++rows;
 }
 
-std::vector<int32_t> ChannelScores::Top(int count) const {
+std::vector<int32_t> ChannelScores::Top(int count, ChannelRule rule) const {
+  std::vector<double> score(d_);
+  for (int j = 0; j < d_; ++j) {
+    score[j] = rule == ChannelRule::kSumAbs ? q_[j] + k_[j]
+                                            : (q_[j] / std::max<int64_t>(q_rows_, 1)) *
+                                                  (k_[j] / std::max<int64_t>(k_rows_, 1));
+  }
   std::vector<int32_t> idx(d_);
   std::iota(idx.begin(), idx.end(), 0);
   std::stable_sort(idx.begin(), idx.end(),
-                   [&](int32_t a, int32_t b) { return scores_[a] > scores_[b]; });
+                   [&](int32_t a, int32_t b) { return score[a] > score[b]; });
   idx.resize(count);
   std::sort(idx.begin(), idx.end());
   return idx;

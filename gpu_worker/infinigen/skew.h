@@ -32,18 +32,29 @@ class GramAccumulator {
 // d x d row-major float matrix (x · A rotates a row x).
 std::vector<float> SkewFromGram(const GramAccumulator& gram);
 
-// Channel scores Σ_rows |row · A| (d values), accumulated over query and key rows.
+// How partial channels are ranked.
+enum class ChannelRule {
+  kSumAbs,   // Σ|Q·A| + Σ|K·A| over the calibration rows (the paper's rule)
+  kProduct,  // mean|Q·A| x mean|K·A|: a channel's typical share of q·k
+};
+
+// Per-channel magnitudes of rotated query and key rows, accumulated over calibration rows.
 class ChannelScores {
  public:
-  ChannelScores(int d, const std::vector<float>& skew) : d_(d), skew_(skew), scores_(d, 0.0) {}
-  void Add(const float* row);
-  // The `count` channels with the largest scores, ascending.
-  std::vector<int32_t> Top(int count) const;
+  ChannelScores(int d, const std::vector<float>& skew)
+      : d_(d), skew_(skew), q_(d, 0.0), k_(d, 0.0) {}
+  void AddQuery(const float* row) { Add(row, q_, q_rows_); }
+  void AddKey(const float* row) { Add(row, k_, k_rows_); }
+  // The `count` best channels by `rule`, ascending.
+  std::vector<int32_t> Top(int count, ChannelRule rule = ChannelRule::kSumAbs) const;
 
  private:
+  void Add(const float* row, std::vector<double>& sums, int64_t& rows);
+
   int d_;
   std::vector<float> skew_;
-  std::vector<double> scores_;
+  std::vector<double> q_, k_;
+  int64_t q_rows_ = 0, k_rows_ = 0;
   std::vector<double> rotated_;
 };
 

@@ -69,7 +69,7 @@ TEST(Skew, RotatingQueriesAndKeysKeepsTheirProducts) {
   }
   // Skewing concentrates the queries: the first rotated channel carries the most energy.
   ChannelScores scores(d, a);
-  for (int r = 0; r < 30; ++r) scores.Add(q.data() + r * d);
+  for (int r = 0; r < 30; ++r) scores.AddQuery(q.data() + r * d);
   EXPECT_EQ(scores.Top(1)[0], 0);
 }
 
@@ -148,9 +148,8 @@ TEST(InfinigenPolicy, AlphaMarginCountsAndBudgetClamps) {
   // Keys of KV head 0 along channel 0 with logits 10, 9.5, 2, 1 (scaled by 1/sqrt(2)); KV head 1
   // along channel 1 with 10, 2, 1, 0.5. Position 4 (current) is a weak key for both heads.
   const float s2 = std::sqrt(2.0f);
-  std::vector<float> keys = {10 * s2, 0, 0, 10 * s2, 9.5f * s2, 0, 0, 2 * s2,
-                             2 * s2,  0, 0, 1 * s2,  1 * s2,    0, 0, 0.5f * s2,
-                             0,       0, 0, 0};
+  std::vector<float> keys = {10 * s2, 0,      0, 10 * s2, 9.5f * s2, 0, 0, 2 * s2, 2 * s2, 0, 0,
+                             1 * s2,  1 * s2, 0, 0,       0.5f * s2, 0, 0, 0,      0};
   std::vector<float> q = {1, 0, 1, 0, 0, 1, 0, 1};  // heads 0,1 -> KV 0; heads 2,3 -> KV 1
   SelectionConfig config;
   config.policy = "infinigen";
