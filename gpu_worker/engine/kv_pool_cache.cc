@@ -9,14 +9,6 @@
 
 namespace infinigen {
 
-absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(absl::string_view name) {
-  if (name == "counter") return EvictionPolicy::kCounter;
-  if (name == "fifo") return EvictionPolicy::kFifo;
-  if (name == "lru") return EvictionPolicy::kLru;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown eviction policy '", name, "': expected counter, fifo or lru"));
-}
-
 KvPoolCache::KvPoolCache(Backend& backend, const KvCacheShape& shape, const KvPoolConfig& config)
     : backend_(backend), shape_(shape), config_(config) {}
 
@@ -40,11 +32,7 @@ absl::Status KvPoolCache::Open(SequenceId seq, int64_t capacity_tokens) {
     IG_ASSIGN_OR_RETURN(l.k, backend_.Allocate(bytes));
     IG_ASSIGN_OR_RETURN(l.v, backend_.Allocate(bytes));
     l.heads.resize(shape_.num_kv_heads);
-    for (Head& h : l.heads) {
-      h.position.assign(s.capacity, -1);
-      h.fetches.assign(s.capacity, 0);
-      h.last_use.assign(s.capacity, 0);
-    }
+    for (SlotTable& h : l.heads) h.Resize(s.capacity);
   }
   sequences_.emplace(seq, std::move(s));
   return absl::OkStatus();
@@ -63,29 +51,6 @@ int64_t KvPoolCache::capacity(SequenceId seq) const {
   return it == sequences_.end() ? 0 : it->second.capacity;
 }
 
-int32_t KvPoolCache::Victim(const Head& h, int64_t size) const {
-  std::vector<int32_t> slots(size);
-  std::iota(slots.begin(), slots.end(), 0);
-  auto older = [&](int32_t a, int32_t b) { return h.position[a] < h.position[b]; };
-  switch (config_.eviction) {
-    case EvictionPolicy::kFifo:
-      return *std::min_element(slots.begin(), slots.end(), older);
-    case EvictionPolicy::kLru:
-      return *std::min_element(slots.begin(), slots.end(), [&](int32_t a, int32_t b) {
-        return h.last_use[a] != h.last_use[b] ? h.last_use[a] < h.last_use[b] : older(a, b);
-      });
-    case EvictionPolicy::kCounter: {
-      // The lowest fetch count among the older half (ties: the oldest).
-      const int64_t half = std::max<int64_t>(1, size / 2);
-      std::nth_element(slots.begin(), slots.begin() + (half - 1), slots.end(), older);
-      return *std::min_element(slots.begin(), slots.begin() + half, [&](int32_t a, int32_t b) {
-        return h.fetches[a] != h.fetches[b] ? h.fetches[a] < h.fetches[b] : older(a, b);
-      });
-    }
-  }
-  return 0;
-}
-
 absl::Status KvPoolCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                                  int32_t* slots_out) {
   auto it = sequences_.find(seq);
@@ -100,33 +65,24 @@ absl::Status KvPoolCache::Append(SequenceId seq, int layer, int64_t start, MatVi
     return absl::InvalidArgumentError(absl::StrCat(
         "the KV pool appends in order: token ", start, " arrived after ", l.length, " tokens"));
   }
-  if (n > 1 && l.size + n > s.capacity) {
+  if (n > 1 && l.heads[0].size() + n > s.capacity) {
     return absl::FailedPreconditionError(absl::StrCat(
         "prefill of ", n, " tokens does not fit the sequence's KV pool capacity of ", s.capacity,
-        " tokens (", l.size, " stored)"));
+        " tokens (", l.heads[0].size(), " stored)"));
   }
   if (layer == 0) ++s.step;
   const int d = shape_.head_dim;
   for (int64_t t = 0; t < n; ++t) {
     for (int g = 0; g < shape_.num_kv_heads; ++g) {
-      Head& h = l.heads[g];
-      int32_t slot;
-      if (l.size < s.capacity) {
-        slot = static_cast<int32_t>(l.size);
-      } else {
-        slot = Victim(h, l.size);
-        ++evictions_;
-      }
-      h.position[slot] = start + t;
-      h.fetches[slot] = 0;
-      h.last_use[slot] = s.step;
+      bool evicted;
+      const int32_t slot = l.heads[g].Place(start + t, s.step, config_.eviction, &evicted);
+      evictions_ += evicted;
       IG_RETURN_IF_ERROR(backend_.Copy(k.Rows(t, 1).Cols(g * d, d),
                                        View(*l.k, s.capacity).Head(g, slot, 1, d)));
       IG_RETURN_IF_ERROR(backend_.Copy(v.Rows(t, 1).Cols(g * d, d),
                                        View(*l.v, s.capacity).Head(g, slot, 1, d)));
       if (slots_out != nullptr) slots_out[t * shape_.num_kv_heads + g] = slot;
     }
-    if (l.size < s.capacity) ++l.size;
   }
   l.length = start + n;
   return absl::OkStatus();
@@ -140,7 +96,7 @@ absl::StatusOr<KvLayerView> KvPoolCache::Read(SequenceId seq, int layer) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
   Layer& l = s.layers[layer];
-  return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity), l.size};
+  return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity), l.heads[0].size()};
 }
 
 void KvPoolCache::RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {
@@ -148,17 +104,12 @@ void KvPoolCache::RecordFetch(SequenceId seq, int layer, const int32_t* slots, i
   if (it == sequences_.end() || layer < 0 || layer >= shape_.num_layers) return;
   Layer& l = it->second.layers[layer];
   for (int g = 0; g < shape_.num_kv_heads; ++g) {
-    for (int64_t j = 0; j < count; ++j) {
-      const int32_t slot = slots[g * count + j];
-      if (slot < 0 || slot >= l.size) continue;
-      ++l.heads[g].fetches[slot];
-      l.heads[g].last_use[slot] = it->second.step;
-    }
+    for (int64_t j = 0; j < count; ++j) l.heads[g].Fetched(slots[g * count + j], it->second.step);
   }
 }
 
 const std::vector<int64_t>& KvPoolCache::SlotPositions(SequenceId seq, int layer, int head) const {
-  return sequences_.at(seq).layers.at(layer).heads.at(head).position;
+  return sequences_.at(seq).layers.at(layer).heads.at(head).positions();
 }
 
 }  // namespace infinigen

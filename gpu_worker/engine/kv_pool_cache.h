@@ -10,11 +10,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "gpu_worker/engine/kv_cache.h"
+#include "kv_store/slot_table.h"
 
 namespace infinigen {
-
-enum class EvictionPolicy { kCounter, kFifo, kLru };
-absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(absl::string_view name);
 
 struct KvPoolConfig {
   // Capacity of a sequence: capacity_tokens when > 0, else ceil(capacity_fraction x the
@@ -42,16 +40,10 @@ class KvPoolCache final : public KvCache {
   int64_t evictions() const { return evictions_; }
 
  private:
-  struct Head {
-    std::vector<int64_t> position;  // [slot]
-    std::vector<int64_t> fetches;   // [slot] fetch count since the token arrived
-    std::vector<int64_t> last_use;  // [slot] step of the last fetch (or arrival)
-  };
   struct Layer {
     std::unique_ptr<Buffer> k, v;  // [num_kv_heads, capacity, head_dim]
-    int64_t size = 0;              // filled slots (equal for all heads)
     int64_t length = 0;            // tokens appended
-    std::vector<Head> heads;
+    std::vector<SlotTable> heads;  // equal sizes: every head gets every token
   };
   struct Sequence {
     int64_t capacity = 0;
@@ -59,7 +51,6 @@ class KvPoolCache final : public KvCache {
     std::vector<Layer> layers;
   };
 
-  int32_t Victim(const Head& head, int64_t size) const;
   KvView View(Buffer& b, int64_t capacity) const;
 
   Backend& backend_;

@@ -1,0 +1,58 @@
+// Host memory for the KV store: one mapping of `capacity` bytes cut into fixed-size blocks.
+// The mapping is a memfd (MAP_SHARED), so a collocated worker can map the same pages (through
+// /proc/<pid>/fd/<fd>, or a named file in /dev/shm when one is configured) and gather by local
+// copies. Huge pages are used when the system has them. Not thread-safe: the store serializes
+// block allocation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace infinigen {
+
+struct ArenaOptions {
+  size_t capacity_bytes = size_t{1} << 30;
+  size_t block_bytes = 64 << 10;
+  std::string shm_path;     // "": an anonymous memfd; else this file (e.g. /dev/shm/...)
+  bool huge_pages = true;   // try MFD_HUGETLB, then madvise(MADV_HUGEPAGE)
+};
+
+class Arena {
+ public:
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(const ArenaOptions& options);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  uint8_t* base() const { return base_; }
+  size_t block_bytes() const { return block_bytes_; }
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
+  bool huge_pages() const { return huge_pages_; }
+  // A path another process on this host can open to map the arena.
+  const std::string& share_path() const { return share_path_; }
+
+  // Takes `count` blocks, all or none: RESOURCE_EXHAUSTED leaves the arena unchanged.
+  absl::StatusOr<std::vector<int32_t>> Allocate(int64_t count);
+  void Free(const std::vector<int32_t>& blocks);
+  uint8_t* Block(int32_t block) const { return base_ + static_cast<size_t>(block) * block_bytes_; }
+
+ private:
+  Arena() = default;
+
+  int fd_ = -1;
+  uint8_t* base_ = nullptr;
+  size_t mapped_bytes_ = 0;
+  size_t block_bytes_ = 0;
+  int64_t num_blocks_ = 0;
+  bool huge_pages_ = false;
+  std::string share_path_;
+  bool unlink_on_close_ = false;
+  std::vector<int32_t> free_;  // LIFO free list
+};
+
+}  // namespace infinigen

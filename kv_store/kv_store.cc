@@ -1,0 +1,338 @@
+#include "kv_store/kv_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace infinigen {
+
+absl::Status KvStoreConfig::Validate() const {
+  if (block_tokens < 1 || max_row_bytes < 2 || capacity_bytes < static_cast<size_t>(block_tokens * max_row_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the KV store needs block_tokens >= 1 and capacity for at least one block of ",
+        block_tokens * max_row_bytes, " bytes"));
+  }
+  if (gather_threads < 1) return absl::InvalidArgumentError("gather_threads must be >= 1");
+  if (lease <= absl::ZeroDuration()) return absl::InvalidArgumentError("the lease must be > 0");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Create(const KvStoreConfig& config) {
+  IG_RETURN_IF_ERROR(config.Validate());
+  std::unique_ptr<KvStore> store(new KvStore(config));
+  ArenaOptions arena;
+  arena.capacity_bytes = config.capacity_bytes;
+  arena.block_bytes = static_cast<size_t>(config.block_tokens * config.max_row_bytes);
+  arena.shm_path = config.shm_path;
+  arena.huge_pages = config.huge_pages;
+  IG_ASSIGN_OR_RETURN(std::unique_ptr<Arena> a, Arena::Create(arena));
+  absl::MutexLock lock(&store->mu_);
+  store->arena_ = std::move(a);
+  store->stats_.bytes_capacity =
+      static_cast<int64_t>(store->arena_->num_blocks() * store->arena_->block_bytes());
+  store->pool_ = std::make_unique<ThreadPool>(config.gather_threads);
+  return store;
+}
+
+std::shared_ptr<KvStore::Sequence> KvStore::Find(StoreSequenceId seq) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(seq);
+  return it == sequences_.end() ? nullptr : it->second;
+}
+
+uint8_t* KvStore::Row(const std::vector<int32_t>& blocks, int64_t slot, int64_t row_bytes) const {
+  const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
+  return arena_->Block(blocks[slot / per_block]) + (slot % per_block) * row_bytes;
+}
+
+absl::Status KvStore::Open(StoreSequenceId seq, const SequenceSpec& spec, absl::Time now) {
+  if (spec.num_layers < 1 || spec.num_kv_heads < 1 || spec.head_dim < 1 ||
+      spec.capacity_tokens < 0) {
+    return absl::InvalidArgumentError(
+        "a sequence needs num_layers, num_kv_heads and head_dim >= 1 and capacity_tokens >= 0");
+  }
+  if (spec.row_bytes() > config_.max_row_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("rows of ", spec.row_bytes(),
+                                                   " bytes exceed the store's limit of ",
+                                                   config_.max_row_bytes));
+  }
+  auto s = std::make_shared<Sequence>();
+  s->spec = spec;
+  s->lease_end = now + config_.lease;
+  {
+    absl::MutexLock seq_lock(&s->mu);
+    s->layers.resize(spec.num_layers);
+    for (Layer& l : s->layers) {
+      l.heads.resize(spec.num_kv_heads);
+      if (spec.capacity_tokens > 0) {
+        for (HeadRows& h : l.heads) h.slots.Resize(spec.capacity_tokens);
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (sequences_.contains(seq)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
+  }
+  sequences_.emplace(seq, std::move(s));
+  ++stats_.sequences;
+  return absl::OkStatus();
+}
+
+void KvStore::FreeSequence(Sequence& s) {
+  s.mu.AssertHeld();
+  for (Layer& l : s.layers) {
+    for (HeadRows& h : l.heads) {
+      stats_.bytes_used -= static_cast<int64_t>((h.k_blocks.size() + h.v_blocks.size()) *
+                                                arena_->block_bytes());
+      arena_->Free(h.k_blocks);
+      arena_->Free(h.v_blocks);
+      h.k_blocks.clear();
+      h.v_blocks.clear();
+    }
+  }
+  s.layers.clear();
+}
+
+absl::Status KvStore::Close(StoreSequenceId seq) {
+  std::shared_ptr<Sequence> s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  absl::MutexLock seq_lock(&s->mu);
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || it->second != s) {
+    return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  }
+  stats_.tokens_stored -= s->layers.empty() ? 0 : s->layers[0].rows;
+  FreeSequence(*s);
+  sequences_.erase(it);
+  --stats_.sequences;
+  return absl::OkStatus();
+}
+
+absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                             const uint8_t* k, const uint8_t* v, size_t bytes, int32_t* slots_out) {
+  std::shared_ptr<Sequence> s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  const SequenceSpec& spec = s->spec;
+  const int64_t row_bytes = spec.row_bytes();
+  if (layer < 0 || layer >= spec.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is outside [0, ",
+                                                   spec.num_layers, ")"));
+  }
+  if (n < 1 || bytes != static_cast<size_t>(n * spec.num_kv_heads * row_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "append of ", n, " tokens carries ", bytes, " bytes per tensor; ", n, " x ",
+        spec.num_kv_heads, " heads x ", spec.head_dim, " x ", DTypeName(spec.dtype), " = ",
+        n * spec.num_kv_heads * row_bytes));
+  }
+  absl::MutexLock seq_lock(&s->mu);
+  if (s->layers.empty()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " is closed"));
+  Layer& l = s->layers[layer];
+  if (start != l.length) {
+    return absl::InvalidArgumentError(absl::StrCat("append at token ", start, " of layer ", layer,
+                                                   ", which holds ", l.length,
+                                                   " tokens: appends must be in order"));
+  }
+  const bool pooled = spec.capacity_tokens > 0;
+  if (pooled && n > 1 && l.rows + n > spec.capacity_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefill of ", n, " tokens does not fit the sequence's capacity of ",
+        spec.capacity_tokens, " tokens (", l.rows, " stored)"));
+  }
+  // Plan: the blocks the new rows need, for every head, taken all at once or not at all.
+  const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
+  const int64_t new_rows = pooled ? std::min(l.rows + n, spec.capacity_tokens) : l.rows + n;
+  const int64_t blocks_needed = (new_rows + per_block - 1) / per_block -
+                                static_cast<int64_t>(l.heads[0].k_blocks.size());
+  if (blocks_needed > 0) {
+    absl::MutexLock lock(&mu_);
+    auto blocks = arena_->Allocate(blocks_needed * 2 * spec.num_kv_heads);
+    if (!blocks.ok()) {
+      ++stats_.rejections;
+      return blocks.status();
+    }
+    auto it = blocks->begin();
+    for (HeadRows& h : l.heads) {
+      h.k_blocks.insert(h.k_blocks.end(), it, it + blocks_needed);
+      it += blocks_needed;
+      h.v_blocks.insert(h.v_blocks.end(), it, it + blocks_needed);
+      it += blocks_needed;
+    }
+    stats_.bytes_used += static_cast<int64_t>(blocks->size() * arena_->block_bytes());
+  }
+  // Apply.
+  if (layer == 0) ++s->step;
+  int64_t evictions = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int g = 0; g < spec.num_kv_heads; ++g) {
+      HeadRows& h = l.heads[g];
+      int64_t slot = l.rows + t;
+      if (pooled) {
+        bool evicted;
+        slot = h.slots.Place(start + t, s->step, spec.eviction, &evicted);
+        evictions += evicted;
+      }
+      const size_t src = static_cast<size_t>((t * spec.num_kv_heads + g) * row_bytes);
+      std::memcpy(Row(h.k_blocks, slot, row_bytes), k + src, row_bytes);
+      std::memcpy(Row(h.v_blocks, slot, row_bytes), v + src, row_bytes);
+      if (slots_out != nullptr) slots_out[t * spec.num_kv_heads + g] = static_cast<int32_t>(slot);
+    }
+  }
+  const int64_t old_rows = l.rows;
+  l.rows = new_rows;
+  l.length = start + n;
+  absl::MutexLock lock(&mu_);
+  ++stats_.appends;
+  stats_.evictions += evictions / spec.num_kv_heads;
+  if (layer == 0) stats_.tokens_stored += new_rows - old_rows;
+  return absl::OkStatus();
+}
+
+absl::Status KvStore::Gather(std::span<const GatherItem> items) {
+  // Lock the sequences in id order (no lock-order cycles between concurrent gathers).
+  std::vector<std::pair<StoreSequenceId, std::shared_ptr<Sequence>>> seqs;
+  for (const GatherItem& item : items) {
+    if (std::any_of(seqs.begin(), seqs.end(), [&](const auto& p) { return p.first == item.seq; })) {
+      continue;
+    }
+    std::shared_ptr<Sequence> s = Find(item.seq);
+    if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", item.seq));
+    seqs.emplace_back(item.seq, std::move(s));
+  }
+  std::sort(seqs.begin(), seqs.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  auto seq_of = [&](StoreSequenceId id) -> Sequence& {
+    return *std::find_if(seqs.begin(), seqs.end(), [&](const auto& p) { return p.first == id; })
+                ->second;
+  };
+  for (auto& [id, s] : seqs) s->mu.ReaderLock();
+  // Validate everything before copying anything.
+  absl::Status status;
+  int64_t units = 0, bytes = 0;
+  for (const GatherItem& item : items) {
+    Sequence& s = seq_of(item.seq);
+    const SequenceSpec& spec = s.spec;
+    if (s.layers.empty()) {
+      status = absl::NotFoundError(absl::StrCat("sequence ", item.seq, " is closed"));
+      break;
+    }
+    if (item.layer < 0 || item.layer >= spec.num_layers) {
+      status = absl::InvalidArgumentError(absl::StrCat("sequence ", item.seq, ": layer ",
+                                                       item.layer, " is outside [0, ",
+                                                       spec.num_layers, ")"));
+      break;
+    }
+    if (item.count < 0 ||
+        item.slots.size() != static_cast<size_t>(item.count * spec.num_kv_heads) ||
+        (item.count > 0 && (item.k_out == nullptr || item.v_out == nullptr))) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", item.seq, " layer ", item.layer, ": ", item.slots.size(),
+          " indices given for ", item.count, " rows x ", spec.num_kv_heads, " KV heads"));
+      break;
+    }
+    const int64_t rows = s.layers[item.layer].rows;
+    for (int32_t slot : item.slots) {
+      if (slot < 0 || slot >= rows) {
+        status = absl::InvalidArgumentError(absl::StrCat("sequence ", item.seq, " layer ",
+                                                         item.layer, ": token index ", slot,
+                                                         " is outside [0, ", rows, ")"));
+        break;
+      }
+    }
+    if (!status.ok()) break;
+    units += spec.num_kv_heads;
+    bytes += 2 * static_cast<int64_t>(item.slots.size()) * spec.row_bytes();
+  }
+  if (status.ok()) {
+    // Work units: one (item, KV head) each.
+    std::vector<std::pair<const GatherItem*, int>> work;
+    work.reserve(units);
+    for (const GatherItem& item : items) {
+      for (int g = 0; g < seq_of(item.seq).spec.num_kv_heads; ++g) work.emplace_back(&item, g);
+    }
+    auto copy = [&](int64_t u) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      const GatherItem& item = *work[u].first;
+      const int g = work[u].second;
+      Sequence& s = seq_of(item.seq);
+      const int64_t row_bytes = s.spec.row_bytes();
+      const HeadRows& h = s.layers[item.layer].heads[g];
+      const int32_t* idx = item.slots.data() + g * item.count;
+      uint8_t* k_out = item.k_out + g * item.count * row_bytes;
+      uint8_t* v_out = item.v_out + g * item.count * row_bytes;
+      for (int64_t j = 0; j < item.count; ++j) {
+        std::memcpy(k_out + j * row_bytes, Row(h.k_blocks, idx[j], row_bytes), row_bytes);
+        std::memcpy(v_out + j * row_bytes, Row(h.v_blocks, idx[j], row_bytes), row_bytes);
+      }
+    };
+    if (bytes >= config_.parallel_gather_bytes) {
+      pool_->ParallelFor(static_cast<int64_t>(work.size()), copy);
+    } else {
+      for (int64_t u = 0; u < static_cast<int64_t>(work.size()); ++u) copy(u);
+    }
+  }
+  for (auto& [id, s] : seqs) s->mu.ReaderUnlock();
+  if (!status.ok()) return status;
+  // Fetch statistics for sequences that evict.
+  for (const GatherItem& item : items) {
+    Sequence& s = seq_of(item.seq);
+    if (s.spec.capacity_tokens == 0) continue;
+    absl::MutexLock seq_lock(&s.mu);
+    if (s.layers.empty()) continue;
+    for (int g = 0; g < s.spec.num_kv_heads; ++g) {
+      for (int64_t j = 0; j < item.count; ++j) {
+        s.layers[item.layer].heads[g].slots.Fetched(item.slots[g * item.count + j], s.step);
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  ++stats_.gathers;
+  stats_.bytes_gathered += bytes;
+  return absl::OkStatus();
+}
+
+int64_t KvStore::Renew(const std::string& owner, absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  int64_t held = 0;
+  for (auto& [id, s] : sequences_) {
+    if (s->spec.owner == owner) {
+      s->lease_end = now + config_.lease;
+      ++held;
+    }
+  }
+  return held;
+}
+
+int64_t KvStore::ReapExpired(absl::Time now) {
+  std::vector<StoreSequenceId> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, s] : sequences_) {
+      if (s->lease_end <= now) expired.push_back(id);
+    }
+  }
+  int64_t freed = 0;
+  for (StoreSequenceId id : expired) {
+    if (Close(id).ok()) ++freed;
+  }
+  absl::MutexLock lock(&mu_);
+  stats_.leases_expired += freed;
+  return freed;
+}
+
+absl::StatusOr<int64_t> KvStore::Length(StoreSequenceId seq, int layer) const {
+  std::shared_ptr<Sequence> s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  absl::ReaderMutexLock seq_lock(&s->mu);
+  if (layer < 0 || layer >= static_cast<int>(s->layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  return s->layers[layer].length;
+}
+
+KvStoreStats KvStore::Stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace infinigen

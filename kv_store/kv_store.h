@@ -1,0 +1,135 @@
+// KvStore: the full K/V of every sequence in host memory, served by token index.
+//
+// Per sequence, per layer, per KV head, K and V rows live in fixed-size arena blocks (block_tokens
+// rows each) found through a block table; rows are `slots` (positions, or with a capacity the
+// KV pool's slots, see slot_table.h). Append stores rows in order; Gather copies the rows a
+// decode step selected, packed, for any number of sequences at once, on several threads for
+// large requests. Sequences belong to an owner whose lease must be renewed; ReapExpired frees
+// the sequences of owners that stopped (a worker that died).
+//
+// Thread-safe: a store-wide mutex guards the sequence table and the arena; each sequence has its
+// own lock, so gathers of different sequences and of the same sequence run concurrently.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "common/thread_pool.h"
+#include "kv_store/arena.h"
+#include "kv_store/slot_table.h"
+
+namespace infinigen {
+
+using StoreSequenceId = uint64_t;
+
+struct KvStoreConfig {
+  size_t capacity_bytes = size_t{1} << 30;
+  int64_t block_tokens = 64;      // rows per arena block
+  int64_t max_row_bytes = 1024;   // the largest head_dim x dtype size accepted (sizes blocks)
+  int gather_threads = 2;
+  int64_t parallel_gather_bytes = 1 << 20;  // gathers at least this large use the thread pool
+  absl::Duration lease = absl::Seconds(30);
+  std::string shm_path;           // see ArenaOptions
+  bool huge_pages = true;
+
+  absl::Status Validate() const;
+};
+
+struct SequenceSpec {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  DType dtype = DType::kBF16;
+  int64_t capacity_tokens = 0;    // > 0: a KV pool of this many tokens per (layer, head)
+  EvictionPolicy eviction = EvictionPolicy::kCounter;
+  std::string owner;              // lease holder (a worker)
+
+  int64_t row_bytes() const { return static_cast<int64_t>(head_dim) * DTypeSize(dtype); }
+};
+
+// One layer of one sequence to gather: `count` slots per KV head ([num_kv_heads, count]),
+// written packed to k_out and v_out as [num_kv_heads, count, head_dim].
+struct GatherItem {
+  StoreSequenceId seq = 0;
+  int layer = 0;
+  int64_t count = 0;
+  std::span<const int32_t> slots;
+  uint8_t* k_out = nullptr;
+  uint8_t* v_out = nullptr;
+};
+
+struct KvStoreStats {
+  int64_t sequences = 0;
+  int64_t bytes_capacity = 0, bytes_used = 0;
+  int64_t tokens_stored = 0;      // Σ over sequences of layer-0 rows
+  int64_t appends = 0, gathers = 0, bytes_gathered = 0;
+  int64_t evictions = 0, rejections = 0, leases_expired = 0;
+};
+
+class KvStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<KvStore>> Create(const KvStoreConfig& config);
+
+  // ALREADY_EXISTS if open; INVALID_ARGUMENT for a bad spec; RESOURCE_EXHAUSTED if a KV pool
+  // capacity cannot be reserved.
+  absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec, absl::Time now);
+  absl::Status Close(StoreSequenceId seq);
+  // Stores rows [start, start + n) of `layer`: k and v are [n, num_kv_heads, head_dim] in the
+  // sequence's dtype (`bytes` each). `slots_out` ([n, num_kv_heads], may be null) gets the slots.
+  // Appends must be in order (start = the layer's length). RESOURCE_EXHAUSTED when the store is
+  // full leaves every sequence (this one included) as it was.
+  absl::Status Append(StoreSequenceId seq, int layer, int64_t start, int64_t n, const uint8_t* k,
+                      const uint8_t* v, size_t bytes, int32_t* slots_out = nullptr);
+  // Copies the items' rows. Validates everything before copying anything.
+  absl::Status Gather(std::span<const GatherItem> items);
+  // Extends the lease of every sequence of `owner`; returns how many it holds.
+  int64_t Renew(const std::string& owner, absl::Time now);
+  // Frees sequences whose lease ended; returns how many.
+  int64_t ReapExpired(absl::Time now);
+
+  absl::StatusOr<int64_t> Length(StoreSequenceId seq, int layer) const;
+  KvStoreStats Stats() const;
+  const Arena& arena() const { return *arena_; }
+  const KvStoreConfig& config() const { return config_; }
+
+ private:
+  struct HeadRows {
+    std::vector<int32_t> k_blocks, v_blocks;
+    SlotTable slots;  // used when the sequence has a capacity
+  };
+  struct Layer {
+    int64_t length = 0;  // rows appended
+    int64_t rows = 0;    // valid slots (== length without a capacity)
+    std::vector<HeadRows> heads;
+  };
+  struct Sequence {
+    SequenceSpec spec;
+    absl::Time lease_end;
+    int64_t step = 0;
+    mutable absl::Mutex mu;
+    std::vector<Layer> layers ABSL_GUARDED_BY(mu);
+  };
+
+  explicit KvStore(const KvStoreConfig& config) : config_(config) {}
+  std::shared_ptr<Sequence> Find(StoreSequenceId seq) const ABSL_LOCKS_EXCLUDED(mu_);
+  uint8_t* Row(const std::vector<int32_t>& blocks, int64_t slot, int64_t row_bytes) const;
+  void FreeSequence(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  KvStoreConfig config_;
+  std::unique_ptr<ThreadPool> pool_;
+  mutable absl::Mutex mu_;
+  std::unique_ptr<Arena> arena_ ABSL_PT_GUARDED_BY(mu_);
+  absl::flat_hash_map<StoreSequenceId, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
+  KvStoreStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace infinigen

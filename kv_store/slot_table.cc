@@ -1,0 +1,76 @@
+#include "kv_store/slot_table.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace infinigen {
+
+absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(absl::string_view name) {
+  if (name == "counter") return EvictionPolicy::kCounter;
+  if (name == "fifo") return EvictionPolicy::kFifo;
+  if (name == "lru") return EvictionPolicy::kLru;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown eviction policy '", name, "': expected counter, fifo or lru"));
+}
+
+const char* EvictionPolicyName(EvictionPolicy policy) {
+  switch (policy) {
+    case EvictionPolicy::kCounter: return "counter";
+    case EvictionPolicy::kFifo: return "fifo";
+    case EvictionPolicy::kLru: return "lru";
+  }
+  return "?";
+}
+
+void SlotTable::Resize(int64_t capacity) {
+  position_.resize(capacity, -1);
+  fetches_.resize(capacity, 0);
+  last_use_.resize(capacity, 0);
+  size_ = std::min(size_, capacity);
+}
+
+int32_t SlotTable::Place(int64_t position, int64_t step, EvictionPolicy policy, bool* evicted) {
+  int32_t slot;
+  *evicted = size_ >= capacity();
+  if (*evicted) {
+    slot = Victim(policy);
+  } else {
+    slot = static_cast<int32_t>(size_++);
+  }
+  position_[slot] = position;
+  fetches_[slot] = 0;
+  last_use_[slot] = step;
+  return slot;
+}
+
+void SlotTable::Fetched(int32_t slot, int64_t step) {
+  if (slot < 0 || slot >= size_) return;
+  ++fetches_[slot];
+  last_use_[slot] = step;
+}
+
+int32_t SlotTable::Victim(EvictionPolicy policy) const {
+  std::vector<int32_t> slots(size_);
+  std::iota(slots.begin(), slots.end(), 0);
+  auto older = [&](int32_t a, int32_t b) { return position_[a] < position_[b]; };
+  switch (policy) {
+    case EvictionPolicy::kFifo:
+      return *std::min_element(slots.begin(), slots.end(), older);
+    case EvictionPolicy::kLru:
+      return *std::min_element(slots.begin(), slots.end(), [&](int32_t a, int32_t b) {
+        return last_use_[a] != last_use_[b] ? last_use_[a] < last_use_[b] : older(a, b);
+      });
+    case EvictionPolicy::kCounter: {
+      const int64_t half = std::max<int64_t>(1, size_ / 2);
+      std::nth_element(slots.begin(), slots.begin() + (half - 1), slots.end(), older);
+      return *std::min_element(slots.begin(), slots.begin() + half, [&](int32_t a, int32_t b) {
+        return fetches_[a] != fetches_[b] ? fetches_[a] < fetches_[b] : older(a, b);
+      });
+    }
+  }
+  return 0;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,253 @@
+// The KV store library: rows in, the same rows out by index; errors for bad requests; a full
+// store refuses without touching anyone's data; the KV pool evicts by its policy; leases free
+// the sequences of owners that stopped renewing; concurrent use.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "kv_store/kv_store.h"
+
+namespace infinigen {
+namespace {
+
+const absl::Time kT0 = absl::FromUnixSeconds(1000);
+
+std::unique_ptr<KvStore> MakeStore(size_t capacity = 8 << 20, int64_t parallel_bytes = 1 << 20) {
+  KvStoreConfig c;
+  c.capacity_bytes = capacity;
+  c.block_tokens = 16;
+  c.max_row_bytes = 256;
+  c.parallel_gather_bytes = parallel_bytes;
+  c.huge_pages = false;
+  auto s = KvStore::Create(c);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return std::move(*s);
+}
+
+SequenceSpec Spec(int layers = 2, int heads = 3, int dim = 24, DType dtype = DType::kBF16) {
+  SequenceSpec s;
+  s.num_layers = layers;
+  s.num_kv_heads = heads;
+  s.head_dim = dim;
+  s.dtype = dtype;
+  s.owner = "worker-a";
+  return s;
+}
+
+// Deterministic row bytes: token t, head g, K or V.
+std::vector<uint8_t> Rows(const SequenceSpec& s, int64_t start, int64_t n, uint8_t kv,
+                          uint64_t salt = 0) {
+  const int64_t token_bytes = s.num_kv_heads * s.row_bytes();
+  std::vector<uint8_t> out(n * token_bytes);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < token_bytes; ++i) {
+      out[t * token_bytes + i] =
+          static_cast<uint8_t>(((start + t) * 131 + i * 7 + kv * 29 + salt * 17) % 251);
+    }
+  }
+  return out;
+}
+
+void AppendRows(KvStore& store, StoreSequenceId seq, const SequenceSpec& s, int layer,
+                int64_t start, int64_t n, uint64_t salt = 0) {
+  auto k = Rows(s, start, n, 0, salt), v = Rows(s, start, n, 1, salt);
+  ASSERT_TRUE(store.Append(seq, layer, start, n, k.data(), v.data(), k.size()).ok());
+}
+
+// The bytes of token `t`, head `g` as appended.
+std::vector<uint8_t> Expected(const SequenceSpec& s, int64_t t, int g, uint8_t kv,
+                              uint64_t salt = 0) {
+  auto rows = Rows(s, t, 1, kv, salt);
+  return std::vector<uint8_t>(rows.begin() + g * s.row_bytes(),
+                              rows.begin() + (g + 1) * s.row_bytes());
+}
+
+void ExpectGathered(KvStore& store, StoreSequenceId seq, const SequenceSpec& s, int layer,
+                    const std::vector<int32_t>& slots, int64_t count, uint64_t salt = 0) {
+  std::vector<uint8_t> k(slots.size() * s.row_bytes()), v(k.size());
+  GatherItem item{seq, layer, count, slots, k.data(), v.data()};
+  ASSERT_TRUE(store.Gather({&item, 1}).ok());
+  for (int g = 0; g < s.num_kv_heads; ++g) {
+    for (int64_t j = 0; j < count; ++j) {
+      const int32_t t = slots[g * count + j];
+      const size_t off = (g * count + j) * s.row_bytes();
+      ASSERT_EQ(std::vector<uint8_t>(k.begin() + off, k.begin() + off + s.row_bytes()),
+                Expected(s, t, g, 0, salt))
+          << "token " << t << " head " << g;
+      ASSERT_EQ(std::vector<uint8_t>(v.begin() + off, v.begin() + off + s.row_bytes()),
+                Expected(s, t, g, 1, salt));
+    }
+  }
+}
+
+TEST(KvStore, GathersTheRowsItStored) {
+  for (int64_t parallel : {int64_t{1} << 30, int64_t{1}}) {  // serial, then thread pool
+    auto store = MakeStore(8 << 20, parallel);
+    for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+      const SequenceSpec s = Spec(2, 3, 24, dtype);
+      const StoreSequenceId seq = static_cast<StoreSequenceId>(dtype) + 10;
+      ASSERT_TRUE(store->Open(seq, s, kT0).ok());
+      AppendRows(*store, seq, s, 0, 0, 40);  // prefill, spans 3 blocks of 16 rows
+      for (int64_t t = 40; t < 45; ++t) AppendRows(*store, seq, s, 0, t, 1);  // decode
+      std::mt19937 rng(1);
+      std::vector<int32_t> slots(3 * 7);
+      for (auto& x : slots) x = static_cast<int32_t>(rng() % 45);
+      ExpectGathered(*store, seq, s, 0, slots, 7);
+    }
+  }
+}
+
+TEST(KvStore, OneGatherServesManySequences) {
+  auto store = MakeStore(8 << 20, 1);
+  const SequenceSpec s = Spec();
+  std::vector<std::vector<uint8_t>> k(4), v(4);
+  std::vector<std::vector<int32_t>> slots(4);
+  std::vector<GatherItem> items;
+  for (StoreSequenceId seq = 1; seq <= 4; ++seq) {
+    ASSERT_TRUE(store->Open(seq, s, kT0).ok());
+    AppendRows(*store, seq, s, 1, 0, 20, seq);
+    slots[seq - 1] = {0, 19, 5, 1, 2, 3, 7, 7, 8};
+    k[seq - 1].resize(9 * s.row_bytes());
+    v[seq - 1].resize(9 * s.row_bytes());
+    items.push_back({seq, 1, 3, slots[seq - 1], k[seq - 1].data(), v[seq - 1].data()});
+  }
+  ASSERT_TRUE(store->Gather(items).ok());
+  for (StoreSequenceId seq = 1; seq <= 4; ++seq) {
+    EXPECT_EQ(std::vector<uint8_t>(k[seq - 1].begin(), k[seq - 1].begin() + s.row_bytes()),
+              Expected(s, 0, 0, 0, seq));
+  }
+  EXPECT_EQ(store->Stats().gathers, 1);
+}
+
+TEST(KvStore, BadRequestsAreRefusedWithTheReason) {
+  auto store = MakeStore();
+  const SequenceSpec s = Spec();
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 4);
+  std::vector<uint8_t> buf(3 * s.row_bytes());
+  std::vector<int32_t> one = {0, 0, 0};
+  auto gather = [&](StoreSequenceId seq, int layer, std::vector<int32_t> slots, int64_t count) {
+    GatherItem item{seq, layer, count, slots, buf.data(), buf.data()};
+    return store->Gather({&item, 1});
+  };
+  EXPECT_EQ(gather(9, 0, one, 1).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(gather(1, 2, one, 1).code(), absl::StatusCode::kInvalidArgument);
+  auto out_of_range = gather(1, 0, {0, 4, 0}, 1);
+  EXPECT_EQ(out_of_range.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(out_of_range.message().find("token index 4"), std::string::npos) << out_of_range;
+  EXPECT_EQ(gather(1, 0, {0, 1}, 1).code(), absl::StatusCode::kInvalidArgument);  // 2 != 3 heads
+  auto k = Rows(s, 4, 1, 0);
+  EXPECT_EQ(store->Append(1, 0, 4, 1, k.data(), k.data(), k.size() - 1).code(),
+            absl::StatusCode::kInvalidArgument);  // wrong byte count (dtype or head mismatch)
+  EXPECT_EQ(store->Append(1, 0, 7, 1, k.data(), k.data(), k.size()).code(),
+            absl::StatusCode::kInvalidArgument);  // a hole
+  EXPECT_EQ(store->Append(1, 5, 0, 1, k.data(), k.data(), k.size()).code(),
+            absl::StatusCode::kInvalidArgument);  // layer
+  EXPECT_EQ(store->Open(1, s, kT0).code(), absl::StatusCode::kAlreadyExists);
+  SequenceSpec wide = s;
+  wide.head_dim = 1000;
+  EXPECT_EQ(store->Open(2, wide, kT0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Close(42).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(KvStore, AFullStoreRefusesAndLosesNothing) {
+  // 1 MiB: 256 blocks of 4 KiB; a 3-head layer takes 6 blocks per 16 rows.
+  auto store = MakeStore(1 << 20);
+  const SequenceSpec s = Spec(1, 3, 64, DType::kBF16);  // 128-byte rows, 32 rows per block
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 200, 1);
+  ASSERT_TRUE(store->Open(2, s, kT0).ok());
+  int64_t t = 0;
+  absl::Status st;
+  while (st.ok()) {
+    auto k = Rows(s, t, 32, 0, 2), v = Rows(s, t, 32, 1, 2);
+    st = store->Append(2, 0, t, 32, k.data(), v.data(), k.size());
+    if (st.ok()) t += 32;
+  }
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("full"), std::string::npos);
+  EXPECT_EQ(*store->Length(2, 0), t);  // the refused append left no partial rows
+  EXPECT_GE(store->Stats().rejections, 1);
+  std::vector<int32_t> slots = {0, 199, 100, 5, 6, 7, 0, 1, 2};
+  ExpectGathered(*store, 1, s, 0, slots, 3, 1);
+  std::vector<int32_t> last = {static_cast<int32_t>(t - 1), static_cast<int32_t>(t - 1),
+                               static_cast<int32_t>(t - 1)};
+  ExpectGathered(*store, 2, s, 0, last, 1, 2);
+  // Closing frees the blocks: the refused append now fits.
+  ASSERT_TRUE(store->Close(1).ok());
+  auto k = Rows(s, t, 32, 0, 2), v = Rows(s, t, 32, 1, 2);
+  EXPECT_TRUE(store->Append(2, 0, t, 32, k.data(), v.data(), k.size()).ok());
+}
+
+TEST(KvStore, KvPoolEvictsByPolicy) {
+  auto store = MakeStore();
+  SequenceSpec s = Spec(1, 1, 8, DType::kF32);
+  s.capacity_tokens = 4;
+  s.eviction = EvictionPolicy::kFifo;
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 4);
+  std::vector<int32_t> slot(1);
+  auto k = Rows(s, 4, 1, 0), v = Rows(s, 4, 1, 1);
+  ASSERT_TRUE(store->Append(1, 0, 4, 1, k.data(), v.data(), k.size(), slot.data()).ok());
+  EXPECT_EQ(slot[0], 0);  // FIFO: token 0's slot
+  // Counter: the least fetched of the older half (tokens 0, 1). Token 0 was fetched, so
+  // token 1 goes, where FIFO would have taken token 0.
+  s.eviction = EvictionPolicy::kCounter;
+  ASSERT_TRUE(store->Open(2, s, kT0).ok());
+  AppendRows(*store, 2, s, 0, 0, 4);
+  std::vector<int32_t> hot = {0};
+  std::vector<uint8_t> buf(s.row_bytes());
+  GatherItem item{2, 0, 1, hot, buf.data(), buf.data()};
+  ASSERT_TRUE(store->Gather({&item, 1}).ok());
+  ASSERT_TRUE(store->Append(2, 0, 4, 1, k.data(), v.data(), k.size(), slot.data()).ok());
+  EXPECT_EQ(slot[0], 1);
+  EXPECT_EQ(store->Stats().evictions, 2);
+}
+
+TEST(KvStore, LeasesFreeSequencesOfOwnersThatStopped) {
+  auto store = MakeStore();
+  SequenceSpec a = Spec(), b = Spec();
+  b.owner = "worker-b";
+  ASSERT_TRUE(store->Open(1, a, kT0).ok());
+  ASSERT_TRUE(store->Open(2, b, kT0).ok());
+  AppendRows(*store, 1, a, 0, 0, 10);
+  AppendRows(*store, 2, b, 0, 0, 10);
+  const int64_t used = store->Stats().bytes_used;
+  EXPECT_EQ(store->Renew("worker-a", kT0 + absl::Seconds(20)), 1);
+  EXPECT_EQ(store->ReapExpired(kT0 + absl::Seconds(31)), 1);  // b's lease ended at 30 s
+  EXPECT_TRUE(store->Length(1, 0).ok());
+  EXPECT_EQ(store->Length(2, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_LT(store->Stats().bytes_used, used);
+  EXPECT_EQ(store->Stats().leases_expired, 1);
+}
+
+TEST(KvStore, ConcurrentAppendsAndGathers) {
+  auto store = MakeStore(16 << 20, 1 << 12);
+  const SequenceSpec s = Spec(2, 2, 32, DType::kF16);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      const StoreSequenceId seq = 100 + w;
+      if (!store->Open(seq, s, kT0).ok()) ++failures;
+      for (int64_t t = 0; t < 64; ++t) {
+        auto k = Rows(s, t, 1, 0, w), v = Rows(s, t, 1, 1, w);
+        if (!store->Append(seq, 0, t, 1, k.data(), v.data(), k.size()).ok()) ++failures;
+        std::vector<int32_t> slots = {static_cast<int32_t>(t), 0};
+        std::vector<uint8_t> ko(2 * s.row_bytes()), vo(2 * s.row_bytes());
+        GatherItem item{seq, 0, 1, slots, ko.data(), vo.data()};
+        if (!store->Gather({&item, 1}).ok()) ++failures;
+        if (std::vector<uint8_t>(ko.begin(), ko.begin() + s.row_bytes()) != Expected(s, t, 0, 0, w)) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+}  // namespace
+}  // namespace infinigen
