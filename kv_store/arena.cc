@@ -26,6 +26,19 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const ArenaOptions& o) {
   a->num_blocks_ = static_cast<int64_t>(o.capacity_bytes / o.block_bytes);
   a->mapped_bytes_ = static_cast<size_t>(a->num_blocks_) * o.block_bytes;
   constexpr size_t kHugePage = 2 << 20;
+  if (!o.shared) {
+    void* p = ::mmap(nullptr, a->mapped_bytes_, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot map a ", a->mapped_bytes_, "-byte arena: ", std::strerror(errno)));
+    }
+    a->base_ = static_cast<uint8_t*>(p);
+    if (o.huge_pages) a->huge_pages_ = ::madvise(p, a->mapped_bytes_, MADV_HUGEPAGE) == 0;
+    a->free_.reserve(a->num_blocks_);
+    for (int64_t b = a->num_blocks_ - 1; b >= 0; --b) a->free_.push_back(static_cast<int32_t>(b));
+    return a;
+  }
   // Huge pages first when asked for; any failure (none reserved) falls back to normal pages.
   for (bool huge : {true, false}) {
     if (huge && (!o.huge_pages || !o.shm_path.empty() || a->mapped_bytes_ % kHugePage != 0)) {

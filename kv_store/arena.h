@@ -17,8 +17,12 @@ namespace infinigen {
 struct ArenaOptions {
   size_t capacity_bytes = size_t{1} << 30;
   size_t block_bytes = 64 << 10;
+  // Shared: a memfd (or `shm_path`) that collocated workers can map. Not shared: private
+  // anonymous memory, which transparent huge pages back on most systems (shared memory rarely
+  // gets them: shmem_enabled is usually "never"), so random-row gathers miss the TLB less.
+  bool shared = true;
   std::string shm_path;     // "": an anonymous memfd; else this file (e.g. /dev/shm/...)
-  bool huge_pages = true;   // try MFD_HUGETLB, then madvise(MADV_HUGEPAGE)
+  bool huge_pages = true;   // try MFD_HUGETLB (shared) and madvise(MADV_HUGEPAGE)
 };
 
 class Arena {

@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Create(const KvStoreConfig& co
   ArenaOptions arena;
   arena.capacity_bytes = config.capacity_bytes;
   arena.block_bytes = static_cast<size_t>(config.block_tokens * config.max_row_bytes);
+  arena.shared = config.shared_memory;
   arena.shm_path = config.shm_path;
   arena.huge_pages = config.huge_pages;
   IG_ASSIGN_OR_RETURN(std::unique_ptr<Arena> a, Arena::Create(arena));
@@ -260,7 +261,17 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items) {
       const int32_t* idx = item.slots.data() + g * item.count;
       uint8_t* k_out = item.k_out + g * item.count * row_bytes;
       uint8_t* v_out = item.v_out + g * item.count * row_bytes;
+      // Random rows are latency-bound: ask for rows kAhead positions ahead while copying.
+      constexpr int64_t kAhead = 8;
       for (int64_t j = 0; j < item.count; ++j) {
+        if (j + kAhead < item.count) {
+          const uint8_t* pk = Row(h.k_blocks, idx[j + kAhead], row_bytes);
+          const uint8_t* pv = Row(h.v_blocks, idx[j + kAhead], row_bytes);
+          for (int64_t line = 0; line < row_bytes; line += 64) {
+            __builtin_prefetch(pk + line);
+            __builtin_prefetch(pv + line);
+          }
+        }
         std::memcpy(k_out + j * row_bytes, Row(h.k_blocks, idx[j], row_bytes), row_bytes);
         std::memcpy(v_out + j * row_bytes, Row(h.v_blocks, idx[j], row_bytes), row_bytes);
       }

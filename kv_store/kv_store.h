@@ -38,6 +38,7 @@ struct KvStoreConfig {
   int gather_threads = 2;
   int64_t parallel_gather_bytes = 1 << 20;  // gathers at least this large use the thread pool
   absl::Duration lease = absl::Seconds(30);
+  bool shared_memory = true;      // see ArenaOptions::shared
   std::string shm_path;           // see ArenaOptions
   bool huge_pages = true;
 

@@ -1,0 +1,96 @@
+// KV store gather throughput: rows of 256 and 512 bytes (head_dim 128 in bf16/f32) at random
+// indices, 8 KV heads x 400 selected tokens per layer per sequence, batch 1 and 16, against a
+// plain memcpy of the same number of bytes from one contiguous buffer (the ceiling).
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kv_store/kv_store.h"
+
+namespace infinigen {
+namespace {
+
+constexpr int kHeads = 8;
+constexpr int64_t kSelected = 400;
+constexpr int64_t kStored = 4000;  // tokens per sequence: the gather reads 10%
+
+struct Setup {
+  std::unique_ptr<KvStore> store;
+  std::vector<std::vector<int32_t>> slots;
+  std::vector<std::vector<uint8_t>> k_out, v_out;
+  std::vector<GatherItem> items;
+  int64_t bytes = 0;
+
+  Setup(int64_t row_bytes, int batch, int threads, bool shared) {
+    KvStoreConfig c;
+    c.capacity_bytes = static_cast<size_t>(batch) * 2 * kHeads * kStored * row_bytes * 11 / 10 +
+                       (64 << 20);
+    c.block_tokens = 64;
+    c.max_row_bytes = row_bytes;
+    c.gather_threads = threads;
+    c.parallel_gather_bytes = 256 << 10;
+    c.shared_memory = shared;
+    store = std::move(*KvStore::Create(c));
+    SequenceSpec spec;
+    spec.num_layers = 1;
+    spec.num_kv_heads = kHeads;
+    spec.head_dim = static_cast<int>(row_bytes / 2);
+    spec.dtype = DType::kBF16;
+    std::mt19937 rng(7);
+    std::vector<uint8_t> rows(512 * kHeads * row_bytes, 0x5a);
+    for (int b = 0; b < batch; ++b) {
+      (void)store->Open(b, spec, absl::Now());
+      for (int64_t t = 0; t < kStored; t += 512) {
+        const int64_t n = std::min<int64_t>(512, kStored - t);
+        (void)store->Append(b, 0, t, n, rows.data(), rows.data(), n * kHeads * row_bytes);
+      }
+      auto& s = slots.emplace_back(kHeads * kSelected);
+      for (auto& x : s) x = static_cast<int32_t>(rng() % kStored);
+      k_out.emplace_back(kHeads * kSelected * row_bytes);
+      v_out.emplace_back(kHeads * kSelected * row_bytes);
+    }
+    for (int b = 0; b < batch; ++b) {
+      items.push_back({static_cast<StoreSequenceId>(b), 0, kSelected, slots[b], k_out[b].data(),
+                       v_out[b].data()});
+    }
+    bytes = 2LL * batch * kHeads * kSelected * row_bytes;
+  }
+};
+
+void BM_Gather(benchmark::State& state) {
+  Setup s(state.range(0), static_cast<int>(state.range(1)), static_cast<int>(state.range(2)),
+          state.range(3) != 0);
+  for (auto _ : state) {
+    auto st = s.store->Gather(s.items);
+    if (!st.ok()) state.SkipWithError(std::string(st.message()).c_str());
+    benchmark::DoNotOptimize(s.k_out[0].data());
+  }
+  state.SetBytesProcessed(state.iterations() * s.bytes);
+}
+
+// The same bytes as one contiguous copy: what the gather is compared against.
+void BM_Memcpy(benchmark::State& state) {
+  const int64_t bytes = 2LL * state.range(1) * kHeads * kSelected * state.range(0);
+  std::vector<uint8_t> src(bytes, 1), dst(bytes);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::DoNotOptimize(dst.data());
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+// Args: row bytes, batch, gather threads, shared memory (memfd) or private (huge pages).
+BENCHMARK(BM_Gather)
+    ->Args({256, 1, 1, 1})->Args({512, 1, 1, 1})->Args({256, 16, 1, 1})->Args({512, 16, 1, 1})
+    ->Args({256, 16, 2, 1})->Args({512, 16, 2, 1})
+    ->Args({256, 1, 1, 0})->Args({512, 1, 1, 0})->Args({256, 16, 1, 0})->Args({512, 16, 1, 0})
+    ->Args({256, 16, 2, 0})->Args({512, 16, 2, 0})->UseRealTime();
+BENCHMARK(BM_Memcpy)->Args({256, 1, 1})->Args({512, 1, 1})->Args({256, 16, 1})
+    ->Args({512, 16, 1})->UseRealTime();
+
+}  // namespace
+}  // namespace infinigen
+
+BENCHMARK_MAIN();
