@@ -341,6 +341,30 @@ absl::StatusOr<int64_t> KvStore::Length(StoreSequenceId seq, int layer) const {
   return s->layers[layer].length;
 }
 
+absl::StatusOr<SequenceSpec> KvStore::Spec(StoreSequenceId seq) const {
+  std::shared_ptr<Sequence> s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  return s->spec;
+}
+
+absl::StatusOr<LayerBlocks> KvStore::Blocks(StoreSequenceId seq, int layer) const {
+  std::shared_ptr<Sequence> s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  absl::ReaderMutexLock seq_lock(&s->mu);
+  if (layer < 0 || layer >= static_cast<int>(s->layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  LayerBlocks b;
+  const Layer& l = s->layers[layer];
+  b.rows = l.rows;
+  b.row_bytes = s->spec.row_bytes();
+  for (const HeadRows& h : l.heads) {
+    b.k_blocks.push_back(h.k_blocks);
+    b.v_blocks.push_back(h.v_blocks);
+  }
+  return b;
+}
+
 KvStoreStats KvStore::Stats() const {
   absl::MutexLock lock(&mu_);
   return stats_;

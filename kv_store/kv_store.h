@@ -68,6 +68,13 @@ struct GatherItem {
   uint8_t* v_out = nullptr;
 };
 
+// Where the rows of one layer live: block ids per KV head for K and V.
+struct LayerBlocks {
+  int64_t rows = 0;
+  int64_t row_bytes = 0;
+  std::vector<std::vector<int32_t>> k_blocks, v_blocks;  // [head][block]
+};
+
 struct KvStoreStats {
   int64_t sequences = 0;
   int64_t bytes_capacity = 0, bytes_used = 0;
@@ -98,6 +105,9 @@ class KvStore {
   int64_t ReapExpired(absl::Time now);
 
   absl::StatusOr<int64_t> Length(StoreSequenceId seq, int layer) const;
+  absl::StatusOr<SequenceSpec> Spec(StoreSequenceId seq) const;
+  // The block table of one layer (for transports that copy rows themselves).
+  absl::StatusOr<LayerBlocks> Blocks(StoreSequenceId seq, int layer) const;
   KvStoreStats Stats() const;
   const Arena& arena() const { return *arena_; }
   const KvStoreConfig& config() const { return config_; }

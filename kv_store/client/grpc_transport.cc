@@ -1,0 +1,294 @@
+// The gRPC transport (rows in the messages) and the shm transport (gRPC for control; gathers
+// copy rows straight out of the collocated store's arena, mapped read-only here, using block
+// tables fetched once per block of new rows: no RPC per gather).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "common/grpc/status.h"
+#include "common/status_macros.h"
+#include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
+#include "kv_store/client/queued_client.h"
+#include "kv_store/client/transports.h"
+
+namespace infinigen {
+namespace {
+
+namespace pb = kvstore::v1;
+
+#define IG_RETURN_IF_ERROR_GRPC(call)                    \
+  do {                                                   \
+    const grpc::Status _ig_grpc_status = (call);         \
+    if (!_ig_grpc_status.ok()) return FromGrpcStatus(_ig_grpc_status); \
+  } while (0)
+
+pb::DType ToProto(DType d) {
+  switch (d) {
+    case DType::kF32: return pb::DTYPE_F32;
+    case DType::kF16: return pb::DTYPE_F16;
+    case DType::kBF16: return pb::DTYPE_BF16;
+  }
+  return pb::DTYPE_UNSPECIFIED;
+}
+
+pb::Eviction ToProto(EvictionPolicy e) {
+  switch (e) {
+    case EvictionPolicy::kCounter: return pb::EVICTION_COUNTER;
+    case EvictionPolicy::kFifo: return pb::EVICTION_FIFO;
+    case EvictionPolicy::kLru: return pb::EVICTION_LRU;
+  }
+  return pb::EVICTION_UNSPECIFIED;
+}
+
+class GrpcClient final : public QueuedKvClient {
+ public:
+  explicit GrpcClient(const KvClientConfig& config) : QueuedKvClient(config) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(256 << 20);
+    args.SetMaxSendMessageSize(256 << 20);
+    // Reconnect quickly after the store restarts.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    stub_ = pb::KvStore::NewStub(
+        grpc::CreateCustomChannel(config.address, grpc::InsecureChannelCredentials(), args));
+    Start();
+  }
+  ~GrpcClient() override {
+    Stop();
+    if (arena_ != nullptr) ::munmap(const_cast<uint8_t*>(arena_), arena_bytes_);
+  }
+  std::string transport() const override {
+    return config_.transport == KvClientConfig::Transport::kShm ? "shm" : "grpc";
+  }
+
+  // Maps the store's arena (shm transport).
+  absl::Status MapArena() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    pb::DescribeResponse resp;
+    IG_RETURN_IF_ERROR_GRPC(stub_->Describe(&ctx, pb::DescribeRequest(), &resp));
+    if (resp.shm_path().empty()) {
+      return absl::FailedPreconditionError(
+          "the KV store does not share its arena (--shared_memory=false): use the grpc transport");
+    }
+    const int fd = ::open(resp.shm_path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "cannot open the KV store's arena ", resp.shm_path(), ": ", std::strerror(errno),
+          " (the shm transport needs the store on this host, with the same user or a shared "
+          "memory volume)"));
+    }
+    void* p = ::mmap(nullptr, resp.arena_bytes(), PROT_READ, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) {
+      return absl::InternalError(absl::StrCat("cannot map the KV store's arena: ",
+                                              std::strerror(errno)));
+    }
+    arena_ = static_cast<const uint8_t*>(p);
+    arena_bytes_ = static_cast<size_t>(resp.arena_bytes());
+    block_bytes_ = resp.block_bytes();
+    return absl::OkStatus();
+  }
+
+ protected:
+  absl::Status DoOpen(StoreSequenceId seq, const SequenceSpec& spec) override {
+    pb::OpenRequest req;
+    req.set_sequence_id(seq);
+    req.set_num_layers(spec.num_layers);
+    req.set_num_kv_heads(spec.num_kv_heads);
+    req.set_head_dim(spec.head_dim);
+    req.set_dtype(ToProto(spec.dtype));
+    req.set_capacity_tokens(spec.capacity_tokens);
+    req.set_eviction(ToProto(spec.eviction));
+    req.set_owner(spec.owner);
+    pb::OpenResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    IG_RETURN_IF_ERROR_GRPC(stub_->Open(&ctx, req, &resp));
+    specs_[seq] = spec;
+    return absl::OkStatus();
+  }
+
+  absl::Status DoClose(StoreSequenceId seq) override {
+    pb::CloseRequest req;
+    req.set_sequence_id(seq);
+    pb::CloseResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    specs_.erase(seq);
+    for (auto it = tables_.begin(); it != tables_.end();) {
+      if (it->first.first == seq) {
+        tables_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    return FromGrpcStatus(stub_->Close(&ctx, req, &resp));
+  }
+
+  absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                        const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) override {
+    pb::AppendRequest req;
+    req.set_sequence_id(seq);
+    req.set_layer(layer);
+    req.set_start(start);
+    req.set_num_tokens(n);
+    req.set_k(k.data(), k.size());
+    req.set_v(v.data(), v.size());
+    pb::AppendResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    return FromGrpcStatus(stub_->Append(&ctx, req, &resp));
+  }
+
+  absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
+    if (arena_ != nullptr) return GatherShm(items);
+    pb::GatherRequest req;
+    for (const auto& it : items) {
+      auto* item = req.add_items();
+      item->set_sequence_id(it.seq);
+      item->set_layer(it.layer);
+      item->set_count(it.count);
+      item->mutable_slots()->Add(it.slots.begin(), it.slots.end());
+    }
+    pb::GatherResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    IG_RETURN_IF_ERROR_GRPC(stub_->Gather(&ctx, req, &resp));
+    if (resp.results_size() != static_cast<int>(items.size())) {
+      return absl::InternalError("the KV store answered a gather with the wrong number of items");
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      const auto& r = resp.results(static_cast<int>(i));
+      if (r.k().size() != r.v().size()) return absl::InternalError("malformed gather reply");
+      if (!r.k().empty()) {
+        std::memcpy(items[i].k_out, r.k().data(), r.k().size());
+        std::memcpy(items[i].v_out, r.v().data(), r.v().size());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<KvStoreStats> DoStats() override {
+    pb::StatsResponse r;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    IG_RETURN_IF_ERROR_GRPC(stub_->Stats(&ctx, pb::StatsRequest(), &r));
+    KvStoreStats s;
+    s.sequences = r.sequences();
+    s.bytes_capacity = r.bytes_capacity();
+    s.bytes_used = r.bytes_used();
+    s.tokens_stored = r.tokens_stored();
+    s.appends = r.appends();
+    s.gathers = r.gathers();
+    s.bytes_gathered = r.bytes_gathered();
+    s.evictions = r.evictions();
+    s.rejections = r.rejections();
+    s.leases_expired = r.leases_expired();
+    return s;
+  }
+
+  absl::Status DoRenew() override {
+    pb::RenewRequest req;
+    req.set_owner(config_.owner);
+    pb::RenewResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    return FromGrpcStatus(stub_->Renew(&ctx, req, &resp));
+  }
+
+ private:
+  struct Table {
+    int64_t rows = 0, row_bytes = 0, blocks_per_head = 0;
+    std::vector<int32_t> k_blocks, v_blocks;  // [heads, blocks_per_head]
+  };
+
+  std::chrono::system_clock::time_point Deadline() const {
+    return std::chrono::system_clock::now() +
+           std::chrono::microseconds(absl::ToInt64Microseconds(config_.call_timeout));
+  }
+
+  absl::Status RefreshTable(StoreSequenceId seq, int layer, Table& t) {
+    pb::BlocksRequest req;
+    req.set_sequence_id(seq);
+    req.set_layer(layer);
+    pb::BlocksResponse r;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    IG_RETURN_IF_ERROR_GRPC(stub_->Blocks(&ctx, req, &r));
+    t.rows = r.rows();
+    t.row_bytes = r.row_bytes();
+    t.blocks_per_head = r.blocks_per_head();
+    t.k_blocks.assign(r.k_blocks().begin(), r.k_blocks().end());
+    t.v_blocks.assign(r.v_blocks().begin(), r.v_blocks().end());
+    return absl::OkStatus();
+  }
+
+  absl::Status GatherShm(const std::vector<ClientGatherItem>& items) {
+    for (const auto& it : items) {
+      auto spec = specs_.find(it.seq);
+      if (spec == specs_.end()) {
+        return absl::NotFoundError(absl::StrCat("sequence ", it.seq, " is not open on this client"));
+      }
+      const int heads = spec->second.num_kv_heads;
+      if (it.layer < 0 || it.layer >= spec->second.num_layers) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", it.layer, " out of range"));
+      }
+      if (it.slots.size() != static_cast<size_t>(it.count * heads)) {
+        return absl::InvalidArgumentError(absl::StrCat(it.slots.size(), " indices given for ",
+                                                       it.count, " rows x ", heads, " KV heads"));
+      }
+      Table& t = tables_[{it.seq, it.layer}];
+      int32_t max_slot = -1;
+      for (int32_t s : it.slots) max_slot = std::max(max_slot, s);
+      if (max_slot >= t.rows) IG_RETURN_IF_ERROR(RefreshTable(it.seq, it.layer, t));
+      const int64_t per_block = block_bytes_ / t.row_bytes;
+      for (int g = 0; g < heads; ++g) {
+        for (int64_t j = 0; j < it.count; ++j) {
+          const int32_t slot = it.slots[g * it.count + j];
+          if (slot < 0 || slot >= t.rows) {
+            return absl::InvalidArgumentError(absl::StrCat("token index ", slot,
+                                                           " is outside [0, ", t.rows, ")"));
+          }
+          const int64_t b = slot / per_block, off = (slot % per_block) * t.row_bytes;
+          const size_t dst = static_cast<size_t>((g * it.count + j) * t.row_bytes);
+          std::memcpy(it.k_out + dst,
+                      arena_ + static_cast<size_t>(t.k_blocks[g * t.blocks_per_head + b]) * block_bytes_ + off,
+                      t.row_bytes);
+          std::memcpy(it.v_out + dst,
+                      arena_ + static_cast<size_t>(t.v_blocks[g * t.blocks_per_head + b]) * block_bytes_ + off,
+                      t.row_bytes);
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<pb::KvStore::Stub> stub_;
+  const uint8_t* arena_ = nullptr;
+  size_t arena_bytes_ = 0;
+  int64_t block_bytes_ = 0;
+  // Queue-thread state.
+  absl::flat_hash_map<StoreSequenceId, SequenceSpec> specs_;
+  std::map<std::pair<StoreSequenceId, int>, Table> tables_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvStoreClient>> MakeGrpcClient(const KvClientConfig& config) {
+  auto client = std::make_unique<GrpcClient>(config);
+  if (config.transport == KvClientConfig::Transport::kShm) {
+    IG_RETURN_IF_ERROR(client->MapArena());
+  }
+  return std::unique_ptr<KvStoreClient>(std::move(client));
+}
+
+}  // namespace infinigen

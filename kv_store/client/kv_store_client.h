@@ -1,0 +1,70 @@
+// KvStoreClient: the worker's side of the KV store, whatever carries the bytes (KvTransport in
+// ARCHITECTURE.md). Appends are write-behind and gathers asynchronous; both go through one
+// ordered queue, so a gather sees every append queued before it. A background thread renews
+// the owner's lease.
+//
+// Transports: in-process (the all-in-one server: direct calls into a KvStore), gRPC (bytes in
+// the messages; the always-available fallback), shm (a collocated store: gRPC for control, rows
+// copied straight out of the store's shared arena).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kv_store/kv_store.h"
+
+namespace infinigen {
+
+// Rows to gather into caller-owned buffers (they must outlive the ticket).
+struct ClientGatherItem {
+  StoreSequenceId seq = 0;
+  int layer = 0;
+  int64_t count = 0;
+  std::vector<int32_t> slots;  // [num_kv_heads, count]
+  uint8_t* k_out = nullptr;    // [num_kv_heads, count, head_dim]
+  uint8_t* v_out = nullptr;
+};
+
+class GatherTicket {
+ public:
+  virtual ~GatherTicket() = default;
+  // The gather's result; DEADLINE_EXCEEDED if `deadline` passes first (the copy may still land
+  // later, so the buffers must stay alive until the ticket is destroyed).
+  virtual absl::Status Wait(absl::Time deadline) = 0;
+};
+
+class KvStoreClient {
+ public:
+  virtual ~KvStoreClient() = default;
+  virtual std::string transport() const = 0;
+
+  // Synchronous control calls (they also wait for queued appends).
+  virtual absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) = 0;
+  virtual absl::Status Close(StoreSequenceId seq) = 0;
+  // Queues rows [start, start + n) of `layer` (k, v: [n, num_kv_heads, head_dim]).
+  virtual void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                           std::vector<uint8_t> k, std::vector<uint8_t> v) = 0;
+  // Waits for queued appends; returns the first append error since the last Flush.
+  virtual absl::Status Flush(absl::Time deadline) = 0;
+  virtual std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) = 0;
+  virtual absl::StatusOr<KvStoreStats> Stats() = 0;
+};
+
+struct KvClientConfig {
+  enum class Transport { kInProcess, kGrpc, kShm };
+  Transport transport = Transport::kGrpc;
+  std::string address = "127.0.0.1:50061";  // gRPC and shm
+  std::string owner = "worker";             // lease holder name
+  absl::Duration call_timeout = absl::Seconds(2);  // per RPC: a dead store fails fast
+  absl::Duration renew_every = absl::Seconds(5);   // lease renewal period (0: never)
+  KvStore* store = nullptr;                  // in-process
+};
+absl::StatusOr<KvClientConfig::Transport> ParseTransport(absl::string_view name);
+
+absl::StatusOr<std::unique_ptr<KvStoreClient>> MakeKvStoreClient(const KvClientConfig& config);
+
+}  // namespace infinigen

@@ -1,0 +1,153 @@
+#include "kv_store/client/queued_client.h"
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+
+namespace infinigen {
+namespace {
+
+struct TicketState {
+  absl::Notification done;
+  absl::Status status;
+};
+
+class QueuedTicket final : public GatherTicket {
+ public:
+  explicit QueuedTicket(std::shared_ptr<TicketState> state) : state_(std::move(state)) {}
+  ~QueuedTicket() override {
+    // The queue thread writes into the caller's buffers: never let them go before it is done.
+    state_->done.WaitForNotification();
+  }
+  absl::Status Wait(absl::Time deadline) override {
+    if (!state_->done.WaitForNotificationWithDeadline(deadline)) {
+      return absl::DeadlineExceededError("gather did not finish before its deadline");
+    }
+    return state_->status;
+  }
+
+ private:
+  std::shared_ptr<TicketState> state_;
+};
+
+}  // namespace
+
+QueuedKvClient::QueuedKvClient(const KvClientConfig& config) : config_(config) {}
+
+QueuedKvClient::~QueuedKvClient() { Stop(); }
+
+void QueuedKvClient::Start() {
+  queue_thread_ = std::thread([this] { QueueLoop(); });
+  if (config_.renew_every > absl::ZeroDuration()) {
+    renew_thread_ = std::thread([this] { RenewLoop(); });
+  }
+}
+
+void QueuedKvClient::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (!stop_renew_.HasBeenNotified()) stop_renew_.Notify();
+  if (renew_thread_.joinable()) renew_thread_.join();
+  if (queue_thread_.joinable()) queue_thread_.join();
+}
+
+void QueuedKvClient::Enqueue(std::function<void()> fn) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(fn));
+}
+
+void QueuedKvClient::QueueLoop() {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;  // stopping, and everything queued has run
+      fn = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    fn();
+  }
+}
+
+void QueuedKvClient::RenewLoop() {
+  while (!stop_renew_.WaitForNotificationWithTimeout(config_.renew_every)) {
+    // Renewal failures are not fatal: the next one may get through before the lease ends.
+    RunSync([this] { return DoRenew(); }, absl::Now() + config_.call_timeout).IgnoreError();
+  }
+}
+
+absl::Status QueuedKvClient::RunSync(std::function<absl::Status()> fn, absl::Time deadline) {
+  auto state = std::make_shared<TicketState>();
+  Enqueue([state, fn = std::move(fn)] {
+    state->status = fn();
+    state->done.Notify();
+  });
+  if (!state->done.WaitForNotificationWithDeadline(deadline)) {
+    return absl::DeadlineExceededError("the KV store client queue did not drain in time");
+  }
+  return state->status;
+}
+
+absl::Status QueuedKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec) {
+  SequenceSpec s = spec;
+  if (s.owner.empty()) s.owner = config_.owner;
+  return RunSync([this, seq, s] { return DoOpen(seq, s); },
+                 absl::Now() + 4 * config_.call_timeout);
+}
+
+absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
+  return RunSync([this, seq] { return DoClose(seq); }, absl::Now() + 4 * config_.call_timeout);
+}
+
+void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                                 std::vector<uint8_t> k, std::vector<uint8_t> v) {
+  Enqueue([this, seq, layer, start, n, k = std::move(k), v = std::move(v)] {
+    absl::Status st = DoAppend(seq, layer, start, n, k, v);
+    if (!st.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (append_error_.ok()) append_error_ = st;
+    }
+  });
+}
+
+absl::Status QueuedKvClient::Flush(absl::Time deadline) {
+  absl::Status st = RunSync([] { return absl::OkStatus(); }, deadline);
+  if (!st.ok()) return st;
+  absl::MutexLock lock(&mu_);
+  absl::Status error = append_error_;
+  append_error_ = absl::OkStatus();
+  return error;
+}
+
+std::unique_ptr<GatherTicket> QueuedKvClient::GatherAsync(std::vector<ClientGatherItem> items) {
+  auto state = std::make_shared<TicketState>();
+  Enqueue([this, state, items = std::move(items)] {
+    state->status = DoGather(items);
+    state->done.Notify();
+  });
+  return std::make_unique<QueuedTicket>(state);
+}
+
+absl::StatusOr<KvStoreStats> QueuedKvClient::Stats() {
+  // Shared, not on this stack: after a timeout the queued call still runs and writes it.
+  auto stats = std::make_shared<KvStoreStats>();
+  absl::Status st = RunSync(
+      [this, stats] {
+        auto s = DoStats();
+        if (!s.ok()) return s.status();
+        *stats = *s;
+        return absl::OkStatus();
+      },
+      absl::Now() + 4 * config_.call_timeout);
+  if (!st.ok()) return st;
+  return *stats;
+}
+
+}  // namespace infinigen

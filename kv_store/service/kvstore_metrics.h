@@ -1,0 +1,27 @@
+// Prometheus metrics of the KV store, read from KvStore::Stats() at every scrape.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kv_store/kv_store.h"
+
+namespace prometheus {
+class Exposer;
+}
+
+namespace infinigen {
+
+class KvStoreMetrics {
+ public:
+  // Serves /metrics on `port` (all interfaces).
+  static absl::StatusOr<std::unique_ptr<KvStoreMetrics>> Start(const KvStore& store, int port);
+  ~KvStoreMetrics();
+
+ private:
+  KvStoreMetrics() = default;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<void> collectable_;
+};
+
+}  // namespace infinigen

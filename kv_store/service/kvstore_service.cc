@@ -1,0 +1,134 @@
+#include "kv_store/service/kvstore_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc/status.h"
+
+namespace infinigen {
+namespace {
+
+using namespace kvstore::v1;  // NOLINT: message types of this service
+
+absl::StatusOr<infinigen::DType> ToDType(kvstore::v1::DType d) {
+  switch (d) {
+    case DTYPE_F32: return infinigen::DType::kF32;
+    case DTYPE_F16: return infinigen::DType::kF16;
+    case DTYPE_BF16: return infinigen::DType::kBF16;
+    default:
+      return absl::InvalidArgumentError("dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
+  }
+}
+
+}  // namespace
+
+grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req, OpenResponse*) {
+  auto dtype = ToDType(req->dtype());
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+  SequenceSpec spec;
+  spec.num_layers = static_cast<int>(req->num_layers());
+  spec.num_kv_heads = static_cast<int>(req->num_kv_heads());
+  spec.head_dim = static_cast<int>(req->head_dim());
+  spec.dtype = *dtype;
+  spec.capacity_tokens = req->capacity_tokens();
+  switch (req->eviction()) {
+    case EVICTION_FIFO: spec.eviction = EvictionPolicy::kFifo; break;
+    case EVICTION_LRU: spec.eviction = EvictionPolicy::kLru; break;
+    default: spec.eviction = EvictionPolicy::kCounter;
+  }
+  spec.owner = req->owner();
+  return ToGrpcStatus(store_.Open(req->sequence_id(), spec, clock_()));
+}
+
+grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* req,
+                                    AppendResponse* resp) {
+  if (req->k().size() != req->v().size()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "k has ", req->k().size(), " bytes but v has ", req->v().size())));
+  }
+  if (req->num_tokens() <= 0 || req->num_tokens() > (int64_t{1} << 24)) {
+    return ToGrpcStatus(absl::InvalidArgumentError("num_tokens must be in [1, 2^24]"));
+  }
+  auto spec = store_.Spec(req->sequence_id());
+  if (!spec.ok()) return ToGrpcStatus(spec.status());
+  std::vector<int32_t> slots(static_cast<size_t>(req->num_tokens() * spec->num_kv_heads));
+  absl::Status st = store_.Append(req->sequence_id(), static_cast<int>(req->layer()), req->start(),
+                                  req->num_tokens(),
+                                  reinterpret_cast<const uint8_t*>(req->k().data()),
+                                  reinterpret_cast<const uint8_t*>(req->v().data()), req->k().size(),
+                                  slots.data());
+  if (!st.ok()) return ToGrpcStatus(st);
+  resp->mutable_slots()->Add(slots.begin(), slots.end());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Gather(grpc::ServerContext*, const GatherRequest* req,
+                                    GatherResponse* resp) {
+  std::vector<infinigen::GatherItem> items;
+  std::vector<std::pair<std::string*, std::string*>> outs;
+  for (const auto& it : req->items()) {
+    auto blocks = store_.Blocks(it.sequence_id(), static_cast<int>(it.layer()));
+    if (!blocks.ok()) return ToGrpcStatus(blocks.status());
+    auto* result = resp->add_results();
+    const size_t bytes = static_cast<size_t>(it.slots_size()) * blocks->row_bytes;
+    result->mutable_k()->resize(bytes);
+    result->mutable_v()->resize(bytes);
+    items.push_back({it.sequence_id(), static_cast<int>(it.layer()), it.count(),
+                     std::span<const int32_t>(it.slots().data(), it.slots_size()),
+                     reinterpret_cast<uint8_t*>(result->mutable_k()->data()),
+                     reinterpret_cast<uint8_t*>(result->mutable_v()->data())});
+  }
+  absl::Status st = store_.Gather(items);
+  if (!st.ok()) {
+    resp->Clear();
+    return ToGrpcStatus(st);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Close(grpc::ServerContext*, const CloseRequest* req, CloseResponse*) {
+  return ToGrpcStatus(store_.Close(req->sequence_id()));
+}
+
+grpc::Status KvStoreService::Renew(grpc::ServerContext*, const RenewRequest* req,
+                                   RenewResponse* resp) {
+  resp->set_sequences(store_.Renew(req->owner(), clock_()));
+  resp->set_lease_ms(absl::ToInt64Milliseconds(store_.config().lease));
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Stats(grpc::ServerContext*, const StatsRequest*, StatsResponse* r) {
+  const KvStoreStats s = store_.Stats();
+  r->set_sequences(s.sequences);
+  r->set_bytes_capacity(s.bytes_capacity);
+  r->set_bytes_used(s.bytes_used);
+  r->set_tokens_stored(s.tokens_stored);
+  r->set_appends(s.appends);
+  r->set_gathers(s.gathers);
+  r->set_bytes_gathered(s.bytes_gathered);
+  r->set_evictions(s.evictions);
+  r->set_rejections(s.rejections);
+  r->set_leases_expired(s.leases_expired);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Describe(grpc::ServerContext*, const DescribeRequest*,
+                                      DescribeResponse* r) {
+  const Arena& a = store_.arena();
+  r->set_shm_path(a.share_path());
+  r->set_arena_bytes(static_cast<int64_t>(a.num_blocks() * a.block_bytes()));
+  r->set_block_bytes(static_cast<int64_t>(a.block_bytes()));
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Blocks(grpc::ServerContext*, const BlocksRequest* req,
+                                    BlocksResponse* r) {
+  auto b = store_.Blocks(req->sequence_id(), static_cast<int>(req->layer()));
+  if (!b.ok()) return ToGrpcStatus(b.status());
+  r->set_rows(b->rows);
+  r->set_row_bytes(b->row_bytes);
+  r->set_blocks_per_head(b->k_blocks.empty() ? 0 : static_cast<int64_t>(b->k_blocks[0].size()));
+  for (const auto& h : b->k_blocks) r->mutable_k_blocks()->Add(h.begin(), h.end());
+  for (const auto& h : b->v_blocks) r->mutable_v_blocks()->Add(h.begin(), h.end());
+  return grpc::Status::OK;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,41 @@
+// The gRPC face of the KV store: translates infinigen.kvstore.v1 messages to KvStore calls and
+// back, nothing else.
+#pragma once
+
+#include <functional>
+
+#include "absl/time/time.h"
+#include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
+#include "kv_store/kv_store.h"
+
+namespace infinigen {
+
+class KvStoreService final : public kvstore::v1::KvStore::Service {
+ public:
+  using Clock = std::function<absl::Time()>;
+  explicit KvStoreService(KvStore& store, Clock clock = absl::Now)
+      : store_(store), clock_(std::move(clock)) {}
+
+  grpc::Status Open(grpc::ServerContext*, const kvstore::v1::OpenRequest*,
+                    kvstore::v1::OpenResponse*) override;
+  grpc::Status Append(grpc::ServerContext*, const kvstore::v1::AppendRequest*,
+                      kvstore::v1::AppendResponse*) override;
+  grpc::Status Gather(grpc::ServerContext*, const kvstore::v1::GatherRequest*,
+                      kvstore::v1::GatherResponse*) override;
+  grpc::Status Close(grpc::ServerContext*, const kvstore::v1::CloseRequest*,
+                     kvstore::v1::CloseResponse*) override;
+  grpc::Status Renew(grpc::ServerContext*, const kvstore::v1::RenewRequest*,
+                     kvstore::v1::RenewResponse*) override;
+  grpc::Status Stats(grpc::ServerContext*, const kvstore::v1::StatsRequest*,
+                     kvstore::v1::StatsResponse*) override;
+  grpc::Status Describe(grpc::ServerContext*, const kvstore::v1::DescribeRequest*,
+                        kvstore::v1::DescribeResponse*) override;
+  grpc::Status Blocks(grpc::ServerContext*, const kvstore::v1::BlocksRequest*,
+                      kvstore::v1::BlocksResponse*) override;
+
+ private:
+  KvStore& store_;
+  Clock clock_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,153 @@
+// One test suite for every KV transport: in-process, gRPC and shm. The gRPC-based ones talk to a
+// real gRPC server on 127.0.0.1 serving a real store.
+#include <gtest/gtest.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include <random>
+
+#include "kv_store/client/kv_store_client.h"
+#include "kv_store/service/kvstore_service.h"
+
+namespace infinigen {
+namespace {
+
+class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
+ protected:
+  void SetUp() override {
+    KvStoreConfig c;
+    c.capacity_bytes = 4 << 20;
+    c.block_tokens = 16;
+    c.max_row_bytes = 256;
+    c.huge_pages = false;
+    store_ = std::move(*KvStore::Create(c));
+    KvClientConfig cc;
+    cc.transport = GetParam();
+    cc.owner = "test-worker";
+    cc.renew_every = absl::ZeroDuration();
+    if (GetParam() == KvClientConfig::Transport::kInProcess) {
+      cc.store = store_.get();
+    } else {
+      service_ = std::make_unique<KvStoreService>(*store_);
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      builder.SetMaxReceiveMessageSize(64 << 20);
+      builder.RegisterService(service_.get());
+      server_ = builder.BuildAndStart();
+      ASSERT_NE(port, 0);
+      cc.address = "127.0.0.1:" + std::to_string(port);
+    }
+    auto client = MakeKvStoreClient(cc);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+  }
+  void TearDown() override {
+    client_.reset();
+    if (server_) server_->Shutdown();
+  }
+
+  static SequenceSpec Spec() {
+    SequenceSpec s;
+    s.num_layers = 2;
+    s.num_kv_heads = 2;
+    s.head_dim = 16;
+    s.dtype = DType::kBF16;
+    return s;
+  }
+  // Row bytes of token t, all heads.
+  static std::vector<uint8_t> TokenRows(int64_t t, int64_t n, uint8_t kv) {
+    const int64_t bytes = 2 * 32;
+    std::vector<uint8_t> out(n * bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t b = 0; b < bytes; ++b) out[i * bytes + b] = static_cast<uint8_t>((t + i) * 3 + b + kv * 101);
+    }
+    return out;
+  }
+
+  std::unique_ptr<KvStore> store_;
+  std::unique_ptr<KvStoreService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<KvStoreClient> client_;
+};
+
+absl::Time Soon() { return absl::Now() + absl::Seconds(5); }
+
+TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  client_->AppendAsync(1, 1, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
+  for (int64_t t = 40; t < 50; ++t) client_->AppendAsync(1, 1, t, 1, TokenRows(t, 1, 0), TokenRows(t, 1, 1));
+  std::vector<int32_t> slots = {0, 49, 17, 3, 44, 44};  // [2 heads, 3]
+  std::vector<uint8_t> k(6 * 32), v(6 * 32);
+  auto ticket = client_->GatherAsync({{1, 1, 3, slots, k.data(), v.data()}});
+  ASSERT_TRUE(ticket->Wait(Soon()).ok());
+  for (int g = 0; g < 2; ++g) {
+    for (int j = 0; j < 3; ++j) {
+      const int32_t t = slots[g * 3 + j];
+      const auto want_k = TokenRows(t, 1, 0), want_v = TokenRows(t, 1, 1);
+      EXPECT_EQ(0, std::memcmp(k.data() + (g * 3 + j) * 32, want_k.data() + g * 32, 32)) << t;
+      EXPECT_EQ(0, std::memcmp(v.data() + (g * 3 + j) * 32, want_v.data() + g * 32, 32)) << t;
+    }
+  }
+  EXPECT_TRUE(client_->Flush(Soon()).ok());
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sequences, 1);
+  // The shm transport copies rows itself: no gather reaches the store (no RPC on the data path).
+  EXPECT_EQ(stats->gathers, GetParam() == KvClientConfig::Transport::kShm ? 0 : 1);
+  EXPECT_TRUE(client_->Close(1).ok());
+}
+
+TEST_P(KvTransport, BadRequestsGetClearErrors) {
+  ASSERT_TRUE(client_->Open(2, Spec()).ok());
+  client_->AppendAsync(2, 0, 0, 4, TokenRows(0, 4, 0), TokenRows(0, 4, 1));
+  std::vector<uint8_t> k(64), v(64);
+  auto unknown = client_->GatherAsync({{99, 0, 1, {0, 0}, k.data(), v.data()}});
+  EXPECT_EQ(unknown->Wait(Soon()).code(), absl::StatusCode::kNotFound);
+  auto range = client_->GatherAsync({{2, 0, 1, {0, 4}, k.data(), v.data()}});
+  EXPECT_EQ(range->Wait(Soon()).code(), absl::StatusCode::kInvalidArgument);
+  auto layer = client_->GatherAsync({{2, 5, 1, {0, 0}, k.data(), v.data()}});
+  EXPECT_EQ(layer->Wait(Soon()).code(), absl::StatusCode::kInvalidArgument);
+  // A malformed append (one byte short) is reported by the next Flush, and only once.
+  auto short_k = TokenRows(4, 1, 0);
+  short_k.pop_back();
+  client_->AppendAsync(2, 0, 4, 1, short_k, short_k);
+  EXPECT_EQ(client_->Flush(Soon()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(client_->Flush(Soon()).ok());
+  EXPECT_EQ(client_->Open(2, Spec()).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST_P(KvTransport, AFullStoreRefusesWithoutLosingOtherSequences) {
+  ASSERT_TRUE(client_->Open(3, Spec()).ok());
+  client_->AppendAsync(3, 0, 0, 16, TokenRows(0, 16, 0), TokenRows(0, 16, 1));
+  ASSERT_TRUE(client_->Open(4, Spec()).ok());
+  int64_t t = 0;
+  absl::Status st;
+  while (st.ok() && t < 100000) {
+    client_->AppendAsync(4, 0, t, 64, TokenRows(t, 64, 0), TokenRows(t, 64, 1));
+    st = client_->Flush(Soon());
+    t += 64;
+  }
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  std::vector<int32_t> slots = {15, 0};
+  std::vector<uint8_t> k(64), v(64);
+  auto ticket = client_->GatherAsync({{3, 0, 1, slots, k.data(), v.data()}});
+  ASSERT_TRUE(ticket->Wait(Soon()).ok());
+  EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(15, 1, 0).data(), 32));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, KvTransport,
+                         ::testing::Values(KvClientConfig::Transport::kInProcess,
+                                           KvClientConfig::Transport::kGrpc,
+                                           KvClientConfig::Transport::kShm),
+                         [](const auto& info) {
+                           switch (info.param) {
+                             case KvClientConfig::Transport::kInProcess: return std::string("InProcess");
+                             case KvClientConfig::Transport::kGrpc: return std::string("Grpc");
+                             case KvClientConfig::Transport::kShm: return std::string("Shm");
+                           }
+                           return std::string("?");
+                         });
+
+}  // namespace
+}  // namespace infinigen
