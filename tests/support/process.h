@@ -1,0 +1,31 @@
+// Real server processes for integration tests: start a built binary with flags, wait until its
+// gRPC port answers, kill or terminate it. Ports are picked free on 127.0.0.1.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace infinigen::testing {
+
+int FreePort();
+
+class ServerProcess {
+ public:
+  // Starts build/bin/<binary> with `args`; waits up to 10 s for 127.0.0.1:port to accept.
+  ServerProcess(const std::string& binary, std::vector<std::string> args, int port);
+  ~ServerProcess();
+  bool running() const { return pid_ > 0; }
+  int port() const { return port_; }
+  void Kill();                   // SIGKILL, reaped
+  int Terminate(int timeout_s);  // SIGTERM; the exit status, or -1 if it did not exit in time
+  const std::string& log_path() const { return log_; }
+
+ private:
+  pid_t pid_ = -1;
+  int port_;
+  std::string log_;
+};
+
+}  // namespace infinigen::testing
