@@ -262,6 +262,41 @@ absl::Status SelectionConfig::Validate() const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<SelectionConfig> ApplyOverrides(const SelectionConfig& defaults,
+                                               const SelectionOverrides& o,
+                                               const SelectionLimits& limits) {
+  SelectionConfig c = defaults;
+  if (o.policy.has_value()) {
+    if (std::find(limits.allowed_policies.begin(), limits.allowed_policies.end(), *o.policy) ==
+        limits.allowed_policies.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("selection policy '", *o.policy, "' is not allowed on this server"));
+    }
+    c.policy = *o.policy;
+  }
+  if (o.budget_fraction.has_value()) {
+    if (!(*o.budget_fraction >= limits.min_budget_fraction &&
+          *o.budget_fraction <= limits.max_budget_fraction)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "KV budget fraction ", *o.budget_fraction, " is outside this server's limits [",
+          limits.min_budget_fraction, ", ", limits.max_budget_fraction, "]"));
+    }
+    c.budget_fraction = *o.budget_fraction;
+    c.budget_tokens = 0;
+  }
+  if (o.alpha.has_value()) {
+    if (!(*o.alpha >= limits.min_alpha && *o.alpha <= limits.max_alpha)) {
+      return absl::InvalidArgumentError(absl::StrCat("InfiniGen alpha ", *o.alpha,
+                                                     " is outside this server's limits [",
+                                                     limits.min_alpha, ", ", limits.max_alpha,
+                                                     "]"));
+    }
+    c.alpha = *o.alpha;
+  }
+  IG_RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
 absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(
     const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar* sidecar) {
   IG_RETURN_IF_ERROR(config.Validate());

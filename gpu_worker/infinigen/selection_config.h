@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <vector>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -32,6 +34,24 @@ struct SelectionConfig {
   // INVALID_ARGUMENT naming the field.
   absl::Status Validate() const;
 };
+
+// What a request may change, and within which bounds the server lets it (per model config).
+struct SelectionOverrides {
+  std::optional<std::string> policy;
+  std::optional<double> budget_fraction;
+  std::optional<double> alpha;
+};
+struct SelectionLimits {
+  std::vector<std::string> allowed_policies = {"full", "infinigen", "h2o", "window", "oracle"};
+  double min_budget_fraction = 0.05;  // below this, quality collapses for every policy
+  double max_budget_fraction = 1.0;
+  double min_alpha = 1.0, max_alpha = 30.0;
+};
+// The model's defaults with a request's overrides applied; INVALID_ARGUMENT naming the limit a
+// request breaks.
+absl::StatusOr<SelectionConfig> ApplyOverrides(const SelectionConfig& defaults,
+                                               const SelectionOverrides& overrides,
+                                               const SelectionLimits& limits);
 
 // The policy `config.policy` for a model. InfiniGen needs its prepared sidecar.
 absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(

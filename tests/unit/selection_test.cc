@@ -202,5 +202,33 @@ TEST(SelectionConfig, BudgetIsAFractionOrACountClampedToTheRows) {
   EXPECT_EQ(c.Budget(10), 10);
 }
 
+TEST(SelectionConfig, RequestOverridesStayWithinTheServersLimits) {
+  SelectionConfig defaults;
+  defaults.policy = "infinigen";
+  SelectionLimits limits;
+  limits.allowed_policies = {"infinigen", "full"};
+  SelectionOverrides o;
+  o.budget_fraction = 0.3;
+  o.alpha = 8.0;
+  auto c = ApplyOverrides(defaults, o, limits);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->budget_fraction, 0.3);
+  EXPECT_EQ(c->alpha, 8.0);
+  EXPECT_EQ(c->policy, "infinigen");
+  o = {};
+  o.budget_fraction = 0.01;
+  auto low = ApplyOverrides(defaults, o, limits);
+  EXPECT_EQ(low.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(low.status().message().find("0.05"), std::string::npos) << low.status();
+  o = {};
+  o.policy = "oracle";
+  EXPECT_NE(ApplyOverrides(defaults, o, limits).status().message().find("not allowed"),
+            std::string::npos);
+  o = {};
+  o.alpha = 100.0;
+  EXPECT_EQ(ApplyOverrides(defaults, o, limits).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace infinigen
