@@ -4,19 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "gpu_worker/tokenizer/unicode.h"
 
 namespace infinigen {
-namespace {
-
-size_t Utf8Length(unsigned char lead) {
-  if (lead < 0x80) return 1;
-  if ((lead >> 5) == 0x6) return 2;
-  if ((lead >> 4) == 0xE) return 3;
-  if ((lead >> 3) == 0x1E) return 4;
-  return 1;
-}
-
-}  // namespace
 
 absl::StatusOr<BpeModel> BpeModel::Create(
     absl::flat_hash_map<std::string, int32_t> vocab,
@@ -65,7 +55,8 @@ void BpeModel::Encode(absl::string_view word, std::vector<int32_t>& out) const {
   };
   bool last_unk = false;
   for (size_t i = 0; i < word.size();) {
-    const size_t len = std::min(Utf8Length(static_cast<unsigned char>(word[i])), word.size() - i);
+    const size_t len =
+        std::min(unicode::Utf8SequenceLength(static_cast<unsigned char>(word[i])), word.size() - i);
     absl::string_view ch = word.substr(i, len);
     i += len;
     if (auto it = vocab_.find(ch); it != vocab_.end()) {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "gpu_worker/tokenizer/unicode.h"
 
 namespace infinigen {
 namespace {
@@ -147,14 +148,6 @@ absl::Status ParseNormalizerSpec(absl::string_view bytes, SentencePieceSpec& spe
   return absl::OkStatus();
 }
 
-size_t Utf8Length(unsigned char lead) {
-  if (lead < 0x80) return 1;
-  if ((lead >> 5) == 0x6) return 2;
-  if ((lead >> 4) == 0xE) return 3;
-  if ((lead >> 3) == 0x1E) return 4;
-  return 1;
-}
-
 }  // namespace
 
 absl::StatusOr<SentencePieceSpec> ParseSentencePieceModel(absl::string_view bytes) {
@@ -215,7 +208,9 @@ void SentencePieceBpe::Encode(absl::string_view text, std::vector<int32_t>& out)
         break;
       }
     }
-    if (len == 0) len = std::min(Utf8Length(static_cast<unsigned char>(text[i])), text.size() - i);
+    if (len == 0)
+      len = std::min(unicode::Utf8SequenceLength(static_cast<unsigned char>(text[i])),
+                     text.size() - i);
     const int32_t idx = static_cast<int32_t>(syms.size());
     syms.push_back({idx - 1, idx + 1, i, len});
     i += len;

@@ -16,6 +16,15 @@ constexpr uint32_t kReplacementChar = 0xFFFD;
 // comes back unchanged.
 std::string SanitizeUtf8(absl::string_view bytes);
 
+// Bytes of the UTF-8 sequence a lead byte starts (1 for anything that is not a lead byte).
+inline size_t Utf8SequenceLength(unsigned char lead) {
+  if (lead < 0x80) return 1;
+  if ((lead >> 5) == 0x6) return 2;
+  if ((lead >> 4) == 0xE) return 3;
+  if ((lead >> 3) == 0x1E) return 4;
+  return 1;
+}
+
 // Code points of valid UTF-8 (sanitize first).
 std::vector<uint32_t> DecodeUtf8(absl::string_view utf8);
 void AppendUtf8(uint32_t cp, std::string& out);

@@ -14,6 +14,7 @@
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
+#include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
 namespace infinigen {
@@ -21,24 +22,8 @@ namespace {
 
 using testing::FixturePath;
 
-struct Loaded {
-  std::unique_ptr<Checkpoint> ckpt;
-  std::unique_ptr<CpuBackend> backend;
-  std::unique_ptr<Model> model;
-};
-
-Loaded Load(const std::string& dir) {
-  Loaded l;
-  auto ckpt = Checkpoint::Open(dir);
-  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
-  if (!ckpt.ok()) return l;
-  l.ckpt = std::move(*ckpt);
-  l.backend = std::make_unique<CpuBackend>();
-  auto model = Model::Load(*l.ckpt, *l.backend);
-  EXPECT_TRUE(model.ok()) << model.status();
-  if (model.ok()) l.model = std::move(*model);
-  return l;
-}
+using Loaded = testing::LoadedModel;
+using testing::LoadModel;
 
 float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
@@ -66,7 +51,7 @@ class HfFixture : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(HfFixture, LogitsMatchTransformers) {
   const std::string dir = FixturePath("hf/" + GetParam());
-  Loaded l = Load(dir);
+  Loaded l = LoadModel(dir);
   ASSERT_NE(l.model, nullptr);
   auto tokens = testing::NpyInts(dir + "/tokens.npy");
   auto want = testing::NpyFloats(dir + "/logits.npy");
@@ -83,7 +68,7 @@ class HfGeneration : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(HfGeneration, PrefillChunkedPrefillAndDecodeAgree) {
   const std::string dir = FixturePath("hf/" + GetParam());
-  Loaded l = Load(dir);
+  Loaded l = LoadModel(dir);
   ASSERT_NE(l.model, nullptr);
   auto tokens = testing::NpyInts(dir + "/tokens.npy");
   auto full = ChunkedLogits(*l.model, tokens, static_cast<int64_t>(tokens.size()));
@@ -93,7 +78,7 @@ TEST_P(HfGeneration, PrefillChunkedPrefillAndDecodeAgree) {
 
 TEST_P(HfGeneration, RaggedBatchEqualsSequencesAlone) {
   const std::string dir = FixturePath("hf/" + GetParam());
-  Loaded l = Load(dir);
+  Loaded l = LoadModel(dir);
   ASSERT_NE(l.model, nullptr);
   Model& model = *l.model;
   auto tokens = testing::NpyInts(dir + "/tokens.npy");
@@ -134,7 +119,7 @@ TEST_P(HfGeneration, RaggedBatchEqualsSequencesAlone) {
 
 TEST_P(HfGeneration, GreedyTokensMatchTransformersGenerate) {
   const std::string dir = FixturePath("hf/" + GetParam());
-  Loaded l = Load(dir);
+  Loaded l = LoadModel(dir);
   ASSERT_NE(l.model, nullptr);
   auto prompt = testing::NpyInts(dir + "/prompt.npy");
   auto want = testing::NpyInts(dir + "/greedy.npy");
@@ -153,7 +138,7 @@ INSTANTIATE_TEST_SUITE_P(AllModels, HfGeneration,
                                            "opt_proj_postln"));
 
 TEST(HfFixtureErrors, TokenIdOutsideVocabularyIsInvalidArgument) {
-  Loaded l = Load(FixturePath("hf/llama31_gqa"));
+  Loaded l = LoadModel(FixturePath("hf/llama31_gqa"));
   ASSERT_NE(l.model, nullptr);
   ResidentKvCache cache(l.model->backend(), l.model->kv_shape());
   ASSERT_TRUE(cache.Open(1, 4).ok());
@@ -166,7 +151,7 @@ TEST(HfFixtureErrors, TokenIdOutsideVocabularyIsInvalidArgument) {
 }
 
 TEST(HfFixtureErrors, OptPositionsPastTheTableAreInvalidArgument) {
-  Loaded l = Load(FixturePath("hf/opt_preln"));
+  Loaded l = LoadModel(FixturePath("hf/opt_preln"));
   ASSERT_NE(l.model, nullptr);
   ResidentKvCache cache(l.model->backend(), l.model->kv_shape());
   GenerateOptions options;

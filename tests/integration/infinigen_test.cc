@@ -18,6 +18,7 @@
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
 #include "gpu_worker/model/safetensors.h"
+#include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
 namespace infinigen {
@@ -25,23 +26,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Loaded {
-  std::unique_ptr<Checkpoint> ckpt;
-  std::unique_ptr<CpuBackend> backend;
-  std::unique_ptr<Model> model;
-};
-
-Loaded Load(const std::string& dir) {
-  Loaded l;
-  auto ckpt = Checkpoint::Open(dir);
-  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
-  l.ckpt = std::move(*ckpt);
-  l.backend = std::make_unique<CpuBackend>();
-  auto model = Model::Load(*l.ckpt, *l.backend);
-  EXPECT_TRUE(model.ok()) << model.status();
-  l.model = std::move(*model);
-  return l;
-}
+using Loaded = testing::LoadedModel;
+using testing::LoadModel;
 
 std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
   std::mt19937 rng(seed);
@@ -93,7 +79,7 @@ DecodeRun Decode(Model& model, KvCache& cache, KvSelectionPolicy* policy, int64_
 class Fixture : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Fixture, SidecarRoundTripsAndRefusesOtherModels) {
-  Loaded l = Load(testing::FixturePath("hf/" + GetParam()));
+  Loaded l = LoadModel(testing::FixturePath("hf/" + GetParam()));
   InfinigenSidecar s = Prepare(l);
   const std::string path = ::testing::TempDir() + "/" + GetParam() + ".infinigen.safetensors";
   ASSERT_TRUE(WriteSidecar(s, path).ok());
@@ -104,7 +90,7 @@ TEST_P(Fixture, SidecarRoundTripsAndRefusesOtherModels) {
   EXPECT_EQ(back->channels, s.channels);
   EXPECT_EQ(back->calibration_hash, s.calibration_hash);
   // Another model's checkpoint: a clear refusal.
-  Loaded other = Load(
+  Loaded other = LoadModel(
       testing::FixturePath(GetParam() == "llama32_tied" ? "hf/llama2_mha" : "hf/llama32_tied"));
   auto wrong = ReadSidecar(path, *other.ckpt);
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -113,7 +99,7 @@ TEST_P(Fixture, SidecarRoundTripsAndRefusesOtherModels) {
 }
 
 TEST_P(Fixture, EveryPolicyGeneratesAndFullIsDense) {
-  Loaded l = Load(testing::FixturePath("hf/" + GetParam()));
+  Loaded l = LoadModel(testing::FixturePath("hf/" + GetParam()));
   InfinigenSidecar sidecar = Prepare(l);
   ResidentKvCache cache(*l.backend, l.model->kv_shape());
   const DecodeRun dense = Decode(*l.model, cache, nullptr, 24, 20);
@@ -149,7 +135,7 @@ INSTANTIATE_TEST_SUITE_P(TinyModels, Fixture,
 // for W_k) leave q·kᵀ, so the logits, unchanged.
 TEST(OptFolding, FoldedWeightsKeepTheLogits) {
   const std::string dir = testing::FixturePath("hf/opt_preln");
-  Loaded l = Load(dir);
+  Loaded l = LoadModel(dir);
   InfinigenSidecar s = Prepare(l, 0.25f);
   const ModelConfig& c = l.model->config();
   const std::string out = ::testing::TempDir() + "/opt_folded";
@@ -183,7 +169,7 @@ TEST(OptFolding, FoldedWeightsKeepTheLogits) {
     tensors.push_back({name, t->shape, values});
   }
   ASSERT_TRUE(WriteSafetensors(out + "/model.safetensors", tensors, {}).ok());
-  Loaded folded = Load(out);
+  Loaded folded = LoadModel(out);
   ResidentKvCache cache(*l.backend, l.model->kv_shape());
   ResidentKvCache cache2(*folded.backend, folded.model->kv_shape());
   const DecodeRun a = Decode(*l.model, cache, nullptr, 16, 8);
@@ -254,7 +240,7 @@ class PoolObserver final : public KvSelectionPolicy {
 };
 
 TEST(KvPool, EvictionNeverReselectsAndKeepsSlotsAligned) {
-  Loaded l = Load(testing::FixturePath("hf/llama31_gqa"));
+  Loaded l = LoadModel(testing::FixturePath("hf/llama31_gqa"));
   InfinigenSidecar sidecar = Prepare(l);
   for (EvictionPolicy eviction :
        {EvictionPolicy::kCounter, EvictionPolicy::kFifo, EvictionPolicy::kLru}) {
@@ -280,7 +266,7 @@ TEST(KvPool, EvictionNeverReselectsAndKeepsSlotsAligned) {
 }
 
 TEST(KvPool, PrefillLongerThanTheCapacityIsRefused) {
-  Loaded l = Load(testing::FixturePath("hf/llama31_gqa"));
+  Loaded l = LoadModel(testing::FixturePath("hf/llama31_gqa"));
   KvPoolConfig config;
   config.capacity_tokens = 8;
   KvPoolCache pool(*l.backend, l.model->kv_shape(), config);

@@ -1,0 +1,20 @@
+#include "tests/support/fixture_model.h"
+
+#include <gtest/gtest.h>
+
+namespace infinigen::testing {
+
+LoadedModel LoadModel(const std::string& dir) {
+  LoadedModel l;
+  auto ckpt = Checkpoint::Open(dir);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+  if (!ckpt.ok()) return l;
+  l.ckpt = std::move(*ckpt);
+  l.backend = std::make_unique<CpuBackend>();
+  auto model = Model::Load(*l.ckpt, *l.backend);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (model.ok()) l.model = std::move(*model);
+  return l;
+}
+
+}  // namespace infinigen::testing
