@@ -15,6 +15,9 @@
 #include "absl/strings/str_format.h"
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
+#if INFINIGEN_HAVE_UCX
+#include "kv_store/ucx/ucx_data_plane.h"
+#endif
 
 namespace {
 
@@ -48,6 +51,12 @@ int main(int argc, char** argv) {
   builder.SetMaxSendMessageSize(256 << 20);
   builder.RegisterService(&service);
   auto server = builder.BuildAndStart();
+  std::vector<const char*> transports = {"in-process", "shm", "grpc"};
+#if INFINIGEN_HAVE_UCX
+  auto ucx = std::move(*UcxGatherServer::Start(*store, 0));
+  service.set_ucx_port(ucx->port());
+  transports.push_back("ucx");
+#endif
 
   SequenceSpec spec;
   spec.num_layers = 1;
@@ -64,9 +73,10 @@ int main(int argc, char** argv) {
   const KvStoreStats st = store->Stats();
   const double kv_bytes = 2.0 * kStored * kHeads * kRowBytes;
   const double table_bytes = 2.0 * kHeads * (kStored * kRowBytes / c.block_tokens / kRowBytes) * 4;
-  std::printf("{\"memory\": {\"tokens\": %ld, \"kv_bytes_per_token\": %.1f, "
-              "\"arena_bytes_per_token\": %.1f, \"block_table_bytes_per_token\": %.3f}}\n",
-              kStored, kv_bytes / kStored, double(st.bytes_used) / kStored, table_bytes / kStored);
+  std::printf(
+      "{\"memory\": {\"tokens\": %ld, \"kv_bytes_per_token\": %.1f, "
+      "\"arena_bytes_per_token\": %.1f, \"block_table_bytes_per_token\": %.3f}}\n",
+      kStored, kv_bytes / kStored, double(st.bytes_used) / kStored, table_bytes / kStored);
 
   std::mt19937 rng(3);
   struct Row {
@@ -75,7 +85,7 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> table;
   StoreSequenceId seq = 1;
-  for (const char* name : {"in-process", "shm", "grpc"}) {
+  for (const char* name : transports) {
     ++seq;
     KvClientConfig cc;
     cc.transport = *ParseTransport(name);
@@ -108,7 +118,8 @@ int main(int argc, char** argv) {
           return 1;
         }
         const double dt =
-            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count();
         if (i >= 10) us.push_back(dt);
       }
       std::vector<uint8_t> src(bytes, 1), dst(bytes);
@@ -116,23 +127,29 @@ int main(int argc, char** argv) {
       for (int i = 0; i < iterations; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         std::memcpy(dst.data(), src.data(), bytes);
-        mus.push_back(std::chrono::duration<double, std::micro>(
-                          std::chrono::steady_clock::now() - t0).count());
+        mus.push_back(
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count());
       }
       const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
       Row r{name, bytes / 1e6, p50, p99, bytes / p50 / 1e3, bytes / Percentile(mus, 0.5) / 1e3};
-      std::printf("{\"transport\": \"%s\", \"mb\": %.2f, \"p50_us\": %.1f, \"p99_us\": %.1f, "
-                  "\"gb_per_s\": %.2f, \"memcpy_gb_per_s\": %.2f}\n",
-                  name, r.mb, r.p50_us, r.p99_us, r.gbps, r.memcpy_gbps);
+      std::printf(
+          "{\"transport\": \"%s\", \"mb\": %.2f, \"p50_us\": %.1f, \"p99_us\": %.1f, "
+          "\"gb_per_s\": %.2f, \"memcpy_gb_per_s\": %.2f}\n",
+          name, r.mb, r.p50_us, r.p99_us, r.gbps, r.memcpy_gbps);
       table.push_back(r);
     }
   }
-  std::printf("\n| transport | gather MB | p50 us | p99 us | GB/s (p50) | memcpy GB/s | vs memcpy |\n"
-              "|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "\n| transport | gather MB | p50 us | p99 us | GB/s (p50) | memcpy GB/s | vs memcpy |\n"
+      "|---|---:|---:|---:|---:|---:|---:|\n");
   for (const Row& r : table) {
     std::printf("| %s | %.2f | %.0f | %.0f | %.2f | %.2f | %.2fx |\n", r.transport.c_str(), r.mb,
                 r.p50_us, r.p99_us, r.gbps, r.memcpy_gbps, r.gbps / r.memcpy_gbps);
   }
   server->Shutdown();
+#if INFINIGEN_HAVE_UCX
+  ucx.reset();
+#endif
   return 0;
 }

@@ -8,6 +8,7 @@ absl::StatusOr<KvClientConfig::Transport> ParseTransport(absl::string_view name)
   if (name == "in-process" || name == "inprocess") return KvClientConfig::Transport::kInProcess;
   if (name == "grpc") return KvClientConfig::Transport::kGrpc;
   if (name == "shm") return KvClientConfig::Transport::kShm;
+  if (name == "ucx") return KvClientConfig::Transport::kUcx;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown KV transport '", name, "': expected in-process, grpc, shm or ucx"));
 }
@@ -18,6 +19,7 @@ absl::StatusOr<std::unique_ptr<KvStoreClient>> MakeKvStoreClient(const KvClientC
       return MakeInProcessClient(config);
     case KvClientConfig::Transport::kGrpc:
     case KvClientConfig::Transport::kShm:
+    case KvClientConfig::Transport::kUcx:
 #if INFINIGEN_HAVE_GRPC_TRANSPORT
       return MakeGrpcClient(config);
 #else

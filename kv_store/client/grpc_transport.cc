@@ -2,13 +2,12 @@
 // copy rows straight out of the collocated store's arena, mapped read-only here, using block
 // tables fetched once per block of new rows: no RPC per gather).
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <map>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -17,32 +16,41 @@
 #include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
 #include "kv_store/client/queued_client.h"
 #include "kv_store/client/transports.h"
+#if INFINIGEN_HAVE_UCX
+#include "kv_store/ucx/ucx_data_plane.h"
+#endif
 
 namespace infinigen {
 namespace {
 
 namespace pb = kvstore::v1;
 
-#define IG_RETURN_IF_ERROR_GRPC(call)                    \
-  do {                                                   \
-    const grpc::Status _ig_grpc_status = (call);         \
+#define IG_RETURN_IF_ERROR_GRPC(call)                                  \
+  do {                                                                 \
+    const grpc::Status _ig_grpc_status = (call);                       \
     if (!_ig_grpc_status.ok()) return FromGrpcStatus(_ig_grpc_status); \
   } while (0)
 
 pb::DType ToProto(DType d) {
   switch (d) {
-    case DType::kF32: return pb::DTYPE_F32;
-    case DType::kF16: return pb::DTYPE_F16;
-    case DType::kBF16: return pb::DTYPE_BF16;
+    case DType::kF32:
+      return pb::DTYPE_F32;
+    case DType::kF16:
+      return pb::DTYPE_F16;
+    case DType::kBF16:
+      return pb::DTYPE_BF16;
   }
   return pb::DTYPE_UNSPECIFIED;
 }
 
 pb::Eviction ToProto(EvictionPolicy e) {
   switch (e) {
-    case EvictionPolicy::kCounter: return pb::EVICTION_COUNTER;
-    case EvictionPolicy::kFifo: return pb::EVICTION_FIFO;
-    case EvictionPolicy::kLru: return pb::EVICTION_LRU;
+    case EvictionPolicy::kCounter:
+      return pb::EVICTION_COUNTER;
+    case EvictionPolicy::kFifo:
+      return pb::EVICTION_FIFO;
+    case EvictionPolicy::kLru:
+      return pb::EVICTION_LRU;
   }
   return pb::EVICTION_UNSPECIFIED;
 }
@@ -66,7 +74,33 @@ class GrpcClient final : public QueuedKvClient {
     if (arena_ != nullptr) ::munmap(const_cast<uint8_t*>(arena_), arena_bytes_);
   }
   std::string transport() const override {
-    return config_.transport == KvClientConfig::Transport::kShm ? "shm" : "grpc";
+    switch (config_.transport) {
+      case KvClientConfig::Transport::kShm:
+        return "shm";
+      case KvClientConfig::Transport::kUcx:
+        return "ucx";
+      default:
+        return "grpc";
+    }
+  }
+
+  // Connects the UCX data plane the store advertises (ucx transport).
+  absl::Status ConnectUcx() {
+#if INFINIGEN_HAVE_UCX
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    pb::DescribeResponse resp;
+    IG_RETURN_IF_ERROR_GRPC(stub_->Describe(&ctx, pb::DescribeRequest(), &resp));
+    if (resp.ucx_port() == 0) {
+      return absl::FailedPreconditionError(
+          "the KV store serves no UCX data plane (start it with --ucx_port)");
+    }
+    const std::string host = config_.address.substr(0, config_.address.rfind(':'));
+    IG_ASSIGN_OR_RETURN(ucx_, UcxGatherChannel::Connect(host, resp.ucx_port()));
+    return absl::OkStatus();
+#else
+    return absl::UnimplementedError("this build has no UCX");
+#endif
   }
 
   // Maps the store's arena (shm transport).
@@ -89,8 +123,8 @@ class GrpcClient final : public QueuedKvClient {
     void* p = ::mmap(nullptr, resp.arena_bytes(), PROT_READ, MAP_SHARED, fd, 0);
     ::close(fd);
     if (p == MAP_FAILED) {
-      return absl::InternalError(absl::StrCat("cannot map the KV store's arena: ",
-                                              std::strerror(errno)));
+      return absl::InternalError(
+          absl::StrCat("cannot map the KV store's arena: ", std::strerror(errno)));
     }
     arena_ = static_cast<const uint8_t*>(p);
     arena_bytes_ = static_cast<size_t>(resp.arena_bytes());
@@ -151,6 +185,20 @@ class GrpcClient final : public QueuedKvClient {
 
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
     if (arena_ != nullptr) return GatherShm(items);
+#if INFINIGEN_HAVE_UCX
+    if (ucx_ != nullptr) {
+      std::vector<int64_t> row_bytes;
+      for (const auto& it : items) {
+        auto spec = specs_.find(it.seq);
+        if (spec == specs_.end()) {
+          return absl::NotFoundError(
+              absl::StrCat("sequence ", it.seq, " is not open on this client"));
+        }
+        row_bytes.push_back(spec->second.row_bytes());
+      }
+      return ucx_->Gather(items, row_bytes, config_.call_timeout);
+    }
+#endif
     pb::GatherRequest req;
     for (const auto& it : items) {
       auto* item = req.add_items();
@@ -236,7 +284,8 @@ class GrpcClient final : public QueuedKvClient {
     for (const auto& it : items) {
       auto spec = specs_.find(it.seq);
       if (spec == specs_.end()) {
-        return absl::NotFoundError(absl::StrCat("sequence ", it.seq, " is not open on this client"));
+        return absl::NotFoundError(
+            absl::StrCat("sequence ", it.seq, " is not open on this client"));
       }
       const int heads = spec->second.num_kv_heads;
       if (it.layer < 0 || it.layer >= spec->second.num_layers) {
@@ -255,17 +304,21 @@ class GrpcClient final : public QueuedKvClient {
         for (int64_t j = 0; j < it.count; ++j) {
           const int32_t slot = it.slots[g * it.count + j];
           if (slot < 0 || slot >= t.rows) {
-            return absl::InvalidArgumentError(absl::StrCat("token index ", slot,
-                                                           " is outside [0, ", t.rows, ")"));
+            return absl::InvalidArgumentError(
+                absl::StrCat("token index ", slot, " is outside [0, ", t.rows, ")"));
           }
           const int64_t b = slot / per_block, off = (slot % per_block) * t.row_bytes;
           const size_t dst = static_cast<size_t>((g * it.count + j) * t.row_bytes);
-          std::memcpy(it.k_out + dst,
-                      arena_ + static_cast<size_t>(t.k_blocks[g * t.blocks_per_head + b]) * block_bytes_ + off,
-                      t.row_bytes);
-          std::memcpy(it.v_out + dst,
-                      arena_ + static_cast<size_t>(t.v_blocks[g * t.blocks_per_head + b]) * block_bytes_ + off,
-                      t.row_bytes);
+          std::memcpy(
+              it.k_out + dst,
+              arena_ + static_cast<size_t>(t.k_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
+                  off,
+              t.row_bytes);
+          std::memcpy(
+              it.v_out + dst,
+              arena_ + static_cast<size_t>(t.v_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
+                  off,
+              t.row_bytes);
         }
       }
     }
@@ -273,6 +326,9 @@ class GrpcClient final : public QueuedKvClient {
   }
 
   std::unique_ptr<pb::KvStore::Stub> stub_;
+#if INFINIGEN_HAVE_UCX
+  std::unique_ptr<UcxGatherChannel> ucx_;
+#endif
   const uint8_t* arena_ = nullptr;
   size_t arena_bytes_ = 0;
   int64_t block_bytes_ = 0;
@@ -287,6 +343,9 @@ absl::StatusOr<std::unique_ptr<KvStoreClient>> MakeGrpcClient(const KvClientConf
   auto client = std::make_unique<GrpcClient>(config);
   if (config.transport == KvClientConfig::Transport::kShm) {
     IG_RETURN_IF_ERROR(client->MapArena());
+  }
+  if (config.transport == KvClientConfig::Transport::kUcx) {
+    IG_RETURN_IF_ERROR(client->ConnectUcx());
   }
   return std::unique_ptr<KvStoreClient>(std::move(client));
 }

@@ -5,7 +5,8 @@
 //
 // Transports: in-process (the all-in-one server: direct calls into a KvStore), gRPC (bytes in
 // the messages; the always-available fallback), shm (a collocated store: gRPC for control, rows
-// copied straight out of the store's shared arena).
+// copied straight out of the store's shared arena), UCX (gRPC for control; each gather one UCX
+// request and one reply, over RDMA where the fabric has it).
 #pragma once
 
 #include <cstdint>
@@ -55,7 +56,7 @@ class KvStoreClient {
 };
 
 struct KvClientConfig {
-  enum class Transport { kInProcess, kGrpc, kShm };
+  enum class Transport { kInProcess, kGrpc, kShm, kUcx };
   Transport transport = Transport::kGrpc;
   std::string address = "127.0.0.1:50061";  // gRPC and shm
   std::string owner = "worker";             // lease holder name

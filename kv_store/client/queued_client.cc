@@ -64,9 +64,8 @@ void QueuedKvClient::QueueLoop() {
     std::function<void()> fn;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !queue_.empty();
-      };
+      auto ready = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping, and everything queued has run
       fn = std::move(queue_.front());
@@ -98,8 +97,7 @@ absl::Status QueuedKvClient::RunSync(std::function<absl::Status()> fn, absl::Tim
 absl::Status QueuedKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec) {
   SequenceSpec s = spec;
   if (s.owner.empty()) s.owner = config_.owner;
-  return RunSync([this, seq, s] { return DoOpen(seq, s); },
-                 absl::Now() + 4 * config_.call_timeout);
+  return RunSync([this, seq, s] { return DoOpen(seq, s); }, absl::Now() + 4 * config_.call_timeout);
 }
 
 absl::Status QueuedKvClient::Close(StoreSequenceId seq) {

@@ -37,8 +37,8 @@ class StoreCollectable final : public prometheus::Collectable {
                s.bytes_used),
         Family("infinigen_kvstore_bytes_free", "Arena bytes free", MetricType::Gauge,
                s.bytes_capacity - s.bytes_used),
-        Family("infinigen_kvstore_tokens_stored", "Tokens stored (layer 0 rows)",
-               MetricType::Gauge, s.tokens_stored),
+        Family("infinigen_kvstore_tokens_stored", "Tokens stored (layer 0 rows)", MetricType::Gauge,
+               s.tokens_stored),
         Family("infinigen_kvstore_appends_total", "Append calls", MetricType::Counter, s.appends),
         Family("infinigen_kvstore_gathers_total", "Gather calls", MetricType::Counter, s.gathers),
         Family("infinigen_kvstore_gathered_bytes_total", "K/V bytes served by gathers",
@@ -59,7 +59,7 @@ class StoreCollectable final : public prometheus::Collectable {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvStoreMetrics>> KvStoreMetrics::Start(const KvStore& store,
-                                                                       int port) {
+                                                                      int port) {
   std::unique_ptr<KvStoreMetrics> m(new KvStoreMetrics());
   try {
     m->exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat("0.0.0.0:", port));

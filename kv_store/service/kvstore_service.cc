@@ -10,9 +10,12 @@ using namespace kvstore::v1;  // NOLINT: message types of this service
 
 absl::StatusOr<infinigen::DType> ToDType(kvstore::v1::DType d) {
   switch (d) {
-    case DTYPE_F32: return infinigen::DType::kF32;
-    case DTYPE_F16: return infinigen::DType::kF16;
-    case DTYPE_BF16: return infinigen::DType::kBF16;
+    case DTYPE_F32:
+      return infinigen::DType::kF32;
+    case DTYPE_F16:
+      return infinigen::DType::kF16;
+    case DTYPE_BF16:
+      return infinigen::DType::kBF16;
     default:
       return absl::InvalidArgumentError("dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
   }
@@ -30,9 +33,14 @@ grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req, 
   spec.dtype = *dtype;
   spec.capacity_tokens = req->capacity_tokens();
   switch (req->eviction()) {
-    case EVICTION_FIFO: spec.eviction = EvictionPolicy::kFifo; break;
-    case EVICTION_LRU: spec.eviction = EvictionPolicy::kLru; break;
-    default: spec.eviction = EvictionPolicy::kCounter;
+    case EVICTION_FIFO:
+      spec.eviction = EvictionPolicy::kFifo;
+      break;
+    case EVICTION_LRU:
+      spec.eviction = EvictionPolicy::kLru;
+      break;
+    default:
+      spec.eviction = EvictionPolicy::kCounter;
   }
   spec.owner = req->owner();
   return ToGrpcStatus(store_.Open(req->sequence_id(), spec, clock_()));
@@ -41,8 +49,8 @@ grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req, 
 grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* req,
                                     AppendResponse* resp) {
   if (req->k().size() != req->v().size()) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "k has ", req->k().size(), " bytes but v has ", req->v().size())));
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("k has ", req->k().size(), " bytes but v has ", req->v().size())));
   }
   if (req->num_tokens() <= 0 || req->num_tokens() > (int64_t{1} << 24)) {
     return ToGrpcStatus(absl::InvalidArgumentError("num_tokens must be in [1, 2^24]"));
@@ -50,11 +58,10 @@ grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* r
   auto spec = store_.Spec(req->sequence_id());
   if (!spec.ok()) return ToGrpcStatus(spec.status());
   std::vector<int32_t> slots(static_cast<size_t>(req->num_tokens() * spec->num_kv_heads));
-  absl::Status st = store_.Append(req->sequence_id(), static_cast<int>(req->layer()), req->start(),
-                                  req->num_tokens(),
-                                  reinterpret_cast<const uint8_t*>(req->k().data()),
-                                  reinterpret_cast<const uint8_t*>(req->v().data()), req->k().size(),
-                                  slots.data());
+  absl::Status st = store_.Append(
+      req->sequence_id(), static_cast<int>(req->layer()), req->start(), req->num_tokens(),
+      reinterpret_cast<const uint8_t*>(req->k().data()),
+      reinterpret_cast<const uint8_t*>(req->v().data()), req->k().size(), slots.data());
   if (!st.ok()) return ToGrpcStatus(st);
   resp->mutable_slots()->Add(slots.begin(), slots.end());
   return grpc::Status::OK;
@@ -116,6 +123,7 @@ grpc::Status KvStoreService::Describe(grpc::ServerContext*, const DescribeReques
   r->set_shm_path(a.share_path());
   r->set_arena_bytes(static_cast<int64_t>(a.num_blocks() * a.block_bytes()));
   r->set_block_bytes(static_cast<int64_t>(a.block_bytes()));
+  r->set_ucx_port(ucx_port_.load());
   return grpc::Status::OK;
 }
 

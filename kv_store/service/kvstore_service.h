@@ -2,6 +2,7 @@
 // back, nothing else.
 #pragma once
 
+#include <atomic>
 #include <functional>
 
 #include "absl/time/time.h"
@@ -33,7 +34,11 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
   grpc::Status Blocks(grpc::ServerContext*, const kvstore::v1::BlocksRequest*,
                       kvstore::v1::BlocksResponse*) override;
 
+  // The port of the UCX data plane, advertised by Describe (0: none).
+  void set_ucx_port(int port) { ucx_port_ = port; }
+
  private:
+  std::atomic<int> ucx_port_{0};
   KvStore& store_;
   Clock clock_;
 };

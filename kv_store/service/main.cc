@@ -1,13 +1,13 @@
 // infinigen-kvstore: the KV store service. Flags become one validated KvStoreConfig here; the
 // server enables gRPC health checking and reflection and exposes Prometheus metrics over HTTP.
 // SIGTERM/SIGINT drain it: health NOT_SERVING, Shutdown(deadline), join threads, free memory.
-#include <csignal>
-#include <iostream>
-#include <thread>
-
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_builder.h>
+
+#include <csignal>
+#include <iostream>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -16,18 +16,23 @@
 #include "absl/synchronization/notification.h"
 #include "kv_store/service/kvstore_metrics.h"
 #include "kv_store/service/kvstore_service.h"
+#if INFINIGEN_HAVE_UCX
+#include "kv_store/ucx/ucx_data_plane.h"
+#endif
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50061", "gRPC address to serve on (host:port)");
 ABSL_FLAG(int64_t, capacity_mb, 1024, "host memory for K/V, in MiB");
 ABSL_FLAG(int64_t, block_tokens, 64, "rows per arena block for the widest rows");
 ABSL_FLAG(int64_t, max_row_bytes, 1024, "widest K/V row accepted (head_dim x dtype size)");
 ABSL_FLAG(int32_t, gather_threads, 2, "threads copying rows for large gathers");
-ABSL_FLAG(int64_t, lease_seconds, 30, "a worker's sequences are freed this long after its last renewal");
+ABSL_FLAG(int64_t, lease_seconds, 30,
+          "a worker's sequences are freed this long after its last renewal");
 ABSL_FLAG(std::string, shm_path, "",
           "file (e.g. /dev/shm/kvstore) holding the arena for collocated workers; empty: a memfd");
 ABSL_FLAG(bool, shared_memory, true, "share the arena with collocated workers (shm transport)");
 ABSL_FLAG(bool, huge_pages, true, "back the arena with huge pages when the system has them");
 ABSL_FLAG(int32_t, metrics_port, 0, "Prometheus metrics on this HTTP port (0: off)");
+ABSL_FLAG(int32_t, ucx_port, 0, "serve gathers over UCX on this TCP port (0: off)");
 ABSL_FLAG(int64_t, drain_seconds, 5, "how long shutdown waits for calls in flight");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
 
@@ -74,6 +79,23 @@ int main(int argc, char** argv) {
     metrics = std::move(*m);
   }
 
+#if INFINIGEN_HAVE_UCX
+  std::unique_ptr<infinigen::UcxGatherServer> ucx;
+  if (absl::GetFlag(FLAGS_ucx_port) > 0) {
+    auto u = infinigen::UcxGatherServer::Start(**store, absl::GetFlag(FLAGS_ucx_port));
+    if (!u.ok()) {
+      std::cerr << "infinigen-kvstore: " << u.status().message() << "\n";
+      return 1;
+    }
+    ucx = std::move(*u);
+    service.set_ucx_port(ucx->port());
+  }
+#else
+  if (absl::GetFlag(FLAGS_ucx_port) > 0) {
+    std::cerr << "infinigen-kvstore: --ucx_port: this build has no UCX\n";
+    return 2;
+  }
+#endif
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -107,6 +129,9 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(absl::GetFlag(FLAGS_drain_seconds)));
   reaper.join();
+#if INFINIGEN_HAVE_UCX
+  ucx.reset();
+#endif
   metrics.reset();
   std::cout << "infinigen-kvstore: stopped" << std::endl;
   return 0;

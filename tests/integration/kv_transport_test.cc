@@ -1,13 +1,15 @@
 // One test suite for every KV transport: in-process, gRPC and shm. The gRPC-based ones talk to a
 // real gRPC server on 127.0.0.1 serving a real store.
-#include <gtest/gtest.h>
-
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <random>
 
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
+#if INFINIGEN_HAVE_UCX
+#include "kv_store/ucx/ucx_data_plane.h"
+#endif
 
 namespace infinigen {
 namespace {
@@ -29,6 +31,15 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
       cc.store = store_.get();
     } else {
       service_ = std::make_unique<KvStoreService>(*store_);
+#if INFINIGEN_HAVE_UCX
+      if (GetParam() == KvClientConfig::Transport::kUcx) {
+        setenv("UCX_NET_DEVICES", "lo", 0);  // loopback only, as a test must
+        auto ucx = UcxGatherServer::Start(*store_, 0);
+        ASSERT_TRUE(ucx.ok()) << ucx.status();
+        ucx_ = std::move(*ucx);
+        service_->set_ucx_port(ucx_->port());
+      }
+#endif
       grpc::ServerBuilder builder;
       int port = 0;
       builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -45,6 +56,9 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
   void TearDown() override {
     client_.reset();
     if (server_) server_->Shutdown();
+#if INFINIGEN_HAVE_UCX
+    ucx_.reset();
+#endif
   }
 
   static SequenceSpec Spec() {
@@ -60,7 +74,8 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
     const int64_t bytes = 2 * 32;
     std::vector<uint8_t> out(n * bytes);
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t b = 0; b < bytes; ++b) out[i * bytes + b] = static_cast<uint8_t>((t + i) * 3 + b + kv * 101);
+      for (int64_t b = 0; b < bytes; ++b)
+        out[i * bytes + b] = static_cast<uint8_t>((t + i) * 3 + b + kv * 101);
     }
     return out;
   }
@@ -68,6 +83,9 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
   std::unique_ptr<KvStore> store_;
   std::unique_ptr<KvStoreService> service_;
   std::unique_ptr<grpc::Server> server_;
+#if INFINIGEN_HAVE_UCX
+  std::unique_ptr<UcxGatherServer> ucx_;
+#endif
   std::unique_ptr<KvStoreClient> client_;
 };
 
@@ -76,7 +94,8 @@ absl::Time Soon() { return absl::Now() + absl::Seconds(5); }
 TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
   ASSERT_TRUE(client_->Open(1, Spec()).ok());
   client_->AppendAsync(1, 1, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
-  for (int64_t t = 40; t < 50; ++t) client_->AppendAsync(1, 1, t, 1, TokenRows(t, 1, 0), TokenRows(t, 1, 1));
+  for (int64_t t = 40; t < 50; ++t)
+    client_->AppendAsync(1, 1, t, 1, TokenRows(t, 1, 0), TokenRows(t, 1, 1));
   std::vector<int32_t> slots = {0, 49, 17, 3, 44, 44};  // [2 heads, 3]
   std::vector<uint8_t> k(6 * 32), v(6 * 32);
   auto ticket = client_->GatherAsync({{1, 1, 3, slots, k.data(), v.data()}});
@@ -139,12 +158,22 @@ TEST_P(KvTransport, AFullStoreRefusesWithoutLosingOtherSequences) {
 INSTANTIATE_TEST_SUITE_P(Transports, KvTransport,
                          ::testing::Values(KvClientConfig::Transport::kInProcess,
                                            KvClientConfig::Transport::kGrpc,
-                                           KvClientConfig::Transport::kShm),
+                                           KvClientConfig::Transport::kShm
+#if INFINIGEN_HAVE_UCX
+                                           ,
+                                           KvClientConfig::Transport::kUcx
+#endif
+                                           ),
                          [](const auto& info) {
                            switch (info.param) {
-                             case KvClientConfig::Transport::kInProcess: return std::string("InProcess");
-                             case KvClientConfig::Transport::kGrpc: return std::string("Grpc");
-                             case KvClientConfig::Transport::kShm: return std::string("Shm");
+                             case KvClientConfig::Transport::kInProcess:
+                               return std::string("InProcess");
+                             case KvClientConfig::Transport::kGrpc:
+                               return std::string("Grpc");
+                             case KvClientConfig::Transport::kShm:
+                               return std::string("Shm");
+                             case KvClientConfig::Transport::kUcx:
+                               return std::string("Ucx");
                            }
                            return std::string("?");
                          });
