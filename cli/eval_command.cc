@@ -37,7 +37,7 @@ absl::StatusOr<std::vector<double>> ParseNumbers(const std::string& text, const 
 
 int RunEval(int argc, char** argv) {
   std::string model_path, sidecar_path, corpus_path, haystack_path,
-      policies = "full,infinigen", budgets = "0.2", alphas = "5", passkeys, json_out,
+      policies = "full,infinigen", budgets = "0.2", alphas = "10", passkeys, json_out,
       eviction = "counter", speculation = "prev";
   int64_t context = 2048, eval_tokens = 256, windows = 1, generate = 0, dense_layers = 2, sink = 0,
           recent = 0;
@@ -158,15 +158,22 @@ int RunEval(int argc, char** argv) {
         if (!r.ok()) return fail(r.status());
         if (!sparse) full_ppl = r->perplexity;
         const double ratio = full_ppl > 0 ? r->perplexity / full_ppl : 0.0;
-        std::cout
-            << absl::StrFormat(
-                   "| %s | %s | %s | %.3f | %s | %.3f | %.3f | %.3f | %.3f | %d | %d/%d | %.0f |\n",
-                   name, sparse ? absl::StrFormat("%.2f", budget) : "-",
-                   alpha > 0 ? absl::StrFormat("%.1f", alpha) : "-", r->perplexity,
-                   full_ppl > 0 ? absl::StrFormat("%.4fx", ratio) : "-", r->meter.fraction_read(),
-                   r->meter.sparse_fraction_read(), r->meter.recall(), r->greedy_agreement,
-                   r->greedy_identical_prefix, r->passkey_found, r->passkey_total, r->seconds)
-            << std::flush;
+        // "-" where a column was not measured in this run.
+        auto measured = [](bool m, std::string v) { return m ? v : std::string("-"); };
+        std::cout << absl::StrFormat(
+                         "| %s | %s | %s | %.3f | %s | %.3f | %.3f | %s | %s | %s | %s | %.0f |\n",
+                         name, sparse ? absl::StrFormat("%.2f", budget) : "-",
+                         alpha > 0 ? absl::StrFormat("%.1f", alpha) : "-", r->perplexity,
+                         full_ppl > 0 ? absl::StrFormat("%.4fx", ratio) : "-",
+                         r->meter.fraction_read(), r->meter.sparse_fraction_read(),
+                         measured(options.measure_recall,
+                                  absl::StrFormat("%.3f", r->meter.recall())),
+                         measured(generate > 0, absl::StrFormat("%.3f", r->greedy_agreement)),
+                         measured(generate > 0, absl::StrCat(r->greedy_identical_prefix)),
+                         measured(r->passkey_total > 0,
+                                  absl::StrFormat("%d/%d", r->passkey_found, r->passkey_total)),
+                         r->seconds)
+                  << std::flush;
         rows.push_back({{"policy", std::string(name)},
                         {"budget", budget},
                         {"alpha", alpha},

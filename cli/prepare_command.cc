@@ -41,16 +41,18 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path, const char* wh
 
 int RunPrepare(int argc, char** argv) {
   std::string model_path, calibration, out;
-  double ratio = 0.2;
+  double ratio = 0.0;
   int64_t calibration_tokens = 2048;
   bool no_skew = false;
-  std::string channel_rule = "sum";
+  std::string channel_rule = "product";
   BackendFlags backend_flags;
   FlagSet flags("prepare", "--model PATH [flags]",
                 "Computes InfiniGen's skew and partial channels for a model from a dense prefill "
                 "of a calibration text and writes them to a sidecar file next to the model.");
   flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");
-  flags.Float("ratio", &ratio, "partial ratio r: d' = ceil(r x head_dim) channels are kept");
+  flags.Float("ratio", &ratio,
+              "partial ratio r: d' = ceil(r x head_dim) channels are kept (default: 26 "
+              "channels, the paper's 0.2 x 128, whatever the head size)");
   flags.String("calibration", &calibration,
                "calibration text file (default: Pride and Prejudice, extracted by setup.sh)");
   flags.Int("calibration-tokens", &calibration_tokens,
@@ -58,8 +60,8 @@ int RunPrepare(int argc, char** argv) {
   flags.String("out", &out, "sidecar path (default: next to the model)");
   flags.Bool("no-skew", &no_skew, "skip the skew (A = I): the paper's ablation");
   flags.String("channel-rule", &channel_rule,
-               "partial channel ranking: sum (Σ|QA| + Σ|KA|, the paper's) or product "
-               "(mean|QA| x mean|KA|)");
+               "partial channel ranking: product (mean|QA| x mean|KA|, the default) or sum "
+               "(Σ|QA| + Σ|KA|, the paper's)");
   backend_flags.Register(flags);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("prepare", parsed.status());

@@ -1,5 +1,6 @@
 #include "gpu_worker/infinigen/prepare.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
@@ -97,9 +98,14 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
                                                   const PrepareOptions& options,
                                                   const PrepareProgress& progress) {
   const ModelConfig& c = model.config();
-  if (!(options.ratio > 0.0f && options.ratio <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("ratio must be in (0, 1], got ", options.ratio));
+  if (!(options.ratio >= 0.0f && options.ratio <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ratio must be in (0, 1] (or 0 for the default), got ", options.ratio));
   }
+  const float ratio =
+      options.ratio > 0.0f
+          ? options.ratio
+          : std::min(1.0f, static_cast<float>(kDefaultPartialChannels) / c.head_dim);
   if (calibration.size() < 2) {
     return absl::InvalidArgumentError("the calibration text has fewer than 2 tokens");
   }
@@ -110,8 +116,8 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
   const int64_t chunk = options.chunk_tokens;
 
   InfinigenSidecar s;
-  s.ratio = options.ratio;
-  s.partial_dim = static_cast<int>(std::ceil(options.ratio * c.head_dim - 1e-6));
+  s.ratio = ratio;
+  s.partial_dim = static_cast<int>(std::ceil(ratio * c.head_dim - 1e-6));
   s.skewed = options.skew;
   s.model_fingerprint = ModelFingerprint(checkpoint);
   s.calibration_hash = Fnv1aHex(calibration.data(), calibration.size() * sizeof(int32_t));

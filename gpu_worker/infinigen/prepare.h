@@ -15,10 +15,17 @@
 
 namespace infinigen {
 
+// Partial channels kept when no ratio is given: the paper's r = 0.2 at head_dim 128, i.e. 26
+// channels, whatever the head size (r = 0.4 at head_dim 64). docs/accuracy.md measures why: at
+// r = 0.2 a 64-wide head keeps 13 channels and the speculation misses the heads' best rows.
+inline constexpr int kDefaultPartialChannels = 26;
+
 struct PrepareOptions {
-  float ratio = 0.2f;
-  bool skew = true;  // false: A = I (ablation)
-  ChannelRule channel_rule = ChannelRule::kSumAbs;
+  float ratio = 0.0f;  // 0: kDefaultPartialChannels / head_dim (capped at 1)
+  bool skew = true;    // false: A = I (ablation)
+  // Product ranks channels by mean|QA| x mean|KA| (what a channel adds to Q.K); docs/accuracy.md
+  // compares it with the paper's sum.
+  ChannelRule channel_rule = ChannelRule::kProduct;
   int64_t chunk_tokens = 512;  // prefill chunk size
 };
 

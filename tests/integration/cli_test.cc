@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "common/npy.h"
+#include "nlohmann/json.hpp"
 #include "tests/support/test_paths.h"
 
 namespace infinigen {
@@ -52,7 +53,7 @@ TEST(Cli, HelpForEveryCommand) {
   CommandResult top = Infinigen("--help");
   EXPECT_EQ(top.exit_code, 0);
   EXPECT_NE(top.out.find("generate"), std::string::npos);
-  for (const char* cmd : {"generate", "logits", "bench", "tokenize"}) {
+  for (const char* cmd : {"generate", "logits", "bench", "tokenize", "prepare", "eval"}) {
     CommandResult r = Infinigen(std::string(cmd) + " --help");
     EXPECT_EQ(r.exit_code, 0) << cmd;
     EXPECT_NE(r.out.find("--"), std::string::npos) << cmd;
@@ -137,6 +138,65 @@ TEST(Cli, GenerateStreamsTextForAChat) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("Paris"), std::string::npos) << r.out;
   EXPECT_NE(r.err.find("(stop)"), std::string::npos) << r.err;  // ended at <|im_end|>
+}
+
+}  // namespace
+}  // namespace infinigen
+
+namespace infinigen {
+namespace {
+
+// prepare with its defaults (26 partial channels, product rule), then eval of every policy on a
+// short WikiText window: the JSON has one row per policy, `full` reads everything, the sparse
+// policies stay within their budget, and every column the flags asked for was measured.
+TEST(Cli, PrepareThenEvalEveryPolicy) {
+  const std::string model = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(model, "SmolLM2 GGUF");
+  const std::string wiki = testing::SharedTestdataPath("corpora/wikitext-2/test.txt");
+  IG_REQUIRE_FILE(wiki, "WikiText-2 test split");
+  const std::string sidecar =
+      (fs::temp_directory_path() / (std::to_string(getpid()) + "_cli.safetensors")).string();
+  const std::string json =
+      (fs::temp_directory_path() / (std::to_string(getpid()) + "_cli_eval.json")).string();
+  CommandResult prep =
+      Infinigen("prepare --model " + model + " --calibration " + wiki +
+                " --calibration-tokens 96 --cpu-weights q8 --threads 1 --out " + sidecar);
+  ASSERT_EQ(prep.exit_code, 0) << prep.err;
+  EXPECT_NE(prep.out.find("26 of 64 channels"), std::string::npos) << prep.out;
+
+  CommandResult eval =
+      Infinigen("eval --model " + model + " --sidecar " + sidecar + " --corpus " + wiki +
+                " --haystack " + wiki +
+                " --context 160 --eval-tokens 16 --generate-tokens 8 --passkey-depths 0.5 "
+                "--policies full,infinigen,h2o,window,oracle --budgets 0.25 --cpu-weights q8 "
+                "--threads 1 --json " +
+                json);
+  ASSERT_EQ(eval.exit_code, 0) << eval.err;
+  EXPECT_EQ(Lines(eval.out), 2 + 5) << eval.out;  // header, rule, one row per policy
+  auto doc = nlohmann::json::parse(Slurp(json));
+  ASSERT_EQ(doc["results"].size(), 5u);
+  double full_ppl = 0;
+  for (const auto& row : doc["results"]) {
+    const std::string policy = row["policy"];
+    const double ppl = row["perplexity"];
+    EXPECT_TRUE(ppl > 1.0 && ppl < 1e4) << policy << " " << ppl;
+    EXPECT_EQ(row["passkey_total"], 1) << policy;
+    if (policy == "full") {
+      full_ppl = ppl;
+      EXPECT_EQ(row["kv_read_fraction"], 1.0);
+      EXPECT_EQ(row["greedy_agreement"], 1.0);
+    } else {
+      EXPECT_LE(row["kv_read_fraction_sparse_layers"].get<double>(), 0.25 + 0.02) << policy;
+      EXPECT_GT(row["kv_read_fraction"].get<double>(),
+                row["kv_read_fraction_sparse_layers"].get<double>())
+          << policy << ": the dense layers read everything";
+      EXPECT_NEAR(row["perplexity_vs_full"].get<double>(), ppl / full_ppl, 1e-9) << policy;
+    }
+    const double recall = row["attention_mass_recall"];
+    EXPECT_TRUE(recall > 0.0 && recall <= 1.0 + 1e-9) << policy;
+  }
+  fs::remove(sidecar);
+  fs::remove(json);
 }
 
 }  // namespace
