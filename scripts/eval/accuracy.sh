@@ -52,6 +52,16 @@ for sc in paper noskew tuned_noskew tuned_sum; do
   run "wiki2k_ablation_$sc" "${WIKI2K[@]}" --policies infinigen --budgets 0.2 --alphas 10 \
     --sidecar "$OUT/$sc.safetensors"
 done
+# What feeds the speculation (layer i-1's normed input, layer i's own, or the true query: an upper
+# bound), and how many leading layers stay dense.
+for spec in this actual; do
+  run "wiki2k_speculation_$spec" "${WIKI2K[@]}" --policies infinigen --budgets 0.2 --alphas 10 \
+    --sidecar "$OUT/tuned.safetensors" --speculation "$spec"
+done
+for dl in 1 4; do
+  run "wiki2k_dense_layers_$dl" "${WIKI2K[@]}" --policies infinigen --budgets 0.2 --alphas 10 \
+    --sidecar "$OUT/tuned.safetensors" --dense-layers "$dl"
+done
 run wiki2k_alpha_sweep "${WIKI2K[@]}" --policies infinigen --budgets 1.0 --alphas 4,6,8,10,12 \
   --sidecar "$OUT/tuned.safetensors"
 for ctx in 2048 4096 8192; do
