@@ -25,8 +25,8 @@ struct Setup {
 
   Setup(int64_t row_bytes, int batch, int threads, bool shared) {
     KvStoreConfig c;
-    c.capacity_bytes = static_cast<size_t>(batch) * 2 * kHeads * kStored * row_bytes * 11 / 10 +
-                       (64 << 20);
+    c.capacity_bytes =
+        static_cast<size_t>(batch) * 2 * kHeads * kStored * row_bytes * 11 / 10 + (64 << 20);
     c.block_tokens = 64;
     c.max_row_bytes = row_bytes;
     c.gather_threads = threads;
@@ -70,12 +70,16 @@ void BM_Gather(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * s.bytes);
 }
 
-// The same bytes as one contiguous copy: what the gather is compared against.
+// The same bytes as one contiguous copy: what the gather is compared against. Arg 2 = 0 copies
+// the same source every time (cache-warm when it fits); 1 walks a source as large as the
+// store's K/V (ten times the bytes), so the bytes come from where the gather's rows live.
 void BM_Memcpy(benchmark::State& state) {
   const int64_t bytes = 2LL * state.range(1) * kHeads * kSelected * state.range(0);
-  std::vector<uint8_t> src(bytes, 1), dst(bytes);
+  const int64_t copies = state.range(2) != 0 ? kStored / kSelected : 1;
+  std::vector<uint8_t> src(bytes * copies, 1), dst(bytes);
+  int64_t i = 0;
   for (auto _ : state) {
-    std::memcpy(dst.data(), src.data(), bytes);
+    std::memcpy(dst.data(), src.data() + (i++ % copies) * bytes, bytes);
     benchmark::DoNotOptimize(dst.data());
   }
   state.SetBytesProcessed(state.iterations() * bytes);
@@ -83,12 +87,30 @@ void BM_Memcpy(benchmark::State& state) {
 
 // Args: row bytes, batch, gather threads, shared memory (memfd) or private (huge pages).
 BENCHMARK(BM_Gather)
-    ->Args({256, 1, 1, 1})->Args({512, 1, 1, 1})->Args({256, 16, 1, 1})->Args({512, 16, 1, 1})
-    ->Args({256, 16, 2, 1})->Args({512, 16, 2, 1})
-    ->Args({256, 1, 1, 0})->Args({512, 1, 1, 0})->Args({256, 16, 1, 0})->Args({512, 16, 1, 0})
-    ->Args({256, 16, 2, 0})->Args({512, 16, 2, 0})->UseRealTime();
-BENCHMARK(BM_Memcpy)->Args({256, 1, 1})->Args({512, 1, 1})->Args({256, 16, 1})
-    ->Args({512, 16, 1})->UseRealTime();
+    ->Args({256, 1, 1, 1})
+    ->Args({512, 1, 1, 1})
+    ->Args({256, 16, 1, 1})
+    ->Args({512, 16, 1, 1})
+    ->Args({256, 16, 2, 1})
+    ->Args({512, 16, 2, 1})
+    ->Args({256, 1, 1, 0})
+    ->Args({512, 1, 1, 0})
+    ->Args({256, 16, 1, 0})
+    ->Args({512, 16, 1, 0})
+    ->Args({256, 16, 2, 0})
+    ->Args({512, 16, 2, 0})
+    ->UseRealTime();
+// Args: row bytes, batch, source as large as the store.
+BENCHMARK(BM_Memcpy)
+    ->Args({256, 1, 0})
+    ->Args({512, 1, 0})
+    ->Args({256, 16, 0})
+    ->Args({512, 16, 0})
+    ->Args({256, 1, 1})
+    ->Args({512, 1, 1})
+    ->Args({256, 16, 1})
+    ->Args({512, 16, 1})
+    ->UseRealTime();
 
 }  // namespace
 }  // namespace infinigen

@@ -7,12 +7,20 @@
 #include "common/status_macros.h"
 
 namespace infinigen {
+namespace {
+
+int HeadsOf(const GatherItem& item, const SequenceSpec& spec) {
+  return item.heads < 0 ? spec.num_kv_heads - item.head_begin : item.heads;
+}
+
+}  // namespace
 
 absl::Status KvStoreConfig::Validate() const {
-  if (block_tokens < 1 || max_row_bytes < 2 || capacity_bytes < static_cast<size_t>(block_tokens * max_row_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the KV store needs block_tokens >= 1 and capacity for at least one block of ",
-        block_tokens * max_row_bytes, " bytes"));
+  if (block_tokens < 1 || max_row_bytes < 2 ||
+      capacity_bytes < static_cast<size_t>(block_tokens * max_row_bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the KV store needs block_tokens >= 1 and capacity for at least one block of ",
+                     block_tokens * max_row_bytes, " bytes"));
   }
   if (gather_threads < 1) return absl::InvalidArgumentError("gather_threads must be >= 1");
   if (lease <= absl::ZeroDuration()) return absl::InvalidArgumentError("the lease must be > 0");
@@ -85,8 +93,8 @@ void KvStore::FreeSequence(Sequence& s) {
   s.mu.AssertHeld();
   for (Layer& l : s.layers) {
     for (HeadRows& h : l.heads) {
-      stats_.bytes_used -= static_cast<int64_t>((h.k_blocks.size() + h.v_blocks.size()) *
-                                                arena_->block_bytes());
+      stats_.bytes_used -=
+          static_cast<int64_t>((h.k_blocks.size() + h.v_blocks.size()) * arena_->block_bytes());
       arena_->Free(h.k_blocks);
       arena_->Free(h.v_blocks);
       h.k_blocks.clear();
@@ -119,14 +127,14 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
   const SequenceSpec& spec = s->spec;
   const int64_t row_bytes = spec.row_bytes();
   if (layer < 0 || layer >= spec.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is outside [0, ",
-                                                   spec.num_layers, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " is outside [0, ", spec.num_layers, ")"));
   }
   if (n < 1 || bytes != static_cast<size_t>(n * spec.num_kv_heads * row_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "append of ", n, " tokens carries ", bytes, " bytes per tensor; ", n, " x ",
-        spec.num_kv_heads, " heads x ", spec.head_dim, " x ", DTypeName(spec.dtype), " = ",
-        n * spec.num_kv_heads * row_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("append of ", n, " tokens carries ", bytes, " bytes per tensor; ", n, " x ",
+                     spec.num_kv_heads, " heads x ", spec.head_dim, " x ", DTypeName(spec.dtype),
+                     " = ", n * spec.num_kv_heads * row_bytes));
   }
   absl::MutexLock seq_lock(&s->mu);
   if (s->layers.empty()) return absl::NotFoundError(absl::StrCat("sequence ", seq, " is closed"));
@@ -138,15 +146,15 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
   }
   const bool pooled = spec.capacity_tokens > 0;
   if (pooled && n > 1 && l.rows + n > spec.capacity_tokens) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "prefill of ", n, " tokens does not fit the sequence's capacity of ",
-        spec.capacity_tokens, " tokens (", l.rows, " stored)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("prefill of ", n, " tokens does not fit the sequence's capacity of ",
+                     spec.capacity_tokens, " tokens (", l.rows, " stored)"));
   }
   // Plan: the blocks the new rows need, for every head, taken all at once or not at all.
   const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
   const int64_t new_rows = pooled ? std::min(l.rows + n, spec.capacity_tokens) : l.rows + n;
-  const int64_t blocks_needed = (new_rows + per_block - 1) / per_block -
-                                static_cast<int64_t>(l.heads[0].k_blocks.size());
+  const int64_t blocks_needed =
+      (new_rows + per_block - 1) / per_block - static_cast<int64_t>(l.heads[0].k_blocks.size());
   if (blocks_needed > 0) {
     absl::MutexLock lock(&mu_);
     auto blocks = arena_->Allocate(blocks_needed * 2 * spec.num_kv_heads);
@@ -191,7 +199,7 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
   return absl::OkStatus();
 }
 
-absl::Status KvStore::Gather(std::span<const GatherItem> items) {
+absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left) {
   // Lock the sequences in id order (no lock-order cycles between concurrent gathers).
   std::vector<std::pair<StoreSequenceId, std::shared_ptr<Sequence>>> seqs;
   for (const GatherItem& item : items) {
@@ -202,10 +210,12 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items) {
     if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", item.seq));
     seqs.emplace_back(item.seq, std::move(s));
   }
-  std::sort(seqs.begin(), seqs.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(seqs.begin(), seqs.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
   auto seq_of = [&](StoreSequenceId id) -> Sequence& {
-    return *std::find_if(seqs.begin(), seqs.end(), [&](const auto& p) { return p.first == id; })
-                ->second;
+    return *std::find_if(seqs.begin(), seqs.end(), [&](const auto& p) {
+              return p.first == id;
+            })->second;
   };
   for (auto& [id, s] : seqs) s->mu.ReaderLock();
   // Validate everything before copying anything.
@@ -219,17 +229,22 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items) {
       break;
     }
     if (item.layer < 0 || item.layer >= spec.num_layers) {
-      status = absl::InvalidArgumentError(absl::StrCat("sequence ", item.seq, ": layer ",
-                                                       item.layer, " is outside [0, ",
-                                                       spec.num_layers, ")"));
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", item.seq, ": layer ", item.layer, " is outside [0, ", spec.num_layers, ")"));
       break;
     }
-    if (item.count < 0 ||
-        item.slots.size() != static_cast<size_t>(item.count * spec.num_kv_heads) ||
+    const int heads = HeadsOf(item, spec);
+    if (item.head_begin < 0 || heads < 0 || item.head_begin + heads > spec.num_kv_heads) {
+      status = absl::InvalidArgumentError(
+          absl::StrCat("sequence ", item.seq, ": KV heads [", item.head_begin, ", ",
+                       item.head_begin + heads, ") are outside [0, ", spec.num_kv_heads, ")"));
+      break;
+    }
+    if (item.count < 0 || item.slots.size() != static_cast<size_t>(item.count * heads) ||
         (item.count > 0 && (item.k_out == nullptr || item.v_out == nullptr))) {
-      status = absl::InvalidArgumentError(absl::StrCat(
-          "sequence ", item.seq, " layer ", item.layer, ": ", item.slots.size(),
-          " indices given for ", item.count, " rows x ", spec.num_kv_heads, " KV heads"));
+      status = absl::InvalidArgumentError(
+          absl::StrCat("sequence ", item.seq, " layer ", item.layer, ": ", item.slots.size(),
+                       " indices given for ", item.count, " rows x ", heads, " KV heads"));
       break;
     }
     const int64_t rows = s.layers[item.layer].rows;
@@ -242,7 +257,7 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items) {
       }
     }
     if (!status.ok()) break;
-    units += spec.num_kv_heads;
+    units += heads;
     bytes += 2 * static_cast<int64_t>(item.slots.size()) * spec.row_bytes();
   }
   if (status.ok()) {
@@ -250,14 +265,14 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items) {
     std::vector<std::pair<const GatherItem*, int>> work;
     work.reserve(units);
     for (const GatherItem& item : items) {
-      for (int g = 0; g < seq_of(item.seq).spec.num_kv_heads; ++g) work.emplace_back(&item, g);
+      for (int g = 0; g < HeadsOf(item, seq_of(item.seq).spec); ++g) work.emplace_back(&item, g);
     }
     auto copy = [&](int64_t u) ABSL_NO_THREAD_SAFETY_ANALYSIS {
       const GatherItem& item = *work[u].first;
       const int g = work[u].second;
       Sequence& s = seq_of(item.seq);
       const int64_t row_bytes = s.spec.row_bytes();
-      const HeadRows& h = s.layers[item.layer].heads[g];
+      const HeadRows& h = s.layers[item.layer].heads[item.head_begin + g];
       const int32_t* idx = item.slots.data() + g * item.count;
       uint8_t* k_out = item.k_out + g * item.count * row_bytes;
       uint8_t* v_out = item.v_out + g * item.count * row_bytes;
@@ -290,14 +305,15 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items) {
     if (s.spec.capacity_tokens == 0) continue;
     absl::MutexLock seq_lock(&s.mu);
     if (s.layers.empty()) continue;
-    for (int g = 0; g < s.spec.num_kv_heads; ++g) {
+    for (int g = 0; g < HeadsOf(item, s.spec); ++g) {
       for (int64_t j = 0; j < item.count; ++j) {
-        s.layers[item.layer].heads[g].slots.Fetched(item.slots[g * item.count + j], s.step);
+        s.layers[item.layer].heads[item.head_begin + g].slots.Fetched(
+            item.slots[g * item.count + j], s.step);
       }
     }
   }
   absl::MutexLock lock(&mu_);
-  ++stats_.gathers;
+  if (pieces_left == 0) ++stats_.gathers;
   stats_.bytes_gathered += bytes;
   return absl::OkStatus();
 }

@@ -33,13 +33,13 @@ using StoreSequenceId = uint64_t;
 
 struct KvStoreConfig {
   size_t capacity_bytes = size_t{1} << 30;
-  int64_t block_tokens = 64;      // rows per arena block
-  int64_t max_row_bytes = 1024;   // the largest head_dim x dtype size accepted (sizes blocks)
+  int64_t block_tokens = 64;     // rows per arena block
+  int64_t max_row_bytes = 1024;  // the largest head_dim x dtype size accepted (sizes blocks)
   int gather_threads = 2;
   int64_t parallel_gather_bytes = 1 << 20;  // gathers at least this large use the thread pool
   absl::Duration lease = absl::Seconds(30);
-  bool shared_memory = true;      // see ArenaOptions::shared
-  std::string shm_path;           // see ArenaOptions
+  bool shared_memory = true;  // see ArenaOptions::shared
+  std::string shm_path;       // see ArenaOptions
   bool huge_pages = true;
 
   absl::Status Validate() const;
@@ -50,22 +50,26 @@ struct SequenceSpec {
   int num_kv_heads = 0;
   int head_dim = 0;
   DType dtype = DType::kBF16;
-  int64_t capacity_tokens = 0;    // > 0: a KV pool of this many tokens per (layer, head)
+  int64_t capacity_tokens = 0;  // > 0: a KV pool of this many tokens per (layer, head)
   EvictionPolicy eviction = EvictionPolicy::kCounter;
-  std::string owner;              // lease holder (a worker)
+  std::string owner;  // lease holder (a worker)
 
   int64_t row_bytes() const { return static_cast<int64_t>(head_dim) * DTypeSize(dtype); }
 };
 
-// One layer of one sequence to gather: `count` slots per KV head ([num_kv_heads, count]),
-// written packed to k_out and v_out as [num_kv_heads, count, head_dim].
+// One layer of one sequence to gather: `count` slots per KV head ([heads, count]), written
+// packed to k_out and v_out as [heads, count, head_dim].
 struct GatherItem {
   StoreSequenceId seq = 0;
   int layer = 0;
   int64_t count = 0;
-  std::span<const int32_t> slots;
-  uint8_t* k_out = nullptr;
+  std::span<const int32_t> slots;  // [heads, count]
+  uint8_t* k_out = nullptr;        // [heads, count, row]
   uint8_t* v_out = nullptr;
+  // The KV heads gathered: [head_begin, head_begin + heads); heads < 0 means all of them. A
+  // transport cuts a large gather into pieces of a few heads this way and streams them.
+  int head_begin = 0;
+  int heads = -1;
 };
 
 // Where the rows of one layer live: block ids per KV head for K and V.
@@ -78,7 +82,7 @@ struct LayerBlocks {
 struct KvStoreStats {
   int64_t sequences = 0;
   int64_t bytes_capacity = 0, bytes_used = 0;
-  int64_t tokens_stored = 0;      // Σ over sequences of layer-0 rows
+  int64_t tokens_stored = 0;  // Σ over sequences of layer-0 rows
   int64_t appends = 0, gathers = 0, bytes_gathered = 0;
   int64_t evictions = 0, rejections = 0, leases_expired = 0;
 };
@@ -98,7 +102,9 @@ class KvStore {
   absl::Status Append(StoreSequenceId seq, int layer, int64_t start, int64_t n, const uint8_t* k,
                       const uint8_t* v, size_t bytes, int32_t* slots_out = nullptr);
   // Copies the items' rows. Validates everything before copying anything.
-  absl::Status Gather(std::span<const GatherItem> items);
+  // `pieces_left` > 0 says more pieces of the same client gather follow (a transport streaming
+  // it): the gather is counted once, with its last piece.
+  absl::Status Gather(std::span<const GatherItem> items, int pieces_left = 0);
   // Extends the lease of every sequence of `owner`; returns how many it holds.
   int64_t Renew(const std::string& owner, absl::Time now);
   // Frees sequences whose lease ended; returns how many.

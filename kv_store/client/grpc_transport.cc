@@ -88,7 +88,7 @@ class GrpcClient final : public QueuedKvClient {
   absl::Status ConnectUcx() {
 #if INFINIGEN_HAVE_UCX
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    ctx.set_deadline(Deadline(config_.connect_timeout));
     pb::DescribeResponse resp;
     IG_RETURN_IF_ERROR_GRPC(stub_->Describe(&ctx, pb::DescribeRequest(), &resp));
     if (resp.ucx_port() == 0) {
@@ -106,7 +106,7 @@ class GrpcClient final : public QueuedKvClient {
   // Maps the store's arena (shm transport).
   absl::Status MapArena() {
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    ctx.set_deadline(Deadline(config_.connect_timeout));
     pb::DescribeResponse resp;
     IG_RETURN_IF_ERROR_GRPC(stub_->Describe(&ctx, pb::DescribeRequest(), &resp));
     if (resp.shm_path().empty()) {
@@ -186,7 +186,14 @@ class GrpcClient final : public QueuedKvClient {
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
     if (arena_ != nullptr) return GatherShm(items);
 #if INFINIGEN_HAVE_UCX
-    if (ucx_ != nullptr) {
+    if (config_.transport == KvClientConfig::Transport::kUcx) {
+      if (ucx_ == nullptr || ucx_->broken()) {  // store restarted, or a transfer abandoned
+        ucx_.reset();
+        if (absl::Status st = ConnectUcx(); !st.ok()) {
+          return absl::UnavailableError(
+              absl::StrCat("the UCX data plane of the KV store is unreachable: ", st.message()));
+        }
+      }
       std::vector<int64_t> row_bytes;
       for (const auto& it : items) {
         auto spec = specs_.find(it.seq);
@@ -259,9 +266,10 @@ class GrpcClient final : public QueuedKvClient {
     std::vector<int32_t> k_blocks, v_blocks;  // [heads, blocks_per_head]
   };
 
-  std::chrono::system_clock::time_point Deadline() const {
+  std::chrono::system_clock::time_point Deadline() const { return Deadline(config_.call_timeout); }
+  static std::chrono::system_clock::time_point Deadline(absl::Duration timeout) {
     return std::chrono::system_clock::now() +
-           std::chrono::microseconds(absl::ToInt64Microseconds(config_.call_timeout));
+           std::chrono::microseconds(absl::ToInt64Microseconds(timeout));
   }
 
   absl::Status RefreshTable(StoreSequenceId seq, int layer, Table& t) {

@@ -58,11 +58,12 @@ class KvStoreClient {
 struct KvClientConfig {
   enum class Transport { kInProcess, kGrpc, kShm, kUcx };
   Transport transport = Transport::kGrpc;
-  std::string address = "127.0.0.1:50061";  // gRPC and shm
-  std::string owner = "worker";             // lease holder name
-  absl::Duration call_timeout = absl::Seconds(2);  // per RPC: a dead store fails fast
-  absl::Duration renew_every = absl::Seconds(5);   // lease renewal period (0: never)
-  KvStore* store = nullptr;                  // in-process
+  std::string address = "127.0.0.1:50061";            // gRPC and shm
+  std::string owner = "worker";                       // lease holder name
+  absl::Duration call_timeout = absl::Seconds(2);     // per RPC: a dead store fails fast
+  absl::Duration connect_timeout = absl::Seconds(5);  // discovering the shm / UCX data plane
+  absl::Duration renew_every = absl::Seconds(5);      // lease renewal period (0: never)
+  KvStore* store = nullptr;                           // in-process
 };
 absl::StatusOr<KvClientConfig::Transport> ParseTransport(absl::string_view name);
 

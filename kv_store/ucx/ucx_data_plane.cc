@@ -6,8 +6,10 @@
 #include <poll.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
-#include <mutex>
+#include <deque>
 
 #include "absl/strings/str_cat.h"
 
@@ -17,13 +19,21 @@ namespace {
 constexpr unsigned kGatherRequest = 1;
 constexpr unsigned kGatherReply = 2;
 
+// The reply of a gather is one byte stream, unit-major: for each item, for each of its KV heads,
+// that head's K rows then its V rows. The store sends it in pieces of about `piece_bytes` cut at
+// unit boundaries, gathering piece i + 1 while the worker receives piece i.
 struct RequestHeader {
   uint64_t id;
+  uint64_t piece_bytes;
 };
 struct ReplyHeader {
   uint64_t id;
-  int32_t code;  // absl::StatusCode; 0 = rows follow, else the error message follows
+  int32_t code;  // absl::StatusCode; 0 = rows [offset, offset + length) follow, else a message
+  int32_t unused;
+  uint64_t offset;
 };
+
+constexpr uint64_t kMinPiece = 64 << 10, kMaxPiece = 64 << 20;
 
 absl::Status UcsError(const char* what, ucs_status_t s) {
   return absl::UnavailableError(absl::StrCat("UCX ", what, ": ", ucs_status_string(s)));
@@ -49,6 +59,17 @@ absl::Status InitWorker(ucp_context_h* context, ucp_worker_h* worker) {
     return UcsError("worker", s);
   }
   return absl::OkStatus();
+}
+
+void CloseEndpoint(ucp_worker_h worker, ucp_ep_h ep) {
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &rp);
+  while (r != nullptr && !UCS_PTR_IS_ERR(r) && ucp_request_check_status(r) == UCS_INPROGRESS) {
+    ucp_worker_progress(worker);
+  }
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
 }
 
 // Serialized request: u32 items, then per item u64 seq, i32 layer, i64 count, i64 n, n x i32.
@@ -91,27 +112,112 @@ struct UcxGatherServer::State {
     if (ucp_ep_create(st->worker, &ep, &handle) == UCS_OK) st->endpoints.push_back(handle);
   }
 
-  // A reply in flight: UCX reads the header and the data until the send completes.
-  struct Outgoing {
-    ReplyHeader header;
-    std::vector<uint8_t> data;
+  // A reply buffer: registered with UCX once and reused (no page faults or registration per
+  // gather). It goes back to the idle list when every piece sent from it has completed.
+  struct Buffer {
+    State* owner = nullptr;
+    uint8_t* data = nullptr;
+    size_t capacity = 0;
+    ucp_mem_h memh = nullptr;
+    int sends = 0;        // pieces in flight
+    bool filling = true;  // more pieces may still be sent from it
+    std::deque<ReplyHeader> piece_headers;
+    std::string error;
   };
+  std::vector<Buffer*> idle;  // progress thread only
+
+  // A gather being answered, piece by piece, between progress calls.
+  struct Job {
+    ucp_ep_h ep;
+    uint64_t id;
+    uint64_t piece_bytes;
+    std::vector<std::vector<int32_t>> slots;  // per item
+    std::vector<GatherItem> units;            // one per (item, KV head), in stream order
+    std::vector<size_t> unit_offset;          // where each unit's K rows start in the stream
+    size_t total = 0;
+    size_t next_unit = 0;
+    Buffer* buffer = nullptr;
+  };
+  std::deque<Job> jobs;
+
+  Buffer* Acquire(size_t bytes) {
+    for (size_t i = 0; i < idle.size(); ++i) {
+      if (idle[i]->capacity >= bytes) {
+        Buffer* b = idle[i];
+        idle.erase(idle.begin() + static_cast<std::ptrdiff_t>(i));
+        b->filling = true;
+        b->piece_headers.clear();
+        return b;
+      }
+    }
+    if (!idle.empty()) {  // all too small: drop the oldest
+      Free(idle.front());
+      idle.erase(idle.begin());
+    }
+    auto* b = new Buffer();
+    b->owner = this;
+    b->capacity = std::max<size_t>(bytes, 64 << 10);
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.length = b->capacity;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    if (ucp_mem_map(context, &mp, &b->memh) == UCS_OK) {
+      ucp_mem_attr_t attr{};
+      attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
+      ucp_mem_query(b->memh, &attr);
+      b->data = static_cast<uint8_t*>(attr.address);
+    } else {
+      b->memh = nullptr;
+      b->data = static_cast<uint8_t*>(std::malloc(b->capacity));
+    }
+    return b;
+  }
+  void MaybeRelease(Buffer* b) {
+    if (b->filling || b->sends > 0) return;
+    if (idle.size() >= 4) {
+      Free(b);
+    } else {
+      idle.push_back(b);
+    }
+  }
+  void Free(Buffer* b) {
+    if (b->memh != nullptr) {
+      ucp_mem_unmap(context, b->memh);
+    } else {
+      std::free(b->data);
+    }
+    delete b;
+  }
 
   static void OnSent(void* request, ucs_status_t, void* user_data) {
-    delete static_cast<Outgoing*>(user_data);
+    auto* b = static_cast<Buffer*>(user_data);
+    --b->sends;
+    b->owner->MaybeRelease(b);
     ucp_request_free(request);
   }
 
-  void Reply(ucp_ep_h ep, uint64_t id, const absl::Status& status, Outgoing* out) {
-    out->header = {id, static_cast<int32_t>(status.code())};
-    if (!status.ok()) out->data.assign(status.message().begin(), status.message().end());
+  // Sends `length` bytes at `payload` (inside b, or b's error text) under `header`.
+  void Send(ucp_ep_h ep, Buffer* b, const ReplyHeader& header, const void* payload, size_t length,
+            bool registered) {
+    b->piece_headers.push_back(header);  // UCX reads the header until the send completes
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    if (registered && b->memh != nullptr) {
+      rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      rp.memh = b->memh;
+    }
     rp.cb.send = OnSent;
-    rp.user_data = out;
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep, kGatherReply, &out->header, sizeof(out->header),
-                                         out->data.data(), out->data.size(), &rp);
-    if (r == nullptr || UCS_PTR_IS_ERR(r)) delete out;  // done at once, or failed
+    rp.user_data = b;
+    ++b->sends;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, kGatherReply, &b->piece_headers.back(),
+                                         sizeof(ReplyHeader), payload, length, &rp);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) --b->sends;  // done at once, or failed
+  }
+
+  void Fail(ucp_ep_h ep, uint64_t id, const absl::Status& status, Buffer* b) {
+    b->error = std::string(status.message());
+    Send(ep, b, {id, static_cast<int32_t>(status.code()), 0, 0}, b->error.data(), b->error.size(),
+         /*registered=*/false);
   }
 
   static ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void* data,
@@ -123,50 +229,114 @@ struct UcxGatherServer::State {
     }
     RequestHeader h;
     std::memcpy(&h, header, sizeof(h));
-    auto* reply = new Outgoing();
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-      st->Reply(param->reply_ep, h.id,
-                absl::InvalidArgumentError("gather request too large for one message"), reply);
+      Buffer* b = st->Acquire(0);
+      st->Fail(param->reply_ep, h.id,
+               absl::InvalidArgumentError("gather request too large for one message"), b);
+      b->filling = false;
+      st->MaybeRelease(b);
       return UCS_OK;
     }
-    const absl::Status served = st->Serve(static_cast<const uint8_t*>(data), length, reply->data);
-    st->Reply(param->reply_ep, h.id, served, reply);
+    Job job;
+    job.ep = param->reply_ep;
+    job.id = h.id;
+    job.piece_bytes = std::clamp<uint64_t>(h.piece_bytes, kMinPiece, kMaxPiece);
+    const absl::Status parsed = st->Parse(static_cast<const uint8_t*>(data), length, job);
+    if (!parsed.ok()) {
+      Buffer* b = st->Acquire(0);
+      st->Fail(job.ep, job.id, parsed, b);
+      b->filling = false;
+      st->MaybeRelease(b);
+      return UCS_OK;
+    }
+    st->jobs.push_back(std::move(job));  // answered from the loop, between progress calls
     return UCS_OK;
   }
 
-  // Parses a request and gathers its rows into `out` (K then V per item).
-  absl::Status Serve(const uint8_t* p, size_t length, std::vector<uint8_t>& out) {
+  // Reads a request into a job: its units in stream order.
+  absl::Status Parse(const uint8_t* p, size_t length, Job& job) {
     const uint8_t* end = p + length;
     uint32_t n;
     if (!Take(p, end, &n)) return absl::InvalidArgumentError("malformed gather request");
-    std::vector<std::vector<int32_t>> slots(n);
-    std::vector<GatherItem> items(n);
-    std::vector<int64_t> offsets(n);
-    size_t total = 0;
-    for (uint32_t i = 0; i < n; ++i) {
-      int64_t count, num;
-      int32_t layer;
+    job.slots.resize(n);
+    struct Item {
       uint64_t seq;
-      if (!Take(p, end, &seq) || !Take(p, end, &layer) || !Take(p, end, &count) ||
-          !Take(p, end, &num) || num < 0 || static_cast<size_t>(end - p) < num * sizeof(int32_t)) {
+      int32_t layer;
+      int64_t count;
+    };
+    std::vector<Item> items(n);
+    for (uint32_t i = 0; i < n; ++i) {
+      int64_t num;
+      if (!Take(p, end, &items[i].seq) || !Take(p, end, &items[i].layer) ||
+          !Take(p, end, &items[i].count) || !Take(p, end, &num) || num < 0 ||
+          static_cast<size_t>(end - p) < num * sizeof(int32_t)) {
         return absl::InvalidArgumentError("malformed gather request");
       }
-      slots[i].resize(num);
-      std::memcpy(slots[i].data(), p, num * sizeof(int32_t));
+      job.slots[i].resize(num);
+      std::memcpy(job.slots[i].data(), p, num * sizeof(int32_t));
       p += num * sizeof(int32_t);
-      auto spec = store->Spec(seq);
-      if (!spec.ok()) return spec.status();
-      items[i] = {seq, layer, count, slots[i], nullptr, nullptr};
-      offsets[i] = static_cast<int64_t>(total);
-      total += 2 * num * spec->row_bytes();
     }
-    out.resize(total);
     for (uint32_t i = 0; i < n; ++i) {
-      const size_t half = (i + 1 < n ? offsets[i + 1] : total) - offsets[i];
-      items[i].k_out = out.data() + offsets[i];
-      items[i].v_out = out.data() + offsets[i] + half / 2;
+      const Item& it = items[i];
+      auto spec = store->Spec(it.seq);
+      if (!spec.ok()) return spec.status();
+      const int64_t heads = spec->num_kv_heads;
+      if (it.count < 0 || static_cast<int64_t>(job.slots[i].size()) != it.count * heads) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence ", it.seq, " layer ", it.layer, ": ", job.slots[i].size(),
+                         " indices given for ", it.count, " rows x ", heads, " KV heads"));
+      }
+      if (it.count == 0) continue;
+      const size_t half = static_cast<size_t>(it.count * spec->row_bytes());
+      for (int g = 0; g < heads; ++g) {
+        GatherItem u{
+            it.seq,   it.layer,
+            it.count, std::span<const int32_t>(job.slots[i]).subspan(g * it.count, it.count),
+            nullptr,  nullptr,
+            g,        1};
+        job.units.push_back(u);
+        job.unit_offset.push_back(job.total);
+        job.total += 2 * half;
+      }
     }
-    return store->Gather(items);
+    return absl::OkStatus();
+  }
+
+  // Gathers and sends the next piece of the first job; drops the job after its last piece.
+  void Advance() {
+    Job& job = jobs.front();
+    if (job.buffer == nullptr) job.buffer = Acquire(job.total);
+    Buffer* b = job.buffer;
+    const size_t first = job.next_unit;
+    size_t last = first;
+    const size_t begin = first < job.units.size() ? job.unit_offset[first] : job.total;
+    while (last < job.units.size() &&
+           (last == first || job.unit_offset[last] - begin < job.piece_bytes)) {
+      GatherItem& u = job.units[last];
+      const size_t half = (last + 1 < job.units.size() ? job.unit_offset[last + 1] : job.total) -
+                          job.unit_offset[last];
+      u.k_out = b->data + job.unit_offset[last];
+      u.v_out = u.k_out + half / 2;
+      ++last;
+    }
+    const size_t end = last < job.units.size() ? job.unit_offset[last] : job.total;
+    const bool final_piece = last == job.units.size();
+    absl::Status status = absl::OkStatus();
+    if (last > first) {
+      status = store->Gather(std::span<const GatherItem>(job.units).subspan(first, last - first),
+                             final_piece ? 0 : 1);
+    }
+    if (!status.ok()) {
+      Fail(job.ep, job.id, status, b);
+    } else if (last > first || job.total == 0) {
+      Send(job.ep, b, {job.id, 0, 0, begin}, b->data + begin, end - begin, /*registered=*/true);
+    }
+    job.next_unit = last;
+    if (final_piece || !status.ok()) {
+      b->filling = false;
+      MaybeRelease(b);
+      jobs.pop_front();
+    }
   }
 
   void Loop() {
@@ -176,7 +346,12 @@ struct UcxGatherServer::State {
       return efd;
     }();
     while (!stop.load()) {
-      if (ucp_worker_progress(worker) != 0) continue;
+      const unsigned progressed = ucp_worker_progress(worker);
+      if (!jobs.empty()) {
+        Advance();
+        continue;
+      }
+      if (progressed != 0) continue;
       if (fd >= 0 && ucp_worker_arm(worker) == UCS_OK) {
         pollfd pfd{fd, POLLIN, 0};
         ::poll(&pfd, 1, 50);
@@ -186,6 +361,9 @@ struct UcxGatherServer::State {
 };
 
 absl::StatusOr<std::unique_ptr<UcxGatherServer>> UcxGatherServer::Start(KvStore& store, int port) {
+  // A restarted store must get its port back while the old connections sit in TIME_WAIT (UCX
+  // does not set SO_REUSEADDR by default). The environment still wins when it says otherwise.
+  ::setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
   std::unique_ptr<UcxGatherServer> server(new UcxGatherServer());
   server->state_ = std::make_unique<State>();
   State& st = *server->state_;
@@ -226,16 +404,8 @@ UcxGatherServer::~UcxGatherServer() {
   st.stop.store(true);
   if (st.progress.joinable()) st.progress.join();
   if (st.listener != nullptr) ucp_listener_destroy(st.listener);
-  for (ucp_ep_h ep : st.endpoints) {
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &rp);
-    while (r != nullptr && !UCS_PTR_IS_ERR(r) && ucp_request_check_status(r) == UCS_INPROGRESS) {
-      ucp_worker_progress(st.worker);
-    }
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
-  }
+  for (ucp_ep_h ep : st.endpoints) CloseEndpoint(st.worker, ep);
+  for (State::Buffer* b : st.idle) st.Free(b);
   if (st.worker != nullptr) ucp_worker_destroy(st.worker);
   if (st.context != nullptr) ucp_cleanup(st.context);
 }
@@ -247,32 +417,138 @@ struct UcxGatherChannel::State {
   ucp_worker_h worker = nullptr;
   ucp_ep_h ep = nullptr;
   bool broken = false;
-  // The reply to the request in flight.
-  uint64_t waiting_for = 0;
-  bool replied = false;
-  int32_t code = 0;
-  std::vector<uint8_t> data;
-  void* rndv_desc = nullptr;
-  size_t rndv_length = 0;
   uint64_t next_id = 1;
+
+  // The gather in flight: where its stream goes (K and V of each unit, in stream order).
+  uint64_t waiting_for = 0;
+  std::vector<ucp_dt_iov_t> iov;
+  std::vector<size_t> iov_offset;  // stream offset of each entry
+  size_t total = 0;
+  size_t arrived = 0;    // bytes in place
+  bool replied = false;  // a piece or an error of this gather came back
+  int32_t code = 0;
+  std::string message;
+  bool protocol_error = false;
+
+  // Rendezvous pieces announced in the callback, received from the wait loop.
+  struct Announced {
+    void* desc;
+    size_t offset, length;
+    bool is_error;
+  };
+  std::vector<Announced> announced;
+  std::vector<void*> stale;  // rendezvous pieces of gathers given up on: released unread
+  struct Receive {
+    State* st;
+    size_t length;
+    bool done = false;
+    ucs_status_ptr_t request = nullptr;
+  };
+  std::deque<Receive> receives;
+
+  // The iov entries covering stream bytes [offset, offset + length): whole entries only.
+  bool Slice(size_t offset, size_t length, size_t* first, size_t* count) const {
+    auto it = std::lower_bound(iov_offset.begin(), iov_offset.end(), offset);
+    if (it == iov_offset.end() || *it != offset) return false;
+    *first = static_cast<size_t>(it - iov_offset.begin());
+    size_t bytes = 0, i = *first;
+    while (i < iov.size() && bytes < length) bytes += iov[i++].length;
+    *count = i - *first;
+    return bytes == length && *count > 0;
+  }
 
   static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t* param) {
     auto* st = static_cast<State*>(arg);
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     ReplyHeader h;
     if (header_length != sizeof(h)) return UCS_OK;
     std::memcpy(&h, header, sizeof(h));
-    if (h.id != st->waiting_for) return UCS_OK;  // a reply to a request we gave up on
-    st->code = h.code;
-    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-      st->rndv_desc = data;  // received later, outside the callback, into our buffer
-      st->rndv_length = length;
-      st->replied = true;
+    if (h.id != st->waiting_for || st->waiting_for == 0) {  // a gather we gave up on
+      if (!rndv) return UCS_OK;
+      st->stale.push_back(data);
       return UCS_INPROGRESS;
     }
-    st->data.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + length);
     st->replied = true;
+    if (rndv) {
+      st->announced.push_back({data, h.offset, length, h.code != 0});
+      if (h.code != 0) st->code = h.code;
+      return UCS_INPROGRESS;
+    }
+    const auto* p = static_cast<const uint8_t*>(data);
+    if (h.code != 0) {
+      st->code = h.code;
+      st->message.assign(reinterpret_cast<const char*>(p), length);
+      return UCS_OK;
+    }
+    size_t first, count;
+    if (length == 0) return UCS_OK;
+    if (!st->Slice(h.offset, length, &first, &count)) {
+      st->protocol_error = true;
+      return UCS_OK;
+    }
+    for (size_t i = first; i < first + count; ++i) {  // eager: scatter from UCX's buffer
+      std::memcpy(st->iov[i].buffer, p, st->iov[i].length);
+      p += st->iov[i].length;
+    }
+    st->arrived += length;
     return UCS_OK;
+  }
+
+  // Posts the receive of an announced rendezvous piece straight into its destinations.
+  void Post(const Announced& a) {
+    if (a.is_error) {  // an error text sent by rendezvous (not expected, but possible)
+      message.resize(a.length);
+      Receive& r = receives.emplace_back(Receive{this, 0});
+      r.request = RecvData(a.desc, message.data(), a.length, false, &r);
+      return;
+    }
+    size_t first, count;
+    if (!Slice(a.offset, a.length, &first, &count)) {
+      protocol_error = true;
+      ucp_am_data_release(worker, a.desc);
+      return;
+    }
+    Receive& r = receives.emplace_back(Receive{this, a.length});
+    r.request = RecvData(a.desc, iov.data() + first, count, true, &r);
+  }
+  ucs_status_ptr_t RecvData(void* desc, void* buffer, size_t count, bool is_iov, Receive* r) {
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    if (is_iov) {
+      rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+      rp.datatype = ucp_dt_make_iov();
+    }
+    rp.cb.recv_am = [](void*, ucs_status_t status, size_t, void* user) {
+      auto* rec = static_cast<Receive*>(user);
+      rec->done = true;
+      if (status == UCS_OK) rec->st->arrived += rec->length;
+    };
+    rp.user_data = r;
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker, desc, buffer, count, &rp);
+    if (req == nullptr) {  // completed in place
+      r->done = true;
+      arrived += r->length;
+    } else if (UCS_PTR_IS_ERR(req)) {
+      r->done = true;
+      protocol_error = true;
+      return nullptr;
+    }
+    return req;
+  }
+
+  bool ReceivesPending() const {
+    return std::any_of(receives.begin(), receives.end(), [](const Receive& r) { return !r.done; });
+  }
+  void FreeReceives() {
+    for (Receive& r : receives) {
+      if (r.request != nullptr && r.done) ucp_request_free(r.request);
+    }
+    receives.clear();
+  }
+  void ReleaseStale() {
+    for (void* d : stale) ucp_am_data_release(worker, d);
+    stale.clear();
   }
 };
 
@@ -290,6 +566,13 @@ absl::StatusOr<std::unique_ptr<UcxGatherChannel>> UcxGatherChannel::Connect(cons
   hp.arg = &st;
   ucs_status_t s = ucp_worker_set_am_recv_handler(st.worker, &hp);
   if (s != UCS_OK) return UcsError("AM handler", s);
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
+    static_cast<State*>(arg)->broken = true;
+  };
+  ep.err_handler.arg = &st;
   addrinfo hints{}, *res = nullptr;
   hints.ai_family = AF_INET;
   if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
@@ -298,17 +581,10 @@ absl::StatusOr<std::unique_ptr<UcxGatherChannel>> UcxGatherChannel::Connect(cons
   sockaddr_in addr = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
   ::freeaddrinfo(res);
   addr.sin_port = htons(static_cast<uint16_t>(port));
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.field_mask |= UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
   ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
   ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
   ep.sockaddr.addrlen = sizeof(addr);
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
-    static_cast<State*>(arg)->broken = true;
-  };
-  ep.err_handler.arg = &st;
   s = ucp_ep_create(st.worker, &ep, &st.ep);
   if (s != UCS_OK) return UcsError("connect", s);
   return c;
@@ -317,19 +593,13 @@ absl::StatusOr<std::unique_ptr<UcxGatherChannel>> UcxGatherChannel::Connect(cons
 UcxGatherChannel::~UcxGatherChannel() {
   if (state_ == nullptr) return;
   State& st = *state_;
-  if (st.ep != nullptr) {
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(st.ep, &rp);
-    while (r != nullptr && !UCS_PTR_IS_ERR(r) && ucp_request_check_status(r) == UCS_INPROGRESS) {
-      ucp_worker_progress(st.worker);
-    }
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
-  }
+  st.ReleaseStale();
+  if (st.ep != nullptr) CloseEndpoint(st.worker, st.ep);
   if (st.worker != nullptr) ucp_worker_destroy(st.worker);
   if (st.context != nullptr) ucp_cleanup(st.context);
 }
+
+bool UcxGatherChannel::broken() const { return state_->broken; }
 
 absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items,
                                       const std::vector<int64_t>& row_bytes,
@@ -338,75 +608,96 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
   if (st.broken) return absl::UnavailableError("the UCX connection to the KV store broke");
   std::vector<uint8_t> request;
   Put<uint32_t>(request, static_cast<uint32_t>(items.size()));
-  for (const auto& it : items) {
+  st.iov.clear();
+  st.iov_offset.clear();
+  st.total = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto& it = items[i];
     Put<uint64_t>(request, it.seq);
     Put<int32_t>(request, it.layer);
     Put<int64_t>(request, it.count);
     Put<int64_t>(request, static_cast<int64_t>(it.slots.size()));
     const auto* p = reinterpret_cast<const uint8_t*>(it.slots.data());
     request.insert(request.end(), p, p + it.slots.size() * sizeof(int32_t));
+    if (it.count <= 0) continue;
+    const size_t head = static_cast<size_t>(it.count * row_bytes[i]);
+    const size_t heads = it.slots.size() / static_cast<size_t>(it.count);
+    for (size_t g = 0; g < heads; ++g) {  // the stream's unit order: K then V per head
+      st.iov_offset.push_back(st.total);
+      st.iov.push_back({it.k_out + g * head, head});
+      st.iov_offset.push_back(st.total + head);
+      st.iov.push_back({it.v_out + g * head, head});
+      st.total += 2 * head;
+    }
   }
-  RequestHeader header{st.next_id++};
+  // Pieces of a quarter of the reply (64 KiB..1 MiB): small enough to overlap the store's
+  // gathering with the transfer, large enough to keep per-message costs small.
+  const uint64_t piece = std::clamp<uint64_t>(st.total / 4, kMinPiece, 1 << 20);
+  RequestHeader header{st.next_id++, piece};
   st.waiting_for = header.id;
+  st.arrived = 0;
   st.replied = false;
-  st.rndv_desc = nullptr;
+  st.code = 0;
+  st.message.clear();
+  st.protocol_error = false;
+  st.announced.clear();
   const absl::Time deadline = absl::Now() + timeout;
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  // Eager: the store answers from its receive callback, which only sees eager payloads.
+  // Eager: the store reads requests in its receive callback, which only sees eager payloads.
   rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
   ucs_status_ptr_t send = ucp_am_send_nbx(st.ep, kGatherRequest, &header, sizeof(header),
                                           request.data(), request.size(), &rp);
   if (UCS_PTR_IS_ERR(send)) return UcsError("send", UCS_PTR_STATUS(send));
-  auto wait = [&](auto done) -> absl::Status {
-    while (!done()) {
-      if (st.broken) return absl::UnavailableError("the UCX connection to the KV store broke");
-      if (ucp_worker_progress(st.worker) == 0 && absl::Now() > deadline) {
-        return absl::DeadlineExceededError("UCX gather did not finish before its deadline");
-      }
-    }
-    return absl::OkStatus();
+
+  absl::Status status;
+  // An error reply may arrive before pieces already announced: wait for what was posted.
+  auto finished = [&] {
+    const bool sent = send == nullptr || ucp_request_check_status(send) != UCS_INPROGRESS;
+    if (!sent || !st.replied || !st.announced.empty() || st.ReceivesPending()) return false;
+    return st.code != 0 || st.protocol_error || st.arrived == st.total;
   };
-  absl::Status status = wait([&] {
-    return (send == nullptr || ucp_request_check_status(send) != UCS_INPROGRESS) && st.replied;
-  });
-  if (send != nullptr) {
-    if (status.ok() || ucp_request_check_status(send) != UCS_INPROGRESS) ucp_request_free(send);
+  while (!finished()) {
+    if (st.broken) {
+      status = absl::UnavailableError("the UCX connection to the KV store broke");
+      break;
+    }
+    const unsigned progressed = ucp_worker_progress(st.worker);
+    st.ReleaseStale();
+    for (const auto& a : st.announced) st.Post(a);
+    st.announced.clear();
+    if (progressed == 0 && absl::Now() > deadline) {
+      status = absl::DeadlineExceededError("UCX gather did not finish before its deadline");
+      break;
+    }
+  }
+  if (send != nullptr && !UCS_PTR_IS_ERR(send)) {
+    if (ucp_request_check_status(send) == UCS_INPROGRESS) ucp_request_cancel(st.worker, send);
+    while (ucp_request_check_status(send) == UCS_INPROGRESS && !st.broken) {
+      ucp_worker_progress(st.worker);
+    }
+    ucp_request_free(send);
   }
   if (!status.ok()) {
-    st.waiting_for = 0;
-    return status;
-  }
-  if (st.rndv_desc != nullptr) {
-    st.data.resize(st.rndv_length);
-    bool received = false;
-    ucp_request_param_t rr{};
-    rr.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rr.cb.recv_am = [](void*, ucs_status_t, size_t, void* user) {
-      *static_cast<bool*>(user) = true;
-    };
-    rr.user_data = &received;
-    ucs_status_ptr_t r =
-        ucp_am_recv_data_nbx(st.worker, st.rndv_desc, st.data.data(), st.data.size(), &rr);
-    if (UCS_PTR_IS_ERR(r)) return UcsError("receive", UCS_PTR_STATUS(r));
-    if (r != nullptr) {
-      status = wait([&] { return received; });
-      if (!status.ok()) return status;  // the request stays owned by UCX until it completes
-      ucp_request_free(r);
+    // The destinations belong to the caller: cancel what is posted and wait for UCX to let go
+    // of them before returning. A channel whose transfers could not be cancelled is dropped.
+    for (const auto& a : st.announced) st.stale.push_back(a.desc);
+    st.announced.clear();
+    for (auto& r : st.receives) {
+      if (!r.done && r.request != nullptr) ucp_request_cancel(st.worker, r.request);
     }
+    const absl::Time cap = absl::Now() + absl::Seconds(2);
+    while (st.ReceivesPending() && absl::Now() < cap) ucp_worker_progress(st.worker);
+    if (st.ReceivesPending()) st.broken = true;
+    st.ReleaseStale();
   }
+  if (!st.ReceivesPending()) st.FreeReceives();
   st.waiting_for = 0;
-  if (st.code != 0) {
-    return absl::Status(static_cast<absl::StatusCode>(st.code),
-                        std::string(st.data.begin(), st.data.end()));
-  }
-  size_t offset = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const size_t half = items[i].slots.size() * static_cast<size_t>(row_bytes[i]);
-    if (offset + 2 * half > st.data.size()) return absl::InternalError("short UCX gather reply");
-    std::memcpy(items[i].k_out, st.data.data() + offset, half);
-    std::memcpy(items[i].v_out, st.data.data() + offset + half, half);
-    offset += 2 * half;
+  if (!status.ok()) return status;
+  if (st.code != 0) return absl::Status(static_cast<absl::StatusCode>(st.code), st.message);
+  if (st.protocol_error) {
+    st.broken = true;
+    return absl::InternalError("the UCX gather reply did not match the request");
   }
   return absl::OkStatus();
 }

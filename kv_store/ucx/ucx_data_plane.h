@@ -1,8 +1,11 @@
-// The UCX data plane of the KV store: a gather request goes to the store as one UCX active
-// message and the rows of every item come back as one reply message (eager for small replies,
-// rendezvous, i.e. zero-copy RMA under the hood, for large ones) -- never a message per row.
-// Over RDMA where the fabric has it, TCP or shared memory otherwise (UCX picks; tests use
-// UCX_NET_DEVICES=lo). Control calls stay on gRPC.
+// The UCX data plane of the KV store, for workers on other hosts: a gather request goes to the
+// store as one UCX active message and the rows come back as one byte stream in a few pieces of
+// up to 1 MiB (eager for small ones, rendezvous, i.e. zero-copy RMA under the hood, for large
+// ones) that the store gathers while the worker receives the previous one -- never a message per
+// row. The worker receives each piece in place, straight into the item buffers. Connections use
+// peer failure detection, so UCX picks network transports (RDMA where the fabric has it, TCP
+// here; tests use UCX_NET_DEVICES=lo); workers on the store's host use the shm transport.
+// Control calls stay on gRPC.
 #pragma once
 
 #include <atomic>
@@ -34,14 +37,17 @@ class UcxGatherServer {
 };
 
 // Worker side: one endpoint to one store; Gather blocks the calling thread (the client queue)
-// until the reply lands in the items' buffers or the deadline passes.
+// until the reply is in the items' buffers or the deadline passes.
 class UcxGatherChannel {
  public:
   static absl::StatusOr<std::unique_ptr<UcxGatherChannel>> Connect(const std::string& host,
                                                                    int port);
   ~UcxGatherChannel();
+  // Rows land in the items' buffers; on an error none of them is written after the return.
   absl::Status Gather(const std::vector<ClientGatherItem>& items,
                       const std::vector<int64_t>& row_bytes, absl::Duration timeout);
+  // The connection failed (peer gone, or a transfer that could not be cancelled): reconnect.
+  bool broken() const;
 
  private:
   UcxGatherChannel() = default;

@@ -1,8 +1,11 @@
 // The KV store as a real process: a killed store fails calls fast with UNAVAILABLE and a restarted
 // one is reconnected to; a worker that stops renewing loses its sequences when the lease ends;
 // a client abandoning a large gather mid-transfer harms nothing; SIGTERM drains and exits 0.
+// Fault tests run over the gRPC data path and, where built, the UCX one.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "kv_store/client/kv_store_client.h"
@@ -14,21 +17,40 @@ namespace {
 using testing::FreePort;
 using testing::ServerProcess;
 
-std::vector<std::string> StoreArgs(int port, int lease_s = 30) {
+using Transport = KvClientConfig::Transport;
+
+// ucx_port 0: no UCX data plane.
+std::vector<std::string> StoreArgs(int port, int lease_s = 30, int ucx_port = 0) {
+  setenv("UCX_NET_DEVICES", "lo", 0);  // loopback only, as a test must (inherited by the store)
   return {"--listen=127.0.0.1:" + std::to_string(port), "--capacity_mb=64",
-          "--lease_seconds=" + std::to_string(lease_s), "--huge_pages=false"};
+          "--lease_seconds=" + std::to_string(lease_s), "--huge_pages=false",
+          "--ucx_port=" + std::to_string(ucx_port)};
 }
 
 std::unique_ptr<KvStoreClient> Client(int port, const std::string& owner,
-                                      absl::Duration renew = absl::ZeroDuration()) {
+                                      absl::Duration renew = absl::ZeroDuration(),
+                                      Transport transport = Transport::kGrpc,
+                                      absl::Duration timeout = absl::Seconds(1)) {
   KvClientConfig c;
-  c.transport = KvClientConfig::Transport::kGrpc;
+  c.transport = transport;
   c.address = "127.0.0.1:" + std::to_string(port);
   c.owner = owner;
-  c.call_timeout = absl::Seconds(1);
+  c.call_timeout = timeout;
   c.renew_every = renew;
-  return std::move(*MakeKvStoreClient(c));
+  auto client = MakeKvStoreClient(c);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
 }
+
+class KvStoreFaults : public ::testing::TestWithParam<Transport> {
+ protected:
+  // The store's arguments for this transport (a UCX port when the data plane is UCX).
+  std::vector<std::string> Args(int port) {
+    if (ucx_port_ == 0 && GetParam() == Transport::kUcx) ucx_port_ = FreePort();
+    return StoreArgs(port, 30, ucx_port_);
+  }
+  int ucx_port_ = 0;
+};
 
 SequenceSpec Spec() {
   SequenceSpec s;
@@ -47,11 +69,12 @@ absl::Status GatherOne(KvStoreClient& c, StoreSequenceId seq) {
   return t->Wait(absl::Now() + absl::Seconds(10));
 }
 
-TEST(KvStoreProcess, KilledStoreFailsFastAndRestartedStoreIsReconnected) {
+TEST_P(KvStoreFaults, KilledStoreFailsFastAndRestartedStoreIsReconnected) {
   const int port = FreePort();
-  auto store = std::make_unique<ServerProcess>("infinigen-kvstore", StoreArgs(port), port);
+  auto store = std::make_unique<ServerProcess>("infinigen-kvstore", Args(port), port);
   ASSERT_TRUE(store->running());
-  auto client = Client(port, "w1");
+  auto client = Client(port, "w1", absl::ZeroDuration(), GetParam());
+  ASSERT_NE(client, nullptr);
   ASSERT_TRUE(client->Open(1, Spec()).ok());
   client->AppendAsync(1, 0, 0, 4, Rows(4), Rows(4));
   ASSERT_TRUE(GatherOne(*client, 1).ok());
@@ -63,7 +86,7 @@ TEST(KvStoreProcess, KilledStoreFailsFastAndRestartedStoreIsReconnected) {
   EXPECT_EQ(down.code(), absl::StatusCode::kUnavailable) << down;
   EXPECT_LT(took, absl::Seconds(2));
 
-  store = std::make_unique<ServerProcess>("infinigen-kvstore", StoreArgs(port), port);
+  store = std::make_unique<ServerProcess>("infinigen-kvstore", Args(port), port);
   ASSERT_TRUE(store->running());
   absl::Status reopened = absl::UnavailableError("not tried");
   for (int i = 0; i < 50 && !reopened.ok(); ++i) {
@@ -71,8 +94,10 @@ TEST(KvStoreProcess, KilledStoreFailsFastAndRestartedStoreIsReconnected) {
     if (!reopened.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_TRUE(reopened.ok()) << reopened;
-  // The old store's sequences died with it.
+  // The old store's sequences died with it; the new one serves the data path again.
   EXPECT_EQ(GatherOne(*client, 1).code(), absl::StatusCode::kNotFound);
+  client->AppendAsync(2, 0, 0, 4, Rows(4), Rows(4));
+  EXPECT_TRUE(GatherOne(*client, 2).ok());
 }
 
 TEST(KvStoreProcess, SequencesOfAWorkerThatStopsRenewingAreFreed) {
@@ -99,23 +124,24 @@ TEST(KvStoreProcess, SequencesOfAWorkerThatStopsRenewingAreFreed) {
   EXPECT_TRUE(GatherOne(*alive, 10).code() != absl::StatusCode::kNotFound);
 }
 
-TEST(KvStoreProcess, AbandonedTransfersDoNotHurtTheStore) {
+TEST_P(KvStoreFaults, AbandonedTransfersDoNotHurtTheStore) {
   const int port = FreePort();
-  ServerProcess store("infinigen-kvstore", StoreArgs(port), port);
+  ServerProcess store("infinigen-kvstore", Args(port), port);
   ASSERT_TRUE(store.running());
+  auto patient = Client(port, "patient", absl::ZeroDuration(), GetParam());
+  ASSERT_NE(patient, nullptr);
+  ASSERT_TRUE(patient->Open(5, Spec()).ok());
+  std::vector<uint8_t> rows(4096 * 2 * 256);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<uint8_t>(i * 7 + i / 256);
+  patient->AppendAsync(5, 0, 0, 4096, rows, rows);
+  ASSERT_TRUE(patient->Flush(absl::Now() + absl::Seconds(10)).ok());
+  std::vector<int32_t> slots(2 * 4096);
+  for (int i = 0; i < 8192; ++i) slots[i] = i % 4096;
   {
-    KvClientConfig c;
-    c.transport = KvClientConfig::Transport::kGrpc;
-    c.address = "127.0.0.1:" + std::to_string(port);
-    c.call_timeout = absl::Milliseconds(1);  // every large call is cut off mid-flight
-    c.renew_every = absl::ZeroDuration();
-    auto impatient = std::move(*MakeKvStoreClient(c));
-    auto patient = Client(port, "patient");
-    ASSERT_TRUE(patient->Open(5, Spec()).ok());
-    patient->AppendAsync(5, 0, 0, 4096, Rows(4096), Rows(4096));
-    ASSERT_TRUE(patient->Flush(absl::Now() + absl::Seconds(10)).ok());
-    std::vector<int32_t> slots(2 * 4096);
-    for (int i = 0; i < 8192; ++i) slots[i] = i % 4096;
+    // Every large call is cut off mid-flight (4 MiB per gather, 1 ms to do it).
+    auto impatient =
+        Client(port, "impatient", absl::ZeroDuration(), GetParam(), absl::Milliseconds(1));
+    ASSERT_NE(impatient, nullptr);
     std::vector<uint8_t> k(slots.size() * 256), v(k.size());
     for (int i = 0; i < 20; ++i) {
       auto t = impatient->GatherAsync({{5, 0, 4096, slots, k.data(), v.data()}});
@@ -126,7 +152,29 @@ TEST(KvStoreProcess, AbandonedTransfersDoNotHurtTheStore) {
   auto stats = client->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->sequences, 1);
+  // The patient client still gets every byte right over the same data path.
+  std::vector<uint8_t> k(slots.size() * 256), v(k.size());
+  auto t = patient->GatherAsync({{5, 0, 4096, slots, k.data(), v.data()}});
+  ASSERT_TRUE(t->Wait(absl::Now() + absl::Seconds(10)).ok());
+  for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < 4096; ++r) {
+      const uint8_t* want = rows.data() + (static_cast<size_t>(r) * 2 + h) * 256;
+      ASSERT_EQ(std::memcmp(k.data() + (static_cast<size_t>(h) * 4096 + r) * 256, want, 256), 0)
+          << "head " << h << " row " << r;
+    }
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(DataPaths, KvStoreFaults,
+                         ::testing::Values(Transport::kGrpc
+#if INFINIGEN_HAVE_UCX
+                                           ,
+                                           Transport::kUcx
+#endif
+                                           ),
+                         [](const auto& info) {
+                           return std::string(info.param == Transport::kUcx ? "Ucx" : "Grpc");
+                         });
 
 TEST(KvStoreProcess, SigtermDrainsAndExitsCleanly) {
   const int port = FreePort();

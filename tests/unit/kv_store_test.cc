@@ -1,13 +1,13 @@
 // The KV store library: rows in, the same rows out by index; errors for bad requests; a full
 // store refuses without touching anyone's data; the KV pool evicts by its policy; leases free
 // the sequences of owners that stopped renewing; concurrent use.
+#include "kv_store/kv_store.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <random>
 #include <thread>
-
-#include "kv_store/kv_store.h"
 
 namespace infinigen {
 namespace {
@@ -119,6 +119,30 @@ TEST(KvStore, OneGatherServesManySequences) {
               Expected(s, 0, 0, 0, seq));
   }
   EXPECT_EQ(store->Stats().gathers, 1);
+}
+
+TEST(KvStore, AHeadRangeGathersThoseHeadsOnly) {
+  auto store = MakeStore();
+  const SequenceSpec s = Spec(1, 3, 24);
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 30);
+  const std::vector<int32_t> slots = {4, 29, 0, 11};  // heads 1 and 2, two rows each
+  std::vector<uint8_t> k(4 * s.row_bytes()), v(k.size());
+  GatherItem item{1, 0, 2, slots, k.data(), v.data(), /*head_begin=*/1, /*heads=*/2};
+  ASSERT_TRUE(store->Gather({&item, 1}).ok());
+  for (int g = 0; g < 2; ++g) {
+    for (int j = 0; j < 2; ++j) {
+      const size_t off = (g * 2 + j) * s.row_bytes();
+      EXPECT_EQ(std::vector<uint8_t>(k.begin() + off, k.begin() + off + s.row_bytes()),
+                Expected(s, slots[g * 2 + j], 1 + g, 0));
+      EXPECT_EQ(std::vector<uint8_t>(v.begin() + off, v.begin() + off + s.row_bytes()),
+                Expected(s, slots[g * 2 + j], 1 + g, 1));
+    }
+  }
+  item.head_begin = 2;  // heads [2, 4) of 3
+  const absl::Status st = store->Gather({&item, 1});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("KV heads [2, 4)"), std::string::npos) << st;
 }
 
 TEST(KvStore, BadRequestsAreRefusedWithTheReason) {
@@ -239,7 +263,8 @@ TEST(KvStore, ConcurrentAppendsAndGathers) {
         std::vector<uint8_t> ko(2 * s.row_bytes()), vo(2 * s.row_bytes());
         GatherItem item{seq, 0, 1, slots, ko.data(), vo.data()};
         if (!store->Gather({&item, 1}).ok()) ++failures;
-        if (std::vector<uint8_t>(ko.begin(), ko.begin() + s.row_bytes()) != Expected(s, t, 0, 0, w)) {
+        if (std::vector<uint8_t>(ko.begin(), ko.begin() + s.row_bytes()) !=
+            Expected(s, t, 0, 0, w)) {
           ++failures;
         }
       }
