@@ -198,10 +198,25 @@ int RunEval(int argc, char** argv) {
                           {"eval_tokens", eval_tokens},
                           {"windows", windows},
                           {"dense_layers", dense_layers},
+                          {"generate_tokens", generate},
+                          {"passkey_depths", *depth_list},
+                          {"speculation", speculation},
+                          {"sink_tokens", sink},
+                          {"recent_tokens", recent},
+                          {"kv_pool", kv_pool},
                           {"method",
                            "each window prefilled densely up to its last eval_tokens "
                            "tokens, which are decoded one at a time with the policy"},
                           {"results", rows}};
+    if (sidecar != nullptr) {
+      doc["sidecar"] = {
+          {"path", sidecar_path.empty() ? DefaultSidecarPath(model_path) : sidecar_path},
+          {"ratio", sidecar->ratio},
+          {"partial_dim", sidecar->partial_dim},
+          {"skewed", sidecar->skewed},
+          {"channel_rule", sidecar->channel_rule},
+          {"calibration_tokens", sidecar->calibration_tokens}};
+    }
     std::ofstream(json_out) << doc.dump(2) << "\n";
   }
   return 0;

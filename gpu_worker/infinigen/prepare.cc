@@ -119,6 +119,7 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
   s.ratio = ratio;
   s.partial_dim = static_cast<int>(std::ceil(ratio * c.head_dim - 1e-6));
   s.skewed = options.skew;
+  s.channel_rule = options.channel_rule == ChannelRule::kProduct ? "product" : "sum";
   s.model_fingerprint = ModelFingerprint(checkpoint);
   s.calibration_hash = Fnv1aHex(calibration.data(), calibration.size() * sizeof(int32_t));
   s.calibration_tokens = static_cast<int64_t>(calibration.size());

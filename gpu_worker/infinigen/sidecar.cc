@@ -73,6 +73,7 @@ absl::Status WriteSidecar(const InfinigenSidecar& s, const std::string& path) {
       {"ratio", absl::StrCat(s.ratio)},
       {"partial_dim", absl::StrCat(s.partial_dim)},
       {"skewed", s.skewed ? "true" : "false"},
+      {"channel_rule", s.channel_rule},
       {"model_fingerprint", s.model_fingerprint},
       {"calibration_hash", s.calibration_hash},
       {"calibration_tokens", absl::StrCat(s.calibration_tokens)},
@@ -120,6 +121,7 @@ absl::StatusOr<InfinigenSidecar> ReadSidecar(const std::string& path, const Chec
     return bad("malformed metadata");
   }
   s.skewed = meta["skewed"] == "true";
+  s.channel_rule = meta["channel_rule"];  // absent in sidecars written before it was recorded
   s.model_fingerprint = fingerprint;
   s.calibration_hash = meta["calibration_hash"];
   if (s.num_layers != c.num_layers || s.num_kv_heads != c.num_kv_heads ||
@@ -143,7 +145,8 @@ absl::StatusOr<InfinigenSidecar> ReadSidecar(const std::string& path, const Chec
     s.skew.push_back(std::move(a));
     std::vector<int32_t> idx;
     for (float f : channels) {
-      if (!(f >= 0 && f < s.head_dim)) return bad(absl::StrCat("layer ", l, " channel out of range"));
+      if (!(f >= 0 && f < s.head_dim))
+        return bad(absl::StrCat("layer ", l, " channel out of range"));
       idx.push_back(static_cast<int32_t>(f));
     }
     s.channels.push_back(std::move(idx));

@@ -15,9 +15,10 @@ namespace infinigen {
 struct InfinigenSidecar {
   static constexpr int kFormatVersion = 1;
 
-  float ratio = 0.2f;     // partial ratio r
-  int partial_dim = 0;    // d' = ceil(r * d)
-  bool skewed = true;     // false: A = I (the paper's "no skewing" ablation)
+  float ratio = 0.2f;        // partial ratio r
+  int partial_dim = 0;       // d' = ceil(r * d)
+  bool skewed = true;        // false: A = I (the paper's "no skewing" ablation)
+  std::string channel_rule;  // how the partial channels were ranked ("sum", "product"; "" unknown)
   std::string model_fingerprint;
   std::string calibration_hash;
   int64_t calibration_tokens = 0;

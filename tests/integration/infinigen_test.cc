@@ -89,6 +89,8 @@ TEST_P(Fixture, SidecarRoundTripsAndRefusesOtherModels) {
   EXPECT_EQ(back->skew, s.skew);
   EXPECT_EQ(back->channels, s.channels);
   EXPECT_EQ(back->calibration_hash, s.calibration_hash);
+  EXPECT_EQ(back->channel_rule, "product");  // the default
+  EXPECT_EQ(back->skewed, s.skewed);
   // Another model's checkpoint: a clear refusal.
   Loaded other = LoadModel(
       testing::FixturePath(GetParam() == "llama32_tied" ? "hf/llama2_mha" : "hf/llama32_tied"));
