@@ -102,6 +102,9 @@ class Backend {
   virtual DType activation_dtype() const = 0;
   // Bytes of device memory still free for caches and workspaces.
   virtual size_t FreeMemory() const = 0;
+  // Whether buffers from Allocate() are ordinary host memory that other host code (a KV store
+  // transport) may write directly.
+  virtual bool host_accessible() const { return false; }
 
   virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) = 0;
   virtual absl::Status CopyToDevice(const void* host, void* device, size_t bytes) = 0;

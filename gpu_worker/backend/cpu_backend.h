@@ -21,6 +21,7 @@ class CpuBackend final : public Backend {
   std::string Name() const override;
   DType activation_dtype() const override { return DType::kF32; }
   size_t FreeMemory() const override;
+  bool host_accessible() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;

@@ -60,6 +60,28 @@ class KvCache {
   // A decode step at `layer` read these slots (host, [num_kv_heads, count]). Caches that evict
   // keep fetch counts and recency from it; others ignore it.
   virtual void RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {}
+
+  // Whether Read() is cheap because the rows already live in backend memory. A cache that is
+  // not resident (the KV store, in host RAM of another process) is read by decode steps that
+  // select rows through Prefetch + Fetch, so that only the selected rows move.
+  virtual bool resident() const { return true; }
+  // Valid slots of `layer` without reading them.
+  virtual absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) {
+    auto kv = Read(seq, layer);
+    if (!kv.ok()) return kv.status();
+    return kv->num_slots;
+  }
+  // Starts reading `count` slots per KV head of `layer` (host, [num_kv_heads, count], each
+  // head's list in the order attention will see them). At most one prefetch per sequence is
+  // outstanding; Fetch() returns it.
+  virtual absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {
+    return absl::UnimplementedError("this KV cache reads rows in place; it does not prefetch");
+  }
+  // The rows of the last Prefetch of `seq` at `layer`, packed: row j of KV head g is the j-th
+  // slot of g's list. Valid until the next Prefetch or Close of `seq`.
+  virtual absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) {
+    return absl::UnimplementedError("this KV cache reads rows in place; it does not fetch");
+  }
 };
 
 }  // namespace infinigen

@@ -67,6 +67,9 @@ class KvSelectionPolicy {
   virtual SpeculationInput speculation_input() const { return SpeculationInput::kNone; }
   // Whether the model should report attention probabilities of decode steps (H2O).
   virtual bool wants_attention_weights() const { return false; }
+  // Whether the policy reads stored K rows itself (H2O's prefill scores, the oracle's exact
+  // scores), so it cannot run over a cache that is not resident (the KV store).
+  virtual bool needs_resident_kv() const { return false; }
 
   // Every K row the model stores, prefill and decode, in order.
   virtual absl::Status OnKeys(const LayerKeys& keys) { return absl::OkStatus(); }

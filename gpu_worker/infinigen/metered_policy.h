@@ -32,6 +32,7 @@ class MeteredPolicy final : public KvSelectionPolicy {
   std::string Name() const override { return inner_.Name(); }
   SpeculationInput speculation_input() const override { return inner_.speculation_input(); }
   bool wants_attention_weights() const override { return inner_.wants_attention_weights(); }
+  bool needs_resident_kv() const override { return true; }  // the recall reads every row
   absl::Status OnKeys(const LayerKeys& keys) override { return inner_.OnKeys(keys); }
   absl::Status Select(const SelectRequest& request, Selection& out) override;
   void OnAttentionWeights(SequenceId seq, int layer, const Selection& selection,

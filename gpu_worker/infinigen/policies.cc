@@ -90,6 +90,7 @@ class H2oPolicy final : public PositionalPolicy {
   using PositionalPolicy::PositionalPolicy;
   std::string Name() const override { return "h2o"; }
   bool wants_attention_weights() const override { return true; }
+  bool needs_resident_kv() const override { return true; }
 
   absl::Status OnKeys(const LayerKeys& keys) override {
     IG_RETURN_IF_ERROR(PositionalPolicy::OnKeys(keys));
@@ -207,6 +208,7 @@ class H2oPolicy final : public PositionalPolicy {
 // The upper bound: the exact top-k rows by true attention mass (summed over a group's heads).
 class OraclePolicy final : public PositionalPolicy {
  public:
+  bool needs_resident_kv() const override { return true; }
   using PositionalPolicy::PositionalPolicy;
   std::string Name() const override { return "oracle"; }
   absl::Status Select(const SelectRequest& r, Selection& out) override {

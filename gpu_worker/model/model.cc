@@ -130,10 +130,10 @@ absl::Status Model::Speculate(std::span<const ForwardChunk> batch, int layer, in
     IG_RETURN_IF_ERROR(
         backend_.Linear(spec_in, L.qkv, L.qkv_bias ? &L.qkv_bias : nullptr, spec_qkv, false));
     if (c.architecture == Architecture::kLlama) {
-      IG_RETURN_IF_ERROR(backend_.Rope(
-          spec_qkv.Cols(0, c.q_dim()), c.num_heads, c.head_dim, c.rope.rotary_dim,
-          static_cast<const int32_t*>(ws_.positions->data()),
-          static_cast<const float*>(weights_.rope_inv_freq->data()), c.rope.layout));
+      IG_RETURN_IF_ERROR(
+          backend_.Rope(spec_qkv.Cols(0, c.q_dim()), c.num_heads, c.head_dim, c.rope.rotary_dim,
+                        static_cast<const int32_t*>(ws_.positions->data()),
+                        static_cast<const float*>(weights_.rope_inv_freq->data()), c.rope.layout));
     }
   }
   IG_RETURN_IF_ERROR(backend_.Copy(attention_input, h_prev));
@@ -155,86 +155,159 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     IG_RETURN_IF_ERROR(backend_.Rope(k, c.num_kv_heads, c.head_dim, c.rope.rotary_dim, positions,
                                      inv_freq, c.rope.layout));
   }
+  const int64_t kv_heads = c.num_kv_heads;
+  host_slots_.resize(static_cast<size_t>(n * kv_heads));
+  selections_.resize(batch.size());
+  MatView spec_q = Activations(*ws_.spec_qkv, n, c.q_dim() + 2 * c.kv_dim()).Cols(0, c.q_dim());
+  const bool resident = cache.resident();
+
+  // Pass 1: store every chunk's K/V, let the policies see the keys, and choose the rows of each
+  // decode token. A cache that is not resident starts fetching those rows here, so that the
+  // fetches of later sequences overlap the attention of earlier ones in pass 2.
+  int64_t row = 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    KvSelectionPolicy* policy = chunk.policy;
+    int32_t* slots = host_slots_.data() + row * kv_heads;
+    Selection& selection = selections_[b];
+    selection.all = true;
+    if (policy != nullptr && !resident && policy->needs_resident_kv()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "policy ", policy->Name(), " reads stored K rows itself and needs a resident KV cache"));
+    }
+    IG_RETURN_IF_ERROR(
+        cache.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len), slots));
+    if (policy != nullptr) {
+      KvLayerView kv;
+      if (resident) {
+        IG_ASSIGN_OR_RETURN(kv, cache.Read(chunk.seq, layer));
+      } else {
+        IG_ASSIGN_OR_RETURN(kv.num_slots, cache.NumSlots(chunk.seq, layer));
+      }
+      LayerKeys keys{chunk.seq,
+                     layer,
+                     chunk.start,
+                     len,
+                     k.Rows(row, len).As<const float>(),
+                     k.stride,
+                     q.Rows(row, len).As<const float>(),
+                     q.stride,
+                     slots,
+                     kv};
+      IG_RETURN_IF_ERROR(policy->OnKeys(keys));
+      if (len == 1) {
+        SelectRequest request;
+        request.seq = chunk.seq;
+        request.layer = layer;
+        request.position = chunk.start;
+        request.current_slots = slots;
+        request.kv = kv;
+        request.q = q.Rows(row, 1).As<const float>();
+        if (speculating_ && layer > 0 && policy->speculation_input() != SpeculationInput::kNone) {
+          request.speculated_q = spec_q.Rows(row, 1).As<const float>();
+        }
+        IG_RETURN_IF_ERROR(policy->Select(request, selection));
+        if (!selection.all &&
+            (selection.count <= 0 ||
+             static_cast<int64_t>(selection.indices.size()) != selection.count * kv_heads)) {
+          return absl::InternalError(
+              absl::StrCat("policy ", policy->Name(), " returned a malformed selection"));
+        }
+      }
+    }
+    if (len == 1 && !resident) {
+      if (selection.all) {  // dense: every stored row
+        IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, layer));
+        all_slots_.resize(static_cast<size_t>(kv_heads * stored));
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          for (int64_t j = 0; j < stored; ++j) all_slots_[g * stored + j] = static_cast<int32_t>(j);
+        }
+        IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, layer, all_slots_.data(), stored));
+      } else {
+        IG_RETURN_IF_ERROR(
+            cache.Prefetch(chunk.seq, layer, selection.indices.data(), selection.count));
+      }
+    }
+    row += len;
+  }
+
+  // Pass 2: attention of every chunk over its rows.
   const AttentionShape shape{static_cast<int>(c.num_heads), static_cast<int>(c.num_kv_heads),
                              static_cast<int>(c.head_dim),
                              1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   MatView out = Activations(*ws_.attn, n, c.q_dim());
-  const int64_t kv_heads = c.num_kv_heads;
-  host_slots_.resize(static_cast<size_t>(n * kv_heads));
-  MatView spec_q = Activations(*ws_.spec_qkv, n, c.q_dim() + 2 * c.kv_dim()).Cols(0, c.q_dim());
-  int64_t row = 0;
-  for (const ForwardChunk& chunk : batch) {
+  row = 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
-    KvSelectionPolicy* policy = chunk.policy;
-    int32_t* slots = host_slots_.data() + row * kv_heads;
-    IG_RETURN_IF_ERROR(cache.Append(chunk.seq, layer, chunk.start, k.Rows(row, len),
-                                    v.Rows(row, len), slots));
-    IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Read(chunk.seq, layer));
-    if (policy != nullptr) {
-      LayerKeys keys{chunk.seq,           layer,        chunk.start,
-                     len,                 k.Rows(row, len).As<const float>(),
-                     k.stride,            q.Rows(row, len).As<const float>(),
-                     q.stride,            slots,        kv};
-      IG_RETURN_IF_ERROR(policy->OnKeys(keys));
+    const Selection& selection = selections_[b];
+    if (len > 1 && chunk.start == 0 && !resident) {
+      // A whole prompt in one chunk: its K/V are the activations; no need to read them back.
+      const KvView kk{k.data, k.dtype, c.head_dim, k.stride};
+      const KvView vv{v.data, v.dtype, c.head_dim, v.stride};
+      IG_RETURN_IF_ERROR(
+          backend_.AttentionCausal(q.Rows(row, len), kk, vv, 0, shape, out.Rows(row, len)));
+      row += len;
+      continue;
     }
-    if (len > 1 || policy == nullptr) {
-      if (len > 1 && kv.num_slots != chunk.start + len) {
+    if (len > 1) {
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Read(chunk.seq, layer));
+      if (kv.num_slots != chunk.start + len) {
         return absl::FailedPreconditionError(absl::StrCat(
             "prefill of sequence ", chunk.seq, " needs all its ", chunk.start + len,
             " tokens in the KV cache, which holds ", kv.num_slots, " (capacity too small)"));
       }
-      if (len == 1) {
-        IG_RETURN_IF_ERROR(backend_.AttentionDecode(q.Rows(row, 1), kv.k, kv.v, nullptr,
-                                                    kv.num_slots, shape, out.Rows(row, 1)));
-      } else {
-        IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start,
-                                                    shape, out.Rows(row, len)));
+      IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start, shape,
+                                                  out.Rows(row, len)));
+    } else if (!resident) {
+      // The prefetched rows (all of them, or the selection), packed in the selection's order.
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Fetch(chunk.seq, layer));
+      if (!selection.all) {
+        cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);
       }
-      row += len;
-      continue;
-    }
-    // A decode token with a selection policy.
-    SelectRequest request;
-    request.seq = chunk.seq;
-    request.layer = layer;
-    request.position = chunk.start;
-    request.current_slots = slots;
-    request.kv = kv;
-    request.q = q.Rows(row, 1).As<const float>();
-    if (speculating_ && layer > 0 &&
-        policy->speculation_input() != SpeculationInput::kNone) {
-      request.speculated_q = spec_q.Rows(row, 1).As<const float>();
-    }
-    Selection selection;
-    IG_RETURN_IF_ERROR(policy->Select(request, selection));
-    const int32_t* indices = nullptr;
-    int64_t rows = kv.num_slots;
-    if (!selection.all) {
-      rows = selection.count;
-      if (rows <= 0 || static_cast<int64_t>(selection.indices.size()) != rows * kv_heads) {
-        return absl::InternalError(absl::StrCat("policy ", policy->Name(),
-                                                " returned a malformed selection"));
-      }
+      IG_RETURN_IF_ERROR(AttentionStep(chunk, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
+                                       selection, out.Rows(row, 1)));
+    } else if (selection.all) {
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Read(chunk.seq, layer));
+      IG_RETURN_IF_ERROR(AttentionStep(chunk, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
+                                       selection, out.Rows(row, 1)));
+    } else {
+      const int64_t rows = selection.count;
+      cache.RecordFetch(chunk.seq, layer, selection.indices.data(), rows);
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Read(chunk.seq, layer));
       const size_t bytes = selection.indices.size() * sizeof(int32_t);
       IG_RETURN_IF_ERROR(EnsureBuffer(ws_.indices, bytes));
-      IG_RETURN_IF_ERROR(backend_.CopyToDevice(selection.indices.data(), ws_.indices->data(), bytes));
-      indices = static_cast<const int32_t*>(ws_.indices->data());
-      cache.RecordFetch(chunk.seq, layer, selection.indices.data(), rows);
-    }
-    float* weights = nullptr;
-    if (policy->wants_attention_weights()) {
-      IG_RETURN_IF_ERROR(EnsureBuffer(ws_.weights, c.num_heads * rows * sizeof(float)));
-      weights = static_cast<float*>(ws_.weights->data());
-    }
-    IG_RETURN_IF_ERROR(backend_.AttentionDecode(q.Rows(row, 1), kv.k, kv.v, indices, rows, shape,
-                                                out.Rows(row, 1), weights));
-    if (weights != nullptr) {
-      host_weights_.resize(static_cast<size_t>(c.num_heads * rows));
-      IG_RETURN_IF_ERROR(backend_.CopyToHost(weights, host_weights_.data(),
-                                             host_weights_.size() * sizeof(float)));
-      policy->OnAttentionWeights(chunk.seq, layer, selection, host_weights_.data(), rows);
+      IG_RETURN_IF_ERROR(
+          backend_.CopyToDevice(selection.indices.data(), ws_.indices->data(), bytes));
+      IG_RETURN_IF_ERROR(AttentionStep(chunk, layer, q.Rows(row, 1), kv,
+                                       static_cast<const int32_t*>(ws_.indices->data()), rows,
+                                       selection, out.Rows(row, 1)));
     }
     row += len;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::AttentionStep(const ForwardChunk& chunk, int layer, MatView q,
+                                  const KvLayerView& kv, const int32_t* indices, int64_t rows,
+                                  const Selection& selection, MatView out) {
+  const ModelConfig& c = config_;
+  const AttentionShape shape{static_cast<int>(c.num_heads), static_cast<int>(c.num_kv_heads),
+                             static_cast<int>(c.head_dim),
+                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  KvSelectionPolicy* policy = chunk.policy;
+  float* weights = nullptr;
+  if (policy != nullptr && policy->wants_attention_weights()) {
+    IG_RETURN_IF_ERROR(EnsureBuffer(ws_.weights, c.num_heads * rows * sizeof(float)));
+    weights = static_cast<float*>(ws_.weights->data());
+  }
+  IG_RETURN_IF_ERROR(backend_.AttentionDecode(q, kv.k, kv.v, indices, rows, shape, out, weights));
+  if (weights != nullptr) {
+    host_weights_.resize(static_cast<size_t>(c.num_heads * rows));
+    IG_RETURN_IF_ERROR(
+        backend_.CopyToHost(weights, host_weights_.data(), host_weights_.size() * sizeof(float)));
+    policy->OnAttentionWeights(chunk.seq, layer, selection, host_weights_.data(), rows);
   }
   return absl::OkStatus();
 }
@@ -346,8 +419,7 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
 
   IG_RETURN_IF_ERROR(Embed(n));
   speculating_ = std::any_of(batch.begin(), batch.end(), [](const ForwardChunk& chunk) {
-    return chunk.policy != nullptr &&
-           chunk.policy->speculation_input() != SpeculationInput::kNone;
+    return chunk.policy != nullptr && chunk.policy->speculation_input() != SpeculationInput::kNone;
   });
   MatView x = Activations(*ws_.x, n, c.hidden_size);
   MatView h = Activations(*ws_.h, n, c.hidden_size);

@@ -73,6 +73,11 @@ class Model {
   absl::Status Norm(MatView x, const Weight& w, const Weight& b, MatView out);
   absl::Status Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
                          int64_t num_tokens);
+  // One decode token's attention over `rows` rows of `kv` (listed by device `indices`, or the
+  // first `rows` when null); hands the attention weights to policies that want them.
+  absl::Status AttentionStep(const ForwardChunk& chunk, int layer, MatView q, const KvLayerView& kv,
+                             const int32_t* indices, int64_t rows, const Selection& selection,
+                             MatView out);
   absl::Status Mlp(const LayerWeights& L, int64_t num_tokens);
   absl::Status Logits(std::span<const ForwardChunk> batch, int64_t num_tokens,
                       std::span<float> out);
@@ -84,7 +89,9 @@ class Model {
   std::vector<int32_t> host_ids_, host_positions_;
   std::vector<int32_t> host_slots_;  // [tokens, num_kv_heads] slots from the last Append
   std::vector<float> host_weights_;
-  bool speculating_ = false;         // some chunk of the current batch speculates
+  std::vector<Selection> selections_;  // per chunk of the current batch, at the current layer
+  std::vector<int32_t> all_slots_;     // every slot, for dense reads of a non-resident cache
+  bool speculating_ = false;           // some chunk of the current batch speculates
 };
 
 }  // namespace infinigen

@@ -1,0 +1,211 @@
+#include "gpu_worker/engine/store_kv_cache.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace infinigen {
+
+StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreClient& client,
+                           const StoreKvCacheOptions& options)
+    : backend_(backend),
+      shape_(shape),
+      client_(client),
+      options_(options),
+      host_access_(backend.host_accessible()) {}
+
+StoreKvCache::~StoreKvCache() {
+  std::vector<SequenceId> open;
+  for (const auto& [seq, s] : sequences_) open.push_back(seq);
+  for (SequenceId seq : open) Close(seq);
+}
+
+size_t StoreKvCache::RowBytes() const {
+  return static_cast<size_t>(shape_.head_dim) * DTypeSize(shape_.dtype);
+}
+
+absl::StatusOr<StoreKvCache::Sequence*> StoreKvCache::Find(SequenceId seq) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  return &it->second;
+}
+
+absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
+  if (sequences_.contains(seq)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
+  }
+  SequenceSpec spec;
+  spec.num_layers = shape_.num_layers;
+  spec.num_kv_heads = shape_.num_kv_heads;
+  spec.head_dim = shape_.head_dim;
+  spec.dtype = shape_.dtype;
+  spec.owner = options_.owner;
+  IG_RETURN_IF_ERROR(client_.Open(StoreId(seq), spec));
+  Sequence& s = sequences_[seq];
+  s.length.assign(shape_.num_layers, 0);
+  return absl::OkStatus();
+}
+
+void StoreKvCache::DropTicket(Sequence& s) {
+  s.ticket.reset();  // waits for the transfer: it writes into our staging buffers
+  s.ticket_layer = -1;
+}
+
+void StoreKvCache::Close(SequenceId seq) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return;
+  DropTicket(it->second);
+  sequences_.erase(it);
+  // Failures are the store's to clean up: the lease frees what a Close could not.
+  client_.Close(StoreId(seq)).IgnoreError();
+}
+
+absl::StatusOr<int64_t> StoreKvCache::Length(SequenceId seq) const {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  return it->second.length.back();
+}
+
+absl::StatusOr<int64_t> StoreKvCache::NumSlots(SequenceId seq, int layer) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  return s->length[layer];
+}
+
+absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
+                                  int32_t* slots_out) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  if (start != s->length[layer]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the KV store appends in order: layer ", layer, " of sequence ", seq,
+                     " holds ", s->length[layer], " tokens, append starts at ", start));
+  }
+  const int64_t n = k.rows;
+  const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
+  std::vector<uint8_t> hk(n * row), hv(n * row);
+  const size_t esize = DTypeSize(k.dtype);
+  for (int64_t r = 0; r < n; ++r) {
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(
+        static_cast<const uint8_t*>(k.data) + r * k.stride * esize, hk.data() + r * row, row));
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(
+        static_cast<const uint8_t*>(v.data) + r * v.stride * esize, hv.data() + r * row, row));
+  }
+  client_.AppendAsync(StoreId(seq), layer, start, n, std::move(hk), std::move(hv));
+  if (slots_out != nullptr) {
+    for (int64_t r = 0; r < n; ++r) {
+      for (int g = 0; g < shape_.num_kv_heads; ++g) {
+        slots_out[r * shape_.num_kv_heads + g] = static_cast<int32_t>(start + r);
+      }
+    }
+  }
+  s->length[layer] = start + n;
+  return absl::OkStatus();
+}
+
+absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes) {
+  if (st.capacity >= bytes) return absl::OkStatus();
+  const size_t cap = std::max(bytes, st.capacity * 2);
+  IG_ASSIGN_OR_RETURN(st.k, backend_.Allocate(cap));
+  IG_ASSIGN_OR_RETURN(st.v, backend_.Allocate(cap));
+  if (!host_access_) {
+    st.host_k.resize(cap);
+    st.host_v.resize(cap);
+  }
+  st.capacity = cap;
+  return absl::OkStatus();
+}
+
+absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
+                                       std::vector<int32_t> slots, int64_t count) {
+  DropTicket(s);
+  const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
+  IG_RETURN_IF_ERROR(EnsureStaging(s.staging, bytes));
+  ClientGatherItem item;
+  item.seq = StoreId(seq);
+  item.layer = layer;
+  item.count = count;
+  item.slots = std::move(slots);
+  item.k_out = host_access_ ? static_cast<uint8_t*>(s.staging.k->data()) : s.staging.host_k.data();
+  item.v_out = host_access_ ? static_cast<uint8_t*>(s.staging.v->data()) : s.staging.host_v.data();
+  std::vector<ClientGatherItem> items;
+  items.push_back(std::move(item));
+  s.ticket = client_.GatherAsync(std::move(items));
+  s.ticket_layer = layer;
+  s.ticket_count = count;
+  s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
+  s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.length[layer] *
+                           static_cast<int64_t>(RowBytes());
+  s.counters.fetches += 1;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
+  if (s.ticket == nullptr || s.ticket_layer != layer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no rows of layer ", layer, " were prefetched"));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st = s.ticket->Wait(absl::Now() + options_.fetch_timeout);
+  s.counters.wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t count = s.ticket_count;
+  if (!st.ok()) {
+    DropTicket(s);
+    return st;
+  }
+  s.ticket.reset();  // done: keep ticket_layer so a second Fetch of the layer still works
+  if (!host_access_) {
+    const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
+    IG_RETURN_IF_ERROR(backend_.CopyToDevice(s.staging.host_k.data(), s.staging.k->data(), bytes));
+    IG_RETURN_IF_ERROR(backend_.CopyToDevice(s.staging.host_v.data(), s.staging.v->data(), bytes));
+  }
+  KvLayerView view;
+  view.k = {s.staging.k->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
+  view.v = {s.staging.v->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
+  view.num_slots = count;
+  return view;
+}
+
+absl::StatusOr<KvLayerView> StoreKvCache::Read(SequenceId seq, int layer) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  const int64_t n = s->length[layer];
+  std::vector<int32_t> slots(static_cast<size_t>(shape_.num_kv_heads * n));
+  for (int g = 0; g < shape_.num_kv_heads; ++g) {
+    for (int64_t j = 0; j < n; ++j) slots[g * n + j] = static_cast<int32_t>(j);
+  }
+  IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, std::move(slots), n));
+  return FinishGather(*s, layer);
+}
+
+absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* slots,
+                                    int64_t count) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (layer < 0 || layer >= shape_.num_layers || count <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefetch of layer ", layer, ", ", count, " rows: out of range"));
+  }
+  std::vector<int32_t> list(slots, slots + shape_.num_kv_heads * count);
+  return StartGather(seq, *s, layer, std::move(list), count);
+}
+
+absl::StatusOr<KvLayerView> StoreKvCache::Fetch(SequenceId seq, int layer) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  return FinishGather(*s, layer);
+}
+
+FetchCounters StoreKvCache::Counters(SequenceId seq) const {
+  auto it = sequences_.find(seq);
+  return it == sequences_.end() ? FetchCounters{} : it->second.counters;
+}
+
+}  // namespace infinigen
