@@ -31,6 +31,15 @@ struct KvCacheShape {
   }
 };
 
+// Bytes a sequence's decode steps read from a cache that is not resident, and what reading every
+// stored row would have cost (the "KV bytes fetched vs a full fetch" of a request's usage).
+struct FetchCounters {
+  int64_t bytes_fetched = 0;
+  int64_t bytes_full = 0;
+  int64_t fetches = 0;
+  double wait_seconds = 0;  // time steps waited for prefetched rows
+};
+
 struct KvLayerView {
   KvView k;
   KvView v;
@@ -82,6 +91,8 @@ class KvCache {
   virtual absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) {
     return absl::UnimplementedError("this KV cache reads rows in place; it does not fetch");
   }
+  // What `seq` has read so far (zeros for resident caches and unknown sequences).
+  virtual FetchCounters Counters(SequenceId seq) const { return {}; }
 };
 
 }  // namespace infinigen

@@ -62,13 +62,13 @@ absl::Status KvPoolCache::Append(SequenceId seq, int layer, int64_t start, MatVi
   Layer& l = s.layers[layer];
   const int64_t n = k.rows;
   if (start != l.length) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the KV pool appends in order: token ", start, " arrived after ", l.length, " tokens"));
+    return absl::InvalidArgumentError(absl::StrCat("the KV pool appends in order: token ", start,
+                                                   " arrived after ", l.length, " tokens"));
   }
   if (n > 1 && l.heads[0].size() + n > s.capacity) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "prefill of ", n, " tokens does not fit the sequence's KV pool capacity of ", s.capacity,
-        " tokens (", l.heads[0].size(), " stored)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("prefill of ", n, " tokens does not fit the sequence's KV pool capacity of ",
+                     s.capacity, " tokens (", l.heads[0].size(), " stored)"));
   }
   if (layer == 0) ++s.step;
   const int d = shape_.head_dim;
@@ -77,10 +77,10 @@ absl::Status KvPoolCache::Append(SequenceId seq, int layer, int64_t start, MatVi
       bool evicted;
       const int32_t slot = l.heads[g].Place(start + t, s.step, config_.eviction, &evicted);
       evictions_ += evicted;
-      IG_RETURN_IF_ERROR(backend_.Copy(k.Rows(t, 1).Cols(g * d, d),
-                                       View(*l.k, s.capacity).Head(g, slot, 1, d)));
-      IG_RETURN_IF_ERROR(backend_.Copy(v.Rows(t, 1).Cols(g * d, d),
-                                       View(*l.v, s.capacity).Head(g, slot, 1, d)));
+      IG_RETURN_IF_ERROR(
+          backend_.Copy(k.Rows(t, 1).Cols(g * d, d), View(*l.k, s.capacity).Head(g, slot, 1, d)));
+      IG_RETURN_IF_ERROR(
+          backend_.Copy(v.Rows(t, 1).Cols(g * d, d), View(*l.v, s.capacity).Head(g, slot, 1, d)));
       if (slots_out != nullptr) slots_out[t * shape_.num_kv_heads + g] = slot;
     }
   }

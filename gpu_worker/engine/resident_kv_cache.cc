@@ -69,8 +69,8 @@ absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
   return absl::OkStatus();
 }
 
-absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k,
-                                     MatView v, int32_t* slots_out) {
+absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
+                                     int32_t* slots_out) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   Sequence& s = it->second;

@@ -27,14 +27,6 @@ struct StoreKvCacheOptions {
   absl::Duration fetch_timeout = absl::Seconds(5);  // a gather that takes longer fails the step
 };
 
-// Bytes one sequence read from the store, and what reading every stored row would have cost.
-struct FetchCounters {
-  int64_t bytes_fetched = 0;
-  int64_t bytes_full = 0;
-  int64_t fetches = 0;
-  double wait_seconds = 0;  // time decode steps waited for prefetched rows
-};
-
 class StoreKvCache final : public KvCache {
  public:
   StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreClient& client,
@@ -53,8 +45,7 @@ class StoreKvCache final : public KvCache {
   absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) override;
   absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) override;
 
-  // Counters of an open sequence (zero if unknown).
-  FetchCounters Counters(SequenceId seq) const;
+  FetchCounters Counters(SequenceId seq) const override;
   uint64_t StoreId(SequenceId seq) const { return options_.id_base + seq; }
 
  private:

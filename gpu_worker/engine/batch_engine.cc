@@ -1,0 +1,298 @@
+#include "gpu_worker/engine/batch_engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace infinigen {
+namespace {
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+}  // namespace
+
+absl::Status EngineConfig::Validate() const {
+  if (max_running < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_running must be >= 1, got ", max_running));
+  }
+  if (max_queued < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_queued must be >= 0, got ", max_queued));
+  }
+  if (prefill_budget_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_budget_tokens must be >= 1, got ", prefill_budget_tokens));
+  }
+  return absl::OkStatus();
+}
+
+BatchEngine::BatchEngine(Model& model, KvCache& cache, const EngineConfig& config)
+    : model_(model), cache_(cache), config_(config) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+BatchEngine::~BatchEngine() {
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink sink) {
+  IG_RETURN_IF_ERROR(request.options.Validate());
+  const ModelConfig& c = model_.config();
+  if (request.prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  for (const auto* list : {&request.prompt, &request.resume_tokens}) {
+    for (int32_t id : *list) {
+      if (id < 0 || id >= c.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "token id ", id, " is outside the model's vocabulary [0, ", c.vocab_size, ")"));
+      }
+    }
+  }
+  const int64_t resumed = static_cast<int64_t>(request.resume_tokens.size());
+  if (resumed > request.options.max_new_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        resumed, " resumed tokens exceed max_new_tokens ", request.options.max_new_tokens));
+  }
+  const int64_t total =
+      static_cast<int64_t>(request.prompt.size()) + request.options.max_new_tokens;
+  if (total > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", request.prompt.size(), " tokens) + max_new_tokens (",
+                     request.options.max_new_tokens, ") exceeds the model's context of ",
+                     c.max_position_embeddings, " tokens"));
+  }
+  auto a = std::make_unique<Active>();
+  a->history = request.prompt;
+  a->history.insert(a->history.end(), request.resume_tokens.begin(), request.resume_tokens.end());
+  a->prompt_len = static_cast<int64_t>(a->history.size());
+  a->max_total = total;
+  a->stops = request.options.stop_token_ids;
+  if (!request.options.ignore_eos) {
+    a->stops.insert(a->stops.end(), c.eos_token_ids.begin(), c.eos_token_ids.end());
+  }
+  a->request = std::move(request);
+  a->sink = std::move(sink);
+  a->submitted = absl::Now();
+  absl::MutexLock l(&mu_);
+  if (stopping_) return absl::UnavailableError("the engine is shutting down");
+  if (outstanding_ >= config_.max_queued + config_.max_running) {
+    return absl::ResourceExhaustedError(absl::StrCat("the worker is full: ", config_.max_running,
+                                                     " requests run and ", config_.max_queued,
+                                                     " wait; retry later or on another worker"));
+  }
+  ++outstanding_;
+  a->id = next_id_++;
+  const uint64_t id = a->id;
+  queue_.push_back(std::move(a));
+  stats_.queued = static_cast<int64_t>(queue_.size());
+  return id;
+}
+
+void BatchEngine::Cancel(uint64_t id) {
+  absl::MutexLock l(&mu_);
+  cancelled_.insert(id);
+}
+
+EngineStats BatchEngine::Stats() const {
+  absl::MutexLock l(&mu_);
+  return stats_;
+}
+
+void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
+  EngineEvent e;
+  e.done = true;
+  e.finish_reason = reason;
+  e.status = std::move(status);
+  RequestUsage& u = e.usage;
+  u.prompt_tokens = static_cast<int64_t>(a.request.prompt.size());
+  u.generated_tokens = static_cast<int64_t>(a.history.size()) - u.prompt_tokens;
+  if (a.opened) {
+    u.fetch = cache_.Counters(a.id);
+    cache_.Close(a.id);
+    a.opened = false;
+  }
+  if (a.request.policy != nullptr) a.request.policy->Release(a.id);
+  const absl::Time now = absl::Now();
+  u.queue_seconds = a.started ? Seconds(a.first_step - a.submitted) : Seconds(now - a.submitted);
+  if (a.generated > 0) {
+    u.time_to_first_token = Seconds(a.first_token - a.submitted);
+    u.decode_seconds = Seconds(a.last_token - a.first_token);
+  }
+  {
+    absl::MutexLock l(&mu_);
+    --outstanding_;
+    stats_.finished += e.status.ok() ? 1 : 0;
+    stats_.failed += e.status.ok() ? 0 : 1;
+    stats_.gather_wait_seconds += u.fetch.wait_seconds;
+    stats_.bytes_fetched += u.fetch.bytes_fetched;
+    stats_.bytes_full += u.fetch.bytes_full;
+  }
+  if (a.sink) a.sink(e);
+  a.sink = nullptr;  // marks it finished
+}
+
+void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
+  for (size_t i = 0; i < incoming.size(); ++i) {
+    Active& a = *incoming[i];
+    if (a.request.options.max_new_tokens == static_cast<int64_t>(a.request.resume_tokens.size())) {
+      Finish(a, FinishReason::kLength, absl::OkStatus());
+      continue;
+    }
+    absl::Status st = cache_.Open(a.id, a.max_total);
+    if (absl::IsResourceExhausted(st) && !running_.empty()) {
+      // Not now: wait for running sequences to free memory, keeping the order.
+      absl::MutexLock l(&mu_);
+      for (size_t j = incoming.size(); j > i; --j) queue_.push_front(std::move(incoming[j - 1]));
+      incoming.resize(i);
+      return;
+    }
+    if (!st.ok()) {
+      Finish(a, FinishReason::kCancelled, st);
+      continue;
+    }
+    a.opened = true;
+    running_.push_back(std::move(incoming[i]));
+  }
+}
+
+void BatchEngine::Loop() {
+  for (;;) {
+    std::vector<std::unique_ptr<Active>> incoming, dropped;
+    absl::flat_hash_set<uint64_t> cancelled;
+    {
+      absl::MutexLock l(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty() || !running_.empty() || !cancelled_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) break;
+      cancelled.swap(cancelled_);
+      // Queued requests that were cancelled or ran out of time leave without a batch slot.
+      const absl::Time now = absl::Now();
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if (cancelled.contains((*it)->id) || now > (*it)->request.deadline) {
+          dropped.push_back(std::move(*it));
+          it = queue_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      while (!queue_.empty() &&
+             static_cast<int64_t>(running_.size() + incoming.size()) < config_.max_running) {
+        incoming.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+    }
+    for (auto& a : dropped) {
+      if (cancelled.contains(a->id)) {
+        Finish(*a, FinishReason::kCancelled, absl::OkStatus());
+      } else {
+        Finish(*a, FinishReason::kCancelled,
+               absl::DeadlineExceededError("the request's deadline passed while it was queued"));
+      }
+    }
+    const absl::Time now = absl::Now();
+    for (auto& a : running_) {
+      if (cancelled.contains(a->id)) {
+        Finish(*a, FinishReason::kCancelled, absl::OkStatus());
+      } else if (now > a->request.deadline) {
+        Finish(*a, FinishReason::kCancelled,
+               absl::DeadlineExceededError(absl::StrCat("the request's deadline passed after ",
+                                                        a->generated, " generated tokens")));
+      }
+    }
+    std::erase_if(running_, [](const auto& a) { return !a->sink; });
+    Admit(incoming);
+    Step();
+    std::erase_if(running_, [](const auto& a) { return !a->sink; });
+    absl::MutexLock l(&mu_);
+    stats_.running = static_cast<int64_t>(running_.size());
+    stats_.queued = static_cast<int64_t>(queue_.size());
+  }
+  // Shutting down: every request ends.
+  std::deque<std::unique_ptr<Active>> queued;
+  {
+    absl::MutexLock l(&mu_);
+    queued.swap(queue_);
+  }
+  for (auto& a : running_) {
+    Finish(*a, FinishReason::kCancelled, absl::AbortedError("the worker is shutting down"));
+  }
+  for (auto& a : queued) {
+    Finish(*a, FinishReason::kCancelled, absl::AbortedError("the worker is shutting down"));
+  }
+  running_.clear();
+}
+
+bool BatchEngine::Step() {
+  std::vector<ForwardChunk> batch;
+  std::vector<Active*> owners;
+  for (auto& a : running_) {  // one decode token of every sequence past its prompt
+    if (a->prefilled < a->prompt_len) continue;
+    batch.push_back({a->id, a->prefilled,
+                     std::span<const int32_t>(a->history.data() + a->prefilled, 1), false,
+                     a->request.policy.get()});
+    owners.push_back(a.get());
+  }
+  int64_t budget = config_.prefill_budget_tokens;
+  for (auto& a : running_) {  // then prompt chunks, oldest request first, within the budget
+    if (a->prefilled >= a->prompt_len || budget <= 0) continue;
+    const int64_t len = std::min(a->prompt_len - a->prefilled, budget);
+    batch.push_back({a->id, a->prefilled,
+                     std::span<const int32_t>(a->history.data() + a->prefilled, len), false,
+                     a->request.policy.get()});
+    owners.push_back(a.get());
+    budget -= len;
+  }
+  if (batch.empty()) return false;
+  const absl::Time t0 = absl::Now();
+  for (Active* a : owners) {
+    if (!a->started) {
+      a->started = true;
+      a->first_step = t0;
+    }
+  }
+  const int64_t vocab = model_.config().vocab_size;
+  logits_.resize(static_cast<size_t>(Model::NumLogitRows(batch) * vocab));
+  absl::Status st = model_.Forward(batch, cache_, logits_);
+  int64_t generated = 0, prompt = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Active& a = *owners[i];
+    if (!st.ok()) {
+      Finish(a, FinishReason::kCancelled, st);
+      continue;
+    }
+    const int64_t len = static_cast<int64_t>(batch[i].tokens.size());
+    if (len > 1 || a.prefilled < a.prompt_len) prompt += len;
+    a.prefilled += len;
+    if (a.prefilled < static_cast<int64_t>(a.history.size())) continue;  // more prompt to go
+    std::span<float> row(logits_.data() + i * vocab, static_cast<size_t>(vocab));
+    const int32_t token = SampleToken(row, a.request.options.sampling, a.history,
+                                      static_cast<uint64_t>(a.history.size()), scratch_);
+    const absl::Time now = absl::Now();
+    if (a.generated == 0) a.first_token = now;
+    a.last_token = now;
+    a.history.push_back(token);
+    ++a.generated;
+    ++generated;
+    EngineEvent e;
+    e.token = token;
+    a.sink(e);
+    if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
+      Finish(a, FinishReason::kStop, absl::OkStatus());
+    } else if (static_cast<int64_t>(a.history.size()) >= a.max_total) {
+      Finish(a, FinishReason::kLength, absl::OkStatus());
+    }
+  }
+  absl::MutexLock l(&mu_);
+  stats_.steps += 1;
+  stats_.generated_tokens += generated;
+  stats_.prompt_tokens += prompt;
+  stats_.last_batch_sequences = static_cast<int64_t>(batch.size());
+  return true;
+}
+
+}  // namespace infinigen

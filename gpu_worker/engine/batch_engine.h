@@ -1,0 +1,134 @@
+// BatchEngine: continuous batching of many generation requests over one Model and KvCache.
+// One engine thread runs steps; a step is one Model::Forward over a ragged batch holding one
+// decode token of every running sequence plus prompt chunks of sequences still in prefill, up to
+// a per-step prefill budget so that long prompts do not stall the running decodes. Requests join
+// between steps (admission by queue length and by the cache accepting the sequence) and leave
+// when they finish, are cancelled, pass their deadline, or fail; leaving closes the sequence in
+// the cache (the KV store) and releases its policy state at once.
+//
+// Events reach the caller through a sink called on the engine thread: keep it short.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "gpu_worker/engine/generator.h"
+#include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/model/model.h"
+
+namespace infinigen {
+
+struct EngineConfig {
+  int max_running = 16;  // sequences in the batch at once
+  int max_queued = 64;   // admitted requests waiting for a batch slot; more: RESOURCE_EXHAUSTED
+  int64_t prefill_budget_tokens = 256;  // prompt tokens a step may carry beside its decodes
+  absl::Status Validate() const;
+};
+
+struct EngineRequest {
+  std::vector<int32_t> prompt;
+  // Tokens this request already produced elsewhere (a resumed stream): they extend the prompt,
+  // count against max_new_tokens, and keep the sampling positions, so the continuation is the
+  // one the first worker would have produced.
+  std::vector<int32_t> resume_tokens;
+  GenerateOptions options;
+  std::unique_ptr<KvSelectionPolicy> policy;  // null: dense attention
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct RequestUsage {
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+  FetchCounters fetch;
+  double queue_seconds = 0;        // submitted -> first step
+  double time_to_first_token = 0;  // submitted -> first token
+  double decode_seconds = 0;       // first token -> last token
+};
+
+// One token, or the end of the request (done), or both.
+struct EngineEvent {
+  int32_t token = -1;  // -1: none in this event
+  bool done = false;
+  FinishReason finish_reason = FinishReason::kLength;
+  absl::Status status;  // when done: OK, or why the request failed
+  RequestUsage usage;   // when done
+};
+using EventSink = std::function<void(const EngineEvent&)>;
+
+struct EngineStats {
+  int64_t running = 0;
+  int64_t queued = 0;
+  int64_t steps = 0;
+  int64_t generated_tokens = 0;
+  int64_t prompt_tokens = 0;
+  int64_t finished = 0;
+  int64_t failed = 0;
+  int64_t last_batch_sequences = 0;
+  double gather_wait_seconds = 0;
+  int64_t bytes_fetched = 0;
+  int64_t bytes_full = 0;
+};
+
+class BatchEngine {
+ public:
+  // `model` and `cache` must outlive the engine; only the engine thread touches them.
+  BatchEngine(Model& model, KvCache& cache, const EngineConfig& config);
+  ~BatchEngine();  // finishes every request as CANCELLED (status ABORTED) and joins the thread
+
+  // Queues a request; `sink` gets its events. INVALID_ARGUMENT for bad options (naming the
+  // field), RESOURCE_EXHAUSTED when the queue is full. Returns the request's id.
+  absl::StatusOr<uint64_t> Submit(EngineRequest request, EventSink sink);
+  // Ends a request at the next step boundary (finish reason CANCELLED); unknown ids are ignored.
+  void Cancel(uint64_t id);
+  EngineStats Stats() const;
+
+ private:
+  struct Active {
+    uint64_t id = 0;
+    EngineRequest request;
+    EventSink sink;
+    std::vector<int32_t> history;  // prompt, resumed and generated tokens
+    std::vector<int32_t> stops;
+    int64_t prompt_len = 0;  // prompt + resumed tokens: what prefill covers
+    int64_t prefilled = 0;   // tokens of history in the cache
+    int64_t generated = 0;   // tokens sampled here (resumed ones not included)
+    int64_t max_total = 0;   // history length at which the length limit ends the request
+    bool opened = false;
+    absl::Time submitted, first_step, first_token, last_token;
+    bool started = false;
+  };
+
+  void Loop();
+  void Admit(std::vector<std::unique_ptr<Active>>& incoming);
+  bool Step();  // false when there was nothing to run
+  void Finish(Active& a, FinishReason reason, absl::Status status);
+
+  Model& model_;
+  KvCache& cache_;
+  const EngineConfig config_;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<Active>> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // submitted, not finished
+  EngineStats stats_ ABSL_GUARDED_BY(mu_);
+
+  // Engine thread only.
+  std::vector<std::unique_ptr<Active>> running_;
+  std::vector<float> logits_;
+  SamplingScratch scratch_;
+  std::thread thread_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,231 @@
+// The continuous-batching engine on a tiny fixture model: each request of a concurrent mix
+// (different prompts, lengths and sampling) produces exactly the tokens it produces alone with
+// the one-sequence Generate(); cancellation and deadlines end a request and free its cache
+// sequence; a full queue and bad requests are refused with the right codes; a resumed request
+// continues as the original would have.
+#include "gpu_worker/engine/batch_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "absl/synchronization/notification.h"
+#include "gpu_worker/engine/resident_kv_cache.h"
+#include "tests/support/fixture_model.h"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
+}
+
+// Collects one request's events.
+struct Collector {
+  absl::Mutex mu;
+  std::vector<int32_t> tokens;
+  EngineEvent last;
+  absl::Notification done;
+  EventSink Sink() {
+    return [this](const EngineEvent& e) {
+      absl::MutexLock l(&mu);
+      if (e.token >= 0) tokens.push_back(e.token);
+      if (e.done) {
+        last = e;
+        done.Notify();
+      }
+    };
+  }
+};
+
+class Engine : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    l_ = testing::LoadModel(testing::FixturePath("hf/llama31_gqa"));
+    ASSERT_NE(l_.model, nullptr);
+    vocab_ = l_.model->config().vocab_size;
+  }
+  GenerateOptions Options(int i) {
+    GenerateOptions o;
+    o.max_new_tokens = 12 + 3 * (i % 4);
+    o.ignore_eos = true;
+    o.sampling.temperature = i % 2 == 0 ? 0.0f : 0.8f;
+    o.sampling.top_k = i % 3 == 0 ? 0 : 20;
+    o.sampling.seed = 100 + i;
+    return o;
+  }
+  std::vector<int32_t> Alone(const std::vector<int32_t>& prompt, const GenerateOptions& o) {
+    ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+    auto r = Generate(*l_.model, cache, 1, prompt, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->tokens : std::vector<int32_t>{};
+  }
+
+  testing::LoadedModel l_;
+  int64_t vocab_ = 0;
+};
+
+TEST_F(Engine, ConcurrentRequestsEachProduceWhatTheyProduceAlone) {
+  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  EngineConfig config;
+  config.max_running = 4;             // fewer slots than requests: some wait, then join mid-flight
+  config.prefill_budget_tokens = 16;  // long prompts take several steps beside the decodes
+  BatchEngine engine(*l_.model, cache, config);
+  constexpr int kRequests = 10;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<Collector> got(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(RandomTokens(5 + 9 * i, vocab_, 30 + i));
+    EngineRequest r;
+    r.prompt = prompts[i];
+    r.options = Options(i);
+    ASSERT_TRUE(engine.Submit(std::move(r), got[i].Sink()).ok());
+  }
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(got[i].done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  }
+  // The engine is idle now (the model is not thread-safe): run each request alone.
+  for (int i = 0; i < kRequests; ++i) {
+    EXPECT_TRUE(got[i].last.status.ok()) << got[i].last.status;
+    EXPECT_EQ(got[i].last.finish_reason, FinishReason::kLength);
+    EXPECT_EQ(got[i].tokens, Alone(prompts[i], Options(i))) << "request " << i;
+    EXPECT_EQ(got[i].last.usage.prompt_tokens, static_cast<int64_t>(prompts[i].size()));
+    EXPECT_EQ(got[i].last.usage.generated_tokens, Options(i).max_new_tokens);
+  }
+  const EngineStats stats = engine.Stats();
+  EXPECT_EQ(stats.finished, kRequests);
+  EXPECT_GT(stats.steps, 0);
+  EXPECT_EQ(cache.bytes_reserved(), 0u) << "every sequence was closed";
+}
+
+TEST_F(Engine, CancelAndDeadlineFreeTheSequence) {
+  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  BatchEngine engine(*l_.model, cache, EngineConfig{});
+  Collector cancelled, timed_out, late;
+  EngineRequest a;
+  a.prompt = RandomTokens(8, vocab_, 1);
+  a.options.max_new_tokens = 200;
+  a.options.ignore_eos = true;
+  absl::Notification some;
+  Collector* c = &cancelled;
+  auto id = engine.Submit(std::move(a), [c, &some](const EngineEvent& e) {
+    c->Sink()(e);
+    if (e.token >= 0 && !some.HasBeenNotified()) some.Notify();
+    absl::SleepFor(absl::Milliseconds(2));  // a slow client: 200 tokens take 0.4 s
+  });
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(some.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  engine.Cancel(*id);
+  ASSERT_TRUE(cancelled.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(cancelled.last.status.ok());
+  EXPECT_EQ(cancelled.last.finish_reason, FinishReason::kCancelled);
+  EXPECT_LT(cancelled.tokens.size(), 200u);
+
+  EngineRequest b;
+  b.prompt = RandomTokens(8, vocab_, 2);
+  b.options.max_new_tokens = 200;
+  b.options.ignore_eos = true;
+  b.deadline = absl::Now() + absl::Milliseconds(30);
+  Collector* t = &timed_out;
+  ASSERT_TRUE(engine
+                  .Submit(std::move(b),
+                          [t](const EngineEvent& e) {
+                            t->Sink()(e);
+                            absl::SleepFor(absl::Milliseconds(2));
+                          })
+                  .ok());
+  ASSERT_TRUE(timed_out.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(timed_out.last.status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_GT(timed_out.tokens.size(), 0u);
+  EXPECT_LT(timed_out.tokens.size(), 200u);
+  // A deadline already gone: it never runs.
+  EngineRequest d;
+  d.prompt = RandomTokens(8, vocab_, 3);
+  d.deadline = absl::Now() - absl::Milliseconds(1);
+  ASSERT_TRUE(engine.Submit(std::move(d), late.Sink()).ok());
+  ASSERT_TRUE(late.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(late.last.status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(late.tokens.empty());
+  // Both sequences are gone from the cache.
+  for (int i = 0; i < 100 && cache.bytes_reserved() != 0; ++i)
+    absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(cache.bytes_reserved(), 0u);
+}
+
+TEST_F(Engine, BadRequestsAndAFullQueueAreRefused) {
+  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  EngineConfig config;
+  config.max_running = 1;
+  config.max_queued = 1;
+  BatchEngine engine(*l_.model, cache, config);
+  EngineRequest empty;
+  EXPECT_EQ(engine.Submit(std::move(empty), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EngineRequest bad_id;
+  bad_id.prompt = {1, static_cast<int32_t>(vocab_)};
+  auto st = engine.Submit(std::move(bad_id), {}).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("vocabulary"), std::string::npos) << st;
+  EngineRequest too_long;
+  too_long.prompt = {1, 2};
+  too_long.options.max_new_tokens = l_.model->config().max_position_embeddings;
+  EXPECT_EQ(engine.Submit(std::move(too_long), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EngineRequest bad_sampling;
+  bad_sampling.prompt = {1, 2};
+  bad_sampling.options.sampling.top_p = 2.0f;
+  EXPECT_EQ(engine.Submit(std::move(bad_sampling), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Fill the one slot and the one queue place (long requests), then one more is refused.
+  std::vector<Collector> c(8);
+  std::vector<uint64_t> ids;
+  bool refused = false;
+  for (int i = 0; i < 8 && !refused; ++i) {
+    EngineRequest r;
+    r.prompt = RandomTokens(4, vocab_, i);
+    r.options.max_new_tokens = 100;
+    r.options.ignore_eos = true;
+    Collector* ci = &c[i];
+    auto id = engine.Submit(std::move(r), [ci](const EngineEvent& e) {
+      ci->Sink()(e);
+      absl::SleepFor(absl::Milliseconds(5));
+    });
+    if (!id.ok()) {
+      EXPECT_EQ(id.status().code(), absl::StatusCode::kResourceExhausted) << id.status();
+      refused = true;
+    } else {
+      ids.push_back(*id);
+    }
+  }
+  EXPECT_TRUE(refused);
+  EXPECT_EQ(ids.size(), 2u) << "one running and one queued";
+  for (uint64_t id : ids) engine.Cancel(id);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_TRUE(c[i].done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_EQ(c[i].last.finish_reason, FinishReason::kCancelled);
+  }
+}
+
+TEST_F(Engine, AResumedRequestContinuesAsTheOriginal) {
+  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  BatchEngine engine(*l_.model, cache, EngineConfig{});
+  GenerateOptions o = Options(1);  // sampled, not greedy
+  const auto prompt = RandomTokens(11, vocab_, 77);
+  const std::vector<int32_t> whole = Alone(prompt, o);  // while the engine is idle
+  const size_t sent = 5;
+  EngineRequest r;
+  r.prompt = prompt;
+  r.resume_tokens.assign(whole.begin(), whole.begin() + sent);
+  r.options = o;
+  Collector rest;
+  ASSERT_TRUE(engine.Submit(std::move(r), rest.Sink()).ok());
+  ASSERT_TRUE(rest.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.begin() + sent, whole.end()));
+}
+
+}  // namespace
+}  // namespace infinigen
