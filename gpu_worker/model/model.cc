@@ -244,8 +244,8 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     const Selection& selection = selections_[b];
     if (len > 1 && chunk.start == 0 && !resident) {
       // A whole prompt in one chunk: its K/V are the activations; no need to read them back.
-      const KvView kk{k.data, k.dtype, c.head_dim, k.stride};
-      const KvView vv{v.data, v.dtype, c.head_dim, v.stride};
+      const KvView kk{k.Rows(row, len).data, k.dtype, c.head_dim, k.stride};
+      const KvView vv{v.Rows(row, len).data, v.dtype, c.head_dim, v.stride};
       IG_RETURN_IF_ERROR(
           backend_.AttentionCausal(q.Rows(row, len), kk, vv, 0, shape, out.Rows(row, len)));
       row += len;

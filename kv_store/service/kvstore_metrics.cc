@@ -5,25 +5,10 @@
 #include <prometheus/metric_family.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/metrics/family.h"
 
 namespace infinigen {
 namespace {
-
-prometheus::MetricFamily Family(const std::string& name, const std::string& help,
-                                prometheus::MetricType type, double value) {
-  prometheus::MetricFamily f;
-  f.name = name;
-  f.help = help;
-  f.type = type;
-  prometheus::ClientMetric m;
-  if (type == prometheus::MetricType::Counter) {
-    m.counter.value = value;
-  } else {
-    m.gauge.value = value;
-  }
-  f.metric.push_back(m);
-  return f;
-}
 
 class StoreCollectable final : public prometheus::Collectable {
  public:
@@ -32,23 +17,27 @@ class StoreCollectable final : public prometheus::Collectable {
     const KvStoreStats s = store_.Stats();
     using prometheus::MetricType;
     return {
-        Family("infinigen_kvstore_sequences", "Open sequences", MetricType::Gauge, s.sequences),
-        Family("infinigen_kvstore_bytes_used", "Arena bytes in blocks", MetricType::Gauge,
-               s.bytes_used),
-        Family("infinigen_kvstore_bytes_free", "Arena bytes free", MetricType::Gauge,
-               s.bytes_capacity - s.bytes_used),
-        Family("infinigen_kvstore_tokens_stored", "Tokens stored (layer 0 rows)", MetricType::Gauge,
-               s.tokens_stored),
-        Family("infinigen_kvstore_appends_total", "Append calls", MetricType::Counter, s.appends),
-        Family("infinigen_kvstore_gathers_total", "Gather calls", MetricType::Counter, s.gathers),
-        Family("infinigen_kvstore_gathered_bytes_total", "K/V bytes served by gathers",
-               MetricType::Counter, s.bytes_gathered),
-        Family("infinigen_kvstore_evictions_total", "Tokens evicted by KV pools",
-               MetricType::Counter, s.evictions),
-        Family("infinigen_kvstore_rejections_total", "Appends refused because the store was full",
-               MetricType::Counter, s.rejections),
-        Family("infinigen_kvstore_leases_expired_total", "Sequences freed by lease expiry",
-               MetricType::Counter, s.leases_expired),
+        MetricFamilyOf("infinigen_kvstore_sequences", "Open sequences", MetricType::Gauge,
+                       s.sequences),
+        MetricFamilyOf("infinigen_kvstore_bytes_used", "Arena bytes in blocks", MetricType::Gauge,
+                       s.bytes_used),
+        MetricFamilyOf("infinigen_kvstore_bytes_free", "Arena bytes free", MetricType::Gauge,
+                       s.bytes_capacity - s.bytes_used),
+        MetricFamilyOf("infinigen_kvstore_tokens_stored", "Tokens stored (layer 0 rows)",
+                       MetricType::Gauge, s.tokens_stored),
+        MetricFamilyOf("infinigen_kvstore_appends_total", "Append calls", MetricType::Counter,
+                       s.appends),
+        MetricFamilyOf("infinigen_kvstore_gathers_total", "Gather calls", MetricType::Counter,
+                       s.gathers),
+        MetricFamilyOf("infinigen_kvstore_gathered_bytes_total", "K/V bytes served by gathers",
+                       MetricType::Counter, s.bytes_gathered),
+        MetricFamilyOf("infinigen_kvstore_evictions_total", "Tokens evicted by KV pools",
+                       MetricType::Counter, s.evictions),
+        MetricFamilyOf("infinigen_kvstore_rejections_total",
+                       "Appends refused because the store was full", MetricType::Counter,
+                       s.rejections),
+        MetricFamilyOf("infinigen_kvstore_leases_expired_total", "Sequences freed by lease expiry",
+                       MetricType::Counter, s.leases_expired),
     };
   }
 

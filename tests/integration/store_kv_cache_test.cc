@@ -44,7 +44,13 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
   }
   std::vector<float> logits(n * vocab);
   std::vector<int32_t> next(n);
-  for (size_t i = 0; i < n; ++i) {  // prefill, one sequence at a time, in chunks
+  if (chunk >= 1000) {  // every whole prompt in one forward pass
+    std::vector<ForwardChunk> batch;
+    for (size_t i = 0; i < n; ++i) batch.push_back({i + 1, 0, prompts[i], false, policies[i]});
+    auto st = model.Forward(batch, cache, logits);
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  for (size_t i = 0; i < n && chunk < 1000; ++i) {  // prefill one sequence at a time, in chunks
     for (int64_t pos = 0; pos < static_cast<int64_t>(prompts[i].size()); pos += chunk) {
       const int64_t len = std::min<int64_t>(chunk, prompts[i].size() - pos);
       ForwardChunk c{i + 1, pos, std::span<const int32_t>(prompts[i]).subspan(pos, len), false,

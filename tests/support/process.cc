@@ -75,6 +75,10 @@ void ServerProcess::Kill() {
   pid_ = -1;
 }
 
+void ServerProcess::Signal(int sig) {
+  if (pid_ > 0) ::kill(pid_, sig);
+}
+
 int ServerProcess::Terminate(int timeout_s) {
   if (pid_ <= 0) return -1;
   ::kill(pid_, SIGTERM);

@@ -19,6 +19,7 @@ class ServerProcess {
   bool running() const { return pid_ > 0; }
   int port() const { return port_; }
   void Kill();                   // SIGKILL, reaped
+  void Signal(int sig);          // e.g. SIGSTOP / SIGCONT
   int Terminate(int timeout_s);  // SIGTERM; the exit status, or -1 if it did not exit in time
   const std::string& log_path() const { return log_; }
 

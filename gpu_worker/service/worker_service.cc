@@ -1,0 +1,256 @@
+#include "gpu_worker/service/worker_service.h"
+
+#include <prometheus/histogram.h>
+
+#include <deque>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/grpc/status.h"
+#include "common/status_macros.h"
+#include "gpu_worker/tokenizer/chat_template.h"
+
+namespace infinigen {
+namespace {
+
+namespace wv1 = worker::v1;
+
+infinigen::v1::FinishReason ToProto(FinishReason r) {
+  switch (r) {
+    case FinishReason::kLength:
+      return infinigen::v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStop:
+      return infinigen::v1::FINISH_REASON_STOP;
+    case FinishReason::kCancelled:
+      return infinigen::v1::FINISH_REASON_CANCELLED;
+  }
+  return infinigen::v1::FINISH_REASON_UNSPECIFIED;
+}
+
+// The engine's events for one call, handed from the engine thread to the call's thread.
+struct CallEvents {
+  absl::Mutex mu;
+  std::deque<EngineEvent> events ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace
+
+WorkerService::WorkerService(BatchEngine& engine, const Model& model, const Tokenizer* tokenizer,
+                             const InfinigenSidecar* sidecar, const WorkerServiceOptions& options)
+    : engine_(engine), model_(model), tokenizer_(tokenizer), sidecar_(sidecar), options_(options) {}
+
+absl::StatusOr<std::vector<int32_t>> WorkerService::PromptTokens(
+    const wv1::GenerateRequest& r) const {
+  std::vector<int32_t> ids;
+  if (tokenizer_ == nullptr && (r.input_case() == wv1::GenerateRequest::kText ||
+                                r.input_case() == wv1::GenerateRequest::kMessages)) {
+    return absl::FailedPreconditionError(
+        "this worker's model has no tokenizer files: send the prompt as token_ids");
+  }
+  switch (r.input_case()) {
+    case wv1::GenerateRequest::kText:
+      if (r.text().empty()) return absl::InvalidArgumentError("text: the prompt is empty");
+      ids = tokenizer_->Encode(r.text(), /*add_special=*/true);
+      break;
+    case wv1::GenerateRequest::kTokenIds:
+      ids.assign(r.token_ids().ids().begin(), r.token_ids().ids().end());
+      if (ids.empty()) return absl::InvalidArgumentError("token_ids: the prompt is empty");
+      break;
+    case wv1::GenerateRequest::kMessages: {
+      std::vector<ChatMessage> messages;
+      for (const auto& m : r.messages().messages()) messages.push_back({m.role(), m.content()});
+      if (messages.empty()) return absl::InvalidArgumentError("messages: the list is empty");
+      const std::string bos = tokenizer_->TokenText(tokenizer_->bos_id());
+      const std::string eos =
+          tokenizer_->eos_ids().empty() ? "" : tokenizer_->TokenText(tokenizer_->eos_ids()[0]);
+      IG_ASSIGN_OR_RETURN(ChatTemplate tmpl,
+                          ChatTemplate::FromJinja(tokenizer_->chat_template(), bos, eos));
+      IG_ASSIGN_OR_RETURN(std::string text, tmpl.Render(messages, true));
+      ids = tokenizer_->Encode(text, /*add_special=*/false);  // the template holds BOS
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError("input: give one of text, token_ids or messages");
+  }
+  const int64_t limit = options_.max_prompt_tokens > 0 ? options_.max_prompt_tokens
+                                                       : model_.config().max_position_embeddings;
+  if (static_cast<int64_t>(ids.size()) > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the prompt has ", ids.size(), " tokens; this worker's limit is ", limit));
+  }
+  return ids;
+}
+
+absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateRequest& r) const {
+  GenerateOptions o;
+  const auto& s = r.sampling();
+  o.sampling.temperature = s.has_temperature() ? s.temperature() : 1.0f;
+  o.sampling.top_k = s.top_k();
+  o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
+  o.sampling.min_p = s.min_p();
+  o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
+  o.sampling.seed = s.seed();
+  const auto& stop = r.stopping();
+  o.max_new_tokens =
+      stop.has_max_new_tokens() ? stop.max_new_tokens() : options_.default_max_new_tokens;
+  if (o.max_new_tokens < 1 || o.max_new_tokens > options_.max_new_tokens_limit) {
+    return absl::InvalidArgumentError(absl::StrCat("stopping.max_new_tokens is ", o.max_new_tokens,
+                                                   "; it must be in [1, ",
+                                                   options_.max_new_tokens_limit, "]"));
+  }
+  o.stop_token_ids.assign(stop.stop_token_ids().begin(), stop.stop_token_ids().end());
+  for (int32_t id : o.stop_token_ids) {
+    if (id < 0 || id >= model_.config().vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stopping.stop_token_ids: ", id, " is outside the vocabulary"));
+    }
+  }
+  o.ignore_eos = stop.ignore_eos();
+  IG_RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> WorkerService::Policy(
+    const wv1::GenerateRequest& r) const {
+  SelectionOverrides o;
+  if (!r.selection().policy().empty()) o.policy = r.selection().policy();
+  if (r.selection().has_budget_fraction()) o.budget_fraction = r.selection().budget_fraction();
+  if (r.selection().has_alpha()) o.alpha = r.selection().alpha();
+  IG_ASSIGN_OR_RETURN(SelectionConfig config,
+                      ApplyOverrides(options_.selection, o, options_.selection_limits));
+  if (config.policy == "full") return std::unique_ptr<KvSelectionPolicy>();  // dense
+  if (config.policy == "infinigen" && sidecar_ == nullptr) {
+    return absl::InvalidArgumentError(
+        "selection.policy: infinigen needs a sidecar, and this worker was started without one");
+  }
+  return MakeSelectionPolicy(config, model_.config(), sidecar_);
+}
+
+grpc::Status WorkerService::Generate(grpc::ServerContext* context,
+                                     const wv1::GenerateRequest* request,
+                                     grpc::ServerWriter<wv1::GenerateResponse>* writer) {
+  if (draining_) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "this worker is draining; send the request to another worker");
+  }
+  EngineRequest er;
+  {
+    auto prompt = PromptTokens(*request);
+    if (!prompt.ok()) return ToGrpcStatus(prompt.status());
+    er.prompt = std::move(*prompt);
+    auto options = Options(*request);
+    if (!options.ok()) return ToGrpcStatus(options.status());
+    er.options = *options;
+    auto policy = Policy(*request);
+    if (!policy.ok()) return ToGrpcStatus(policy.status());
+    er.policy = std::move(*policy);
+  }
+  er.resume_tokens.assign(request->resume_token_ids().begin(), request->resume_token_ids().end());
+  er.deadline = absl::FromChrono(context->deadline());
+
+  auto events = std::make_shared<CallEvents>();
+  auto id = engine_.Submit(std::move(er), [events](const EngineEvent& e) {
+    absl::MutexLock l(&events->mu);
+    events->events.push_back(e);
+  });
+  if (!id.ok()) {
+    if (absl::IsResourceExhausted(id.status())) {
+      // gRPC clients with a retry policy wait this long before trying again.
+      context->AddTrailingMetadata("grpc-retry-pushback-ms", "200");
+    }
+    return ToGrpcStatus(id.status());
+  }
+
+  std::optional<IncrementalDecoder> decoder;
+  if (tokenizer_ != nullptr) {
+    decoder.emplace(*tokenizer_, request->skip_special_tokens());
+    // The text of resumed tokens was already sent; feed them so the next delta starts after it.
+    for (int32_t t : request->resume_token_ids()) decoder->Add(t);
+  }
+  bool cancelled = false;
+  for (;;) {
+    std::deque<EngineEvent> batch;
+    {
+      absl::MutexLock l(&events->mu);
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events->mu) {
+        return !events->events.empty();
+      };
+      events->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
+      batch.swap(events->events);
+    }
+    if (!cancelled && context->IsCancelled()) {
+      engine_.Cancel(*id);  // frees the store sequence at the next step; wait for its end
+      cancelled = true;
+    }
+    for (const EngineEvent& e : batch) {
+      if (e.token >= 0 && !cancelled) {
+        wv1::GenerateResponse r;
+        r.add_token_ids(e.token);
+        if (decoder) r.set_text(decoder->Add(e.token));
+        if (!writer->Write(r)) {
+          engine_.Cancel(*id);
+          cancelled = true;
+        }
+      }
+      if (!e.done) continue;
+      if (cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled");
+      if (!e.status.ok()) return ToGrpcStatus(e.status);
+      const RequestUsage& u = e.usage;
+      wv1::GenerateResponse last;
+      if (decoder) last.set_text(decoder->Finish());
+      last.set_finish_reason(ToProto(e.finish_reason));
+      auto* usage = last.mutable_usage();
+      usage->set_prompt_tokens(static_cast<int32_t>(u.prompt_tokens));
+      usage->set_generated_tokens(static_cast<int32_t>(u.generated_tokens));
+      usage->set_kv_bytes_fetched(u.fetch.bytes_fetched);
+      usage->set_kv_bytes_full_fetch(u.fetch.bytes_full);
+      usage->set_selection_fraction(u.fetch.bytes_full > 0
+                                        ? static_cast<double>(u.fetch.bytes_fetched) /
+                                              static_cast<double>(u.fetch.bytes_full)
+                                        : 1.0);
+      auto* t = last.mutable_timings();
+      t->set_queue_seconds(u.queue_seconds);
+      t->set_time_to_first_token_seconds(u.time_to_first_token);
+      const int64_t here = u.generated_tokens - request->resume_token_ids_size();
+      const double tpot = here > 1 ? u.decode_seconds / static_cast<double>(here - 1) : 0.0;
+      t->set_time_per_output_token_seconds(tpot);
+      t->set_gather_wait_seconds(u.fetch.wait_seconds);
+      if (latency_.time_to_first_token != nullptr && here > 0) {
+        latency_.time_to_first_token->Observe(u.time_to_first_token);
+      }
+      if (latency_.time_per_output_token != nullptr && here > 1) {
+        latency_.time_per_output_token->Observe(tpot);
+      }
+      writer->Write(last);
+      return grpc::Status::OK;
+    }
+  }
+}
+
+grpc::Status WorkerService::Info(grpc::ServerContext*, const wv1::InfoRequest*,
+                                 wv1::InfoResponse* r) {
+  const ModelConfig& c = model_.config();
+  r->set_model(options_.model_name);
+  r->set_architecture(c.architecture == Architecture::kLlama ? "llama" : "opt");
+  r->set_num_layers(static_cast<int32_t>(c.num_layers));
+  r->set_num_heads(static_cast<int32_t>(c.num_heads));
+  r->set_num_kv_heads(static_cast<int32_t>(c.num_kv_heads));
+  r->set_head_dim(static_cast<int32_t>(c.head_dim));
+  r->set_vocab_size(static_cast<int32_t>(c.vocab_size));
+  r->set_max_context_tokens(c.max_position_embeddings);
+  r->set_max_new_tokens_limit(options_.max_new_tokens_limit);
+  r->set_max_running(options_.engine.max_running);
+  r->set_max_queued(options_.engine.max_queued);
+  const EngineStats s = engine_.Stats();
+  r->set_running(static_cast<int32_t>(s.running));
+  r->set_queued(static_cast<int32_t>(s.queued));
+  r->set_kv_transport(options_.kv_transport);
+  r->set_default_policy(options_.selection.policy);
+  for (const auto& p : options_.selection_limits.allowed_policies) r->add_policies(p);
+  r->set_draining(draining_);
+  return grpc::Status::OK;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,72 @@
+// The gRPC face of a worker (infinigen.worker.v1.Worker): turns a GenerateRequest into prompt
+// tokens, sampling options and a selection policy, submits it to the BatchEngine, and streams
+// the engine's tokens back as ids and text deltas, then usage and timings. A client that goes
+// away or cancels ends the request in the engine, which frees its KV store sequence.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_worker/engine/batch_engine.h"
+#include "gpu_worker/infinigen/selection_config.h"
+#include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/tokenizer/tokenizer.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
+
+namespace prometheus {
+class Histogram;
+}
+
+namespace infinigen {
+
+struct WorkerServiceOptions {
+  std::string model_name;
+  std::string kv_transport;
+  SelectionConfig selection;  // the defaults requests start from
+  SelectionLimits selection_limits;
+  int32_t default_max_new_tokens = 256;
+  int32_t max_new_tokens_limit = 4096;
+  int64_t max_prompt_tokens = 0;  // 0: the model's context
+  EngineConfig engine;            // as the engine was built (for Info)
+};
+
+// Latency observers for the metrics endpoint (optional).
+struct WorkerLatencyMetrics {
+  prometheus::Histogram* time_to_first_token = nullptr;
+  prometheus::Histogram* time_per_output_token = nullptr;
+};
+
+class WorkerService final : public worker::v1::Worker::Service {
+ public:
+  // Everything passed in must outlive the service. `sidecar` may be null (no infinigen);
+  // `tokenizer` may be null (a model without tokenizer files: token ids in, no text out).
+  WorkerService(BatchEngine& engine, const Model& model, const Tokenizer* tokenizer,
+                const InfinigenSidecar* sidecar, const WorkerServiceOptions& options);
+
+  grpc::Status Generate(grpc::ServerContext* context, const worker::v1::GenerateRequest* request,
+                        grpc::ServerWriter<worker::v1::GenerateResponse>* writer) override;
+  grpc::Status Info(grpc::ServerContext* context, const worker::v1::InfoRequest* request,
+                    worker::v1::InfoResponse* response) override;
+
+  // New requests get UNAVAILABLE while draining; running ones finish.
+  void SetDraining(bool draining) { draining_ = draining; }
+  void SetLatencyMetrics(const WorkerLatencyMetrics& m) { latency_ = m; }
+
+ private:
+  absl::StatusOr<std::vector<int32_t>> PromptTokens(const worker::v1::GenerateRequest& r) const;
+  absl::StatusOr<GenerateOptions> Options(const worker::v1::GenerateRequest& r) const;
+  absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> Policy(
+      const worker::v1::GenerateRequest& r) const;
+
+  BatchEngine& engine_;
+  const Model& model_;
+  const Tokenizer* tokenizer_;
+  const InfinigenSidecar* sidecar_;
+  const WorkerServiceOptions options_;
+  std::atomic<bool> draining_{false};
+  WorkerLatencyMetrics latency_;
+};
+
+}  // namespace infinigen
