@@ -21,6 +21,8 @@ constexpr int64_t kPanelRows = 256;
 constexpr int64_t kPrefetchBytes = 2048;
 // Below this many output rows a GEMV is not worth splitting across threads.
 constexpr int64_t kParallelRows = 64;
+// Up to this many activation rows, GemmQ8 multiplies quantized rows directly (decode batches).
+constexpr int64_t kSmallBatchRows = 16;
 
 float* Scratch(size_t n) {
   thread_local std::vector<float> buf;
@@ -183,6 +185,34 @@ void GemmQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, f
       float unused = 0.0f;
       DotQ8Rows2(xq, w.qs + (n - 1) * k, w.scales + (n - 1) * blocks, w.qs + (n - 1) * k,
                  w.scales + (n - 1) * blocks, blocks, &y[n - 1], &unused);
+    }
+    return;
+  }
+  if (m <= kSmallBatchRows) {
+    // A decode batch: widening the whole matrix to float would cost more than the products.
+    // Quantize each activation row as the m == 1 path does (so a row gets the same result in a
+    // batch as alone) and stream every weight row pair once for all m rows.
+    thread_local std::vector<int8_t> qs;
+    thread_local std::vector<float> scales;
+    qs.resize(static_cast<size_t>(m * k));
+    scales.resize(static_cast<size_t>(m * blocks));
+    for (int64_t i = 0; i < m; ++i) {
+      QuantizeQ8(x + i * ldx, 1, k, qs.data() + i * k, scales.data() + i * blocks);
+    }
+    const int8_t* xq = qs.data();
+    const float* xs = scales.data();
+    const int64_t pairs = (n + 1) / 2;
+#pragma omp parallel for schedule(static) if (n * m >= kParallelRows)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t j = 2 * p;
+      const int64_t j1 = j + 1 < n ? j + 1 : j;  // an odd last row pairs with itself
+      for (int64_t i = 0; i < m; ++i) {
+        float unused = 0.0f;
+        float* y0 = y + i * ldy + j;
+        float* y1 = j1 != j ? y + i * ldy + j1 : &unused;
+        DotQ8Rows2({xq + i * k, xs + i * blocks}, w.qs + j * k, w.scales + j * blocks,
+                   w.qs + j1 * k, w.scales + j1 * blocks, blocks, y0, y1);
+      }
     }
     return;
   }
