@@ -17,6 +17,7 @@
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/fixture_model.h"
@@ -281,6 +282,16 @@ TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
   EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4, 0, 0)).status.ok());
 }
 
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(grpc::Channel& channel) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      std::shared_ptr<grpc::Channel>(&channel, [](grpc::Channel*) {}));
+  grpc::ClientContext c;
+  c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckResponse r;
+  auto st = stub->Check(&c, grpc::health::v1::HealthCheckRequest(), &r);
+  return st.ok() ? r.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+}
+
 TEST_F(WorkerProcess, InfoHealthAndDrain) {
   grpc::ClientContext c1;
   wv1::InfoResponse info;
@@ -290,7 +301,26 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   EXPECT_EQ(info.kv_transport(), "grpc");
   EXPECT_EQ(info.default_policy(), "full");
   EXPECT_EQ(info.max_running(), 16);
-  EXPECT_EQ(worker_->Terminate(10), 0) << "SIGTERM drains and exits 0";
+  EXPECT_EQ(Health(*channel_), grpc::health::v1::HealthCheckResponse::SERVING);
+  // SIGTERM during a stream: health NOT_SERVING, new requests UNAVAILABLE, the stream finishes.
+  grpc::health::v1::HealthCheckResponse::ServingStatus during = {};
+  grpc::Status refused;
+  const auto prompt = RandomTokens(16, vocab(), 6);
+  const StreamResult r = Stream(*stub_, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
+    if (n != 1) return;
+    worker_->Signal(SIGTERM);
+    for (int i = 0; i < 100; ++i) {  // the signal is handled asynchronously
+      during = Health(*channel_);
+      if (during == grpc::health::v1::HealthCheckResponse::NOT_SERVING) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    refused = Stream(*stub_, Request(prompt, 4, 0.0f, 0)).status;
+  });
+  EXPECT_EQ(during, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens.size(), 230u) << "the running stream completes during the drain";
+  EXPECT_EQ(worker_->Terminate(10), 0) << "the drained worker exits 0";
 }
 
 }  // namespace
