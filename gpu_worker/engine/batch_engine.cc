@@ -292,6 +292,8 @@ bool BatchEngine::Step() {
   stats_.generated_tokens += generated;
   stats_.prompt_tokens += prompt;
   stats_.last_batch_sequences = static_cast<int64_t>(batch.size());
+  stats_.prefetch_hits = model_.prefetch_hits();
+  stats_.prefetch_misses = model_.prefetch_misses();
   return true;
 }
 

@@ -76,6 +76,10 @@ struct EngineStats {
   double gather_wait_seconds = 0;
   int64_t bytes_fetched = 0;
   int64_t bytes_full = 0;
+  // Decode steps whose selection was among the rows prefetched during the previous layer, and
+  // those that fetched again (Model::prefetch_hits).
+  int64_t prefetch_hits = 0;
+  int64_t prefetch_misses = 0;
 };
 
 class BatchEngine {

@@ -82,8 +82,10 @@ class KvCache {
   }
   // Starts reading `count` slots per KV head of `layer` (host, [num_kv_heads, count], each
   // head's list in the order attention will see them). At most one prefetch per sequence is
-  // outstanding; Fetch() returns it.
-  virtual absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {
+  // outstanding; Fetch() returns it. `extra_rows` more rows per head are left free after the
+  // packed rows (rows num_kv_heads * count + ...) for the caller to fill.
+  virtual absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
+                                int64_t extra_rows = 0) {
     return absl::UnimplementedError("this KV cache reads rows in place; it does not prefetch");
   }
   // The rows of the last Prefetch of `seq` at `layer`, packed: row j of KV head g is the j-th

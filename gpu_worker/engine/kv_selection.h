@@ -75,6 +75,11 @@ class KvSelectionPolicy {
   virtual absl::Status OnKeys(const LayerKeys& keys) { return absl::OkStatus(); }
   // Rows for one decode token at one layer.
   virtual absl::Status Select(const SelectRequest& request, Selection& out) = 0;
+  // Candidate rows to prefetch for `request.layer` while the previous layer still computes:
+  // request.kv.num_slots counts the stored rows only (the current token's key does not exist
+  // yet; current_slots is null). A superset guess of what Select will choose at the layer; the
+  // model fetches again if Select picks a row outside it. False: no guess (nothing prefetched).
+  virtual bool Preselect(const SelectRequest& request, Selection& out) { return false; }
   // Attention probabilities of that step: [num_heads, rows], rows in the selection's order
   // (all valid slots when the selection was `all`).
   virtual void OnAttentionWeights(SequenceId seq, int layer, const Selection& selection,

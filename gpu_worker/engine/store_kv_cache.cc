@@ -48,15 +48,15 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   return absl::OkStatus();
 }
 
-void StoreKvCache::DropTicket(Sequence& s) {
-  s.ticket.reset();  // waits for the transfer: it writes into our staging buffers
-  s.ticket_layer = -1;
+void StoreKvCache::DropTicket(Pending& p) {
+  p.ticket.reset();  // waits for the transfer: it writes into our staging buffers
+  p.layer = -1;
 }
 
 void StoreKvCache::Close(SequenceId seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return;
-  DropTicket(it->second);
+  for (Pending& p : it->second.pending) DropTicket(p);
   sequences_.erase(it);
   // Failures are the store's to clean up: the lease frees what a Close could not.
   client_.Close(StoreId(seq)).IgnoreError();
@@ -123,22 +123,25 @@ absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes) {
 }
 
 absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
-                                       std::vector<int32_t> slots, int64_t count) {
-  DropTicket(s);
+                                       std::vector<int32_t> slots, int64_t count,
+                                       int64_t extra_rows) {
+  Pending& p = s.pending[layer % 2];
+  DropTicket(p);
   const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
-  IG_RETURN_IF_ERROR(EnsureStaging(s.staging, bytes));
+  IG_RETURN_IF_ERROR(EnsureStaging(
+      p.staging, static_cast<size_t>(shape_.num_kv_heads) * (count + extra_rows) * RowBytes()));
   ClientGatherItem item;
   item.seq = StoreId(seq);
   item.layer = layer;
   item.count = count;
   item.slots = std::move(slots);
-  item.k_out = host_access_ ? static_cast<uint8_t*>(s.staging.k->data()) : s.staging.host_k.data();
-  item.v_out = host_access_ ? static_cast<uint8_t*>(s.staging.v->data()) : s.staging.host_v.data();
+  item.k_out = host_access_ ? static_cast<uint8_t*>(p.staging.k->data()) : p.staging.host_k.data();
+  item.v_out = host_access_ ? static_cast<uint8_t*>(p.staging.v->data()) : p.staging.host_v.data();
   std::vector<ClientGatherItem> items;
   items.push_back(std::move(item));
-  s.ticket = client_.GatherAsync(std::move(items));
-  s.ticket_layer = layer;
-  s.ticket_count = count;
+  p.ticket = client_.GatherAsync(std::move(items));
+  p.layer = layer;
+  p.count = count;
   s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
   s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.length[layer] *
                            static_cast<int64_t>(RowBytes());
@@ -147,28 +150,33 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
 }
 
 absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
-  if (s.ticket == nullptr || s.ticket_layer != layer) {
+  Pending& p = s.pending[layer % 2];
+  if (p.layer != layer) {
     return absl::FailedPreconditionError(
         absl::StrCat("no rows of layer ", layer, " were prefetched"));
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  absl::Status st = s.ticket->Wait(absl::Now() + options_.fetch_timeout);
-  s.counters.wait_seconds +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const int64_t count = s.ticket_count;
-  if (!st.ok()) {
-    DropTicket(s);
-    return st;
-  }
-  s.ticket.reset();  // done: keep ticket_layer so a second Fetch of the layer still works
-  if (!host_access_) {
-    const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
-    IG_RETURN_IF_ERROR(backend_.CopyToDevice(s.staging.host_k.data(), s.staging.k->data(), bytes));
-    IG_RETURN_IF_ERROR(backend_.CopyToDevice(s.staging.host_v.data(), s.staging.v->data(), bytes));
+  const int64_t count = p.count;
+  if (p.ticket != nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status st = p.ticket->Wait(absl::Now() + options_.fetch_timeout);
+    s.counters.wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!st.ok()) {
+      DropTicket(p);
+      return st;
+    }
+    p.ticket.reset();  // done; p.layer stays, so a second Fetch of the layer still works
+    if (!host_access_) {
+      const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
+      IG_RETURN_IF_ERROR(
+          backend_.CopyToDevice(p.staging.host_k.data(), p.staging.k->data(), bytes));
+      IG_RETURN_IF_ERROR(
+          backend_.CopyToDevice(p.staging.host_v.data(), p.staging.v->data(), bytes));
+    }
   }
   KvLayerView view;
-  view.k = {s.staging.k->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
-  view.v = {s.staging.v->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
+  view.k = {p.staging.k->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
+  view.v = {p.staging.v->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
   view.num_slots = count;
   return view;
 }
@@ -187,15 +195,15 @@ absl::StatusOr<KvLayerView> StoreKvCache::Read(SequenceId seq, int layer) {
   return FinishGather(*s, layer);
 }
 
-absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* slots,
-                                    int64_t count) {
+absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
+                                    int64_t extra_rows) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
   if (layer < 0 || layer >= shape_.num_layers || count <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefetch of layer ", layer, ", ", count, " rows: out of range"));
   }
   std::vector<int32_t> list(slots, slots + shape_.num_kv_heads * count);
-  return StartGather(seq, *s, layer, std::move(list), count);
+  return StartGather(seq, *s, layer, std::move(list), count, extra_rows);
 }
 
 absl::StatusOr<KvLayerView> StoreKvCache::Fetch(SequenceId seq, int layer) {

@@ -42,7 +42,8 @@ class StoreKvCache final : public KvCache {
 
   bool resident() const override { return false; }
   absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override;
-  absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) override;
+  absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
+                        int64_t extra_rows = 0) override;
   absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) override;
 
   FetchCounters Counters(SequenceId seq) const override;
@@ -54,12 +55,17 @@ class StoreKvCache final : public KvCache {
     std::vector<uint8_t> host_k, host_v;  // host bounce buffers (backends without host access)
     size_t capacity = 0;                  // bytes of each
   };
+  // A gather in flight or done: one per layer parity, so that the next layer's rows can move
+  // while this layer's are being used.
+  struct Pending {
+    Staging staging;
+    std::unique_ptr<GatherTicket> ticket;
+    int layer = -1;
+    int64_t count = 0;
+  };
   struct Sequence {
     std::vector<int64_t> length;  // per layer
-    Staging staging;
-    std::unique_ptr<GatherTicket> ticket;  // the outstanding prefetch
-    int ticket_layer = -1;
-    int64_t ticket_count = 0;
+    Pending pending[2];
     FetchCounters counters;
   };
 
@@ -67,10 +73,10 @@ class StoreKvCache final : public KvCache {
   absl::Status EnsureStaging(Staging& s, size_t bytes);
   // Gathers `count` slots per head into the sequence's staging and waits.
   absl::Status StartGather(SequenceId seq, Sequence& s, int layer, std::vector<int32_t> slots,
-                           int64_t count);
+                           int64_t count, int64_t extra_rows = 0);
   absl::StatusOr<KvLayerView> FinishGather(Sequence& s, int layer);
   // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
-  void DropTicket(Sequence& s);
+  static void DropTicket(Pending& p);
   size_t RowBytes() const;
 
   Backend& backend_;

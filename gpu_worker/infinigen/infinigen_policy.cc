@@ -61,6 +61,43 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     if (query == nullptr) {
       return absl::InternalError("infinigen: the model did not provide a speculated query");
     }
+    const int64_t k = Score(r, query, n, k_max);
+    if (k >= n) {
+      out.all = true;
+      return absl::OkStatus();
+    }
+    Choose(r, n, k, /*with_current=*/true, out);
+    return absl::OkStatus();
+  }
+
+  // Candidates for the prefetch of layer r.layer, chosen during the previous layer before the
+  // current token's key exists: the same speculated scores over the n stored rows, ranked the
+  // same way, but as many as the budget allows plus a margin, so that the exact selection made
+  // at the layer itself (which also scores the current token) is nearly always among them.
+  bool Preselect(const SelectRequest& r, Selection& out) override {
+    const int64_t n = r.kv.num_slots;  // stored rows, the current token not among them
+    if (r.layer < config_.dense_layers || r.speculated_q == nullptr ||
+        config_.speculation == SpeculationInput::kActualQuery || n <= 0) {
+      return false;
+    }
+    const int64_t k_max = config_.Budget(n + 1);
+    const int64_t k = std::min(n, k_max + std::max<int64_t>(4, k_max / 16));
+    if (k >= n) return false;  // everything: the layer reads all rows anyway
+    Score(r, r.speculated_q, n, k_max);
+    Choose(r, n, k, /*with_current=*/false, out);
+    return true;
+  }
+
+  void Release(SequenceId seq) override {
+    partial_.erase(seq);
+    positions_.Release(seq);
+  }
+
+ private:
+  // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) of rows [0, n) into
+  // scores_; returns k: the mean over heads of the rows within alpha of the head's best,
+  // clamped to [min_tokens, k_max].
+  int64_t Score(const SelectRequest& r, const float* query, int64_t n, int64_t k_max) {
     const int heads = static_cast<int>(model_.num_heads);
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
     const int group = heads / kv_heads;
@@ -68,7 +105,6 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const auto& cache = partial_[r.seq][r.layer];
     const float* skew = partial_skew_[r.layer].data();
-    // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d).
     scores_.resize(static_cast<size_t>(heads) * n);
     std::vector<float> q_partial(p);
     double count_sum = 0;
@@ -87,30 +123,27 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       const float threshold = best - static_cast<float>(config_.alpha);
       count_sum += std::count_if(s, s + n, [&](float v) { return v > threshold; });
     }
-    const int64_t k = std::clamp<int64_t>(std::llround(count_sum / heads),
-                                          std::min(config_.min_tokens, k_max), k_max);
-    if (k >= n) {
-      out.all = true;
-      return absl::OkStatus();
-    }
+    return std::clamp<int64_t>(std::llround(count_sum / heads), std::min(config_.min_tokens, k_max),
+                               k_max);
+  }
+
+  // The top k rows per KV head by the group's predicted attention mass (from scores_), the
+  // current token (when asked) and the always-kept rows first.
+  void Choose(const SelectRequest& r, int64_t n, int64_t k, bool with_current, Selection& out) {
+    const int heads = static_cast<int>(model_.num_heads);
+    const int kv_heads = static_cast<int>(model_.num_kv_heads);
     GroupAttentionMass(scores_.data(), heads, kv_heads, n, mass_);
     out.all = false;
     out.count = k;
     out.indices.clear();
     for (int g = 0; g < kv_heads; ++g) {
-      std::vector<int32_t> forced = {r.current_slots[g]};
+      std::vector<int32_t> forced;
+      if (with_current) forced.push_back(r.current_slots[g]);
       AddAlwaysKept(r, g, n, forced);
       TopK(mass_.data() + static_cast<size_t>(g) * n, n, k, forced, out.indices);
     }
-    return absl::OkStatus();
   }
 
-  void Release(SequenceId seq) override {
-    partial_.erase(seq);
-    positions_.Release(seq);
-  }
-
- private:
   // out[c] = Σ_i x[i] · a[i, c] for a: [d, p].
   static void Project(const float* x, const float* a, int d, int p, float* out) {
     std::fill(out, out + p, 0.0f);

@@ -55,10 +55,9 @@ absl::Status Model::Reserve(int64_t tokens, int64_t logit_rows) {
     IG_RETURN_IF_ERROR(grow(ws_.attn, tokens, c.q_dim(), e));
     IG_RETURN_IF_ERROR(grow(ws_.mlp, tokens, mlp_cols, e));
     IG_RETURN_IF_ERROR(grow(ws_.act, tokens, c.intermediate_size, e));
-    IG_RETURN_IF_ERROR(grow(ws_.h_prev, tokens, c.hidden_size, e));
-    IG_RETURN_IF_ERROR(grow(ws_.x_prev, tokens, c.hidden_size, e));
     IG_RETURN_IF_ERROR(grow(ws_.spec_in, tokens, c.hidden_size, e));
-    IG_RETURN_IF_ERROR(grow(ws_.spec_qkv, tokens, c.q_dim() + 2 * c.kv_dim(), e));
+    IG_RETURN_IF_ERROR(grow(ws_.spec_qkv[0], tokens, c.q_dim() + 2 * c.kv_dim(), e));
+    IG_RETURN_IF_ERROR(grow(ws_.spec_qkv[1], tokens, c.q_dim() + 2 * c.kv_dim(), e));
     ws_.max_tokens = tokens;
   }
   if (logit_rows > ws_.max_logit_rows) {
@@ -103,41 +102,71 @@ absl::Status Model::Embed(int64_t n) {
   return backend_.Add(pos, x);
 }
 
-absl::Status Model::Speculate(std::span<const ForwardChunk> batch, int layer, int64_t n,
+absl::Status Model::Speculate(std::span<const ForwardChunk> batch, int next_layer, int64_t n,
                               MatView attention_input) {
   const ModelConfig& c = config_;
   MatView x = Activations(*ws_.x, n, c.hidden_size);
-  MatView h_prev = Activations(*ws_.h_prev, n, c.hidden_size);
-  MatView x_prev = Activations(*ws_.x_prev, n, c.hidden_size);
-  if (layer > 0) {
-    MatView spec_in = Activations(*ws_.spec_in, n, c.hidden_size);
-    int64_t row = 0;
-    for (const ForwardChunk& chunk : batch) {
-      const int64_t len = static_cast<int64_t>(chunk.tokens.size());
-      const SpeculationInput kind =
-          chunk.policy != nullptr ? chunk.policy->speculation_input() : SpeculationInput::kNone;
-      if (kind == SpeculationInput::kThisLayerNorm) {
-        const LayerWeights& L = weights_.layers[layer];
-        IG_RETURN_IF_ERROR(
-            Norm(x_prev.Rows(row, len), L.attn_norm, L.attn_norm_bias, spec_in.Rows(row, len)));
-      } else {
-        IG_RETURN_IF_ERROR(backend_.Copy(h_prev.Rows(row, len), spec_in.Rows(row, len)));
-      }
-      row += len;
-    }
-    const LayerWeights& L = weights_.layers[layer];
-    MatView spec_qkv = Activations(*ws_.spec_qkv, n, c.q_dim() + 2 * c.kv_dim());
-    IG_RETURN_IF_ERROR(
-        backend_.Linear(spec_in, L.qkv, L.qkv_bias ? &L.qkv_bias : nullptr, spec_qkv, false));
-    if (c.architecture == Architecture::kLlama) {
+  MatView spec_in = Activations(*ws_.spec_in, n, c.hidden_size);
+  const LayerWeights& L = weights_.layers[next_layer];
+  int64_t row = 0;
+  for (const ForwardChunk& chunk : batch) {
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    const SpeculationInput kind =
+        chunk.policy != nullptr ? chunk.policy->speculation_input() : SpeculationInput::kNone;
+    if (kind == SpeculationInput::kThisLayerNorm) {
       IG_RETURN_IF_ERROR(
-          backend_.Rope(spec_qkv.Cols(0, c.q_dim()), c.num_heads, c.head_dim, c.rope.rotary_dim,
-                        static_cast<const int32_t*>(ws_.positions->data()),
-                        static_cast<const float*>(weights_.rope_inv_freq->data()), c.rope.layout));
+          Norm(x.Rows(row, len), L.attn_norm, L.attn_norm_bias, spec_in.Rows(row, len)));
+    } else {
+      IG_RETURN_IF_ERROR(backend_.Copy(attention_input.Rows(row, len), spec_in.Rows(row, len)));
     }
+    row += len;
   }
-  IG_RETURN_IF_ERROR(backend_.Copy(attention_input, h_prev));
-  return backend_.Copy(x, x_prev);
+  MatView spec_qkv = SpeculatedQkv(next_layer, n);
+  IG_RETURN_IF_ERROR(
+      backend_.Linear(spec_in, L.qkv, L.qkv_bias ? &L.qkv_bias : nullptr, spec_qkv, false));
+  if (c.architecture == Architecture::kLlama) {
+    IG_RETURN_IF_ERROR(
+        backend_.Rope(spec_qkv.Cols(0, c.q_dim()), c.num_heads, c.head_dim, c.rope.rotary_dim,
+                      static_cast<const int32_t*>(ws_.positions->data()),
+                      static_cast<const float*>(weights_.rope_inv_freq->data()), c.rope.layout));
+  }
+  return absl::OkStatus();
+}
+
+MatView Model::SpeculatedQkv(int layer, int64_t n) const {
+  return Activations(*ws_.spec_qkv[layer % 2], n, config_.q_dim() + 2 * config_.kv_dim());
+}
+
+absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer, KvCache& cache,
+                             int64_t n) {
+  const ModelConfig& c = config_;
+  MatView spec_q = SpeculatedQkv(next_layer, n).Cols(0, c.q_dim());
+  int64_t row = 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    Prefetched& pre = prefetched_[next_layer % 2][b];
+    pre.layer = -1;
+    KvSelectionPolicy* policy = chunk.policy;
+    if (len == 1 && policy != nullptr && policy->speculation_input() != SpeculationInput::kNone) {
+      SelectRequest request;
+      request.seq = chunk.seq;
+      request.layer = next_layer;
+      request.position = chunk.start;
+      IG_ASSIGN_OR_RETURN(request.kv.num_slots, cache.NumSlots(chunk.seq, next_layer));
+      request.speculated_q = spec_q.Rows(row, 1).As<const float>();
+      Selection candidates;
+      if (policy->Preselect(request, candidates) && !candidates.all) {
+        IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, next_layer, candidates.indices.data(),
+                                          candidates.count, /*extra_rows=*/1));
+        pre.layer = next_layer;
+        pre.count = candidates.count;
+        pre.slots = std::move(candidates.indices);
+      }
+    }
+    row += len;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
@@ -158,7 +187,7 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
   const int64_t kv_heads = c.num_kv_heads;
   host_slots_.resize(static_cast<size_t>(n * kv_heads));
   selections_.resize(batch.size());
-  MatView spec_q = Activations(*ws_.spec_qkv, n, c.q_dim() + 2 * c.kv_dim()).Cols(0, c.q_dim());
+  MatView spec_q = SpeculatedQkv(layer, n).Cols(0, c.q_dim());
   const bool resident = cache.resident();
 
   // Pass 1: store every chunk's K/V, let the policies see the keys, and choose the rows of each
@@ -218,13 +247,15 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     }
     if (len == 1 && !resident) {
       if (selection.all) {  // dense: every stored row
+        prefetched_[layer % 2][b].layer = -1;
         IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, layer));
         all_slots_.resize(static_cast<size_t>(kv_heads * stored));
         for (int64_t g = 0; g < kv_heads; ++g) {
           for (int64_t j = 0; j < stored; ++j) all_slots_[g * stored + j] = static_cast<int32_t>(j);
         }
         IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, layer, all_slots_.data(), stored));
-      } else {
+      } else if (!MapPrefetched(b, layer, selection, slots)) {
+        // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
         IG_RETURN_IF_ERROR(
             cache.Prefetch(chunk.seq, layer, selection.indices.data(), selection.count));
       }
@@ -260,8 +291,28 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
       }
       IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start, shape,
                                                   out.Rows(row, len)));
+    } else if (!resident && prefetched_[layer % 2][b].layer == layer) {
+      // The candidates prefetched during the previous layer, packed [num_kv_heads, count], then
+      // one row per head for the current token, which this step computed itself.
+      const Prefetched& pre = prefetched_[layer % 2][b];
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Fetch(chunk.seq, layer));
+      const int64_t hd = c.head_dim;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t dst = kv_heads * pre.count + g;
+        IG_RETURN_IF_ERROR(
+            backend_.Copy(k.Rows(row, 1).Cols(g * hd, hd), kv.k.Head(0, dst, 1, hd)));
+        IG_RETURN_IF_ERROR(
+            backend_.Copy(v.Rows(row, 1).Cols(g * hd, hd), kv.v.Head(0, dst, 1, hd)));
+      }
+      cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);
+      const size_t bytes = pre.map.size() * sizeof(int32_t);
+      IG_RETURN_IF_ERROR(EnsureBuffer(ws_.indices, bytes));
+      IG_RETURN_IF_ERROR(backend_.CopyToDevice(pre.map.data(), ws_.indices->data(), bytes));
+      IG_RETURN_IF_ERROR(AttentionStep(chunk, layer, q.Rows(row, 1), kv,
+                                       static_cast<const int32_t*>(ws_.indices->data()),
+                                       selection.count, selection, out.Rows(row, 1)));
     } else if (!resident) {
-      // The prefetched rows (all of them, or the selection), packed in the selection's order.
+      // The rows fetched in pass 1 (all of them, or the selection), packed in selection order.
       IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Fetch(chunk.seq, layer));
       if (!selection.all) {
         cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);
@@ -287,6 +338,36 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     row += len;
   }
   return absl::OkStatus();
+}
+
+bool Model::MapPrefetched(size_t b, int layer, const Selection& selection,
+                          const int32_t* current_slots) {
+  Prefetched& pre = prefetched_[layer % 2][b];
+  if (pre.layer != layer) return false;
+  const int64_t kv_heads = config_.num_kv_heads, count = selection.count;
+  pre.map.resize(static_cast<size_t>(kv_heads * count));
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    const int32_t* begin = pre.slots.data() + g * pre.count;
+    const int32_t* end = begin + pre.count;
+    for (int64_t j = 0; j < count; ++j) {
+      const int32_t slot = selection.indices[g * count + j];
+      int32_t at;  // row of the staging, relative to head g's first row
+      if (slot == current_slots[g]) {
+        at = static_cast<int32_t>(kv_heads * pre.count + g - g * pre.count);
+      } else {
+        const int32_t* it = std::lower_bound(begin, end, slot);
+        if (it == end || *it != slot) {
+          pre.layer = -1;  // a miss: the caller fetches the exact selection
+          ++prefetch_misses_;
+          return false;
+        }
+        at = static_cast<int32_t>(it - begin);
+      }
+      pre.map[g * count + j] = at;
+    }
+  }
+  ++prefetch_hits_;
+  return true;
 }
 
 absl::Status Model::AttentionStep(const ForwardChunk& chunk, int layer, MatView q,
@@ -421,6 +502,10 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
   speculating_ = std::any_of(batch.begin(), batch.end(), [](const ForwardChunk& chunk) {
     return chunk.policy != nullptr && chunk.policy->speculation_input() != SpeculationInput::kNone;
   });
+  for (auto& per_chunk : prefetched_) {
+    per_chunk.resize(batch.size());
+    for (Prefetched& p : per_chunk) p.layer = -1;
+  }
   MatView x = Activations(*ws_.x, n, c.hidden_size);
   MatView h = Activations(*ws_.h, n, c.hidden_size);
   MatView qkv = Activations(*ws_.qkv, n, c.q_dim() + 2 * c.kv_dim());
@@ -432,7 +517,12 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
       IG_RETURN_IF_ERROR(Norm(x, L.attn_norm, L.attn_norm_bias, h));
       in = h;
     }
-    if (speculating_) IG_RETURN_IF_ERROR(Speculate(batch, layer, n, in));
+    // Speculation for the next layer from this layer's attention input; over a cache that is
+    // not resident, its rows start moving now and arrive while this layer computes.
+    if (speculating_ && layer + 1 < c.num_layers) {
+      IG_RETURN_IF_ERROR(Speculate(batch, layer + 1, n, in));
+      if (!cache.resident()) IG_RETURN_IF_ERROR(Prefetch(batch, layer + 1, cache, n));
+    }
     IG_RETURN_IF_ERROR(backend_.Linear(in, L.qkv, L.qkv_bias ? &L.qkv_bias : nullptr, qkv, false));
     IG_RETURN_IF_ERROR(Attention(batch, layer, cache, n));
     IG_RETURN_IF_ERROR(backend_.Linear(attn, L.o, L.o_bias ? &L.o_bias : nullptr, x, true));

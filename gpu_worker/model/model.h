@@ -38,6 +38,11 @@ class Model {
   // The K/V layout a cache for this model must have.
   KvCacheShape kv_shape() const;
 
+  // Decode steps whose selection was among the rows prefetched during the previous layer
+  // (hits), and those that had to fetch again (misses).
+  int64_t prefetch_hits() const { return prefetch_hits_; }
+  int64_t prefetch_misses() const { return prefetch_misses_; }
+
   // Logit rows that Forward writes for `batch`: per chunk, all its tokens or its last one.
   static int64_t NumLogitRows(std::span<const ForwardChunk> batch);
 
@@ -55,9 +60,10 @@ class Model {
     int64_t max_tokens = 0;
     int64_t max_logit_rows = 0;
     std::unique_ptr<Buffer> ids, positions, x, h, qkv, attn, mlp, act, sel, sel_proj, logits;
-    // Speculation (policies that predict layer i from layer i-1): the previous layer's
-    // attention input and residual input, this layer's speculation input and projection.
-    std::unique_ptr<Buffer> h_prev, x_prev, spec_in, spec_qkv;
+    // Speculation (policies that predict layer i from layer i-1): the speculation input and
+    // the speculated projection of layer i, in spec_qkv[i % 2] (layer i-1 writes layer i's
+    // while layer i-1's own is still in use).
+    std::unique_ptr<Buffer> spec_in, spec_qkv[2];
     // Decode selection: row indices in device memory and attention weights, sized on demand.
     std::unique_ptr<Buffer> indices, weights;
   };
@@ -65,16 +71,24 @@ class Model {
   MatView Activations(Buffer& b, int64_t rows, int64_t cols) const;
 
   absl::Status Embed(int64_t num_tokens);
-  // For layer `layer`, the speculated queries of the rows whose policy asks for them, from the
-  // inputs saved at the previous layer; then saves this layer's inputs for the next one.
-  absl::Status Speculate(std::span<const ForwardChunk> batch, int layer, int64_t num_tokens,
+  // The speculated queries of `next_layer` for the rows whose policy asks for them, from the
+  // current layer's attention input (or its residual input under the next layer's norm).
+  absl::Status Speculate(std::span<const ForwardChunk> batch, int next_layer, int64_t num_tokens,
                          MatView attention_input);
+  MatView SpeculatedQkv(int layer, int64_t num_tokens) const;
+  // Starts fetching, from a cache that is not resident, the candidate rows of `next_layer` that
+  // each decode token's policy preselects from the speculation (INFINIGEN.md decode step 6).
+  absl::Status Prefetch(std::span<const ForwardChunk> batch, int next_layer, KvCache& cache,
+                        int64_t num_tokens);
   absl::Status EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes);
   absl::Status Norm(MatView x, const Weight& w, const Weight& b, MatView out);
   absl::Status Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
                          int64_t num_tokens);
   // One decode token's attention over `rows` rows of `kv` (listed by device `indices`, or the
   // first `rows` when null); hands the attention weights to policies that want them.
+  // Whether every row of `selection` (chunk b's, at the layer prefetched for it) is among the
+  // prefetched candidates or is the current token; fills the chunk's row map if so.
+  bool MapPrefetched(size_t b, int layer, const Selection& selection, const int32_t* current_slots);
   absl::Status AttentionStep(const ForwardChunk& chunk, int layer, MatView q, const KvLayerView& kv,
                              const int32_t* indices, int64_t rows, const Selection& selection,
                              MatView out);
@@ -91,7 +105,17 @@ class Model {
   std::vector<float> host_weights_;
   std::vector<Selection> selections_;  // per chunk of the current batch, at the current layer
   std::vector<int32_t> all_slots_;     // every slot, for dense reads of a non-resident cache
-  bool speculating_ = false;           // some chunk of the current batch speculates
+  // Per layer parity and chunk: the candidate rows prefetched for a layer (-1: none),
+  // [num_kv_heads, count]; layer i's are in use while layer i + 1's are being fetched.
+  struct Prefetched {
+    int layer = -1;
+    int64_t count = 0;
+    std::vector<int32_t> slots;
+    std::vector<int32_t> map;  // the selection's rows as rows of the prefetched staging
+  };
+  std::vector<Prefetched> prefetched_[2];
+  int64_t prefetch_hits_ = 0, prefetch_misses_ = 0;
+  bool speculating_ = false;  // some chunk of the current batch speculates
 };
 
 }  // namespace infinigen

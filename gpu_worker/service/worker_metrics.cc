@@ -46,6 +46,14 @@ class EngineCollectable final : public prometheus::Collectable {
         MetricFamilyOf("infinigen_worker_kv_bytes_full_fetch_total",
                        "K/V bytes a full fetch would have read (finished requests)",
                        MetricType::Counter, s.bytes_full),
+        MetricFamilyOf("infinigen_worker_prefetch_hits_total",
+                       "Decode steps whose selected rows had been prefetched during the previous "
+                       "layer",
+                       MetricType::Counter, s.prefetch_hits),
+        MetricFamilyOf("infinigen_worker_prefetch_misses_total",
+                       "Decode steps that fetched again because the selection left the "
+                       "prefetched candidates",
+                       MetricType::Counter, s.prefetch_misses),
         MetricFamilyOf("infinigen_worker_selection_fraction",
                        "Bytes fetched over a full fetch, over finished requests", MetricType::Gauge,
                        fraction),

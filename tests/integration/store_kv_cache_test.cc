@@ -2,7 +2,8 @@
 // own resident cache, on the tiny fixtures: dense attention gives the same logits bit for bit,
 // InfiniGen reads exactly the rows it selected and gives the same logits as over the resident
 // cache, batches of several sequences equal each sequence alone, chunked prefill reads back
-// from the store, and policies that must read stored keys themselves are refused.
+// from the store, InfiniGen's rows for layer i are prefetched during layer i-1 and found there,
+// and policies that must read stored keys themselves are refused.
 #include "gpu_worker/engine/store_kv_cache.h"
 
 #include <gtest/gtest.h>
@@ -171,6 +172,11 @@ TEST_P(StoreCache, InfinigenFetchesOnlyItsSelectionAndMatchesTheResidentCache) {
     got_logits.insert(got_logits.end(), logits.begin(), logits.end());
   }
   EXPECT_EQ(got_logits, want.logits);
+  // Layer 1's rows were prefetched during layer 0 (the cross-layer pipeline), and the exact
+  // selection was found among the candidates at most steps.
+  const int64_t hits = l_.model->prefetch_hits(), misses = l_.model->prefetch_misses();
+  EXPECT_GT(hits, 0);
+  EXPECT_GE(hits, 4 * misses) << hits << " hits, " << misses << " misses";
   const FetchCounters counters = cache_->Counters(1);
   EXPECT_GT(counters.bytes_fetched, 0);
   // Layer 0 is dense (all rows), layer 1 reads its selection: ~30% of its rows.
