@@ -64,7 +64,15 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
                      request.options.max_new_tokens, ") exceeds the model's context of ",
                      c.max_position_embeddings, " tokens"));
   }
+  const size_t device_bytes = config_.device_bytes_per_token * static_cast<size_t>(total);
+  if (config_.device_bytes_per_token > 0 && device_bytes > config_.device_memory_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the request needs about ", device_bytes >> 20, " MiB of device memory for ",
+                     total, " tokens; this worker has ", config_.device_memory_bytes >> 20,
+                     " MiB: use fewer prompt or new tokens"));
+  }
   auto a = std::make_unique<Active>();
+  a->device_bytes = device_bytes;
   a->history = request.prompt;
   a->history.insert(a->history.end(), request.resume_tokens.begin(), request.resume_tokens.end());
   a->prompt_len = static_cast<int64_t>(a->history.size());
@@ -113,6 +121,7 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
     u.fetch = cache_.Counters(a.id);
     cache_.Close(a.id);
     a.opened = false;
+    device_bytes_reserved_ -= a.device_bytes;
   }
   if (a.request.policy != nullptr) a.request.policy->Release(a.id);
   const absl::Time now = absl::Now();
@@ -141,7 +150,13 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
       Finish(a, FinishReason::kLength, absl::OkStatus());
       continue;
     }
-    absl::Status st = cache_.Open(a.id, a.max_total);
+    absl::Status st;
+    if (config_.device_bytes_per_token > 0 &&
+        device_bytes_reserved_ + a.device_bytes > config_.device_memory_bytes) {
+      st = absl::ResourceExhaustedError("device memory");  // running sequences hold it
+    } else {
+      st = cache_.Open(a.id, a.max_total);
+    }
     if (absl::IsResourceExhausted(st) && !running_.empty()) {
       // Not now: wait for running sequences to free memory, keeping the order.
       absl::MutexLock l(&mu_);
@@ -154,6 +169,7 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
       continue;
     }
     a.opened = true;
+    device_bytes_reserved_ += a.device_bytes;
     running_.push_back(std::move(incoming[i]));
   }
 }

@@ -31,6 +31,12 @@ struct EngineConfig {
   int max_running = 16;  // sequences in the batch at once
   int max_queued = 64;   // admitted requests waiting for a batch slot; more: RESOURCE_EXHAUSTED
   int64_t prefill_budget_tokens = 256;  // prompt tokens a step may carry beside its decodes
+  // Admission by device memory: each running sequence holds about device_bytes_per_token x
+  // (prompt + max_new_tokens) of the backend's memory (InfiniGen partial key caches, staging,
+  // a resident KV cache); requests wait while the sum would pass device_memory_bytes, and one
+  // that could never fit is refused with RESOURCE_EXHAUSTED. 0 bytes per token: no limit.
+  size_t device_bytes_per_token = 0;
+  size_t device_memory_bytes = 0;
   absl::Status Validate() const;
 };
 
@@ -107,6 +113,7 @@ class BatchEngine {
     int64_t generated = 0;   // tokens sampled here (resumed ones not included)
     int64_t max_total = 0;   // history length at which the length limit ends the request
     bool opened = false;
+    size_t device_bytes = 0;  // reserved against config_.device_memory_bytes while running
     absl::Time submitted, first_step, first_token, last_token;
     bool started = false;
   };
@@ -131,6 +138,7 @@ class BatchEngine {
   // Engine thread only.
   std::vector<std::unique_ptr<Active>> running_;
   std::vector<float> logits_;
+  size_t device_bytes_reserved_ = 0;
   SamplingScratch scratch_;
   std::thread thread_;
 };

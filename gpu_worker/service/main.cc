@@ -43,6 +43,9 @@ ABSL_FLAG(int32_t, dense_layers, 2, "leading layers that always attend densely")
 ABSL_FLAG(int32_t, max_running, 16, "sequences in the batch at once");
 ABSL_FLAG(int32_t, max_queued, 64, "requests waiting for a slot before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, prefill_budget, 256, "prompt tokens a step may add beside its decodes");
+ABSL_FLAG(int64_t, device_memory_mb, 0,
+          "device memory for per-sequence state (partial key caches, staging); 0: 90% of what "
+          "the backend has free after loading");
 ABSL_FLAG(int32_t, default_max_new_tokens, 256, "max_new_tokens of requests that give none");
 ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a request may ask");
 ABSL_FLAG(int64_t, threads, 0, "CPU backend threads (0: all cores)");
@@ -153,6 +156,24 @@ int main(int argc, char** argv) {
   cache_options.id_base = std::random_device{}() * (uint64_t{1} << 32);
   Model& model = *loaded->model;
   KvCacheShape shape = model.kv_shape();
+  {
+    // Admission by device memory: what a running sequence keeps on the device per token of its
+    // length: InfiniGen's partial keys of every sparse layer, and the two staging buffers of
+    // fetched rows (K and V, a budget's share of the rows, two layers in flight).
+    const ModelConfig& c = model.config();
+    const size_t row = static_cast<size_t>(c.num_kv_heads) * c.head_dim * DTypeSize(shape.dtype);
+    size_t per_token = static_cast<size_t>(2 * 2 * row * std::max(0.05, selection.budget_fraction));
+    if (sidecar) {
+      per_token +=
+          static_cast<size_t>(std::max<int64_t>(0, c.num_layers - selection.dense_layers)) *
+          c.num_kv_heads * sidecar->partial_dim * sizeof(float);
+    }
+    engine_config.device_bytes_per_token = per_token;
+    const int64_t mb = absl::GetFlag(FLAGS_device_memory_mb);
+    engine_config.device_memory_bytes =
+        mb > 0 ? static_cast<size_t>(mb) << 20
+               : static_cast<size_t>(0.9 * static_cast<double>(loaded->backend->FreeMemory()));
+  }
   StoreKvCache cache(*loaded->backend, shape, **client, cache_options);
   BatchEngine engine(model, cache, engine_config);
 

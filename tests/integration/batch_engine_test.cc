@@ -210,6 +210,50 @@ TEST_F(Engine, BadRequestsAndAFullQueueAreRefused) {
   }
 }
 
+TEST_F(Engine, AdmissionByDeviceMemory) {
+  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  EngineConfig config;
+  config.device_bytes_per_token = 1000;
+  config.device_memory_bytes = 1000 * 60;  // one 10 + 40 token request fits, two do not
+  BatchEngine engine(*l_.model, cache, config);
+  EngineRequest huge;
+  huge.prompt = RandomTokens(30, vocab_, 1);
+  huge.options.max_new_tokens = 40;
+  auto st = engine.Submit(std::move(huge), {}).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("device memory"), std::string::npos) << st;
+  absl::Mutex mu;
+  std::vector<std::pair<int, bool>> order;  // (request, done) in event order
+  std::vector<Collector> c(2);
+  for (int i = 0; i < 2; ++i) {
+    EngineRequest r;
+    r.prompt = RandomTokens(10, vocab_, 2 + i);
+    r.options.max_new_tokens = 40;
+    r.options.ignore_eos = true;
+    Collector* ci = &c[i];
+    ASSERT_TRUE(engine
+                    .Submit(std::move(r),
+                            [&, i, ci](const EngineEvent& e) {
+                              {
+                                absl::MutexLock l(&mu);
+                                order.push_back({i, e.done});
+                              }
+                              ci->Sink()(e);
+                            })
+                    .ok());
+  }
+  for (auto& ci : c) ASSERT_TRUE(ci.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  // The second request ran only after the first had finished and given its memory back.
+  absl::MutexLock l(&mu);
+  size_t first_done = 0, second_first = order.size();
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (order[k].first == 0 && order[k].second) first_done = k;
+    if (order[k].first == 1 && second_first == order.size()) second_first = k;
+  }
+  EXPECT_LT(first_done, second_first);
+  EXPECT_EQ(c[1].tokens.size(), 40u);
+}
+
 TEST_F(Engine, AResumedRequestContinuesAsTheOriginal) {
   ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
   BatchEngine engine(*l_.model, cache, EngineConfig{});
