@@ -43,6 +43,19 @@ struct CaseResult {
   int errors = 0;
 };
 
+// Fills the totals and the token gaps of `r` from each stream's token arrival times.
+void Summarize(const std::vector<std::vector<Clock::time_point>>& arrivals,
+               const std::vector<int>& failed, Clock::time_point t0, CaseResult& r) {
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (size_t s = 0; s < arrivals.size(); ++s) {
+    r.errors += failed[s];
+    r.tokens += static_cast<int64_t>(arrivals[s].size());
+    for (size_t i = 1; i < arrivals[s].size(); ++i) {
+      r.gaps.push_back(std::chrono::duration<double>(arrivals[s][i] - arrivals[s][i - 1]).count());
+    }
+  }
+}
+
 std::vector<int32_t> Prompt(int64_t n, int64_t vocab, unsigned seed) {
   std::mt19937 rng(seed);
   std::vector<int32_t> t(n);
@@ -79,14 +92,7 @@ CaseResult RunRemote(worker::v1::Worker::Stub& stub, int streams, int64_t vocab,
     });
   }
   for (auto& t : threads) t.join();
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  for (int s = 0; s < streams; ++s) {
-    r.errors += failed[s];
-    r.tokens += static_cast<int64_t>(arrivals[s].size());
-    for (size_t i = 1; i < arrivals[s].size(); ++i) {
-      r.gaps.push_back(std::chrono::duration<double>(arrivals[s][i] - arrivals[s][i - 1]).count());
-    }
-  }
+  Summarize(arrivals, failed, t0, r);
   return r;
 }
 
@@ -116,14 +122,7 @@ CaseResult RunLocal(BatchEngine& engine, int streams, int64_t vocab, int64_t pro
     }
   }
   for (auto& d : done) d.WaitForNotification();
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  for (int s = 0; s < streams; ++s) {
-    r.errors += failed[s];
-    r.tokens += static_cast<int64_t>(arrivals[s].size());
-    for (size_t i = 1; i < arrivals[s].size(); ++i) {
-      r.gaps.push_back(std::chrono::duration<double>(arrivals[s][i] - arrivals[s][i - 1]).count());
-    }
-  }
+  Summarize(arrivals, failed, t0, r);
   return r;
 }
 
@@ -134,15 +133,24 @@ int main(int argc, char** argv) {
   int64_t prompt = 128, new_tokens = 64, threads = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--target") target = v;
-    else if (k == "--local") local = v;
-    else if (k == "--streams") streams_list = v;
-    else if (k == "--policy") policy = v;
-    else if (k == "--label") label = v;
-    else if (k == "--cpu-weights") cpu_weights = v;
-    else if (k == "--prompt-tokens") (void)absl::SimpleAtoi(v, &prompt);
-    else if (k == "--new-tokens") (void)absl::SimpleAtoi(v, &new_tokens);
-    else if (k == "--threads") (void)absl::SimpleAtoi(v, &threads);
+    if (k == "--target")
+      target = v;
+    else if (k == "--local")
+      local = v;
+    else if (k == "--streams")
+      streams_list = v;
+    else if (k == "--policy")
+      policy = v;
+    else if (k == "--label")
+      label = v;
+    else if (k == "--cpu-weights")
+      cpu_weights = v;
+    else if (k == "--prompt-tokens")
+      (void)absl::SimpleAtoi(v, &prompt);
+    else if (k == "--new-tokens")
+      (void)absl::SimpleAtoi(v, &new_tokens);
+    else if (k == "--threads")
+      (void)absl::SimpleAtoi(v, &threads);
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;

@@ -7,8 +7,6 @@
 
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include "absl/synchronization/notification.h"
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "tests/support/fixture_model.h"
@@ -17,12 +15,7 @@
 namespace infinigen {
 namespace {
 
-std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
+using testing::RandomTokens;
 
 // Collects one request's events.
 struct Collector {

@@ -7,7 +7,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <set>
 
 #include "gpu_worker/backend/cpu_backend.h"
@@ -29,12 +28,7 @@ namespace fs = std::filesystem;
 using Loaded = testing::LoadedModel;
 using testing::LoadModel;
 
-std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
+using testing::RandomTokens;
 
 InfinigenSidecar Prepare(Loaded& l, float ratio = 0.5f) {
   auto tokens = RandomTokens(96, l.model->config().vocab_size, 5);

@@ -8,8 +8,6 @@
 
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
@@ -21,12 +19,7 @@
 namespace infinigen {
 namespace {
 
-std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
+using testing::RandomTokens;
 
 struct DecodeRun {
   std::vector<std::vector<int32_t>> tokens;  // per sequence

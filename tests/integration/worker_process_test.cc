@@ -10,7 +10,6 @@
 
 #include <csignal>
 #include <filesystem>
-#include <random>
 #include <thread>
 
 #include "gpu_worker/engine/generator.h"
@@ -33,12 +32,7 @@ using testing::ServerProcess;
 
 const char* kModel = "hf/llama31_gqa";
 
-std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
+using testing::RandomTokens;
 
 struct StreamResult {
   std::vector<int32_t> tokens;

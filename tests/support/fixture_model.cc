@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
 namespace infinigen::testing {
 
 LoadedModel LoadModel(const std::string& dir) {
@@ -15,6 +17,13 @@ LoadedModel LoadModel(const std::string& dir) {
   EXPECT_TRUE(model.ok()) << model.status();
   if (model.ok()) l.model = std::move(*model);
   return l;
+}
+
+std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
 }
 
 }  // namespace infinigen::testing
