@@ -183,6 +183,28 @@ class GrpcClient final : public QueuedKvClient {
     return FromGrpcStatus(stub_->Append(&ctx, req, &resp));
   }
 
+  // One AppendBatch call for everything that piled up (an Append each costs a round trip).
+  absl::Status DoAppendBatch(const std::vector<AppendJob>& jobs) override {
+    if (jobs.size() == 1) {
+      const AppendJob& j = jobs[0];
+      return DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v);
+    }
+    pb::AppendBatchRequest req;
+    for (const AppendJob& j : jobs) {
+      pb::AppendRequest* a = req.add_appends();
+      a->set_sequence_id(j.seq);
+      a->set_layer(j.layer);
+      a->set_start(j.start);
+      a->set_num_tokens(j.n);
+      a->set_k(j.k.data(), j.k.size());
+      a->set_v(j.v.data(), j.v.size());
+    }
+    pb::AppendBatchResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    return FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
+  }
+
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
     if (arena_ != nullptr) return GatherShm(items);
 #if INFINIGEN_HAVE_UCX

@@ -1,5 +1,6 @@
 #include "kv_store/client/queued_client.h"
 
+#include <algorithm>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -38,6 +39,7 @@ QueuedKvClient::~QueuedKvClient() { Stop(); }
 
 void QueuedKvClient::Start() {
   queue_thread_ = std::thread([this] { QueueLoop(); });
+  append_thread_ = std::thread([this] { AppendLoop(); });
   if (config_.renew_every > absl::ZeroDuration()) {
     renew_thread_ = std::thread([this] { RenewLoop(); });
   }
@@ -51,12 +53,13 @@ void QueuedKvClient::Stop() {
   }
   if (!stop_renew_.HasBeenNotified()) stop_renew_.Notify();
   if (renew_thread_.joinable()) renew_thread_.join();
+  if (append_thread_.joinable()) append_thread_.join();
   if (queue_thread_.joinable()) queue_thread_.join();
 }
 
-void QueuedKvClient::Enqueue(std::function<void()> fn) {
+void QueuedKvClient::Enqueue(uint64_t after_append, std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
-  queue_.push_back(std::move(fn));
+  queue_.push_back({after_append, std::move(fn)});
 }
 
 void QueuedKvClient::QueueLoop() {
@@ -68,11 +71,52 @@ void QueuedKvClient::QueueLoop() {
                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping, and everything queued has run
-      fn = std::move(queue_.front());
+      const uint64_t after = queue_.front().after_append;
+      auto appended = [this, after]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return appends_done_ >= after || appends_stopped_;
+      };
+      mu_.Await(absl::Condition(&appended));
+      fn = std::move(queue_.front().fn);
       queue_.pop_front();
     }
     fn();
   }
+}
+
+void QueuedKvClient::AppendLoop() {
+  constexpr size_t kMaxBatchBytes = 32 << 20;
+  for (;;) {
+    std::vector<AppendJob> batch;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !appends_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (appends_.empty()) {  // stopping, and every append has run
+        appends_stopped_ = true;
+        return;
+      }
+      size_t bytes = 0;
+      while (!appends_.empty() && (batch.empty() || bytes < kMaxBatchBytes)) {
+        bytes += appends_.front().k.size() + appends_.front().v.size();
+        batch.push_back(std::move(appends_.front()));
+        appends_.pop_front();
+      }
+    }
+    absl::Status st = DoAppendBatch(batch);
+    absl::MutexLock lock(&mu_);
+    if (!st.ok() && append_error_.ok()) append_error_ = st;
+    appends_done_ += batch.size();
+  }
+}
+
+absl::Status QueuedKvClient::DoAppendBatch(const std::vector<AppendJob>& jobs) {
+  for (const AppendJob& j : jobs) {
+    absl::Status st = DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
 }
 
 void QueuedKvClient::RenewLoop() {
@@ -84,7 +128,12 @@ void QueuedKvClient::RenewLoop() {
 
 absl::Status QueuedKvClient::RunSync(std::function<absl::Status()> fn, absl::Time deadline) {
   auto state = std::make_shared<TicketState>();
-  Enqueue([state, fn = std::move(fn)] {
+  uint64_t after;
+  {
+    absl::MutexLock lock(&mu_);
+    after = appends_queued_;
+  }
+  Enqueue(after, [state, fn = std::move(fn)] {
     state->status = fn();
     state->done.Notify();
   });
@@ -101,18 +150,21 @@ absl::Status QueuedKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec)
 }
 
 absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
-  return RunSync([this, seq] { return DoClose(seq); }, absl::Now() + 4 * config_.call_timeout);
+  absl::Status st =
+      RunSync([this, seq] { return DoClose(seq); }, absl::Now() + 4 * config_.call_timeout);
+  absl::MutexLock lock(&mu_);
+  last_append_.erase(seq);
+  return st;
 }
 
 void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                  std::vector<uint8_t> k, std::vector<uint8_t> v) {
-  Enqueue([this, seq, layer, start, n, k = std::move(k), v = std::move(v)] {
-    absl::Status st = DoAppend(seq, layer, start, n, k, v);
-    if (!st.ok()) {
-      absl::MutexLock lock(&mu_);
-      if (append_error_.ok()) append_error_ = st;
-    }
-  });
+  absl::MutexLock lock(&mu_);
+  const uint64_t number = ++appends_queued_;
+  auto& last = last_append_[seq];
+  if (layer >= 0 && static_cast<size_t>(layer) >= last.size()) last.resize(layer + 1, 0);
+  if (layer >= 0) last[layer] = number;
+  appends_.push_back({seq, layer, start, n, std::move(k), std::move(v)});
 }
 
 absl::Status QueuedKvClient::Flush(absl::Time deadline) {
@@ -126,7 +178,18 @@ absl::Status QueuedKvClient::Flush(absl::Time deadline) {
 
 std::unique_ptr<GatherTicket> QueuedKvClient::GatherAsync(std::vector<ClientGatherItem> items) {
   auto state = std::make_shared<TicketState>();
-  Enqueue([this, state, items = std::move(items)] {
+  uint64_t after = 0;  // the last append queued to a (sequence, layer) this gather reads
+  {
+    absl::MutexLock lock(&mu_);
+    for (const ClientGatherItem& item : items) {
+      auto it = last_append_.find(item.seq);
+      if (it != last_append_.end() && item.layer >= 0 &&
+          static_cast<size_t>(item.layer) < it->second.size()) {
+        after = std::max(after, it->second[item.layer]);
+      }
+    }
+  }
+  Enqueue(after, [this, state, items = std::move(items)] {
     state->status = DoGather(items);
     state->done.Notify();
   });

@@ -1,14 +1,19 @@
-// The machinery every KvStoreClient transport shares: one ordered work queue on a background
-// thread (write-behind appends, asynchronous gathers, and synchronous calls that must not
-// overtake them), the first append error kept for Flush, and a lease-renewal thread. A
-// transport implements the Do* calls, which run on the queue thread.
+// The machinery every KvStoreClient transport shares: write-behind appends on their own thread
+// (in order among themselves), a work queue on another thread for gathers and synchronous calls,
+// the first append error kept for Flush, and a lease-renewal thread. A gather waits only for the
+// appends to the (sequence, layer) pairs it reads that were queued before it, so a prefetch of
+// rows stored in earlier steps never waits behind this step's appends; synchronous calls wait for
+// every append queued before them. A transport implements the Do* calls; DoAppend runs on the
+// append thread, the others on the queue thread, so the two may run at the same time.
 #pragma once
 
 #include <deque>
 #include <functional>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kv_store/client/kv_store_client.h"
@@ -21,8 +26,8 @@ class QueuedKvClient : public KvStoreClient {
 
   absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) final;
   absl::Status Close(StoreSequenceId seq) final;
-  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                   std::vector<uint8_t> k, std::vector<uint8_t> v) final;
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
+                   std::vector<uint8_t> v) final;
   absl::Status Flush(absl::Time deadline) final;
   std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) final;
   absl::StatusOr<KvStoreStats> Stats() final;
@@ -38,6 +43,15 @@ class QueuedKvClient : public KvStoreClient {
   virtual absl::Status DoClose(StoreSequenceId seq) = 0;
   virtual absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                 const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) = 0;
+  // The appends that piled up while the previous ones ran, in order; the first error ends the
+  // batch. The default sends them one by one.
+  struct AppendJob {
+    StoreSequenceId seq;
+    int layer;
+    int64_t start, n;
+    std::vector<uint8_t> k, v;
+  };
+  virtual absl::Status DoAppendBatch(const std::vector<AppendJob>& jobs);
   virtual absl::Status DoGather(const std::vector<ClientGatherItem>& items) = 0;
   virtual absl::StatusOr<KvStoreStats> DoStats() = 0;
   virtual absl::Status DoRenew() = 0;
@@ -45,17 +59,31 @@ class QueuedKvClient : public KvStoreClient {
   const KvClientConfig config_;
 
  private:
-  // Runs `fn` on the queue thread after everything queued before it; waits up to `deadline`.
+  struct Job {
+    uint64_t after_append;  // runs once appends 1 .. after_append are done
+    std::function<void()> fn;
+  };
+
+  // Runs `fn` on the queue thread after everything queued before it, appends included; waits
+  // up to `deadline`.
   absl::Status RunSync(std::function<absl::Status()> fn, absl::Time deadline);
-  void Enqueue(std::function<void()> fn);
+  void Enqueue(uint64_t after_append, std::function<void()> fn);
   void QueueLoop();
+  void AppendLoop();
   void RenewLoop();
 
   absl::Mutex mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<AppendJob> appends_ ABSL_GUARDED_BY(mu_);
+  uint64_t appends_queued_ ABSL_GUARDED_BY(mu_) = 0;  // numbers appends 1, 2, ...
+  uint64_t appends_done_ ABSL_GUARDED_BY(mu_) = 0;
+  bool appends_stopped_ ABSL_GUARDED_BY(mu_) = false;
+  // seq -> per layer, the number of the last append queued to it.
+  absl::flat_hash_map<StoreSequenceId, std::vector<uint64_t>> last_append_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status append_error_ ABSL_GUARDED_BY(mu_);
   std::thread queue_thread_;
+  std::thread append_thread_;
   std::thread renew_thread_;
   absl::Notification stop_renew_;
 };

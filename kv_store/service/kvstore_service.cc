@@ -67,6 +67,20 @@ grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* r
   return grpc::Status::OK;
 }
 
+grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
+                                         const AppendBatchRequest* req, AppendBatchResponse* resp) {
+  for (int i = 0; i < req->appends_size(); ++i) {
+    AppendResponse one;
+    grpc::Status st = Append(context, &req->appends(i), &one);
+    if (!st.ok()) {
+      return grpc::Status(st.error_code(), absl::StrCat("append ", i, " of ", req->appends_size(),
+                                                        ": ", st.error_message()));
+    }
+    resp->set_applied(i + 1);
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status KvStoreService::Gather(grpc::ServerContext*, const GatherRequest* req,
                                     GatherResponse* resp) {
   std::vector<infinigen::GatherItem> items;

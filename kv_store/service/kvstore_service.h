@@ -21,6 +21,8 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
                     kvstore::v1::OpenResponse*) override;
   grpc::Status Append(grpc::ServerContext*, const kvstore::v1::AppendRequest*,
                       kvstore::v1::AppendResponse*) override;
+  grpc::Status AppendBatch(grpc::ServerContext*, const kvstore::v1::AppendBatchRequest*,
+                           kvstore::v1::AppendBatchResponse*) override;
   grpc::Status Gather(grpc::ServerContext*, const kvstore::v1::GatherRequest*,
                       kvstore::v1::GatherResponse*) override;
   grpc::Status Close(grpc::ServerContext*, const kvstore::v1::CloseRequest*,

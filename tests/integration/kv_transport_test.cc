@@ -117,6 +117,45 @@ TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
   EXPECT_TRUE(client_->Close(1).ok());
 }
 
+// Many write-behind appends to both layers, interleaved with gathers of layer 0 that must not
+// wait for layer 1's appends but must see every layer-0 append queued before them; the append
+// thread sends what piled up in batches. A bad append in the stream fails Flush, naming it.
+TEST_P(KvTransport, InterleavedAppendsAndGathersSeeWhatTheyNeed) {
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  std::vector<std::unique_ptr<GatherTicket>> tickets;
+  std::vector<std::vector<uint8_t>> ks;
+  for (int64_t t = 0; t < 120; ++t) {
+    for (int layer = 0; layer < 2; ++layer) {
+      client_->AppendAsync(1, layer, t, 1, TokenRows(t + 1000 * layer, 1, 0),
+                           TokenRows(t + 1000 * layer, 1, 1));
+    }
+    if (t % 10 == 9) {  // the newest row of layer 0, just queued
+      ks.emplace_back(2 * 32);
+      std::vector<uint8_t> v(2 * 32);
+      tickets.push_back(client_->GatherAsync({{1,
+                                               0,
+                                               1,
+                                               {static_cast<int32_t>(t), static_cast<int32_t>(t)},
+                                               ks.back().data(),
+                                               v.data()}}));
+      ASSERT_TRUE(tickets.back()->Wait(Soon()).ok());
+      const auto want = TokenRows(t, 1, 0);
+      EXPECT_EQ(0, std::memcmp(ks.back().data(), want.data(), 32)) << t;
+      EXPECT_EQ(0, std::memcmp(ks.back().data() + 32, want.data() + 32, 32)) << t;
+    }
+  }
+  EXPECT_TRUE(client_->Flush(Soon()).ok());
+  std::vector<uint8_t> k(2 * 32), v(2 * 32);
+  ASSERT_TRUE(client_->GatherAsync({{1, 1, 1, {119, 119}, k.data(), v.data()}})->Wait(Soon()).ok());
+  EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(1119, 1, 0).data(), 32));
+  // An append past the end (a hole) fails; Flush reports it.
+  client_->AppendAsync(1, 0, 500, 1, TokenRows(0, 1, 0), TokenRows(0, 1, 1));
+  client_->AppendAsync(1, 0, 120, 1, TokenRows(120, 1, 0), TokenRows(120, 1, 1));
+  absl::Status st = client_->Flush(Soon());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_TRUE(client_->Close(1).ok());
+}
+
 TEST_P(KvTransport, BadRequestsGetClearErrors) {
   ASSERT_TRUE(client_->Open(2, Spec()).ok());
   client_->AppendAsync(2, 0, 0, 4, TokenRows(0, 4, 0), TokenRows(0, 4, 1));
