@@ -249,6 +249,39 @@ TEST_F(WorkerProcess, KilledStoreEndsTheStreamUnavailableAndTheWorkerRecovers) {
   EXPECT_TRUE(last.ok()) << last.error_message();
 }
 
+TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
+  const int port = FreePort();
+  ServerProcess small("infinigen-worker",
+                      {"--model=" + testing::FixturePath(kModel),
+                       "--listen=127.0.0.1:" + std::to_string(port), "--kv_transport=in-process",
+                       "--policy=full", "--threads=1", "--max_running=1", "--max_queued=0"},
+                      port);
+  ASSERT_TRUE(small.running());
+  auto stub = wv1::Worker::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  grpc::Status refused;
+  std::string pushback;
+  const auto prompt = RandomTokens(16, vocab(), 8);
+  const StreamResult first = Stream(*stub, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
+    if (n != 1) return;
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, Request(prompt, 4, 0.0f, 0));
+    wv1::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+    }
+    refused = reader->Finish();
+    auto it = ctx.GetServerTrailingMetadata().find("grpc-retry-pushback-ms");
+    if (it != ctx.GetServerTrailingMetadata().end()) {
+      pushback = std::string(it->second.data(), it->second.size());
+    }
+  });
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_EQ(pushback, "200");
+  // Once the first is done, the worker takes the next one.
+  EXPECT_TRUE(Stream(*stub, Request(prompt, 4, 0.0f, 0)).status.ok());
+}
+
 TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
   auto code_of = [&](const wv1::GenerateRequest& r) { return Stream(*stub_, r).status; };
   wv1::GenerateRequest none;  // no input

@@ -1,0 +1,102 @@
+// infinigen-worker on the real SmolLM2-135M-Instruct (GGUF, tokenizer inside): a text prompt and
+// a chat conversation stream the same tokens as the local engine given the same prompt ids, and
+// the streamed text deltas concatenate to the tokenizer's decoding of those tokens.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "cli/loaded_model.h"
+#include "gpu_worker/engine/generator.h"
+#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/tokenizer/chat_template.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
+#include "tests/support/process.h"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+namespace wv1 = worker::v1;
+
+struct Streamed {
+  std::vector<int32_t> tokens;
+  std::string text;
+  grpc::Status status;
+};
+
+Streamed StreamOf(wv1::Worker::Stub& stub, const wv1::GenerateRequest& request) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  Streamed s;
+  auto reader = stub.Generate(&ctx, request);
+  wv1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    for (int32_t t : msg.token_ids()) s.tokens.push_back(t);
+    s.text += msg.text();
+  }
+  s.status = reader->Finish();
+  return s;
+}
+
+TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
+  const std::string model_path = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(model_path, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  const int port = testing::FreePort();
+  testing::ServerProcess worker(
+      "infinigen-worker",
+      {"--model=" + model_path, "--listen=127.0.0.1:" + std::to_string(port),
+       "--kv_transport=in-process", "--policy=full", "--threads=1", "--kv_capacity_mb=256"},
+      port);
+  ASSERT_TRUE(worker.running());
+  auto stub = wv1::Worker::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+
+  cli::BackendFlags flags;
+  flags.threads = 1;
+  auto loaded = cli::LoadModel(model_path, flags);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto tokenizer = cli::LoadTokenizer(*loaded->checkpoint);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  auto local = [&](const std::vector<int32_t>& prompt, int max_new) {
+    ResidentKvCache cache(*loaded->backend, loaded->model->kv_shape());
+    GenerateOptions o;
+    o.max_new_tokens = max_new;
+    o.sampling.temperature = 0;
+    auto r = Generate(*loaded->model, cache, 1, prompt, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->tokens : std::vector<int32_t>{};
+  };
+
+  // A text prompt: encoded with BOS where the model wants it.
+  wv1::GenerateRequest text;
+  text.set_text("The capital of France is");
+  text.mutable_sampling()->set_temperature(0);
+  text.mutable_stopping()->set_max_new_tokens(24);
+  const Streamed a = StreamOf(*stub, text);
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  EXPECT_EQ(a.tokens, local((*tokenizer)->Encode("The capital of France is", true), 24));
+  EXPECT_EQ(a.text, (*tokenizer)->Decode(a.tokens));
+  EXPECT_FALSE(a.text.empty());
+
+  // A conversation: rendered with the model's own (ChatML) template.
+  wv1::GenerateRequest chat;
+  auto* m = chat.mutable_messages()->add_messages();
+  m->set_role("user");
+  m->set_content("What is the largest planet of the solar system?");
+  chat.mutable_sampling()->set_temperature(0);
+  chat.mutable_stopping()->set_max_new_tokens(24);
+  chat.set_skip_special_tokens(true);
+  const Streamed b = StreamOf(*stub, chat);
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  const std::string bos = (*tokenizer)->TokenText((*tokenizer)->bos_id());
+  const std::string eos = (*tokenizer)->TokenText((*tokenizer)->eos_ids()[0]);
+  auto tmpl = ChatTemplate::FromJinja((*tokenizer)->chat_template(), bos, eos);
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+  std::vector<ChatMessage> messages = {{"user", m->content()}};
+  auto rendered = tmpl->Render(messages, true);
+  ASSERT_TRUE(rendered.ok());
+  EXPECT_EQ(b.tokens, local((*tokenizer)->Encode(*rendered, false), 24));
+  EXPECT_EQ(b.text, (*tokenizer)->Decode(b.tokens, /*skip_special=*/true));
+}
+
+}  // namespace
+}  // namespace infinigen
