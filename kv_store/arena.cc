@@ -30,8 +30,8 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const ArenaOptions& o) {
     void* p = ::mmap(nullptr, a->mapped_bytes_, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot map a ", a->mapped_bytes_, "-byte arena: ", std::strerror(errno)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot map a ", a->mapped_bytes_, "-byte arena: ", std::strerror(errno)));
     }
     a->base_ = static_cast<uint8_t*>(p);
     if (o.huge_pages) a->huge_pages_ = ::madvise(p, a->mapped_bytes_, MADV_HUGEPAGE) == 0;
@@ -88,8 +88,8 @@ Arena::~Arena() {
 absl::StatusOr<std::vector<int32_t>> Arena::Allocate(int64_t count) {
   if (count > static_cast<int64_t>(free_.size())) {
     return absl::ResourceExhaustedError(absl::StrCat("KV store full: ", count, " blocks of ",
-                                                     block_bytes_, " bytes needed, ",
-                                                     free_.size(), " free of ", num_blocks_));
+                                                     block_bytes_, " bytes needed, ", free_.size(),
+                                                     " free of ", num_blocks_));
   }
   std::vector<int32_t> blocks(free_.end() - count, free_.end());
   free_.resize(free_.size() - count);

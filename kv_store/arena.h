@@ -21,8 +21,8 @@ struct ArenaOptions {
   // anonymous memory, which transparent huge pages back on most systems (shared memory rarely
   // gets them: shmem_enabled is usually "never"), so random-row gathers miss the TLB less.
   bool shared = true;
-  std::string shm_path;     // "": an anonymous memfd; else this file (e.g. /dev/shm/...)
-  bool huge_pages = true;   // try MFD_HUGETLB (shared) and madvise(MADV_HUGEPAGE)
+  std::string shm_path;    // "": an anonymous memfd; else this file (e.g. /dev/shm/...)
+  bool huge_pages = true;  // try MFD_HUGETLB (shared) and madvise(MADV_HUGEPAGE)
 };
 
 class Arena {

@@ -17,9 +17,12 @@ absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(absl::string_view name) {
 
 const char* EvictionPolicyName(EvictionPolicy policy) {
   switch (policy) {
-    case EvictionPolicy::kCounter: return "counter";
-    case EvictionPolicy::kFifo: return "fifo";
-    case EvictionPolicy::kLru: return "lru";
+    case EvictionPolicy::kCounter:
+      return "counter";
+    case EvictionPolicy::kFifo:
+      return "fifo";
+    case EvictionPolicy::kLru:
+      return "lru";
   }
   return "?";
 }

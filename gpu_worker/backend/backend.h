@@ -142,8 +142,8 @@ class Backend {
   // in device memory (null: rows 0 .. num_rows - 1). `weights_out` (device, [num_heads,
   // num_rows], may be null) receives the attention probabilities.
   virtual absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
-                                       int64_t num_rows, const AttentionShape& shape,
-                                       MatView out, float* weights_out = nullptr) = 0;
+                                       int64_t num_rows, const AttentionShape& shape, MatView out,
+                                       float* weights_out = nullptr) = 0;
 };
 
 }  // namespace infinigen

@@ -226,11 +226,10 @@ absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const in
                                          int64_t num_rows, const AttentionShape& s, MatView out,
                                          float* weights_out) {
   if (auto st = CheckF32(q, "AttentionDecode"); !st.ok()) return st;
-  cpu::AttentionDecode(q.As<float>(),
-                       {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
-                       {static_cast<const float*>(v.data), v.head_stride, v.row_stride}, indices,
-                       num_rows, s.num_heads, s.num_kv_heads, s.head_dim, s.scale, out.As<float>(),
-                       weights_out);
+  cpu::AttentionDecode(
+      q.As<float>(), {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
+      {static_cast<const float*>(v.data), v.head_stride, v.row_stride}, indices, num_rows,
+      s.num_heads, s.num_kv_heads, s.head_dim, s.scale, out.As<float>(), weights_out);
   return absl::OkStatus();
 }
 

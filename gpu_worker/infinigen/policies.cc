@@ -132,8 +132,9 @@ class H2oPolicy final : public PositionalPolicy {
                 [&](int32_t a, int32_t b) { return position(a) < position(b); });
       while (static_cast<int64_t>(h.retained.size()) > k) {
         const int64_t candidates = static_cast<int64_t>(h.retained.size()) - recent;
-        auto victim = std::min_element(h.retained.begin(), h.retained.begin() + candidates,
-                                       [&](int32_t a, int32_t b) { return h.score[a] < h.score[b]; });
+        auto victim =
+            std::min_element(h.retained.begin(), h.retained.begin() + candidates,
+                             [&](int32_t a, int32_t b) { return h.score[a] < h.score[b]; });
         h.retained.erase(victim);
       }
       std::vector<int32_t> sorted = h.retained;
@@ -214,8 +215,8 @@ class OraclePolicy final : public PositionalPolicy {
   absl::Status Select(const SelectRequest& r, Selection& out) override {
     if (Dense(r, out)) return absl::OkStatus();
     const int64_t n = r.kv.num_slots, k = config_.Budget(n);
-    ExactScores(r.q, r.kv, static_cast<int>(model_.num_heads), static_cast<int>(model_.num_kv_heads),
-                static_cast<int>(model_.head_dim),
+    ExactScores(r.q, r.kv, static_cast<int>(model_.num_heads),
+                static_cast<int>(model_.num_kv_heads), static_cast<int>(model_.head_dim),
                 1.0f / std::sqrt(static_cast<float>(model_.head_dim)), scores_);
     GroupAttentionMass(scores_.data(), static_cast<int>(model_.num_heads),
                        static_cast<int>(model_.num_kv_heads), n, mass_);
@@ -244,11 +245,13 @@ int64_t SelectionConfig::Budget(int64_t stored) const {
 absl::Status SelectionConfig::Validate() const {
   if (policy != "full" && policy != "infinigen" && policy != "h2o" && policy != "window" &&
       policy != "oracle") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown selection policy '", policy, "': expected full, infinigen, h2o, window or oracle"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown selection policy '", policy,
+                     "': expected full, infinigen, h2o, window or oracle"));
   }
   if (dense_layers < 1) {
-    return absl::InvalidArgumentError("dense_layers must be >= 1 (layer 0 has nothing to speculate from)");
+    return absl::InvalidArgumentError(
+        "dense_layers must be >= 1 (layer 0 has nothing to speculate from)");
   }
   if (budget_tokens < 0 || !(budget_fraction > 0.0 && budget_fraction <= 1.0)) {
     return absl::InvalidArgumentError(
@@ -288,10 +291,9 @@ absl::StatusOr<SelectionConfig> ApplyOverrides(const SelectionConfig& defaults,
   }
   if (o.alpha.has_value()) {
     if (!(*o.alpha >= limits.min_alpha && *o.alpha <= limits.max_alpha)) {
-      return absl::InvalidArgumentError(absl::StrCat("InfiniGen alpha ", *o.alpha,
-                                                     " is outside this server's limits [",
-                                                     limits.min_alpha, ", ", limits.max_alpha,
-                                                     "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("InfiniGen alpha ", *o.alpha, " is outside this server's limits [",
+                       limits.min_alpha, ", ", limits.max_alpha, "]"));
     }
     c.alpha = *o.alpha;
   }
@@ -308,7 +310,8 @@ absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(
     if (c.sink_tokens == 0) c.sink_tokens = 4;  // StreamingLLM's attention sinks
     return std::unique_ptr<KvSelectionPolicy>(new WindowPolicy(c, model));
   }
-  if (config.policy == "h2o") return std::unique_ptr<KvSelectionPolicy>(new H2oPolicy(config, model));
+  if (config.policy == "h2o")
+    return std::unique_ptr<KvSelectionPolicy>(new H2oPolicy(config, model));
   if (config.policy == "oracle") {
     return std::unique_ptr<KvSelectionPolicy>(new OraclePolicy(config, model));
   }

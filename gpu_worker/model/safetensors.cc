@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <cstring>
+#include <fstream>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -124,9 +124,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   uint64_t offset = 0;
   for (const auto& t : tensors) {
     const uint64_t bytes = t.values.size() * 4;
-    header[t.name] = {{"dtype", "F32"},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + bytes}}};
+    header[t.name] = {
+        {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();

@@ -82,8 +82,8 @@ TEST_P(PackedGemm, Q8MatchesDoubleProductOfDequantizedWeights) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemm,
                          ::testing::Values(Case{1, 7, 64}, Case{1, 130, 96}, Case{1, 3, 40},
-                                           Case{5, 300, 64}, Case{3, 17, 33},
-                                           Case{16, 129, 64}, Case{20, 70, 64}));
+                                           Case{5, 300, 64}, Case{3, 17, 33}, Case{16, 129, 64},
+                                           Case{20, 70, 64}));
 
 TEST(PackedGemm, EmbeddingRowsWidenExactly) {
   std::vector<float> table(5 * 64);
