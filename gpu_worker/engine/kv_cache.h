@@ -29,6 +29,10 @@ struct KvCacheShape {
   size_t BytesPerToken() const {
     return static_cast<size_t>(2) * num_layers * num_kv_heads * head_dim * DTypeSize(dtype);
   }
+  // K or V of one layer stored head-major at `data`: [num_kv_heads, rows_per_head, head_dim].
+  KvView HeadMajor(void* data, int64_t rows_per_head) const {
+    return {data, dtype, rows_per_head * head_dim, head_dim};
+  }
 };
 
 // Bytes a sequence's decode steps read from a cache that is not resident, and what reading every

@@ -12,10 +12,6 @@ namespace infinigen {
 KvPoolCache::KvPoolCache(Backend& backend, const KvCacheShape& shape, const KvPoolConfig& config)
     : backend_(backend), shape_(shape), config_(config) {}
 
-KvView KvPoolCache::View(Buffer& b, int64_t capacity) const {
-  return {b.data(), shape_.dtype, capacity * shape_.head_dim, shape_.head_dim};
-}
-
 absl::Status KvPoolCache::Open(SequenceId seq, int64_t capacity_tokens) {
   if (sequences_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
@@ -78,9 +74,11 @@ absl::Status KvPoolCache::Append(SequenceId seq, int layer, int64_t start, MatVi
       const int32_t slot = l.heads[g].Place(start + t, s.step, config_.eviction, &evicted);
       evictions_ += evicted;
       IG_RETURN_IF_ERROR(
-          backend_.Copy(k.Rows(t, 1).Cols(g * d, d), View(*l.k, s.capacity).Head(g, slot, 1, d)));
+          backend_.Copy(k.Rows(t, 1).Cols(g * d, d),
+                        shape_.HeadMajor(l.k->data(), s.capacity).Head(g, slot, 1, d)));
       IG_RETURN_IF_ERROR(
-          backend_.Copy(v.Rows(t, 1).Cols(g * d, d), View(*l.v, s.capacity).Head(g, slot, 1, d)));
+          backend_.Copy(v.Rows(t, 1).Cols(g * d, d),
+                        shape_.HeadMajor(l.v->data(), s.capacity).Head(g, slot, 1, d)));
       if (slots_out != nullptr) slots_out[t * shape_.num_kv_heads + g] = slot;
     }
   }
@@ -96,7 +94,8 @@ absl::StatusOr<KvLayerView> KvPoolCache::Read(SequenceId seq, int layer) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
   Layer& l = s.layers[layer];
-  return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity), l.heads[0].size()};
+  return KvLayerView{shape_.HeadMajor(l.k->data(), s.capacity),
+                     shape_.HeadMajor(l.v->data(), s.capacity), l.heads[0].size()};
 }
 
 void KvPoolCache::RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {

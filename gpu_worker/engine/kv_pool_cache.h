@@ -51,8 +51,6 @@ class KvPoolCache final : public KvCache {
     std::vector<Layer> layers;
   };
 
-  KvView View(Buffer& b, int64_t capacity) const;
-
   Backend& backend_;
   KvCacheShape shape_;
   KvPoolConfig config_;

@@ -10,10 +10,6 @@ namespace infinigen {
 ResidentKvCache::ResidentKvCache(Backend& backend, const KvCacheShape& shape, size_t max_bytes)
     : backend_(backend), shape_(shape), max_bytes_(max_bytes) {}
 
-KvView ResidentKvCache::View(Buffer& b, int64_t capacity) const {
-  return {b.data(), shape_.dtype, capacity * shape_.head_dim, shape_.head_dim};
-}
-
 absl::Status ResidentKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   if (sequences_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
@@ -53,12 +49,12 @@ absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
     IG_ASSIGN_OR_RETURN(std::unique_ptr<Buffer> v, backend_.Allocate(bytes));
     if (layer.length > 0) {
       for (int g = 0; g < shape_.num_kv_heads; ++g) {
-        IG_RETURN_IF_ERROR(
-            backend_.Copy(View(*layer.k, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
-                          View(*k, capacity).Head(g, 0, layer.length, shape_.head_dim)));
-        IG_RETURN_IF_ERROR(
-            backend_.Copy(View(*layer.v, s.capacity).Head(g, 0, layer.length, shape_.head_dim),
-                          View(*v, capacity).Head(g, 0, layer.length, shape_.head_dim)));
+        IG_RETURN_IF_ERROR(backend_.Copy(
+            shape_.HeadMajor(layer.k->data(), s.capacity).Head(g, 0, layer.length, shape_.head_dim),
+            shape_.HeadMajor(k->data(), capacity).Head(g, 0, layer.length, shape_.head_dim)));
+        IG_RETURN_IF_ERROR(backend_.Copy(
+            shape_.HeadMajor(layer.v->data(), s.capacity).Head(g, 0, layer.length, shape_.head_dim),
+            shape_.HeadMajor(v->data(), capacity).Head(g, 0, layer.length, shape_.head_dim)));
       }
     }
     layer.k = std::move(k);
@@ -91,10 +87,12 @@ absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, M
   if (start + n > s.capacity) IG_RETURN_IF_ERROR(Grow(s, start + n));
   Layer& l = s.layers[layer];
   for (int g = 0; g < shape_.num_kv_heads; ++g) {
-    IG_RETURN_IF_ERROR(backend_.Copy(k.Cols(g * shape_.head_dim, shape_.head_dim),
-                                     View(*l.k, s.capacity).Head(g, start, n, shape_.head_dim)));
-    IG_RETURN_IF_ERROR(backend_.Copy(v.Cols(g * shape_.head_dim, shape_.head_dim),
-                                     View(*l.v, s.capacity).Head(g, start, n, shape_.head_dim)));
+    IG_RETURN_IF_ERROR(backend_.Copy(
+        k.Cols(g * shape_.head_dim, shape_.head_dim),
+        shape_.HeadMajor(l.k->data(), s.capacity).Head(g, start, n, shape_.head_dim)));
+    IG_RETURN_IF_ERROR(backend_.Copy(
+        v.Cols(g * shape_.head_dim, shape_.head_dim),
+        shape_.HeadMajor(l.v->data(), s.capacity).Head(g, start, n, shape_.head_dim)));
   }
   l.length = start + n;
   if (slots_out != nullptr) {
@@ -114,7 +112,8 @@ absl::StatusOr<KvLayerView> ResidentKvCache::Read(SequenceId seq, int layer) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
   Layer& l = s.layers[layer];
-  return KvLayerView{View(*l.k, s.capacity), View(*l.v, s.capacity), l.length};
+  return KvLayerView{shape_.HeadMajor(l.k->data(), s.capacity),
+                     shape_.HeadMajor(l.v->data(), s.capacity), l.length};
 }
 
 }  // namespace infinigen

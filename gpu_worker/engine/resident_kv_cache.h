@@ -36,7 +36,6 @@ class ResidentKvCache final : public KvCache {
   };
 
   absl::Status Grow(Sequence& s, int64_t min_capacity);
-  KvView View(Buffer& b, int64_t capacity) const;
 
   Backend& backend_;
   KvCacheShape shape_;

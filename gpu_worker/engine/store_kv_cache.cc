@@ -175,8 +175,8 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
     }
   }
   KvLayerView view;
-  view.k = {p.staging.k->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
-  view.v = {p.staging.v->data(), shape_.dtype, count * shape_.head_dim, shape_.head_dim};
+  view.k = shape_.HeadMajor(p.staging.k->data(), count);
+  view.v = shape_.HeadMajor(p.staging.v->data(), count);
   view.num_slots = count;
   return view;
 }

@@ -85,7 +85,6 @@ class StoreKvCache final : public KvCache {
   StoreKvCacheOptions options_;
   bool host_access_;  // the backend's memory is host memory (CPU): gather straight into it
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
-  std::vector<uint8_t> append_k_, append_v_;
 };
 
 }  // namespace infinigen
