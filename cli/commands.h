@@ -10,5 +10,9 @@ int RunGenerate(int argc, char** argv);
 int RunLogits(int argc, char** argv);
 int RunPrepare(int argc, char** argv);
 int RunTokenize(int argc, char** argv);
+// With the services (INFINIGEN_HAVE_SERVICES) only:
+int RunClient(int argc, char** argv);
+int RunLoad(int argc, char** argv);
+int RunServe(int argc, char** argv);
 
 }  // namespace infinigen::cli

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "nlohmann/json.hpp"
 
 namespace infinigen::cli {
 
@@ -143,6 +144,23 @@ absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const 
   }
   if (ids.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " is empty"));
   return ids;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseChatFlag(
+    const std::string& json) {
+  const auto j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  auto bad = absl::InvalidArgumentError(
+      "--chat must be a JSON array of {\"role\": ..., \"content\": ...} objects");
+  if (!j.is_array() || j.empty()) return bad;
+  std::vector<std::pair<std::string, std::string>> messages;
+  for (const auto& m : j) {
+    if (!m.is_object() || !m.contains("role") || !m.contains("content") || !m["role"].is_string() ||
+        !m["content"].is_string()) {
+      return bad;
+    }
+    messages.emplace_back(m["role"].get<std::string>(), m["content"].get<std::string>());
+  }
+  return messages;
 }
 
 }  // namespace infinigen::cli

@@ -45,6 +45,10 @@ class FlagSet {
 // 2 for errors the user can fix in the command line (bad flag, missing file, bad value), else 1.
 int ReportError(const std::string& command, const absl::Status& status);
 
+// Parses --chat '[{"role": "user", "content": "..."}]' into (role, content) pairs.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseChatFlag(
+    const std::string& json);
+
 // Parses "1,2,3" into ids.
 absl::StatusOr<std::vector<int32_t>> ParseIdList(const std::string& text, const std::string& flag);
 

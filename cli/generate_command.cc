@@ -6,28 +6,19 @@
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/loaded_model.h"
+#include "common/status_macros.h"
 #include "gpu_worker/engine/generator.h"
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/tokenizer/chat_template.h"
-#include "nlohmann/json.hpp"
 
 namespace infinigen::cli {
 namespace {
 
 // --chat '[{"role": "user", "content": "..."}]' -> messages.
 absl::StatusOr<std::vector<ChatMessage>> ParseMessages(const std::string& text) {
-  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  auto bad = absl::InvalidArgumentError(
-      "--chat must be a JSON array of {\"role\": ..., \"content\": ...} objects");
-  if (!j.is_array() || j.empty()) return bad;
+  IG_ASSIGN_OR_RETURN(auto pairs, ParseChatFlag(text));
   std::vector<ChatMessage> messages;
-  for (const auto& m : j) {
-    if (!m.is_object() || !m.contains("role") || !m.contains("content") || !m["role"].is_string() ||
-        !m["content"].is_string()) {
-      return bad;
-    }
-    messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-  }
+  for (auto& [role, content] : pairs) messages.push_back({std::move(role), std::move(content)});
   return messages;
 }
 

@@ -15,12 +15,23 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"bench", "measure prefill and decode throughput and peak memory", infinigen::cli::RunBench},
+#if INFINIGEN_HAVE_SERVICES
+    {"client", "generate through a server's public API (router or serve)",
+     infinigen::cli::RunClient},
+#endif
     {"eval", "accuracy of KV selection policies against dense attention", infinigen::cli::RunEval},
     {"generate", "generate a continuation of a prompt on the CPU", infinigen::cli::RunGenerate},
+#if INFINIGEN_HAVE_SERVICES
+    {"load", "drive N concurrent streams against a server for T seconds", infinigen::cli::RunLoad},
+#endif
     {"logits", "write the model's logits for a token sequence to a .npy file",
      infinigen::cli::RunLogits},
     {"prepare", "compute a model's InfiniGen skew and partial channels (sidecar)",
      infinigen::cli::RunPrepare},
+#if INFINIGEN_HAVE_SERVICES
+    {"serve", "serve the public API: router, worker and KV store in one process",
+     infinigen::cli::RunServe},
+#endif
     {"tokenize", "text to token ids and back, with any supported tokenizer",
      infinigen::cli::RunTokenize},
 };

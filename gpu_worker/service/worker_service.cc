@@ -11,6 +11,7 @@
 #include "common/grpc/status.h"
 #include "common/status_macros.h"
 #include "gpu_worker/tokenizer/chat_template.h"
+#include "gpu_worker/tokenizer/stop_strings.h"
 
 namespace infinigen {
 namespace {
@@ -41,6 +42,18 @@ WorkerService::WorkerService(BatchEngine& engine, const Model& model, const Toke
                              const InfinigenSidecar* sidecar, const WorkerServiceOptions& options)
     : engine_(engine), model_(model), tokenizer_(tokenizer), sidecar_(sidecar), options_(options) {}
 
+absl::StatusOr<std::string> WorkerService::RenderChat(const infinigen::v1::ChatMessages& m) const {
+  std::vector<ChatMessage> messages;
+  for (const auto& x : m.messages()) messages.push_back({x.role(), x.content()});
+  if (messages.empty()) return absl::InvalidArgumentError("messages: the list is empty");
+  const std::string bos = tokenizer_->TokenText(tokenizer_->bos_id());
+  const std::string eos =
+      tokenizer_->eos_ids().empty() ? "" : tokenizer_->TokenText(tokenizer_->eos_ids()[0]);
+  IG_ASSIGN_OR_RETURN(ChatTemplate tmpl,
+                      ChatTemplate::FromJinja(tokenizer_->chat_template(), bos, eos));
+  return tmpl.Render(messages, /*add_generation_prompt=*/true);
+}
+
 absl::StatusOr<std::vector<int32_t>> WorkerService::PromptTokens(
     const wv1::GenerateRequest& r) const {
   std::vector<int32_t> ids;
@@ -59,26 +72,20 @@ absl::StatusOr<std::vector<int32_t>> WorkerService::PromptTokens(
       if (ids.empty()) return absl::InvalidArgumentError("token_ids: the prompt is empty");
       break;
     case wv1::GenerateRequest::kMessages: {
-      std::vector<ChatMessage> messages;
-      for (const auto& m : r.messages().messages()) messages.push_back({m.role(), m.content()});
-      if (messages.empty()) return absl::InvalidArgumentError("messages: the list is empty");
-      const std::string bos = tokenizer_->TokenText(tokenizer_->bos_id());
-      const std::string eos =
-          tokenizer_->eos_ids().empty() ? "" : tokenizer_->TokenText(tokenizer_->eos_ids()[0]);
-      IG_ASSIGN_OR_RETURN(ChatTemplate tmpl,
-                          ChatTemplate::FromJinja(tokenizer_->chat_template(), bos, eos));
-      IG_ASSIGN_OR_RETURN(std::string text, tmpl.Render(messages, true));
+      IG_ASSIGN_OR_RETURN(std::string text, RenderChat(r.messages()));
       ids = tokenizer_->Encode(text, /*add_special=*/false);  // the template holds BOS
       break;
     }
     default:
       return absl::InvalidArgumentError("input: give one of text, token_ids or messages");
   }
-  const int64_t limit = options_.max_prompt_tokens > 0 ? options_.max_prompt_tokens
-                                                       : model_.config().max_position_embeddings;
+  int64_t limit = options_.max_prompt_tokens > 0 ? options_.max_prompt_tokens
+                                                 : model_.config().max_position_embeddings;
+  if (r.max_prompt_tokens() > 0) limit = std::min(limit, r.max_prompt_tokens());
   if (static_cast<int64_t>(ids.size()) > limit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the prompt has ", ids.size(), " tokens; this worker's limit is ", limit));
+    return absl::InvalidArgumentError(absl::StrCat("the prompt has ", ids.size(),
+                                                   " tokens; the limit (max_prompt_tokens) is ",
+                                                   limit));
   }
   return ids;
 }
@@ -108,6 +115,13 @@ absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateReques
     }
   }
   o.ignore_eos = stop.ignore_eos();
+  if (stop.stop_strings_size() > 0 && tokenizer_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "stopping.stop_strings: this worker's model has no tokenizer files to match text against");
+  }
+  IG_RETURN_IF_ERROR(ValidateStopStrings(
+      std::vector<std::string>(stop.stop_strings().begin(), stop.stop_strings().end()),
+      "stopping.stop_strings"));
   IG_RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -164,10 +178,13 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
   }
 
   std::optional<IncrementalDecoder> decoder;
+  StopStringFilter stops(std::vector<std::string>(request->stopping().stop_strings().begin(),
+                                                  request->stopping().stop_strings().end()));
   if (tokenizer_ != nullptr) {
     decoder.emplace(*tokenizer_, request->skip_special_tokens());
-    // The text of resumed tokens was already sent; feed them so the next delta starts after it.
-    for (int32_t t : request->resume_token_ids()) decoder->Add(t);
+    // The text of resumed tokens was sent by the worker before, except what its stop-string
+    // filter still held back: replaying them leaves decoder and filter where that worker's were.
+    for (int32_t t : request->resume_token_ids()) stops.Add(decoder->Add(t));
   }
   bool cancelled = false;
   for (;;) {
@@ -185,10 +202,12 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       cancelled = true;
     }
     for (const EngineEvent& e : batch) {
-      if (e.token >= 0 && !cancelled) {
+      if (e.token >= 0 && !cancelled && !stops.stopped()) {
         wv1::GenerateResponse r;
         r.add_token_ids(e.token);
-        if (decoder) r.set_text(decoder->Add(e.token));
+        if (decoder) r.set_text(stops.Add(decoder->Add(e.token)));
+        // A completed stop string ends the request: the engine frees it at its next step.
+        if (stops.stopped()) engine_.Cancel(*id);
         if (!writer->Write(r)) {
           engine_.Cancel(*id);
           cancelled = true;
@@ -199,8 +218,12 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       if (!e.status.ok()) return ToGrpcStatus(e.status);
       const RequestUsage& u = e.usage;
       wv1::GenerateResponse last;
-      if (decoder) last.set_text(decoder->Finish());
-      last.set_finish_reason(ToProto(e.finish_reason));
+      if (decoder && !stops.stopped()) {
+        std::string tail = stops.Add(decoder->Finish());
+        last.set_text(tail + stops.Finish());
+      }
+      last.set_finish_reason(stops.stopped() ? infinigen::v1::FINISH_REASON_STOP
+                                             : ToProto(e.finish_reason));
       auto* usage = last.mutable_usage();
       usage->set_prompt_tokens(static_cast<int32_t>(u.prompt_tokens));
       usage->set_generated_tokens(static_cast<int32_t>(u.generated_tokens));
@@ -227,6 +250,46 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       return grpc::Status::OK;
     }
   }
+}
+
+grpc::Status WorkerService::Tokenize(grpc::ServerContext*, const infinigen::v1::TokenizeRequest* r,
+                                     infinigen::v1::TokenizeResponse* out) {
+  if (tokenizer_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this worker's model has no tokenizer files");
+  }
+  std::vector<int32_t> ids;
+  switch (r->input_case()) {
+    case infinigen::v1::TokenizeRequest::kText:
+      ids = tokenizer_->Encode(r->text(), r->add_special());
+      break;
+    case infinigen::v1::TokenizeRequest::kMessages: {
+      auto text = RenderChat(r->messages());
+      if (!text.ok()) return ToGrpcStatus(text.status());
+      ids = tokenizer_->Encode(*text, /*add_special=*/false);
+      out->set_text(*text);
+      break;
+    }
+    case infinigen::v1::TokenizeRequest::kTokenIds:
+      ids.assign(r->token_ids().ids().begin(), r->token_ids().ids().end());
+      for (int32_t id : ids) {
+        if (id < 0 || id >= tokenizer_->vocab_size()) {
+          return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("token_ids: ", id, " is outside the vocabulary [0, ",
+                                           tokenizer_->vocab_size(), ")"));
+        }
+      }
+      out->set_text(tokenizer_->Decode(ids));
+      break;
+    default:
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "input: give one of text, messages or token_ids");
+  }
+  for (int32_t id : ids) {
+    out->add_token_ids(id);
+    out->add_pieces(tokenizer_->TokenText(id));
+  }
+  return grpc::Status::OK;
 }
 
 grpc::Status WorkerService::Info(grpc::ServerContext*, const wv1::InfoRequest*,

@@ -49,12 +49,15 @@ class WorkerService final : public worker::v1::Worker::Service {
                         grpc::ServerWriter<worker::v1::GenerateResponse>* writer) override;
   grpc::Status Info(grpc::ServerContext* context, const worker::v1::InfoRequest* request,
                     worker::v1::InfoResponse* response) override;
+  grpc::Status Tokenize(grpc::ServerContext* context, const infinigen::v1::TokenizeRequest* request,
+                        infinigen::v1::TokenizeResponse* response) override;
 
   // New requests get UNAVAILABLE while draining; running ones finish.
   void SetDraining(bool draining) { draining_ = draining; }
   void SetLatencyMetrics(const WorkerLatencyMetrics& m) { latency_ = m; }
 
  private:
+  absl::StatusOr<std::string> RenderChat(const infinigen::v1::ChatMessages& messages) const;
   absl::StatusOr<std::vector<int32_t>> PromptTokens(const worker::v1::GenerateRequest& r) const;
   absl::StatusOr<GenerateOptions> Options(const worker::v1::GenerateRequest& r) const;
   absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> Policy(

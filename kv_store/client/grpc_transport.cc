@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc/status.h"
+#include "common/grpc/tls.h"
 #include "common/status_macros.h"
 #include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
 #include "kv_store/client/queued_client.h"
@@ -57,7 +58,8 @@ pb::Eviction ToProto(EvictionPolicy e) {
 
 class GrpcClient final : public QueuedKvClient {
  public:
-  explicit GrpcClient(const KvClientConfig& config) : QueuedKvClient(config) {
+  GrpcClient(const KvClientConfig& config, std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : QueuedKvClient(config) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(256 << 20);
     args.SetMaxSendMessageSize(256 << 20);
@@ -66,7 +68,7 @@ class GrpcClient final : public QueuedKvClient {
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     stub_ = pb::KvStore::NewStub(
-        grpc::CreateCustomChannel(config.address, grpc::InsecureChannelCredentials(), args));
+        grpc::CreateCustomChannel(config.address, std::move(credentials), args));
     Start();
   }
   ~GrpcClient() override {
@@ -370,7 +372,8 @@ class GrpcClient final : public QueuedKvClient {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvStoreClient>> MakeGrpcClient(const KvClientConfig& config) {
-  auto client = std::make_unique<GrpcClient>(config);
+  IG_ASSIGN_OR_RETURN(auto credentials, MakeChannelCredentials(config.tls, "--kv_store_tls_"));
+  auto client = std::make_unique<GrpcClient>(config, std::move(credentials));
   if (config.transport == KvClientConfig::Transport::kShm) {
     IG_RETURN_IF_ERROR(client->MapArena());
   }

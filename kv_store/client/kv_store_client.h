@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/tls_files.h"
 #include "kv_store/kv_store.h"
 
 namespace infinigen {
@@ -64,6 +65,7 @@ struct KvClientConfig {
   absl::Duration connect_timeout = absl::Seconds(5);  // discovering the shm / UCX data plane
   absl::Duration renew_every = absl::Seconds(5);      // lease renewal period (0: never)
   KvStore* store = nullptr;                           // in-process
+  TlsFiles tls;  // the gRPC control plane: TLS when tls.ca is set, mTLS with tls.cert/key
 };
 absl::StatusOr<KvClientConfig::Transport> ParseTransport(absl::string_view name);
 

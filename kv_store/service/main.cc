@@ -14,6 +14,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/grpc/tls.h"
 #include "kv_store/service/kvstore_metrics.h"
 #include "kv_store/service/kvstore_service.h"
 #if INFINIGEN_HAVE_UCX
@@ -34,6 +35,10 @@ ABSL_FLAG(bool, huge_pages, true, "back the arena with huge pages when the syste
 ABSL_FLAG(int32_t, metrics_port, 0, "Prometheus metrics on this HTTP port (0: off)");
 ABSL_FLAG(int32_t, ucx_port, 0, "serve gathers over UCX on this TCP port (0: off)");
 ABSL_FLAG(int64_t, drain_seconds, 5, "how long shutdown waits for calls in flight");
+ABSL_FLAG(std::string, tls_cert, "", "serve TLS with this certificate chain (PEM)");
+ABSL_FLAG(std::string, tls_key, "", "the private key of --tls_cert (PEM)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "require client certificates signed by this CA (mTLS between the services)");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
 
 namespace {
@@ -96,11 +101,18 @@ int main(int argc, char** argv) {
     return 2;
   }
 #endif
+  auto credentials = infinigen::MakeServerCredentials(
+      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+       absl::GetFlag(FLAGS_tls_client_ca)});
+  if (!credentials.ok()) {
+    std::cerr << "infinigen-kvstore: " << credentials.status().message() << "\n";
+    return 2;
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.SetMaxSendMessageSize(256 << 20);
   builder.RegisterService(&service);

@@ -1,0 +1,151 @@
+// infinigen client: generates through a server's public API (infinigen-router or
+// `infinigen serve`) and streams the text to stdout as it arrives; usage and timings go to
+// stderr. --info prints the model and limits instead, --tokenize the prompt's tokens.
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "cli/server_connection.h"
+#include "common/grpc/status.h"
+#include "infinigen/v1/generation.grpc.pb.h"
+
+namespace infinigen::cli {
+namespace {
+
+int Fail(const grpc::Status& s) { return ReportError("client", FromGrpcStatus(s)); }
+
+}  // namespace
+
+int RunClient(int argc, char** argv) {
+  ConnectionFlags connection;
+  std::string prompt, chat, prompt_ids, stop, session, policy;
+  int64_t max_tokens = 64, top_k = 0, seed = 0, timeout_s = 600;
+  double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0, budget = 0.0;
+  bool ignore_eos = false, print_ids = false, info = false, tokenize = false;
+  FlagSet flags("client", "[--server HOST:PORT] (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
+                "Generates through a server's public API and streams the text to stdout "
+                "(token ids with --ids); usage and timings go to stderr.");
+  connection.Register(flags);
+  flags.String("prompt", &prompt, "prompt text (BOS added as the tokenizer says)");
+  flags.String("chat", &chat,
+               "conversation as JSON: [{\"role\": \"user\", \"content\": \"...\"}, ...]");
+  flags.String("prompt-ids", &prompt_ids, "prompt as comma-separated token ids");
+  flags.Int("max-tokens", &max_tokens, "most tokens to generate");
+  flags.Float("temperature", &temperature, "sampling temperature; 0 = greedy");
+  flags.Int("top-k", &top_k, "keep the k most likely tokens (0 = off)");
+  flags.Float("top-p", &top_p, "nucleus sampling mass (1 = off)");
+  flags.Float("min-p", &min_p, "drop tokens below min-p x the top probability (0 = off)");
+  flags.Float("repetition-penalty", &repetition_penalty, "penalty for repeated tokens (1 = off)");
+  flags.Int("seed", &seed, "random seed for sampling");
+  flags.String("stop", &stop, "stop string: generation ends before it");
+  flags.Bool("ignore-eos", &ignore_eos, "keep generating past end-of-sequence tokens");
+  flags.String("session", &session, "session id: requests of a session go to the same worker");
+  flags.String("policy", &policy, "KV selection for this request: full, infinigen, window");
+  flags.Float("budget", &budget, "fraction of stored rows a decode step may read (0: default)");
+  flags.Int("timeout", &timeout_s, "deadline of the request, in seconds");
+  flags.Bool("ids", &print_ids, "print the generated token ids as a JSON array, not text");
+  flags.Bool("info", &info, "print the served model and the server's limits");
+  flags.Bool("tokenize", &tokenize, "print the prompt's token ids and pieces");
+  auto parsed = flags.Parse(argc, argv);
+  if (!parsed.ok()) return ReportError("client", parsed.status());
+  if (!*parsed) return 0;
+
+  auto channel = connection.Connect();
+  if (!channel.ok()) return ReportError("client", channel.status());
+  auto stub = v1::Generation::NewStub(*channel);
+  auto deadline = absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s));
+
+  if (info) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline);
+    connection.Authorize(ctx);
+    v1::ModelInfo m;
+    if (auto s = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &m); !s.ok()) return Fail(s);
+    std::cout << m.DebugString();
+    return 0;
+  }
+
+  v1::GenerateRequest r;
+  if ((!prompt.empty()) + (!chat.empty()) + (!prompt_ids.empty()) != 1) {
+    return ReportError("client", absl::InvalidArgumentError(
+                                     "give exactly one of --prompt, --chat and --prompt-ids"));
+  }
+  if (!prompt.empty()) r.set_text(prompt);
+  if (!prompt_ids.empty()) {
+    auto ids = ParseIdList(prompt_ids, "prompt-ids");
+    if (!ids.ok()) return ReportError("client", ids.status());
+    for (int32_t id : *ids) r.mutable_token_ids()->add_ids(id);
+  }
+  if (!chat.empty()) {
+    auto messages = ParseChatFlag(chat);
+    if (!messages.ok()) return ReportError("client", messages.status());
+    for (const auto& [role, content] : *messages) {
+      auto* m = r.mutable_messages()->add_messages();
+      m->set_role(role);
+      m->set_content(content);
+    }
+  }
+
+  if (tokenize) {
+    v1::TokenizeRequest t;
+    if (r.has_token_ids()) *t.mutable_token_ids() = r.token_ids();
+    if (r.has_messages()) *t.mutable_messages() = r.messages();
+    if (!prompt.empty()) {
+      t.set_text(prompt);
+      t.set_add_special(true);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline);
+    connection.Authorize(ctx);
+    v1::TokenizeResponse out;
+    if (auto s = stub->Tokenize(&ctx, t, &out); !s.ok()) return Fail(s);
+    std::cout << out.DebugString();
+    return 0;
+  }
+
+  auto* s = r.mutable_sampling();
+  s->set_temperature(static_cast<float>(temperature));
+  s->set_top_k(static_cast<int32_t>(top_k));
+  s->set_top_p(static_cast<float>(top_p));
+  s->set_min_p(static_cast<float>(min_p));
+  s->set_repetition_penalty(static_cast<float>(repetition_penalty));
+  s->set_seed(static_cast<uint64_t>(seed));
+  r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_tokens));
+  r.mutable_stopping()->set_ignore_eos(ignore_eos);
+  if (!stop.empty()) r.mutable_stopping()->add_stop_strings(stop);
+  r.set_session_id(session);
+  if (!policy.empty()) r.mutable_selection()->set_policy(policy);
+  if (budget > 0) r.mutable_selection()->set_budget_fraction(budget);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  connection.Authorize(ctx);
+  auto reader = stub->Generate(&ctx, r);
+  v1::GenerateResponse m, last;
+  std::vector<int32_t> ids;
+  while (reader->Read(&m)) {
+    ids.insert(ids.end(), m.token_ids().begin(), m.token_ids().end());
+    if (!print_ids) std::cout << m.text() << std::flush;
+    if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) last = m;
+  }
+  grpc::Status status = reader->Finish();
+  if (print_ids) {
+    std::cout << "[" << absl::StrJoin(ids, ", ") << "]";
+  }
+  std::cout << std::endl;
+  if (!status.ok()) return Fail(status);
+  const auto& u = last.usage();
+  const auto& t = last.timings();
+  std::cerr << absl::StrFormat(
+      "[%d prompt + %d generated tokens, finish %s, time to first token %.3f s, %.1f ms/token, "
+      "KV fetched %.1f%% of a full fetch, failovers %d]\n",
+      u.prompt_tokens(), u.generated_tokens(), v1::FinishReason_Name(last.finish_reason()),
+      t.time_to_first_token_seconds(), 1e3 * t.time_per_output_token_seconds(),
+      100.0 * u.selection_fraction(), last.failovers());
+  return 0;
+}
+
+}  // namespace infinigen::cli

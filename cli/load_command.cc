@@ -1,0 +1,201 @@
+// infinigen load: a bounded load generator. N concurrent streams each send Generate requests
+// back to back for T seconds (requests under way at the end finish), then it reports requests/s,
+// tokens/s, time to first token and time between tokens (p50/p99, as the client sees them) and
+// errors by status code. --api worker drives a worker's own API, to compare against the router.
+#include <algorithm>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "cli/server_connection.h"
+#include "infinigen/v1/generation.grpc.pb.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
+#include "nlohmann/json.hpp"
+
+namespace infinigen::cli {
+namespace {
+
+struct LoadSpec {
+  int64_t prompt_tokens = 32, max_tokens = 32, vocab = 0;
+  double temperature = 0.0;
+  std::string text;
+  absl::Time end;
+};
+
+struct Samples {
+  std::mutex mu;
+  int64_t ok = 0, tokens = 0;
+  std::map<std::string, int64_t> errors;
+  std::vector<double> ttft, gaps;  // seconds
+};
+
+double Percentile(std::vector<double>& v, double p) {
+  if (v.empty()) return 0.0;
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(i), v.end());
+  return v[i];
+}
+
+// One stream: requests back to back until spec.end. Works for both APIs' request types.
+template <typename Stub, typename Request, typename Response>
+void Drive(Stub& stub, const ConnectionFlags& connection, const LoadSpec& spec, int stream,
+           Samples& out) {
+  std::mt19937_64 rng(static_cast<uint64_t>(stream) * 7919 + 1);
+  std::vector<double> ttft, gaps;
+  int64_t ok = 0, tokens = 0;
+  std::map<std::string, int64_t> errors;
+  while (absl::Now() < spec.end) {
+    Request r;
+    if (!spec.text.empty()) {
+      r.set_text(spec.text);
+    } else {
+      for (int64_t i = 0; i < spec.prompt_tokens; ++i) {
+        r.mutable_token_ids()->add_ids(static_cast<int32_t>(1 + rng() % (spec.vocab - 1)));
+      }
+    }
+    r.mutable_sampling()->set_temperature(static_cast<float>(spec.temperature));
+    r.mutable_sampling()->set_seed(rng());
+    r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(spec.max_tokens));
+    r.mutable_stopping()->set_ignore_eos(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(spec.end + absl::Seconds(120)));
+    connection.Authorize(ctx);
+    const absl::Time start = absl::Now();
+    absl::Time prev = start;
+    bool first = true;
+    auto reader = stub.Generate(&ctx, r);
+    Response m;
+    int64_t n = 0;
+    while (reader->Read(&m)) {
+      if (m.token_ids_size() == 0) continue;
+      const absl::Time now = absl::Now();
+      (first ? ttft : gaps).push_back(absl::ToDoubleSeconds(now - prev));
+      first = false;
+      prev = now;
+      n += m.token_ids_size();
+    }
+    const grpc::Status s = reader->Finish();
+    if (s.ok()) {
+      ++ok;
+      tokens += n;
+    } else {
+      ++errors[absl::StrCat(s.error_code(), " ", s.error_message().substr(0, 80))];
+    }
+  }
+  std::lock_guard<std::mutex> l(out.mu);
+  out.ok += ok;
+  out.tokens += tokens;
+  for (const auto& [k, v] : errors) out.errors[k] += v;
+  out.ttft.insert(out.ttft.end(), ttft.begin(), ttft.end());
+  out.gaps.insert(out.gaps.end(), gaps.begin(), gaps.end());
+}
+
+}  // namespace
+
+int RunLoad(int argc, char** argv) {
+  ConnectionFlags connection;
+  LoadSpec spec;
+  int64_t streams = 16, max_errors = -1;
+  double seconds = 20;
+  std::string api = "public", json_path;
+  FlagSet flags("load", "[--server HOST:PORT] --streams N --seconds T",
+                "Drives N concurrent streams of Generate requests for T seconds and reports "
+                "requests/s, tokens/s, time to first token, time between tokens and errors.");
+  connection.Register(flags);
+  flags.Int("streams", &streams, "concurrent streams");
+  flags.Float("seconds", &seconds, "how long new requests are started");
+  flags.Int("prompt-tokens", &spec.prompt_tokens, "random prompt tokens per request");
+  flags.String("text", &spec.text, "send this prompt text instead of random token ids");
+  flags.Int("max-tokens", &spec.max_tokens, "tokens generated per request (EOS ignored)");
+  flags.Float("temperature", &spec.temperature, "sampling temperature (0 = greedy)");
+  flags.String("api", &api, "public (router, serve) or worker (a worker directly)");
+  flags.String("json", &json_path, "also write the results as JSON to this file");
+  flags.Int("max-errors", &max_errors, "exit 1 when more requests than this fail (-1: never)");
+  auto parsed = flags.Parse(argc, argv);
+  if (!parsed.ok()) return ReportError("load", parsed.status());
+  if (!*parsed) return 0;
+  if (streams < 1 || seconds <= 0 || spec.max_tokens < 1 || spec.prompt_tokens < 1) {
+    return ReportError("load", absl::InvalidArgumentError(
+                                   "--streams, --seconds, --max-tokens and --prompt-tokens must "
+                                   "be positive"));
+  }
+  if (api != "public" && api != "worker") {
+    return ReportError("load", absl::InvalidArgumentError("--api must be public or worker"));
+  }
+  auto channel = connection.Connect();
+  if (!channel.ok()) return ReportError("load", channel.status());
+  auto pub = v1::Generation::NewStub(*channel);
+  auto wrk = worker::v1::Worker::NewStub(*channel);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    connection.Authorize(ctx);
+    grpc::Status s;
+    if (api == "public") {
+      v1::ModelInfo m;
+      s = pub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &m);
+      spec.vocab = m.vocab_size();
+    } else {
+      worker::v1::InfoResponse m;
+      s = wrk->Info(&ctx, worker::v1::InfoRequest(), &m);
+      spec.vocab = m.vocab_size();
+    }
+    if (!s.ok()) {
+      return ReportError("load", absl::UnavailableError("model info: " + s.error_message()));
+    }
+  }
+
+  Samples samples;
+  const absl::Time start = absl::Now();
+  spec.end = start + absl::Seconds(seconds);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < streams; ++i) {
+    threads.emplace_back([&, i] {
+      if (api == "public") {
+        Drive<v1::Generation::Stub, v1::GenerateRequest, v1::GenerateResponse>(
+            *pub, connection, spec, i, samples);
+      } else {
+        Drive<worker::v1::Worker::Stub, worker::v1::GenerateRequest, worker::v1::GenerateResponse>(
+            *wrk, connection, spec, i, samples);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  int64_t errors = 0;
+  for (const auto& [k, v] : samples.errors) errors += v;
+
+  nlohmann::json j;
+  j["streams"] = streams;
+  j["seconds"] = elapsed;
+  j["requests_ok"] = samples.ok;
+  j["errors"] = errors;
+  j["tokens"] = samples.tokens;
+  j["requests_per_second"] = static_cast<double>(samples.ok) / elapsed;
+  j["tokens_per_second"] = static_cast<double>(samples.tokens) / elapsed;
+  j["ttft_p50_ms"] = 1e3 * Percentile(samples.ttft, 0.50);
+  j["ttft_p99_ms"] = 1e3 * Percentile(samples.ttft, 0.99);
+  j["token_gap_p50_ms"] = 1e3 * Percentile(samples.gaps, 0.50);
+  j["token_gap_p99_ms"] = 1e3 * Percentile(samples.gaps, 0.99);
+  for (const auto& [k, v] : samples.errors) j["error_codes"][k] = v;
+  std::cout << absl::StrFormat(
+      "load: %d streams, %.1f s: %d requests ok (%.2f/s), %d tokens (%.1f/s), %d errors\n"
+      "  time to first token p50 %.2f ms, p99 %.2f ms; between tokens p50 %.2f ms, p99 %.2f ms\n",
+      streams, elapsed, samples.ok, j["requests_per_second"].get<double>(), samples.tokens,
+      j["tokens_per_second"].get<double>(), errors, j["ttft_p50_ms"].get<double>(),
+      j["ttft_p99_ms"].get<double>(), j["token_gap_p50_ms"].get<double>(),
+      j["token_gap_p99_ms"].get<double>());
+  for (const auto& [k, v] : samples.errors) std::cout << "  error " << k << ": " << v << "\n";
+  if (!json_path.empty()) std::ofstream(json_path) << j.dump(2) << "\n";
+  return max_errors >= 0 && errors > max_errors ? 1 : 0;
+}
+
+}  // namespace infinigen::cli

@@ -1,0 +1,128 @@
+// infinigen serve: the all-in-one server. The router, one worker and the KV store run in this
+// process with the same classes as the split deployment, wired without sockets: the store is
+// reached through the in-process transport and the router reaches the worker through an
+// in-process gRPC channel. One port serves the public API (infinigen.v1.Generation).
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <iostream>
+
+#include "absl/synchronization/notification.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "gpu_worker/service/worker_metrics.h"
+#include "gpu_worker/service/worker_runtime.h"
+#include "router/router_server.h"
+
+namespace infinigen::cli {
+namespace {
+
+absl::Notification* g_stop = nullptr;
+void OnSignal(int) {
+  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
+}
+
+}  // namespace
+
+int RunServe(int argc, char** argv) {
+  WorkerConfig worker;
+  RouterServerConfig router;
+  int64_t max_running = 16, max_queued_worker = 64, prefill_budget = 256, dense_layers = 2;
+  int64_t max_streams = 256, max_queued = 1024, max_new_tokens_limit = 4096, metrics_port = 0;
+  int64_t worker_metrics_port = 0, drain_seconds = 10, default_max_new_tokens = 256;
+  FlagSet flags("serve", "--model PATH [--listen 127.0.0.1:50051]",
+                "Serves the public API (infinigen.v1.Generation) with the router, a worker and "
+                "the KV store in this process. Stop with Ctrl-C or SIGTERM (running requests "
+                "finish first).");
+  flags.String("model", &worker.model, "model folder (Hugging Face) or .gguf file");
+  flags.String("sidecar", &worker.sidecar,
+               "InfiniGen sidecar (default: next to the model, if present)");
+  flags.String("listen", &router.listen, "gRPC address of the public API (host:port)");
+  flags.String("policy", &worker.policy,
+               "default KV selection: auto (infinigen with a sidecar, else full), full, "
+               "infinigen, window");
+  flags.Float("budget", &worker.budget, "default fraction of stored rows a decode step reads");
+  flags.Float("alpha", &worker.alpha, "default InfiniGen logit margin");
+  flags.Int("dense-layers", &dense_layers, "leading layers that always attend densely");
+  flags.Int("kv-capacity-mb", &worker.kv_capacity_mb, "host memory for K/V, in MiB");
+  flags.Int("max-running", &max_running, "sequences in the worker's batch at once");
+  flags.Int("max-queued-worker", &max_queued_worker, "requests waiting for a batch slot");
+  flags.Int("prefill-budget", &prefill_budget, "prompt tokens a step may add beside its decodes");
+  flags.Int("default-max-new-tokens", &default_max_new_tokens,
+            "max_new_tokens of requests that give none");
+  flags.Int("max-new-tokens-limit", &max_new_tokens_limit, "the most max_new_tokens a request may ask");
+  flags.Int("max-prompt-tokens", &router.options.max_prompt_tokens,
+            "the most prompt tokens a request may have");
+  flags.Int("max-request-bytes", &router.options.max_request_bytes, "largest request message");
+  flags.Int("max-streams", &max_streams, "requests served at once");
+  flags.Int("max-queued", &max_queued, "requests waiting for a slot before RESOURCE_EXHAUSTED");
+  flags.String("api-keys-file", &router.api_keys_file,
+               "file with one API key per line (clients send `authorization: Bearer <key>`)");
+  flags.String("tls-cert", &router.tls.cert, "serve TLS with this certificate chain (PEM)");
+  flags.String("tls-key", &router.tls.key, "the private key of --tls-cert (PEM)");
+  flags.String("tls-client-ca", &router.tls.ca, "require client certificates signed by this CA");
+  flags.Int("metrics-port", &metrics_port, "router metrics (Prometheus) on this port (0: off)");
+  flags.Int("worker-metrics-port", &worker_metrics_port,
+            "worker metrics (Prometheus) on this port (0: off)");
+  flags.Int("drain-seconds", &drain_seconds, "how long shutdown lets running requests finish");
+  worker.backend.Register(flags);
+  auto parsed = flags.Parse(argc, argv);
+  if (!parsed.ok()) return ReportError("serve", parsed.status());
+  if (!*parsed) return 0;
+
+  worker.kv_transport = "in-process";
+  worker.owner = "serve-" + std::to_string(getpid());
+  worker.dense_layers = static_cast<int32_t>(dense_layers);
+  worker.engine.max_running = static_cast<int32_t>(max_running);
+  worker.engine.max_queued = static_cast<int32_t>(max_queued_worker);
+  worker.engine.prefill_budget_tokens = prefill_budget;
+  worker.default_max_new_tokens = static_cast<int32_t>(default_max_new_tokens);
+  worker.max_new_tokens_limit = static_cast<int32_t>(max_new_tokens_limit);
+  router.options.max_new_tokens_limit = static_cast<int32_t>(max_new_tokens_limit);
+  router.options.max_streams = static_cast<int>(max_streams);
+  router.options.max_queued = static_cast<int>(max_queued);
+  router.metrics_port = static_cast<int>(metrics_port);
+  if (auto st = worker.Validate(); !st.ok()) return ReportError("serve", st);
+  if (auto st = router.options.Validate(); !st.ok()) return ReportError("serve", st);
+
+  auto runtime = WorkerRuntime::Create(worker);
+  if (!runtime.ok()) return ReportError("serve", runtime.status());
+  std::unique_ptr<WorkerMetrics> worker_metrics;
+  if (worker_metrics_port > 0) {
+    auto m = WorkerMetrics::Start((*runtime)->engine(), static_cast<int>(worker_metrics_port));
+    if (!m.ok()) return ReportError("serve", m.status());
+    worker_metrics = std::move(*m);
+    (*runtime)->service().SetLatencyMetrics(worker_metrics->latency());
+  }
+
+  // The worker behind an in-process channel: no port, the router's calls stay in memory.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&(*runtime)->service());
+  std::unique_ptr<grpc::Server> internal = builder.BuildAndStart();
+  if (internal == nullptr) {
+    return ReportError("serve", absl::InternalError("cannot start the in-process worker server"));
+  }
+  internal->GetHealthCheckService()->SetServingStatus(true);
+  router.pool.channels.emplace_back("in-process", internal->InProcessChannel(grpc::ChannelArguments()));
+  auto server = RouterServer::Start(router);
+  if (!server.ok()) return ReportError("serve", server.status());
+  std::cout << "infinigen serve: " << (*runtime)->description() << " on port "
+            << (*server)->port() << std::endl;
+
+  absl::Notification stop;
+  g_stop = &stop;
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  stop.WaitForNotification();
+  std::cout << "infinigen serve: draining" << std::endl;
+  (*server)->Drain(absl::Seconds(drain_seconds));
+  (*server)->Shutdown(absl::Seconds(2));
+  internal->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  std::cout << "infinigen serve: stopped" << std::endl;
+  return 0;
+}
+
+}  // namespace infinigen::cli

@@ -1,0 +1,149 @@
+#include "gpu_worker/service/worker_runtime.h"
+
+#include <filesystem>
+#include <iostream>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace infinigen {
+
+absl::Status WorkerConfig::Validate() const {
+  IG_RETURN_IF_ERROR(engine.Validate());
+  IG_RETURN_IF_ERROR(ParseTransport(kv_transport).status());
+  SelectionConfig s;
+  s.budget_fraction = budget;
+  s.alpha = alpha;
+  s.dense_layers = dense_layers;
+  IG_RETURN_IF_ERROR(s.Validate());
+  if (policy != "auto" && policy != "full" && policy != "infinigen" && policy != "window") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--policy ", policy, ": the worker serves auto, full, infinigen and window"));
+  }
+  IG_RETURN_IF_ERROR(backend.Options().status());
+  if (model.empty()) return absl::InvalidArgumentError("--model is required");
+  if (kv_capacity_mb < 1) return absl::InvalidArgumentError("--kv_capacity_mb must be >= 1");
+  if (device_memory_mb < 0) return absl::InvalidArgumentError("--device_memory_mb must be >= 0");
+  if (max_new_tokens_limit < 1) {
+    return absl::InvalidArgumentError("--max_new_tokens_limit must be >= 1");
+  }
+  if (default_max_new_tokens < 1 || default_max_new_tokens > max_new_tokens_limit) {
+    return absl::InvalidArgumentError(
+        "--default_max_new_tokens must be in [1, --max_new_tokens_limit]");
+  }
+  if (max_prompt_tokens < 0) return absl::InvalidArgumentError("--max_prompt_tokens must be >= 0");
+  return absl::OkStatus();
+}
+
+WorkerRuntime::~WorkerRuntime() {
+  // The engine's thread uses the cache, which uses the client: stop them in that order.
+  service_.reset();
+  engine_.reset();
+  cache_.reset();
+  client_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const WorkerConfig& config) {
+  IG_RETURN_IF_ERROR(config.Validate());
+  std::unique_ptr<WorkerRuntime> w(new WorkerRuntime());
+  IG_ASSIGN_OR_RETURN(w->loaded_, cli::LoadModel(config.model, config.backend));
+  // A model without tokenizer files is served with token ids only.
+  if (auto t = cli::LoadTokenizer(*w->loaded_.checkpoint); t.ok()) {
+    w->tokenizer_ = std::move(*t);
+  } else {
+    std::cerr << "worker: no tokenizer (" << t.status().message()
+              << "): prompts must be token ids\n";
+  }
+  {
+    std::string path = config.sidecar;
+    const bool given = !path.empty();
+    if (!given) path = DefaultSidecarPath(config.model);
+    if (given || std::filesystem::exists(path)) {
+      IG_ASSIGN_OR_RETURN(InfinigenSidecar s, ReadSidecar(path, *w->loaded_.checkpoint));
+      w->sidecar_ = std::make_unique<InfinigenSidecar>(std::move(s));
+    }
+  }
+  SelectionConfig selection;
+  selection.budget_fraction = config.budget;
+  selection.alpha = config.alpha;
+  selection.dense_layers = config.dense_layers;
+  selection.policy =
+      config.policy == "auto" ? (w->sidecar_ ? "infinigen" : "full") : config.policy;
+  if (selection.policy == "infinigen" && !w->sidecar_) {
+    return absl::InvalidArgumentError("--policy infinigen needs a sidecar: run `infinigen prepare "
+                                      "--model " +
+                                      config.model + "` or pass --sidecar");
+  }
+
+  // The KV store: in this process, or a service reached over gRPC, shm or UCX.
+  KvClientConfig client_config;
+  client_config.transport = *ParseTransport(config.kv_transport);
+  client_config.address = config.kv_store;
+  client_config.owner = config.owner;
+  client_config.tls = config.kv_store_tls;
+  const bool in_process = client_config.transport == KvClientConfig::Transport::kInProcess;
+  if (in_process) {
+    KvStoreConfig sc;
+    sc.capacity_bytes = static_cast<size_t>(config.kv_capacity_mb) << 20;
+    sc.shared_memory = false;
+    IG_ASSIGN_OR_RETURN(w->local_store_, KvStore::Create(sc));
+    client_config.store = w->local_store_.get();
+  }
+  IG_ASSIGN_OR_RETURN(w->client_, MakeKvStoreClient(client_config));
+  StoreKvCacheOptions cache_options;
+  cache_options.owner = client_config.owner;
+  cache_options.id_base = std::random_device{}() * (uint64_t{1} << 32);
+  Model& model = *w->loaded_.model;
+  const KvCacheShape shape = model.kv_shape();
+  EngineConfig engine_config = config.engine;
+  {
+    // Admission by device memory: what a running sequence keeps on the device per token of its
+    // length: InfiniGen's partial keys of every sparse layer, and the two staging buffers of
+    // fetched rows (K and V, a budget's share of the rows, two layers in flight).
+    const ModelConfig& c = model.config();
+    const size_t row = static_cast<size_t>(c.num_kv_heads) * c.head_dim * DTypeSize(shape.dtype);
+    size_t per_token = static_cast<size_t>(2 * 2 * row * std::max(0.05, selection.budget_fraction));
+    if (w->sidecar_) {
+      per_token +=
+          static_cast<size_t>(std::max<int64_t>(0, c.num_layers - selection.dense_layers)) *
+          c.num_kv_heads * w->sidecar_->partial_dim * sizeof(float);
+    }
+    engine_config.device_bytes_per_token = per_token;
+    engine_config.device_memory_bytes =
+        config.device_memory_mb > 0
+            ? static_cast<size_t>(config.device_memory_mb) << 20
+            : static_cast<size_t>(0.9 * static_cast<double>(w->loaded_.backend->FreeMemory()));
+  }
+  w->cache_ = std::make_unique<StoreKvCache>(*w->loaded_.backend, shape, *w->client_, cache_options);
+  w->engine_ = std::make_unique<BatchEngine>(model, *w->cache_, engine_config);
+
+  WorkerServiceOptions options;
+  options.model_name = std::filesystem::path(config.model).filename().string();
+  options.kv_transport = config.kv_transport;
+  options.selection = selection;
+  options.selection_limits.allowed_policies = {"full", "window"};
+  if (w->sidecar_) options.selection_limits.allowed_policies.push_back("infinigen");
+  options.default_max_new_tokens = config.default_max_new_tokens;
+  options.max_new_tokens_limit = config.max_new_tokens_limit;
+  options.max_prompt_tokens = config.max_prompt_tokens;
+  options.engine = engine_config;
+  w->service_ = std::make_unique<WorkerService>(*w->engine_, model, w->tokenizer_.get(),
+                                                w->sidecar_.get(), options);
+  w->description_ = absl::StrCat(
+      options.model_name, " (policy ", selection.policy, ", KV store ",
+      in_process ? "in this process" : config.kv_transport + " at " + config.kv_store, ")");
+  return w;
+}
+
+void WorkerRuntime::Drain(absl::Duration timeout) {
+  service_->SetDraining(true);
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end) {
+    const EngineStats s = engine_->Stats();
+    if (s.running == 0 && s.queued == 0) return;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+}  // namespace infinigen

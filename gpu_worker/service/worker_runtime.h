@@ -1,0 +1,73 @@
+// One worker's parts, assembled from a validated config: the model on its backend, tokenizer,
+// InfiniGen sidecar, the KV store (inside this process or reached over gRPC, shm or UCX), the
+// store-backed KV cache, the batching engine and the Worker gRPC service over them.
+// infinigen-worker serves it on its own port; `infinigen serve` wires it to the router in the
+// same process.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cli/loaded_model.h"
+#include "common/tls_files.h"
+#include "gpu_worker/engine/batch_engine.h"
+#include "gpu_worker/engine/store_kv_cache.h"
+#include "gpu_worker/service/worker_service.h"
+#include "kv_store/client/kv_store_client.h"
+
+namespace infinigen {
+
+struct WorkerConfig {
+  std::string model;    // Hugging Face folder or .gguf file
+  std::string sidecar;  // empty: next to the model, if present
+  std::string kv_transport = "in-process";
+  std::string kv_store = "127.0.0.1:50061";
+  TlsFiles kv_store_tls;  // the store's control plane
+  int64_t kv_capacity_mb = 1024;  // in-process store
+  std::string owner = "worker";   // lease holder name at the store
+  std::string policy = "auto";    // auto, full, infinigen, window
+  double budget = 0.2;
+  double alpha = 10.0;
+  int32_t dense_layers = 2;
+  EngineConfig engine;
+  int64_t device_memory_mb = 0;  // 0: 90% of the backend's free memory
+  int32_t default_max_new_tokens = 256;
+  int32_t max_new_tokens_limit = 4096;
+  int64_t max_prompt_tokens = 0;  // 0: the model's context
+  cli::BackendFlags backend;
+
+  // INVALID_ARGUMENT naming the flag for anything out of range (no files are read).
+  absl::Status Validate() const;
+};
+
+class WorkerRuntime {
+ public:
+  static absl::StatusOr<std::unique_ptr<WorkerRuntime>> Create(const WorkerConfig& config);
+  ~WorkerRuntime();
+
+  WorkerService& service() { return *service_; }
+  BatchEngine& engine() { return *engine_; }
+  const Model& model() const { return *loaded_.model; }
+  // "SmolLM2 (policy infinigen, KV store shm at 127.0.0.1:50061)", for the start-up line.
+  const std::string& description() const { return description_; }
+
+  // New requests get UNAVAILABLE; waits up to `timeout` for running and queued ones to finish.
+  void Drain(absl::Duration timeout);
+
+ private:
+  WorkerRuntime() = default;
+
+  cli::LoadedModel loaded_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<InfinigenSidecar> sidecar_;
+  std::unique_ptr<KvStore> local_store_;
+  std::unique_ptr<KvStoreClient> client_;
+  std::unique_ptr<StoreKvCache> cache_;
+  std::unique_ptr<BatchEngine> engine_;
+  std::unique_ptr<WorkerService> service_;
+  std::string description_;
+};
+
+}  // namespace infinigen

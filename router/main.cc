@@ -1,0 +1,100 @@
+// infinigen-router: the public front door (infinigen.v1.Generation) over a pool of workers, with
+// gRPC health, reflection and Prometheus metrics. SIGTERM/SIGINT drain it: health NOT_SERVING
+// (load balancers stop sending), streams in progress finish (up to --drain_seconds), then
+// shutdown.
+#include <csignal>
+#include <iostream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "router/router_server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address to serve on (host:port)");
+ABSL_FLAG(std::string, workers, "",
+          "comma-separated workers: host:port, or dns:///name:port for every address of a name "
+          "(a Kubernetes headless service)");
+ABSL_FLAG(std::string, worker_tls_ca, "",
+          "reach workers over TLS, trusting this CA (presents --tls_cert when set: mTLS)");
+ABSL_FLAG(std::string, tls_cert, "", "serve TLS with this certificate chain (PEM)");
+ABSL_FLAG(std::string, tls_key, "", "the private key of --tls_cert (PEM)");
+ABSL_FLAG(std::string, tls_client_ca, "", "require client certificates signed by this CA");
+ABSL_FLAG(std::string, api_keys_file, "",
+          "file with one API key per line; clients send `authorization: Bearer <key>` "
+          "(empty: no authentication)");
+ABSL_FLAG(int32_t, max_streams, 256, "requests relayed to workers at once");
+ABSL_FLAG(int32_t, max_queued, 1024, "requests waiting for a slot before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a request may ask");
+ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "the most prompt tokens a request may have");
+ABSL_FLAG(int64_t, max_request_bytes, 1 << 20, "the largest request message, in bytes");
+ABSL_FLAG(int32_t, max_attempts, 4, "worker failures one request may go through");
+ABSL_FLAG(int64_t, health_interval_ms, 1000, "how often workers' health is checked");
+ABSL_FLAG(int32_t, metrics_port, 0, "Prometheus metrics on this HTTP port (0: off)");
+ABSL_FLAG(int64_t, drain_seconds, 30, "how long shutdown lets streams in progress finish");
+ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
+
+namespace {
+
+absl::Notification* g_stop = nullptr;
+void OnSignal(int) {
+  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace infinigen;
+  absl::SetProgramUsageMessage("infinigen-router: the public gRPC API over a pool of workers");
+  absl::ParseCommandLine(argc, argv);
+
+  RouterServerConfig config;
+  config.listen = absl::GetFlag(FLAGS_listen);
+  config.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                absl::GetFlag(FLAGS_tls_client_ca)};
+  config.api_keys_file = absl::GetFlag(FLAGS_api_keys_file);
+  config.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  RouterOptions& o = config.options;
+  o.max_streams = absl::GetFlag(FLAGS_max_streams);
+  o.max_queued = absl::GetFlag(FLAGS_max_queued);
+  o.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens_limit);
+  o.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
+  o.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  o.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty())) {
+    config.pool.targets.emplace_back(w);
+  }
+  if (!absl::GetFlag(FLAGS_worker_tls_ca).empty()) {
+    config.pool.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                       absl::GetFlag(FLAGS_worker_tls_ca)};
+  }
+  config.pool.health_interval = absl::Milliseconds(absl::GetFlag(FLAGS_health_interval_ms));
+  absl::Status st = o.Validate();
+  if (st.ok()) st = config.pool.Validate();
+  if (!st.ok()) {
+    std::cerr << "infinigen-router: " << st.message() << "\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_check_flags)) return 0;
+
+  auto server = RouterServer::Start(config);
+  if (!server.ok()) {
+    std::cerr << "infinigen-router: " << server.status().message() << "\n";
+    return absl::IsInvalidArgument(server.status()) ? 2 : 1;
+  }
+  std::cout << "infinigen-router: serving on port " << (*server)->port() << ", "
+            << (*server)->available_workers() << " of " << config.pool.targets.size()
+            << " worker targets available" << std::endl;
+
+  absl::Notification stop;
+  g_stop = &stop;
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  stop.WaitForNotification();
+  std::cout << "infinigen-router: draining" << std::endl;
+  (*server)->Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  (*server)->Shutdown(absl::Seconds(2));
+  std::cout << "infinigen-router: stopped" << std::endl;
+  return 0;
+}

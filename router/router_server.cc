@@ -1,0 +1,65 @@
+#include "router/router_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc/tls.h"
+#include "common/status_macros.h"
+
+namespace infinigen {
+
+absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerConfig config) {
+  IG_RETURN_IF_ERROR(config.options.Validate());
+  IG_ASSIGN_OR_RETURN(auto credentials, MakeServerCredentials(config.tls));
+  std::unique_ptr<RouterServer> r(new RouterServer());
+  if (!config.api_keys_file.empty()) {
+    IG_ASSIGN_OR_RETURN(ApiKeys keys, ApiKeys::Load(config.api_keys_file));
+    r->api_keys_.emplace(std::move(keys));
+    config.options.api_keys = &*r->api_keys_;
+  }
+  IG_ASSIGN_OR_RETURN(r->pool_, WorkerPool::Create(config.pool));
+  r->service_ = std::make_unique<RouterService>(*r->pool_, config.options);
+  if (config.metrics_port > 0) {
+    IG_ASSIGN_OR_RETURN(r->metrics_, RouterMetrics::Start(config.metrics_port,
+                                                          r->service_->admission(), *r->pool_));
+    r->service_->SetMetrics(r->metrics_.get());
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, credentials, &r->port_);
+  // Requests up to 4x the limit reach the service, which names the limit (INVALID_ARGUMENT);
+  // larger ones are cut off by gRPC itself (RESOURCE_EXHAUSTED).
+  builder.SetMaxReceiveMessageSize(
+      static_cast<int>(std::min<int64_t>(4 * config.options.max_request_bytes, 1 << 30)));
+  builder.RegisterService(r->service_.get());
+  r->server_ = builder.BuildAndStart();
+  if (r->server_ == nullptr || r->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+  }
+  r->server_->GetHealthCheckService()->SetServingStatus(true);
+  return r;
+}
+
+RouterServer::~RouterServer() {
+  if (server_ != nullptr) Shutdown(absl::Seconds(1));
+}
+
+void RouterServer::Drain(absl::Duration timeout) {
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end && service_->admission().streams() + service_->admission().queued() > 0) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+void RouterServer::Shutdown(absl::Duration grace) {
+  if (server_ == nullptr) return;
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  server_->Wait();
+  server_.reset();
+}
+
+}  // namespace infinigen

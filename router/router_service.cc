@@ -1,0 +1,332 @@
+#include "router/router_service.h"
+
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "router/router_metrics.h"
+
+namespace infinigen {
+namespace {
+
+namespace wv1 = worker::v1;
+using grpc::StatusCode;
+
+constexpr size_t kMaxIdBytes = 256;
+constexpr absl::Duration kUnaryTimeout = absl::Seconds(10);
+
+// Failures of one worker that another may not have: try elsewhere. Anything else (bad input,
+// deadline, cancellation) is the request's own and goes back to the client as it is.
+bool Retriable(const grpc::Status& s) {
+  switch (s.error_code()) {
+    case StatusCode::UNAVAILABLE:
+    case StatusCode::RESOURCE_EXHAUSTED:
+    case StatusCode::ABORTED:
+    case StatusCode::INTERNAL:
+    case StatusCode::UNKNOWN:
+      return true;
+    default:
+      return false;
+  }
+}
+
+wv1::GenerateRequest ToWorker(const v1::GenerateRequest& r, int64_t max_prompt_tokens) {
+  wv1::GenerateRequest w;
+  w.set_request_id(r.request_id());
+  switch (r.input_case()) {
+    case v1::GenerateRequest::kText:
+      w.set_text(r.text());
+      break;
+    case v1::GenerateRequest::kTokenIds:
+      *w.mutable_token_ids() = r.token_ids();
+      break;
+    case v1::GenerateRequest::kMessages:
+      *w.mutable_messages() = r.messages();
+      break;
+    default:
+      break;
+  }
+  *w.mutable_sampling() = r.sampling();
+  *w.mutable_stopping() = r.stopping();
+  *w.mutable_selection() = r.selection();
+  w.set_skip_special_tokens(r.skip_special_tokens());
+  w.set_max_prompt_tokens(max_prompt_tokens);
+  return w;
+}
+
+std::string NewRequestId() {
+  static std::atomic<uint64_t> n{0};
+  return absl::StrCat("req-", absl::ToUnixMicros(absl::Now()), "-",
+                      n.fetch_add(1, std::memory_order_relaxed));
+}
+
+}  // namespace
+
+absl::Status RouterOptions::Validate() const {
+  if (max_streams < 1) return absl::InvalidArgumentError("--max_streams must be >= 1");
+  if (max_queued < 0) return absl::InvalidArgumentError("--max_queued must be >= 0");
+  if (max_new_tokens_limit < 1) {
+    return absl::InvalidArgumentError("--max_new_tokens_limit must be >= 1");
+  }
+  if (max_prompt_tokens < 1) return absl::InvalidArgumentError("--max_prompt_tokens must be >= 1");
+  if (max_request_bytes < 1024) {
+    return absl::InvalidArgumentError("--max_request_bytes must be >= 1024");
+  }
+  if (max_attempts < 1) return absl::InvalidArgumentError("--max_attempts must be >= 1");
+  return absl::OkStatus();
+}
+
+RouterService::RouterService(WorkerPool& pool, const RouterOptions& options)
+    : pool_(pool), options_(options), admission_(options.max_streams, options.max_queued) {}
+
+grpc::Status RouterService::Authenticate(const grpc::ServerContext& context) const {
+  if (options_.api_keys == nullptr) return grpc::Status::OK;
+  const auto& md = context.client_metadata();
+  auto it = md.find("authorization");
+  if (it != md.end() &&
+      options_.api_keys->Accepts(absl::string_view(it->second.data(), it->second.size()))) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(StatusCode::UNAUTHENTICATED,
+                      it == md.end() ? "send an API key: metadata `authorization: Bearer <key>`"
+                                     : "the API key in `authorization: Bearer <key>` is not valid");
+}
+
+grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
+  const size_t bytes = r.ByteSizeLong();
+  if (static_cast<int64_t>(bytes) > options_.max_request_bytes) {
+    return grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("the request has ", bytes, " bytes; the limit "
+                                     "(max_request_bytes) is ", options_.max_request_bytes));
+  }
+  switch (r.input_case()) {
+    case v1::GenerateRequest::kText:
+      if (r.text().empty()) return {StatusCode::INVALID_ARGUMENT, "text: the prompt is empty"};
+      break;
+    case v1::GenerateRequest::kTokenIds:
+      if (r.token_ids().ids().empty()) {
+        return {StatusCode::INVALID_ARGUMENT, "token_ids: the prompt is empty"};
+      }
+      if (r.token_ids().ids_size() > options_.max_prompt_tokens) {
+        return grpc::Status(StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("token_ids: the prompt has ", r.token_ids().ids_size(),
+                                         " tokens; the limit (max_prompt_tokens) is ",
+                                         options_.max_prompt_tokens));
+      }
+      break;
+    case v1::GenerateRequest::kMessages:
+      if (r.messages().messages().empty()) {
+        return {StatusCode::INVALID_ARGUMENT, "messages: the list is empty"};
+      }
+      break;
+    default:
+      return {StatusCode::INVALID_ARGUMENT, "input: give one of text, token_ids or messages"};
+  }
+  if (r.stopping().has_max_new_tokens() &&
+      (r.stopping().max_new_tokens() < 1 ||
+       r.stopping().max_new_tokens() > options_.max_new_tokens_limit)) {
+    return grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("stopping.max_new_tokens is ", r.stopping().max_new_tokens(),
+                                     "; it must be in [1, ", options_.max_new_tokens_limit,
+                                     "] (max_new_tokens_limit)"));
+  }
+  if (r.request_id().size() > kMaxIdBytes || r.session_id().size() > kMaxIdBytes) {
+    return grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("request_id and session_id may have at most ", kMaxIdBytes,
+                                     " bytes"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::Generate(grpc::ServerContext* context,
+                                     const v1::GenerateRequest* request,
+                                     grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  grpc::Status s = Authenticate(*context);
+  if (s.ok()) s = Validate(*request);
+  if (s.ok()) {
+    const absl::Status admitted = admission_.Enter(absl::FromChrono(context->deadline()),
+                                                   [context] { return context->IsCancelled(); });
+    if (!admitted.ok()) {
+      if (absl::IsResourceExhausted(admitted)) {
+        context->AddTrailingMetadata("grpc-retry-pushback-ms", "100");
+      }
+      s = grpc::Status(static_cast<StatusCode>(admitted.code()), std::string(admitted.message()));
+    } else {
+      AdmissionSlot slot(&admission_);
+      s = Relay(context, *request, writer);
+    }
+  }
+  if (metrics_ != nullptr) metrics_->RequestDone(s.error_code());
+  return s;
+}
+
+grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
+                                  grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  wv1::GenerateRequest wr = ToWorker(request, options_.max_prompt_tokens);
+  const std::string request_id =
+      request.request_id().empty() ? NewRequestId() : request.request_id();
+  wr.set_request_id(request_id);
+  const int64_t budget =
+      request.stopping().has_max_new_tokens() ? request.stopping().max_new_tokens() : 256;
+  const absl::Time start = absl::Now();
+  std::vector<int32_t> sent;
+  bool first_sent = false;
+  int failovers = 0;
+  int failed_calls = 0;
+  std::vector<std::shared_ptr<PooledWorker>> failed, full;  // in this request
+  grpc::Status last(StatusCode::UNAVAILABLE, "no worker is available");
+  absl::Time resume_deadline = absl::InfiniteFuture();
+  for (;;) {
+    std::vector<const PooledWorker*> exclude;
+    for (const auto& w : failed) exclude.push_back(w.get());
+    for (const auto& w : full) exclude.push_back(w.get());
+    std::shared_ptr<PooledWorker> worker = pool_.Pick(request.session_id(), exclude);
+    if (worker == nullptr) {
+      // Every worker failed or is full. A stream already under way waits for room (it cannot be
+      // handed back); a request that has not started is refused so the client can back off.
+      const bool wait = !sent.empty() && !full.empty() && absl::Now() < resume_deadline &&
+                        absl::Now() < absl::FromChrono(context->deadline());
+      if (!wait) break;
+      absl::SleepFor(absl::Milliseconds(100));
+      if (context->IsCancelled()) return {StatusCode::CANCELLED, "the client cancelled"};
+      full.clear();
+      continue;
+    }
+    wr.clear_resume_token_ids();
+    for (int32_t t : sent) wr.add_resume_token_ids(t);
+    // The worker call inherits the client's deadline and cancellation.
+    std::unique_ptr<grpc::ClientContext> call = grpc::ClientContext::FromServerContext(*context);
+    int64_t expected = std::max<int64_t>(1, budget - static_cast<int64_t>(sent.size()));
+    worker->AddOutstanding(expected);
+    auto reader = worker->stub().Generate(call.get(), wr);
+    wv1::GenerateResponse m;
+    bool client_gone = false;
+    while (reader->Read(&m)) {
+      v1::GenerateResponse out;
+      out.mutable_token_ids()->Swap(m.mutable_token_ids());
+      out.set_text(std::move(*m.mutable_text()));
+      if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+        out.set_finish_reason(m.finish_reason());
+        *out.mutable_usage() = m.usage();
+        *out.mutable_timings() = m.timings();
+        out.set_failovers(failovers);
+      }
+      if (!first_sent) {
+        out.set_request_id(request_id);
+        if (metrics_ != nullptr && out.token_ids_size() > 0) {
+          metrics_->FirstToken(absl::ToDoubleSeconds(absl::Now() - start));
+        }
+      }
+      const int n = out.token_ids_size();
+      sent.insert(sent.end(), out.token_ids().begin(), out.token_ids().end());
+      worker->AddOutstanding(-std::min<int64_t>(n, expected));
+      expected -= std::min<int64_t>(n, expected);
+      if (metrics_ != nullptr) metrics_->Tokens(n);
+      if (!writer->Write(out)) {
+        call->TryCancel();
+        client_gone = true;
+        break;
+      }
+      first_sent = true;
+    }
+    const grpc::Status s = reader->Finish();
+    worker->AddOutstanding(-expected);
+    if (client_gone || context->IsCancelled()) {
+      return {StatusCode::CANCELLED, "the client cancelled"};
+    }
+    if (s.ok() || !Retriable(s)) return s;
+    last = s;
+    if (s.error_code() == StatusCode::RESOURCE_EXHAUSTED) {
+      full.push_back(worker);
+    } else {
+      pool_.ReportFailure(*worker);
+      failed.push_back(worker);
+      if (++failed_calls >= options_.max_attempts) break;
+    }
+    if (!sent.empty()) {
+      ++failovers;
+      if (metrics_ != nullptr) metrics_->Failover();
+      resume_deadline = std::min(resume_deadline, absl::Now() + options_.resume_wait);
+    }
+  }
+  if (last.error_code() == StatusCode::RESOURCE_EXHAUSTED && sent.empty()) {
+    context->AddTrailingMetadata("grpc-retry-pushback-ms", "200");
+    return {StatusCode::RESOURCE_EXHAUSTED, "every worker is full; retry after a short wait"};
+  }
+  return grpc::Status(StatusCode::UNAVAILABLE,
+                      absl::StrCat("no worker could serve the request",
+                                   sent.empty() ? "" : absl::StrCat(" after ", sent.size(),
+                                                                    " tokens were sent"),
+                                   " (", failed.size() + full.size(),
+                                   " tried; last error: ", last.error_message(), ")"));
+}
+
+grpc::Status RouterService::Tokenize(grpc::ServerContext* context,
+                                     const v1::TokenizeRequest* request,
+                                     v1::TokenizeResponse* response) {
+  if (grpc::Status s = Authenticate(*context); !s.ok()) return s;
+  if (static_cast<int64_t>(request->ByteSizeLong()) > options_.max_request_bytes) {
+    return grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("the request is larger than the limit (max_request_bytes) of ",
+                                     options_.max_request_bytes, " bytes"));
+  }
+  std::vector<std::shared_ptr<PooledWorker>> tried;
+  grpc::Status last(StatusCode::UNAVAILABLE, "no worker is available");
+  for (int i = 0; i < options_.max_attempts; ++i) {
+    std::vector<const PooledWorker*> exclude;
+    for (const auto& w : tried) exclude.push_back(w.get());
+    auto worker = pool_.Pick("", exclude);
+    if (worker == nullptr) break;
+    auto call = grpc::ClientContext::FromServerContext(*context);
+    if (absl::FromChrono(context->deadline()) > absl::Now() + kUnaryTimeout) {
+      call->set_deadline(absl::ToChronoTime(absl::Now() + kUnaryTimeout));
+    }
+    last = worker->stub().Tokenize(call.get(), *request, response);
+    if (last.ok() || !Retriable(last)) return last;
+    tried.push_back(worker);
+  }
+  return grpc::Status(StatusCode::UNAVAILABLE,
+                      absl::StrCat("no worker could tokenize: ", last.error_message()));
+}
+
+grpc::Status RouterService::GetModelInfo(grpc::ServerContext* context,
+                                         const v1::GetModelInfoRequest*, v1::ModelInfo* info) {
+  if (grpc::Status s = Authenticate(*context); !s.ok()) return s;
+  std::vector<std::shared_ptr<PooledWorker>> tried;
+  grpc::Status last(StatusCode::UNAVAILABLE, "no worker is available");
+  wv1::InfoResponse w;
+  for (int i = 0; i < options_.max_attempts; ++i) {
+    std::vector<const PooledWorker*> exclude;
+    for (const auto& x : tried) exclude.push_back(x.get());
+    auto worker = pool_.Pick("", exclude);
+    if (worker == nullptr) break;
+    grpc::ClientContext call;
+    call.set_deadline(absl::ToChronoTime(absl::Now() + kUnaryTimeout));
+    last = worker->stub().Info(&call, wv1::InfoRequest(), &w);
+    if (last.ok()) break;
+    tried.push_back(worker);
+  }
+  if (!last.ok()) {
+    return grpc::Status(StatusCode::UNAVAILABLE,
+                        absl::StrCat("no worker answered: ", last.error_message()));
+  }
+  info->set_model(w.model());
+  info->set_architecture(w.architecture());
+  info->set_num_layers(w.num_layers());
+  info->set_num_heads(w.num_heads());
+  info->set_num_kv_heads(w.num_kv_heads());
+  info->set_head_dim(w.head_dim());
+  info->set_vocab_size(w.vocab_size());
+  info->set_max_context_tokens(w.max_context_tokens());
+  info->set_max_new_tokens_limit(std::min(w.max_new_tokens_limit(), options_.max_new_tokens_limit));
+  info->set_max_prompt_tokens(std::min(w.max_context_tokens(), options_.max_prompt_tokens));
+  info->set_max_request_bytes(options_.max_request_bytes);
+  info->set_default_policy(w.default_policy());
+  *info->mutable_policies() = w.policies();
+  info->set_workers(pool_.available());
+  info->set_streams(admission_.streams());
+  info->set_queued(admission_.queued());
+  return grpc::Status::OK;
+}
+
+}  // namespace infinigen

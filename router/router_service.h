@@ -1,0 +1,61 @@
+// infinigen.v1.Generation over a pool of workers: authenticates (API keys), validates against
+// the router's limits, admits (bounded streams and queue), places each request on a worker and
+// relays its stream. A worker that fails before the first token is replaced transparently; one
+// that dies mid-stream is replaced by another that resumes from the prompt plus the tokens
+// already sent (same seed, so the same continuation), with no token repeated or lost.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "infinigen/v1/generation.grpc.pb.h"
+#include "router/admission.h"
+#include "router/api_keys.h"
+#include "router/worker_pool.h"
+
+namespace infinigen {
+
+class RouterMetrics;
+
+struct RouterOptions {
+  int max_streams = 256;   // requests relayed at once
+  int max_queued = 1024;   // requests waiting for one of those
+  int32_t max_new_tokens_limit = 4096;
+  int64_t max_prompt_tokens = 32768;
+  int64_t max_request_bytes = 1 << 20;
+  int max_attempts = 4;  // worker calls per request that may fail (first try included)
+  // How long a stream whose worker died waits for a worker with room to resume it.
+  absl::Duration resume_wait = absl::Seconds(10);
+  const ApiKeys* api_keys = nullptr;  // null: no authentication
+
+  absl::Status Validate() const;
+};
+
+class RouterService final : public v1::Generation::Service {
+ public:
+  RouterService(WorkerPool& pool, const RouterOptions& options);
+
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Tokenize(grpc::ServerContext* context, const v1::TokenizeRequest* request,
+                        v1::TokenizeResponse* response) override;
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
+                            v1::ModelInfo* response) override;
+
+  const Admission& admission() const { return admission_; }
+  // Optional; set before serving.
+  void SetMetrics(RouterMetrics* metrics) { metrics_ = metrics; }
+
+ private:
+  grpc::Status Authenticate(const grpc::ServerContext& context) const;
+  grpc::Status Validate(const v1::GenerateRequest& request) const;
+  grpc::Status Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
+                     grpc::ServerWriter<v1::GenerateResponse>* writer);
+
+  WorkerPool& pool_;
+  const RouterOptions options_;
+  Admission admission_;
+  RouterMetrics* metrics_ = nullptr;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,99 @@
+// The router's workers: a static list of addresses, DNS names whose every address is a worker
+// (a Kubernetes headless service), and channels handed in directly (the all-in-one server).
+// A background thread re-resolves the names and checks every worker's gRPC health: SERVING means
+// available, NOT_SERVING draining (no new requests), no answer unavailable. Placement picks the
+// available worker with the fewest outstanding tokens, or, for a session id, the same worker
+// for as long as it stays available (rendezvous hashing, so router replicas agree).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/tls_files.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
+
+namespace infinigen {
+
+class PooledWorker {
+ public:
+  PooledWorker(std::string address, std::shared_ptr<grpc::Channel> channel);
+
+  const std::string& address() const { return address_; }
+  worker::v1::Worker::Stub& stub() { return *stub_; }
+  grpc::health::v1::Health::Stub& health() { return *health_; }
+
+  // Tokens this router expects the worker still to generate for it (placement's load).
+  int64_t outstanding() const { return outstanding_.load(std::memory_order_relaxed); }
+  void AddOutstanding(int64_t n) { outstanding_.fetch_add(n, std::memory_order_relaxed); }
+
+  enum class State { kUnknown, kServing, kDraining, kDown };
+  State state() const { return state_.load(std::memory_order_relaxed); }
+  void set_state(State s) { state_.store(s, std::memory_order_relaxed); }
+  bool available() const { return state() == State::kServing; }
+
+ private:
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<worker::v1::Worker::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  std::atomic<int64_t> outstanding_{0};
+  std::atomic<State> state_{State::kUnknown};
+};
+
+struct WorkerPoolConfig {
+  // "host:port" is one worker; "dns:///name:port" makes every address of `name` a worker.
+  std::vector<std::string> targets;
+  // Workers given as channels (the all-in-one server's in-process worker), by name.
+  std::vector<std::pair<std::string, std::shared_ptr<grpc::Channel>>> channels;
+  TlsFiles tls;  // TLS to the workers when tls.ca is set; tls.cert/key make it mTLS
+  absl::Duration health_interval = absl::Seconds(1);
+  absl::Duration health_timeout = absl::Milliseconds(800);
+
+  absl::Status Validate() const;
+};
+
+class WorkerPool {
+ public:
+  // Resolves and probes every worker once before returning, then keeps doing so in the
+  // background. Fails only on a malformed config (workers may all be down at first).
+  static absl::StatusOr<std::unique_ptr<WorkerPool>> Create(WorkerPoolConfig config);
+  ~WorkerPool();
+
+  // An available worker not in `exclude`, or null. See the file comment for the rule.
+  std::shared_ptr<PooledWorker> Pick(absl::string_view session_id,
+                                     const std::vector<const PooledWorker*>& exclude) const;
+  // A call to `w` failed the way a dead worker fails: take it out of placement until a health
+  // check finds it serving again.
+  void ReportFailure(PooledWorker& w);
+
+  std::vector<std::shared_ptr<PooledWorker>> Workers() const;
+  int available() const;
+
+ private:
+  explicit WorkerPool(WorkerPoolConfig config);
+  void Refresh();  // re-resolve names, then probe health
+  void Loop();
+
+  const WorkerPoolConfig config_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<PooledWorker>> workers_ ABSL_GUARDED_BY(mu_);
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+// Every address `name` resolves to, as "ip:port" ("[ip6]:port"); NOT_FOUND when none.
+absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& host, const std::string& port);
+
+}  // namespace infinigen
