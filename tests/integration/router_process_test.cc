@@ -1,0 +1,488 @@
+// infinigen-router in front of two infinigen-worker processes sharing one infinigen-kvstore, all
+// real processes on 127.0.0.1 with the tiny Llama 3.1 fixture: streams through the router equal
+// a worker's own; kill -9 of a worker mid-stream leaves every client stream complete and
+// correct (resumed on the other worker); bad requests name the limit; API keys; queue full;
+// deadlines; cancellation reaching the worker; a draining worker gets no new requests; TLS with
+// mTLS between the services; and a bounded load with zero errors, through the router and
+// through the all-in-one `infinigen serve`.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "infinigen/v1/generation.grpc.pb.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/fixture_model.h"
+#include "tests/support/process.h"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+namespace wv1 = worker::v1;
+using testing::FreePort;
+using testing::RandomTokens;
+using testing::ServerProcess;
+
+const char* kModel = "hf/llama31_gqa";
+constexpr int kVocab = 211;
+
+std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+template <typename Request>
+void Fill(Request& r, const std::vector<int32_t>& prompt, int max_new, float temperature,
+          uint64_t seed) {
+  for (int32_t t : prompt) r.mutable_token_ids()->add_ids(t);
+  r.mutable_sampling()->set_temperature(temperature);
+  r.mutable_sampling()->set_top_k(temperature > 0 ? 30 : 0);
+  r.mutable_sampling()->set_seed(seed);
+  r.mutable_stopping()->set_max_new_tokens(max_new);
+  r.mutable_stopping()->set_ignore_eos(true);
+}
+
+v1::GenerateRequest Request(const std::vector<int32_t>& prompt, int max_new, float temperature = 0,
+                            uint64_t seed = 0) {
+  v1::GenerateRequest r;
+  Fill(r, prompt, max_new, temperature, seed);
+  return r;
+}
+
+struct StreamResult {
+  std::vector<int32_t> tokens;
+  v1::GenerateResponse last;
+  std::string request_id;
+  grpc::Status status;
+  std::multimap<grpc::string_ref, grpc::string_ref> trailers;
+};
+
+StreamResult Stream(v1::Generation::Stub& stub, const v1::GenerateRequest& request,
+                    grpc::ClientContext* context = nullptr,
+                    const std::function<void(int)>& on_token = {}) {
+  grpc::ClientContext own;
+  if (context == nullptr) {
+    context = &own;
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  }
+  StreamResult r;
+  auto reader = stub.Generate(context, request);
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    if (!msg.request_id().empty()) r.request_id = msg.request_id();
+    for (int32_t t : msg.token_ids()) r.tokens.push_back(t);
+    if (on_token && msg.token_ids_size() > 0) on_token(static_cast<int>(r.tokens.size()));
+    r.last = msg;
+  }
+  r.status = reader->Finish();
+  r.trailers = context->GetServerTrailingMetadata();
+  return r;
+}
+
+std::unique_ptr<v1::Generation::Stub> PublicStub(int port) {
+  return v1::Generation::NewStub(grpc::CreateChannel(Addr(port), grpc::InsecureChannelCredentials()));
+}
+
+class RouterProcess : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    store_port_ = FreePort();
+    store_ = std::make_unique<ServerProcess>(
+        "infinigen-kvstore",
+        std::vector<std::string>{"--listen=" + Addr(store_port_), "--capacity_mb=64",
+                                 "--huge_pages=false"},
+        store_port_);
+    ASSERT_TRUE(store_->running());
+    for (int i = 0; i < 2; ++i) {
+      worker_ports_[i] = FreePort();
+      workers_[i] = StartWorker(worker_ports_[i], {"--kv_transport=grpc",
+                                                   "--kv_store=" + Addr(store_port_)});
+      ASSERT_TRUE(workers_[i]->running());
+    }
+    router_port_ = FreePort();
+    router_ = StartRouter(router_port_, {});
+    ASSERT_TRUE(router_->running());
+    stub_ = PublicStub(router_port_);
+    WaitForWorkers(*stub_, 2);
+  }
+
+  std::unique_ptr<ServerProcess> StartWorker(int port, std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--model=" + testing::FixturePath(kModel),
+                                     "--listen=" + Addr(port), "--policy=full", "--threads=1",
+                                     "--max_running=16", "--drain_seconds=5"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<ServerProcess>("infinigen-worker", args, port);
+  }
+
+  std::unique_ptr<ServerProcess> StartRouter(int port, std::vector<std::string> extra) {
+    std::vector<std::string> args = {
+        "--listen=" + Addr(port),
+        "--workers=" + Addr(worker_ports_[0]) + "," + Addr(worker_ports_[1]),
+        "--health_interval_ms=200", "--max_prompt_tokens=200", "--max_new_tokens_limit=240",
+        "--max_request_bytes=4096"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<ServerProcess>("infinigen-router", args, port);
+  }
+
+  // Until GetModelInfo counts `n` available workers.
+  static void WaitForWorkers(v1::Generation::Stub& stub, int n, const std::string& key = "") {
+    int seen = -1;
+    for (int i = 0; i < 100 && seen != n; ++i) {
+      grpc::ClientContext c;
+      if (!key.empty()) c.AddMetadata("authorization", "Bearer " + key);
+      v1::ModelInfo info;
+      if (stub.GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok()) seen = info.workers();
+      if (seen != n) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_EQ(seen, n) << "available workers";
+  }
+
+  // What one worker generates for the request, called directly.
+  std::vector<int32_t> Direct(int worker, const v1::GenerateRequest& r) {
+    auto stub = wv1::Worker::NewStub(
+        grpc::CreateChannel(Addr(worker_ports_[worker]), grpc::InsecureChannelCredentials()));
+    wv1::GenerateRequest w;
+    *w.mutable_token_ids() = r.token_ids();
+    *w.mutable_sampling() = r.sampling();
+    *w.mutable_stopping() = r.stopping();
+    grpc::ClientContext c;
+    auto reader = stub->Generate(&c, w);
+    wv1::GenerateResponse m;
+    std::vector<int32_t> out;
+    while (reader->Read(&m)) out.insert(out.end(), m.token_ids().begin(), m.token_ids().end());
+    EXPECT_TRUE(reader->Finish().ok());
+    return out;
+  }
+
+  int32_t WorkerRunning(int worker) {
+    auto stub = wv1::Worker::NewStub(
+        grpc::CreateChannel(Addr(worker_ports_[worker]), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext c;
+    wv1::InfoResponse info;
+    return stub->Info(&c, wv1::InfoRequest(), &info).ok() ? info.running() + info.queued() : -1;
+  }
+
+  int store_port_ = 0, router_port_ = 0;
+  int worker_ports_[2] = {0, 0};
+  std::unique_ptr<ServerProcess> store_, router_;
+  std::unique_ptr<ServerProcess> workers_[2];
+  std::unique_ptr<v1::Generation::Stub> stub_;
+};
+
+TEST_F(RouterProcess, StreamsEqualAWorkersOwnAndCarryUsage) {
+  for (int i = 0; i < 4; ++i) {
+    const auto r = Request(RandomTokens(12 + 5 * i, kVocab, 20 + i), 30, i % 2 ? 0.8f : 0.0f, 5 + i);
+    const StreamResult got = Stream(*stub_, r);
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(got.tokens, Direct(i % 2, r)) << "request " << i;
+    EXPECT_EQ(got.last.finish_reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(got.last.usage().generated_tokens(), 30);
+    EXPECT_EQ(got.last.failovers(), 0);
+    EXPECT_FALSE(got.request_id.empty()) << "the router names requests that come without an id";
+  }
+  v1::GenerateRequest named = Request({1, 2, 3}, 2);
+  named.set_request_id("my-request");
+  EXPECT_EQ(Stream(*stub_, named).request_id, "my-request");
+}
+
+TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
+  constexpr int kStreams = 8, kNew = 220;
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  for (int i = 0; i < kStreams; ++i) {
+    requests.push_back(Request(RandomTokens(8 + i, kVocab, 40 + i), kNew, i % 2 ? 0.9f : 0.0f,
+                               100 + i));
+    want.push_back(Direct(1, requests.back()));
+  }
+  std::vector<StreamResult> got(kStreams);
+  std::atomic<int> started{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      bool counted = false;
+      got[i] = Stream(*stub_, requests[i], nullptr, [&](int n) {
+        if (n >= 3 && !counted) {
+          counted = true;
+          started.fetch_add(1);
+        }
+      });
+    });
+  }
+  // Once every stream is under way, worker 0 dies without a word.
+  for (int i = 0; i < 500 && started.load() < kStreams; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(started.load(), kStreams) << "streams should still be running when the worker dies";
+  workers_[0]->Kill();
+  for (auto& t : threads) t.join();
+  int moved = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
+    EXPECT_EQ(got[i].last.usage().generated_tokens(), kNew);
+    moved += got[i].last.failovers();
+  }
+  EXPECT_GT(moved, 0) << "some streams ran on the killed worker";
+  // New requests go to the survivor.
+  EXPECT_TRUE(Stream(*stub_, Request({5, 6, 7}, 4)).status.ok());
+}
+
+TEST_F(RouterProcess, BadRequestsNameTheLimitAndTheRouterKeepsServing) {
+  auto check = [&](const v1::GenerateRequest& r, const std::string& needle) {
+    const grpc::Status s = Stream(*stub_, r).status;
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << needle << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(needle), std::string::npos) << s.error_message();
+  };
+  check(v1::GenerateRequest(), "input");
+  check(Request({1, 2}, 1000), "max_new_tokens_limit");
+  check(Request(RandomTokens(201, kVocab, 1), 4), "max_prompt_tokens");
+  v1::GenerateRequest large;
+  large.set_text(std::string(5000, 'a'));
+  check(large, "max_request_bytes");
+  check(Request({1, 2, kVocab + 3}, 4), "vocabulary");  // found by the worker, passed through
+  auto bad_p = Request({1, 2}, 4);
+  bad_p.mutable_sampling()->set_top_p(-1);
+  check(bad_p, "top_p");
+  v1::GenerateRequest empty_text;
+  empty_text.set_text("");
+  check(empty_text, "empty");
+  EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4)).status.ok());
+}
+
+TEST_F(RouterProcess, ApiKeys) {
+  const std::string keys = ::testing::TempDir() + "/router_keys.txt";
+  std::ofstream(keys) << "# keys\nsecret-one\n\nsecret-two\n";
+  const int port = FreePort();
+  auto router = StartRouter(port, {"--api_keys_file=" + keys});
+  ASSERT_TRUE(router->running());
+  auto stub = PublicStub(port);
+  WaitForWorkers(*stub, 2, "secret-two");
+  auto with_key = [&](const std::string& header) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    if (!header.empty()) c.AddMetadata("authorization", header);
+    return Stream(*stub, Request({1, 2, 3}, 3), &c).status;
+  };
+  EXPECT_EQ(with_key("").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(with_key("Bearer secret-on").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(with_key("secret-one").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(with_key("Bearer secret-one").ok());
+  EXPECT_TRUE(with_key("Bearer secret-two").ok());
+  grpc::ClientContext c;
+  v1::ModelInfo info;
+  EXPECT_EQ(stub->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  // Keys never reach the log.
+  std::ifstream log(router->log_path());
+  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text.find("secret"), std::string::npos);
+  // Without --api_keys_file (the fixture's router) no key is needed.
+  EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 3)).status.ok());
+}
+
+TEST_F(RouterProcess, AFullQueueIsResourceExhaustedAndDeadlinesAreHonoured) {
+  const int port = FreePort();
+  auto router = StartRouter(port, {"--max_streams=1", "--max_queued=1"});
+  ASSERT_TRUE(router->running());
+  auto stub = PublicStub(port);
+  WaitForWorkers(*stub, 2);
+  StreamResult queued_result, refused, late;
+  std::thread queued;
+  const StreamResult first = Stream(*stub, Request({1, 2, 3}, 230), nullptr, [&](int n) {
+    if (n != 1) return;
+    // The second waits in the queue; the third finds it full; a fourth with a short deadline...
+    queued = std::thread([&] { queued_result = Stream(*stub, Request({4, 5, 6}, 3)); });
+    for (int i = 0; i < 200; ++i) {
+      grpc::ClientContext c;
+      v1::ModelInfo info;
+      if (stub->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok() && info.queued() == 1) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    refused = Stream(*stub, Request({7, 8, 9}, 3));
+  });
+  queued.join();
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_TRUE(queued_result.status.ok()) << queued_result.status.error_message();
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.status.error_message();
+  auto it = refused.trailers.find("grpc-retry-pushback-ms");
+  EXPECT_NE(it, refused.trailers.end()) << "a retry hint";
+
+  // A deadline shorter than the generation: DEADLINE_EXCEEDED, and the worker stops the request.
+  grpc::ClientContext short_deadline;
+  short_deadline.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(60));
+  const StreamResult cut = Stream(*stub_, Request({1, 2, 3}, 239), &short_deadline);
+  EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+      << cut.status.error_message();
+  int busy = 1;
+  for (int i = 0; i < 100 && busy != 0; ++i) {
+    busy = WorkerRunning(0) + WorkerRunning(1);
+    if (busy != 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(busy, 0);
+}
+
+TEST_F(RouterProcess, CancellationReachesTheWorker) {
+  grpc::ClientContext context;
+  bool cancelled = false;
+  const StreamResult r = Stream(*stub_, Request({3, 4, 5}, 230), &context, [&](int n) {
+    if (n == 3 && !cancelled) {
+      EXPECT_EQ(WorkerRunning(0) + WorkerRunning(1), 1);
+      context.TryCancel();
+      cancelled = true;
+    }
+  });
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::CANCELLED);
+  int busy = 1;
+  for (int i = 0; i < 100 && busy != 0; ++i) {
+    busy = WorkerRunning(0) + WorkerRunning(1);
+    if (busy != 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(busy, 0) << "the worker ended the cancelled request";
+}
+
+TEST_F(RouterProcess, SessionsStickAndDrainingWorkersGetNoNewRequests) {
+  // A session's requests land on one worker: watch which one is busy during a long request.
+  auto busy_worker = [&](const std::string& session) {
+    v1::GenerateRequest r = Request({9, 8, 7}, 230);
+    r.set_session_id(session);
+    int which = -1;
+    Stream(*stub_, r, nullptr, [&](int n) {
+      if (n == 2) which = WorkerRunning(0) == 1 ? 0 : (WorkerRunning(1) == 1 ? 1 : -1);
+    });
+    return which;
+  };
+  const int a = busy_worker("session-a");
+  ASSERT_GE(a, 0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(busy_worker("session-a"), a);
+  // Drain that worker: its sessions move, and new requests all succeed on the other one.
+  workers_[a]->Signal(SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3 + i}, 4)).status.ok());
+  }
+  EXPECT_EQ(busy_worker("session-a"), 1 - a);
+}
+
+// A CA and one certificate (for 127.0.0.1) that every service serves and presents as a client.
+std::string MakeCertificates() {
+  const std::string dir = ::testing::TempDir() + "/tls";
+  const std::string cmd =
+      "set -e; mkdir -p " + dir + "; cd " + dir +
+      "; openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 "
+      "-subj /CN=test-ca 2>/dev/null"
+      "; openssl req -newkey rsa:2048 -nodes -keyout service.key -out service.csr "
+      "-subj /CN=localhost 2>/dev/null"
+      "; printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > ext.cnf"
+      "; openssl x509 -req -in service.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+      "-out service.pem -days 1 -extfile ext.cnf 2>/dev/null";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  return dir;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+TEST(TlsProcess, EveryServiceSpeaksTlsAndInternalOnesRequireClientCertificates) {
+  const std::string dir = MakeCertificates();
+  const std::string ca = dir + "/ca.pem", cert = dir + "/service.pem", key = dir + "/service.key";
+  const std::vector<std::string> serve_tls = {"--tls_cert=" + cert, "--tls_key=" + key};
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const int store_port = FreePort(), worker_port = FreePort(), router_port = FreePort();
+  ServerProcess store("infinigen-kvstore",
+                      with({"--listen=" + Addr(store_port), "--capacity_mb=32",
+                            "--huge_pages=false", "--tls_client_ca=" + ca},
+                           serve_tls),
+                      store_port);
+  ASSERT_TRUE(store.running());
+  ServerProcess worker("infinigen-worker",
+                       with({"--model=" + testing::FixturePath(kModel),
+                             "--listen=" + Addr(worker_port), "--policy=full", "--threads=1",
+                             "--kv_transport=grpc", "--kv_store=" + Addr(store_port),
+                             "--kv_store_tls_ca=" + ca, "--tls_client_ca=" + ca},
+                            serve_tls),
+                       worker_port);
+  ASSERT_TRUE(worker.running());
+  ServerProcess router("infinigen-router",
+                       with({"--listen=" + Addr(router_port), "--workers=" + Addr(worker_port),
+                             "--worker_tls_ca=" + ca, "--health_interval_ms=200"},
+                            serve_tls),
+                       router_port);
+  ASSERT_TRUE(router.running());
+
+  grpc::SslCredentialsOptions client_tls;
+  client_tls.pem_root_certs = ReadFile(ca);
+  auto stub = v1::Generation::NewStub(
+      grpc::CreateChannel(Addr(router_port), grpc::SslCredentials(client_tls)));
+  grpc::Status last;
+  for (int i = 0; i < 50; ++i) {
+    const StreamResult r = Stream(*stub, Request({1, 2, 3}, 5));
+    last = r.status;
+    if (last.ok()) {
+      EXPECT_EQ(r.tokens.size(), 5u);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(last.ok()) << "TLS client -> TLS router -> mTLS worker -> mTLS store: "
+                         << last.error_message();
+  // A plaintext client cannot talk to the router.
+  grpc::ClientContext c1;
+  c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::ModelInfo info;
+  EXPECT_FALSE(PublicStub(router_port)->GetModelInfo(&c1, v1::GetModelInfoRequest(), &info).ok());
+  // A TLS client without a client certificate cannot reach the worker (mTLS).
+  auto worker_stub = wv1::Worker::NewStub(
+      grpc::CreateChannel(Addr(worker_port), grpc::SslCredentials(client_tls)));
+  grpc::ClientContext c2;
+  c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  wv1::InfoResponse winfo;
+  EXPECT_FALSE(worker_stub->Info(&c2, wv1::InfoRequest(), &winfo).ok());
+}
+
+// Runs `infinigen load` and returns its JSON report.
+nlohmann::json Load(int port, int streams, int seconds) {
+  const std::string json = ::testing::TempDir() + "/load_" + std::to_string(port) + ".json";
+  const std::string cmd = testing::BinaryPath("infinigen") + " load --server " + Addr(port) +
+                          " --streams " + std::to_string(streams) + " --seconds " +
+                          std::to_string(seconds) + " --max-tokens 24 --temperature 0.7 --json " +
+                          json + " > " + json + ".log 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(json);
+  return nlohmann::json::parse(in, nullptr, false);
+}
+
+TEST_F(RouterProcess, BoundedLoadThroughTheRouterHasNoErrors) {
+  const nlohmann::json j = Load(router_port_, 16, 20);
+  ASSERT_FALSE(j.is_discarded());
+  EXPECT_EQ(j["errors"].get<int>(), 0) << j.dump();
+  EXPECT_GT(j["requests_ok"].get<int>(), 16) << j.dump();
+}
+
+TEST(ServeProcess, AllInOneServesThePublicApiAndABoundedLoad) {
+  const int port = FreePort();
+  ServerProcess serve("infinigen", {"serve", "--model=" + testing::FixturePath(kModel),
+                                    "--listen=" + Addr(port), "--threads=1"},
+                      port);
+  ASSERT_TRUE(serve.running());
+  auto stub = PublicStub(port);
+  const StreamResult r = Stream(*stub, Request({1, 2, 3, 4}, 12));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens.size(), 12u);
+  const nlohmann::json j = Load(port, 16, 20);
+  ASSERT_FALSE(j.is_discarded());
+  EXPECT_EQ(j["errors"].get<int>(), 0) << j.dump();
+  EXPECT_GT(j["requests_ok"].get<int>(), 16);
+  EXPECT_EQ(serve.Terminate(15), 0) << "SIGTERM drains and exits 0";
+}
+
+}  // namespace
+}  // namespace infinigen
