@@ -44,6 +44,8 @@ int RunServe(int argc, char** argv) {
                "default KV selection: auto (infinigen with a sidecar, else full), full, "
                "infinigen, window");
   flags.Float("budget", &worker.budget, "default fraction of stored rows a decode step reads");
+  flags.Int("min-budget-tokens", &worker.min_budget_tokens,
+            "a decode step reads at least this many rows: shorter sequences attend densely");
   flags.Float("alpha", &worker.alpha, "default InfiniGen logit margin");
   flags.Int("dense-layers", &dense_layers, "leading layers that always attend densely");
   flags.Int("kv-capacity-mb", &worker.kv_capacity_mb, "host memory for K/V, in MiB");

@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds the CLI, and generates a continuation with the
-# real SmolLM2-135M-Instruct model on the CPU. Extra arguments go to `infinigen generate`.
+# The main job: installs what is missing, builds, starts the all-in-one server (`infinigen serve`:
+# router, worker and KV store in one process) with the real SmolLM2-135M-Instruct model on the
+# CPU, and generates through the public API with the CLI client, streaming the text to the
+# terminal. Extra arguments go to `infinigen client` (e.g. --temperature 0.8 --seed 7);
+# INFINIGEN_SERVE_FLAGS to the server (e.g. "--cpu-weights q8"); INFINIGEN_PORT picks the port.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="$(scripts/setup.sh)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build --target infinigen >/dev/null
-exec build/bin/infinigen generate --model "$MODEL" \
-  --prompt "Photosynthesis is the process by which" --max-tokens 48 "$@"
+PORT="${INFINIGEN_PORT:-50551}"
+LOG="$(mktemp -t infinigen-serve.XXXXXX.log)"
+# shellcheck disable=SC2086
+build/bin/infinigen serve --model "$MODEL" --listen "127.0.0.1:$PORT" ${INFINIGEN_SERVE_FLAGS:-} \
+  >"$LOG" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+if ! build/bin/infinigen client --server "127.0.0.1:$PORT" --wait-seconds 120 \
+  --prompt "Photosynthesis is the process by which" --max-tokens 48 "$@"; then
+  echo "--- server log ($LOG) ---" >&2
+  cat "$LOG" >&2
+  exit 1
+fi

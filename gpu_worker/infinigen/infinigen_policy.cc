@@ -52,7 +52,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   absl::Status Select(const SelectRequest& r, Selection& out) override {
     const int64_t n = r.kv.num_slots;
     const int64_t k_max = config_.Budget(n);
-    if (r.layer < config_.dense_layers) {
+    if (r.layer < config_.dense_layers || n <= config_.min_budget_tokens) {
       out.all = true;
       return absl::OkStatus();
     }
@@ -96,7 +96,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
  private:
   // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) of rows [0, n) into
   // scores_; returns k: the mean over heads of the rows within alpha of the head's best,
-  // clamped to [min_tokens, k_max].
+  // clamped to [max(min_tokens, min_budget_tokens), k_max].
   int64_t Score(const SelectRequest& r, const float* query, int64_t n, int64_t k_max) {
     const int heads = static_cast<int>(model_.num_heads);
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
@@ -123,8 +123,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       const float threshold = best - static_cast<float>(config_.alpha);
       count_sum += std::count_if(s, s + n, [&](float v) { return v > threshold; });
     }
-    return std::clamp<int64_t>(std::llround(count_sum / heads), std::min(config_.min_tokens, k_max),
-                               k_max);
+    const int64_t k_min = std::max(config_.min_tokens, config_.min_budget_tokens);
+    return std::clamp<int64_t>(std::llround(count_sum / heads), std::min(k_min, k_max), k_max);
   }
 
   // The top k rows per KV head by the group's predicted attention mass (from scores_), the

@@ -239,7 +239,7 @@ int64_t SelectionConfig::Budget(int64_t stored) const {
   const int64_t k = budget_tokens > 0
                         ? budget_tokens
                         : static_cast<int64_t>(std::ceil(budget_fraction * stored - 1e-9));
-  return std::clamp<int64_t>(k, 1, stored);
+  return std::clamp<int64_t>(std::max(k, min_budget_tokens), 1, stored);
 }
 
 absl::Status SelectionConfig::Validate() const {
@@ -257,8 +257,9 @@ absl::Status SelectionConfig::Validate() const {
     return absl::InvalidArgumentError(
         "budget_fraction must be in (0, 1] and budget_tokens >= 0 (0 = use the fraction)");
   }
-  if (min_tokens < 1 || sink_tokens < 0 || recent_tokens < 0) {
-    return absl::InvalidArgumentError("min_tokens must be >= 1, sink and recent tokens >= 0");
+  if (min_tokens < 1 || sink_tokens < 0 || recent_tokens < 0 || min_budget_tokens < 0) {
+    return absl::InvalidArgumentError(
+        "min_tokens must be >= 1, min_budget_tokens, sink and recent tokens >= 0");
   }
   if (!(alpha > 0.0)) return absl::InvalidArgumentError("alpha must be > 0");
   if (!(h2o_recent_fraction > 0.0 && h2o_recent_fraction < 1.0)) {

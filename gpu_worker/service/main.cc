@@ -34,6 +34,8 @@ ABSL_FLAG(std::string, policy, "auto",
           "default KV selection: auto (infinigen with a sidecar, else full), full, infinigen, "
           "window");
 ABSL_FLAG(double, budget, 0.2, "default fraction of stored rows a decode step may read");
+ABSL_FLAG(int64_t, min_budget_tokens, 256,
+          "a decode step reads at least this many rows: shorter sequences attend densely");
 ABSL_FLAG(double, alpha, 10.0, "default InfiniGen logit margin");
 ABSL_FLAG(int32_t, dense_layers, 2, "leading layers that always attend densely");
 ABSL_FLAG(int32_t, max_running, 16, "sequences in the batch at once");
@@ -86,6 +88,7 @@ int main(int argc, char** argv) {
   config.owner = absl::StrCat("worker-", getpid(), "-", absl::GetFlag(FLAGS_listen));
   config.policy = absl::GetFlag(FLAGS_policy);
   config.budget = absl::GetFlag(FLAGS_budget);
+  config.min_budget_tokens = absl::GetFlag(FLAGS_min_budget_tokens);
   config.alpha = absl::GetFlag(FLAGS_alpha);
   config.dense_layers = absl::GetFlag(FLAGS_dense_layers);
   config.engine.max_running = absl::GetFlag(FLAGS_max_running);

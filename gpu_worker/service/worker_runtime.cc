@@ -14,6 +14,7 @@ absl::Status WorkerConfig::Validate() const {
   IG_RETURN_IF_ERROR(ParseTransport(kv_transport).status());
   SelectionConfig s;
   s.budget_fraction = budget;
+  s.min_budget_tokens = min_budget_tokens;
   s.alpha = alpha;
   s.dense_layers = dense_layers;
   IG_RETURN_IF_ERROR(s.Validate());
@@ -66,6 +67,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   }
   SelectionConfig selection;
   selection.budget_fraction = config.budget;
+  selection.min_budget_tokens = config.min_budget_tokens;
   selection.alpha = config.alpha;
   selection.dense_layers = config.dense_layers;
   selection.policy =

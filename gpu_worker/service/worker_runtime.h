@@ -29,6 +29,7 @@ struct WorkerConfig {
   std::string owner = "worker";   // lease holder name at the store
   std::string policy = "auto";    // auto, full, infinigen, window
   double budget = 0.2;
+  int64_t min_budget_tokens = 256;  // shorter sequences attend densely
   double alpha = 10.0;
   int32_t dense_layers = 2;
   EngineConfig engine;

@@ -103,7 +103,8 @@ class WorkerProcess : public ::testing::Test {
             "--model=" + testing::FixturePath(kModel), "--sidecar=" + *sidecar_path_,
             "--listen=127.0.0.1:" + std::to_string(worker_port_), "--kv_transport=grpc",
             "--kv_store=127.0.0.1:" + std::to_string(store_port_), "--policy=full",
-            "--dense_layers=1", "--budget=0.3", "--threads=1", "--max_running=16"},
+            "--dense_layers=1", "--budget=0.3", "--min_budget_tokens=8", "--threads=1",
+            "--max_running=16"},
         worker_port_);
     ASSERT_TRUE(worker_->running());
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(worker_port_),
@@ -177,6 +178,16 @@ TEST_F(WorkerProcess, InfinigenRunsAndFetchesLess) {
   // Layer 0 dense, layer 1 at a 30% budget: well under 0.75 of a full fetch.
   EXPECT_LT(u.selection_fraction(), 0.75);
   EXPECT_GT(u.selection_fraction(), 0.3);
+}
+
+TEST_F(WorkerProcess, InfinigenAttendsDenselyBelowTheMinimumBudget) {
+  // --min_budget_tokens=8: a 4-token prompt with 4 new tokens never has more than 8 rows, so
+  // every layer reads them all and the tokens are the dense ones.
+  const auto prompt = RandomTokens(4, vocab(), 9);
+  const StreamResult r = Stream(*stub_, Request(prompt, 4, 0.0f, 0, "infinigen"));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, Local(prompt, 4, 0.0f, 0));
+  EXPECT_DOUBLE_EQ(r.last.usage().selection_fraction(), 1.0);
 }
 
 TEST_F(WorkerProcess, SixteenConcurrentStreamsEachProduceWhatTheyProduceAlone) {
