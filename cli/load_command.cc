@@ -160,8 +160,8 @@ int RunLoad(int argc, char** argv) {
   for (int i = 0; i < streams; ++i) {
     threads.emplace_back([&, i] {
       if (api == "public") {
-        Drive<v1::Generation::Stub, v1::GenerateRequest, v1::GenerateResponse>(
-            *pub, connection, spec, i, samples);
+        Drive<v1::Generation::Stub, v1::GenerateRequest, v1::GenerateResponse>(*pub, connection,
+                                                                               spec, i, samples);
       } else {
         Drive<worker::v1::Worker::Stub, worker::v1::GenerateRequest, worker::v1::GenerateResponse>(
             *wrk, connection, spec, i, samples);

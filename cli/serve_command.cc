@@ -54,7 +54,8 @@ int RunServe(int argc, char** argv) {
   flags.Int("prefill-budget", &prefill_budget, "prompt tokens a step may add beside its decodes");
   flags.Int("default-max-new-tokens", &default_max_new_tokens,
             "max_new_tokens of requests that give none");
-  flags.Int("max-new-tokens-limit", &max_new_tokens_limit, "the most max_new_tokens a request may ask");
+  flags.Int("max-new-tokens-limit", &max_new_tokens_limit,
+            "the most max_new_tokens a request may ask");
   flags.Int("max-prompt-tokens", &router.options.max_prompt_tokens,
             "the most prompt tokens a request may have");
   flags.Int("max-request-bytes", &router.options.max_request_bytes, "largest request message");
@@ -108,11 +109,12 @@ int RunServe(int argc, char** argv) {
     return ReportError("serve", absl::InternalError("cannot start the in-process worker server"));
   }
   internal->GetHealthCheckService()->SetServingStatus(true);
-  router.pool.channels.emplace_back("in-process", internal->InProcessChannel(grpc::ChannelArguments()));
+  router.pool.channels.emplace_back("in-process",
+                                    internal->InProcessChannel(grpc::ChannelArguments()));
   auto server = RouterServer::Start(router);
   if (!server.ok()) return ReportError("serve", server.status());
-  std::cout << "infinigen serve: " << (*runtime)->description() << " on port "
-            << (*server)->port() << std::endl;
+  std::cout << "infinigen serve: " << (*runtime)->description() << " on port " << (*server)->port()
+            << std::endl;
 
   absl::Notification stop;
   g_stop = &stop;

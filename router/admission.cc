@@ -13,9 +13,9 @@ absl::Status Admission::Enter(absl::Time deadline, const std::function<bool()>& 
     return absl::OkStatus();
   }
   if (static_cast<int>(waiting_.size()) >= max_queued_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the server is full (", streams_, " requests in progress, ", waiting_.size(),
-                     " waiting); retry after a short wait"));
+    return absl::ResourceExhaustedError(absl::StrCat("the server is full (", streams_,
+                                                     " requests in progress, ", waiting_.size(),
+                                                     " waiting); retry after a short wait"));
   }
   const uint64_t ticket = next_ticket_++;
   waiting_.push_back(ticket);

@@ -92,7 +92,7 @@ absl::StatusOr<std::unique_ptr<RouterMetrics>> RouterMetrics::Start(int port,
                   .Help("Request admitted to first token relayed")
                   .Register(*m->registry_)
                   .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.025, 0.05, 0.1, 0.25,
-                                                                  0.5, 1, 2.5, 5, 10, 30});
+                                                                   0.5, 1, 2.5, 5, 10, 30});
   m->exposer_->RegisterCollectable(m->registry_);
   return m;
 }

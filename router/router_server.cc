@@ -50,7 +50,8 @@ RouterServer::~RouterServer() {
 void RouterServer::Drain(absl::Duration timeout) {
   server_->GetHealthCheckService()->SetServingStatus(false);
   const absl::Time end = absl::Now() + timeout;
-  while (absl::Now() < end && service_->admission().streams() + service_->admission().queued() > 0) {
+  while (absl::Now() < end &&
+         service_->admission().streams() + service_->admission().queued() > 0) {
     absl::SleepFor(absl::Milliseconds(50));
   }
 }

@@ -95,9 +95,10 @@ grpc::Status RouterService::Authenticate(const grpc::ServerContext& context) con
 grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
   const size_t bytes = r.ByteSizeLong();
   if (static_cast<int64_t>(bytes) > options_.max_request_bytes) {
-    return grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("the request has ", bytes, " bytes; the limit "
-                                     "(max_request_bytes) is ", options_.max_request_bytes));
+    return grpc::Status(StatusCode::INVALID_ARGUMENT, absl::StrCat("the request has ", bytes,
+                                                                   " bytes; the limit "
+                                                                   "(max_request_bytes) is ",
+                                                                   options_.max_request_bytes));
   }
   switch (r.input_case()) {
     case v1::GenerateRequest::kText:
@@ -108,10 +109,10 @@ grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
         return {StatusCode::INVALID_ARGUMENT, "token_ids: the prompt is empty"};
       }
       if (r.token_ids().ids_size() > options_.max_prompt_tokens) {
-        return grpc::Status(StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("token_ids: the prompt has ", r.token_ids().ids_size(),
-                                         " tokens; the limit (max_prompt_tokens) is ",
-                                         options_.max_prompt_tokens));
+        return grpc::Status(
+            StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("token_ids: the prompt has ", r.token_ids().ids_size(),
+                         " tokens; the limit (max_prompt_tokens) is ", options_.max_prompt_tokens));
       }
       break;
     case v1::GenerateRequest::kMessages:
@@ -131,9 +132,9 @@ grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
                                      "] (max_new_tokens_limit)"));
   }
   if (r.request_id().size() > kMaxIdBytes || r.session_id().size() > kMaxIdBytes) {
-    return grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("request_id and session_id may have at most ", kMaxIdBytes,
-                                     " bytes"));
+    return grpc::Status(
+        StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("request_id and session_id may have at most ", kMaxIdBytes, " bytes"));
   }
   return grpc::Status::OK;
 }
@@ -253,12 +254,12 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
     context->AddTrailingMetadata("grpc-retry-pushback-ms", "200");
     return {StatusCode::RESOURCE_EXHAUSTED, "every worker is full; retry after a short wait"};
   }
-  return grpc::Status(StatusCode::UNAVAILABLE,
-                      absl::StrCat("no worker could serve the request",
-                                   sent.empty() ? "" : absl::StrCat(" after ", sent.size(),
-                                                                    " tokens were sent"),
-                                   " (", failed.size() + full.size(),
-                                   " tried; last error: ", last.error_message(), ")"));
+  return grpc::Status(
+      StatusCode::UNAVAILABLE,
+      absl::StrCat("no worker could serve the request",
+                   sent.empty() ? "" : absl::StrCat(" after ", sent.size(), " tokens were sent"),
+                   " (", failed.size() + full.size(), " tried; last error: ", last.error_message(),
+                   ")"));
 }
 
 grpc::Status RouterService::Tokenize(grpc::ServerContext* context,

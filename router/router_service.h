@@ -18,8 +18,8 @@ namespace infinigen {
 class RouterMetrics;
 
 struct RouterOptions {
-  int max_streams = 256;   // requests relayed at once
-  int max_queued = 1024;   // requests waiting for one of those
+  int max_streams = 256;  // requests relayed at once
+  int max_queued = 1024;  // requests waiting for one of those
   int32_t max_new_tokens_limit = 4096;
   int64_t max_prompt_tokens = 32768;
   int64_t max_request_bytes = 1 << 20;

@@ -1,8 +1,8 @@
 #include "router/worker_pool.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
-#include <arpa/inet.h>
 
 #include <algorithm>
 #include <set>
@@ -63,8 +63,8 @@ absl::Status WorkerPoolConfig::Validate() const {
     absl::string_view rest = t;
     if (absl::StartsWith(rest, kDnsPrefix)) rest.remove_prefix(kDnsPrefix.size());
     if (!SplitHostPort(rest, host, port)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--workers: '", t, "' is not host:port or dns:///name:port"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--workers: '", t, "' is not host:port or dns:///name:port"));
     }
   }
   if (health_interval <= absl::ZeroDuration() || health_timeout <= absl::ZeroDuration()) {
@@ -156,7 +156,8 @@ void WorkerPool::Refresh() {
       it = wanted.count(it->first) ? std::next(it) : workers_.erase(it);
     }
     for (const std::string& a : wanted) {
-      if (!workers_.count(a)) workers_[a] = std::make_shared<PooledWorker>(a, MakeChannel(a, credentials_));
+      if (!workers_.count(a))
+        workers_[a] = std::make_shared<PooledWorker>(a, MakeChannel(a, credentials_));
     }
     for (const auto& [a, w] : workers_) probe.push_back(w);
   }

@@ -94,6 +94,7 @@ class WorkerPool {
 };
 
 // Every address `name` resolves to, as "ip:port" ("[ip6]:port"); NOT_FOUND when none.
-absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& host, const std::string& port);
+absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& host,
+                                                    const std::string& port);
 
 }  // namespace infinigen

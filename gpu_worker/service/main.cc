@@ -102,9 +102,9 @@ int main(int argc, char** argv) {
   config.backend.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
   if (auto st = config.Validate(); !st.ok()) return Fail(st.message(), 2);
   if (absl::GetFlag(FLAGS_check_flags)) return 0;
-  auto credentials = MakeServerCredentials({absl::GetFlag(FLAGS_tls_cert),
-                                            absl::GetFlag(FLAGS_tls_key),
-                                            absl::GetFlag(FLAGS_tls_client_ca)});
+  auto credentials =
+      MakeServerCredentials({absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                             absl::GetFlag(FLAGS_tls_client_ca)});
   if (!credentials.ok()) return Fail(credentials.status().message(), 2);
 
   auto runtime = WorkerRuntime::Create(config);
@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&worker.service());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
+  if (server == nullptr || port == 0)
+    return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
   server->GetHealthCheckService()->SetServingStatus(true);
   std::cout << "infinigen-worker: serving " << worker.description() << " on port " << port
             << std::endl;

@@ -70,12 +70,12 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   selection.min_budget_tokens = config.min_budget_tokens;
   selection.alpha = config.alpha;
   selection.dense_layers = config.dense_layers;
-  selection.policy =
-      config.policy == "auto" ? (w->sidecar_ ? "infinigen" : "full") : config.policy;
+  selection.policy = config.policy == "auto" ? (w->sidecar_ ? "infinigen" : "full") : config.policy;
   if (selection.policy == "infinigen" && !w->sidecar_) {
-    return absl::InvalidArgumentError("--policy infinigen needs a sidecar: run `infinigen prepare "
-                                      "--model " +
-                                      config.model + "` or pass --sidecar");
+    return absl::InvalidArgumentError(
+        "--policy infinigen needs a sidecar: run `infinigen prepare "
+        "--model " +
+        config.model + "` or pass --sidecar");
   }
 
   // The KV store: in this process, or a service reached over gRPC, shm or UCX.
@@ -117,7 +117,8 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
             ? static_cast<size_t>(config.device_memory_mb) << 20
             : static_cast<size_t>(0.9 * static_cast<double>(w->loaded_.backend->FreeMemory()));
   }
-  w->cache_ = std::make_unique<StoreKvCache>(*w->loaded_.backend, shape, *w->client_, cache_options);
+  w->cache_ =
+      std::make_unique<StoreKvCache>(*w->loaded_.backend, shape, *w->client_, cache_options);
   w->engine_ = std::make_unique<BatchEngine>(model, *w->cache_, engine_config);
 
   WorkerServiceOptions options;

@@ -83,9 +83,8 @@ absl::StatusOr<std::vector<int32_t>> WorkerService::PromptTokens(
                                                  : model_.config().max_position_embeddings;
   if (r.max_prompt_tokens() > 0) limit = std::min(limit, r.max_prompt_tokens());
   if (static_cast<int64_t>(ids.size()) > limit) {
-    return absl::InvalidArgumentError(absl::StrCat("the prompt has ", ids.size(),
-                                                   " tokens; the limit (max_prompt_tokens) is ",
-                                                   limit));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the prompt has ", ids.size(), " tokens; the limit (max_prompt_tokens) is ", limit));
   }
   return ids;
 }

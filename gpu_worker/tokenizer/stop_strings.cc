@@ -43,9 +43,8 @@ std::string StopStringFilter::Finish() {
 
 absl::Status ValidateStopStrings(const std::vector<std::string>& stops, absl::string_view field) {
   if (static_cast<int>(stops.size()) > StopStringFilter::kMaxStops) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": ", stops.size(),
-                                                   " stop strings; the limit is ",
-                                                   StopStringFilter::kMaxStops));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", stops.size(), " stop strings; the limit is ", StopStringFilter::kMaxStops));
   }
   for (const std::string& s : stops) {
     if (s.empty() || s.size() > StopStringFilter::kMaxStopBytes) {

@@ -101,9 +101,9 @@ int main(int argc, char** argv) {
     return 2;
   }
 #endif
-  auto credentials = infinigen::MakeServerCredentials(
-      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
-       absl::GetFlag(FLAGS_tls_client_ca)});
+  auto credentials =
+      infinigen::MakeServerCredentials({absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                                        absl::GetFlag(FLAGS_tls_client_ca)});
   if (!credentials.ok()) {
     std::cerr << "infinigen-kvstore: " << credentials.status().message() << "\n";
     return 2;

@@ -83,7 +83,8 @@ StreamResult Stream(v1::Generation::Stub& stub, const v1::GenerateRequest& reque
 }
 
 std::unique_ptr<v1::Generation::Stub> PublicStub(int port) {
-  return v1::Generation::NewStub(grpc::CreateChannel(Addr(port), grpc::InsecureChannelCredentials()));
+  return v1::Generation::NewStub(
+      grpc::CreateChannel(Addr(port), grpc::InsecureChannelCredentials()));
 }
 
 class RouterProcess : public ::testing::Test {
@@ -98,8 +99,8 @@ class RouterProcess : public ::testing::Test {
     ASSERT_TRUE(store_->running());
     for (int i = 0; i < 2; ++i) {
       worker_ports_[i] = FreePort();
-      workers_[i] = StartWorker(worker_ports_[i], {"--kv_transport=grpc",
-                                                   "--kv_store=" + Addr(store_port_)});
+      workers_[i] =
+          StartWorker(worker_ports_[i], {"--kv_transport=grpc", "--kv_store=" + Addr(store_port_)});
       ASSERT_TRUE(workers_[i]->running());
     }
     router_port_ = FreePort();
@@ -111,8 +112,11 @@ class RouterProcess : public ::testing::Test {
 
   std::unique_ptr<ServerProcess> StartWorker(int port, std::vector<std::string> extra) {
     std::vector<std::string> args = {"--model=" + testing::FixturePath(kModel),
-                                     "--listen=" + Addr(port), "--policy=full", "--threads=1",
-                                     "--max_running=16", "--drain_seconds=5"};
+                                     "--listen=" + Addr(port),
+                                     "--policy=full",
+                                     "--threads=1",
+                                     "--max_running=16",
+                                     "--drain_seconds=5"};
     args.insert(args.end(), extra.begin(), extra.end());
     return std::make_unique<ServerProcess>("infinigen-worker", args, port);
   }
@@ -121,7 +125,9 @@ class RouterProcess : public ::testing::Test {
     std::vector<std::string> args = {
         "--listen=" + Addr(port),
         "--workers=" + Addr(worker_ports_[0]) + "," + Addr(worker_ports_[1]),
-        "--health_interval_ms=200", "--max_prompt_tokens=200", "--max_new_tokens_limit=240",
+        "--health_interval_ms=200",
+        "--max_prompt_tokens=200",
+        "--max_new_tokens_limit=240",
         "--max_request_bytes=4096"};
     args.insert(args.end(), extra.begin(), extra.end());
     return std::make_unique<ServerProcess>("infinigen-router", args, port);
@@ -174,7 +180,8 @@ class RouterProcess : public ::testing::Test {
 
 TEST_F(RouterProcess, StreamsEqualAWorkersOwnAndCarryUsage) {
   for (int i = 0; i < 4; ++i) {
-    const auto r = Request(RandomTokens(12 + 5 * i, kVocab, 20 + i), 30, i % 2 ? 0.8f : 0.0f, 5 + i);
+    const auto r =
+        Request(RandomTokens(12 + 5 * i, kVocab, 20 + i), 30, i % 2 ? 0.8f : 0.0f, 5 + i);
     const StreamResult got = Stream(*stub_, r);
     ASSERT_TRUE(got.status.ok()) << got.status.error_message();
     EXPECT_EQ(got.tokens, Direct(i % 2, r)) << "request " << i;
@@ -193,8 +200,8 @@ TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   std::vector<v1::GenerateRequest> requests;
   std::vector<std::vector<int32_t>> want;
   for (int i = 0; i < kStreams; ++i) {
-    requests.push_back(Request(RandomTokens(8 + i, kVocab, 40 + i), kNew, i % 2 ? 0.9f : 0.0f,
-                               100 + i));
+    requests.push_back(
+        Request(RandomTokens(8 + i, kVocab, 40 + i), kNew, i % 2 ? 0.9f : 0.0f, 100 + i));
     want.push_back(Direct(1, requests.back()));
   }
   std::vector<StreamResult> got(kStreams);
@@ -233,7 +240,8 @@ TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
 TEST_F(RouterProcess, BadRequestsNameTheLimitAndTheRouterKeepsServing) {
   auto check = [&](const v1::GenerateRequest& r, const std::string& needle) {
     const grpc::Status s = Stream(*stub_, r).status;
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << needle << ": " << s.error_message();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << needle << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(needle), std::string::npos) << s.error_message();
   };
   check(v1::GenerateRequest(), "input");
@@ -298,7 +306,8 @@ TEST_F(RouterProcess, AFullQueueIsResourceExhaustedAndDeadlinesAreHonoured) {
     for (int i = 0; i < 200; ++i) {
       grpc::ClientContext c;
       v1::ModelInfo info;
-      if (stub->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok() && info.queued() == 1) break;
+      if (stub->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok() && info.queued() == 1)
+        break;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     refused = Stream(*stub, Request({7, 8, 9}, 3));
@@ -403,13 +412,13 @@ TEST(TlsProcess, EveryServiceSpeaksTlsAndInternalOnesRequireClientCertificates) 
                            serve_tls),
                       store_port);
   ASSERT_TRUE(store.running());
-  ServerProcess worker("infinigen-worker",
-                       with({"--model=" + testing::FixturePath(kModel),
-                             "--listen=" + Addr(worker_port), "--policy=full", "--threads=1",
-                             "--kv_transport=grpc", "--kv_store=" + Addr(store_port),
-                             "--kv_store_tls_ca=" + ca, "--tls_client_ca=" + ca},
-                            serve_tls),
-                       worker_port);
+  ServerProcess worker(
+      "infinigen-worker",
+      with({"--model=" + testing::FixturePath(kModel), "--listen=" + Addr(worker_port),
+            "--policy=full", "--threads=1", "--kv_transport=grpc", "--kv_store=" + Addr(store_port),
+            "--kv_store_tls_ca=" + ca, "--tls_client_ca=" + ca},
+           serve_tls),
+      worker_port);
   ASSERT_TRUE(worker.running());
   ServerProcess router("infinigen-router",
                        with({"--listen=" + Addr(router_port), "--workers=" + Addr(worker_port),
@@ -469,9 +478,10 @@ TEST_F(RouterProcess, BoundedLoadThroughTheRouterHasNoErrors) {
 
 TEST(ServeProcess, AllInOneServesThePublicApiAndABoundedLoad) {
   const int port = FreePort();
-  ServerProcess serve("infinigen", {"serve", "--model=" + testing::FixturePath(kModel),
-                                    "--listen=" + Addr(port), "--threads=1"},
-                      port);
+  ServerProcess serve(
+      "infinigen",
+      {"serve", "--model=" + testing::FixturePath(kModel), "--listen=" + Addr(port), "--threads=1"},
+      port);
   ASSERT_TRUE(serve.running());
   auto stub = PublicStub(port);
   const StreamResult r = Stream(*stub, Request({1, 2, 3, 4}, 12));

@@ -14,7 +14,8 @@ namespace infinigen {
 namespace {
 
 TEST(GhzConfigs, DataParsesAsTheCalledMethodsRequest) {
-  const std::filesystem::path dir = std::filesystem::path(std::string(INFINIGEN_SOURCE_DIR) + "/examples/ghz");
+  const std::filesystem::path dir =
+      std::filesystem::path(std::string(INFINIGEN_SOURCE_DIR) + "/examples/ghz");
   int checked = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     if (entry.path().extension() != ".json") continue;
@@ -39,7 +40,8 @@ TEST(GhzConfigs, DataParsesAsTheCalledMethodsRequest) {
     } else {
       ADD_FAILURE() << entry.path() << " calls an unknown method " << call;
     }
-    EXPECT_TRUE(std::filesystem::exists(entry.path().parent_path() / config.at("proto").get<std::string>()));
+    EXPECT_TRUE(std::filesystem::exists(entry.path().parent_path() /
+                                        config.at("proto").get<std::string>()));
     ++checked;
   }
   EXPECT_GE(checked, 3);

@@ -11,7 +11,7 @@ namespace {
 
 // Feeds `deltas` and returns everything sent, and whether it stopped.
 std::pair<std::string, bool> FilterAll(const std::vector<std::string>& stops,
-                                 const std::vector<std::string>& deltas) {
+                                       const std::vector<std::string>& deltas) {
   StopStringFilter f(stops);
   std::string out;
   for (const auto& d : deltas) out += f.Add(d);
@@ -47,7 +47,8 @@ TEST(StopStrings, HeldTextIsReleasedWhenItDoesNotMatch) {
 }
 
 TEST(StopStrings, EarliestOfSeveralWins) {
-  EXPECT_EQ(FilterAll({"world", "lo w"}, {"hel", "lo world"}), std::make_pair(std::string("hel"), true));
+  EXPECT_EQ(FilterAll({"world", "lo w"}, {"hel", "lo world"}),
+            std::make_pair(std::string("hel"), true));
 }
 
 TEST(StopStrings, AnySplitGivesTheSameResultAsWholeText) {
