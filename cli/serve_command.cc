@@ -6,26 +6,16 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <iostream>
 
-#include "absl/synchronization/notification.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "common/shutdown_signal.h"
 #include "gpu_worker/service/worker_metrics.h"
 #include "gpu_worker/service/worker_runtime.h"
 #include "router/router_server.h"
 
 namespace infinigen::cli {
-namespace {
-
-absl::Notification* g_stop = nullptr;
-void OnSignal(int) {
-  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
-}
-
-}  // namespace
-
 int RunServe(int argc, char** argv) {
   WorkerConfig worker;
   RouterServerConfig router;
@@ -116,11 +106,7 @@ int RunServe(int argc, char** argv) {
   std::cout << "infinigen serve: " << (*runtime)->description() << " on port " << (*server)->port()
             << std::endl;
 
-  absl::Notification stop;
-  g_stop = &stop;
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
-  stop.WaitForNotification();
+  WaitForShutdownSignal();
   std::cout << "infinigen serve: draining" << std::endl;
   (*server)->Drain(absl::Seconds(drain_seconds));
   (*server)->Shutdown(absl::Seconds(2));

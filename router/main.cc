@@ -2,14 +2,13 @@
 // gRPC health, reflection and Prometheus metrics. SIGTERM/SIGINT drain it: health NOT_SERVING
 // (load balancers stop sending), streams in progress finish (up to --drain_seconds), then
 // shutdown.
-#include <csignal>
 #include <iostream>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
+#include "common/shutdown_signal.h"
 #include "router/router_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address to serve on (host:port)");
@@ -34,15 +33,6 @@ ABSL_FLAG(int64_t, health_interval_ms, 1000, "how often workers' health is check
 ABSL_FLAG(int32_t, metrics_port, 0, "Prometheus metrics on this HTTP port (0: off)");
 ABSL_FLAG(int64_t, drain_seconds, 30, "how long shutdown lets streams in progress finish");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
-
-namespace {
-
-absl::Notification* g_stop = nullptr;
-void OnSignal(int) {
-  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   using namespace infinigen;
@@ -87,11 +77,7 @@ int main(int argc, char** argv) {
             << (*server)->available_workers() << " of " << config.pool.targets.size()
             << " worker targets available" << std::endl;
 
-  absl::Notification stop;
-  g_stop = &stop;
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
-  stop.WaitForNotification();
+  WaitForShutdownSignal();
   std::cout << "infinigen-router: draining" << std::endl;
   (*server)->Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   (*server)->Shutdown(absl::Seconds(2));

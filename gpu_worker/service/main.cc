@@ -8,15 +8,14 @@
 #include <grpcpp/server_builder.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <iostream>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "common/grpc/tls.h"
+#include "common/shutdown_signal.h"
 #include "gpu_worker/service/worker_metrics.h"
 #include "gpu_worker/service/worker_runtime.h"
 
@@ -58,11 +57,6 @@ ABSL_FLAG(int64_t, drain_seconds, 10, "how long shutdown lets running requests f
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
 
 namespace {
-
-absl::Notification* g_stop = nullptr;
-void OnSignal(int) {
-  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
-}
 
 int Fail(absl::string_view what, int code = 1) {
   std::cerr << "infinigen-worker: " << what << "\n";
@@ -131,11 +125,7 @@ int main(int argc, char** argv) {
   std::cout << "infinigen-worker: serving " << worker.description() << " on port " << port
             << std::endl;
 
-  absl::Notification stop;
-  g_stop = &stop;
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
-  stop.WaitForNotification();
+  WaitForShutdownSignal();
   std::cout << "infinigen-worker: draining" << std::endl;
   server->GetHealthCheckService()->SetServingStatus(false);
   worker.Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));

@@ -5,7 +5,6 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_builder.h>
 
-#include <csignal>
 #include <iostream>
 #include <thread>
 
@@ -15,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/grpc/tls.h"
+#include "common/shutdown_signal.h"
 #include "kv_store/service/kvstore_metrics.h"
 #include "kv_store/service/kvstore_service.h"
 #if INFINIGEN_HAVE_UCX
@@ -40,15 +40,6 @@ ABSL_FLAG(std::string, tls_key, "", "the private key of --tls_cert (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "require client certificates signed by this CA (mTLS between the services)");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
-
-namespace {
-
-absl::Notification* g_stop = nullptr;
-void OnSignal(int) {
-  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("infinigen-kvstore: host-memory KV caches served to workers");
@@ -127,19 +118,17 @@ int main(int argc, char** argv) {
             << ((*store)->arena().huge_pages() ? " (huge pages)" : "") << std::endl;
 
   absl::Notification stop;
-  g_stop = &stop;
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
   // Lease reaper: frees the sequences of workers that stopped renewing.
   std::thread reaper([&] {
     while (!stop.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
       (*store)->ReapExpired(absl::Now());
     }
   });
-  stop.WaitForNotification();
+  infinigen::WaitForShutdownSignal();
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  stop.Notify();
   reaper.join();
 #if INFINIGEN_HAVE_UCX
   ucx.reset();

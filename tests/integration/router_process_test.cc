@@ -237,6 +237,18 @@ TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   EXPECT_TRUE(Stream(*stub_, Request({5, 6, 7}, 4)).status.ok());
 }
 
+TEST_F(RouterProcess, NoWorkerLeftIsUnavailable) {
+  workers_[0]->Kill();
+  workers_[1]->Kill();
+  const StreamResult r = Stream(*stub_, Request({1, 2, 3}, 4));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  // A worker that comes back on its port is found again by the health checks.
+  workers_[1] =
+      StartWorker(worker_ports_[1], {"--kv_transport=grpc", "--kv_store=" + Addr(store_port_)});
+  WaitForWorkers(*stub_, 1);
+  EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4)).status.ok());
+}
+
 TEST_F(RouterProcess, BadRequestsNameTheLimitAndTheRouterKeepsServing) {
   auto check = [&](const v1::GenerateRequest& r, const std::string& needle) {
     const grpc::Status s = Stream(*stub_, r).status;
