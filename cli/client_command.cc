@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "cli/loaded_model.h"
 #include "cli/server_connection.h"
 #include "common/grpc/status.h"
 #include "infinigen/v1/generation.grpc.pb.h"
@@ -22,9 +23,10 @@ int Fail(const grpc::Status& s) { return ReportError("client", FromGrpcStatus(s)
 int RunClient(int argc, char** argv) {
   ConnectionFlags connection;
   std::string prompt, chat, prompt_ids, stop, session, policy;
-  int64_t max_tokens = 64, top_k = 0, seed = 0, timeout_s = 600;
-  double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0, budget = 0.0;
-  bool ignore_eos = false, print_ids = false, info = false, tokenize = false;
+  SamplingFlags sampling;
+  int64_t timeout_s = 600;
+  double budget = 0.0;
+  bool print_ids = false, info = false, tokenize = false;
   FlagSet flags("client", "[--server HOST:PORT] (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
                 "Generates through a server's public API and streams the text to stdout "
                 "(token ids with --ids); usage and timings go to stderr.");
@@ -33,15 +35,8 @@ int RunClient(int argc, char** argv) {
   flags.String("chat", &chat,
                "conversation as JSON: [{\"role\": \"user\", \"content\": \"...\"}, ...]");
   flags.String("prompt-ids", &prompt_ids, "prompt as comma-separated token ids");
-  flags.Int("max-tokens", &max_tokens, "most tokens to generate");
-  flags.Float("temperature", &temperature, "sampling temperature; 0 = greedy");
-  flags.Int("top-k", &top_k, "keep the k most likely tokens (0 = off)");
-  flags.Float("top-p", &top_p, "nucleus sampling mass (1 = off)");
-  flags.Float("min-p", &min_p, "drop tokens below min-p x the top probability (0 = off)");
-  flags.Float("repetition-penalty", &repetition_penalty, "penalty for repeated tokens (1 = off)");
-  flags.Int("seed", &seed, "random seed for sampling");
+  sampling.Register(flags);
   flags.String("stop", &stop, "stop string: generation ends before it");
-  flags.Bool("ignore-eos", &ignore_eos, "keep generating past end-of-sequence tokens");
   flags.String("session", &session, "session id: requests of a session go to the same worker");
   flags.String("policy", &policy, "KV selection for this request: full, infinigen, window");
   flags.Float("budget", &budget, "fraction of stored rows a decode step may read (0: default)");
@@ -53,6 +48,9 @@ int RunClient(int argc, char** argv) {
   if (!parsed.ok()) return ReportError("client", parsed.status());
   if (!*parsed) return 0;
 
+  // Checked here as the local engine checks them; the server checks them again.
+  auto options = sampling.Options();
+  if (!options.ok()) return ReportError("client", options.status());
   auto channel = connection.Connect();
   if (!channel.ok()) return ReportError("client", channel.status());
   auto stub = v1::Generation::NewStub(*channel);
@@ -107,14 +105,14 @@ int RunClient(int argc, char** argv) {
   }
 
   auto* s = r.mutable_sampling();
-  s->set_temperature(static_cast<float>(temperature));
-  s->set_top_k(static_cast<int32_t>(top_k));
-  s->set_top_p(static_cast<float>(top_p));
-  s->set_min_p(static_cast<float>(min_p));
-  s->set_repetition_penalty(static_cast<float>(repetition_penalty));
-  s->set_seed(static_cast<uint64_t>(seed));
-  r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_tokens));
-  r.mutable_stopping()->set_ignore_eos(ignore_eos);
+  s->set_temperature(options->sampling.temperature);
+  s->set_top_k(options->sampling.top_k);
+  s->set_top_p(options->sampling.top_p);
+  s->set_min_p(options->sampling.min_p);
+  s->set_repetition_penalty(options->sampling.repetition_penalty);
+  s->set_seed(options->sampling.seed);
+  r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(options->max_new_tokens));
+  r.mutable_stopping()->set_ignore_eos(options->ignore_eos);
   if (!stop.empty()) r.mutable_stopping()->add_stop_strings(stop);
   r.set_session_id(session);
   if (!policy.empty()) r.mutable_selection()->set_policy(policy);

@@ -50,9 +50,8 @@ absl::StatusOr<std::vector<int32_t>> PromptIds(const std::string& ids, const std
 
 int RunGenerate(int argc, char** argv) {
   std::string model_path, prompt_ids, prompt, chat, chat_format;
-  int64_t max_tokens = 64, top_k = 0, seed = 0;
-  double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
-  bool ignore_eos = false, print_ids = false;
+  SamplingFlags sampling;
+  bool print_ids = false;
   BackendFlags backend_flags;
   FlagSet flags("generate", "--model PATH (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
                 "Generates a continuation with the model on the CPU and streams the text to "
@@ -65,14 +64,7 @@ int RunGenerate(int argc, char** argv) {
   flags.String("chat-format", &chat_format,
                "use this chat format instead of the model's template: llama3, llama2, chatml");
   flags.String("prompt-ids", &prompt_ids, "prompt as comma-separated token ids");
-  flags.Int("max-tokens", &max_tokens, "most tokens to generate");
-  flags.Float("temperature", &temperature, "sampling temperature; 0 = greedy");
-  flags.Int("top-k", &top_k, "keep the k most likely tokens (0 = off)");
-  flags.Float("top-p", &top_p, "nucleus sampling mass (1 = off)");
-  flags.Float("min-p", &min_p, "drop tokens below min-p x the top probability (0 = off)");
-  flags.Float("repetition-penalty", &repetition_penalty, "penalty for repeated tokens (1 = off)");
-  flags.Int("seed", &seed, "random seed for sampling");
-  flags.Bool("ignore-eos", &ignore_eos, "keep generating past end-of-sequence tokens");
+  sampling.Register(flags);
   flags.Bool("ids", &print_ids, "print the generated token ids as a JSON array, not text");
   backend_flags.Register(flags);
   auto parsed = flags.Parse(argc, argv);
@@ -82,16 +74,9 @@ int RunGenerate(int argc, char** argv) {
     return ReportError("generate", absl::InvalidArgumentError("--model is required"));
   }
 
-  GenerateOptions options;
-  options.max_new_tokens = max_tokens;
-  options.ignore_eos = ignore_eos;
-  options.sampling.temperature = static_cast<float>(temperature);
-  options.sampling.top_k = static_cast<int32_t>(top_k);
-  options.sampling.top_p = static_cast<float>(top_p);
-  options.sampling.min_p = static_cast<float>(min_p);
-  options.sampling.repetition_penalty = static_cast<float>(repetition_penalty);
-  options.sampling.seed = static_cast<uint64_t>(seed);
-  if (auto st = options.Validate(); !st.ok()) return ReportError("generate", st);
+  auto sampling_options = sampling.Options();
+  if (!sampling_options.ok()) return ReportError("generate", sampling_options.status());
+  GenerateOptions options = *sampling_options;
 
   auto loaded = LoadModel(model_path, backend_flags);
   if (!loaded.ok()) return ReportError("generate", loaded.status());

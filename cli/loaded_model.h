@@ -1,5 +1,5 @@
-// A checkpoint loaded onto a backend, as the CLI commands use it, and the flags that pick the
-// backend.
+// A checkpoint loaded onto a backend, as the CLI commands use it, the flags that pick the
+// backend, and the sampling flags of the commands that generate (locally or through a server).
 #pragma once
 
 #include <memory>
@@ -9,6 +9,7 @@
 #include "cli/flags.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cpu_backend.h"
+#include "gpu_worker/engine/generator.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 #include "gpu_worker/tokenizer/tokenizer.h"
@@ -22,6 +23,18 @@ struct BackendFlags {
 
   void Register(FlagSet& flags);
   absl::StatusOr<CpuBackendOptions> Options() const;
+};
+
+// --max-tokens, --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed,
+// --ignore-eos.
+struct SamplingFlags {
+  int64_t max_tokens = 64, top_k = 0, seed = 0;
+  double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
+  bool ignore_eos = false;
+
+  void Register(FlagSet& flags);
+  // Validated (INVALID_ARGUMENT naming the field).
+  absl::StatusOr<GenerateOptions> Options() const;
 };
 
 struct LoadedModel {

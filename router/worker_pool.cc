@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
+#include "common/grpc/channel_args.h"
 #include "common/grpc/tls.h"
 
 namespace infinigen {
@@ -20,13 +21,7 @@ constexpr absl::string_view kDnsPrefix = "dns:///";
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
                                            std::shared_ptr<grpc::ChannelCredentials> credentials) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  args.SetMaxSendMessageSize(64 << 20);
-  // A restarted worker is found again quickly.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  grpc::ChannelArguments args = InternalChannelArgs(64 << 20);
   // Each worker keeps its own connection (not shared by channels to the same address).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return grpc::CreateCustomChannel(address, std::move(credentials), args);

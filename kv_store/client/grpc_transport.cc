@@ -11,6 +11,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc/channel_args.h"
 #include "common/grpc/status.h"
 #include "common/grpc/tls.h"
 #include "common/status_macros.h"
@@ -60,15 +61,8 @@ class GrpcClient final : public QueuedKvClient {
  public:
   GrpcClient(const KvClientConfig& config, std::shared_ptr<grpc::ChannelCredentials> credentials)
       : QueuedKvClient(config) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(256 << 20);
-    args.SetMaxSendMessageSize(256 << 20);
-    // Reconnect quickly after the store restarts.
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    stub_ = pb::KvStore::NewStub(
-        grpc::CreateCustomChannel(config.address, std::move(credentials), args));
+    stub_ = pb::KvStore::NewStub(grpc::CreateCustomChannel(config.address, std::move(credentials),
+                                                           InternalChannelArgs(256 << 20)));
     Start();
   }
   ~GrpcClient() override {
