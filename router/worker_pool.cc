@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "absl/hash/hash.h"
@@ -19,11 +20,16 @@ namespace {
 
 constexpr absl::string_view kDnsPrefix = "dns:///";
 
+// `tls_name`, when not empty, is the name a worker's certificate must carry: workers found through
+// dns:///name:port are dialled by IP address, and a pod's IP is not known when its certificate
+// is issued, so certificates name the (headless) service instead.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
-                                           std::shared_ptr<grpc::ChannelCredentials> credentials) {
+                                           std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                           const std::string& tls_name) {
   grpc::ChannelArguments args = InternalChannelArgs(64 << 20);
   // Each worker keeps its own connection (not shared by channels to the same address).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (!tls_name.empty()) args.SetSslTargetNameOverride(tls_name);
   return grpc::CreateCustomChannel(address, std::move(credentials), args);
 }
 
@@ -125,22 +131,24 @@ void WorkerPool::Loop() {
 void WorkerPool::Refresh() {
   // Addresses wanted now: static ones, and whatever the names resolve to. A name that does not
   // resolve keeps its last addresses (a DNS hiccup must not empty the pool).
-  std::set<std::string> wanted;
-  for (const auto& [name, channel] : config_.channels) wanted.insert(name);
+  // Each with the name its TLS certificate must carry (empty: the address itself).
+  std::map<std::string, std::string> wanted;
+  for (const auto& [name, channel] : config_.channels) wanted[name];
   for (const std::string& t : config_.targets) {
     if (!absl::StartsWith(t, kDnsPrefix)) {
-      wanted.insert(t);
+      wanted[t];
       continue;
     }
     std::string host, port;
     SplitHostPort(absl::string_view(t).substr(kDnsPrefix.size()), host, port);
+    const std::string tls_name = config_.tls.ca.empty() ? "" : host;
     auto addresses = ResolveAll(host, port);
     if (addresses.ok()) {
-      wanted.insert(addresses->begin(), addresses->end());
+      for (const std::string& a : *addresses) wanted[a] = tls_name;
     } else {
       absl::MutexLock l(&mu_);
       for (const auto& [address, w] : workers_) {
-        if (absl::EndsWith(address, ":" + port)) wanted.insert(address);
+        if (absl::EndsWith(address, ":" + port)) wanted[address] = tls_name;
       }
     }
   }
@@ -150,9 +158,9 @@ void WorkerPool::Refresh() {
     for (auto it = workers_.begin(); it != workers_.end();) {
       it = wanted.count(it->first) ? std::next(it) : workers_.erase(it);
     }
-    for (const std::string& a : wanted) {
+    for (const auto& [a, tls_name] : wanted) {
       if (!workers_.count(a))
-        workers_[a] = std::make_shared<PooledWorker>(a, MakeChannel(a, credentials_));
+        workers_[a] = std::make_shared<PooledWorker>(a, MakeChannel(a, credentials_, tls_name));
     }
     for (const auto& [a, w] : workers_) probe.push_back(w);
   }

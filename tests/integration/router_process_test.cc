@@ -388,16 +388,19 @@ TEST_F(RouterProcess, SessionsStickAndDrainingWorkersGetNoNewRequests) {
   EXPECT_EQ(busy_worker("session-a"), 1 - a);
 }
 
-// A CA and one certificate (for 127.0.0.1) that every service serves and presents as a client.
-std::string MakeCertificates() {
-  const std::string dir = ::testing::TempDir() + "/tls";
+// A CA and one certificate (for `san`) that every service serves and presents as a client.
+std::string MakeCertificates(const std::string& name = "tls",
+                             const std::string& san = "IP:127.0.0.1,DNS:localhost") {
+  const std::string dir = ::testing::TempDir() + "/" + name;
   const std::string cmd =
       "set -e; mkdir -p " + dir + "; cd " + dir +
       "; openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 "
       "-subj /CN=test-ca 2>/dev/null"
       "; openssl req -newkey rsa:2048 -nodes -keyout service.key -out service.csr "
       "-subj /CN=localhost 2>/dev/null"
-      "; printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > ext.cnf"
+      "; printf 'subjectAltName=" +
+      san +
+      "\\n' > ext.cnf"
       "; openssl x509 -req -in service.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
       "-out service.pem -days 1 -extfile ext.cnf 2>/dev/null";
   EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
@@ -467,6 +470,43 @@ TEST(TlsProcess, EveryServiceSpeaksTlsAndInternalOnesRequireClientCertificates) 
   c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   wv1::InfoResponse winfo;
   EXPECT_FALSE(worker_stub->Info(&c2, wv1::InfoRequest(), &winfo).ok());
+}
+
+// Workers found by DNS are dialled by IP, yet their certificates name the DNS name (a pod's IP
+// is not known when its certificate is issued): the router checks the name it resolved.
+TEST(TlsProcess, WorkersFoundByDnsPresentCertificatesForTheName) {
+  const std::string dir = MakeCertificates("tls_dns", "DNS:localhost");
+  const std::string ca = dir + "/ca.pem", cert = dir + "/service.pem", key = dir + "/service.key";
+  const int worker_port = FreePort(), router_port = FreePort();
+  ServerProcess worker(
+      "infinigen-worker",
+      {"--model=" + testing::FixturePath(kModel), "--listen=" + Addr(worker_port), "--policy=full",
+       "--threads=1", "--tls_cert=" + cert, "--tls_key=" + key, "--tls_client_ca=" + ca},
+      worker_port);
+  ASSERT_TRUE(worker.running());
+  ServerProcess router(
+      "infinigen-router",
+      {"--listen=" + Addr(router_port), "--workers=dns:///localhost:" + std::to_string(worker_port),
+       "--worker_tls_ca=" + ca, "--tls_cert=" + cert, "--tls_key=" + key,
+       "--health_interval_ms=200"},
+      router_port);
+  ASSERT_TRUE(router.running());
+  // The router serves TLS too (one --tls_cert): the client checks it against "localhost".
+  grpc::SslCredentialsOptions client_tls;
+  client_tls.pem_root_certs = ReadFile(ca);
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(
+      "localhost:" + std::to_string(router_port), grpc::SslCredentials(client_tls)));
+  grpc::Status last;
+  for (int i = 0; i < 50; ++i) {
+    const StreamResult r = Stream(*stub, Request({1, 2, 3}, 5));
+    last = r.status;
+    if (last.ok()) {
+      EXPECT_EQ(r.tokens.size(), 5u);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(last.ok()) << "router -> worker by DNS name over mTLS: " << last.error_message();
 }
 
 // Runs `infinigen load` and returns its JSON report.
