@@ -274,5 +274,30 @@ TEST(KvStore, ConcurrentAppendsAndGathers) {
   EXPECT_EQ(failures.load(), 0);
 }
 
+// docs/deploy.md's sizing: a sequence of T tokens holds, per layer, KV head and K or V, a chain
+// of ceil(T / rows_per_block) blocks of block_tokens x max_row_bytes bytes, rows_per_block =
+// block bytes / row bytes. Llama-3.1-8B's shape (32 layers, 8 KV heads, head_dim 128) with the
+// manifests' settings (64-row blocks, --max_row_bytes=512).
+TEST(KvStore, MemoryPerSequenceFollowsTheDeploySizing) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    KvStoreConfig c;
+    c.capacity_bytes = size_t{64} << 20;
+    c.block_tokens = 64;
+    c.max_row_bytes = 512;
+    c.huge_pages = false;
+    auto store = KvStore::Create(c);
+    ASSERT_TRUE(store.ok()) << store.status();
+    const SequenceSpec s = Spec(32, 8, 128, dtype);
+    ASSERT_TRUE((*store)->Open(1, s, kT0).ok());
+    const int64_t tokens = 100;
+    for (int layer = 0; layer < 32; ++layer) AppendRows(**store, 1, s, layer, 0, tokens);
+    const int64_t block_bytes = 64 * 512;
+    const int64_t rows_per_block = block_bytes / s.row_bytes();  // 64 (f32), 128 (bf16)
+    const int64_t chains = 2 * 32 * 8;
+    const int64_t blocks = (tokens + rows_per_block - 1) / rows_per_block;
+    EXPECT_EQ((*store)->Stats().bytes_used, chains * blocks * block_bytes) << DTypeName(dtype);
+  }
+}
+
 }  // namespace
 }  // namespace infinigen
