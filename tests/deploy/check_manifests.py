@@ -253,7 +253,8 @@ def check_pod(where, obj, template, configmaps, bin_dir, problems, tmp):
         drain = int(flags.get("drain_seconds", "0"))
         if grace <= drain:
             problems.add(cwhere, f"terminationGracePeriodSeconds {grace} <= --drain_seconds {drain}")
-        result.append({"container": c, "binary": binary, "flags": flags, "ports": declared})
+        result.append({"container": c, "binary": binary, "flags": flags, "ports": declared,
+                       "sidecar": c in spec.get("initContainers", [])})
     return result
 
 
@@ -271,12 +272,17 @@ def check_cluster(where, objects, pods, problems):
         backing = [p for p in pods if selects(svc["spec"]["selector"], p["labels"])]
         if not backing:
             problems.add(f"{where} {name_of(svc)}", "selects no pod")
-        names = {}
+        # Named target ports resolve against regular containers only (not sidecars).
+        names, numbers = {}, set()
         for p in backing:
             for c in p["containers"]:
-                names.update({n: port for port, n in c["ports"].items()})
+                numbers |= set(c["ports"])
+                if not c.get("sidecar"):
+                    names.update({n: port for port, n in c["ports"].items()})
         for sp in svc["spec"]["ports"]:
-            if backing and names.get(sp["targetPort"]) != sp["port"]:
+            target = sp["targetPort"]
+            if backing and (target not in numbers if isinstance(target, int) else
+                            names.get(target) != sp["port"]):
                 problems.add(f"{where} {name_of(svc)}",
                              f"port {sp['name']} {sp['port']} -> {sp['targetPort']} matches no "
                              "containerPort of that name and number")
