@@ -16,20 +16,7 @@ PACKAGES=(
   libucx-dev ucx-utils prometheus-cpp-dev clang-format clang-14 libclang-rt-14-dev
 )
 
-missing=()
-for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
-if ((${#missing[@]})); then
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-  echo "setup: installing ${missing[*]}" >&2
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >&2
-fi
+"$(dirname "$0")/install_packages.sh" "${PACKAGES[@]}"
 
 CACHE="${INFINIGEN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/infinigen}"
 MODEL="$CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,16 +20,7 @@ BUILD_PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libucx-dev prometheus-cpp-dev
 )
-missing=()
-for p in "${BUILD_PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
-if ((${#missing[@]})); then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+scripts/install_packages.sh "${BUILD_PACKAGES[@]}"
 
 build="${BUILD_DIR:-/tmp/infinigen-image-build}"
 # shellcheck disable=SC2086  # CMAKE_ARGS is a list of arguments

@@ -412,6 +412,22 @@ std::string ReadFile(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// Streams 5 tokens once the router has found its worker (health checks take a moment): the
+// status of the first success, or of the last of 50 tries 100 ms apart.
+grpc::Status StreamOnceReady(v1::Generation::Stub& stub) {
+  grpc::Status last;
+  for (int i = 0; i < 50; ++i) {
+    const StreamResult r = Stream(stub, Request({1, 2, 3}, 5));
+    last = r.status;
+    if (last.ok()) {
+      EXPECT_EQ(r.tokens.size(), 5u);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return last;
+}
+
 TEST(TlsProcess, EveryServiceSpeaksTlsAndInternalOnesRequireClientCertificates) {
   const std::string dir = MakeCertificates();
   const std::string ca = dir + "/ca.pem", cert = dir + "/service.pem", key = dir + "/service.key";
@@ -446,18 +462,9 @@ TEST(TlsProcess, EveryServiceSpeaksTlsAndInternalOnesRequireClientCertificates) 
   client_tls.pem_root_certs = ReadFile(ca);
   auto stub = v1::Generation::NewStub(
       grpc::CreateChannel(Addr(router_port), grpc::SslCredentials(client_tls)));
-  grpc::Status last;
-  for (int i = 0; i < 50; ++i) {
-    const StreamResult r = Stream(*stub, Request({1, 2, 3}, 5));
-    last = r.status;
-    if (last.ok()) {
-      EXPECT_EQ(r.tokens.size(), 5u);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_TRUE(last.ok()) << "TLS client -> TLS router -> mTLS worker -> mTLS store: "
-                         << last.error_message();
+  const grpc::Status first = StreamOnceReady(*stub);
+  EXPECT_TRUE(first.ok()) << "TLS client -> TLS router -> mTLS worker -> mTLS store: "
+                          << first.error_message();
   // A plaintext client cannot talk to the router.
   grpc::ClientContext c1;
   c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -496,17 +503,8 @@ TEST(TlsProcess, WorkersFoundByDnsPresentCertificatesForTheName) {
   client_tls.pem_root_certs = ReadFile(ca);
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       "localhost:" + std::to_string(router_port), grpc::SslCredentials(client_tls)));
-  grpc::Status last;
-  for (int i = 0; i < 50; ++i) {
-    const StreamResult r = Stream(*stub, Request({1, 2, 3}, 5));
-    last = r.status;
-    if (last.ok()) {
-      EXPECT_EQ(r.tokens.size(), 5u);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_TRUE(last.ok()) << "router -> worker by DNS name over mTLS: " << last.error_message();
+  const grpc::Status first = StreamOnceReady(*stub);
+  EXPECT_TRUE(first.ok()) << "router -> worker by DNS name over mTLS: " << first.error_message();
 }
 
 // Runs `infinigen load` and returns its JSON report.
