@@ -200,6 +200,34 @@ def check_binary_accepts(bin_dir, binary, args, where, problems, shown=None):
         problems.add(where, f"{binary} rejects {shown}: {out.stderr.strip()}")
 
 
+def bytes_of(quantity):
+    """A Kubernetes memory quantity ("62Gi", "512Mi") in bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(quantity))
+    return int(m.group(1)) * units.get(m.group(2), 1) if m else 0
+
+
+def check_store_memory(cwhere, spec, container, flags, problems):
+    """--capacity_mb is repeated as a memory (or huge-page) limit and as the shm volume's size:
+    each must hold the arena."""
+    if "capacity_mb" not in flags:
+        return
+    arena = int(flags["capacity_mb"]) << 20
+    limits = container.get("resources", {}).get("limits", {})
+    held = bytes_of(limits.get("hugepages-2Mi", limits.get("memory", "0")))
+    if held < arena:
+        problems.add(cwhere, f"the memory limit ({held} bytes) is below --capacity_mb ({arena})")
+    if "shm_path" in flags:
+        directory = os.path.dirname(flags["shm_path"])
+        names = [m["name"] for m in container.get("volumeMounts", []) if m["mountPath"] == directory]
+        for v in spec.get("volumes", []):
+            if v["name"] in names:
+                size = bytes_of(v.get("emptyDir", {}).get("sizeLimit", "0"))
+                if v.get("emptyDir", {}).get("medium") != "Memory" or size < arena:
+                    problems.add(cwhere, f"--shm_path: volume {v['name']} is not a memory-backed "
+                                 f"emptyDir of at least --capacity_mb ({arena} bytes)")
+
+
 def check_pod(where, obj, template, configmaps, bin_dir, problems, tmp):
     """One workload: flags accepted, ports/probes/mounts consistent, hardened, drained in time."""
     spec = template["spec"]
@@ -250,6 +278,7 @@ def check_pod(where, obj, template, configmaps, bin_dir, problems, tmp):
             if v.startswith("/") and not is_mounted(c, v) and not (
                     k == "shm_path" and is_mounted(c, os.path.dirname(v))):
                 problems.add(cwhere, f"--{k}={v} is on no mounted volume")
+        check_store_memory(cwhere, spec, c, flags, problems)
         drain = int(flags.get("drain_seconds", "0"))
         if grace <= drain:
             problems.add(cwhere, f"terminationGracePeriodSeconds {grace} <= --drain_seconds {drain}")
@@ -389,9 +418,12 @@ def check_dockerfiles(bin_dir, all_pods, problems, tmp):
             problems.add(where, "not multi-stage")
             continue
         final = lines[stages[-1]:]
-        build = " ".join(lines[stages[0]:stages[-1]])
-        m = re.search(r"scripts/docker/build\.sh\s+\S+\s+([^\n]+)", build)
-        built = m.group(1).split() if m else []
+        # The targets of the build stage's `scripts/docker/build.sh OUT TARGET...` (one RUN).
+        built = []
+        for ln in lines[stages[0]:stages[-1]]:
+            m = re.search(r"scripts/docker/build\.sh\s+\S+\s+(.+)$", ln)
+            if m:
+                built = m.group(1).split()
         user = [ln.split()[1] for ln in final if ln.upper().startswith("USER ")]
         if not user or user[-1].split(":")[0] in ("0", "root") or not user[-1][0].isdigit():
             problems.add(where, "the final stage does not run as a numeric non-root USER")
