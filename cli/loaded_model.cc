@@ -1,10 +1,16 @@
 #include "cli/loaded_model.h"
 
 #include "common/status_macros.h"
+#if defined(INFINIGEN_HAVE_CUDA)
+#include "gpu_worker/backend/cuda_backend.h"
+#endif
 
 namespace infinigen::cli {
 
 void BackendFlags::Register(FlagSet& flags) {
+  flags.String("device", &device, "where the model runs: cpu or cuda (GPU 0)");
+  flags.String("cuda-dtype", &cuda_dtype,
+               "storage of activations, weights and K/V on the GPU: bf16, f16 or f32 (exact)");
   flags.Int("threads", &threads, "CPU threads (0 = all cores)");
   flags.String("cpu-weights", &cpu_weights,
                "weight storage on the CPU: f32 (exact), bf16 or q8 (faster decode)");
@@ -19,7 +25,29 @@ absl::StatusOr<CpuBackendOptions> BackendFlags::Options() const {
     return absl::InvalidArgumentError(absl::StrCat("--cpu-weights: ", format.status().message()));
   }
   options.weight_format = *format;
+  if (device != "cpu" && device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device must be cpu or cuda, got '", device, "'"));
+  }
+  if (!ParseDType(cuda_dtype).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda-dtype must be bf16, f16 or f32, got '", cuda_dtype, "'"));
+  }
   return options;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> BackendFlags::Create() const {
+  IG_ASSIGN_OR_RETURN(CpuBackendOptions options, Options());
+  if (device == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(options));
+#if defined(INFINIGEN_HAVE_CUDA)
+  CudaBackendOptions cuda;
+  IG_ASSIGN_OR_RETURN(cuda.dtype, ParseDType(cuda_dtype));
+  IG_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(cuda));
+  return std::unique_ptr<Backend>(std::move(backend));
+#else
+  return absl::FailedPreconditionError(
+      "--device=cuda: this build has no CUDA backend (nvcc was not found when it was built)");
+#endif
 }
 
 void SamplingFlags::Register(FlagSet& flags) {
@@ -48,10 +76,9 @@ absl::StatusOr<GenerateOptions> SamplingFlags::Options() const {
 }
 
 absl::StatusOr<LoadedModel> LoadModel(const std::string& path, const BackendFlags& flags) {
-  IG_ASSIGN_OR_RETURN(CpuBackendOptions options, flags.Options());
   LoadedModel m;
+  IG_ASSIGN_OR_RETURN(m.backend, flags.Create());
   IG_ASSIGN_OR_RETURN(m.checkpoint, Checkpoint::Open(path));
-  m.backend = std::make_unique<CpuBackend>(options);
   IG_ASSIGN_OR_RETURN(m.model, Model::Load(*m.checkpoint, *m.backend));
   return m;
 }

@@ -16,13 +16,18 @@
 
 namespace infinigen::cli {
 
-// --threads and --cpu-weights, shared by every command that runs the model.
+// --device, --threads, --cpu-weights and --cuda-dtype, shared by every command that runs the
+// model.
 struct BackendFlags {
+  std::string device = "cpu";  // cpu | cuda
   int64_t threads = 0;
   std::string cpu_weights = "f32";
+  std::string cuda_dtype = "bf16";
 
   void Register(FlagSet& flags);
   absl::StatusOr<CpuBackendOptions> Options() const;
+  // The chosen backend (FAILED_PRECONDITION for cuda without a GPU or in a build without CUDA).
+  absl::StatusOr<std::unique_ptr<Backend>> Create() const;
 };
 
 // --max-tokens, --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed,
@@ -47,7 +52,7 @@ struct LoadedModel {
 // Face folder.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const Checkpoint& checkpoint);
 
-// Opens `path` and loads it on the CPU backend.
+// Opens `path` and loads it on the backend the flags choose.
 absl::StatusOr<LoadedModel> LoadModel(const std::string& path, const BackendFlags& flags);
 
 }  // namespace infinigen::cli

@@ -201,6 +201,11 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     int32_t* slots = host_slots_.data() + row * kv_heads;
     Selection& selection = selections_[b];
     selection.all = true;
+    if (policy != nullptr && !backend_.host_accessible()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("policy ", policy->Name(), " runs on the host and cannot read ",
+                       backend_.Name(), " memory; use policy full on this backend"));
+    }
     if (policy != nullptr && !resident && policy->needs_resident_kv()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "policy ", policy->Name(), " reads stored K rows itself and needs a resident KV cache"));
@@ -444,10 +449,8 @@ absl::Status Model::Logits(std::span<const ForwardChunk> batch, int64_t n, std::
     head_in = Activations(*ws_.sel_proj, rows, c.word_embed_proj_dim);
     IG_RETURN_IF_ERROR(backend_.Linear(sel, weights_.project_out, nullptr, head_in, false));
   }
+  // Logits are float32 whatever the activations are (the backend's Linear widens).
   MatView logits{ws_.logits->data(), DType::kF32, rows, c.vocab_size, c.vocab_size};
-  if (backend_.activation_dtype() != DType::kF32) {
-    return absl::UnimplementedError("logits need a float32 output path on this backend");
-  }
   IG_RETURN_IF_ERROR(backend_.Linear(head_in, weights_.output(), nullptr, logits, false));
   IG_RETURN_IF_ERROR(
       backend_.CopyToHost(logits.data, out.data(), static_cast<size_t>(rows * c.vocab_size) * 4));

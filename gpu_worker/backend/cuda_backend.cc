@@ -1,0 +1,307 @@
+#include "gpu_worker/backend/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/ops.h"
+
+namespace infinigen {
+namespace {
+
+static_assert(static_cast<int>(cuda::Elem::kF32) == static_cast<int>(DType::kF32) &&
+                  static_cast<int>(cuda::Elem::kF16) == static_cast<int>(DType::kF16) &&
+                  static_cast<int>(cuda::Elem::kBF16) == static_cast<int>(DType::kBF16),
+              "cuda::Elem and DType must agree");
+
+cuda::Elem ToElem(DType t) { return static_cast<cuda::Elem>(t); }
+cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// A cudaError_t as a Status: cudaErrorInvalidValue from our own kernels means a shape they do
+// not support; anything else is the runtime's failure.
+absl::Status Check(cudaError_t err, const char* op) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();  // clear a non-sticky error so that the next operation is not blamed
+  if (err == cudaErrorInvalidValue) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: ", op, " does not support these shapes or types"));
+  }
+  return absl::InternalError(
+      absl::StrCat("cuda backend: ", op, " failed: ", cudaGetErrorString(err)));
+}
+
+absl::Status CheckBlas(cublasStatus_t st, const char* op) {
+  if (st == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat("cuda backend: cuBLAS ", op, " failed: ", cublasGetStatusString(st)));
+}
+
+cudaDataType_t BlasType(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+DType WeightDType(WeightFormat f) {
+  return f == WeightFormat::kF16    ? DType::kF16
+         : f == WeightFormat::kBF16 ? DType::kBF16
+                                    : DType::kF32;
+}
+
+WeightFormat FormatOf(DType t) {
+  return t == DType::kF16    ? WeightFormat::kF16
+         : t == DType::kBF16 ? WeightFormat::kBF16
+                             : WeightFormat::kF32;
+}
+
+class DeviceBuffer final : public Buffer {
+ public:
+  DeviceBuffer(void* data, size_t size) : data_(data), size_(size) {}
+  ~DeviceBuffer() override { cudaFree(data_); }
+  void* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  void* data_;
+  size_t size_;
+};
+
+cuda::Mat M(const MatView& m) { return {m.data, ToElem(m.dtype), m.rows, m.cols, m.stride}; }
+const float* F(const Weight* w) {
+  return w != nullptr && *w ? static_cast<const float*>(w->data()) : nullptr;
+}
+
+}  // namespace
+
+struct CudaBackend::Handles {
+  cublasHandle_t blas = nullptr;
+  ~Handles() {
+    if (blas != nullptr) cublasDestroy(blas);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
+    const CudaBackendOptions& options) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || options.device < 0 || options.device >= count) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda backend: no CUDA device ", options.device, " (", count, " usable devices)"));
+  }
+  IG_RETURN_IF_ERROR(Check(cudaSetDevice(options.device), "cudaSetDevice"));
+  cudaStream_t stream = nullptr;
+  IG_RETURN_IF_ERROR(
+      Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  auto handles = std::make_unique<Handles>();
+  if (auto st = CheckBlas(cublasCreate(&handles->blas), "create"); !st.ok()) {
+    cudaStreamDestroy(stream);
+    return st;
+  }
+  IG_RETURN_IF_ERROR(CheckBlas(cublasSetStream(handles->blas, stream), "set stream"));
+  // Pedantic math in f32 mode (no TF32), tensor cores for 16-bit types.
+  IG_RETURN_IF_ERROR(CheckBlas(
+      cublasSetMathMode(handles->blas,
+                        options.dtype == DType::kF32 ? CUBLAS_PEDANTIC_MATH : CUBLAS_DEFAULT_MATH),
+      "set math mode"));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(options, std::move(handles), stream));
+}
+
+CudaBackend::CudaBackend(const CudaBackendOptions& options, std::unique_ptr<Handles> handles,
+                         void* stream)
+    : options_(options), handles_(std::move(handles)), stream_(stream) {}
+
+CudaBackend::~CudaBackend() {
+  cudaStreamSynchronize(S(stream_));
+  workspace_.reset();
+  handles_.reset();
+  cudaStreamDestroy(S(stream_));
+}
+
+std::string CudaBackend::Name() const {
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, options_.device);
+  return absl::StrCat("cuda-", DTypeName(options_.dtype), " (", prop.name, ")");
+}
+
+size_t CudaBackend::FreeMemory() const {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return free;
+}
+
+absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda backend: cannot allocate ", bytes,
+                     " bytes of GPU memory: ", cudaGetErrorString(err)));
+  }
+  return std::make_unique<DeviceBuffer>(p, bytes);
+}
+
+absl::Status CudaBackend::CopyToDevice(const void* host, void* device, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  // From pageable memory the runtime stages the source before returning, so `host` may be
+  // reused at once.
+  return Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, S(stream_)),
+               "copy to device");
+}
+
+absl::Status CudaBackend::CopyToHost(const void* device, void* host, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  IG_RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, S(stream_)),
+                           "copy to host"));
+  return Check(cudaStreamSynchronize(S(stream_)), "copy to host");
+}
+
+absl::Status CudaBackend::Synchronize() {
+  return Check(cudaStreamSynchronize(S(stream_)), "synchronize");
+}
+
+absl::StatusOr<Weight> CudaBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {
+  Weight w;
+  w.rows = rows;
+  w.cols = cols;
+  w.format = rows == 1 ? WeightFormat::kF32 : FormatOf(options_.dtype);
+  const DType t = WeightDType(w.format);
+  const size_t n = static_cast<size_t>(rows * cols);
+  IG_ASSIGN_OR_RETURN(w.buffer, Allocate(n * DTypeSize(t)));
+  if (t == DType::kF32) {
+    IG_RETURN_IF_ERROR(CopyToDevice(host, w.buffer->data(), n * 4));
+  } else {
+    std::vector<uint16_t> packed(n);
+    ConvertFromFloat(host, t, packed.data(), n);
+    IG_RETURN_IF_ERROR(CopyToDevice(packed.data(), w.buffer->data(), n * 2));
+  }
+  IG_RETURN_IF_ERROR(Synchronize());
+  return w;
+}
+
+absl::Status CudaBackend::Embedding(const Weight& table, const int32_t* ids, MatView out) {
+  if (out.cols != table.cols) return absl::InvalidArgumentError("cuda backend: Embedding width");
+  return Check(
+      cuda::Embedding(table.data(), ToElem(WeightDType(table.format)), ids, M(out), S(stream_)),
+      "Embedding");
+}
+
+absl::Status CudaBackend::RmsNorm(MatView x, const Weight& weight, float eps, MatView out) {
+  return Check(cuda::RmsNorm(M(x), F(&weight), eps, M(out), S(stream_)), "RmsNorm");
+}
+
+absl::Status CudaBackend::LayerNorm(MatView x, const Weight& weight, const Weight* bias, float eps,
+                                    MatView out) {
+  return Check(cuda::LayerNorm(M(x), F(&weight), F(bias), eps, M(out), S(stream_)), "LayerNorm");
+}
+
+absl::Status CudaBackend::Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
+                                 bool accumulate) {
+  const DType wt = WeightDType(w.format);
+  if (x.cols != w.cols || out.cols != w.rows || out.rows != x.rows || x.dtype != wt ||
+      (out.dtype != x.dtype && out.dtype != DType::kF32)) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: Linear [", x.rows, ", ", x.cols,
+                                                   "] ", DTypeName(x.dtype), " x [", w.rows, ", ",
+                                                   w.cols, "]^T ", DTypeName(wt), " -> [", out.rows,
+                                                   ", ", out.cols, "] ", DTypeName(out.dtype)));
+  }
+  if (x.rows == 0) return absl::OkStatus();
+  // Row-major y[m, n] = x[m, k] w[n, k]^T is column-major y'[n, m] = w'^T x' where w' ([k, n])
+  // and x' ([k, m]) are the same bytes read column-major.
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  IG_RETURN_IF_ERROR(
+      CheckBlas(cublasGemmEx(handles_->blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows),
+                             static_cast<int>(x.rows), static_cast<int>(w.cols), &alpha, w.data(),
+                             BlasType(wt), static_cast<int>(w.cols), x.data, BlasType(x.dtype),
+                             static_cast<int>(x.stride), &beta, out.data, BlasType(out.dtype),
+                             static_cast<int>(out.stride), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                "GemmEx"));
+  if (bias != nullptr && *bias) {
+    IG_RETURN_IF_ERROR(Check(cuda::AddBias(F(bias), M(out), S(stream_)), "Linear bias"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
+                               const int32_t* positions, const float* inv_freq,
+                               cpu::RopeLayout layout) {
+  return Check(cuda::Rope(M(x), num_heads, head_dim, rotary_dim, positions, inv_freq,
+                          layout == cpu::RopeLayout::kInterleaved, S(stream_)),
+               "Rope");
+}
+
+absl::Status CudaBackend::SwiGlu(MatView gate, MatView up, MatView out) {
+  return Check(cuda::SwiGlu(M(gate), M(up), M(out), S(stream_)), "SwiGlu");
+}
+
+absl::Status CudaBackend::Relu(MatView x) { return Check(cuda::Relu(M(x), S(stream_)), "Relu"); }
+
+absl::Status CudaBackend::Add(MatView x, MatView y) {
+  return Check(cuda::Add(M(x), M(y), S(stream_)), "Add");
+}
+
+absl::Status CudaBackend::Copy(MatView src, MatView dst) {
+  return Check(cuda::Copy(M(src), M(dst), S(stream_)), "Copy");
+}
+
+absl::Status CudaBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                          const AttentionShape& s, MatView out) {
+  if (k.dtype != q.dtype || v.dtype != q.dtype || k.head_stride != v.head_stride ||
+      k.row_stride != v.row_stride) {
+    return absl::InvalidArgumentError("cuda backend: AttentionCausal needs K and V like q");
+  }
+  return Check(cuda::AttentionCausal(M(q), q_start, {k.data, k.head_stride, k.row_stride},
+                                     {v.data, v.head_stride, v.row_stride}, s.num_heads,
+                                     s.num_kv_heads, s.head_dim, s.scale, M(out), S(stream_)),
+               "AttentionCausal");
+}
+
+absl::Status CudaBackend::EnsureWorkspace(size_t bytes) {
+  if (workspace_ != nullptr && workspace_->size() >= bytes) return absl::OkStatus();
+  IG_RETURN_IF_ERROR(Synchronize());  // the old workspace may still be in use
+  workspace_.reset();
+  IG_ASSIGN_OR_RETURN(workspace_, Allocate(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
+                                          int64_t num_rows, const AttentionShape& s, MatView out,
+                                          float* weights_out) {
+  if (k.dtype != q.dtype || v.dtype != q.dtype || out.dtype != q.dtype ||
+      k.head_stride != v.head_stride || k.row_stride != v.row_stride) {
+    return absl::InvalidArgumentError("cuda backend: AttentionDecode needs K, V and out like q");
+  }
+  cuda::DecodeAttention a;
+  a.type = ToElem(q.dtype);
+  a.batch = 1;
+  a.num_heads = s.num_heads;
+  a.num_kv_heads = s.num_kv_heads;
+  a.head_dim = s.head_dim;
+  a.scale = s.scale;
+  a.q = q.data;
+  a.k = k.data;
+  a.v = v.data;
+  a.head_stride = k.head_stride;
+  a.row_stride = k.row_stride;
+  a.indices = indices;
+  a.index_head_stride = num_rows;
+  a.num_rows = static_cast<int32_t>(num_rows);
+  a.out = out.data;
+  a.weights = weights_out;
+  IG_RETURN_IF_ERROR(EnsureWorkspace(cuda::DecodeAttentionWorkspaceBytes(a)));
+  a.workspace = workspace_->data();
+  return Check(cuda::RunDecodeAttention(a, S(stream_)), "AttentionDecode");
+}
+
+}  // namespace infinigen

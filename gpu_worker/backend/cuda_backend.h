@@ -1,0 +1,69 @@
+// The CUDA backend: activations, weights and resident K/V in GPU memory, kernels/cuda for compute
+// and cuBLAS for GEMM, everything on one stream. Storage in f32, f16 or bf16 (weights take the
+// activations' type; norm vectors stay f32); accumulation in f32. f32 mode is exact enough to
+// reproduce the CPU reference's greedy tokens (cuBLAS without TF32).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "gpu_worker/backend/backend.h"
+
+namespace infinigen {
+
+struct CudaBackendOptions {
+  int device = 0;
+  DType dtype = DType::kBF16;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  // FAILED_PRECONDITION when there is no such device or the runtime fails to start on it.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
+  ~CudaBackend() override;
+
+  std::string Name() const override;
+  DType activation_dtype() const override { return options_.dtype; }
+  size_t FreeMemory() const override;
+
+  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
+  absl::Status CopyToHost(const void* device, void* host, size_t bytes) override;
+  absl::Status Synchronize() override;
+
+  absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
+
+  absl::Status Embedding(const Weight& table, const int32_t* ids, MatView out) override;
+  absl::Status RmsNorm(MatView x, const Weight& weight, float eps, MatView out) override;
+  absl::Status LayerNorm(MatView x, const Weight& weight, const Weight* bias, float eps,
+                         MatView out) override;
+  absl::Status Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
+                      bool accumulate) override;
+  absl::Status Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
+                    const int32_t* positions, const float* inv_freq,
+                    cpu::RopeLayout layout) override;
+  absl::Status SwiGlu(MatView gate, MatView up, MatView out) override;
+  absl::Status Relu(MatView x) override;
+  absl::Status Add(MatView x, MatView y) override;
+  absl::Status Copy(MatView src, MatView dst) override;
+  absl::Status AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                               const AttentionShape& shape, MatView out) override;
+  absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
+                               int64_t num_rows, const AttentionShape& shape, MatView out,
+                               float* weights_out = nullptr) override;
+
+  // The stream every operation runs on (a cudaStream_t), for code that adds its own kernels.
+  void* stream() const { return stream_; }
+
+ private:
+  struct Handles;
+  CudaBackend(const CudaBackendOptions& options, std::unique_ptr<Handles> handles, void* stream);
+  absl::Status EnsureWorkspace(size_t bytes);
+
+  CudaBackendOptions options_;
+  std::unique_ptr<Handles> handles_;
+  void* stream_;
+  std::unique_ptr<Buffer> workspace_;  // decode attention partials; grows, never per step
+};
+
+}  // namespace infinigen

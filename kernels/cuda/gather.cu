@@ -1,0 +1,114 @@
+// Moving K/V rows between host memory and the GPU: the gather of selected rows from a
+// host-mapped cache into packed staging (reading host memory over the link from the kernel),
+// and the scatter of the current token's rows into a cache.
+#include <algorithm>
+#include <initializer_list>
+
+#include "kernels/cuda/common.cuh"
+
+namespace infinigen::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kBytesPerBlock = 8192;
+
+template <typename V>
+__global__ void GatherKernel(Gather g, int64_t rows_per_block) {
+  const int head = blockIdx.y, b = blockIdx.z;
+  const int64_t count = g.counts != nullptr ? g.counts[b] : g.count;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t rows = Min64(rows_per_block, count - first);
+  if (rows <= 0) return;
+  const int64_t vecs = g.row_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t list = static_cast<int64_t>(b) * g.num_kv_heads + head;
+  const int32_t* idx = g.indices + list * g.index_capacity + first;
+  const char* src =
+      static_cast<const char*>(g.src) + b * g.src_seq_stride + head * g.src_head_stride;
+  char* dst = static_cast<char*>(g.dst) + (list * g.dst_rows_per_head + first) * g.row_bytes;
+  for (int64_t t = threadIdx.x; t < rows * vecs; t += blockDim.x) {
+    const int64_t r = t / vecs, v = t % vecs;
+    const V* s = reinterpret_cast<const V*>(src + static_cast<int64_t>(idx[r]) * g.row_bytes) + v;
+    reinterpret_cast<V*>(dst + r * g.row_bytes)[v] = *s;
+  }
+}
+
+template <typename V>
+__global__ void ScatterKernel(const char* src, int64_t src_seq_stride, int64_t row_bytes,
+                              const int32_t* rows, char* dst, int64_t dst_seq_stride,
+                              int64_t dst_head_stride) {
+  const int g = blockIdx.x, b = blockIdx.y;
+  const V* s = reinterpret_cast<const V*>(src + b * src_seq_stride + g * row_bytes);
+  V* d = reinterpret_cast<V*>(dst + b * dst_seq_stride + g * dst_head_stride +
+                              static_cast<int64_t>(rows[b]) * row_bytes);
+  for (int64_t v = threadIdx.x; v < row_bytes / static_cast<int64_t>(sizeof(V)); v += blockDim.x) {
+    d[v] = s[v];
+  }
+}
+
+// The widest access (16, 8, 4 or 2 bytes) that divides every address and stride.
+int Width(std::initializer_list<int64_t> values) {
+  int64_t all = 0;
+  for (int64_t v : values) all |= v;
+  for (int w : {16, 8, 4, 2}) {
+    if (all % w == 0) return w;
+  }
+  return 0;
+}
+
+}  // namespace
+
+cudaError_t RunGather(const Gather& g, cudaStream_t stream) {
+  const int64_t max_count = g.max_count > 0 ? g.max_count : g.count;
+  if (g.batch <= 0 || g.num_kv_heads <= 0 || max_count <= 0) return cudaSuccess;
+  const int w = Width({reinterpret_cast<int64_t>(g.src), reinterpret_cast<int64_t>(g.dst),
+                       g.row_bytes, g.src_seq_stride, g.src_head_stride});
+  if (w == 0 || g.row_bytes <= 0) return cudaErrorInvalidValue;
+  const int64_t rows_per_block = std::max<int64_t>(1, kBytesPerBlock / g.row_bytes);
+  const dim3 grid(Blocks(max_count, static_cast<int>(rows_per_block)), g.num_kv_heads, g.batch);
+  switch (w) {
+    case 16:
+      GatherKernel<uint4><<<grid, kThreads, 0, stream>>>(g, rows_per_block);
+      break;
+    case 8:
+      GatherKernel<uint2><<<grid, kThreads, 0, stream>>>(g, rows_per_block);
+      break;
+    case 4:
+      GatherKernel<uint32_t><<<grid, kThreads, 0, stream>>>(g, rows_per_block);
+      break;
+    default:
+      GatherKernel<uint16_t><<<grid, kThreads, 0, stream>>>(g, rows_per_block);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t ScatterRows(const void* src, int64_t src_seq_stride, int batch, int num_kv_heads,
+                        int64_t row_bytes, const int32_t* rows, void* dst, int64_t dst_seq_stride,
+                        int64_t dst_head_stride, cudaStream_t stream) {
+  const int w = Width({reinterpret_cast<int64_t>(src), reinterpret_cast<int64_t>(dst), row_bytes,
+                       src_seq_stride, dst_seq_stride, dst_head_stride});
+  if (w == 0) return cudaErrorInvalidValue;
+  if (batch <= 0 || num_kv_heads <= 0) return cudaSuccess;
+  const dim3 grid(num_kv_heads, batch);
+  const auto* s = static_cast<const char*>(src);
+  auto* d = static_cast<char*>(dst);
+  switch (w) {
+    case 16:
+      ScatterKernel<uint4><<<grid, 64, 0, stream>>>(s, src_seq_stride, row_bytes, rows, d,
+                                                    dst_seq_stride, dst_head_stride);
+      break;
+    case 8:
+      ScatterKernel<uint2><<<grid, 64, 0, stream>>>(s, src_seq_stride, row_bytes, rows, d,
+                                                    dst_seq_stride, dst_head_stride);
+      break;
+    case 4:
+      ScatterKernel<uint32_t><<<grid, 64, 0, stream>>>(s, src_seq_stride, row_bytes, rows, d,
+                                                       dst_seq_stride, dst_head_stride);
+      break;
+    default:
+      ScatterKernel<uint16_t><<<grid, 64, 0, stream>>>(s, src_seq_stride, row_bytes, rows, d,
+                                                       dst_seq_stride, dst_head_stride);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace infinigen::cuda

@@ -1,0 +1,215 @@
+// CUDA operations: the device counterparts of kernels/cpu/ops.h, plus the pieces of an InfiniGen
+// decode step that run on the GPU (speculation scores, selection, the gather from host memory)
+// and device sampling. Storage is f32, f16 or bf16; every kernel accumulates in f32.
+//
+// Every function enqueues work on `stream` and returns the launch's cudaError_t (cudaSuccess, or
+// cudaErrorInvalidValue for a shape a kernel does not support). Nothing here allocates: callers
+// size workspaces with the *WorkspaceBytes functions beforehand. All pointers are device
+// pointers unless a comment says "host-mapped" (pinned host memory with a device address).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace infinigen::cuda {
+
+// Element types; the values equal infinigen::DType's.
+enum class Elem : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+constexpr size_t ElemSize(Elem e) { return e == Elem::kF32 ? 4 : 2; }
+
+// A row-major matrix: row r starts at data + r * stride elements.
+struct Mat {
+  void* data = nullptr;
+  Elem type = Elem::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t stride = 0;
+};
+
+// ---- elementwise (elementwise.cu) ----
+
+// out[i, :] = table[ids[i], :] (table: [vocab, out.cols] of table_type).
+cudaError_t Embedding(const void* table, Elem table_type, const int32_t* ids, Mat out,
+                      cudaStream_t stream);
+// Per row: out = x / sqrt(mean(x^2) + eps) * weight. out may alias x.
+cudaError_t RmsNorm(Mat x, const float* weight, float eps, Mat out, cudaStream_t stream);
+// Per row: out = (x - mean) / sqrt(var + eps) * weight + bias (weight/bias may be null).
+cudaError_t LayerNorm(Mat x, const float* weight, const float* bias, float eps, Mat out,
+                      cudaStream_t stream);
+// Rotates the first rotary_dim channels of each of num_heads heads of every row in place.
+// positions: [x.rows]; inv_freq: [rotary_dim / 2]. interleaved: pairs (2i, 2i+1), else (i, i+r/2).
+cudaError_t Rope(Mat x, int num_heads, int head_dim, int rotary_dim, const int32_t* positions,
+                 const float* inv_freq, bool interleaved, cudaStream_t stream);
+// out = silu(gate) * up.
+cudaError_t SwiGlu(Mat gate, Mat up, Mat out, cudaStream_t stream);
+cudaError_t Relu(Mat x, cudaStream_t stream);
+// y += x.
+cudaError_t Add(Mat x, Mat y, cudaStream_t stream);
+// y[r, :] += bias (f32, [y.cols]).
+cudaError_t AddBias(const float* bias, Mat y, cudaStream_t stream);
+// dst = src, converting the element type when they differ.
+cudaError_t Copy(Mat src, Mat dst, cudaStream_t stream);
+
+// Fills n elements with uniform values in [-scale, scale) from a counter hash of (seed, index):
+// random weights and caches for benchmarks and tests. `data` may be host-mapped.
+cudaError_t FillRandom(void* data, Elem type, int64_t n, uint64_t seed, float scale,
+                       cudaStream_t stream);
+
+// ---- attention (attention.cu) ----
+
+// K or V rows: row j of KV head g at data + g * head_stride + j * row_stride elements.
+struct KvMat {
+  const void* data = nullptr;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+};
+
+// Causal attention of q's rows (positions q_start ..) over K/V rows 0 .. q_start + q.rows - 1,
+// tiled through shared memory. q, out: [rows, num_heads * head_dim]; K/V of q.type.
+// head_dim <= 256; GQA: query head h reads KV head h / (num_heads / num_kv_heads).
+cudaError_t AttentionCausal(Mat q, int64_t q_start, KvMat k, KvMat v, int num_heads,
+                            int num_kv_heads, int head_dim, float scale, Mat out,
+                            cudaStream_t stream);
+
+// Decode attention of one query row per sequence over a list of rows per KV head, plus
+// (optionally) the current token's own K/V. Split over the rows (flash-decoding) and combined.
+struct DecodeAttention {
+  Elem type = Elem::kBF16;  // of q, K, V, the current K/V and out
+  int batch = 1, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  float scale = 1.0f;
+  const void* q = nullptr;  // [batch] rows of num_heads * head_dim, q_seq_stride apart
+  int64_t q_seq_stride = 0;
+  // Rows of sequence b: K at k + b * kv_seq_stride (then KvMat's strides), same for V.
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t kv_seq_stride = 0, head_stride = 0, row_stride = 0;
+  // Row lists: head g of sequence b reads rows indices[b * index_seq_stride + g *
+  // index_head_stride + j] for j < its row count; null: rows 0 .. count - 1.
+  const int32_t* indices = nullptr;
+  int64_t index_seq_stride = 0, index_head_stride = 0;
+  // Row count per sequence: num_rows_per_seq[b] (device) when given, else num_rows. max_rows
+  // bounds the counts (it sizes the split); 0 means num_rows.
+  int32_t num_rows = 0;
+  const int32_t* num_rows_per_seq = nullptr;
+  int32_t max_rows = 0;
+  // The current token's K and V ([num_kv_heads * head_dim] per sequence), attended after the
+  // listed rows; null: none.
+  const void* k_cur = nullptr;
+  const void* v_cur = nullptr;
+  int64_t cur_seq_stride = 0;
+  void* out = nullptr;  // [batch] rows of num_heads * head_dim
+  int64_t out_seq_stride = 0;
+  // Attention probabilities [num_heads, num_rows] (batch 1 without a current token only).
+  float* weights = nullptr;
+  void* workspace = nullptr;  // DecodeAttentionWorkspaceBytes(*this)
+};
+size_t DecodeAttentionWorkspaceBytes(const DecodeAttention& a);
+cudaError_t RunDecodeAttention(const DecodeAttention& a, cudaStream_t stream);
+
+// ---- InfiniGen selection (selection.cu) ----
+
+// out[b, h, c] = sum_i x[b, h, i] * a[h / group, i, c]: heads of x projected on the partial
+// skew A[:, P] ([num_kv_heads, head_dim, partial_dim], f32). x: [batch] rows of num_heads *
+// head_dim of x_type, x_seq_stride apart; out: f32 [batch, num_heads, partial_dim], or, when
+// out_type is not f32, that type at out + b * out_seq_stride + h * out_head_stride.
+struct PartialProjection {
+  Elem x_type = Elem::kBF16;
+  const void* x = nullptr;
+  int64_t x_seq_stride = 0;
+  int batch = 1, num_heads = 0, num_kv_heads = 0, head_dim = 0, partial_dim = 0;
+  const float* skew = nullptr;
+  Elem out_type = Elem::kF32;
+  void* out = nullptr;
+  int64_t out_seq_stride = 0, out_head_stride = 0;
+};
+cudaError_t RunPartialProjection(const PartialProjection& p, cudaStream_t stream);
+
+// The speculation of one layer for a batch: scores of every stored row against the partial
+// query, the per-sequence budget, the group attention mass, and the top rows per KV head.
+struct Speculation {
+  int batch = 1, num_heads = 0, num_kv_heads = 0, partial_dim = 0;
+  float scale = 1.0f;
+  const float* q_partial = nullptr;  // [batch, num_heads, partial_dim]
+  // Partial keys of sequence b, KV head g, row j at keys + b * key_seq_stride + g *
+  // key_head_stride + j * partial_dim (key_type).
+  Elem key_type = Elem::kBF16;
+  const void* keys = nullptr;
+  int64_t key_seq_stride = 0, key_head_stride = 0;
+  const int32_t* num_rows = nullptr;  // [batch] stored rows per sequence
+  int32_t max_rows = 0;               // bound of num_rows (sizes the launch)
+  // Budget: k = clamp(round(mean over heads of #{s > max - alpha}), min(k_min, k_max), k_max)
+  // with k_max = max(1, floor(budget_fraction * n)) (and never above n).
+  float alpha = 4.0f;
+  float budget_fraction = 0.2f;
+  int32_t k_min = 0;
+  // Outputs: the chosen rows of (b, g), ascending, at indices + (b * num_kv_heads + g) *
+  // index_capacity; counts[b] = k of sequence b. index_capacity >= budget of max_rows.
+  int32_t* indices = nullptr;
+  int64_t index_capacity = 0;
+  int32_t* counts = nullptr;
+  void* workspace = nullptr;  // SpeculationWorkspaceBytes(*this)
+};
+size_t SpeculationWorkspaceBytes(const Speculation& s);
+// The budget's upper bound for n rows (what index_capacity must hold).
+int64_t SpeculationMaxBudget(float budget_fraction, int64_t n);
+cudaError_t RunSpeculation(const Speculation& s, cudaStream_t stream);
+
+// Per KV head of one score matrix: the `k` largest values of scores[g, 0..n), rows ascending
+// into out[g, 0..k) (ties to the lower row). No full sort: a 4-pass radix select, then an
+// order-preserving compaction. scores: [num_kv_heads, n] f32; k <= n.
+cudaError_t TopK(const float* scores, int num_kv_heads, int64_t n, int64_t k, int32_t* out,
+                 cudaStream_t stream);
+
+// ---- gather from host memory (gather.cu) ----
+
+// Copies rows of a host-resident K or V cache into packed device staging: for sequence b, KV
+// head g and j < counts[b] (or count), row indices[(b * num_kv_heads + g) * index_capacity + j]
+// of src (host-mapped: src + b * src_seq_stride + g * src_head_stride + row * row_bytes) to
+// dst + ((b * num_kv_heads + g) * dst_rows_per_head + j) * row_bytes. Reads the host memory
+// directly over the link, 16 bytes at a time where alignment allows.
+struct Gather {
+  int batch = 1, num_kv_heads = 0;
+  int64_t row_bytes = 0;
+  const void* src = nullptr;
+  int64_t src_seq_stride = 0, src_head_stride = 0;  // bytes
+  const int32_t* indices = nullptr;
+  int64_t index_capacity = 0;
+  const int32_t* counts = nullptr;  // [batch]; null: `count` rows for every sequence
+  int64_t count = 0;
+  int64_t max_count = 0;  // bound of the counts (sizes the launch); 0 means count
+  void* dst = nullptr;
+  int64_t dst_rows_per_head = 0;
+};
+cudaError_t RunGather(const Gather& g, cudaStream_t stream);
+
+// Writes one row per (sequence, KV head) from device rows src[b * src_seq_stride + g * row_bytes]
+// to dst (host-mapped or device) at dst + b * dst_seq_stride + g * dst_head_stride + rows[b] *
+// row_bytes: the decode step's append of the current token to a host KV cache.
+cudaError_t ScatterRows(const void* src, int64_t src_seq_stride, int batch, int num_kv_heads,
+                        int64_t row_bytes, const int32_t* rows, void* dst, int64_t dst_seq_stride,
+                        int64_t dst_head_stride, cudaStream_t stream);
+
+// ---- sampling (sampling.cu) ----
+
+// tokens[r] = argmax of logits row r (f32, [rows, vocab]); ties to the lowest id.
+cudaError_t Argmax(const float* logits, int64_t rows, int64_t vocab, int32_t* tokens,
+                   cudaStream_t stream);
+
+// Sampling of one token per row, as kernels/cpu/sampling.h does it (temperature, then top-k,
+// top-p, min-p, one Philox draw keyed by (seed, position)), for 1 <= top_k <= kMaxSampleTopK.
+constexpr int kMaxSampleTopK = 256;
+struct Sample {
+  const float* logits = nullptr;  // [rows, vocab]
+  int64_t rows = 0, vocab = 0;
+  float temperature = 1.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f, min_p = 0.0f;
+  const uint64_t* seeds = nullptr;      // [rows]
+  const uint64_t* positions = nullptr;  // [rows]
+  int32_t* tokens = nullptr;            // [rows]
+};
+cudaError_t RunSample(const Sample& s, cudaStream_t stream);
+
+}  // namespace infinigen::cuda

@@ -1,0 +1,303 @@
+// Every CudaBackend operation against CpuBackend (the reference) on odd sizes with fresh random
+// inputs, in f32, f16 and bf16 storage. Inputs are rounded to the storage type first, so the
+// tolerance covers only arithmetic order and the rounding of outputs. Skipped without a GPU.
+#include "gpu_worker/backend/cuda_backend.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gpu_worker/backend/cpu_backend.h"
+#include "kernels/cuda/device.h"
+
+namespace infinigen {
+namespace {
+
+class CudaBackendOps : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    auto gpu = CudaBackend::Create({0, GetParam()});
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    gpu_ = std::move(*gpu);
+    rng_.seed(std::random_device{}());
+  }
+
+  DType dtype() const { return GetParam(); }
+  float Tolerance() const {
+    return dtype() == DType::kF32 ? 2e-5f : dtype() == DType::kF16 ? 2e-3f : 1.6e-2f;
+  }
+
+  // Random values rounded to the storage type.
+  std::vector<float> Random(size_t n, float scale = 1.0f) {
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = d(rng_);
+    return Round(v);
+  }
+  std::vector<float> Round(std::vector<float> v) const {
+    if (dtype() == DType::kF32) return v;
+    std::vector<uint16_t> h(v.size());
+    ConvertFromFloat(v.data(), dtype(), h.data(), v.size());
+    ConvertToFloat(dtype(), h.data(), v.data(), v.size());
+    return v;
+  }
+
+  // A GPU matrix of the storage type holding `v` ([rows, cols], row stride `stride`).
+  MatView Up(const std::vector<float>& v, int64_t rows, int64_t cols, int64_t stride = 0) {
+    stride = stride == 0 ? cols : stride;
+    std::vector<uint8_t> bytes(v.size() * DTypeSize(dtype()));
+    ConvertFromFloat(v.data(), dtype(), bytes.data(), v.size());
+    auto buf = gpu_->Allocate(std::max<size_t>(bytes.size(), rows * stride * DTypeSize(dtype())));
+    EXPECT_TRUE(buf.ok());
+    EXPECT_TRUE(gpu_->CopyToDevice(bytes.data(), (*buf)->data(), bytes.size()).ok());
+    MatView m{(*buf)->data(), dtype(), rows, cols, stride};
+    buffers_.push_back(std::move(*buf));
+    return m;
+  }
+  template <typename T>
+  T* UpRaw(const std::vector<T>& v) {
+    auto buf = gpu_->Allocate(v.size() * sizeof(T));
+    EXPECT_TRUE(buf.ok());
+    EXPECT_TRUE(gpu_->CopyToDevice(v.data(), (*buf)->data(), v.size() * sizeof(T)).ok());
+    T* p = static_cast<T*>((*buf)->data());
+    buffers_.push_back(std::move(*buf));
+    return p;
+  }
+  std::vector<float> Down(const MatView& m) {
+    EXPECT_TRUE(gpu_->Synchronize().ok());
+    std::vector<uint8_t> bytes(m.rows * m.stride * DTypeSize(m.dtype));
+    EXPECT_TRUE(gpu_->CopyToHost(m.data, bytes.data(), bytes.size()).ok());
+    std::vector<float> all(m.rows * m.stride), out(m.rows * m.cols);
+    ConvertToFloat(m.dtype, bytes.data(), all.data(), all.size());
+    for (int64_t r = 0; r < m.rows; ++r) {
+      std::copy_n(all.data() + r * m.stride, m.cols, out.data() + r * m.cols);
+    }
+    return out;
+  }
+  MatView Zeros(int64_t rows, int64_t cols) {
+    return Up(std::vector<float>(rows * cols, 0.0f), rows, cols);
+  }
+
+  void ExpectNear(const std::vector<float>& got, const std::vector<float>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    float worst = 0.0f;
+    size_t at = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const float err = std::abs(got[i] - want[i]) / (1.0f + std::abs(want[i]));
+      if (!(err <= worst)) worst = err, at = i;
+    }
+    EXPECT_LE(worst, Tolerance()) << "at " << at << ": got " << got[at] << ", want " << want[at];
+  }
+
+  std::unique_ptr<CudaBackend> gpu_;
+  CpuBackend cpu_;
+  std::vector<std::unique_ptr<Buffer>> buffers_;
+  std::mt19937 rng_;
+};
+
+MatView HostMat(std::vector<float>& v, int64_t rows, int64_t cols) {
+  return {v.data(), DType::kF32, rows, cols, cols};
+}
+
+TEST_P(CudaBackendOps, EmbeddingNormsAndElementwise) {
+  const int64_t vocab = 37, rows = 13, cols = 203;
+  auto table_host = Random(vocab * cols);
+  std::vector<int32_t> ids(rows);
+  for (auto& id : ids) id = static_cast<int32_t>(rng_() % vocab);
+  auto table_gpu = gpu_->UploadWeight(table_host.data(), vocab, cols);
+  auto table_cpu = cpu_.UploadWeight(table_host.data(), vocab, cols);
+  ASSERT_TRUE(table_gpu.ok() && table_cpu.ok());
+  MatView e = Zeros(rows, cols);
+  ASSERT_TRUE(gpu_->Embedding(*table_gpu, UpRaw(ids), e).ok());
+  std::vector<float> want(rows * cols);
+  ASSERT_TRUE(cpu_.Embedding(*table_cpu, ids.data(), HostMat(want, rows, cols)).ok());
+  ExpectNear(Down(e), want);
+
+  // RmsNorm and LayerNorm (with and without bias), out of place.
+  auto x = Random(rows * cols, 3.0f);
+  auto w = Random(cols), b = Random(cols);
+  auto w_gpu = gpu_->UploadWeight(w.data(), 1, cols), b_gpu = gpu_->UploadWeight(b.data(), 1, cols);
+  auto w_cpu = cpu_.UploadWeight(w.data(), 1, cols), b_cpu = cpu_.UploadWeight(b.data(), 1, cols);
+  MatView xg = Up(x, rows, cols), out = Zeros(rows, cols);
+  ASSERT_TRUE(gpu_->RmsNorm(xg, *w_gpu, 1e-5f, out).ok());
+  std::vector<float> xc = x;
+  ASSERT_TRUE(cpu_.RmsNorm(HostMat(xc, rows, cols), *w_cpu, 1e-5f, HostMat(want, rows, cols)).ok());
+  ExpectNear(Down(out), want);
+  for (const Weight* bias :
+       {static_cast<const Weight*>(nullptr), static_cast<const Weight*>(&*b_gpu)}) {
+    ASSERT_TRUE(gpu_->LayerNorm(xg, *w_gpu, bias, 1e-5f, out).ok());
+    ASSERT_TRUE(cpu_.LayerNorm(HostMat(xc, rows, cols), *w_cpu, bias ? &*b_cpu : nullptr, 1e-5f,
+                               HostMat(want, rows, cols))
+                    .ok());
+    ExpectNear(Down(out), want);
+  }
+
+  // SwiGlu, Relu, Add on column slices of a wider matrix (strides != cols).
+  auto wide = Random(rows * 2 * cols, 2.0f);
+  MatView wg = Up(wide, rows, 2 * cols);
+  MatView gate{wg.data, dtype(), rows, cols, 2 * cols};
+  MatView up = gate;
+  up.data = static_cast<uint8_t*>(wg.data) + cols * DTypeSize(dtype());
+  ASSERT_TRUE(gpu_->SwiGlu(gate, up, out).ok());
+  std::vector<float> wc = wide;
+  ASSERT_TRUE(cpu_.SwiGlu({wc.data(), DType::kF32, rows, cols, 2 * cols},
+                          {wc.data() + cols, DType::kF32, rows, cols, 2 * cols},
+                          HostMat(want, rows, cols))
+                  .ok());
+  ExpectNear(Down(out), Round(want));
+  ASSERT_TRUE(gpu_->Relu(xg).ok());
+  for (float& v : xc) v = std::max(v, 0.0f);
+  ExpectNear(Down(xg), xc);
+  MatView y = Up(x, rows, cols);
+  ASSERT_TRUE(gpu_->Add(xg, y).ok());
+  for (size_t i = 0; i < x.size(); ++i) want[i] = x[i] + xc[i];
+  ExpectNear(Down(y), Round(want));
+}
+
+TEST_P(CudaBackendOps, CopyConvertsBetweenTypes) {
+  const int64_t rows = 5, cols = 77;
+  auto x = Random(rows * cols);
+  MatView src = Up(x, rows, cols);
+  auto f32 = gpu_->Allocate(rows * cols * 4);
+  ASSERT_TRUE(f32.ok());
+  MatView dst{(*f32)->data(), DType::kF32, rows, cols, cols};
+  ASSERT_TRUE(gpu_->Copy(src, dst).ok());
+  EXPECT_EQ(Down(dst), x);  // widening is exact
+}
+
+TEST_P(CudaBackendOps, RopeBothLayoutsWithPartialRotation) {
+  const int64_t rows = 9;
+  const int heads = 3, head_dim = 18, rotary = 12;
+  auto x = Random(rows * heads * head_dim);
+  std::vector<int32_t> pos(rows);
+  for (auto& p : pos) p = static_cast<int32_t>(rng_() % 5000);
+  std::vector<float> inv_freq(rotary / 2);
+  for (int i = 0; i < rotary / 2; ++i) inv_freq[i] = std::pow(10000.0f, -2.0f * i / rotary);
+  for (auto layout : {cpu::RopeLayout::kHalf, cpu::RopeLayout::kInterleaved}) {
+    MatView xg = Up(x, rows, heads * head_dim);
+    ASSERT_TRUE(gpu_->Rope(xg, heads, head_dim, rotary, UpRaw(pos), UpRaw(inv_freq), layout).ok());
+    std::vector<float> want = x;
+    ASSERT_TRUE(cpu_.Rope(HostMat(want, rows, heads * head_dim), heads, head_dim, rotary,
+                          pos.data(), inv_freq.data(), layout)
+                    .ok());
+    ExpectNear(Down(xg), Round(want));
+  }
+}
+
+TEST_P(CudaBackendOps, LinearWithBiasAndAccumulate) {
+  const int64_t m = 7, n = 77, k = 131;
+  auto x = Random(m * k), w = Random(n * k, 0.1f), b = Random(n), y0 = Random(m * n);
+  auto wg = gpu_->UploadWeight(w.data(), n, k), bg = gpu_->UploadWeight(b.data(), 1, n);
+  auto wc = cpu_.UploadWeight(w.data(), n, k), bc = cpu_.UploadWeight(b.data(), 1, n);
+  ASSERT_TRUE(wg.ok() && bg.ok());
+  for (bool accumulate : {false, true}) {
+    MatView xg = Up(x, m, k), yg = Up(y0, m, n);
+    ASSERT_TRUE(gpu_->Linear(xg, *wg, &*bg, yg, accumulate).ok());
+    std::vector<float> xc = x, want = y0;
+    ASSERT_TRUE(cpu_.Linear(HostMat(xc, m, k), *wc, &*bc, HostMat(want, m, n), accumulate).ok());
+    ExpectNear(Down(yg), Round(want));
+  }
+  // Logits: activations of the storage type in, float32 out.
+  auto logits = gpu_->Allocate(m * n * 4);
+  MatView lg{(*logits)->data(), DType::kF32, m, n, n};
+  ASSERT_TRUE(gpu_->Linear(Up(x, m, k), *wg, nullptr, lg, false).ok());
+  std::vector<float> xc = x, want(m * n);
+  ASSERT_TRUE(cpu_.Linear(HostMat(xc, m, k), *wc, nullptr, HostMat(want, m, n), false).ok());
+  ExpectNear(Down(lg), want);
+  // A mismatched shape is an error, not a crash.
+  EXPECT_EQ(gpu_->Linear(Up(x, m, k), *wg, nullptr, Zeros(m, n + 1), false).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+struct AttnCase {
+  int heads, kv_heads, head_dim;
+  int64_t q_start, num_q;
+};
+
+TEST_P(CudaBackendOps, CausalAttentionTiles) {
+  for (AttnCase c : {AttnCase{6, 3, 20, 11, 37}, AttnCase{4, 4, 18, 0, 5},
+                     AttnCase{8, 2, 128, 40, 70}, AttnCase{2, 1, 256, 3, 20}}) {
+    const int64_t total = c.q_start + c.num_q;
+    const int64_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
+    auto q = Random(c.num_q * qd), k = Random(total * kvd), v = Random(total * kvd);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    const AttentionShape shape{c.heads, c.kv_heads, c.head_dim, scale};
+    // K/V token-major: row j of head g at g * head_dim + j * kvd.
+    MatView kg = Up(k, total, kvd), vg = Up(v, total, kvd), out = Zeros(c.num_q, qd);
+    ASSERT_TRUE(gpu_->AttentionCausal(Up(q, c.num_q, qd), {kg.data, dtype(), c.head_dim, kvd},
+                                      {vg.data, dtype(), c.head_dim, kvd}, c.q_start, shape, out)
+                    .ok());
+    std::vector<float> want(c.num_q * qd);
+    ASSERT_TRUE(cpu_.AttentionCausal(HostMat(q, c.num_q, qd),
+                                     {k.data(), DType::kF32, c.head_dim, kvd},
+                                     {v.data(), DType::kF32, c.head_dim, kvd}, c.q_start, shape,
+                                     HostMat(want, c.num_q, qd))
+                    .ok());
+    SCOPED_TRACE(testing::Message() << "head_dim " << c.head_dim << " q_start " << c.q_start);
+    ExpectNear(Down(out), Round(want));
+  }
+}
+
+TEST_P(CudaBackendOps, DecodeAttentionOverListedRowsWithWeights) {
+  struct Case {
+    int heads, kv_heads, head_dim;
+    int64_t stored, rows;
+    bool listed;
+  };
+  for (Case c : {Case{6, 3, 12, 50, 17, true}, Case{32, 8, 128, 3000, 3000, false},
+                 Case{8, 1, 64, 5000, 999, true}, Case{5, 5, 40, 7, 7, false}}) {
+    const int64_t qd = c.heads * c.head_dim;
+    auto q = Random(qd, 2.0f), k = Random(c.kv_heads * c.stored * c.head_dim),
+         v = Random(c.kv_heads * c.stored * c.head_dim);
+    std::vector<int32_t> idx;
+    if (c.listed) {  // each head its own unsorted subset
+      for (int g = 0; g < c.kv_heads; ++g) {
+        std::vector<int32_t> all(c.stored);
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng_);
+        idx.insert(idx.end(), all.begin(), all.begin() + c.rows);
+      }
+    }
+    const AttentionShape shape{c.heads, c.kv_heads, c.head_dim,
+                               1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+    // Head-major K/V: [kv_heads, stored, head_dim].
+    MatView kg = Up(k, c.kv_heads * c.stored, c.head_dim),
+            vg = Up(v, c.kv_heads * c.stored, c.head_dim);
+    const KvView kv_k{kg.data, dtype(), c.stored * c.head_dim, c.head_dim};
+    const KvView kv_v{vg.data, dtype(), c.stored * c.head_dim, c.head_dim};
+    MatView out = Zeros(1, qd);
+    auto weights = gpu_->Allocate(c.heads * c.rows * 4);
+    ASSERT_TRUE(gpu_->AttentionDecode(Up(q, 1, qd), kv_k, kv_v, c.listed ? UpRaw(idx) : nullptr,
+                                      c.rows, shape, out, static_cast<float*>((*weights)->data()))
+                    .ok());
+    std::vector<float> want(qd), want_w(c.heads * c.rows), got_w(c.heads * c.rows);
+    ASSERT_TRUE(cpu_.AttentionDecode(HostMat(q, 1, qd),
+                                     {k.data(), DType::kF32, c.stored * c.head_dim, c.head_dim},
+                                     {v.data(), DType::kF32, c.stored * c.head_dim, c.head_dim},
+                                     c.listed ? idx.data() : nullptr, c.rows, shape,
+                                     HostMat(want, 1, qd), want_w.data())
+                    .ok());
+    SCOPED_TRACE(testing::Message() << "rows " << c.rows << " head_dim " << c.head_dim);
+    ExpectNear(Down(out), Round(want));
+    ASSERT_TRUE(gpu_->CopyToHost((*weights)->data(), got_w.data(), got_w.size() * 4).ok());
+    ExpectNear(got_w, want_w);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, CudaBackendOps,
+                         ::testing::Values(DType::kF32, DType::kF16, DType::kBF16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+TEST(CudaBackend, WithoutADeviceCreateFailsCleanly) {
+  auto backend = CudaBackend::Create({/*device=*/cuda::DeviceCount() + 3, DType::kBF16});
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace infinigen

@@ -1,0 +1,140 @@
+// The whole model on CudaBackend against Hugging Face transformers' fixtures (the same ones the
+// CPU backend passes): in f32 the logits agree to 1e-4 and the greedy continuation is
+// transformers' token for token; in bf16 and f16 the logits stay within the storage type's
+// tolerance. Also: a dense decode over the GPU's resident cache equals the prefill's logits.
+// Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "common/npy.h"
+#include "gpu_worker/backend/cuda_backend.h"
+#include "gpu_worker/engine/generator.h"
+#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/model/checkpoint.h"
+#include "gpu_worker/model/model.h"
+#include "kernels/cuda/device.h"
+#include "tests/support/fixture_model.h"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+using testing::FixturePath;
+
+struct OnGpu {
+  std::unique_ptr<Checkpoint> ckpt;
+  std::unique_ptr<CudaBackend> backend;
+  std::unique_ptr<Model> model;
+};
+
+OnGpu LoadOnGpu(const std::string& dir, DType dtype) {
+  OnGpu g;
+  auto ckpt = Checkpoint::Open(dir);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+  auto backend = CudaBackend::Create({0, dtype});
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  if (!ckpt.ok() || !backend.ok()) return g;
+  g.ckpt = std::move(*ckpt);
+  g.backend = std::move(*backend);
+  auto model = Model::Load(*g.ckpt, *g.backend);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (model.ok()) g.model = std::move(*model);
+  return g;
+}
+
+// Logits of every token of `tokens`, fed in chunks of `chunk`.
+std::vector<float> Logits(Model& model, const std::vector<int32_t>& tokens, size_t chunk) {
+  ResidentKvCache cache(model.backend(), model.kv_shape());
+  EXPECT_TRUE(cache.Open(1, static_cast<int64_t>(tokens.size())).ok());
+  const int64_t vocab = model.config().vocab_size;
+  std::vector<float> logits(tokens.size() * vocab);
+  for (size_t pos = 0; pos < tokens.size(); pos += chunk) {
+    const size_t len = std::min(chunk, tokens.size() - pos);
+    ForwardChunk c{1, static_cast<int64_t>(pos), std::span(tokens).subspan(pos, len), true};
+    auto st = model.Forward({&c, 1}, cache, std::span(logits).subspan(pos * vocab, len * vocab));
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  return logits;
+}
+
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float m = 0.0f;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+float MaxAbs(const std::vector<float>& a) {
+  float m = 0.0f;
+  for (float x : a) m = std::max(m, std::abs(x));
+  return m;
+}
+
+class CudaModel : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaModel, F32LogitsAndGreedyTokensMatchTransformers) {
+  const std::string dir = FixturePath("hf/" + GetParam());
+  OnGpu g = LoadOnGpu(dir, DType::kF32);
+  ASSERT_NE(g.model, nullptr);
+  auto tokens = testing::NpyInts(dir + "/tokens.npy");
+  auto want = testing::NpyFloats(dir + "/logits.npy");
+  EXPECT_LE(MaxAbsDiff(Logits(*g.model, tokens, tokens.size()), want), 1e-4f);
+  EXPECT_LE(MaxAbsDiff(Logits(*g.model, tokens, 1), want), 1e-4f);  // decode steps
+
+  auto prompt = testing::NpyInts(dir + "/prompt.npy");
+  auto greedy = testing::NpyInts(dir + "/greedy.npy");
+  ResidentKvCache cache(g.model->backend(), g.model->kv_shape());
+  GenerateOptions options;
+  options.sampling.temperature = 0.0f;
+  options.max_new_tokens = static_cast<int64_t>(greedy.size());
+  options.ignore_eos = true;
+  auto result = Generate(*g.model, cache, 1, prompt, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->tokens, greedy);
+}
+
+TEST_P(CudaModel, HalfPrecisionLogitsStayWithinTolerance) {
+  const std::string dir = FixturePath("hf/" + GetParam());
+  auto tokens = testing::NpyInts(dir + "/tokens.npy");
+  auto want = testing::NpyFloats(dir + "/logits.npy");
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    OnGpu g = LoadOnGpu(dir, dtype);
+    ASSERT_NE(g.model, nullptr);
+    const auto prefill = Logits(*g.model, tokens, tokens.size());
+    const auto decode = Logits(*g.model, tokens, 1);
+    // 8 mantissa bits (bf16) through two layers: a few percent of the logits' range.
+    const float tol = (dtype == DType::kBF16 ? 0.05f : 0.01f) * std::max(1.0f, MaxAbs(want));
+    SCOPED_TRACE(DTypeName(dtype));
+    EXPECT_LE(MaxAbsDiff(prefill, want), tol);
+    EXPECT_LE(MaxAbsDiff(decode, want), tol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllModels, CudaModel,
+                         ::testing::Values("llama2_mha", "llama31_gqa", "llama32_tied", "opt_preln",
+                                           "opt_proj_postln"));
+
+TEST(CudaModelErrors, TokenIdsOutsideTheVocabularyAreInvalidArgument) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = FixturePath("hf/llama31_gqa");
+  OnGpu g = LoadOnGpu(dir, DType::kBF16);
+  ASSERT_NE(g.model, nullptr);
+  // Token ids outside the vocabulary: INVALID_ARGUMENT before anything reaches the GPU.
+  ResidentKvCache cache(g.model->backend(), g.model->kv_shape());
+  ASSERT_TRUE(cache.Open(1, 4).ok());
+  const std::vector<int32_t> bad = {1, 100000};
+  std::vector<float> logits(g.model->config().vocab_size);
+  ForwardChunk c{1, 0, bad, false};
+  EXPECT_EQ(g.model->Forward({&c, 1}, cache, logits).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace infinigen
