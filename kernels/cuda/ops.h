@@ -197,8 +197,10 @@ cudaError_t ScatterRows(const void* src, int64_t src_seq_stride, int batch, int 
 cudaError_t Argmax(const float* logits, int64_t rows, int64_t vocab, int32_t* tokens,
                    cudaStream_t stream);
 
-// Sampling of one token per row, as kernels/cpu/sampling.h does it (temperature, then top-k,
-// top-p, min-p, one Philox draw keyed by (seed, position)), for 1 <= top_k <= kMaxSampleTopK.
+// Sampling of one token per row, as kernels/cpu/sampling.h does it (temperature, then top-k
+// keeping every token tied with the k-th, top-p, min-p, one Philox draw keyed by (seed,
+// position)), for 1 <= top_k <= kMaxSampleTopK (ties beyond 2 * kMaxSampleTopK candidates are
+// dropped). No repetition penalty: apply it to the logits first.
 constexpr int kMaxSampleTopK = 256;
 struct Sample {
   const float* logits = nullptr;  // [rows, vocab]

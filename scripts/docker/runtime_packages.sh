@@ -2,7 +2,8 @@
 # Prints the Debian/Ubuntu packages that hold the shared libraries the given binaries load, one
 # per line: what a container's runtime stage installs (the build stage runs this on its binaries,
 # so the list follows the build's real dependencies on either distribution).
-# Fails, naming the library, when a library is missing or belongs to no package.
+# Fails, naming the library, when a library is missing or belongs to no package. Libraries of
+# the CUDA toolkit (/usr/local/cuda*) are left to the CUDA base image.
 set -euo pipefail
 if [ "$#" -eq 0 ]; then
   echo "usage: $0 BINARY..." >&2
@@ -33,6 +34,11 @@ for bin in "$@"; do
   fi
   while read -r name arrow path _; do
     if [ "$arrow" != "=>" ]; then continue; fi
+    # The CUDA runtime and cuBLAS come with the nvidia/cuda runtime base image (and a toolkit
+    # installed by hand under /usr/local/cuda belongs to no package): not ours to install.
+    case "$(readlink -f "$path" 2>/dev/null || echo "$path")" in
+      /usr/local/cuda*) continue ;;
+    esac
     if [ "$path" = "not" ]; then
       echo "$bin: $name is not found" >&2
       status=1
