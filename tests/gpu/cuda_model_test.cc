@@ -45,27 +45,8 @@ OnGpu LoadOnGpu(const std::string& dir, DType dtype) {
   return g;
 }
 
-// Logits of every token of `tokens`, fed in chunks of `chunk`.
-std::vector<float> Logits(Model& model, const std::vector<int32_t>& tokens, size_t chunk) {
-  ResidentKvCache cache(model.backend(), model.kv_shape());
-  EXPECT_TRUE(cache.Open(1, static_cast<int64_t>(tokens.size())).ok());
-  const int64_t vocab = model.config().vocab_size;
-  std::vector<float> logits(tokens.size() * vocab);
-  for (size_t pos = 0; pos < tokens.size(); pos += chunk) {
-    const size_t len = std::min(chunk, tokens.size() - pos);
-    ForwardChunk c{1, static_cast<int64_t>(pos), std::span(tokens).subspan(pos, len), true};
-    auto st = model.Forward({&c, 1}, cache, std::span(logits).subspan(pos * vocab, len * vocab));
-    EXPECT_TRUE(st.ok()) << st;
-  }
-  return logits;
-}
-
-float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float m = 0.0f;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-  return m;
-}
+using testing::ChunkedLogits;
+using testing::MaxAbsDiff;
 
 float MaxAbs(const std::vector<float>& a) {
   float m = 0.0f;
@@ -86,8 +67,9 @@ TEST_P(CudaModel, F32LogitsAndGreedyTokensMatchTransformers) {
   ASSERT_NE(g.model, nullptr);
   auto tokens = testing::NpyInts(dir + "/tokens.npy");
   auto want = testing::NpyFloats(dir + "/logits.npy");
-  EXPECT_LE(MaxAbsDiff(Logits(*g.model, tokens, tokens.size()), want), 1e-4f);
-  EXPECT_LE(MaxAbsDiff(Logits(*g.model, tokens, 1), want), 1e-4f);  // decode steps
+  EXPECT_LE(MaxAbsDiff(ChunkedLogits(*g.model, tokens, static_cast<int64_t>(tokens.size())), want),
+            1e-4f);
+  EXPECT_LE(MaxAbsDiff(ChunkedLogits(*g.model, tokens, 1), want), 1e-4f);  // decode steps
 
   auto prompt = testing::NpyInts(dir + "/prompt.npy");
   auto greedy = testing::NpyInts(dir + "/greedy.npy");
@@ -108,8 +90,8 @@ TEST_P(CudaModel, HalfPrecisionLogitsStayWithinTolerance) {
   for (DType dtype : {DType::kBF16, DType::kF16}) {
     OnGpu g = LoadOnGpu(dir, dtype);
     ASSERT_NE(g.model, nullptr);
-    const auto prefill = Logits(*g.model, tokens, tokens.size());
-    const auto decode = Logits(*g.model, tokens, 1);
+    const auto prefill = ChunkedLogits(*g.model, tokens, static_cast<int64_t>(tokens.size()));
+    const auto decode = ChunkedLogits(*g.model, tokens, 1);
     // 8 mantissa bits (bf16) through two layers: a few percent of the logits' range.
     const float tol = (dtype == DType::kBF16 ? 0.05f : 0.01f) * std::max(1.0f, MaxAbs(want));
     SCOPED_TRACE(DTypeName(dtype));

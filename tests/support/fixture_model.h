@@ -1,4 +1,4 @@
-// A checkpoint loaded on the CPU backend, for tests.
+// A checkpoint loaded on the CPU backend, and logits helpers, for tests.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +20,13 @@ struct LoadedModel {
 
 // Opens and loads `dir` (records test failures; `model` is null when loading failed).
 LoadedModel LoadModel(const std::string& dir);
+
+// Logits of every token of `tokens` as sequence 7 of a fresh resident cache, fed to the model in
+// chunks of `chunk` tokens (records test failures).
+std::vector<float> ChunkedLogits(Model& model, const std::vector<int32_t>& tokens, int64_t chunk);
+
+// max |a[i] - b[i]| (records a failure when the sizes differ).
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b);
 
 // `n` token ids in [0, vocab), the same for the same seed.
 std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed);
