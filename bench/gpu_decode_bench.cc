@@ -10,7 +10,7 @@
 // CPU-gather + cudaMemcpyAsync variant. Prints a markdown table last.
 //
 //   gpu_decode_bench [--layers=32] [--contexts=8192,32768] [--batches=1,8,16] [--budget=0.2]
-//                    [--alpha=4] [--steps=4] [--modes=infinigen,full,resident]
+//                    [--alpha=4] [--steps=4] [--modes=infinigen,full,resident] [--graphs]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -73,6 +73,7 @@ struct Options {
   std::vector<std::string> modes = {"infinigen", "full", "resident"};
   float budget = 0.2f, alpha = 4.0f, partial_ratio = 0.2f;
   int steps = 4;
+  bool graphs = false;
 };
 
 std::vector<int64_t> Ints(const std::string& s) {
@@ -200,6 +201,8 @@ class Bench {
         o_.layers, host_bytes_ / 1073741824.0, Now() - th, Now() - t0);
     for (auto& e : ev_h_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     for (auto& e : ev_g_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&ev_join_, cudaEventDisableTiming));
   }
 
   int64_t SeqStride() const {
@@ -281,9 +284,35 @@ class Bench {
     }
   }
 
-  // One decode step of `batch` sequences holding n tokens each; returns seconds.
+  // One decode step of `batch` sequences holding n tokens each; returns seconds. With
+  // --graphs the step's work on both streams is captured once into a CUDA graph and replayed.
   double Step(const std::string& mode, int64_t batch, int64_t n) {
+    if (!o_.graphs) {
+      const double t0 = Now();
+      Enqueue(mode, batch, n);
+      CK(cudaStreamSynchronize(ss_));
+      CK(cudaStreamSynchronize(ms_));
+      return Now() - t0;
+    }
+    if (graph_exec_ == nullptr) {
+      cudaGraph_t graph = nullptr;
+      CK(cudaStreamBeginCapture(ms_, cudaStreamCaptureModeThreadLocal));
+      CK(cudaEventRecord(ev_fork_, ms_));
+      CK(cudaStreamWaitEvent(ss_, ev_fork_));  // the side stream joins the capture
+      Enqueue(mode, batch, n);
+      CK(cudaEventRecord(ev_join_, ss_));
+      CK(cudaStreamWaitEvent(ms_, ev_join_));
+      CK(cudaStreamEndCapture(ms_, &graph));
+      CK(cudaGraphInstantiate(&graph_exec_, graph, 0));
+      CK(cudaGraphDestroy(graph));
+    }
     const double t0 = Now();
+    CK(cudaGraphLaunch(graph_exec_, ms_));
+    CK(cudaStreamSynchronize(ms_));
+    return Now() - t0;
+  }
+
+  void Enqueue(const std::string& mode, int64_t batch, int64_t n) {
     const bool infinigen = mode == "infinigen", full = mode == "full";
     if (full || infinigen) FetchFull(0, 0, batch, n, ss_);
     CK(cudaEventRecord(ev_g_[0], ss_));
@@ -369,9 +398,6 @@ class Bench {
     OK(main_->Linear(V(h_[0], batch, kHidden), lm_head_, nullptr,
                      V(logits_, batch, kVocab, 0, DType::kF32), false));
     CK(cuda::Argmax(static_cast<float*>(logits_), batch, kVocab, tokens_, ms_));
-    CK(cudaStreamSynchronize(ss_));
-    CK(cudaStreamSynchronize(ms_));
-    return Now() - t0;
   }
 
   struct Result {
@@ -404,9 +430,16 @@ class Bench {
     OK(main_->CopyToDevice(pos.data(), positions_, batch * 4));
     OK(main_->CopyToDevice(pos.data(), rows_, batch * 4));
     CK(cuda::FillRandom(x_, cuda::Elem::kBF16, batch * kHidden, 1200, 1.0f, ms_));
-    Step(mode, batch, n);  // warm-up (cuBLAS heuristics, first touch)
+    Enqueue(mode, batch, n);  // warm-up outside any graph (cuBLAS heuristics, first touch)
+    CK(cudaStreamSynchronize(ss_));
+    CK(cudaStreamSynchronize(ms_));
+    Step(mode, batch, n);  // with --graphs: captures the step
     std::vector<double> times;
     for (int s = 0; s < o_.steps; ++s) times.push_back(Step(mode, batch, n));
+    if (graph_exec_ != nullptr) {
+      CK(cudaGraphExecDestroy(graph_exec_));
+      graph_exec_ = nullptr;
+    }
     std::sort(times.begin(), times.end());
     r.seconds_per_step = times[times.size() / 2];
     r.tokens_per_s = batch / r.seconds_per_step;
@@ -510,8 +543,10 @@ class Bench {
         });
       }
       for (auto& th : pool) th.join();
-      CK(cudaMemcpyAsync(sel_k_[0], staging, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
-                         ms_));
+      const size_t half = static_cast<size_t>(bytes) / 2;  // K lists, then V lists
+      CK(cudaMemcpyAsync(sel_k_[0], staging, half, cudaMemcpyHostToDevice, ms_));
+      CK(cudaMemcpyAsync(sel_v_[0], static_cast<uint8_t*>(staging) + half, half,
+                         cudaMemcpyHostToDevice, ms_));
       CK(cudaStreamSynchronize(ms_));
     };
     staged();
@@ -540,7 +575,8 @@ class Bench {
   void *host_kv_ = nullptr, *host_kv_dev_ = nullptr, *resident_ = nullptr;
   std::unique_ptr<Buffer> resident_buf_;
   size_t host_bytes_ = 0;
-  cudaEvent_t ev_h_[2] = {}, ev_g_[2] = {};
+  cudaEvent_t ev_h_[2] = {}, ev_g_[2] = {}, ev_fork_ = nullptr, ev_join_ = nullptr;
+  cudaGraphExec_t graph_exec_ = nullptr;
 };
 
 int Main(int argc, char** argv) {
@@ -564,6 +600,8 @@ int Main(int argc, char** argv) {
       o.steps = std::stoi(value);
     else if (key == "--modes")
       o.modes = absl::StrSplit(value, ',');
+    else if (key == "--graphs")
+      o.graphs = value.empty() || value == "true";
     else {
       std::fprintf(stderr, "unknown flag %s\n", a.c_str());
       return 2;
@@ -579,8 +617,10 @@ int Main(int argc, char** argv) {
   bench.Setup();
   double h2d = 0, hbm = 0;
   bench.Bandwidths(h2d, hbm);
-  std::printf("device: %s; pinned host->device %.1f GB/s; HBM copy %.0f GB/s (read + write)\n",
-              prop.name, h2d, hbm);
+  std::printf(
+      "device: %s; pinned host->device %.1f GB/s; HBM copy %.0f GB/s (read + write); "
+      "CUDA graphs %s\n",
+      prop.name, h2d, hbm, o.graphs ? "on" : "off");
   double kernel_gbs = 0, staged_gbs = 0;
   const int64_t gb = std::min<int64_t>(8, *std::max_element(o.batches.begin(), o.batches.end()));
   bench.GatherVariants(gb, o.contexts.back(), kernel_gbs, staged_gbs);
