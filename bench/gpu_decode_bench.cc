@@ -256,7 +256,7 @@ class Bench {
     pp.x_type = cuda::Elem::kBF16, pp.x = spec_, pp.x_seq_stride = kHidden;
     pp.batch = static_cast<int>(batch), pp.num_heads = kHeads, pp.num_kv_heads = kKvHeads;
     pp.head_dim = kHeadDim, pp.partial_dim = p_, pp.skew = static_cast<float*>(L.skew);
-    pp.out = q_partial_;
+    pp.out = q_partial_, pp.out_seq_stride = kHeads * p_, pp.out_head_stride = p_;
     CK(cuda::RunPartialProjection(pp, ss_));
     cuda::Speculation s;
     s.batch = static_cast<int>(batch), s.num_heads = kHeads, s.num_kv_heads = kKvHeads;

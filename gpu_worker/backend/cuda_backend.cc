@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/ops.h"
 
 namespace infinigen {
@@ -90,9 +91,8 @@ struct CudaBackend::Handles {
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     const CudaBackendOptions& options) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || options.device < 0 || options.device >= count) {
-    cudaGetLastError();
+  const int count = cuda::DeviceCount();
+  if (options.device < 0 || options.device >= count) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cuda backend: no CUDA device ", options.device, " (", count, " usable devices)"));
   }
@@ -184,9 +184,9 @@ absl::StatusOr<Weight> CudaBackend::UploadWeight(const float* host, int64_t rows
   } else {
     std::vector<uint16_t> packed(n);
     ConvertFromFloat(host, t, packed.data(), n);
+    // CopyToDevice stages pageable memory before it returns: `packed` may go.
     IG_RETURN_IF_ERROR(CopyToDevice(packed.data(), w.buffer->data(), n * 2));
   }
-  IG_RETURN_IF_ERROR(Synchronize());
   return w;
 }
 

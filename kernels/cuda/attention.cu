@@ -118,8 +118,8 @@ Split DecodeSplit(const DecodeAttention& a) {
   int64_t splits = (kDecodeTargetBlocks + per_wave - 1) / per_wave;
   splits = std::max<int64_t>(1, std::min(splits, (rows + kMinRowsPerSplit - 1) / kMinRowsPerSplit));
   const int64_t per = std::max<int64_t>(1, (rows + splits - 1) / splits);
-  return {static_cast<int>((rows + per - 1) / per > 0 ? (rows + per - 1) / per : 1),
-          static_cast<int>(per)};
+  // Recount with the rounded split size, so that no split is empty (one split when rows = 0).
+  return {static_cast<int>(std::max<int64_t>(1, (rows + per - 1) / per)), static_cast<int>(per)};
 }
 
 // Partials: [batch, num_heads, splits, head_dim + 2] floats (acc..., m, l).

@@ -112,8 +112,8 @@ cudaError_t RunDecodeAttention(const DecodeAttention& a, cudaStream_t stream);
 
 // out[b, h, c] = sum_i x[b, h, i] * a[h / group, i, c]: heads of x projected on the partial
 // skew A[:, P] ([num_kv_heads, head_dim, partial_dim], f32). x: [batch] rows of num_heads *
-// head_dim of x_type, x_seq_stride apart; out: f32 [batch, num_heads, partial_dim], or, when
-// out_type is not f32, that type at out + b * out_seq_stride + h * out_head_stride.
+// head_dim of x_type, x_seq_stride apart; out[b, h, :] (out_type) at out + b * out_seq_stride
+// + h * out_head_stride elements (the speculated query, or a row of the partial key cache).
 struct PartialProjection {
   Elem x_type = Elem::kBF16;
   const void* x = nullptr;

@@ -27,12 +27,7 @@ __global__ void PartialProjectionKernel(PartialProjection p) {
   for (int c = threadIdx.x; c < p.partial_dim; c += blockDim.x) {
     float sum = 0.0f;
     for (int i = 0; i < p.head_dim; ++i) sum += Load(x + i) * a[i * p.partial_dim + c];
-    if constexpr (sizeof(To) == 4) {
-      static_cast<float*>(p.out)[(static_cast<int64_t>(b) * p.num_heads + h) * p.partial_dim + c] =
-          sum;
-    } else {
-      Store(static_cast<To*>(p.out) + b * p.out_seq_stride + h * p.out_head_stride + c, sum);
-    }
+    Store(static_cast<To*>(p.out) + b * p.out_seq_stride + h * p.out_head_stride + c, sum);
   }
 }
 

@@ -148,6 +148,7 @@ TEST_F(CudaKernels, SpeculationChoosesTheHostRows) {
   proj.x_type = cuda::Elem::kF32, proj.x = dq.p, proj.x_seq_stride = heads * hd;
   proj.batch = batch, proj.num_heads = heads, proj.num_kv_heads = kv_heads, proj.head_dim = hd;
   proj.partial_dim = p, proj.skew = dskew.p, proj.out = qp.p;
+  proj.out_seq_stride = heads * p, proj.out_head_stride = p;
   CUDA_OK(cuda::RunPartialProjection(proj, nullptr));
   cuda::Speculation s;
   s.batch = batch, s.num_heads = heads, s.num_kv_heads = kv_heads, s.partial_dim = p;

@@ -73,14 +73,7 @@ TEST_P(CudaModel, F32LogitsAndGreedyTokensMatchTransformers) {
 
   auto prompt = testing::NpyInts(dir + "/prompt.npy");
   auto greedy = testing::NpyInts(dir + "/greedy.npy");
-  ResidentKvCache cache(g.model->backend(), g.model->kv_shape());
-  GenerateOptions options;
-  options.sampling.temperature = 0.0f;
-  options.max_new_tokens = static_cast<int64_t>(greedy.size());
-  options.ignore_eos = true;
-  auto result = Generate(*g.model, cache, 1, prompt, options);
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->tokens, greedy);
+  EXPECT_EQ(testing::GreedyTokens(*g.model, prompt, static_cast<int64_t>(greedy.size())), greedy);
 }
 
 TEST_P(CudaModel, HalfPrecisionLogitsStayWithinTolerance) {

@@ -5,8 +5,6 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kernels/cuda/device.h"
 #include "tests/support/fixture_model.h"
@@ -79,16 +77,11 @@ TEST_F(WorkerOnGpu, GreedyStreamIsTheCpuEnginesTokens) {
   testing::LoadedModel cpu = testing::LoadModel(testing::FixturePath(kModel));
   ASSERT_NE(cpu.model, nullptr);
   const auto prompt = testing::RandomTokens(37, cpu.model->config().vocab_size, 1);
-  ResidentKvCache cache(*cpu.backend, cpu.model->kv_shape());
-  GenerateOptions o;
-  o.max_new_tokens = 40;
-  o.ignore_eos = true;
-  o.sampling.temperature = 0.0f;
-  auto want = Generate(*cpu.model, cache, 1, prompt, o);
-  ASSERT_TRUE(want.ok()) << want.status();
+  const auto want = testing::GreedyTokens(*cpu.model, prompt, 40);
+  ASSERT_EQ(want.size(), 40u);
   const StreamResult r = Stream(*stub_, prompt, 40, "full");
   ASSERT_TRUE(r.status.ok()) << r.status.error_message() << " (log " << worker_->log_path() << ")";
-  EXPECT_EQ(r.tokens, want->tokens);
+  EXPECT_EQ(r.tokens, want);
 }
 
 TEST_F(WorkerOnGpu, HostSelectionPolicyIsRefusedWithTheFix) {

@@ -104,14 +104,7 @@ TEST_P(HfGeneration, GreedyTokensMatchTransformersGenerate) {
   ASSERT_NE(l.model, nullptr);
   auto prompt = testing::NpyInts(dir + "/prompt.npy");
   auto want = testing::NpyInts(dir + "/greedy.npy");
-  ResidentKvCache cache(l.model->backend(), l.model->kv_shape());
-  GenerateOptions options;
-  options.sampling.temperature = 0.0f;
-  options.max_new_tokens = static_cast<int64_t>(want.size());
-  options.ignore_eos = true;
-  auto result = Generate(*l.model, cache, 1, prompt, options);
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->tokens, want);
+  EXPECT_EQ(testing::GreedyTokens(*l.model, prompt, static_cast<int64_t>(want.size())), want);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllModels, HfGeneration,

@@ -7,6 +7,7 @@
 #include <random>
 #include <span>
 
+#include "gpu_worker/engine/generator.h"
 #include "gpu_worker/engine/resident_kv_cache.h"
 
 namespace infinigen::testing {
@@ -36,6 +37,18 @@ std::vector<float> ChunkedLogits(Model& model, const std::vector<int32_t>& token
     EXPECT_TRUE(st.ok()) << st;
   }
   return logits;
+}
+
+std::vector<int32_t> GreedyTokens(Model& model, const std::vector<int32_t>& prompt,
+                                  int64_t max_new_tokens) {
+  ResidentKvCache cache(model.backend(), model.kv_shape());
+  GenerateOptions options;
+  options.sampling.temperature = 0.0f;
+  options.max_new_tokens = max_new_tokens;
+  options.ignore_eos = true;
+  auto result = Generate(model, cache, 1, prompt, options);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? result->tokens : std::vector<int32_t>{};
 }
 
 float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {

@@ -25,6 +25,11 @@ LoadedModel LoadModel(const std::string& dir);
 // chunks of `chunk` tokens (records test failures).
 std::vector<float> ChunkedLogits(Model& model, const std::vector<int32_t>& tokens, int64_t chunk);
 
+// The greedy continuation of `prompt` (EOS ignored) over a fresh resident cache; empty after
+// recording a failure when generation fails.
+std::vector<int32_t> GreedyTokens(Model& model, const std::vector<int32_t>& prompt,
+                                  int64_t max_new_tokens);
+
 // max |a[i] - b[i]| (records a failure when the sizes differ).
 float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b);
 
