@@ -77,8 +77,10 @@ class KvSelectionPolicy {
   virtual absl::Status Select(const SelectRequest& request, Selection& out) = 0;
   // Candidate rows to prefetch for `request.layer` while the previous layer still computes:
   // request.kv.num_slots counts the stored rows only (the current token's key does not exist
-  // yet; current_slots is null). A superset guess of what Select will choose at the layer; the
-  // model fetches again if Select picks a row outside it. False: no guess (nothing prefetched).
+  // yet; current_slots is null; speculated_q is null where nothing was speculated). A superset
+  // guess of what Select will choose at the layer, or out.all for every stored row (a layer it
+  // attends densely); the model fetches again if Select picks a row outside it. False: no
+  // guess (nothing prefetched).
   virtual bool Preselect(const SelectRequest& request, Selection& out) { return false; }
   // Attention probabilities of that step: [num_heads, rows], rows in the selection's order
   // (all valid slots when the selection was `all`).

@@ -90,13 +90,8 @@ absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatV
   const int64_t n = k.rows;
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
   std::vector<uint8_t> hk(n * row), hv(n * row);
-  const size_t esize = DTypeSize(k.dtype);
-  for (int64_t r = 0; r < n; ++r) {
-    IG_RETURN_IF_ERROR(backend_.CopyToHost(
-        static_cast<const uint8_t*>(k.data) + r * k.stride * esize, hk.data() + r * row, row));
-    IG_RETURN_IF_ERROR(backend_.CopyToHost(
-        static_cast<const uint8_t*>(v.data) + r * v.stride * esize, hv.data() + r * row, row));
-  }
+  IG_RETURN_IF_ERROR(RowsToHost(k, hk.data()));
+  IG_RETURN_IF_ERROR(RowsToHost(v, hv.data()));
   client_.AppendAsync(StoreId(seq), layer, start, n, std::move(hk), std::move(hv));
   if (slots_out != nullptr) {
     for (int64_t r = 0; r < n; ++r) {
@@ -107,6 +102,23 @@ absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatV
   }
   s->length[layer] = start + n;
   return absl::OkStatus();
+}
+
+absl::Status StoreKvCache::RowsToHost(MatView m, uint8_t* out) {
+  const size_t row = static_cast<size_t>(m.cols) * DTypeSize(m.dtype);
+  if (m.stride == m.cols) return backend_.CopyToHost(m.data, out, m.rows * row);
+  if (host_access_) {
+    for (int64_t r = 0; r < m.rows; ++r) {
+      std::memcpy(out + r * row, static_cast<const uint8_t*>(m.Rows(r, 1).data), row);
+    }
+    return absl::OkStatus();
+  }
+  // Device memory: pack the rows there first, so that one copy (one wait) moves them all.
+  if (pack_ == nullptr || pack_->size() < m.rows * row) {
+    IG_ASSIGN_OR_RETURN(pack_, backend_.Allocate(m.rows * row));
+  }
+  IG_RETURN_IF_ERROR(backend_.Copy(m, MatView{pack_->data(), m.dtype, m.rows, m.cols, m.cols}));
+  return backend_.CopyToHost(pack_->data(), out, m.rows * row);
 }
 
 absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes) {

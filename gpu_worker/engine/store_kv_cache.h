@@ -78,6 +78,8 @@ class StoreKvCache final : public KvCache {
   // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
   static void DropTicket(Pending& p);
   size_t RowBytes() const;
+  // Copies the rows of `m` (backend memory, possibly strided) packed to host memory `out`.
+  absl::Status RowsToHost(MatView m, uint8_t* out);
 
   Backend& backend_;
   KvCacheShape shape_;
@@ -85,6 +87,7 @@ class StoreKvCache final : public KvCache {
   StoreKvCacheOptions options_;
   bool host_access_;  // the backend's memory is host memory (CPU): gather straight into it
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
+  std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
 };
 
 }  // namespace infinigen

@@ -76,13 +76,20 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   // at the layer itself (which also scores the current token) is nearly always among them.
   bool Preselect(const SelectRequest& r, Selection& out) override {
     const int64_t n = r.kv.num_slots;  // stored rows, the current token not among them
-    if (r.layer < config_.dense_layers || r.speculated_q == nullptr ||
-        config_.speculation == SpeculationInput::kActualQuery || n <= 0) {
+    if (n <= 0) return false;
+    if (r.layer < config_.dense_layers) {
+      out.all = true;
+      return true;
+    }
+    if (r.speculated_q == nullptr || config_.speculation == SpeculationInput::kActualQuery) {
       return false;
     }
     const int64_t k_max = config_.Budget(n + 1);
     const int64_t k = std::min(n, k_max + std::max<int64_t>(4, k_max / 16));
-    if (k >= n) return false;  // everything: the layer reads all rows anyway
+    if (k >= n) {  // everything: the layer reads all rows anyway
+      out.all = true;
+      return true;
+    }
     Score(r, r.speculated_q, n, k_max);
     Choose(r, n, k, /*with_current=*/false, out);
     return true;

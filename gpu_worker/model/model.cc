@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -140,31 +141,49 @@ MatView Model::SpeculatedQkv(int layer, int64_t n) const {
 absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer, KvCache& cache,
                              int64_t n) {
   const ModelConfig& c = config_;
-  MatView spec_q = SpeculatedQkv(next_layer, n).Cols(0, c.q_dim());
+  const int64_t kv_heads = c.num_kv_heads;
   int64_t row = 0;
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    const int64_t first = row;
+    row += len;
     Prefetched& pre = prefetched_[next_layer % 2][b];
     pre.layer = -1;
+    if (len != 1) continue;
+    IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, next_layer));
+    if (stored <= 0) continue;
     KvSelectionPolicy* policy = chunk.policy;
-    if (len == 1 && policy != nullptr && policy->speculation_input() != SpeculationInput::kNone) {
+    Selection candidates;
+    candidates.all = true;  // no policy: every row
+    if (policy != nullptr) {
       SelectRequest request;
       request.seq = chunk.seq;
       request.layer = next_layer;
       request.position = chunk.start;
-      IG_ASSIGN_OR_RETURN(request.kv.num_slots, cache.NumSlots(chunk.seq, next_layer));
-      request.speculated_q = spec_q.Rows(row, 1).As<const float>();
-      Selection candidates;
-      if (policy->Preselect(request, candidates) && !candidates.all) {
-        IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, next_layer, candidates.indices.data(),
-                                          candidates.count, /*extra_rows=*/1));
-        pre.layer = next_layer;
-        pre.count = candidates.count;
-        pre.slots = std::move(candidates.indices);
+      request.kv.num_slots = stored;
+      if (speculating_ && next_layer > 0 &&
+          policy->speculation_input() != SpeculationInput::kNone) {
+        request.speculated_q =
+            SpeculatedQkv(next_layer, n).Cols(0, c.q_dim()).Rows(first, 1).As<const float>();
       }
+      if (!policy->Preselect(request, candidates)) continue;
     }
-    row += len;
+    if (candidates.all) {  // dense: every stored row, in slot order
+      pre.slots.resize(static_cast<size_t>(kv_heads * stored));
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        std::iota(pre.slots.begin() + g * stored, pre.slots.begin() + (g + 1) * stored, 0);
+      }
+      pre.count = stored;
+    } else {
+      pre.slots = std::move(candidates.indices);
+      pre.count = candidates.count;
+    }
+    pre.dense = candidates.all;
+    // One row per head is left free for the current token, which the step computes itself.
+    IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, next_layer, pre.slots.data(), pre.count,
+                                      /*extra_rows=*/1));
+    pre.layer = next_layer;
   }
   return absl::OkStatus();
 }
@@ -250,17 +269,16 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
         }
       }
     }
-    if (len == 1 && !resident) {
+    if (len == 1 && !resident && !MapPrefetched(b, layer, selection, slots)) {
+      // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
       if (selection.all) {  // dense: every stored row
-        prefetched_[layer % 2][b].layer = -1;
         IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, layer));
         all_slots_.resize(static_cast<size_t>(kv_heads * stored));
         for (int64_t g = 0; g < kv_heads; ++g) {
           for (int64_t j = 0; j < stored; ++j) all_slots_[g * stored + j] = static_cast<int32_t>(j);
         }
         IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, layer, all_slots_.data(), stored));
-      } else if (!MapPrefetched(b, layer, selection, slots)) {
-        // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
+      } else {
         IG_RETURN_IF_ERROR(
             cache.Prefetch(chunk.seq, layer, selection.indices.data(), selection.count));
       }
@@ -297,8 +315,8 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
       IG_RETURN_IF_ERROR(backend_.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start, shape,
                                                   out.Rows(row, len)));
     } else if (!resident && prefetched_[layer % 2][b].layer == layer) {
-      // The candidates prefetched during the previous layer, packed [num_kv_heads, count], then
-      // one row per head for the current token, which this step computed itself.
+      // The rows prefetched during the previous layer, packed [num_kv_heads, count], then one
+      // row per head for the current token, which this step computed itself.
       const Prefetched& pre = prefetched_[layer % 2][b];
       IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Fetch(chunk.seq, layer));
       const int64_t hd = c.head_dim;
@@ -309,13 +327,15 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
         IG_RETURN_IF_ERROR(
             backend_.Copy(v.Rows(row, 1).Cols(g * hd, hd), kv.v.Head(0, dst, 1, hd)));
       }
-      cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);
+      if (!selection.all) {
+        cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);
+      }
       const size_t bytes = pre.map.size() * sizeof(int32_t);
       IG_RETURN_IF_ERROR(EnsureBuffer(ws_.indices, bytes));
       IG_RETURN_IF_ERROR(backend_.CopyToDevice(pre.map.data(), ws_.indices->data(), bytes));
-      IG_RETURN_IF_ERROR(AttentionStep(chunk, layer, q.Rows(row, 1), kv,
-                                       static_cast<const int32_t*>(ws_.indices->data()),
-                                       selection.count, selection, out.Rows(row, 1)));
+      IG_RETURN_IF_ERROR(AttentionStep(
+          chunk, layer, q.Rows(row, 1), kv, static_cast<const int32_t*>(ws_.indices->data()),
+          static_cast<int64_t>(pre.map.size()) / kv_heads, selection, out.Rows(row, 1)));
     } else if (!resident) {
       // The rows fetched in pass 1 (all of them, or the selection), packed in selection order.
       IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Fetch(chunk.seq, layer));
@@ -349,23 +369,34 @@ bool Model::MapPrefetched(size_t b, int layer, const Selection& selection,
                           const int32_t* current_slots) {
   Prefetched& pre = prefetched_[layer % 2][b];
   if (pre.layer != layer) return false;
-  const int64_t kv_heads = config_.num_kv_heads, count = selection.count;
+  const int64_t kv_heads = config_.num_kv_heads;
+  // Row of the staging, relative to head g's first row, that holds the current token.
+  auto current = [&](int64_t g) { return static_cast<int32_t>(kv_heads * pre.count + g - g * pre.count); };
+  if (selection.all) {
+    if (!pre.dense) return Miss(pre);
+    // Every stored row in slot order, then the current token (its slot is the next one).
+    const int64_t rows = pre.count + 1;
+    pre.map.resize(static_cast<size_t>(kv_heads * rows));
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      std::iota(pre.map.begin() + g * rows, pre.map.begin() + g * rows + pre.count, 0);
+      pre.map[g * rows + pre.count] = current(g);
+    }
+    ++prefetch_hits_;
+    return true;
+  }
+  const int64_t count = selection.count;
   pre.map.resize(static_cast<size_t>(kv_heads * count));
   for (int64_t g = 0; g < kv_heads; ++g) {
     const int32_t* begin = pre.slots.data() + g * pre.count;
     const int32_t* end = begin + pre.count;
     for (int64_t j = 0; j < count; ++j) {
       const int32_t slot = selection.indices[g * count + j];
-      int32_t at;  // row of the staging, relative to head g's first row
+      int32_t at;
       if (slot == current_slots[g]) {
-        at = static_cast<int32_t>(kv_heads * pre.count + g - g * pre.count);
+        at = current(g);
       } else {
         const int32_t* it = std::lower_bound(begin, end, slot);
-        if (it == end || *it != slot) {
-          pre.layer = -1;  // a miss: the caller fetches the exact selection
-          ++prefetch_misses_;
-          return false;
-        }
+        if (it == end || *it != slot) return Miss(pre);
         at = static_cast<int32_t>(it - begin);
       }
       pre.map[g * count + j] = at;
@@ -373,6 +404,12 @@ bool Model::MapPrefetched(size_t b, int layer, const Selection& selection,
   }
   ++prefetch_hits_;
   return true;
+}
+
+bool Model::Miss(Prefetched& pre) {
+  pre.layer = -1;  // the caller fetches the exact selection
+  ++prefetch_misses_;
+  return false;
 }
 
 absl::Status Model::AttentionStep(const ForwardChunk& chunk, int layer, MatView q,
@@ -501,7 +538,6 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
   IG_RETURN_IF_ERROR(
       backend_.CopyToDevice(host_positions_.data(), ws_.positions->data(), n * sizeof(int32_t)));
 
-  IG_RETURN_IF_ERROR(Embed(n));
   speculating_ = std::any_of(batch.begin(), batch.end(), [](const ForwardChunk& chunk) {
     return chunk.policy != nullptr && chunk.policy->speculation_input() != SpeculationInput::kNone;
   });
@@ -509,6 +545,10 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
     per_chunk.resize(batch.size());
     for (Prefetched& p : per_chunk) p.layer = -1;
   }
+  // Layer 0's rows start moving before the embedding; every later layer's during the one
+  // before it.
+  if (!cache.resident()) IG_RETURN_IF_ERROR(Prefetch(batch, 0, cache, n));
+  IG_RETURN_IF_ERROR(Embed(n));
   MatView x = Activations(*ws_.x, n, c.hidden_size);
   MatView h = Activations(*ws_.h, n, c.hidden_size);
   MatView qkv = Activations(*ws_.qkv, n, c.q_dim() + 2 * c.kv_dim());
@@ -522,8 +562,8 @@ absl::Status Model::Forward(std::span<const ForwardChunk> batch, KvCache& cache,
     }
     // Speculation for the next layer from this layer's attention input; over a cache that is
     // not resident, its rows start moving now and arrive while this layer computes.
-    if (speculating_ && layer + 1 < c.num_layers) {
-      IG_RETURN_IF_ERROR(Speculate(batch, layer + 1, n, in));
+    if (layer + 1 < c.num_layers) {
+      if (speculating_) IG_RETURN_IF_ERROR(Speculate(batch, layer + 1, n, in));
       if (!cache.resident()) IG_RETURN_IF_ERROR(Prefetch(batch, layer + 1, cache, n));
     }
     IG_RETURN_IF_ERROR(backend_.Linear(in, L.qkv, L.qkv_bias ? &L.qkv_bias : nullptr, qkv, false));

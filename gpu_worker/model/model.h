@@ -76,8 +76,10 @@ class Model {
   absl::Status Speculate(std::span<const ForwardChunk> batch, int next_layer, int64_t num_tokens,
                          MatView attention_input);
   MatView SpeculatedQkv(int layer, int64_t num_tokens) const;
-  // Starts fetching, from a cache that is not resident, the candidate rows of `next_layer` that
-  // each decode token's policy preselects from the speculation (INFINIGEN.md decode step 6).
+  // Starts fetching, from a cache that is not resident, the rows of `next_layer` that each
+  // decode token will read: the candidates its policy preselects from the speculation
+  // (INFINIGEN.md decode step 6), or every stored row where it attends densely (no policy, a
+  // dense layer), so that a full fetch overlaps the layer before too.
   absl::Status Prefetch(std::span<const ForwardChunk> batch, int next_layer, KvCache& cache,
                         int64_t num_tokens);
   absl::Status EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes);
@@ -87,8 +89,11 @@ class Model {
   // One decode token's attention over `rows` rows of `kv` (listed by device `indices`, or the
   // first `rows` when null); hands the attention weights to policies that want them.
   // Whether every row of `selection` (chunk b's, at the layer prefetched for it) is among the
-  // prefetched candidates or is the current token; fills the chunk's row map if so.
+  // prefetched candidates or is the current token (a selection of all rows: whether every row
+  // was prefetched); fills the chunk's row map if so.
   bool MapPrefetched(size_t b, int layer, const Selection& selection, const int32_t* current_slots);
+  struct Prefetched;
+  bool Miss(Prefetched& pre);
   absl::Status AttentionStep(const ForwardChunk& chunk, int layer, MatView q, const KvLayerView& kv,
                              const int32_t* indices, int64_t rows, const Selection& selection,
                              MatView out);
@@ -110,6 +115,7 @@ class Model {
   struct Prefetched {
     int layer = -1;
     int64_t count = 0;
+    bool dense = false;  // every stored row (slots 0, 1, ...)
     std::vector<int32_t> slots;
     std::vector<int32_t> map;  // the selection's rows as rows of the prefetched staging
   };

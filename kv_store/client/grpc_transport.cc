@@ -10,6 +10,7 @@
 #include <map>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc/channel_args.h"
 #include "common/grpc/status.h"
@@ -161,6 +162,10 @@ class GrpcClient final : public QueuedKvClient {
         ++it;
       }
     }
+    if (arena_ != nullptr) {
+      absl::MutexLock lock(&appended_mu_);
+      absl::erase_if(appended_, [seq](const auto& e) { return e.first.first == seq; });
+    }
     return FromGrpcStatus(stub_->Close(&ctx, req, &resp));
   }
 
@@ -176,7 +181,9 @@ class GrpcClient final : public QueuedKvClient {
     pb::AppendResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
-    return FromGrpcStatus(stub_->Append(&ctx, req, &resp));
+    absl::Status st = FromGrpcStatus(stub_->Append(&ctx, req, &resp));
+    NoteAppended(seq, layer, st.ok() ? start + n : -1);
+    return st;
   }
 
   // One AppendBatch call for everything that piled up (an Append each costs a round trip).
@@ -198,7 +205,9 @@ class GrpcClient final : public QueuedKvClient {
     pb::AppendBatchResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
-    return FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
+    absl::Status st = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
+    for (const AppendJob& j : jobs) NoteAppended(j.seq, j.layer, st.ok() ? j.start + j.n : -1);
+    return st;
   }
 
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
@@ -306,6 +315,19 @@ class GrpcClient final : public QueuedKvClient {
     return absl::OkStatus();
   }
 
+  // Rows [0, rows) of `layer` of `seq` are in the store since an append of this client ended
+  // there (-1: unknown, after a failed append). The shm transport reads rows without asking.
+  void NoteAppended(StoreSequenceId seq, int layer, int64_t rows) {
+    if (arena_ == nullptr) return;
+    absl::MutexLock lock(&appended_mu_);
+    appended_[{seq, layer}] = rows;
+  }
+  int64_t Appended(StoreSequenceId seq, int layer) {
+    absl::MutexLock lock(&appended_mu_);
+    auto it = appended_.find({seq, layer});
+    return it == appended_.end() ? -1 : it->second;
+  }
+
   absl::Status GatherShm(const std::vector<ClientGatherItem>& items) {
     for (const auto& it : items) {
       auto spec = specs_.find(it.seq);
@@ -324,14 +346,23 @@ class GrpcClient final : public QueuedKvClient {
       Table& t = tables_[{it.seq, it.layer}];
       int32_t max_slot = -1;
       for (int32_t s : it.slots) max_slot = std::max(max_slot, s);
-      if (max_slot >= t.rows) IG_RETURN_IF_ERROR(RefreshTable(it.seq, it.layer, t));
-      const int64_t per_block = block_bytes_ / t.row_bytes;
+      // Rows this client appended itself need no RPC while they lie in blocks the table
+      // already lists (a new block every block_bytes_ / row_bytes tokens); a KV pool's slots
+      // are not positions, so its tables are asked for.
+      const int64_t per_block = block_bytes_ / spec->second.row_bytes();
+      const int64_t appended =
+          spec->second.capacity_tokens == 0 ? Appended(it.seq, it.layer) : int64_t{-1};
+      int64_t rows = appended >= 0 ? appended : t.rows;
+      if (max_slot >= rows || max_slot >= t.blocks_per_head * per_block) {
+        IG_RETURN_IF_ERROR(RefreshTable(it.seq, it.layer, t));
+        rows = t.rows;
+      }
       for (int g = 0; g < heads; ++g) {
         for (int64_t j = 0; j < it.count; ++j) {
           const int32_t slot = it.slots[g * it.count + j];
-          if (slot < 0 || slot >= t.rows) {
+          if (slot < 0 || slot >= rows) {
             return absl::InvalidArgumentError(
-                absl::StrCat("token index ", slot, " is outside [0, ", t.rows, ")"));
+                absl::StrCat("token index ", slot, " is outside [0, ", rows, ")"));
           }
           const int64_t b = slot / per_block, off = (slot % per_block) * t.row_bytes;
           const size_t dst = static_cast<size_t>((g * it.count + j) * t.row_bytes);
@@ -361,6 +392,10 @@ class GrpcClient final : public QueuedKvClient {
   // Queue-thread state.
   absl::flat_hash_map<StoreSequenceId, SequenceSpec> specs_;
   std::map<std::pair<StoreSequenceId, int>, Table> tables_;
+  // Append-thread state read by gathers (shm).
+  absl::Mutex appended_mu_;
+  absl::flat_hash_map<std::pair<StoreSequenceId, int>, int64_t> appended_
+      ABSL_GUARDED_BY(appended_mu_);
 };
 
 }  // namespace

@@ -131,9 +131,14 @@ TEST_P(StoreCache, DenseDecodeEqualsTheResidentCacheBitForBit) {
   ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
   const auto prompts = Prompts(1);
   const DecodeRun want = Decode(*l_.model, resident, {nullptr}, prompts, 12, 1000);
+  const int64_t hits = l_.model->prefetch_hits(), misses = l_.model->prefetch_misses();
   const DecodeRun got = Decode(*l_.model, *cache_, {nullptr}, prompts, 12, 1000);
   EXPECT_EQ(got.tokens, want.tokens);
   EXPECT_EQ(got.logits, want.logits);
+  // Every decode step read each layer's rows from a fetch started before the layer (layer 0's
+  // before the embedding), never after its own append.
+  EXPECT_GE(l_.model->prefetch_hits() - hits, 11 * l_.model->config().num_layers);
+  EXPECT_EQ(l_.model->prefetch_misses(), misses);
   // Chunked prefill reads the earlier chunks back from the store.
   const DecodeRun chunked = Decode(*l_.model, *cache_, {nullptr}, prompts, 12, 8);
   EXPECT_EQ(chunked.tokens, want.tokens);
