@@ -1,46 +1,82 @@
 // The in-process transport: direct calls into a KvStore of this process (all-in-one server).
+// Every call runs on the caller's thread: an append or a gather here is a copy of a few hundred
+// kilobytes at most, cheaper than handing it to another thread and waking the caller again
+// (measured: docs/benchmarks.md, "Worker"). Calls are therefore in order by construction, and a
+// gather's ticket is done when GatherAsync returns.
+#include <thread>
+
 #include "absl/strings/str_cat.h"
-#include "kv_store/client/queued_client.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "kv_store/client/transports.h"
 
 namespace infinigen {
 namespace {
 
-class InProcessClient final : public QueuedKvClient {
+class DoneTicket final : public GatherTicket {
  public:
-  explicit InProcessClient(const KvClientConfig& config)
-      : QueuedKvClient(config), store_(*config.store) {
-    Start();
+  explicit DoneTicket(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait(absl::Time) override { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+class InProcessClient final : public KvStoreClient {
+ public:
+  explicit InProcessClient(const KvClientConfig& config) : config_(config), store_(*config.store) {
+    if (config_.renew_every > absl::ZeroDuration()) {
+      renew_thread_ = std::thread([this] {
+        while (!stop_.WaitForNotificationWithTimeout(config_.renew_every)) {
+          store_.Renew(config_.owner, absl::Now());
+        }
+      });
+    }
   }
-  ~InProcessClient() override { Stop(); }
+  ~InProcessClient() override {
+    stop_.Notify();
+    if (renew_thread_.joinable()) renew_thread_.join();
+  }
   std::string transport() const override { return "in-process"; }
 
- protected:
-  absl::Status DoOpen(StoreSequenceId seq, const SequenceSpec& spec) override {
-    return store_.Open(seq, spec, absl::Now());
+  absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) override {
+    SequenceSpec s = spec;
+    if (s.owner.empty()) s.owner = config_.owner;
+    return store_.Open(seq, s, absl::Now());
   }
-  absl::Status DoClose(StoreSequenceId seq) override { return store_.Close(seq); }
-  absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                        const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) override {
-    if (k.size() != v.size()) return absl::InvalidArgumentError("k and v differ in size");
-    return store_.Append(seq, layer, start, n, k.data(), v.data(), k.size());
+  absl::Status Close(StoreSequenceId seq) override { return store_.Close(seq); }
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                   std::vector<uint8_t> k, std::vector<uint8_t> v) override {
+    absl::Status st = k.size() == v.size()
+                          ? store_.Append(seq, layer, start, n, k.data(), v.data(), k.size())
+                          : absl::InvalidArgumentError("k and v differ in size");
+    if (st.ok()) return;
+    absl::MutexLock lock(&mu_);
+    if (append_error_.ok()) append_error_ = st;
   }
-  absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
+  absl::Status Flush(absl::Time) override {
+    absl::MutexLock lock(&mu_);
+    absl::Status error = append_error_;
+    append_error_ = absl::OkStatus();
+    return error;
+  }
+  std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) override {
     std::vector<GatherItem> g;
     g.reserve(items.size());
     for (const auto& it : items) {
       g.push_back({it.seq, it.layer, it.count, it.slots, it.k_out, it.v_out});
     }
-    return store_.Gather(g);
+    return std::make_unique<DoneTicket>(store_.Gather(g));
   }
-  absl::StatusOr<KvStoreStats> DoStats() override { return store_.Stats(); }
-  absl::Status DoRenew() override {
-    store_.Renew(config_.owner, absl::Now());
-    return absl::OkStatus();
-  }
+  absl::StatusOr<KvStoreStats> Stats() override { return store_.Stats(); }
 
  private:
+  const KvClientConfig config_;
   KvStore& store_;
+  absl::Mutex mu_;
+  absl::Status append_error_ ABSL_GUARDED_BY(mu_);  // the first since the last Flush
+  absl::Notification stop_;
+  std::thread renew_thread_;
 };
 
 }  // namespace

@@ -1,12 +1,12 @@
 // KvStoreClient: the worker's side of the KV store, whatever carries the bytes (KvTransport in
-// ARCHITECTURE.md). Appends are write-behind and gathers asynchronous; both go through one
-// ordered queue, so a gather sees every append queued before it. A background thread renews
-// the owner's lease.
+// ARCHITECTURE.md). Appends are write-behind and gathers asynchronous, and a gather sees every
+// append made before it. A background thread renews the owner's lease.
 //
-// Transports: in-process (the all-in-one server: direct calls into a KvStore), gRPC (bytes in
-// the messages; the always-available fallback), shm (a collocated store: gRPC for control, rows
-// copied straight out of the store's shared arena), UCX (gRPC for control; each gather one UCX
-// request and one reply, over RDMA where the fabric has it).
+// Transports: in-process (the all-in-one server: direct calls into a KvStore, on the caller's
+// thread), gRPC (bytes in the messages; the always-available fallback), shm (a collocated store:
+// gRPC for control, rows copied straight out of the store's shared arena), UCX (gRPC for
+// control; each gather one UCX request and one reply, over RDMA where the fabric has it). The
+// last three share one ordered queue (QueuedKvClient).
 #pragma once
 
 #include <cstdint>
