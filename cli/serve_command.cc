@@ -103,8 +103,8 @@ int RunServe(int argc, char** argv) {
                                     internal->InProcessChannel(grpc::ChannelArguments()));
   auto server = RouterServer::Start(router);
   if (!server.ok()) return ReportError("serve", server.status());
-  std::cout << "infinigen serve: " << (*runtime)->description() << " on port " << (*server)->port()
-            << std::endl;
+  std::cout << "infinigen serve: serving " << (*runtime)->description() << " on port "
+            << (*server)->port() << std::endl;
 
   WaitForShutdownSignal();
   std::cout << "infinigen serve: draining" << std::endl;

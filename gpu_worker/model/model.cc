@@ -371,7 +371,9 @@ bool Model::MapPrefetched(size_t b, int layer, const Selection& selection,
   if (pre.layer != layer) return false;
   const int64_t kv_heads = config_.num_kv_heads;
   // Row of the staging, relative to head g's first row, that holds the current token.
-  auto current = [&](int64_t g) { return static_cast<int32_t>(kv_heads * pre.count + g - g * pre.count); };
+  auto current = [&](int64_t g) {
+    return static_cast<int32_t>(kv_heads * pre.count + g - g * pre.count);
+  };
   if (selection.all) {
     if (!pre.dense) return Miss(pre);
     // Every stored row in slot order, then the current token (its slot is the next one).

@@ -1,14 +1,16 @@
 // infinigen-worker: loads a model (and its InfiniGen sidecar), connects to the KV store with the
 // configured transport, and serves infinigen.worker.v1.Worker with gRPC health, reflection and
-// Prometheus metrics. The port opens once the model is loaded (health SERVING from then on);
-// SIGTERM/SIGINT drain it: health NOT_SERVING, new requests UNAVAILABLE, running ones finish
-// (up to --drain_seconds), then shutdown.
+// Prometheus metrics. The port opens at once: health NOT_SERVING and calls UNAVAILABLE while the
+// model loads, SERVING from then on. SIGTERM/SIGINT drain it: health NOT_SERVING, new requests
+// UNAVAILABLE, running ones finish (up to --drain_seconds), then shutdown.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_builder.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <iostream>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -16,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc/tls.h"
 #include "common/shutdown_signal.h"
+#include "gpu_worker/service/loading_gate.h"
 #include "gpu_worker/service/worker_metrics.h"
 #include "gpu_worker/service/worker_runtime.h"
 
@@ -58,6 +61,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(int32_t, metrics_port, 0, "Prometheus metrics on this HTTP port (0: off)");
 ABSL_FLAG(int64_t, drain_seconds, 10, "how long shutdown lets running requests finish");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
+ABSL_FLAG(int32_t, hold_loading_ms, 0,
+          "wait this long after the port opens before loading the model (tests and probe drills "
+          "of the loading phase)");
 
 namespace {
 
@@ -106,6 +112,22 @@ int main(int argc, char** argv) {
                              absl::GetFlag(FLAGS_tls_client_ca)});
   if (!credentials.ok()) return Fail(credentials.status().message(), 2);
 
+  // The port opens first, so that probes see NOT_SERVING (not a refused connection) while the
+  // model loads, which can take minutes for a large checkpoint.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  LoadingGate gate;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
+  builder.RegisterService(&gate);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0)
+    return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
+  server->GetHealthCheckService()->SetServingStatus(false);
+  std::cout << "infinigen-worker: port " << port << " open, loading " << config.model << std::endl;
+  std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_hold_loading_ms)));
+
   auto runtime = WorkerRuntime::Create(config);
   if (!runtime.ok()) return Fail(runtime.status().message());
   WorkerRuntime& worker = **runtime;
@@ -116,16 +138,7 @@ int main(int argc, char** argv) {
     metrics = std::move(*m);
     worker.service().SetLatencyMetrics(metrics->latency());
   }
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
-  builder.RegisterService(&worker.service());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0)
-    return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
+  gate.Open(&worker.service());
   server->GetHealthCheckService()->SetServingStatus(true);
   std::cout << "infinigen-worker: serving " << worker.description() << " on port " << port
             << std::endl;

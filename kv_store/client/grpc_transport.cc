@@ -10,8 +10,8 @@
 #include <map>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc/channel_args.h"
 #include "common/grpc/status.h"
 #include "common/grpc/tls.h"

@@ -45,8 +45,8 @@ class InProcessClient final : public KvStoreClient {
     return store_.Open(seq, s, absl::Now());
   }
   absl::Status Close(StoreSequenceId seq) override { return store_.Close(seq); }
-  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                   std::vector<uint8_t> k, std::vector<uint8_t> v) override {
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
+                   std::vector<uint8_t> v) override {
     absl::Status st = k.size() == v.size()
                           ? store_.Append(seq, layer, start, n, k.data(), v.data(), k.size())
                           : absl::InvalidArgumentError("k and v differ in size");

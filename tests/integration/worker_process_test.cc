@@ -3,7 +3,8 @@
 // and fetches less than a full fetch; 16 concurrent streams with different prompts and sampling
 // each produce what they produce alone; a cancelled stream frees its store sequence; a store
 // killed mid-stream ends the stream with UNAVAILABLE while the worker stays healthy and serves
-// again once the store is back; malformed requests get INVALID_ARGUMENT; SIGTERM drains.
+// again once the store is back; malformed requests get INVALID_ARGUMENT; SIGTERM drains; while
+// the model loads, health is NOT_SERVING and calls are UNAVAILABLE.
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <gtest/gtest.h>
@@ -359,6 +360,39 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   EXPECT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens.size(), 230u) << "the running stream completes during the drain";
   EXPECT_EQ(worker_->Terminate(10), 0) << "the drained worker exits 0";
+}
+
+TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
+  const int port = FreePort();
+  ServerProcess loading(
+      "infinigen-worker",
+      {"--model=" + testing::FixturePath(kModel), "--listen=127.0.0.1:" + std::to_string(port),
+       "--kv_transport=in-process", "--policy=full", "--threads=1", "--hold_loading_ms=3000"},
+      port, /*ready=*/"");  // the port only: the model is not loaded yet
+  ASSERT_TRUE(loading.running());
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+  auto stub = wv1::Worker::NewStub(channel);
+  EXPECT_EQ(Health(*channel), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  const auto prompt = RandomTokens(8, vocab(), 3);
+  const StreamResult early = Stream(*stub, Request(prompt, 4, 0.0f, 0));
+  EXPECT_EQ(early.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(early.status.error_message().find("loading"), std::string::npos)
+      << early.status.error_message();
+  grpc::ClientContext c;
+  wv1::InfoResponse info;
+  EXPECT_EQ(stub->Info(&c, wv1::InfoRequest(), &info).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_FALSE(loading.Logged("infinigen-worker: serving"));
+  // Then SERVING, and the same request streams what the local engine generates.
+  auto health = grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  for (int i = 0; i < 300 && health != grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    health = Health(*channel);
+  }
+  ASSERT_EQ(health, grpc::health::v1::HealthCheckResponse::SERVING);
+  const StreamResult r = Stream(*stub, Request(prompt, 4, 0.0f, 0));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, Local(prompt, 4, 0.0f, 0));
 }
 
 }  // namespace

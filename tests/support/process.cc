@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "tests/support/test_paths.h"
@@ -39,7 +41,8 @@ static bool PortOpen(int port) {
   return ok;
 }
 
-ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string> args, int port)
+ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string> args, int port,
+                             const std::string& ready)
     : port_(port) {
   log_ = ::testing::TempDir() + "/" + binary + "_" + std::to_string(port) + ".log";
   const std::string path = BinaryPath(binary);
@@ -55,7 +58,7 @@ ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string>
     ::execv(path.c_str(), argv.data());
     ::_exit(127);
   }
-  for (int i = 0; i < 200 && !PortOpen(port); ++i) {
+  for (int i = 0; i < 200 && !(PortOpen(port) && Logged(ready)); ++i) {
     int status;
     if (::waitpid(pid_, &status, WNOHANG) == pid_) {
       pid_ = -1;
@@ -66,6 +69,13 @@ ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string>
 }
 
 ServerProcess::~ServerProcess() { Kill(); }
+
+bool ServerProcess::Logged(const std::string& text) const {
+  std::ifstream in(log_);
+  std::stringstream all;
+  all << in.rdbuf();
+  return all.str().find(text) != std::string::npos;
+}
 
 void ServerProcess::Kill() {
   if (pid_ <= 0) return;

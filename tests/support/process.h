@@ -1,5 +1,5 @@
-// Real server processes for integration tests: start a built binary with flags, wait until its
-// gRPC port answers, kill or terminate it. Ports are picked free on 127.0.0.1.
+// Real server processes for integration tests: start a built binary with flags, wait until it
+// is ready, kill or terminate it. Ports are picked free on 127.0.0.1.
 #pragma once
 
 #include <sys/types.h>
@@ -13,8 +13,13 @@ int FreePort();
 
 class ServerProcess {
  public:
-  // Starts build/bin/<binary> with `args`; waits up to 10 s for 127.0.0.1:port to accept.
-  ServerProcess(const std::string& binary, std::vector<std::string> args, int port);
+  // Starts build/bin/<binary> with `args`; waits up to 10 s for 127.0.0.1:port to accept and
+  // the log to hold `ready` (every server of the project writes ": serving " once it is ready;
+  // the worker's port opens before its model is loaded; "" waits for the port only).
+  ServerProcess(const std::string& binary, std::vector<std::string> args, int port,
+                const std::string& ready = ": serving ");
+  // Whether the log holds `text`.
+  bool Logged(const std::string& text) const;
   ~ServerProcess();
   bool running() const { return pid_ > 0; }
   int port() const { return port_; }
