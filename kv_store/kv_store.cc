@@ -276,9 +276,11 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
       const int32_t* idx = item.slots.data() + g * item.count;
       uint8_t* k_out = item.k_out + g * item.count * row_bytes;
       uint8_t* v_out = item.v_out + g * item.count * row_bytes;
+      const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
       // Random rows are latency-bound: ask for rows kAhead positions ahead while copying.
+      // Consecutive slots within a block (dense reads, runs in a selection) are one copy.
       constexpr int64_t kAhead = 8;
-      for (int64_t j = 0; j < item.count; ++j) {
+      for (int64_t j = 0; j < item.count;) {
         if (j + kAhead < item.count) {
           const uint8_t* pk = Row(h.k_blocks, idx[j + kAhead], row_bytes);
           const uint8_t* pv = Row(h.v_blocks, idx[j + kAhead], row_bytes);
@@ -287,8 +289,12 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
             __builtin_prefetch(pv + line);
           }
         }
-        std::memcpy(k_out + j * row_bytes, Row(h.k_blocks, idx[j], row_bytes), row_bytes);
-        std::memcpy(v_out + j * row_bytes, Row(h.v_blocks, idx[j], row_bytes), row_bytes);
+        const int64_t first = idx[j], left_in_block = per_block - first % per_block;
+        int64_t run = 1;
+        while (run < left_in_block && j + run < item.count && idx[j + run] == first + run) ++run;
+        std::memcpy(k_out + j * row_bytes, Row(h.k_blocks, first, row_bytes), run * row_bytes);
+        std::memcpy(v_out + j * row_bytes, Row(h.v_blocks, first, row_bytes), run * row_bytes);
+        j += run;
       }
     };
     if (bytes >= config_.parallel_gather_bytes) {

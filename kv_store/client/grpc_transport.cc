@@ -357,25 +357,27 @@ class GrpcClient final : public QueuedKvClient {
         IG_RETURN_IF_ERROR(RefreshTable(it.seq, it.layer, t));
         rows = t.rows;
       }
+      for (int32_t slot : it.slots) {
+        if (slot < 0 || slot >= rows) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("token index ", slot, " is outside [0, ", rows, ")"));
+        }
+      }
       for (int g = 0; g < heads; ++g) {
-        for (int64_t j = 0; j < it.count; ++j) {
-          const int32_t slot = it.slots[g * it.count + j];
-          if (slot < 0 || slot >= rows) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("token index ", slot, " is outside [0, ", rows, ")"));
-          }
-          const int64_t b = slot / per_block, off = (slot % per_block) * t.row_bytes;
+        const int32_t* idx = it.slots.data() + g * it.count;
+        for (int64_t j = 0; j < it.count;) {
+          // Consecutive slots within a block are one copy.
+          const int64_t first = idx[j], b = first / per_block, left = per_block - first % per_block;
+          int64_t run = 1;
+          while (run < left && j + run < it.count && idx[j + run] == first + run) ++run;
+          const size_t off = static_cast<size_t>((first % per_block) * t.row_bytes);
           const size_t dst = static_cast<size_t>((g * it.count + j) * t.row_bytes);
-          std::memcpy(
-              it.k_out + dst,
-              arena_ + static_cast<size_t>(t.k_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
-                  off,
-              t.row_bytes);
-          std::memcpy(
-              it.v_out + dst,
-              arena_ + static_cast<size_t>(t.v_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
-                  off,
-              t.row_bytes);
+          const size_t bytes = static_cast<size_t>(run * t.row_bytes);
+          const int32_t kb = t.k_blocks[g * t.blocks_per_head + b];
+          const int32_t vb = t.v_blocks[g * t.blocks_per_head + b];
+          std::memcpy(it.k_out + dst, arena_ + static_cast<size_t>(kb) * block_bytes_ + off, bytes);
+          std::memcpy(it.v_out + dst, arena_ + static_cast<size_t>(vb) * block_bytes_ + off, bytes);
+          j += run;
         }
       }
     }

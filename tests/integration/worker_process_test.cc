@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <filesystem>
@@ -85,7 +86,10 @@ class WorkerProcess : public ::testing::Test {
     po.chunk_tokens = 40;
     auto s = PrepareInfinigen(*model_->model, *model_->ckpt, tokens, po);
     ASSERT_TRUE(s.ok()) << s.status();
-    sidecar_path_ = new std::string(::testing::TempDir() + "/worker_test.infinigen.safetensors");
+    // One file per test process: ctest runs this suite's tests in parallel processes, and each
+    // removes its own at the end.
+    sidecar_path_ = new std::string(::testing::TempDir() + "/worker_test_" +
+                                    std::to_string(::getpid()) + ".infinigen.safetensors");
     ASSERT_TRUE(WriteSidecar(*s, *sidecar_path_).ok());
   }
   static void TearDownTestSuite() {
