@@ -138,6 +138,13 @@ MatView Model::SpeculatedQkv(int layer, int64_t n) const {
   return Activations(*ws_.spec_qkv[layer % 2], n, config_.q_dim() + 2 * config_.kv_dim());
 }
 
+void Model::EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t>& out) {
+  out.resize(static_cast<size_t>(kv_heads * stored));
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    std::iota(out.begin() + g * stored, out.begin() + (g + 1) * stored, 0);
+  }
+}
+
 absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer, KvCache& cache,
                              int64_t n) {
   const ModelConfig& c = config_;
@@ -170,10 +177,7 @@ absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer
       if (!policy->Preselect(request, candidates)) continue;
     }
     if (candidates.all) {  // dense: every stored row, in slot order
-      pre.slots.resize(static_cast<size_t>(kv_heads * stored));
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        std::iota(pre.slots.begin() + g * stored, pre.slots.begin() + (g + 1) * stored, 0);
-      }
+      EverySlot(kv_heads, stored, pre.slots);
       pre.count = stored;
     } else {
       pre.slots = std::move(candidates.indices);
@@ -273,10 +277,7 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
       // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
       if (selection.all) {  // dense: every stored row
         IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, layer));
-        all_slots_.resize(static_cast<size_t>(kv_heads * stored));
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          for (int64_t j = 0; j < stored; ++j) all_slots_[g * stored + j] = static_cast<int32_t>(j);
-        }
+        EverySlot(kv_heads, stored, all_slots_);
         IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, layer, all_slots_.data(), stored));
       } else {
         IG_RETURN_IF_ERROR(

@@ -82,6 +82,8 @@ class Model {
   // dense layer), so that a full fetch overlaps the layer before too.
   absl::Status Prefetch(std::span<const ForwardChunk> batch, int next_layer, KvCache& cache,
                         int64_t num_tokens);
+  // Slots 0 .. stored-1 for each of `kv_heads` heads ([kv_heads, stored]): a dense read.
+  static void EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t>& out);
   absl::Status EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes);
   absl::Status Norm(MatView x, const Weight& w, const Weight& b, MatView out);
   absl::Status Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,

@@ -10,6 +10,7 @@
 #include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
+#include "tests/support/worker_stream.h"
 
 namespace infinigen {
 namespace {
@@ -20,29 +21,16 @@ using testing::ServerProcess;
 
 const char* kModel = "hf/llama31_gqa";
 
-struct StreamResult {
-  std::vector<int32_t> tokens;
-  grpc::Status status;
-};
-
-StreamResult Stream(wv1::Worker::Stub& stub, const std::vector<int32_t>& prompt, int max_new,
-                    const std::string& policy) {
+// A greedy request for `max_new` tokens of `prompt` under `policy`, streamed to the end.
+testing::WorkerStreamResult Stream(wv1::Worker::Stub& stub, const std::vector<int32_t>& prompt,
+                                   int max_new, const std::string& policy) {
   wv1::GenerateRequest request;
   for (int32_t t : prompt) request.mutable_token_ids()->add_ids(t);
   request.mutable_sampling()->set_temperature(0.0f);
   request.mutable_stopping()->set_max_new_tokens(max_new);
   request.mutable_stopping()->set_ignore_eos(true);
   request.mutable_selection()->set_policy(policy);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  StreamResult r;
-  auto reader = stub.Generate(&context, request);
-  wv1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
-    for (int32_t t : msg.token_ids()) r.tokens.push_back(t);
-  }
-  r.status = reader->Finish();
-  return r;
+  return testing::StreamWorker(stub, request);
 }
 
 class WorkerOnGpu : public ::testing::Test {
@@ -79,13 +67,14 @@ TEST_F(WorkerOnGpu, GreedyStreamIsTheCpuEnginesTokens) {
   const auto prompt = testing::RandomTokens(37, cpu.model->config().vocab_size, 1);
   const auto want = testing::GreedyTokens(*cpu.model, prompt, 40);
   ASSERT_EQ(want.size(), 40u);
-  const StreamResult r = Stream(*stub_, prompt, 40, "full");
+  const testing::WorkerStreamResult r = Stream(*stub_, prompt, 40, "full");
   ASSERT_TRUE(r.status.ok()) << r.status.error_message() << " (log " << worker_->log_path() << ")";
   EXPECT_EQ(r.tokens, want);
 }
 
 TEST_F(WorkerOnGpu, HostSelectionPolicyIsRefusedWithTheFix) {
-  const StreamResult r = Stream(*stub_, testing::RandomTokens(20, 200, 2), 4, "window");
+  const testing::WorkerStreamResult r =
+      Stream(*stub_, testing::RandomTokens(20, 200, 2), 4, "window");
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
       << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("policy full"), std::string::npos)

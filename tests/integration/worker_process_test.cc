@@ -24,6 +24,7 @@
 #include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
+#include "tests/support/worker_stream.h"
 
 namespace infinigen {
 namespace {
@@ -36,31 +37,8 @@ const char* kModel = "hf/llama31_gqa";
 
 using testing::RandomTokens;
 
-struct StreamResult {
-  std::vector<int32_t> tokens;
-  wv1::GenerateResponse last;
-  grpc::Status status;
-};
-
-StreamResult Stream(wv1::Worker::Stub& stub, const wv1::GenerateRequest& request,
-                    grpc::ClientContext* context = nullptr,
-                    const std::function<void(int)>& on_token = {}) {
-  grpc::ClientContext own;
-  if (context == nullptr) {
-    context = &own;
-    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  }
-  StreamResult r;
-  auto reader = stub.Generate(context, request);
-  wv1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
-    for (int32_t t : msg.token_ids()) r.tokens.push_back(t);
-    if (on_token && msg.token_ids_size() > 0) on_token(static_cast<int>(r.tokens.size()));
-    r.last = msg;
-  }
-  r.status = reader->Finish();
-  return r;
-}
+using StreamResult = testing::WorkerStreamResult;
+using testing::StreamWorker;
 
 wv1::GenerateRequest Request(const std::vector<int32_t>& prompt, int max_new, float temperature,
                              uint64_t seed, const std::string& policy = "") {
@@ -162,7 +140,7 @@ std::string* WorkerProcess::sidecar_path_ = nullptr;
 
 TEST_F(WorkerProcess, FullPolicyStreamsExactlyTheLocalEnginesTokens) {
   const auto prompt = RandomTokens(37, vocab(), 1);
-  const StreamResult r = Stream(*stub_, Request(prompt, 40, 0.0f, 0));
+  const StreamResult r = StreamWorker(*stub_, Request(prompt, 40, 0.0f, 0));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, Local(prompt, 40, 0.0f, 0));
   EXPECT_EQ(r.last.finish_reason(), infinigen::v1::FINISH_REASON_LENGTH);
@@ -175,7 +153,7 @@ TEST_F(WorkerProcess, FullPolicyStreamsExactlyTheLocalEnginesTokens) {
 
 TEST_F(WorkerProcess, InfinigenRunsAndFetchesLess) {
   const auto prompt = RandomTokens(120, vocab(), 2);
-  const StreamResult r = Stream(*stub_, Request(prompt, 30, 0.0f, 0, "infinigen"));
+  const StreamResult r = StreamWorker(*stub_, Request(prompt, 30, 0.0f, 0, "infinigen"));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens.size(), 30u);
   const auto& u = r.last.usage();
@@ -189,7 +167,7 @@ TEST_F(WorkerProcess, InfinigenAttendsDenselyBelowTheMinimumBudget) {
   // --min_budget_tokens=8: a 4-token prompt with 4 new tokens never has more than 8 rows, so
   // every layer reads them all and the tokens are the dense ones.
   const auto prompt = RandomTokens(4, vocab(), 9);
-  const StreamResult r = Stream(*stub_, Request(prompt, 4, 0.0f, 0, "infinigen"));
+  const StreamResult r = StreamWorker(*stub_, Request(prompt, 4, 0.0f, 0, "infinigen"));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, Local(prompt, 4, 0.0f, 0));
   EXPECT_DOUBLE_EQ(r.last.usage().selection_fraction(), 1.0);
@@ -205,8 +183,9 @@ TEST_F(WorkerProcess, SixteenConcurrentStreamsEachProduceWhatTheyProduceAlone) {
   std::vector<StreamResult> got(kStreams);
   std::vector<std::thread> threads;
   for (int i = 0; i < kStreams; ++i) {
-    threads.emplace_back(
-        [&, i] { got[i] = Stream(*stub_, Request(prompts[i], 24, i % 2 ? 0.9f : 0.0f, 7 + i)); });
+    threads.emplace_back([&, i] {
+      got[i] = StreamWorker(*stub_, Request(prompts[i], 24, i % 2 ? 0.9f : 0.0f, 7 + i));
+    });
   }
   for (auto& t : threads) t.join();
   for (int i = 0; i < kStreams; ++i) {
@@ -220,7 +199,7 @@ TEST_F(WorkerProcess, CancelMidStreamFreesTheStoreSequence) {
   grpc::ClientContext context;
   bool cancelled = false;
   const auto prompt = RandomTokens(20, vocab(), 3);
-  const StreamResult r = Stream(*stub_, Request(prompt, 200, 0.0f, 0), &context, [&](int n) {
+  const StreamResult r = StreamWorker(*stub_, Request(prompt, 200, 0.0f, 0), &context, [&](int n) {
     if (n == 3 && !cancelled) {
       EXPECT_EQ(StoreSequences(), 1) << "the stream's sequence is open in the store";
       context.TryCancel();
@@ -238,7 +217,7 @@ TEST_F(WorkerProcess, CancelMidStreamFreesTheStoreSequence) {
 
 TEST_F(WorkerProcess, KilledStoreEndsTheStreamUnavailableAndTheWorkerRecovers) {
   const auto prompt = RandomTokens(20, vocab(), 4);
-  const StreamResult r = Stream(*stub_, Request(prompt, 200, 0.0f, 0), nullptr, [&](int n) {
+  const StreamResult r = StreamWorker(*stub_, Request(prompt, 200, 0.0f, 0), nullptr, [&](int n) {
     if (n == 1) {
       store_->Signal(SIGSTOP);  // freeze it mid-stream, then kill it
       store_->Kill();
@@ -254,7 +233,7 @@ TEST_F(WorkerProcess, KilledStoreEndsTheStreamUnavailableAndTheWorkerRecovers) {
   StartStore();
   grpc::Status last;
   for (int i = 0; i < 50; ++i) {
-    const StreamResult again = Stream(*stub_, Request(prompt, 10, 0.0f, 0));
+    const StreamResult again = StreamWorker(*stub_, Request(prompt, 10, 0.0f, 0));
     last = again.status;
     if (last.ok()) {
       EXPECT_EQ(again.tokens, Local(prompt, 10, 0.0f, 0));
@@ -278,28 +257,29 @@ TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
   grpc::Status refused;
   std::string pushback;
   const auto prompt = RandomTokens(16, vocab(), 8);
-  const StreamResult first = Stream(*stub, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
-    if (n != 1) return;
-    grpc::ClientContext ctx;
-    auto reader = stub->Generate(&ctx, Request(prompt, 4, 0.0f, 0));
-    wv1::GenerateResponse msg;
-    while (reader->Read(&msg)) {
-    }
-    refused = reader->Finish();
-    auto it = ctx.GetServerTrailingMetadata().find("grpc-retry-pushback-ms");
-    if (it != ctx.GetServerTrailingMetadata().end()) {
-      pushback = std::string(it->second.data(), it->second.size());
-    }
-  });
+  const StreamResult first =
+      StreamWorker(*stub, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
+        if (n != 1) return;
+        grpc::ClientContext ctx;
+        auto reader = stub->Generate(&ctx, Request(prompt, 4, 0.0f, 0));
+        wv1::GenerateResponse msg;
+        while (reader->Read(&msg)) {
+        }
+        refused = reader->Finish();
+        auto it = ctx.GetServerTrailingMetadata().find("grpc-retry-pushback-ms");
+        if (it != ctx.GetServerTrailingMetadata().end()) {
+          pushback = std::string(it->second.data(), it->second.size());
+        }
+      });
   EXPECT_TRUE(first.status.ok()) << first.status.error_message();
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
   EXPECT_EQ(pushback, "200");
   // Once the first is done, the worker takes the next one.
-  EXPECT_TRUE(Stream(*stub, Request(prompt, 4, 0.0f, 0)).status.ok());
+  EXPECT_TRUE(StreamWorker(*stub, Request(prompt, 4, 0.0f, 0)).status.ok());
 }
 
 TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
-  auto code_of = [&](const wv1::GenerateRequest& r) { return Stream(*stub_, r).status; };
+  auto code_of = [&](const wv1::GenerateRequest& r) { return StreamWorker(*stub_, r).status; };
   wv1::GenerateRequest none;  // no input
   EXPECT_EQ(code_of(none).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   auto bad_id = Request({1, 2, static_cast<int32_t>(vocab()) + 5}, 4, 0, 0);
@@ -322,7 +302,7 @@ TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
   text.set_text("hello");
   EXPECT_EQ(code_of(text).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   // The worker still serves.
-  EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4, 0, 0)).status.ok());
+  EXPECT_TRUE(StreamWorker(*stub_, Request({1, 2, 3}, 4, 0, 0)).status.ok());
 }
 
 grpc::health::v1::HealthCheckResponse::ServingStatus Health(grpc::Channel& channel) {
@@ -349,7 +329,7 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   grpc::health::v1::HealthCheckResponse::ServingStatus during = {};
   grpc::Status refused;
   const auto prompt = RandomTokens(16, vocab(), 6);
-  const StreamResult r = Stream(*stub_, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
+  const StreamResult r = StreamWorker(*stub_, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
     if (n != 1) return;
     worker_->Signal(SIGTERM);
     for (int i = 0; i < 100; ++i) {  // the signal is handled asynchronously
@@ -357,7 +337,7 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
       if (during == grpc::health::v1::HealthCheckResponse::NOT_SERVING) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    refused = Stream(*stub_, Request(prompt, 4, 0.0f, 0)).status;
+    refused = StreamWorker(*stub_, Request(prompt, 4, 0.0f, 0)).status;
   });
   EXPECT_EQ(during, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
@@ -379,7 +359,7 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
   auto stub = wv1::Worker::NewStub(channel);
   EXPECT_EQ(Health(*channel), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   const auto prompt = RandomTokens(8, vocab(), 3);
-  const StreamResult early = Stream(*stub, Request(prompt, 4, 0.0f, 0));
+  const StreamResult early = StreamWorker(*stub, Request(prompt, 4, 0.0f, 0));
   EXPECT_EQ(early.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_NE(early.status.error_message().find("loading"), std::string::npos)
       << early.status.error_message();
@@ -394,7 +374,7 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
     health = Health(*channel);
   }
   ASSERT_EQ(health, grpc::health::v1::HealthCheckResponse::SERVING);
-  const StreamResult r = Stream(*stub, Request(prompt, 4, 0.0f, 0));
+  const StreamResult r = StreamWorker(*stub, Request(prompt, 4, 0.0f, 0));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, Local(prompt, 4, 0.0f, 0));
 }

@@ -11,31 +11,14 @@
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
+#include "tests/support/worker_stream.h"
 
 namespace infinigen {
 namespace {
 
 namespace wv1 = worker::v1;
 
-struct Streamed {
-  std::vector<int32_t> tokens;
-  std::string text;
-  grpc::Status status;
-};
-
-Streamed StreamOf(wv1::Worker::Stub& stub, const wv1::GenerateRequest& request) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-  Streamed s;
-  auto reader = stub.Generate(&ctx, request);
-  wv1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
-    for (int32_t t : msg.token_ids()) s.tokens.push_back(t);
-    s.text += msg.text();
-  }
-  s.status = reader->Finish();
-  return s;
-}
+using testing::StreamWorker;
 
 TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   const std::string model_path = testing::SmolLm2Path();
@@ -71,7 +54,7 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   text.set_text("The capital of France is");
   text.mutable_sampling()->set_temperature(0);
   text.mutable_stopping()->set_max_new_tokens(24);
-  const Streamed a = StreamOf(*stub, text);
+  const testing::WorkerStreamResult a = StreamWorker(*stub, text);
   ASSERT_TRUE(a.status.ok()) << a.status.error_message();
   EXPECT_EQ(a.tokens, local((*tokenizer)->Encode("The capital of France is", true), 24));
   EXPECT_EQ(a.text, (*tokenizer)->Decode(a.tokens));
@@ -85,7 +68,7 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   chat.mutable_sampling()->set_temperature(0);
   chat.mutable_stopping()->set_max_new_tokens(24);
   chat.set_skip_special_tokens(true);
-  const Streamed b = StreamOf(*stub, chat);
+  const testing::WorkerStreamResult b = StreamWorker(*stub, chat);
   ASSERT_TRUE(b.status.ok()) << b.status.error_message();
   const std::string bos = (*tokenizer)->TokenText((*tokenizer)->bos_id());
   const std::string eos = (*tokenizer)->TokenText((*tokenizer)->eos_ids()[0]);
