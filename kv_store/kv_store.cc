@@ -220,7 +220,7 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
   for (auto& [id, s] : seqs) s->mu.ReaderLock();
   // Validate everything before copying anything.
   absl::Status status;
-  int64_t units = 0, bytes = 0;
+  int64_t units = 0, bytes = 0, copy_bytes = 0;
   for (const GatherItem& item : items) {
     Sequence& s = seq_of(item.seq);
     const SequenceSpec& spec = s.spec;
@@ -240,8 +240,9 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
                        item.head_begin + heads, ") are outside [0, ", spec.num_kv_heads, ")"));
       break;
     }
+    const bool in_place = item.k_rows != nullptr && item.v_rows != nullptr;
     if (item.count < 0 || item.slots.size() != static_cast<size_t>(item.count * heads) ||
-        (item.count > 0 && (item.k_out == nullptr || item.v_out == nullptr))) {
+        (item.count > 0 && !in_place && (item.k_out == nullptr || item.v_out == nullptr))) {
       status = absl::InvalidArgumentError(
           absl::StrCat("sequence ", item.seq, " layer ", item.layer, ": ", item.slots.size(),
                        " indices given for ", item.count, " rows x ", heads, " KV heads"));
@@ -259,6 +260,7 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
     if (!status.ok()) break;
     units += heads;
     bytes += 2 * static_cast<int64_t>(item.slots.size()) * spec.row_bytes();
+    if (!in_place) copy_bytes += 2 * static_cast<int64_t>(item.slots.size()) * spec.row_bytes();
   }
   if (status.ok()) {
     // Work units: one (item, KV head) each.
@@ -274,6 +276,13 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
       const int64_t row_bytes = s.spec.row_bytes();
       const HeadRows& h = s.layers[item.layer].heads[item.head_begin + g];
       const int32_t* idx = item.slots.data() + g * item.count;
+      if (item.k_rows != nullptr && item.v_rows != nullptr) {  // in place: addresses only
+        for (int64_t j = 0; j < item.count; ++j) {
+          item.k_rows[g * item.count + j] = Row(h.k_blocks, idx[j], row_bytes);
+          item.v_rows[g * item.count + j] = Row(h.v_blocks, idx[j], row_bytes);
+        }
+        return;
+      }
       uint8_t* k_out = item.k_out + g * item.count * row_bytes;
       uint8_t* v_out = item.v_out + g * item.count * row_bytes;
       const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
@@ -297,7 +306,7 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
         j += run;
       }
     };
-    if (bytes >= config_.parallel_gather_bytes) {
+    if (copy_bytes >= config_.parallel_gather_bytes) {
       pool_->ParallelFor(static_cast<int64_t>(work.size()), copy);
     } else {
       for (int64_t u = 0; u < static_cast<int64_t>(work.size()); ++u) copy(u);

@@ -70,6 +70,12 @@ struct GatherItem {
   // transport cuts a large gather into pieces of a few heads this way and streams them.
   int head_begin = 0;
   int heads = -1;
+  // In place instead (callers in this process, which can read the arena): the address of each
+  // row is written to k_rows / v_rows ([heads, count]) and nothing is copied; k_out and v_out
+  // are unused. An address stays valid until the sequence is closed (or, in a KV pool, its
+  // slot is given to another token).
+  const void** k_rows = nullptr;
+  const void** v_rows = nullptr;
 };
 
 // Where the rows of one layer live: block ids per KV head for K and V.

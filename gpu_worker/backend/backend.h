@@ -50,12 +50,17 @@ struct MatView {
 };
 
 // K or V rows of one layer of one sequence: row j of KV head g starts at
-// data + (g * head_stride + j * row_stride) elements.
+// data + (g * head_stride + j * row_stride) elements. A row table instead (`rows` set, `data`
+// unused): row j of head g starts at rows[g * head_stride + j * row_stride], which lets a
+// backend whose memory is host memory attend over rows where they lie (the KV store's arena,
+// the step's own activations) without packing them first. Only AttentionDecode of backends
+// with host_accessible() memory reads row tables; the rest reject them.
 struct KvView {
   void* data = nullptr;
   DType dtype = DType::kF32;
   int64_t head_stride = 0;
   int64_t row_stride = 0;
+  const void** rows = nullptr;
 
   // Rows [begin, begin + count) of KV head g as a matrix.
   MatView Head(int64_t g, int64_t begin, int64_t count, int64_t head_dim) const {

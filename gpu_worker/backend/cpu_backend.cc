@@ -214,6 +214,11 @@ absl::Status CpuBackend::Copy(MatView src, MatView dst) {
 absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                          const AttentionShape& s, MatView out) {
   if (auto st = CheckF32(q, "AttentionCausal"); !st.ok()) return st;
+  if (k.rows != nullptr || v.rows != nullptr) {
+    return absl::InvalidArgumentError(
+        "cpu backend: AttentionCausal reads K/V rows packed, not by "
+        "row table");
+  }
   cpu::AttentionCausal(q.As<float>(), q.stride, q.rows, q_start,
                        {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
                        {static_cast<const float*>(v.data), v.head_stride, v.row_stride},
@@ -226,9 +231,12 @@ absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const in
                                          int64_t num_rows, const AttentionShape& s, MatView out,
                                          float* weights_out) {
   if (auto st = CheckF32(q, "AttentionDecode"); !st.ok()) return st;
+  if (k.dtype != DType::kF32 || v.dtype != DType::kF32) {
+    return absl::InvalidArgumentError("cpu backend: AttentionDecode needs float32 K and V");
+  }
   cpu::AttentionDecode(
-      q.As<float>(), {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
-      {static_cast<const float*>(v.data), v.head_stride, v.row_stride}, indices, num_rows,
+      q.As<float>(), {static_cast<const float*>(k.data), k.head_stride, k.row_stride, k.rows},
+      {static_cast<const float*>(v.data), v.head_stride, v.row_stride, v.rows}, indices, num_rows,
       s.num_heads, s.num_kv_heads, s.head_dim, s.scale, out.As<float>(), weights_out);
   return absl::OkStatus();
 }

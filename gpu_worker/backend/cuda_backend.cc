@@ -258,8 +258,9 @@ absl::Status CudaBackend::Copy(MatView src, MatView dst) {
 absl::Status CudaBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                           const AttentionShape& s, MatView out) {
   if (k.dtype != q.dtype || v.dtype != q.dtype || k.head_stride != v.head_stride ||
-      k.row_stride != v.row_stride) {
-    return absl::InvalidArgumentError("cuda backend: AttentionCausal needs K and V like q");
+      k.row_stride != v.row_stride || k.rows != nullptr || v.rows != nullptr) {
+    return absl::InvalidArgumentError(
+        "cuda backend: AttentionCausal needs K and V like q, in device memory (no row tables)");
   }
   return Check(cuda::AttentionCausal(M(q), q_start, {k.data, k.head_stride, k.row_stride},
                                      {v.data, v.head_stride, v.row_stride}, s.num_heads,
@@ -279,8 +280,11 @@ absl::Status CudaBackend::AttentionDecode(MatView q, KvView k, KvView v, const i
                                           int64_t num_rows, const AttentionShape& s, MatView out,
                                           float* weights_out) {
   if (k.dtype != q.dtype || v.dtype != q.dtype || out.dtype != q.dtype ||
-      k.head_stride != v.head_stride || k.row_stride != v.row_stride) {
-    return absl::InvalidArgumentError("cuda backend: AttentionDecode needs K, V and out like q");
+      k.head_stride != v.head_stride || k.row_stride != v.row_stride || k.rows != nullptr ||
+      v.rows != nullptr) {
+    return absl::InvalidArgumentError(
+        "cuda backend: AttentionDecode needs K, V and out like q, in device memory (no row "
+        "tables)");
   }
   cuda::DecodeAttention a;
   a.type = ToElem(q.dtype);

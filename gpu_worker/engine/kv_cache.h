@@ -93,7 +93,9 @@ class KvCache {
     return absl::UnimplementedError("this KV cache reads rows in place; it does not prefetch");
   }
   // The rows of the last Prefetch of `seq` at `layer`, packed: row j of KV head g is the j-th
-  // slot of g's list. Valid until the next Prefetch or Close of `seq`.
+  // slot of g's list. Valid until the next Prefetch or Close of `seq`. A cache whose rows the
+  // backend can read where they lie answers row tables (KvView::rows) instead of copies; the
+  // caller then fills the extra rows by setting their table entries to its rows' addresses.
   virtual absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) {
     return absl::UnimplementedError("this KV cache reads rows in place; it does not fetch");
   }

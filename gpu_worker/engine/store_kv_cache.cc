@@ -14,7 +14,8 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
       shape_(shape),
       client_(client),
       options_(options),
-      host_access_(backend.host_accessible()) {}
+      host_access_(backend.host_accessible()),
+      in_place_(host_access_ && options.read_in_place && client.reads_in_place()) {}
 
 StoreKvCache::~StoreKvCache() {
   std::vector<SequenceId> open;
@@ -136,24 +137,35 @@ absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes) {
 
 absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
                                        std::vector<int32_t> slots, int64_t count,
-                                       int64_t extra_rows) {
+                                       int64_t extra_rows, bool in_place) {
   Pending& p = s.pending[layer % 2];
   DropTicket(p);
   const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
-  IG_RETURN_IF_ERROR(EnsureStaging(
-      p.staging, static_cast<size_t>(shape_.num_kv_heads) * (count + extra_rows) * RowBytes()));
   ClientGatherItem item;
   item.seq = StoreId(seq);
   item.layer = layer;
   item.count = count;
   item.slots = std::move(slots);
-  item.k_out = host_access_ ? static_cast<uint8_t*>(p.staging.k->data()) : p.staging.host_k.data();
-  item.v_out = host_access_ ? static_cast<uint8_t*>(p.staging.v->data()) : p.staging.host_v.data();
+  if (in_place) {
+    const size_t entries = static_cast<size_t>(shape_.num_kv_heads * (count + extra_rows));
+    p.staging.k_rows.resize(entries);
+    p.staging.v_rows.resize(entries);
+    item.k_rows = p.staging.k_rows.data();
+    item.v_rows = p.staging.v_rows.data();
+  } else {
+    IG_RETURN_IF_ERROR(EnsureStaging(
+        p.staging, static_cast<size_t>(shape_.num_kv_heads) * (count + extra_rows) * RowBytes()));
+    item.k_out =
+        host_access_ ? static_cast<uint8_t*>(p.staging.k->data()) : p.staging.host_k.data();
+    item.v_out =
+        host_access_ ? static_cast<uint8_t*>(p.staging.v->data()) : p.staging.host_v.data();
+  }
   std::vector<ClientGatherItem> items;
   items.push_back(std::move(item));
   p.ticket = client_.GatherAsync(std::move(items));
   p.layer = layer;
   p.count = count;
+  p.in_place = in_place;
   s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
   s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.length[layer] *
                            static_cast<int64_t>(RowBytes());
@@ -178,7 +190,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
       return st;
     }
     p.ticket.reset();  // done; p.layer stays, so a second Fetch of the layer still works
-    if (!host_access_) {
+    if (!host_access_ && !p.in_place) {
       const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
       IG_RETURN_IF_ERROR(
           backend_.CopyToDevice(p.staging.host_k.data(), p.staging.k->data(), bytes));
@@ -187,9 +199,14 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
     }
   }
   KvLayerView view;
+  view.num_slots = count;
+  if (p.in_place) {  // row tables: entry g * count + j is row j of KV head g
+    view.k = {nullptr, shape_.dtype, count, 1, p.staging.k_rows.data()};
+    view.v = {nullptr, shape_.dtype, count, 1, p.staging.v_rows.data()};
+    return view;
+  }
   view.k = shape_.HeadMajor(p.staging.k->data(), count);
   view.v = shape_.HeadMajor(p.staging.v->data(), count);
-  view.num_slots = count;
   return view;
 }
 
@@ -203,7 +220,8 @@ absl::StatusOr<KvLayerView> StoreKvCache::Read(SequenceId seq, int layer) {
   for (int g = 0; g < shape_.num_kv_heads; ++g) {
     for (int64_t j = 0; j < n; ++j) slots[g * n + j] = static_cast<int32_t>(j);
   }
-  IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, std::move(slots), n));
+  // Packed (prefill attention reads contiguous rows).
+  IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, std::move(slots), n, 0, /*in_place=*/false));
   return FinishGather(*s, layer);
 }
 
@@ -215,7 +233,7 @@ absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* sl
         absl::StrCat("prefetch of layer ", layer, ", ", count, " rows: out of range"));
   }
   std::vector<int32_t> list(slots, slots + shape_.num_kv_heads * count);
-  return StartGather(seq, *s, layer, std::move(list), count, extra_rows);
+  return StartGather(seq, *s, layer, std::move(list), count, extra_rows, in_place_);
 }
 
 absl::StatusOr<KvLayerView> StoreKvCache::Fetch(SequenceId seq, int layer) {

@@ -3,7 +3,9 @@
 // ordered queue; a decode step that selects rows prefetches exactly those rows into a staging
 // buffer and attends over them (Prefetch/Fetch), so the bytes moved per step are the selection,
 // not the sequence. Dense reads (prefill chunks after the first, the `full` policy) gather every
-// row: the FlexGen-style full fetch.
+// row: the FlexGen-style full fetch. When the store's memory is mapped here and the backend
+// computes in host memory, a prefetch moves no bytes at all: it answers the rows' addresses and
+// attention reads them in place (StoreKvCacheOptions::read_in_place).
 //
 // Not thread-safe: the engine thread owns it. The store client it uses may be shared.
 #pragma once
@@ -25,6 +27,10 @@ struct StoreKvCacheOptions {
   uint64_t id_base = 0;
   std::string owner = "worker";                     // lease holder name in the store
   absl::Duration fetch_timeout = absl::Seconds(5);  // a gather that takes longer fails the step
+  // Where the backend's memory is host memory and the client maps the store's (in-process, shm),
+  // prefetched rows are attended where they lie (Fetch answers row tables, KvView::rows) instead
+  // of being copied into staging. false: always copy (tests compare the two).
+  bool read_in_place = true;
 };
 
 class StoreKvCache final : public KvCache {
@@ -51,9 +57,10 @@ class StoreKvCache final : public KvCache {
 
  private:
   struct Staging {
-    std::unique_ptr<Buffer> k, v;         // backend memory
-    std::vector<uint8_t> host_k, host_v;  // host bounce buffers (backends without host access)
-    size_t capacity = 0;                  // bytes of each
+    std::unique_ptr<Buffer> k, v;             // backend memory
+    std::vector<uint8_t> host_k, host_v;      // host bounce buffers (backends without host access)
+    size_t capacity = 0;                      // bytes of each
+    std::vector<const void*> k_rows, v_rows;  // row tables of a gather in place
   };
   // A gather in flight or done: one per layer parity, so that the next layer's rows can move
   // while this layer's are being used.
@@ -62,6 +69,7 @@ class StoreKvCache final : public KvCache {
     std::unique_ptr<GatherTicket> ticket;
     int layer = -1;
     int64_t count = 0;
+    bool in_place = false;
   };
   struct Sequence {
     std::vector<int64_t> length;  // per layer
@@ -71,9 +79,10 @@ class StoreKvCache final : public KvCache {
 
   absl::StatusOr<Sequence*> Find(SequenceId seq);
   absl::Status EnsureStaging(Staging& s, size_t bytes);
-  // Gathers `count` slots per head into the sequence's staging and waits.
+  // Starts gathering `count` slots per head into the sequence's staging (`in_place`: their
+  // addresses into its row tables).
   absl::Status StartGather(SequenceId seq, Sequence& s, int layer, std::vector<int32_t> slots,
-                           int64_t count, int64_t extra_rows = 0);
+                           int64_t count, int64_t extra_rows, bool in_place);
   absl::StatusOr<KvLayerView> FinishGather(Sequence& s, int layer);
   // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
   static void DropTicket(Pending& p);
@@ -86,6 +95,7 @@ class StoreKvCache final : public KvCache {
   KvStoreClient& client_;
   StoreKvCacheOptions options_;
   bool host_access_;  // the backend's memory is host memory (CPU): gather straight into it
+  bool in_place_;     // prefetches answer row addresses (see StoreKvCacheOptions)
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
 };

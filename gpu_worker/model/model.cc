@@ -323,10 +323,15 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
       const int64_t hd = c.head_dim;
       for (int64_t g = 0; g < kv_heads; ++g) {
         const int64_t dst = kv_heads * pre.count + g;
-        IG_RETURN_IF_ERROR(
-            backend_.Copy(k.Rows(row, 1).Cols(g * hd, hd), kv.k.Head(0, dst, 1, hd)));
-        IG_RETURN_IF_ERROR(
-            backend_.Copy(v.Rows(row, 1).Cols(g * hd, hd), kv.v.Head(0, dst, 1, hd)));
+        const MatView k_row = k.Rows(row, 1).Cols(g * hd, hd);
+        const MatView v_row = v.Rows(row, 1).Cols(g * hd, hd);
+        if (kv.k.rows != nullptr) {  // rows read in place: point at the activations
+          kv.k.rows[dst] = k_row.data;
+          kv.v.rows[dst] = v_row.data;
+          continue;
+        }
+        IG_RETURN_IF_ERROR(backend_.Copy(k_row, kv.k.Head(0, dst, 1, hd)));
+        IG_RETURN_IF_ERROR(backend_.Copy(v_row, kv.v.Head(0, dst, 1, hd)));
       }
       if (!selection.all) {
         cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);

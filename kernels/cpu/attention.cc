@@ -59,11 +59,9 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
     const int g = h / group;
     const int32_t* idx = indices != nullptr ? indices + g * num_rows : nullptr;
     const float* qh = q + h * head_dim;
-    const float* kh = k.data + g * k.head_stride;
-    const float* vh = v.data + g * v.head_stride;
     float* s = Scratch(num_rows);
     for (int64_t j = 0; j < num_rows; ++j) {
-      const float* kr = kh + (idx != nullptr ? idx[j] : j) * k.row_stride;
+      const float* kr = k.Row(g, idx != nullptr ? idx[j] : j);
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int d = 0; d < head_dim; ++d) dot += qh[d] * kr[d];
@@ -74,7 +72,7 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
     float* oh = out + h * head_dim;
     std::fill(oh, oh + head_dim, 0.0f);
     for (int64_t j = 0; j < num_rows; ++j) {
-      const float* vr = vh + (idx != nullptr ? idx[j] : j) * v.row_stride;
+      const float* vr = v.Row(g, idx != nullptr ? idx[j] : j);
       const float p = s[j];
 #pragma omp simd
       for (int d = 0; d < head_dim; ++d) oh[d] += p * vr[d];

@@ -14,10 +14,18 @@ namespace infinigen::cpu {
 enum class RopeLayout { kHalf, kInterleaved };
 
 // K or V rows of one layer: row j of KV head g starts at data + g * head_stride + j * row_stride.
+// With a row table instead (`rows` set, `data` unused), it starts at rows[g * head_stride + j *
+// row_stride]: rows read in place wherever they live (AttentionDecode only).
 struct KvRows {
   const float* data = nullptr;
   int64_t head_stride = 0;
   int64_t row_stride = 0;
+  const void* const* rows = nullptr;
+
+  const float* Row(int64_t g, int64_t j) const {
+    const int64_t at = g * head_stride + j * row_stride;
+    return rows != nullptr ? static_cast<const float*>(rows[at]) : data + at;
+  }
 };
 
 // out[i, :] = table[ids[i], :]. Ids are checked by the caller (0 <= id < vocab).
@@ -66,7 +74,8 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
 
 // Attention of one query row (all heads) over an explicit list of rows per KV head: KV head g
 // attends rows indices[g * num_rows + j] for j < num_rows (indices may be null: rows 0 ..
-// num_rows-1). GQA as in AttentionCausal. q, out: [num_heads * head_dim]. weights_out
+// num_rows-1). k and v may be row tables (KvRows::rows). GQA as in AttentionCausal. q, out:
+// [num_heads * head_dim]. weights_out
 // ([num_heads, num_rows], may be null) receives the attention probabilities.
 void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices, int64_t num_rows,
                      int num_heads, int num_kv_heads, int head_dim, float scale, float* out,

@@ -210,8 +210,16 @@ class GrpcClient final : public QueuedKvClient {
     return st;
   }
 
+  bool reads_in_place() const override { return arena_ != nullptr; }
+
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
     if (arena_ != nullptr) return GatherShm(items);
+    for (const auto& it : items) {
+      if (it.k_rows != nullptr || it.v_rows != nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the ", transport(), " transport copies rows; it cannot gather them in place"));
+      }
+    }
 #if INFINIGEN_HAVE_UCX
     if (config_.transport == KvClientConfig::Transport::kUcx) {
       if (ucx_ == nullptr || ucx_->broken()) {  // store restarted, or a transfer abandoned
@@ -363,9 +371,20 @@ class GrpcClient final : public QueuedKvClient {
               absl::StrCat("token index ", slot, " is outside [0, ", rows, ")"));
         }
       }
+      const bool in_place = it.k_rows != nullptr && it.v_rows != nullptr;
       for (int g = 0; g < heads; ++g) {
         const int32_t* idx = it.slots.data() + g * it.count;
-        for (int64_t j = 0; j < it.count;) {
+        for (int64_t j = 0; in_place && j < it.count; ++j) {  // addresses only
+          const int64_t b = idx[j] / per_block;
+          const size_t off = static_cast<size_t>((idx[j] % per_block) * t.row_bytes);
+          it.k_rows[g * it.count + j] =
+              arena_ + static_cast<size_t>(t.k_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
+              off;
+          it.v_rows[g * it.count + j] =
+              arena_ + static_cast<size_t>(t.v_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
+              off;
+        }
+        for (int64_t j = 0; !in_place && j < it.count;) {
           // Consecutive slots within a block are one copy.
           const int64_t first = idx[j], b = first / per_block, left = per_block - first % per_block;
           int64_t run = 1;

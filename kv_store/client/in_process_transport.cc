@@ -64,10 +64,12 @@ class InProcessClient final : public KvStoreClient {
     std::vector<GatherItem> g;
     g.reserve(items.size());
     for (const auto& it : items) {
-      g.push_back({it.seq, it.layer, it.count, it.slots, it.k_out, it.v_out});
+      g.push_back({it.seq, it.layer, it.count, it.slots, it.k_out, it.v_out, /*head_begin=*/0,
+                   /*heads=*/-1, it.k_rows, it.v_rows});
     }
     return std::make_unique<DoneTicket>(store_.Gather(g));
   }
+  bool reads_in_place() const override { return true; }
   absl::StatusOr<KvStoreStats> Stats() override { return store_.Stats(); }
 
  private:

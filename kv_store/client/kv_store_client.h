@@ -29,6 +29,10 @@ struct ClientGatherItem {
   std::vector<int32_t> slots;  // [num_kv_heads, count]
   uint8_t* k_out = nullptr;    // [num_kv_heads, count, head_dim]
   uint8_t* v_out = nullptr;
+  // In place (clients that reads_in_place()): each row's address in this process is written
+  // here ([num_kv_heads, count]) instead of its bytes to k_out / v_out; see GatherItem.
+  const void** k_rows = nullptr;
+  const void** v_rows = nullptr;
 };
 
 class GatherTicket {
@@ -53,6 +57,10 @@ class KvStoreClient {
   // Waits for queued appends; returns the first append error since the last Flush.
   virtual absl::Status Flush(absl::Time deadline) = 0;
   virtual std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) = 0;
+  // Whether gathers can answer with the rows' addresses (ClientGatherItem::k_rows) because the
+  // store's memory is mapped in this process: the in-process and shm transports. The rows are
+  // then read where they lie, by the caller, once the ticket is done.
+  virtual bool reads_in_place() const { return false; }
   virtual absl::StatusOr<KvStoreStats> Stats() = 0;
 };
 

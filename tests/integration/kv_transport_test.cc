@@ -117,6 +117,44 @@ TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
   EXPECT_TRUE(client_->Close(1).ok());
 }
 
+// In place: transports that map the store's memory (in-process, shm) answer each row's address,
+// and the bytes there are the rows, once every append queued before the gather has landed; the
+// transports that copy refuse such a gather with a clear error.
+TEST_P(KvTransport, InPlaceGathersAnswerRowAddressesOrAreRefused) {
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  client_->AppendAsync(1, 0, 0, 30, TokenRows(0, 30, 0), TokenRows(0, 30, 1));
+  for (int64_t t = 30; t < 40; ++t) {
+    client_->AppendAsync(1, 0, t, 1, TokenRows(t, 1, 0), TokenRows(t, 1, 1));
+  }
+  const std::vector<int32_t> slots = {39, 0, 16, 31, 15, 39};  // [2 heads, 3]: across blocks
+  std::vector<const void*> k(6), v(6);
+  ClientGatherItem item{1, 0, 3, slots};
+  item.k_rows = k.data();
+  item.v_rows = v.data();
+  absl::Status st = client_->GatherAsync({item})->Wait(Soon());
+  const bool maps = GetParam() == KvClientConfig::Transport::kInProcess ||
+                    GetParam() == KvClientConfig::Transport::kShm;
+  EXPECT_EQ(client_->reads_in_place(), maps);
+  if (!maps) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("in place"), std::string::npos) << st;
+  } else {
+    ASSERT_TRUE(st.ok()) << st;
+    for (int g = 0; g < 2; ++g) {
+      for (int j = 0; j < 3; ++j) {
+        const int32_t t = slots[g * 3 + j];
+        EXPECT_EQ(0, std::memcmp(k[g * 3 + j], TokenRows(t, 1, 0).data() + g * 32, 32)) << t;
+        EXPECT_EQ(0, std::memcmp(v[g * 3 + j], TokenRows(t, 1, 1).data() + g * 32, 32)) << t;
+      }
+    }
+    // Bad indices are refused as for a copying gather.
+    item.slots = {0, 0, 0, 40, 0, 0};
+    st = client_->GatherAsync({item})->Wait(Soon());
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  }
+  EXPECT_TRUE(client_->Close(1).ok());
+}
+
 // Many write-behind appends to both layers, interleaved with gathers of layer 0 that must not
 // wait for layer 1's appends but must see every layer-0 append queued before them; the append
 // thread sends what piled up in batches. A bad append in the stream fails Flush, naming it.

@@ -1,5 +1,6 @@
-// The model over the KV store (StoreKvCache, in-process transport) against the model over its
-// own resident cache, on the tiny fixtures: dense attention gives the same logits bit for bit,
+// The model over the KV store (StoreKvCache, in-process transport; rows read in place in the
+// store's arena, and copied into staging) against the model over its own resident cache, on the
+// tiny fixtures: dense attention gives the same logits bit for bit,
 // InfiniGen reads exactly the rows it selected and gives the same logits as over the resident
 // cache, batches of several sequences equal each sequence alone, chunked prefill reads back
 // from the store, InfiniGen's rows for layer i are prefetched during layer i-1 and found there,
@@ -7,6 +8,8 @@
 #include "gpu_worker/engine/store_kv_cache.h"
 
 #include <gtest/gtest.h>
+
+#include <tuple>
 
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/infinigen/prepare.h"
@@ -74,10 +77,10 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
   return run;
 }
 
-class StoreCache : public ::testing::TestWithParam<std::string> {
+class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
  protected:
   void SetUp() override {
-    l_ = testing::LoadModel(testing::FixturePath("hf/" + GetParam()));
+    l_ = testing::LoadModel(testing::FixturePath("hf/" + std::get<0>(GetParam())));
     ASSERT_NE(l_.model, nullptr);
     KvStoreConfig sc;
     sc.capacity_bytes = 64 << 20;
@@ -93,6 +96,7 @@ class StoreCache : public ::testing::TestWithParam<std::string> {
     client_ = std::move(*client);
     StoreKvCacheOptions options;
     options.id_base = 1000;
+    options.read_in_place = std::get<1>(GetParam());
     cache_ = std::make_unique<StoreKvCache>(*l_.backend, l_.model->kv_shape(), *client_, options);
     auto tokens = RandomTokens(96, l_.model->config().vocab_size, 5);
     PrepareOptions po;
@@ -139,6 +143,29 @@ TEST_P(StoreCache, DenseDecodeEqualsTheResidentCacheBitForBit) {
   // before the embedding), never after its own append.
   EXPECT_GE(l_.model->prefetch_hits() - hits, 11 * l_.model->config().num_layers);
   EXPECT_EQ(l_.model->prefetch_misses(), misses);
+  // A prefetch answers row addresses in the arena when reading in place, packed rows if not.
+  ASSERT_TRUE(cache_->Open(1, 64).ok());
+  std::vector<float> logits(l_.model->config().vocab_size);
+  ForwardChunk c{1, 0, prompts[0], false, nullptr};
+  ASSERT_TRUE(l_.model->Forward({&c, 1}, *cache_, logits).ok());
+  const std::vector<int32_t> slots(l_.model->config().num_kv_heads, 3);  // row 3 of every head
+  ASSERT_TRUE(cache_->Prefetch(1, 0, slots.data(), 1).ok());
+  auto kv = cache_->Fetch(1, 0);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  EXPECT_EQ(kv->k.rows != nullptr, std::get<1>(GetParam()));
+  EXPECT_EQ(kv->k.data == nullptr, std::get<1>(GetParam()));
+  if (kv->k.rows != nullptr) {
+    const uint8_t* base = store_->arena().base();
+    const size_t arena =
+        static_cast<size_t>(store_->arena().num_blocks()) * store_->arena().block_bytes();
+    for (size_t g = 0; g < slots.size(); ++g) {
+      for (const void* row : {kv->k.rows[g], kv->v.rows[g]}) {
+        const uint8_t* p = static_cast<const uint8_t*>(row);
+        EXPECT_TRUE(p >= base && p < base + arena) << "head " << g << ": not in the arena";
+      }
+    }
+  }
+  cache_->Close(1);
   // Chunked prefill reads the earlier chunks back from the store.
   const DecodeRun chunked = Decode(*l_.model, *cache_, {nullptr}, prompts, 12, 8);
   EXPECT_EQ(chunked.tokens, want.tokens);
@@ -213,7 +240,13 @@ TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, StoreCache,
-                         ::testing::Values("llama2_mha", "llama31_gqa", "opt_preln"));
+                         ::testing::Combine(::testing::Values("llama2_mha", "llama31_gqa",
+                                                              "opt_preln"),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<StoreCache::ParamType>& info) {
+                           return std::get<0>(info.param) +
+                                  (std::get<1>(info.param) ? "_in_place" : "_copied");
+                         });
 
 }  // namespace
 }  // namespace infinigen

@@ -239,5 +239,46 @@ TEST(CpuKernels, DecodeAttentionOverIndexListMatchesDoubleLoop) {
   }
 }
 
+TEST(CpuKernels, DecodeAttentionOverRowTablesEqualsPackedRowsBitForBit) {
+  // The same rows given by address (in place, e.g. in the KV store's arena) and packed by
+  // index: the same sums in the same order.
+  std::mt19937 rng(7);
+  const int heads = 6, kv_heads = 3, d = 16;
+  const int64_t cap = 40, row_stride = d, head_stride = cap * d;
+  auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
+  auto q = Random(heads * d, rng, 2.0f);
+  const int64_t num_rows = 11;
+  std::vector<int32_t> idx(kv_heads * num_rows);
+  for (auto& i : idx) i = static_cast<int32_t>(rng() % cap);
+  std::vector<const void*> k_rows(idx.size()), v_rows(idx.size());
+  for (int g = 0; g < kv_heads; ++g) {
+    for (int64_t j = 0; j < num_rows; ++j) {
+      const int64_t at = g * head_stride + idx[g * num_rows + j] * row_stride;
+      k_rows[g * num_rows + j] = k.data() + at;
+      v_rows[g * num_rows + j] = v.data() + at;
+    }
+  }
+  std::vector<float> packed(heads * d), table(heads * d), w_packed(heads * num_rows),
+      w_table(heads * num_rows);
+  AttentionDecode(q.data(), {k.data(), head_stride, row_stride},
+                  {v.data(), head_stride, row_stride}, idx.data(), num_rows, heads, kv_heads, d,
+                  0.25f, packed.data(), w_packed.data());
+  // Row tables with an index list over them (the worker's prefetched map), here the identity.
+  std::vector<int32_t> identity(idx.size());
+  for (int g = 0; g < kv_heads; ++g) {
+    for (int64_t j = 0; j < num_rows; ++j) identity[g * num_rows + j] = static_cast<int32_t>(j);
+  }
+  AttentionDecode(q.data(), {nullptr, num_rows, 1, k_rows.data()},
+                  {nullptr, num_rows, 1, v_rows.data()}, identity.data(), num_rows, heads, kv_heads,
+                  d, 0.25f, table.data(), w_table.data());
+  EXPECT_EQ(table, packed);
+  EXPECT_EQ(w_table, w_packed);
+  std::fill(table.begin(), table.end(), 0.0f);
+  AttentionDecode(q.data(), {nullptr, num_rows, 1, k_rows.data()},
+                  {nullptr, num_rows, 1, v_rows.data()}, nullptr, num_rows, heads, kv_heads, d,
+                  0.25f, table.data());
+  EXPECT_EQ(table, packed);
+}
+
 }  // namespace
 }  // namespace infinigen::cpu
