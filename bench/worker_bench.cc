@@ -1,7 +1,8 @@
 // Decode throughput and time per output token through a running infinigen-worker (and its KV
 // store), or through the local engine in this process (BatchEngine over a resident KV cache:
 // the same batching and model code without the service, the store or a transport), for the
-// service-path overhead of docs/benchmarks.md.
+// service-path overhead of docs/benchmarks.md. --policy applies to both: the local engine runs
+// it as the worker does with its default flags (infinigen: the sidecar next to the model).
 //
 // usage: worker_bench (--target HOST:PORT | --local MODEL [--threads N --cpu-weights q8])
 //            [--streams 1,4,16] [--prompt-tokens 128] [--new-tokens 64] [--policy full]
@@ -14,6 +15,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -23,6 +26,7 @@
 #include "cli/loaded_model.h"
 #include "gpu_worker/engine/batch_engine.h"
 #include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/service/worker_runtime.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 
 namespace {
@@ -96,8 +100,11 @@ CaseResult RunRemote(worker::v1::Worker::Stub& stub, int streams, int64_t vocab,
   return r;
 }
 
+// `make_policy` gives each request its KV selection (null: dense), as the worker does.
+using PolicyFactory = std::function<absl::StatusOr<std::unique_ptr<KvSelectionPolicy>>()>;
+
 CaseResult RunLocal(BatchEngine& engine, int streams, int64_t vocab, int64_t prompt,
-                    int64_t new_tokens) {
+                    int64_t new_tokens, const PolicyFactory& make_policy) {
   CaseResult r;
   std::vector<std::vector<Clock::time_point>> arrivals(streams);
   std::vector<absl::Notification> done(streams);
@@ -109,6 +116,12 @@ CaseResult RunLocal(BatchEngine& engine, int streams, int64_t vocab, int64_t pro
     req.options.max_new_tokens = new_tokens;
     req.options.ignore_eos = true;
     req.options.sampling.temperature = 0;
+    auto policy = make_policy();
+    if (!policy.ok()) {
+      std::fprintf(stderr, "policy: %s\n", std::string(policy.status().message()).c_str());
+      std::exit(1);
+    }
+    req.policy = std::move(*policy);
     auto id = engine.Submit(std::move(req), [&, s](const EngineEvent& e) {
       if (e.token >= 0) arrivals[s].push_back(Clock::now());
       if (e.done) {
@@ -171,6 +184,8 @@ int main(int argc, char** argv) {
   cli::LoadedModel loaded;
   std::unique_ptr<ResidentKvCache> cache;
   std::unique_ptr<BatchEngine> engine;
+  std::unique_ptr<InfinigenSidecar> sidecar;
+  PolicyFactory make_policy;
   int64_t vocab = 0;
   if (!target.empty()) {
     stub = worker::v1::Worker::NewStub(
@@ -196,6 +211,22 @@ int main(int argc, char** argv) {
     loaded = std::move(*l);
     vocab = loaded.model->config().vocab_size;
     cache = std::make_unique<ResidentKvCache>(*loaded.backend, loaded.model->kv_shape());
+    // The policy as the worker would run it with its default flags and the model's sidecar.
+    WorkerConfig defaults;
+    defaults.policy = policy.empty() ? "full" : policy;
+    if (defaults.policy == "infinigen") {
+      auto s = ReadSidecar(DefaultSidecarPath(local), *loaded.checkpoint);
+      if (!s.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(s.status().message()).c_str());
+        return 1;
+      }
+      sidecar = std::make_unique<InfinigenSidecar>(std::move(*s));
+    }
+    const SelectionConfig selection = defaults.Selection(sidecar != nullptr);
+    make_policy = [&, selection]() -> absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> {
+      if (selection.policy == "full") return std::unique_ptr<KvSelectionPolicy>();
+      return MakeSelectionPolicy(selection, loaded.model->config(), sidecar.get());
+    };
     EngineConfig ec;
     ec.max_running = 64;
     engine = std::make_unique<BatchEngine>(*loaded.model, *cache, ec);
@@ -204,11 +235,11 @@ int main(int argc, char** argv) {
   if (stub) {
     RunRemote(*stub, 1, vocab, 16, 4, policy);
   } else {
-    RunLocal(*engine, 1, vocab, 16, 4);
+    RunLocal(*engine, 1, vocab, 16, 4, make_policy);
   }
   for (int n : streams) {
     CaseResult r = stub ? RunRemote(*stub, n, vocab, prompt, new_tokens, policy)
-                        : RunLocal(*engine, n, vocab, prompt, new_tokens);
+                        : RunLocal(*engine, n, vocab, prompt, new_tokens, make_policy);
     std::printf("| %s | %d | %.1f | %.2f | %.2f | %d |\n", label.c_str(), n,
                 static_cast<double>(r.tokens) / r.seconds, 1e3 * Percentile(r.gaps, 0.5),
                 1e3 * Percentile(r.gaps, 0.99), r.errors);

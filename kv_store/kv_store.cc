@@ -276,16 +276,26 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
       const int64_t row_bytes = s.spec.row_bytes();
       const HeadRows& h = s.layers[item.layer].heads[item.head_begin + g];
       const int32_t* idx = item.slots.data() + g * item.count;
+      const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
       if (item.k_rows != nullptr && item.v_rows != nullptr) {  // in place: addresses only
-        for (int64_t j = 0; j < item.count; ++j) {
-          item.k_rows[g * item.count + j] = Row(h.k_blocks, idx[j], row_bytes);
-          item.v_rows[g * item.count + j] = Row(h.v_blocks, idx[j], row_bytes);
+        const void** k_rows = item.k_rows + g * item.count;
+        const void** v_rows = item.v_rows + g * item.count;
+        for (int64_t j = 0; j < item.count;) {  // a block lookup per run of consecutive slots
+          const int64_t first = idx[j], left_in_block = per_block - first % per_block;
+          const uint8_t* k = Row(h.k_blocks, first, row_bytes);
+          const uint8_t* v = Row(h.v_blocks, first, row_bytes);
+          int64_t run = 0;
+          do {
+            k_rows[j + run] = k + run * row_bytes;
+            v_rows[j + run] = v + run * row_bytes;
+            ++run;
+          } while (run < left_in_block && j + run < item.count && idx[j + run] == first + run);
+          j += run;
         }
         return;
       }
       uint8_t* k_out = item.k_out + g * item.count * row_bytes;
       uint8_t* v_out = item.v_out + g * item.count * row_bytes;
-      const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
       // Random rows are latency-bound: ask for rows kAhead positions ahead while copying.
       // Consecutive slots within a block (dense reads, runs in a selection) are one copy.
       constexpr int64_t kAhead = 8;

@@ -70,8 +70,9 @@ class KvCache {
                               int32_t* slots_out = nullptr) = 0;
   // The valid slots of `layer`, readable by the backend until the next Append or Close.
   virtual absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) = 0;
-  // A decode step at `layer` read these slots (host, [num_kv_heads, count]). Caches that evict
-  // keep fetch counts and recency from it; others ignore it.
+  // A decode step at `layer` read these slots (host, [num_kv_heads, count]; null: every stored
+  // row, count per head). Caches that evict keep fetch counts and recency from it; caches that
+  // read in place count the bytes read; others ignore it.
   virtual void RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {}
 
   // Whether Read() is cheap because the rows already live in backend memory. A cache that is
@@ -99,6 +100,10 @@ class KvCache {
   virtual absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) {
     return absl::UnimplementedError("this KV cache reads rows in place; it does not fetch");
   }
+  // Whether Prefetch answers the rows' addresses rather than copies of them (Fetch's row
+  // tables): then prefetching every stored row costs next to nothing, and the caller need not
+  // guess the selection before the layer.
+  virtual bool reads_in_place() const { return false; }
   // What `seq` has read so far (zeros for resident caches and unknown sequences).
   virtual FetchCounters Counters(SequenceId seq) const { return {}; }
 };

@@ -100,7 +100,9 @@ absl::StatusOr<KvLayerView> KvPoolCache::Read(SequenceId seq, int layer) {
 
 void KvPoolCache::RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {
   auto it = sequences_.find(seq);
-  if (it == sequences_.end() || layer < 0 || layer >= shape_.num_layers) return;
+  if (it == sequences_.end() || layer < 0 || layer >= shape_.num_layers || slots == nullptr) {
+    return;
+  }
   Layer& l = it->second.layers[layer];
   for (int g = 0; g < shape_.num_kv_heads; ++g) {
     for (int64_t j = 0; j < count; ++j) l.heads[g].Fetched(slots[g * count + j], it->second.step);

@@ -166,7 +166,7 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   p.layer = layer;
   p.count = count;
   p.in_place = in_place;
-  s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
+  if (!in_place) s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
   s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.length[layer] *
                            static_cast<int64_t>(RowBytes());
   s.counters.fetches += 1;
@@ -239,6 +239,15 @@ absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* sl
 absl::StatusOr<KvLayerView> StoreKvCache::Fetch(SequenceId seq, int layer) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
   return FinishGather(*s, layer);
+}
+
+void StoreKvCache::RecordFetch(SequenceId seq, int layer, const int32_t*, int64_t count) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || layer < 0) return;
+  const Pending& p = it->second.pending[layer % 2];
+  if (p.layer != layer || !p.in_place) return;
+  it->second.counters.bytes_fetched +=
+      2 * static_cast<int64_t>(shape_.num_kv_heads) * count * static_cast<int64_t>(RowBytes());
 }
 
 FetchCounters StoreKvCache::Counters(SequenceId seq) const {

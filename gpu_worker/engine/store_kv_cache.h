@@ -47,10 +47,14 @@ class StoreKvCache final : public KvCache {
   absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) override;
 
   bool resident() const override { return false; }
+  bool reads_in_place() const override { return in_place_; }
   absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override;
   absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
                         int64_t extra_rows = 0) override;
   absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) override;
+  // Counts the bytes a step read where rows are read in place (a copying prefetch counts what
+  // it copied).
+  void RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) override;
 
   FetchCounters Counters(SequenceId seq) const override;
   uint64_t StoreId(SequenceId seq) const { return options_.id_base + seq; }

@@ -162,8 +162,10 @@ absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer
     if (stored <= 0) continue;
     KvSelectionPolicy* policy = chunk.policy;
     Selection candidates;
-    candidates.all = true;  // no policy: every row
-    if (policy != nullptr) {
+    // Every row without a policy, and where rows are read in place (addresses cost nothing,
+    // so the exact selection made at the layer is looked up among all of them).
+    candidates.all = true;
+    if (policy != nullptr && !cache.reads_in_place()) {
       SelectRequest request;
       request.seq = chunk.seq;
       request.layer = next_layer;
@@ -333,9 +335,8 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
         IG_RETURN_IF_ERROR(backend_.Copy(k_row, kv.k.Head(0, dst, 1, hd)));
         IG_RETURN_IF_ERROR(backend_.Copy(v_row, kv.v.Head(0, dst, 1, hd)));
       }
-      if (!selection.all) {
-        cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);
-      }
+      cache.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
+                        selection.all ? pre.count : selection.count);
       const size_t bytes = pre.map.size() * sizeof(int32_t);
       IG_RETURN_IF_ERROR(EnsureBuffer(ws_.indices, bytes));
       IG_RETURN_IF_ERROR(backend_.CopyToDevice(pre.map.data(), ws_.indices->data(), bytes));
@@ -345,9 +346,8 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     } else if (!resident) {
       // The rows fetched in pass 1 (all of them, or the selection), packed in selection order.
       IG_ASSIGN_OR_RETURN(KvLayerView kv, cache.Fetch(chunk.seq, layer));
-      if (!selection.all) {
-        cache.RecordFetch(chunk.seq, layer, selection.indices.data(), selection.count);
-      }
+      cache.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
+                        selection.all ? kv.num_slots : selection.count);
       IG_RETURN_IF_ERROR(AttentionStep(chunk, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
                                        selection, out.Rows(row, 1)));
     } else if (selection.all) {
@@ -402,6 +402,9 @@ bool Model::MapPrefetched(size_t b, int layer, const Selection& selection,
       int32_t at;
       if (slot == current_slots[g]) {
         at = current(g);
+      } else if (pre.dense) {  // every stored slot, in slot order
+        if (slot < 0 || slot >= pre.count) return Miss(pre);
+        at = slot;
       } else {
         const int32_t* it = std::lower_bound(begin, end, slot);
         if (it == end || *it != slot) return Miss(pre);

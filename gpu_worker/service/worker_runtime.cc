@@ -12,12 +12,7 @@ namespace infinigen {
 absl::Status WorkerConfig::Validate() const {
   IG_RETURN_IF_ERROR(engine.Validate());
   IG_RETURN_IF_ERROR(ParseTransport(kv_transport).status());
-  SelectionConfig s;
-  s.budget_fraction = budget;
-  s.min_budget_tokens = min_budget_tokens;
-  s.alpha = alpha;
-  s.dense_layers = dense_layers;
-  IG_RETURN_IF_ERROR(s.Validate());
+  IG_RETURN_IF_ERROR(Selection(false).Validate());
   if (policy != "auto" && policy != "full" && policy != "infinigen" && policy != "window") {
     return absl::InvalidArgumentError(
         absl::StrCat("--policy ", policy, ": the worker serves auto, full, infinigen and window"));
@@ -35,6 +30,16 @@ absl::Status WorkerConfig::Validate() const {
   }
   if (max_prompt_tokens < 0) return absl::InvalidArgumentError("--max_prompt_tokens must be >= 0");
   return absl::OkStatus();
+}
+
+SelectionConfig WorkerConfig::Selection(bool have_sidecar) const {
+  SelectionConfig s;
+  s.budget_fraction = budget;
+  s.min_budget_tokens = min_budget_tokens;
+  s.alpha = alpha;
+  s.dense_layers = dense_layers;
+  s.policy = policy == "auto" ? (have_sidecar ? "infinigen" : "full") : policy;
+  return s;
 }
 
 WorkerRuntime::~WorkerRuntime() {
@@ -65,12 +70,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
       w->sidecar_ = std::make_unique<InfinigenSidecar>(std::move(s));
     }
   }
-  SelectionConfig selection;
-  selection.budget_fraction = config.budget;
-  selection.min_budget_tokens = config.min_budget_tokens;
-  selection.alpha = config.alpha;
-  selection.dense_layers = config.dense_layers;
-  selection.policy = config.policy == "auto" ? (w->sidecar_ ? "infinigen" : "full") : config.policy;
+  const SelectionConfig selection = config.Selection(w->sidecar_ != nullptr);
   if (selection.policy == "infinigen" && !w->sidecar_) {
     return absl::InvalidArgumentError(
         "--policy infinigen needs a sidecar: run `infinigen prepare "

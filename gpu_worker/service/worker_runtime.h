@@ -41,6 +41,8 @@ struct WorkerConfig {
 
   // INVALID_ARGUMENT naming the flag for anything out of range (no files are read).
   absl::Status Validate() const;
+  // The requests' default KV selection; `auto` resolves to infinigen with a sidecar, else full.
+  SelectionConfig Selection(bool have_sidecar) const;
 };
 
 class WorkerRuntime {
