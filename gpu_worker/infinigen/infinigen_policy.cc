@@ -35,9 +35,11 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     const int d = static_cast<int>(model_.head_dim), p = partial_dim_;
     if (static_cast<int>(heads.size()) < kv_heads) heads.resize(kv_heads);
     const float* skew = partial_skew_[keys.layer].data();
+    Prescored& pre = prescored_[keys.layer % 2];
     for (int64_t t = 0; t < keys.count; ++t) {
       for (int g = 0; g < kv_heads; ++g) {
         const int32_t slot = keys.slots[t * kv_heads + g];
+        if (pre.seq == keys.seq && pre.layer == keys.layer && slot < pre.n) pre.layer = -1;
         auto& cache = heads[g];  // [slot, p]
         if (static_cast<int64_t>(cache.size()) < (slot + 1) * static_cast<int64_t>(p)) {
           cache.resize(static_cast<size_t>(slot + 1) * p, 0.0f);
@@ -61,7 +63,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     if (query == nullptr) {
       return absl::InternalError("infinigen: the model did not provide a speculated query");
     }
-    const int64_t k = Score(r, query, n, k_max);
+    const int64_t k = Score(r, query, n, k_max, /*keep=*/false);
     if (k >= n) {
       out.all = true;
       return absl::OkStatus();
@@ -90,7 +92,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       out.all = true;
       return true;
     }
-    Score(r, r.speculated_q, n, k_max);
+    Score(r, r.speculated_q, n, k_max, /*keep=*/true);
     Choose(r, n, k, /*with_current=*/false, out);
     return true;
   }
@@ -103,8 +105,10 @@ class InfinigenPolicy final : public KvSelectionPolicy {
  private:
   // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) of rows [0, n) into
   // scores_; returns k: the mean over heads of the rows within alpha of the head's best,
-  // clamped to [max(min_tokens, min_budget_tokens), k_max].
-  int64_t Score(const SelectRequest& r, const float* query, int64_t n, int64_t k_max) {
+  // clamped to [max(min_tokens, min_budget_tokens), k_max]. `keep`: remember the scores, so
+  // that the layer's own Select (the same query, one more row) scores only the new rows; the
+  // reused scores are the same floats it would compute.
+  int64_t Score(const SelectRequest& r, const float* query, int64_t n, int64_t k_max, bool keep) {
     const int heads = static_cast<int>(model_.num_heads);
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
     const int group = heads / kv_heads;
@@ -112,16 +116,25 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const auto& cache = partial_[r.seq][r.layer];
     const float* skew = partial_skew_[r.layer].data();
+    q_partial_.resize(static_cast<size_t>(heads) * p);
+    for (int h = 0; h < heads; ++h) {
+      Project(query + static_cast<size_t>(h) * d, skew + static_cast<size_t>(h / group) * d * p,
+              d, p, q_partial_.data() + static_cast<size_t>(h) * p);
+    }
+    Prescored& pre = prescored_[r.layer % 2];
+    const int64_t reuse = pre.seq == r.seq && pre.layer == r.layer && pre.n <= n &&
+                                  pre.q_partial == q_partial_
+                              ? pre.n
+                              : 0;
     scores_.resize(static_cast<size_t>(heads) * n);
-    std::vector<float> q_partial(p);
     double count_sum = 0;
     for (int h = 0; h < heads; ++h) {
       const int g = h / group;
-      Project(query + static_cast<size_t>(h) * d, skew + static_cast<size_t>(g) * d * p, d, p,
-              q_partial.data());
+      const float* q_partial = q_partial_.data() + static_cast<size_t>(h) * p;
       float* s = scores_.data() + static_cast<size_t>(h) * n;
+      std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse, s);
       const float* kp = cache[g].data();
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = reuse; j < n; ++j) {
         float dot = 0.0f;
         for (int c = 0; c < p; ++c) dot += q_partial[c] * kp[j * p + c];
         s[j] = dot * scale;
@@ -129,6 +142,11 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       const float best = *std::max_element(s, s + n);
       const float threshold = best - static_cast<float>(config_.alpha);
       count_sum += std::count_if(s, s + n, [&](float v) { return v > threshold; });
+    }
+    if (keep) {
+      pre = {r.seq, r.layer, n, q_partial_, scores_};
+    } else {
+      pre.layer = -1;
     }
     const int64_t k_min = std::max(config_.min_tokens, config_.min_budget_tokens);
     return std::clamp<int64_t>(std::llround(count_sum / heads), std::min(k_min, k_max), k_max);
@@ -179,7 +197,16 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   // seq -> [layer][kv head] -> [slot, p] partial keys
   absl::flat_hash_map<SequenceId, std::vector<std::vector<std::vector<float>>>> partial_;
   SlotPositions positions_;
-  std::vector<float> scores_, mass_;
+  std::vector<float> scores_, mass_, q_partial_;
+  // The scores a Preselect computed for layer `layer` ([heads, n]), per layer parity (the
+  // next layer's Preselect may come before this layer's Select).
+  struct Prescored {
+    SequenceId seq = 0;
+    int layer = -1;
+    int64_t n = 0;
+    std::vector<float> q_partial, scores;
+  };
+  Prescored prescored_[2];
 };
 
 }  // namespace
