@@ -212,15 +212,36 @@ TEST(CpuKernels, CausalAttentionWithGqaMatchesDoubleLoop) {
   }
 }
 
+// K and V of `cap` rows per KV head, one query, and num_rows random row indices per KV head
+// (repeats allowed).
+struct DecodeCase {
+  int heads, kv_heads, d;
+  int64_t num_rows, row_stride, head_stride;
+  std::vector<float> k, v, q;
+  std::vector<int32_t> idx;
+
+  DecodeCase(unsigned seed, int heads, int kv_heads, int d, int64_t cap, int64_t num_rows)
+      : heads(heads),
+        kv_heads(kv_heads),
+        d(d),
+        num_rows(num_rows),
+        row_stride(d),
+        head_stride(cap * d),
+        idx(kv_heads * num_rows) {
+    std::mt19937 rng(seed);
+    k = Random(kv_heads * head_stride, rng);
+    v = Random(kv_heads * head_stride, rng);
+    q = Random(heads * d, rng, 2.0f);
+    for (auto& i : idx) i = static_cast<int32_t>(rng() % cap);
+  }
+};
+
 TEST(CpuKernels, DecodeAttentionOverIndexListMatchesDoubleLoop) {
-  std::mt19937 rng(6);
-  const int heads = 8, kv_heads = 2, d = 12;
-  const int64_t cap = 64, row_stride = d, head_stride = cap * d;
-  auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
-  auto q = Random(heads * d, rng, 2.0f);
-  const int64_t num_rows = 9;
-  std::vector<int32_t> idx(kv_heads * num_rows);
-  for (auto& i : idx) i = static_cast<int32_t>(rng() % cap);  // repeats allowed
+  DecodeCase c(6, 8, 2, 12, 64, 9);
+  const int heads = c.heads, kv_heads = c.kv_heads, d = c.d;
+  const int64_t num_rows = c.num_rows, row_stride = c.row_stride, head_stride = c.head_stride;
+  const auto &k = c.k, &v = c.v, &q = c.q;
+  const auto& idx = c.idx;
   const float scale = 0.3f;
   for (bool with_indices : {true, false}) {
     std::vector<float> out(heads * d);
@@ -242,14 +263,11 @@ TEST(CpuKernels, DecodeAttentionOverIndexListMatchesDoubleLoop) {
 TEST(CpuKernels, DecodeAttentionOverRowTablesEqualsPackedRowsBitForBit) {
   // The same rows given by address (in place, e.g. in the KV store's arena) and packed by
   // index: the same sums in the same order.
-  std::mt19937 rng(7);
-  const int heads = 6, kv_heads = 3, d = 16;
-  const int64_t cap = 40, row_stride = d, head_stride = cap * d;
-  auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
-  auto q = Random(heads * d, rng, 2.0f);
-  const int64_t num_rows = 11;
-  std::vector<int32_t> idx(kv_heads * num_rows);
-  for (auto& i : idx) i = static_cast<int32_t>(rng() % cap);
+  DecodeCase c(7, 6, 3, 16, 40, 11);
+  const int heads = c.heads, kv_heads = c.kv_heads, d = c.d;
+  const int64_t num_rows = c.num_rows, row_stride = c.row_stride, head_stride = c.head_stride;
+  const auto &k = c.k, &v = c.v, &q = c.q;
+  const auto& idx = c.idx;
   std::vector<const void*> k_rows(idx.size()), v_rows(idx.size());
   for (int g = 0; g < kv_heads; ++g) {
     for (int64_t j = 0; j < num_rows; ++j) {
