@@ -238,24 +238,22 @@ struct DecodeCase {
 
 TEST(CpuKernels, DecodeAttentionOverIndexListMatchesDoubleLoop) {
   DecodeCase c(6, 8, 2, 12, 64, 9);
-  const int heads = c.heads, kv_heads = c.kv_heads, d = c.d;
-  const int64_t num_rows = c.num_rows, row_stride = c.row_stride, head_stride = c.head_stride;
-  const auto &k = c.k, &v = c.v, &q = c.q;
-  const auto& idx = c.idx;
   const float scale = 0.3f;
   for (bool with_indices : {true, false}) {
-    std::vector<float> out(heads * d);
-    AttentionDecode(q.data(), {k.data(), head_stride, row_stride},
-                    {v.data(), head_stride, row_stride}, with_indices ? idx.data() : nullptr,
-                    num_rows, heads, kv_heads, d, scale, out.data());
-    for (int h = 0; h < heads; ++h) {
-      const int g = h / (heads / kv_heads);
-      std::vector<int32_t> rows(num_rows);
-      for (int64_t j = 0; j < num_rows; ++j) {
-        rows[j] = with_indices ? idx[g * num_rows + j] : static_cast<int32_t>(j);
+    std::vector<float> out(c.heads * c.d);
+    AttentionDecode(c.q.data(), {c.k.data(), c.head_stride, c.row_stride},
+                    {c.v.data(), c.head_stride, c.row_stride},
+                    with_indices ? c.idx.data() : nullptr, c.num_rows, c.heads, c.kv_heads, c.d,
+                    scale, out.data());
+    for (int h = 0; h < c.heads; ++h) {
+      const int g = h / (c.heads / c.kv_heads);
+      std::vector<int32_t> rows(c.num_rows);
+      for (int64_t j = 0; j < c.num_rows; ++j) {
+        rows[j] = with_indices ? c.idx[g * c.num_rows + j] : static_cast<int32_t>(j);
       }
-      auto want = RefAttendRow(q.data() + h * d, k, v, head_stride, row_stride, rows, g, d, scale);
-      for (int c = 0; c < d; ++c) ASSERT_NEAR(want[c], out[h * d + c], 1e-5) << "head " << h;
+      auto want = RefAttendRow(c.q.data() + h * c.d, c.k, c.v, c.head_stride, c.row_stride, rows, g,
+                               c.d, scale);
+      for (int e = 0; e < c.d; ++e) ASSERT_NEAR(want[e], out[h * c.d + e], 1e-5) << "head " << h;
     }
   }
 }
@@ -264,37 +262,33 @@ TEST(CpuKernels, DecodeAttentionOverRowTablesEqualsPackedRowsBitForBit) {
   // The same rows given by address (in place, e.g. in the KV store's arena) and packed by
   // index: the same sums in the same order.
   DecodeCase c(7, 6, 3, 16, 40, 11);
-  const int heads = c.heads, kv_heads = c.kv_heads, d = c.d;
-  const int64_t num_rows = c.num_rows, row_stride = c.row_stride, head_stride = c.head_stride;
-  const auto &k = c.k, &v = c.v, &q = c.q;
-  const auto& idx = c.idx;
-  std::vector<const void*> k_rows(idx.size()), v_rows(idx.size());
-  for (int g = 0; g < kv_heads; ++g) {
-    for (int64_t j = 0; j < num_rows; ++j) {
-      const int64_t at = g * head_stride + idx[g * num_rows + j] * row_stride;
-      k_rows[g * num_rows + j] = k.data() + at;
-      v_rows[g * num_rows + j] = v.data() + at;
+  std::vector<const void*> k_rows(c.idx.size()), v_rows(c.idx.size());
+  for (int g = 0; g < c.kv_heads; ++g) {
+    for (int64_t j = 0; j < c.num_rows; ++j) {
+      const int64_t at = g * c.head_stride + c.idx[g * c.num_rows + j] * c.row_stride;
+      k_rows[g * c.num_rows + j] = c.k.data() + at;
+      v_rows[g * c.num_rows + j] = c.v.data() + at;
     }
   }
-  std::vector<float> packed(heads * d), table(heads * d), w_packed(heads * num_rows),
-      w_table(heads * num_rows);
-  AttentionDecode(q.data(), {k.data(), head_stride, row_stride},
-                  {v.data(), head_stride, row_stride}, idx.data(), num_rows, heads, kv_heads, d,
-                  0.25f, packed.data(), w_packed.data());
+  std::vector<float> packed(c.heads * c.d), table(c.heads * c.d), w_packed(c.heads * c.num_rows),
+      w_table(c.heads * c.num_rows);
+  AttentionDecode(c.q.data(), {c.k.data(), c.head_stride, c.row_stride},
+                  {c.v.data(), c.head_stride, c.row_stride}, c.idx.data(), c.num_rows, c.heads,
+                  c.kv_heads, c.d, 0.25f, packed.data(), w_packed.data());
   // Row tables with an index list over them (the worker's prefetched map), here the identity.
-  std::vector<int32_t> identity(idx.size());
-  for (int g = 0; g < kv_heads; ++g) {
-    for (int64_t j = 0; j < num_rows; ++j) identity[g * num_rows + j] = static_cast<int32_t>(j);
+  std::vector<int32_t> identity(c.idx.size());
+  for (int g = 0; g < c.kv_heads; ++g) {
+    for (int64_t j = 0; j < c.num_rows; ++j) identity[g * c.num_rows + j] = static_cast<int32_t>(j);
   }
-  AttentionDecode(q.data(), {nullptr, num_rows, 1, k_rows.data()},
-                  {nullptr, num_rows, 1, v_rows.data()}, identity.data(), num_rows, heads, kv_heads,
-                  d, 0.25f, table.data(), w_table.data());
+  AttentionDecode(c.q.data(), {nullptr, c.num_rows, 1, k_rows.data()},
+                  {nullptr, c.num_rows, 1, v_rows.data()}, identity.data(), c.num_rows, c.heads,
+                  c.kv_heads, c.d, 0.25f, table.data(), w_table.data());
   EXPECT_EQ(table, packed);
   EXPECT_EQ(w_table, w_packed);
   std::fill(table.begin(), table.end(), 0.0f);
-  AttentionDecode(q.data(), {nullptr, num_rows, 1, k_rows.data()},
-                  {nullptr, num_rows, 1, v_rows.data()}, nullptr, num_rows, heads, kv_heads, d,
-                  0.25f, table.data());
+  AttentionDecode(c.q.data(), {nullptr, c.num_rows, 1, k_rows.data()},
+                  {nullptr, c.num_rows, 1, v_rows.data()}, nullptr, c.num_rows, c.heads, c.kv_heads,
+                  c.d, 0.25f, table.data());
   EXPECT_EQ(table, packed);
 }
 
