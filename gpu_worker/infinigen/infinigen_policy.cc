@@ -118,14 +118,14 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     const float* skew = partial_skew_[r.layer].data();
     q_partial_.resize(static_cast<size_t>(heads) * p);
     for (int h = 0; h < heads; ++h) {
-      Project(query + static_cast<size_t>(h) * d, skew + static_cast<size_t>(h / group) * d * p,
-              d, p, q_partial_.data() + static_cast<size_t>(h) * p);
+      Project(query + static_cast<size_t>(h) * d, skew + static_cast<size_t>(h / group) * d * p, d,
+              p, q_partial_.data() + static_cast<size_t>(h) * p);
     }
     Prescored& pre = prescored_[r.layer % 2];
-    const int64_t reuse = pre.seq == r.seq && pre.layer == r.layer && pre.n <= n &&
-                                  pre.q_partial == q_partial_
-                              ? pre.n
-                              : 0;
+    const int64_t reuse =
+        pre.seq == r.seq && pre.layer == r.layer && pre.n <= n && pre.q_partial == q_partial_
+            ? pre.n
+            : 0;
     scores_.resize(static_cast<size_t>(heads) * n);
     double count_sum = 0;
     for (int h = 0; h < heads; ++h) {
