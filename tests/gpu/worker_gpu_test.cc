@@ -24,13 +24,7 @@ const char* kModel = "hf/llama31_gqa";
 // A greedy request for `max_new` tokens of `prompt` under `policy`, streamed to the end.
 testing::WorkerStreamResult Stream(wv1::Worker::Stub& stub, const std::vector<int32_t>& prompt,
                                    int max_new, const std::string& policy) {
-  wv1::GenerateRequest request;
-  for (int32_t t : prompt) request.mutable_token_ids()->add_ids(t);
-  request.mutable_sampling()->set_temperature(0.0f);
-  request.mutable_stopping()->set_max_new_tokens(max_new);
-  request.mutable_stopping()->set_ignore_eos(true);
-  request.mutable_selection()->set_policy(policy);
-  return testing::StreamWorker(stub, request);
+  return testing::StreamWorker(stub, testing::TokenRequest(prompt, max_new, 0.0f, 0, policy));
 }
 
 class WorkerOnGpu : public ::testing::Test {

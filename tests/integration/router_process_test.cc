@@ -20,6 +20,7 @@
 #include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
+#include "tests/support/token_request.h"
 
 namespace infinigen {
 namespace {
@@ -34,21 +35,10 @@ constexpr int kVocab = 211;
 
 std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 
-template <typename Request>
-void Fill(Request& r, const std::vector<int32_t>& prompt, int max_new, float temperature,
-          uint64_t seed) {
-  for (int32_t t : prompt) r.mutable_token_ids()->add_ids(t);
-  r.mutable_sampling()->set_temperature(temperature);
-  r.mutable_sampling()->set_top_k(temperature > 0 ? 30 : 0);
-  r.mutable_sampling()->set_seed(seed);
-  r.mutable_stopping()->set_max_new_tokens(max_new);
-  r.mutable_stopping()->set_ignore_eos(true);
-}
-
 v1::GenerateRequest Request(const std::vector<int32_t>& prompt, int max_new, float temperature = 0,
                             uint64_t seed = 0) {
   v1::GenerateRequest r;
-  Fill(r, prompt, max_new, temperature, seed);
+  testing::FillTokenRequest(r, prompt, max_new, temperature, seed);
   return r;
 }
 

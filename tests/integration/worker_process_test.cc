@@ -40,18 +40,7 @@ using testing::RandomTokens;
 using StreamResult = testing::WorkerStreamResult;
 using testing::StreamWorker;
 
-wv1::GenerateRequest Request(const std::vector<int32_t>& prompt, int max_new, float temperature,
-                             uint64_t seed, const std::string& policy = "") {
-  wv1::GenerateRequest r;
-  for (int32_t t : prompt) r.mutable_token_ids()->add_ids(t);
-  r.mutable_sampling()->set_temperature(temperature);
-  r.mutable_sampling()->set_top_k(temperature > 0 ? 30 : 0);
-  r.mutable_sampling()->set_seed(seed);
-  r.mutable_stopping()->set_max_new_tokens(max_new);
-  r.mutable_stopping()->set_ignore_eos(true);
-  if (!policy.empty()) r.mutable_selection()->set_policy(policy);
-  return r;
-}
+using testing::TokenRequest;
 
 class WorkerProcess : public ::testing::Test {
  protected:
@@ -140,7 +129,7 @@ std::string* WorkerProcess::sidecar_path_ = nullptr;
 
 TEST_F(WorkerProcess, FullPolicyStreamsExactlyTheLocalEnginesTokens) {
   const auto prompt = RandomTokens(37, vocab(), 1);
-  const StreamResult r = StreamWorker(*stub_, Request(prompt, 40, 0.0f, 0));
+  const StreamResult r = StreamWorker(*stub_, TokenRequest(prompt, 40, 0.0f, 0));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, Local(prompt, 40, 0.0f, 0));
   EXPECT_EQ(r.last.finish_reason(), infinigen::v1::FINISH_REASON_LENGTH);
@@ -153,7 +142,7 @@ TEST_F(WorkerProcess, FullPolicyStreamsExactlyTheLocalEnginesTokens) {
 
 TEST_F(WorkerProcess, InfinigenRunsAndFetchesLess) {
   const auto prompt = RandomTokens(120, vocab(), 2);
-  const StreamResult r = StreamWorker(*stub_, Request(prompt, 30, 0.0f, 0, "infinigen"));
+  const StreamResult r = StreamWorker(*stub_, TokenRequest(prompt, 30, 0.0f, 0, "infinigen"));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens.size(), 30u);
   const auto& u = r.last.usage();
@@ -167,7 +156,7 @@ TEST_F(WorkerProcess, InfinigenAttendsDenselyBelowTheMinimumBudget) {
   // --min_budget_tokens=8: a 4-token prompt with 4 new tokens never has more than 8 rows, so
   // every layer reads them all and the tokens are the dense ones.
   const auto prompt = RandomTokens(4, vocab(), 9);
-  const StreamResult r = StreamWorker(*stub_, Request(prompt, 4, 0.0f, 0, "infinigen"));
+  const StreamResult r = StreamWorker(*stub_, TokenRequest(prompt, 4, 0.0f, 0, "infinigen"));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, Local(prompt, 4, 0.0f, 0));
   EXPECT_DOUBLE_EQ(r.last.usage().selection_fraction(), 1.0);
@@ -184,7 +173,7 @@ TEST_F(WorkerProcess, SixteenConcurrentStreamsEachProduceWhatTheyProduceAlone) {
   std::vector<std::thread> threads;
   for (int i = 0; i < kStreams; ++i) {
     threads.emplace_back([&, i] {
-      got[i] = StreamWorker(*stub_, Request(prompts[i], 24, i % 2 ? 0.9f : 0.0f, 7 + i));
+      got[i] = StreamWorker(*stub_, TokenRequest(prompts[i], 24, i % 2 ? 0.9f : 0.0f, 7 + i));
     });
   }
   for (auto& t : threads) t.join();
@@ -199,13 +188,14 @@ TEST_F(WorkerProcess, CancelMidStreamFreesTheStoreSequence) {
   grpc::ClientContext context;
   bool cancelled = false;
   const auto prompt = RandomTokens(20, vocab(), 3);
-  const StreamResult r = StreamWorker(*stub_, Request(prompt, 200, 0.0f, 0), &context, [&](int n) {
-    if (n == 3 && !cancelled) {
-      EXPECT_EQ(StoreSequences(), 1) << "the stream's sequence is open in the store";
-      context.TryCancel();
-      cancelled = true;
-    }
-  });
+  const StreamResult r =
+      StreamWorker(*stub_, TokenRequest(prompt, 200, 0.0f, 0), &context, [&](int n) {
+        if (n == 3 && !cancelled) {
+          EXPECT_EQ(StoreSequences(), 1) << "the stream's sequence is open in the store";
+          context.TryCancel();
+          cancelled = true;
+        }
+      });
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::CANCELLED);
   int64_t open = -1;
   for (int i = 0; i < 100 && open != 0; ++i) {
@@ -217,12 +207,13 @@ TEST_F(WorkerProcess, CancelMidStreamFreesTheStoreSequence) {
 
 TEST_F(WorkerProcess, KilledStoreEndsTheStreamUnavailableAndTheWorkerRecovers) {
   const auto prompt = RandomTokens(20, vocab(), 4);
-  const StreamResult r = StreamWorker(*stub_, Request(prompt, 200, 0.0f, 0), nullptr, [&](int n) {
-    if (n == 1) {
-      store_->Signal(SIGSTOP);  // freeze it mid-stream, then kill it
-      store_->Kill();
-    }
-  });
+  const StreamResult r =
+      StreamWorker(*stub_, TokenRequest(prompt, 200, 0.0f, 0), nullptr, [&](int n) {
+        if (n == 1) {
+          store_->Signal(SIGSTOP);  // freeze it mid-stream, then kill it
+          store_->Kill();
+        }
+      });
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
   EXPECT_LT(r.tokens.size(), 200u);
   // The worker is alive and healthy.
@@ -233,7 +224,7 @@ TEST_F(WorkerProcess, KilledStoreEndsTheStreamUnavailableAndTheWorkerRecovers) {
   StartStore();
   grpc::Status last;
   for (int i = 0; i < 50; ++i) {
-    const StreamResult again = StreamWorker(*stub_, Request(prompt, 10, 0.0f, 0));
+    const StreamResult again = StreamWorker(*stub_, TokenRequest(prompt, 10, 0.0f, 0));
     last = again.status;
     if (last.ok()) {
       EXPECT_EQ(again.tokens, Local(prompt, 10, 0.0f, 0));
@@ -258,10 +249,10 @@ TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
   std::string pushback;
   const auto prompt = RandomTokens(16, vocab(), 8);
   const StreamResult first =
-      StreamWorker(*stub, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
+      StreamWorker(*stub, TokenRequest(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
         if (n != 1) return;
         grpc::ClientContext ctx;
-        auto reader = stub->Generate(&ctx, Request(prompt, 4, 0.0f, 0));
+        auto reader = stub->Generate(&ctx, TokenRequest(prompt, 4, 0.0f, 0));
         wv1::GenerateResponse msg;
         while (reader->Read(&msg)) {
         }
@@ -275,34 +266,34 @@ TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
   EXPECT_EQ(pushback, "200");
   // Once the first is done, the worker takes the next one.
-  EXPECT_TRUE(StreamWorker(*stub, Request(prompt, 4, 0.0f, 0)).status.ok());
+  EXPECT_TRUE(StreamWorker(*stub, TokenRequest(prompt, 4, 0.0f, 0)).status.ok());
 }
 
 TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
   auto code_of = [&](const wv1::GenerateRequest& r) { return StreamWorker(*stub_, r).status; };
   wv1::GenerateRequest none;  // no input
   EXPECT_EQ(code_of(none).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  auto bad_id = Request({1, 2, static_cast<int32_t>(vocab()) + 5}, 4, 0, 0);
+  auto bad_id = TokenRequest({1, 2, static_cast<int32_t>(vocab()) + 5}, 4, 0, 0);
   grpc::Status st = code_of(bad_id);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(st.error_message().find("vocabulary"), std::string::npos) << st.error_message();
-  auto too_many = Request({1, 2}, 100000, 0, 0);
+  auto too_many = TokenRequest({1, 2}, 100000, 0, 0);
   st = code_of(too_many);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(st.error_message().find("max_new_tokens"), std::string::npos) << st.error_message();
-  auto bad_policy = Request({1, 2}, 4, 0, 0, "h2o");
+  auto bad_policy = TokenRequest({1, 2}, 4, 0, 0, "h2o");
   EXPECT_EQ(code_of(bad_policy).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  auto bad_budget = Request({1, 2}, 4, 0, 0, "infinigen");
+  auto bad_budget = TokenRequest({1, 2}, 4, 0, 0, "infinigen");
   bad_budget.mutable_selection()->set_budget_fraction(7.0);
   EXPECT_EQ(code_of(bad_budget).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  auto bad_sampling = Request({1, 2}, 4, 0, 0);
+  auto bad_sampling = TokenRequest({1, 2}, 4, 0, 0);
   bad_sampling.mutable_sampling()->set_top_p(-1);
   EXPECT_EQ(code_of(bad_sampling).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   wv1::GenerateRequest text;  // the fixture has no tokenizer: a clear refusal
   text.set_text("hello");
   EXPECT_EQ(code_of(text).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   // The worker still serves.
-  EXPECT_TRUE(StreamWorker(*stub_, Request({1, 2, 3}, 4, 0, 0)).status.ok());
+  EXPECT_TRUE(StreamWorker(*stub_, TokenRequest({1, 2, 3}, 4, 0, 0)).status.ok());
 }
 
 grpc::health::v1::HealthCheckResponse::ServingStatus Health(grpc::Channel& channel) {
@@ -329,16 +320,17 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   grpc::health::v1::HealthCheckResponse::ServingStatus during = {};
   grpc::Status refused;
   const auto prompt = RandomTokens(16, vocab(), 6);
-  const StreamResult r = StreamWorker(*stub_, Request(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
-    if (n != 1) return;
-    worker_->Signal(SIGTERM);
-    for (int i = 0; i < 100; ++i) {  // the signal is handled asynchronously
-      during = Health(*channel_);
-      if (during == grpc::health::v1::HealthCheckResponse::NOT_SERVING) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    refused = StreamWorker(*stub_, Request(prompt, 4, 0.0f, 0)).status;
-  });
+  const StreamResult r =
+      StreamWorker(*stub_, TokenRequest(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
+        if (n != 1) return;
+        worker_->Signal(SIGTERM);
+        for (int i = 0; i < 100; ++i) {  // the signal is handled asynchronously
+          during = Health(*channel_);
+          if (during == grpc::health::v1::HealthCheckResponse::NOT_SERVING) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        refused = StreamWorker(*stub_, TokenRequest(prompt, 4, 0.0f, 0)).status;
+      });
   EXPECT_EQ(during, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
   EXPECT_TRUE(r.status.ok()) << r.status.error_message();
@@ -359,7 +351,7 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
   auto stub = wv1::Worker::NewStub(channel);
   EXPECT_EQ(Health(*channel), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   const auto prompt = RandomTokens(8, vocab(), 3);
-  const StreamResult early = StreamWorker(*stub, Request(prompt, 4, 0.0f, 0));
+  const StreamResult early = StreamWorker(*stub, TokenRequest(prompt, 4, 0.0f, 0));
   EXPECT_EQ(early.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_NE(early.status.error_message().find("loading"), std::string::npos)
       << early.status.error_message();
@@ -374,7 +366,7 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
     health = Health(*channel);
   }
   ASSERT_EQ(health, grpc::health::v1::HealthCheckResponse::SERVING);
-  const StreamResult r = StreamWorker(*stub, Request(prompt, 4, 0.0f, 0));
+  const StreamResult r = StreamWorker(*stub, TokenRequest(prompt, 4, 0.0f, 0));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, Local(prompt, 4, 0.0f, 0));
 }

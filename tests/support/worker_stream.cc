@@ -2,7 +2,18 @@
 
 #include <chrono>
 
+#include "tests/support/token_request.h"
+
 namespace infinigen::testing {
+
+worker::v1::GenerateRequest TokenRequest(const std::vector<int32_t>& prompt, int max_new,
+                                         float temperature, uint64_t seed,
+                                         const std::string& policy) {
+  worker::v1::GenerateRequest r;
+  FillTokenRequest(r, prompt, max_new, temperature, seed);
+  if (!policy.empty()) r.mutable_selection()->set_policy(policy);
+  return r;
+}
 
 WorkerStreamResult StreamWorker(worker::v1::Worker::Stub& stub,
                                 const worker::v1::GenerateRequest& request,
