@@ -58,6 +58,8 @@ if(INFINIGEN_WITH_SERVICES)
   find_program(INFINIGEN_GRPC_CPP_PLUGIN grpc_cpp_plugin)
   if(Protobuf_FOUND AND gRPC_FOUND AND INFINIGEN_GRPC_CPP_PLUGIN)
     set(INFINIGEN_HAVE_SERVICES ON)
+    # Metrics: prometheus-cpp's core (registry, text format); common/metrics serves them.
+    find_package(prometheus-cpp CONFIG REQUIRED)
   endif()
 endif()
 

@@ -2,7 +2,6 @@
 
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
@@ -64,14 +63,10 @@ absl::StatusOr<std::unique_ptr<RouterMetrics>> RouterMetrics::Start(int port,
                                                                     const Admission& admission,
                                                                     const WorkerPool& pool) {
   std::unique_ptr<RouterMetrics> m(new RouterMetrics());
-  try {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat("0.0.0.0:", port));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("metrics port ", port, ": ", e.what()));
-  }
-  auto collectable = std::make_shared<RouterCollectable>(admission, pool);
-  m->exposer_->RegisterCollectable(collectable);
-  m->collectable_ = collectable;
+  auto exposer = MetricsExposer::Start(port);
+  if (!exposer.ok()) return exposer.status();
+  m->exposer_ = std::move(*exposer);
+  m->exposer_->Register(std::make_shared<RouterCollectable>(admission, pool));
   m->registry_ = std::make_shared<prometheus::Registry>();
   m->requests_ = &prometheus::BuildCounter()
                       .Name("infinigen_router_requests_total")
@@ -93,7 +88,7 @@ absl::StatusOr<std::unique_ptr<RouterMetrics>> RouterMetrics::Start(int port,
                   .Register(*m->registry_)
                   .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.025, 0.05, 0.1, 0.25,
                                                                    0.5, 1, 2.5, 5, 10, 30});
-  m->exposer_->RegisterCollectable(m->registry_);
+  m->exposer_->Register(m->registry_);
   return m;
 }
 

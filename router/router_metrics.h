@@ -8,10 +8,10 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "common/metrics/exposer.h"
 
 namespace prometheus {
 class Counter;
-class Exposer;
 class Histogram;
 class Registry;
 template <typename T>
@@ -37,9 +37,8 @@ class RouterMetrics {
 
  private:
   RouterMetrics() = default;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsExposer> exposer_;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::shared_ptr<void> collectable_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   prometheus::Counter* failovers_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;

@@ -1,7 +1,6 @@
 #include "gpu_worker/service/worker_metrics.h"
 
 #include <prometheus/collectable.h>
-#include <prometheus/exposer.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
@@ -69,14 +68,10 @@ class EngineCollectable final : public prometheus::Collectable {
 absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Start(const BatchEngine& engine,
                                                                     int port) {
   std::unique_ptr<WorkerMetrics> m(new WorkerMetrics());
-  try {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat("0.0.0.0:", port));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("metrics port ", port, ": ", e.what()));
-  }
-  auto collectable = std::make_shared<EngineCollectable>(engine);
-  m->exposer_->RegisterCollectable(collectable);
-  m->collectable_ = collectable;
+  auto exposer = MetricsExposer::Start(port);
+  if (!exposer.ok()) return exposer.status();
+  m->exposer_ = std::move(*exposer);
+  m->exposer_->Register(std::make_shared<EngineCollectable>(engine));
   m->registry_ = std::make_shared<prometheus::Registry>();
   const prometheus::Histogram::BucketBoundaries ttft = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                         1,    2.5,   5,    10,  30};
@@ -93,7 +88,7 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Start(const BatchE
            .Help("Mean time between a request's tokens after the first")
            .Register(*m->registry_)
            .Add({}, tpot);
-  m->exposer_->RegisterCollectable(m->registry_);
+  m->exposer_->Register(m->registry_);
   return m;
 }
 

@@ -6,11 +6,11 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "common/metrics/exposer.h"
 #include "gpu_worker/engine/batch_engine.h"
 #include "gpu_worker/service/worker_service.h"
 
 namespace prometheus {
-class Exposer;
 class Registry;
 }  // namespace prometheus
 
@@ -26,9 +26,8 @@ class WorkerMetrics {
 
  private:
   WorkerMetrics() = default;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsExposer> exposer_;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::shared_ptr<void> collectable_;
   WorkerLatencyMetrics latency_;
 };
 

@@ -1,7 +1,6 @@
 #include "kv_store/service/kvstore_metrics.h"
 
 #include <prometheus/collectable.h>
-#include <prometheus/exposer.h>
 #include <prometheus/metric_family.h>
 
 #include "absl/strings/str_cat.h"
@@ -50,14 +49,10 @@ class StoreCollectable final : public prometheus::Collectable {
 absl::StatusOr<std::unique_ptr<KvStoreMetrics>> KvStoreMetrics::Start(const KvStore& store,
                                                                       int port) {
   std::unique_ptr<KvStoreMetrics> m(new KvStoreMetrics());
-  try {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat("0.0.0.0:", port));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("metrics port ", port, ": ", e.what()));
-  }
-  auto collectable = std::make_shared<StoreCollectable>(store);
-  m->exposer_->RegisterCollectable(collectable);
-  m->collectable_ = collectable;
+  auto exposer = MetricsExposer::Start(port);
+  if (!exposer.ok()) return exposer.status();
+  m->exposer_ = std::move(*exposer);
+  m->exposer_->Register(std::make_shared<StoreCollectable>(store));
   return m;
 }
 

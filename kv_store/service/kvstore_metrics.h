@@ -4,11 +4,8 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "common/metrics/exposer.h"
 #include "kv_store/kv_store.h"
-
-namespace prometheus {
-class Exposer;
-}
 
 namespace infinigen {
 
@@ -20,8 +17,7 @@ class KvStoreMetrics {
 
  private:
   KvStoreMetrics() = default;
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  std::shared_ptr<void> collectable_;
+  std::unique_ptr<MetricsExposer> exposer_;
 };
 
 }  // namespace infinigen

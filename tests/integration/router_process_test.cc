@@ -18,6 +18,7 @@
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/fixture_model.h"
+#include "tests/support/http_get.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
 #include "tests/support/token_request.h"
@@ -94,7 +95,8 @@ class RouterProcess : public ::testing::Test {
       ASSERT_TRUE(workers_[i]->running());
     }
     router_port_ = FreePort();
-    router_ = StartRouter(router_port_, {});
+    router_metrics_port_ = FreePort();
+    router_ = StartRouter(router_port_, {"--metrics_port=" + std::to_string(router_metrics_port_)});
     ASSERT_TRUE(router_->running());
     stub_ = PublicStub(router_port_);
     WaitForWorkers(*stub_, 2);
@@ -161,7 +163,7 @@ class RouterProcess : public ::testing::Test {
     return stub->Info(&c, wv1::InfoRequest(), &info).ok() ? info.running() + info.queued() : -1;
   }
 
-  int store_port_ = 0, router_port_ = 0;
+  int store_port_ = 0, router_port_ = 0, router_metrics_port_ = 0;
   int worker_ports_[2] = {0, 0};
   std::unique_ptr<ServerProcess> store_, router_;
   std::unique_ptr<ServerProcess> workers_[2];
@@ -183,6 +185,14 @@ TEST_F(RouterProcess, StreamsEqualAWorkersOwnAndCarryUsage) {
   v1::GenerateRequest named = Request({1, 2, 3}, 2);
   named.set_request_id("my-request");
   EXPECT_EQ(Stream(*stub_, named).request_id, "my-request");
+
+  const testing::HttpReply metrics = testing::HttpGet(router_metrics_port_, "/metrics");
+  ASSERT_EQ(metrics.code, 200);
+  EXPECT_EQ(testing::MetricValue(metrics.body, "infinigen_router_tokens_total"), 4 * 30 + 2);
+  EXPECT_NE(metrics.body.find("infinigen_router_requests_total{code=\"OK\"} 5"), std::string::npos)
+      << metrics.body;
+  EXPECT_EQ(testing::MetricValue(metrics.body, "infinigen_router_available_workers"), 2);
+  EXPECT_EQ(testing::MetricValue(metrics.body, "infinigen_router_streams"), 0);
 }
 
 TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {

@@ -22,6 +22,7 @@
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/fixture_model.h"
+#include "tests/support/http_get.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
 #include "tests/support/worker_stream.h"
@@ -67,8 +68,10 @@ class WorkerProcess : public ::testing::Test {
 
   void SetUp() override {
     store_port_ = FreePort();
+    store_metrics_port_ = FreePort();
     StartStore();
     worker_port_ = FreePort();
+    worker_metrics_port_ = FreePort();
     worker_ = std::make_unique<ServerProcess>(
         "infinigen-worker",
         std::vector<std::string>{
@@ -76,7 +79,7 @@ class WorkerProcess : public ::testing::Test {
             "--listen=127.0.0.1:" + std::to_string(worker_port_), "--kv_transport=grpc",
             "--kv_store=127.0.0.1:" + std::to_string(store_port_), "--policy=full",
             "--dense_layers=1", "--budget=0.3", "--min_budget_tokens=8", "--threads=1",
-            "--max_running=16"},
+            "--max_running=16", "--metrics_port=" + std::to_string(worker_metrics_port_)},
         worker_port_);
     ASSERT_TRUE(worker_->running());
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(worker_port_),
@@ -87,7 +90,8 @@ class WorkerProcess : public ::testing::Test {
     store_ = std::make_unique<ServerProcess>(
         "infinigen-kvstore",
         std::vector<std::string>{"--listen=127.0.0.1:" + std::to_string(store_port_),
-                                 "--capacity_mb=64", "--huge_pages=false"},
+                                 "--capacity_mb=64", "--huge_pages=false",
+                                 "--metrics_port=" + std::to_string(store_metrics_port_)},
         store_port_);
     ASSERT_TRUE(store_->running());
   }
@@ -119,7 +123,7 @@ class WorkerProcess : public ::testing::Test {
 
   static testing::LoadedModel* model_;
   static std::string* sidecar_path_;
-  int store_port_ = 0, worker_port_ = 0;
+  int store_port_ = 0, worker_port_ = 0, store_metrics_port_ = 0, worker_metrics_port_ = 0;
   std::unique_ptr<ServerProcess> store_, worker_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<wv1::Worker::Stub> stub_;
@@ -138,6 +142,32 @@ TEST_F(WorkerProcess, FullPolicyStreamsExactlyTheLocalEnginesTokens) {
   EXPECT_DOUBLE_EQ(r.last.usage().selection_fraction(), 1.0);
   EXPECT_GT(r.last.usage().kv_bytes_fetched(), 0);
   EXPECT_GT(r.last.timings().time_to_first_token_seconds(), 0.0);
+}
+
+TEST_F(WorkerProcess, WorkerAndStoreMetricsCountWhatWasServed) {
+  const auto prompt = RandomTokens(21, vocab(), 4);
+  const StreamResult r = StreamWorker(*stub_, TokenRequest(prompt, 12, 0.0f, 0));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+
+  const testing::HttpReply worker = testing::HttpGet(worker_metrics_port_, "/metrics");
+  ASSERT_EQ(worker.code, 200);
+  auto value = [&](const char* metric) { return testing::MetricValue(worker.body, metric); };
+  EXPECT_EQ(value("infinigen_worker_generated_tokens_total"), 12);
+  EXPECT_EQ(value("infinigen_worker_prompt_tokens_total"), 21);
+  EXPECT_EQ(value("infinigen_worker_requests_finished_total"), 1);
+  EXPECT_EQ(value("infinigen_worker_requests_failed_total"), 0);
+  EXPECT_EQ(value("infinigen_worker_running_requests"), 0);
+  EXPECT_GE(value("infinigen_worker_steps_total"), 12);
+  EXPECT_EQ(value("infinigen_worker_kv_bytes_fetched_total"), r.last.usage().kv_bytes_fetched());
+  EXPECT_EQ(value("infinigen_worker_time_to_first_token_seconds_count"), 1);
+  EXPECT_EQ(value("infinigen_worker_time_per_output_token_seconds_count"), 1);  // per request
+
+  const testing::HttpReply store = testing::HttpGet(store_metrics_port_, "/metrics");
+  ASSERT_EQ(store.code, 200);
+  EXPECT_GT(testing::MetricValue(store.body, "infinigen_kvstore_appends_total"), 0);
+  EXPECT_GT(testing::MetricValue(store.body, "infinigen_kvstore_gathered_bytes_total"), 0);
+  EXPECT_EQ(testing::MetricValue(store.body, "infinigen_kvstore_sequences"), 0)
+      << "the finished request's sequence is closed";
 }
 
 TEST_F(WorkerProcess, InfinigenRunsAndFetchesLess) {
