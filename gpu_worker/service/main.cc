@@ -32,6 +32,9 @@ ABSL_FLAG(std::string, kv_store, "127.0.0.1:50061", "the KV store's gRPC address
 ABSL_FLAG(std::string, kv_store_tls_ca, "",
           "reach the KV store over TLS, trusting this CA (presents --tls_cert when set: mTLS)");
 ABSL_FLAG(int64_t, kv_capacity_mb, 1024, "in-process store: host memory for K/V, in MiB");
+ABSL_FLAG(int32_t, kv_append_linger_ms, 5,
+          "grpc, shm, ucx: a step's appends wait up to this long to travel to the store in one "
+          "call (they go at once when a read needs them; 0: every append at once)");
 ABSL_FLAG(std::string, policy, "auto",
           "default KV selection: auto (infinigen with a sidecar, else full), full, infinigen, "
           "window");
@@ -88,6 +91,7 @@ int main(int argc, char** argv) {
                          absl::GetFlag(FLAGS_kv_store_tls_ca)};
   if (config.kv_store_tls.ca.empty()) config.kv_store_tls = {};
   config.kv_capacity_mb = absl::GetFlag(FLAGS_kv_capacity_mb);
+  config.kv_append_linger_ms = absl::GetFlag(FLAGS_kv_append_linger_ms);
   config.owner = absl::StrCat("worker-", getpid(), "-", absl::GetFlag(FLAGS_listen));
   config.policy = absl::GetFlag(FLAGS_policy);
   config.budget = absl::GetFlag(FLAGS_budget);

@@ -20,6 +20,9 @@ absl::Status WorkerConfig::Validate() const {
   IG_RETURN_IF_ERROR(backend.Options().status());
   if (model.empty()) return absl::InvalidArgumentError("--model is required");
   if (kv_capacity_mb < 1) return absl::InvalidArgumentError("--kv_capacity_mb must be >= 1");
+  if (kv_append_linger_ms < 0 || kv_append_linger_ms > 1000) {
+    return absl::InvalidArgumentError("--kv_append_linger_ms must be in [0, 1000]");
+  }
   if (device_memory_mb < 0) return absl::InvalidArgumentError("--device_memory_mb must be >= 0");
   if (max_new_tokens_limit < 1) {
     return absl::InvalidArgumentError("--max_new_tokens_limit must be >= 1");
@@ -84,6 +87,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   client_config.address = config.kv_store;
   client_config.owner = config.owner;
   client_config.tls = config.kv_store_tls;
+  client_config.append_linger = absl::Milliseconds(config.kv_append_linger_ms);
   const bool in_process = client_config.transport == KvClientConfig::Transport::kInProcess;
   if (in_process) {
     KvStoreConfig sc;

@@ -24,10 +24,11 @@ struct WorkerConfig {
   std::string sidecar;  // empty: next to the model, if present
   std::string kv_transport = "in-process";
   std::string kv_store = "127.0.0.1:50061";
-  TlsFiles kv_store_tls;          // the store's control plane
-  int64_t kv_capacity_mb = 1024;  // in-process store
-  std::string owner = "worker";   // lease holder name at the store
-  std::string policy = "auto";    // auto, full, infinigen, window
+  TlsFiles kv_store_tls;            // the store's control plane
+  int64_t kv_capacity_mb = 1024;    // in-process store
+  int32_t kv_append_linger_ms = 5;  // KvClientConfig::append_linger
+  std::string owner = "worker";     // lease holder name at the store
+  std::string policy = "auto";      // auto, full, infinigen, window
   double budget = 0.2;
   int64_t min_budget_tokens = 256;  // shorter sequences attend densely
   double alpha = 10.0;

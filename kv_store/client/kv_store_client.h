@@ -72,7 +72,11 @@ struct KvClientConfig {
   absl::Duration call_timeout = absl::Seconds(2);     // per RPC: a dead store fails fast
   absl::Duration connect_timeout = absl::Seconds(5);  // discovering the shm / UCX data plane
   absl::Duration renew_every = absl::Seconds(5);      // lease renewal period (0: never)
-  KvStore* store = nullptr;                           // in-process
+  // Queued transports: appends wait up to this long to travel together in one call, unless a
+  // gather or call needs them first (a decode step appends one row per layer; sending each on
+  // its own costs a round trip and a wakeup of the store per layer). 0: each goes at once.
+  absl::Duration append_linger = absl::Milliseconds(5);
+  KvStore* store = nullptr;  // in-process
   TlsFiles tls;  // the gRPC control plane: TLS when tls.ca is set, mTLS with tls.cert/key
 };
 absl::StatusOr<KvClientConfig::Transport> ParseTransport(absl::string_view name);

@@ -72,6 +72,7 @@ void QueuedKvClient::QueueLoop() {
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping, and everything queued has run
       const uint64_t after = queue_.front().after_append;
+      appends_wanted_ = std::max(appends_wanted_, after);  // they stop lingering
       auto appended = [this, after]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return appends_done_ >= after || appends_stopped_;
       };
@@ -97,12 +98,20 @@ void QueuedKvClient::AppendLoop() {
         appends_stopped_ = true;
         return;
       }
+      // Linger for company, unless someone waits for these appends or enough have piled up.
+      auto send = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || appends_wanted_ > appends_done_ ||
+               append_bytes_queued_ >= kMaxBatchBytes;
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&send),
+                            appends_.front().queued_at + config_.append_linger);
       size_t bytes = 0;
       while (!appends_.empty() && (batch.empty() || bytes < kMaxBatchBytes)) {
         bytes += appends_.front().k.size() + appends_.front().v.size();
         batch.push_back(std::move(appends_.front()));
         appends_.pop_front();
       }
+      append_bytes_queued_ -= bytes;
     }
     absl::Status st = DoAppendBatch(batch);
     absl::MutexLock lock(&mu_);
@@ -164,7 +173,8 @@ void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, 
   auto& last = last_append_[seq];
   if (layer >= 0 && static_cast<size_t>(layer) >= last.size()) last.resize(layer + 1, 0);
   if (layer >= 0) last[layer] = number;
-  appends_.push_back({seq, layer, start, n, std::move(k), std::move(v)});
+  append_bytes_queued_ += k.size() + v.size();
+  appends_.push_back({seq, layer, start, n, std::move(k), std::move(v), absl::Now()});
 }
 
 absl::Status QueuedKvClient::Flush(absl::Time deadline) {

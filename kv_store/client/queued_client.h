@@ -3,8 +3,11 @@
 // the first append error kept for Flush, and a lease-renewal thread. A gather waits only for the
 // appends to the (sequence, layer) pairs it reads that were queued before it, so a prefetch of
 // rows stored in earlier steps never waits behind this step's appends; synchronous calls wait for
-// every append queued before them. A transport implements the Do* calls; DoAppend runs on the
-// append thread, the others on the queue thread, so the two may run at the same time.
+// every append queued before them. Appends linger (config.append_linger) so that a step's
+// appends of every layer travel in one call: they go as soon as a gather or call waits for one
+// of them, when enough bytes are queued, or when the oldest has waited the linger. A transport
+// implements the Do* calls; DoAppend runs on the append thread, the others on the queue thread, so
+// the two may run at the same time.
 #pragma once
 
 #include <deque>
@@ -50,6 +53,7 @@ class QueuedKvClient : public KvStoreClient {
     int layer;
     int64_t start, n;
     std::vector<uint8_t> k, v;
+    absl::Time queued_at;
   };
   virtual absl::Status DoAppendBatch(const std::vector<AppendJob>& jobs);
   virtual absl::Status DoGather(const std::vector<ClientGatherItem>& items) = 0;
@@ -77,6 +81,8 @@ class QueuedKvClient : public KvStoreClient {
   std::deque<AppendJob> appends_ ABSL_GUARDED_BY(mu_);
   uint64_t appends_queued_ ABSL_GUARDED_BY(mu_) = 0;  // numbers appends 1, 2, ...
   uint64_t appends_done_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t appends_wanted_ ABSL_GUARDED_BY(mu_) = 0;  // the last append a queued job waits for
+  size_t append_bytes_queued_ ABSL_GUARDED_BY(mu_) = 0;
   bool appends_stopped_ ABSL_GUARDED_BY(mu_) = false;
   // seq -> per layer, the number of the last append queued to it.
   absl::flat_hash_map<StoreSequenceId, std::vector<uint64_t>> last_append_ ABSL_GUARDED_BY(mu_);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <thread>
 
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
@@ -49,7 +50,16 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
       ASSERT_NE(port, 0);
       cc.address = "127.0.0.1:" + std::to_string(port);
     }
+    config_ = cc;
     auto client = MakeKvStoreClient(cc);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+  }
+  // Replaces the client by one whose appends linger up to `linger`.
+  void Reconnect(absl::Duration linger) {
+    client_.reset();
+    config_.append_linger = linger;
+    auto client = MakeKvStoreClient(config_);
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
   }
@@ -86,6 +96,7 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
 #if INFINIGEN_HAVE_UCX
   std::unique_ptr<UcxGatherServer> ucx_;
 #endif
+  KvClientConfig config_;
   std::unique_ptr<KvStoreClient> client_;
 };
 
@@ -192,6 +203,34 @@ TEST_P(KvTransport, InterleavedAppendsAndGathersSeeWhatTheyNeed) {
   absl::Status st = client_->Flush(Soon());
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_TRUE(client_->Close(1).ok());
+}
+
+// Appends that linger for company (a minute here) still go at once when a gather needs one of
+// them, together with everything queued before, and when the client is destroyed.
+TEST_P(KvTransport, LingeringAppendsGoWhenAGatherNeedsThemOrTheClientCloses) {
+  Reconnect(absl::Minutes(1));
+  const bool queued = GetParam() != KvClientConfig::Transport::kInProcess;
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    client_->AppendAsync(1, layer, 0, 10, TokenRows(100 * layer, 10, 0),
+                         TokenRows(100 * layer, 10, 1));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(store_->Stats().appends, queued ? 0 : 2) << "queued appends linger";
+
+  const absl::Time start = absl::Now();
+  std::vector<uint8_t> k(2 * 32), v(2 * 32);
+  ASSERT_TRUE(client_->GatherAsync({{1, 1, 1, {9, 9}, k.data(), v.data()}})->Wait(Soon()).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "the gather did not wait out the linger";
+  EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(109, 1, 0).data(), 32));
+  EXPECT_EQ(store_->Stats().appends, 2) << "layer 0's append, queued first, went along";
+
+  client_->AppendAsync(1, 0, 10, 1, TokenRows(10, 1, 0), TokenRows(10, 1, 1));
+  const absl::Time closing = absl::Now();
+  client_.reset();
+  EXPECT_LT(absl::Now() - closing, absl::Seconds(5));
+  EXPECT_EQ(store_->Stats().appends, 3) << "a closing client sends what lingers";
+  EXPECT_EQ(store_->Stats().tokens_stored, 11);
 }
 
 TEST_P(KvTransport, BadRequestsGetClearErrors) {
