@@ -93,6 +93,10 @@ class KvCache {
                                 int64_t extra_rows = 0) {
     return absl::UnimplementedError("this KV cache reads rows in place; it does not prefetch");
   }
+  // Prefetches made between these two calls may travel together (a batch's sequences in one
+  // request to the store). Fetch submits any still held.
+  virtual void BeginPrefetches() {}
+  virtual void SubmitPrefetches() {}
   // The rows of the last Prefetch of `seq` at `layer`, packed: row j of KV head g is the j-th
   // slot of g's list. Valid until the next Prefetch or Close of `seq`. A cache whose rows the
   // backend can read where they lie answers row tables (KvView::rows) instead of copies; the

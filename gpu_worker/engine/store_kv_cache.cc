@@ -50,7 +50,12 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
 }
 
 void StoreKvCache::DropTicket(Pending& p) {
-  p.ticket.reset();  // waits for the transfer: it writes into our staging buffers
+  if (p.ticket != nullptr) {
+    // The transfer writes into our staging buffers: wait for it whoever else holds the ticket.
+    p.ticket->Wait(absl::InfiniteFuture()).IgnoreError();
+    p.ticket.reset();
+  }
+  p.deferred = false;
   p.layer = -1;
 }
 
@@ -160,9 +165,14 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
     item.v_out =
         host_access_ ? static_cast<uint8_t*>(p.staging.v->data()) : p.staging.host_v.data();
   }
-  std::vector<ClientGatherItem> items;
-  items.push_back(std::move(item));
-  p.ticket = client_.GatherAsync(std::move(items));
+  p.item = std::move(item);
+  if (deferring_) {
+    p.deferred = true;
+    deferred_.emplace_back(seq, layer % 2);
+  } else {
+    p.ticket = client_.GatherAsync({p.item});
+    p.shared = false;
+  }
   p.layer = layer;
   p.count = count;
   p.in_place = in_place;
@@ -180,12 +190,9 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
         absl::StrCat("no rows of layer ", layer, " were prefetched"));
   }
   const int64_t count = p.count;
+  if (p.deferred) SubmitPrefetches();
   if (p.ticket != nullptr) {
-    const auto t0 = std::chrono::steady_clock::now();
-    absl::Status st = p.ticket->Wait(absl::Now() + options_.fetch_timeout);
-    s.counters.wait_seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!st.ok()) {
+    if (absl::Status st = WaitGather(s, p); !st.ok()) {
       DropTicket(p);
       return st;
     }
@@ -208,6 +215,42 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
   view.k = shape_.HeadMajor(p.staging.k->data(), count);
   view.v = shape_.HeadMajor(p.staging.v->data(), count);
   return view;
+}
+
+void StoreKvCache::SubmitPrefetches() {
+  deferring_ = false;
+  std::vector<ClientGatherItem> items;
+  std::vector<Pending*> held;
+  for (const auto& [seq, parity] : deferred_) {
+    auto it = sequences_.find(seq);
+    if (it == sequences_.end()) continue;  // closed since
+    Pending& p = it->second.pending[parity];
+    if (!p.deferred) continue;  // dropped, or listed twice
+    p.deferred = false;
+    items.push_back(p.item);
+    held.push_back(&p);
+  }
+  deferred_.clear();
+  if (items.empty()) return;
+  std::shared_ptr<GatherTicket> ticket = client_.GatherAsync(std::move(items));
+  for (Pending* p : held) {
+    p->ticket = ticket;
+    p->shared = held.size() > 1;
+  }
+}
+
+absl::Status StoreKvCache::WaitGather(Sequence& s, Pending& p) {
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st = p.ticket->Wait(absl::Now() + options_.fetch_timeout);
+  // A gather of several sequences failed (and is over: not a deadline): this one's alone may not.
+  if (!st.ok() && p.shared && !absl::IsDeadlineExceeded(st)) {
+    p.ticket = client_.GatherAsync({p.item});
+    p.shared = false;
+    st = p.ticket->Wait(absl::Now() + options_.fetch_timeout);
+  }
+  s.counters.wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
 }
 
 absl::StatusOr<KvLayerView> StoreKvCache::Read(SequenceId seq, int layer) {

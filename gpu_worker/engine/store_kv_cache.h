@@ -5,7 +5,9 @@
 // not the sequence. Dense reads (prefill chunks after the first, the `full` policy) gather every
 // row: the FlexGen-style full fetch. When the store's memory is mapped here and the backend
 // computes in host memory, a prefetch moves no bytes at all: it answers the rows' addresses and
-// attention reads them in place (StoreKvCacheOptions::read_in_place).
+// attention reads them in place (StoreKvCacheOptions::read_in_place). The prefetches of a
+// batch's sequences for one layer travel as one gather (BeginPrefetches / SubmitPrefetches); if
+// that gather fails, each sequence retries its own alone, so one bad sequence fails only itself.
 //
 // Not thread-safe: the engine thread owns it. The store client it uses may be shared.
 #pragma once
@@ -51,6 +53,8 @@ class StoreKvCache final : public KvCache {
   absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override;
   absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
                         int64_t extra_rows = 0) override;
+  void BeginPrefetches() override { deferring_ = true; }
+  void SubmitPrefetches() override;
   absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) override;
   // Counts the bytes a step read where rows are read in place (a copying prefetch counts what
   // it copied).
@@ -70,7 +74,10 @@ class StoreKvCache final : public KvCache {
   // while this layer's are being used.
   struct Pending {
     Staging staging;
-    std::unique_ptr<GatherTicket> ticket;
+    ClientGatherItem item;                 // what it gathers (kept to retry it alone)
+    std::shared_ptr<GatherTicket> ticket;  // shared by the prefetches submitted together
+    bool deferred = false;                 // held for SubmitPrefetches
+    bool shared = false;                   // its ticket carries other sequences' items too
     int layer = -1;
     int64_t count = 0;
     bool in_place = false;
@@ -90,6 +97,8 @@ class StoreKvCache final : public KvCache {
   absl::StatusOr<KvLayerView> FinishGather(Sequence& s, int layer);
   // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
   static void DropTicket(Pending& p);
+  // Waits for p's gather; retries it alone if a gather it shared failed.
+  absl::Status WaitGather(Sequence& s, Pending& p);
   size_t RowBytes() const;
   // Copies the rows of `m` (backend memory, possibly strided) packed to host memory `out`.
   absl::Status RowsToHost(MatView m, uint8_t* out);
@@ -101,6 +110,8 @@ class StoreKvCache final : public KvCache {
   bool host_access_;  // the backend's memory is host memory (CPU): gather straight into it
   bool in_place_;     // prefetches answer row addresses (see StoreKvCacheOptions)
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
+  bool deferring_ = false;  // between BeginPrefetches and SubmitPrefetches
+  std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held
   std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
 };
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -149,6 +150,9 @@ absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer
                              int64_t n) {
   const ModelConfig& c = config_;
   const int64_t kv_heads = c.num_kv_heads;
+  // The batch's prefetches of this layer travel together.
+  cache.BeginPrefetches();
+  absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
   int64_t row = 0;
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];

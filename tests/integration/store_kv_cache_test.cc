@@ -227,6 +227,48 @@ TEST_P(StoreCache, ABatchEqualsEachSequenceAlone) {
   }
 }
 
+// The prefetches of a batch travel as one gather; if it fails because of one sequence (here
+// closed in the store behind the worker's back), the others still get their rows and only that
+// one fails.
+TEST_P(StoreCache, APrefetchBatchWithAFailingSequenceFailsOnlyThatOne) {
+  const auto prompts = Prompts(2);
+  std::vector<float> logits(l_.model->config().vocab_size);
+  for (SequenceId seq : {1, 2}) {
+    ASSERT_TRUE(cache_->Open(seq, 64).ok());
+    ForwardChunk c{seq, 0, prompts[seq - 1], false, nullptr};
+    ASSERT_TRUE(l_.model->Forward({&c, 1}, *cache_, logits).ok());
+  }
+  const int heads = l_.model->config().num_kv_heads;
+  const size_t row_bytes = l_.model->kv_shape().head_dim * DTypeSize(l_.model->kv_shape().dtype);
+  const std::vector<int32_t> slots(heads, 5);  // row 5 of every head
+  auto rows = [&](const KvLayerView& kv) {     // K row bytes of each head, one row per head
+    std::vector<uint8_t> out;
+    for (int g = 0; g < heads; ++g) {
+      const uint8_t* p = kv.k.rows != nullptr
+                             ? static_cast<const uint8_t*>(kv.k.rows[g])
+                             : static_cast<const uint8_t*>(kv.k.data) + g * row_bytes;
+      out.insert(out.end(), p, p + row_bytes);
+    }
+    return out;
+  };
+  ASSERT_TRUE(cache_->Prefetch(1, 0, slots.data(), 1).ok());
+  auto alone = cache_->Fetch(1, 0);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  const std::vector<uint8_t> want = rows(*alone);
+
+  cache_->BeginPrefetches();
+  ASSERT_TRUE(cache_->Prefetch(1, 0, slots.data(), 1).ok());
+  ASSERT_TRUE(cache_->Prefetch(2, 0, slots.data(), 1).ok());
+  ASSERT_TRUE(store_->Close(1000 + 2).ok());  // the store loses sequence 2
+  cache_->SubmitPrefetches();
+  auto got = cache_->Fetch(1, 0);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(rows(*got), want);
+  EXPECT_EQ(cache_->Fetch(2, 0).status().code(), absl::StatusCode::kNotFound);
+  cache_->Close(1);
+  cache_->Close(2);
+}
+
 TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
   auto h2o = Policy("h2o");
   ASSERT_TRUE(cache_->Open(1, 64).ok());

@@ -266,12 +266,15 @@ TEST_F(WorkerProcess, KilledStoreEndsTheStreamUnavailableAndTheWorkerRecovers) {
 }
 
 TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
+  // Over the fixture's store, which is stopped while the second request comes: the first
+  // cannot finish meanwhile, however fast the worker (no race with its 230 tokens).
   const int port = FreePort();
-  ServerProcess small("infinigen-worker",
-                      {"--model=" + testing::FixturePath(kModel),
-                       "--listen=127.0.0.1:" + std::to_string(port), "--kv_transport=in-process",
-                       "--policy=full", "--threads=1", "--max_running=1", "--max_queued=0"},
-                      port);
+  ServerProcess small(
+      "infinigen-worker",
+      {"--model=" + testing::FixturePath(kModel), "--listen=127.0.0.1:" + std::to_string(port),
+       "--kv_transport=grpc", "--kv_store=127.0.0.1:" + std::to_string(store_port_),
+       "--policy=full", "--threads=1", "--max_running=1", "--max_queued=0"},
+      port);
   ASSERT_TRUE(small.running());
   auto stub = wv1::Worker::NewStub(
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
@@ -281,6 +284,7 @@ TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
   const StreamResult first =
       StreamWorker(*stub, TokenRequest(prompt, 230, 0.0f, 0), nullptr, [&](int n) {
         if (n != 1) return;
+        store_->Signal(SIGSTOP);
         grpc::ClientContext ctx;
         auto reader = stub->Generate(&ctx, TokenRequest(prompt, 4, 0.0f, 0));
         wv1::GenerateResponse msg;
@@ -291,6 +295,7 @@ TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
         if (it != ctx.GetServerTrailingMetadata().end()) {
           pushback = std::string(it->second.data(), it->second.size());
         }
+        store_->Signal(SIGCONT);
       });
   EXPECT_TRUE(first.status.ok()) << first.status.error_message();
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
