@@ -220,23 +220,34 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
 void StoreKvCache::SubmitPrefetches() {
   deferring_ = false;
   std::vector<ClientGatherItem> items;
-  std::vector<Pending*> held;
+  std::vector<Pending*> group;
+  size_t bytes = 0;
+  auto submit = [&] {
+    if (items.empty()) return;
+    std::shared_ptr<GatherTicket> ticket = client_.GatherAsync(std::move(items));
+    for (Pending* p : group) {
+      p->ticket = ticket;
+      p->shared = group.size() > 1;
+    }
+    items.clear();
+    group.clear();
+    bytes = 0;
+  };
   for (const auto& [seq, parity] : deferred_) {
     auto it = sequences_.find(seq);
     if (it == sequences_.end()) continue;  // closed since
     Pending& p = it->second.pending[parity];
     if (!p.deferred) continue;  // dropped, or listed twice
     p.deferred = false;
+    const size_t item_bytes =
+        p.in_place ? 0 : 2 * static_cast<size_t>(shape_.num_kv_heads) * p.count * RowBytes();
+    if (!items.empty() && bytes + item_bytes > options_.max_batched_gather_bytes) submit();
     items.push_back(p.item);
-    held.push_back(&p);
+    group.push_back(&p);
+    bytes += item_bytes;
   }
   deferred_.clear();
-  if (items.empty()) return;
-  std::shared_ptr<GatherTicket> ticket = client_.GatherAsync(std::move(items));
-  for (Pending* p : held) {
-    p->ticket = ticket;
-    p->shared = held.size() > 1;
-  }
+  submit();
 }
 
 absl::Status StoreKvCache::WaitGather(Sequence& s, Pending& p) {

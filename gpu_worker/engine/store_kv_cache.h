@@ -33,6 +33,10 @@ struct StoreKvCacheOptions {
   // prefetched rows are attended where they lie (Fetch answers row tables, KvView::rows) instead
   // of being copied into staging. false: always copy (tests compare the two).
   bool read_in_place = true;
+  // A batch's prefetches of a layer are sent together in gathers of up to this many bytes
+  // (rows answered in place count nothing): few requests, while the first sequences' rows can
+  // already be attended as the later ones move.
+  size_t max_batched_gather_bytes = 1 << 20;
 };
 
 class StoreKvCache final : public KvCache {
