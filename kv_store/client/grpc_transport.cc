@@ -123,9 +123,17 @@ class GrpcClient final : public QueuedKvClient {
       return absl::InternalError(
           absl::StrCat("cannot map the KV store's arena: ", std::strerror(errno)));
     }
+    // A restarted store: what was known of the old one's blocks is void, and its arena goes.
+    if (arena_ != nullptr) ::munmap(const_cast<uint8_t*>(arena_), arena_bytes_);
+    tables_.clear();
+    {
+      absl::MutexLock lock(&appended_mu_);
+      appended_.clear();
+    }
     arena_ = static_cast<const uint8_t*>(p);
     arena_bytes_ = static_cast<size_t>(resp.arena_bytes());
     block_bytes_ = resp.block_bytes();
+    instance_ = resp.instance();
     return absl::OkStatus();
   }
 
@@ -144,6 +152,9 @@ class GrpcClient final : public QueuedKvClient {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
     IG_RETURN_IF_ERROR_GRPC(stub_->Open(&ctx, req, &resp));
+    // The store restarted since its arena was mapped: map the new one. Rows answered in place
+    // before are void from here; the worker opens sequences between steps, holding none.
+    if (shm_ && resp.instance() != instance_) IG_RETURN_IF_ERROR(MapArena());
     specs_[seq] = spec;
     return absl::OkStatus();
   }
@@ -162,7 +173,7 @@ class GrpcClient final : public QueuedKvClient {
         ++it;
       }
     }
-    if (arena_ != nullptr) {
+    if (shm_) {
       absl::MutexLock lock(&appended_mu_);
       absl::erase_if(appended_, [seq](const auto& e) { return e.first.first == seq; });
     }
@@ -210,7 +221,7 @@ class GrpcClient final : public QueuedKvClient {
     return st;
   }
 
-  bool reads_in_place() const override { return arena_ != nullptr; }
+  bool reads_in_place() const override { return shm_; }
 
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
     if (arena_ != nullptr) return GatherShm(items);
@@ -315,6 +326,11 @@ class GrpcClient final : public QueuedKvClient {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
     IG_RETURN_IF_ERROR_GRPC(stub_->Blocks(&ctx, req, &r));
+    if (r.instance() != instance_) {  // blocks of another run's arena than the one mapped
+      return absl::UnavailableError(
+          "the KV store restarted: its sequences are gone and its arena is mapped at the next "
+          "Open");
+    }
     t.rows = r.rows();
     t.row_bytes = r.row_bytes();
     t.blocks_per_head = r.blocks_per_head();
@@ -326,7 +342,7 @@ class GrpcClient final : public QueuedKvClient {
   // Rows [0, rows) of `layer` of `seq` are in the store since an append of this client ended
   // there (-1: unknown, after a failed append). The shm transport reads rows without asking.
   void NoteAppended(StoreSequenceId seq, int layer, int64_t rows) {
-    if (arena_ == nullptr) return;
+    if (!shm_) return;
     absl::MutexLock lock(&appended_mu_);
     appended_[{seq, layer}] = rows;
   }
@@ -407,9 +423,12 @@ class GrpcClient final : public QueuedKvClient {
 #if INFINIGEN_HAVE_UCX
   std::unique_ptr<UcxGatherChannel> ucx_;
 #endif
+  const bool shm_ = config_.transport == KvClientConfig::Transport::kShm;
+  // The mapped arena (shm; queue-thread state once the client is made).
   const uint8_t* arena_ = nullptr;
   size_t arena_bytes_ = 0;
   int64_t block_bytes_ = 0;
+  uint64_t instance_ = 0;  // the run of the store whose arena is mapped
   // Queue-thread state.
   absl::flat_hash_map<StoreSequenceId, SequenceSpec> specs_;
   std::map<std::pair<StoreSequenceId, int>, Table> tables_;

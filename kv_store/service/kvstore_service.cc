@@ -1,5 +1,9 @@
 #include "kv_store/service/kvstore_service.h"
 
+#include <unistd.h>
+
+#include <random>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc/status.h"
 
@@ -23,7 +27,15 @@ absl::StatusOr<infinigen::DType> ToDType(kvstore::v1::DType d) {
 
 }  // namespace
 
-grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req, OpenResponse*) {
+KvStoreService::KvStoreService(infinigen::KvStore& store, Clock clock)
+    : store_(store), clock_(std::move(clock)), instance_([] {
+        std::random_device rd;
+        return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
+      }()) {}
+
+grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req,
+                                  OpenResponse* resp) {
+  resp->set_instance(instance_);
   auto dtype = ToDType(req->dtype());
   if (!dtype.ok()) return ToGrpcStatus(dtype.status());
   SequenceSpec spec;
@@ -138,6 +150,7 @@ grpc::Status KvStoreService::Describe(grpc::ServerContext*, const DescribeReques
   r->set_arena_bytes(static_cast<int64_t>(a.num_blocks() * a.block_bytes()));
   r->set_block_bytes(static_cast<int64_t>(a.block_bytes()));
   r->set_ucx_port(ucx_port_.load());
+  r->set_instance(instance_);
   return grpc::Status::OK;
 }
 
@@ -148,6 +161,7 @@ grpc::Status KvStoreService::Blocks(grpc::ServerContext*, const BlocksRequest* r
   r->set_rows(b->rows);
   r->set_row_bytes(b->row_bytes);
   r->set_blocks_per_head(b->k_blocks.empty() ? 0 : static_cast<int64_t>(b->k_blocks[0].size()));
+  r->set_instance(instance_);
   for (const auto& h : b->k_blocks) r->mutable_k_blocks()->Add(h.begin(), h.end());
   for (const auto& h : b->v_blocks) r->mutable_v_blocks()->Add(h.begin(), h.end());
   return grpc::Status::OK;

@@ -14,8 +14,7 @@ namespace infinigen {
 class KvStoreService final : public kvstore::v1::KvStore::Service {
  public:
   using Clock = std::function<absl::Time()>;
-  explicit KvStoreService(KvStore& store, Clock clock = absl::Now)
-      : store_(store), clock_(std::move(clock)) {}
+  explicit KvStoreService(KvStore& store, Clock clock = absl::Now);
 
   grpc::Status Open(grpc::ServerContext*, const kvstore::v1::OpenRequest*,
                     kvstore::v1::OpenResponse*) override;
@@ -38,11 +37,15 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
 
   // The port of the UCX data plane, advertised by Describe (0: none).
   void set_ucx_port(int port) { ucx_port_ = port; }
+  // Random per service object (per run of the store process), told to clients so that a shm
+  // client notices a restarted store and maps its new arena.
+  uint64_t instance() const { return instance_; }
 
  private:
   std::atomic<int> ucx_port_{0};
   KvStore& store_;
   Clock clock_;
+  const uint64_t instance_;
 };
 
 }  // namespace infinigen
