@@ -116,6 +116,19 @@ class Backend {
   virtual absl::Status CopyToHost(const void* device, void* host, size_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;
 
+  // Host memory the device should read where it lies (the KV store's arena, mapped here):
+  // pinned and mapped into the device's address space, for GatherRows. Registering the same
+  // range again is a no-op. UNIMPLEMENTED where the backend cannot (host-accessible backends
+  // read host memory anyway and need no gather).
+  virtual absl::Status RegisterHostMemory(const void* data, size_t bytes) {
+    return absl::UnimplementedError(Name() + " does not read registered host memory");
+  }
+  // Packs n rows of row_bytes each into backend memory at dst, row i read from rows[i] (host
+  // addresses inside registered memory). INVALID_ARGUMENT for an address outside it.
+  virtual absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) {
+    return absl::UnimplementedError(Name() + " does not gather rows by address");
+  }
+
   // Uploads a float32 host matrix [rows, cols] in the backend's weight format.
   virtual absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) = 0;
 

@@ -14,7 +14,7 @@ struct CpuBackendOptions {
   WeightFormat weight_format = WeightFormat::kF32;
 };
 
-class CpuBackend final : public Backend {
+class CpuBackend : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options = {});
 

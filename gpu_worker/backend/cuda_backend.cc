@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -120,6 +121,9 @@ CudaBackend::CudaBackend(const CudaBackendOptions& options, std::unique_ptr<Hand
 
 CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(S(stream_));
+  for (const HostRegion& r : host_regions_) cudaHostUnregister(const_cast<char*>(r.host));
+  cudaGetLastError();  // a region unmapped before us fails to unregister: nothing to do
+  row_table_device_.reset();
   workspace_.reset();
   handles_.reset();
   cudaStreamDestroy(S(stream_));
@@ -169,6 +173,66 @@ absl::Status CudaBackend::CopyToHost(const void* device, void* host, size_t byte
 
 absl::Status CudaBackend::Synchronize() {
   return Check(cudaStreamSynchronize(S(stream_)), "synchronize");
+}
+
+absl::Status CudaBackend::RegisterHostMemory(const void* data, size_t bytes) {
+  const char* host = static_cast<const char*>(data);
+  for (const HostRegion& r : host_regions_) {
+    if (r.host == host && r.bytes == bytes) return absl::OkStatus();
+  }
+  int read_only = 0;
+  cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, options_.device);
+  const unsigned flags = cudaHostRegisterMapped | (read_only ? cudaHostRegisterReadOnly : 0u);
+  cudaError_t err = cudaHostRegister(const_cast<char*>(host), bytes, flags);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda backend: cannot register ", bytes, " bytes of host memory for the GPU to read",
+        read_only ? "" : " (this device cannot register read-only memory)", ": ",
+        cudaGetErrorString(err)));
+  }
+  void* device = nullptr;
+  err = cudaHostGetDevicePointer(&device, const_cast<char*>(host), 0);
+  if (err != cudaSuccess) {
+    cudaHostUnregister(const_cast<char*>(host));
+    return Check(err, "cudaHostGetDevicePointer");
+  }
+  host_regions_.push_back({host, static_cast<char*>(device), bytes});
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::GatherRows(const void* const* rows, int64_t n, size_t row_bytes,
+                                     void* dst) {
+  if (n <= 0) return absl::OkStatus();
+  row_table_.resize(static_cast<size_t>(n));
+  const HostRegion* region = host_regions_.empty() ? nullptr : &host_regions_.back();
+  int64_t align = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const char* p = static_cast<const char*>(rows[i]);
+    if (region == nullptr || p < region->host || p + row_bytes > region->host + region->bytes) {
+      region = nullptr;
+      for (const HostRegion& r : host_regions_) {
+        if (p >= r.host && p + row_bytes <= r.host + r.bytes) region = &r;
+      }
+      if (region == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cuda backend: row ", i,
+                         " of a gather is not in host memory registered with "
+                         "RegisterHostMemory"));
+      }
+    }
+    const char* device = region->device + (p - region->host);
+    row_table_[static_cast<size_t>(i)] = device;
+    align |= reinterpret_cast<int64_t>(device);
+  }
+  const size_t table_bytes = static_cast<size_t>(n) * sizeof(void*);
+  if (row_table_device_ == nullptr || row_table_device_->size() < table_bytes) {
+    IG_ASSIGN_OR_RETURN(row_table_device_, Allocate(std::max(table_bytes, size_t{4096})));
+  }
+  IG_RETURN_IF_ERROR(CopyToDevice(row_table_.data(), row_table_device_->data(), table_bytes));
+  return Check(cuda::GatherRowTable(static_cast<const void* const*>(row_table_device_->data()), n,
+                                    static_cast<int64_t>(row_bytes), align, dst, S(stream_)),
+               "GatherRows");
 }
 
 absl::StatusOr<Weight> CudaBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "gpu_worker/backend/backend.h"
 
@@ -30,6 +31,10 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
   absl::Status CopyToHost(const void* device, void* host, size_t bytes) override;
   absl::Status Synchronize() override;
+  // cudaHostRegister (mapped; read-only where the device supports it, as the KV store's arena
+  // is mapped read-only) and GatherRows by one kernel reading the rows over the host link.
+  absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
+  absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
 
@@ -64,6 +69,14 @@ class CudaBackend final : public Backend {
   std::unique_ptr<Handles> handles_;
   void* stream_;
   std::unique_ptr<Buffer> workspace_;  // decode attention partials; grows, never per step
+  struct HostRegion {
+    const char* host;
+    char* device;  // its device alias
+    size_t bytes;
+  };
+  std::vector<HostRegion> host_regions_;
+  std::vector<const void*> row_table_;  // GatherRows' device addresses, staged here
+  std::unique_ptr<Buffer> row_table_device_;
 };
 
 }  // namespace infinigen

@@ -15,7 +15,20 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
       client_(client),
       options_(options),
       host_access_(backend.host_accessible()),
-      in_place_(host_access_ && options.read_in_place && client.reads_in_place()) {}
+      in_place_(host_access_ && options.read_in_place && client.reads_in_place()) {
+  // Without registration (a backend or device that cannot) prefetches copy as before.
+  device_gathers_ = !host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
+                    client.reads_in_place() && RegisterMapped().ok();
+}
+
+absl::Status StoreKvCache::RegisterMapped() {
+  const KvStoreClient::Span m = client_.mapped_memory();
+  if (m.data == nullptr) return absl::FailedPreconditionError("the client maps no store memory");
+  if (m.data == registered_) return absl::OkStatus();
+  IG_RETURN_IF_ERROR(backend_.RegisterHostMemory(m.data, m.bytes));
+  registered_ = m.data;
+  return absl::OkStatus();
+}
 
 StoreKvCache::~StoreKvCache() {
   std::vector<SequenceId> open;
@@ -176,7 +189,7 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   p.layer = layer;
   p.count = count;
   p.in_place = in_place;
-  if (!in_place) s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
+  if (!in_place || !host_access_) s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
   s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.length[layer] *
                            static_cast<int64_t>(RowBytes());
   s.counters.fetches += 1;
@@ -197,7 +210,9 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
       return st;
     }
     p.ticket.reset();  // done; p.layer stays, so a second Fetch of the layer still works
-    if (!host_access_ && !p.in_place) {
+    if (!host_access_ && p.in_place) {  // addresses in registered store memory: the GPU reads
+      IG_RETURN_IF_ERROR(GatherOnDevice(p));
+    } else if (!host_access_) {
       const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
       IG_RETURN_IF_ERROR(
           backend_.CopyToDevice(p.staging.host_k.data(), p.staging.k->data(), bytes));
@@ -207,7 +222,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
   }
   KvLayerView view;
   view.num_slots = count;
-  if (p.in_place) {  // row tables: entry g * count + j is row j of KV head g
+  if (p.in_place && host_access_) {  // row tables: entry g * count + j is row j of KV head g
     view.k = {nullptr, shape_.dtype, count, 1, p.staging.k_rows.data()};
     view.v = {nullptr, shape_.dtype, count, 1, p.staging.v_rows.data()};
     return view;
@@ -215,6 +230,23 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
   view.k = shape_.HeadMajor(p.staging.k->data(), count);
   view.v = shape_.HeadMajor(p.staging.v->data(), count);
   return view;
+}
+
+absl::Status StoreKvCache::GatherOnDevice(Pending& p) {
+  const size_t entries = p.staging.k_rows.size();  // count + extra rows per head
+  IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
+  const int64_t rows = static_cast<int64_t>(shape_.num_kv_heads) * p.count;
+  auto gather = [&] {
+    IG_RETURN_IF_ERROR(
+        backend_.GatherRows(p.staging.k_rows.data(), rows, RowBytes(), p.staging.k->data()));
+    return backend_.GatherRows(p.staging.v_rows.data(), rows, RowBytes(), p.staging.v->data());
+  };
+  absl::Status st = gather();
+  if (absl::IsInvalidArgument(st)) {  // rows outside what was registered: a remapped arena
+    IG_RETURN_IF_ERROR(RegisterMapped());
+    st = gather();
+  }
+  return st;
 }
 
 void StoreKvCache::SubmitPrefetches() {
@@ -287,7 +319,8 @@ absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* sl
         absl::StrCat("prefetch of layer ", layer, ", ", count, " rows: out of range"));
   }
   std::vector<int32_t> list(slots, slots + shape_.num_kv_heads * count);
-  return StartGather(seq, *s, layer, std::move(list), count, extra_rows, in_place_);
+  return StartGather(seq, *s, layer, std::move(list), count, extra_rows,
+                     in_place_ || device_gathers_);
 }
 
 absl::StatusOr<KvLayerView> StoreKvCache::Fetch(SequenceId seq, int layer) {
@@ -299,7 +332,7 @@ void StoreKvCache::RecordFetch(SequenceId seq, int layer, const int32_t*, int64_
   auto it = sequences_.find(seq);
   if (it == sequences_.end() || layer < 0) return;
   const Pending& p = it->second.pending[layer % 2];
-  if (p.layer != layer || !p.in_place) return;
+  if (p.layer != layer || !p.in_place || !host_access_) return;
   it->second.counters.bytes_fetched +=
       2 * static_cast<int64_t>(shape_.num_kv_heads) * count * static_cast<int64_t>(RowBytes());
 }

@@ -37,6 +37,12 @@ struct StoreKvCacheOptions {
   // (rows answered in place count nothing): few requests, while the first sequences' rows can
   // already be attended as the later ones move.
   size_t max_batched_gather_bytes = 1 << 20;
+  // A GPU backend over a client that maps the store's memory (in-process, shm) registers that
+  // memory with the backend and gathers a prefetch's rows by address with one kernel reading
+  // them over the host link (Backend::GatherRows), instead of copying them on the CPU into
+  // staging and then to the device. Off until verified on a GPU (tests/gpu/
+  // cuda_store_cache_test.cc).
+  bool device_reads_mapped_rows = false;
 };
 
 class StoreKvCache final : public KvCache {
@@ -54,6 +60,8 @@ class StoreKvCache final : public KvCache {
 
   bool resident() const override { return false; }
   bool reads_in_place() const override { return in_place_; }
+  // Whether prefetches reach a GPU backend by Backend::GatherRows from registered store memory.
+  bool device_gathers() const { return device_gathers_; }
   absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override;
   absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
                         int64_t extra_rows = 0) override;
@@ -101,6 +109,8 @@ class StoreKvCache final : public KvCache {
   absl::StatusOr<KvLayerView> FinishGather(Sequence& s, int layer);
   // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
   static void DropTicket(Pending& p);
+  // A GPU backend's in-place prefetch: the rows at p's addresses into p's device staging.
+  absl::Status GatherOnDevice(Pending& p);
   // Waits for p's gather; retries it alone if a gather it shared failed.
   absl::Status WaitGather(Sequence& s, Pending& p);
   size_t RowBytes() const;
@@ -113,6 +123,11 @@ class StoreKvCache final : public KvCache {
   StoreKvCacheOptions options_;
   bool host_access_;  // the backend's memory is host memory (CPU): gather straight into it
   bool in_place_;     // prefetches answer row addresses (see StoreKvCacheOptions)
+  bool device_gathers_ = false;       // ... which a GPU backend gathers (device_reads_mapped_rows)
+  const void* registered_ = nullptr;  // the client's mapped memory registered with the backend
+  // Registers the client's mapped memory with the backend if it is not (again after a store
+  // restart remapped it).
+  absl::Status RegisterMapped();
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   bool deferring_ = false;  // between BeginPrefetches and SubmitPrefetches
   std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held

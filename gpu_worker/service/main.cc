@@ -35,6 +35,9 @@ ABSL_FLAG(int64_t, kv_capacity_mb, 1024, "in-process store: host memory for K/V,
 ABSL_FLAG(int32_t, kv_append_linger_ms, 5,
           "grpc, shm, ucx: a step's appends wait up to this long to travel to the store in one "
           "call (they go at once when a read needs them; 0: every append at once)");
+ABSL_FLAG(bool, kv_device_gather, false,
+          "--device cuda over in-process or shm: register the store's memory with the GPU and "
+          "gather prefetched rows there by address (experimental: not yet verified on a GPU)");
 ABSL_FLAG(std::string, policy, "auto",
           "default KV selection: auto (infinigen with a sidecar, else full), full, infinigen, "
           "window");
@@ -92,6 +95,7 @@ int main(int argc, char** argv) {
   if (config.kv_store_tls.ca.empty()) config.kv_store_tls = {};
   config.kv_capacity_mb = absl::GetFlag(FLAGS_kv_capacity_mb);
   config.kv_append_linger_ms = absl::GetFlag(FLAGS_kv_append_linger_ms);
+  config.kv_device_gather = absl::GetFlag(FLAGS_kv_device_gather);
   config.owner = absl::StrCat("worker-", getpid(), "-", absl::GetFlag(FLAGS_listen));
   config.policy = absl::GetFlag(FLAGS_policy);
   config.budget = absl::GetFlag(FLAGS_budget);

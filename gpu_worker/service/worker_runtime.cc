@@ -100,6 +100,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   StoreKvCacheOptions cache_options;
   cache_options.owner = client_config.owner;
   cache_options.id_base = std::random_device{}() * (uint64_t{1} << 32);
+  cache_options.device_reads_mapped_rows = config.kv_device_gather;
   Model& model = *w->loaded_.model;
   const KvCacheShape shape = model.kv_shape();
   EngineConfig engine_config = config.engine;

@@ -33,6 +33,20 @@ __global__ void GatherKernel(Gather g, int64_t rows_per_block) {
 }
 
 template <typename V>
+__global__ void RowTableKernel(const void* const* rows, int64_t n, int64_t row_bytes,
+                               int64_t rows_per_block, char* dst) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t count = Min64(rows_per_block, n - first);
+  if (count <= 0) return;
+  const int64_t vecs = row_bytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t t = threadIdx.x; t < count * vecs; t += blockDim.x) {
+    const int64_t r = t / vecs, v = t % vecs;
+    reinterpret_cast<V*>(dst + (first + r) * row_bytes)[v] =
+        reinterpret_cast<const V*>(rows[first + r])[v];
+  }
+}
+
+template <typename V>
 __global__ void ScatterKernel(const char* src, int64_t src_seq_stride, int64_t row_bytes,
                               const int32_t* rows, char* dst, int64_t dst_seq_stride,
                               int64_t dst_head_stride) {
@@ -77,6 +91,32 @@ cudaError_t RunGather(const Gather& g, cudaStream_t stream) {
       break;
     default:
       GatherKernel<uint16_t><<<grid, kThreads, 0, stream>>>(g, rows_per_block);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t GatherRowTable(const void* const* rows, int64_t n, int64_t row_bytes, int64_t align,
+                           void* dst, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int w = Width({align, row_bytes, reinterpret_cast<int64_t>(dst)});
+  if (w == 0 || row_bytes <= 0) return cudaErrorInvalidValue;
+  const int64_t rows_per_block = std::max<int64_t>(1, kBytesPerBlock / row_bytes);
+  const int blocks = Blocks(n, static_cast<int>(rows_per_block));
+  auto* d = static_cast<char*>(dst);
+  switch (w) {
+    case 16:
+      RowTableKernel<uint4><<<blocks, kThreads, 0, stream>>>(rows, n, row_bytes, rows_per_block, d);
+      break;
+    case 8:
+      RowTableKernel<uint2><<<blocks, kThreads, 0, stream>>>(rows, n, row_bytes, rows_per_block, d);
+      break;
+    case 4:
+      RowTableKernel<uint32_t>
+          <<<blocks, kThreads, 0, stream>>>(rows, n, row_bytes, rows_per_block, d);
+      break;
+    default:
+      RowTableKernel<uint16_t>
+          <<<blocks, kThreads, 0, stream>>>(rows, n, row_bytes, rows_per_block, d);
   }
   return cudaGetLastError();
 }

@@ -184,6 +184,13 @@ struct Gather {
 };
 cudaError_t RunGather(const Gather& g, cudaStream_t stream);
 
+// Copies n rows of row_bytes each to dst + i * row_bytes (device memory), row i from rows[i]:
+// addresses the device can read (device memory, or host memory registered and mapped, by its
+// device alias); `rows` itself in device memory. `align`: a multiple of every address in
+// `rows` (the widest access used is the largest of 16, 8, 4, 2 dividing it, row_bytes and dst).
+cudaError_t GatherRowTable(const void* const* rows, int64_t n, int64_t row_bytes, int64_t align,
+                           void* dst, cudaStream_t stream);
+
 // Writes one row per (sequence, KV head) from device rows src[b * src_seq_stride + g * row_bytes]
 // to dst (host-mapped or device) at dst + b * dst_seq_stride + g * dst_head_stride + rows[b] *
 // row_bytes: the decode step's append of the current token to a host KV cache.

@@ -222,6 +222,7 @@ class GrpcClient final : public QueuedKvClient {
   }
 
   bool reads_in_place() const override { return shm_; }
+  Span mapped_memory() const override { return {arena_, arena_bytes_}; }
 
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
     if (arena_ != nullptr) return GatherShm(items);

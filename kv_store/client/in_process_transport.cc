@@ -70,6 +70,10 @@ class InProcessClient final : public KvStoreClient {
     return std::make_unique<DoneTicket>(store_.Gather(g));
   }
   bool reads_in_place() const override { return true; }
+  Span mapped_memory() const override {
+    const Arena& a = store_.arena();
+    return {a.base(), static_cast<size_t>(a.num_blocks()) * a.block_bytes()};
+  }
   absl::StatusOr<KvStoreStats> Stats() override { return store_.Stats(); }
 
  private:

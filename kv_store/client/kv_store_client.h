@@ -61,6 +61,14 @@ class KvStoreClient {
   // store's memory is mapped in this process: the in-process and shm transports. The rows are
   // then read where they lie, by the caller, once the ticket is done.
   virtual bool reads_in_place() const { return false; }
+  // Where in this process the rows answered in place lie (the store's arena, mapped here), for
+  // a GPU to register and read them directly; {nullptr, 0} for transports that copy. shm: it
+  // changes when a restarted store's arena is mapped (at an Open).
+  struct Span {
+    const void* data = nullptr;
+    size_t bytes = 0;
+  };
+  virtual Span mapped_memory() const { return {}; }
   virtual absl::StatusOr<KvStoreStats> Stats() = 0;
 };
 

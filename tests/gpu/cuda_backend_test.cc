@@ -4,9 +4,12 @@
 #include "gpu_worker/backend/cuda_backend.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -293,6 +296,63 @@ TEST_P(CudaBackendOps, DecodeAttentionOverListedRowsWithWeights) {
 INSTANTIATE_TEST_SUITE_P(Types, CudaBackendOps,
                          ::testing::Values(DType::kF32, DType::kF16, DType::kBF16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+// Rows of a read-only shared mapping (as the KV store's arena is mapped by a shm worker),
+// registered with the backend and gathered by address in any order; an address outside the
+// registered memory is refused.
+TEST(CudaBackend, GatherRowsReadsRegisteredReadOnlyHostMemory) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto gpu = CudaBackend::Create({0, DType::kF32});
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  constexpr size_t kRowBytes = 256, kRows = 4096;
+  const int fd = ::memfd_create("gather-rows-test", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, kRows * kRowBytes), 0);
+  std::vector<uint8_t> bytes(kRows * kRowBytes);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 131 + i / 7);
+  ASSERT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  void* map = ::mmap(nullptr, bytes.size(), PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(map, MAP_FAILED);
+  const auto* base = static_cast<const uint8_t*>(map);
+  ASSERT_TRUE((*gpu)->RegisterHostMemory(map, bytes.size()).ok());
+  ASSERT_TRUE((*gpu)->RegisterHostMemory(map, bytes.size()).ok()) << "again: a no-op";
+
+  std::mt19937 rng(7);
+  std::vector<const void*> rows(1000);
+  std::vector<size_t> picked(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    picked[i] = rng() % kRows;
+    rows[i] = base + picked[i] * kRowBytes;
+  }
+  auto dst = (*gpu)->Allocate(rows.size() * kRowBytes);
+  ASSERT_TRUE(dst.ok()) << dst.status();
+  ASSERT_TRUE((*gpu)->GatherRows(rows.data(), rows.size(), kRowBytes, (*dst)->data()).ok());
+  std::vector<uint8_t> got(rows.size() * kRowBytes);
+  ASSERT_TRUE((*gpu)->CopyToHost((*dst)->data(), got.data(), got.size()).ok());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    ASSERT_EQ(
+        std::memcmp(got.data() + i * kRowBytes, bytes.data() + picked[i] * kRowBytes, kRowBytes), 0)
+        << "row " << i;
+  }
+  // 2-byte rows at odd offsets take the narrowest access.
+  std::vector<const void*> narrow = {base + 2, base + 4094, base + 10};
+  auto small = (*gpu)->Allocate(6);
+  ASSERT_TRUE(small.ok());
+  ASSERT_TRUE((*gpu)->GatherRows(narrow.data(), 3, 2, (*small)->data()).ok());
+  uint8_t six[6];
+  ASSERT_TRUE((*gpu)->CopyToHost((*small)->data(), six, 6).ok());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::memcmp(six + 2 * i, narrow[i], 2), 0) << i;
+  }
+
+  std::vector<uint8_t> elsewhere(kRowBytes);
+  const void* outside = elsewhere.data();
+  EXPECT_EQ((*gpu)->GatherRows(&outside, 1, kRowBytes, (*dst)->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  gpu->reset();  // unregisters before the mapping goes
+  ::munmap(map, bytes.size());
+}
 
 TEST(CudaBackend, WithoutADeviceCreateFailsCleanly) {
   auto backend = CudaBackend::Create({/*device=*/cuda::DeviceCount() + 3, DType::kBF16});

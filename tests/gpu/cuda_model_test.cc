@@ -1,7 +1,9 @@
 // The whole model on CudaBackend against Hugging Face transformers' fixtures (the same ones the
 // CPU backend passes): in f32 the logits agree to 1e-4 and the greedy continuation is
 // transformers' token for token; in bf16 and f16 the logits stay within the storage type's
-// tolerance. Also: a dense decode over the GPU's resident cache equals the prefill's logits.
+// tolerance. Also: a dense decode over the GPU's resident cache equals the prefill's logits, and
+// decoding over the KV store (rows gathered on the GPU from registered host memory, or copied)
+// gives the resident cache's tokens.
 // Skipped without a GPU.
 #include <gtest/gtest.h>
 
@@ -13,9 +15,11 @@
 #include "gpu_worker/backend/cuda_backend.h"
 #include "gpu_worker/engine/generator.h"
 #include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/engine/store_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 #include "kernels/cuda/device.h"
+#include "kv_store/client/kv_store_client.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
@@ -90,6 +94,43 @@ TEST_P(CudaModel, HalfPrecisionLogitsStayWithinTolerance) {
     SCOPED_TRACE(DTypeName(dtype));
     EXPECT_LE(MaxAbsDiff(prefill, want), tol);
     EXPECT_LE(MaxAbsDiff(decode, want), tol);
+  }
+}
+
+// The model on the GPU over the KV store in this process with rows gathered on the GPU by
+// address from the registered arena (StoreKvCacheOptions::device_reads_mapped_rows): the same
+// greedy tokens as over the GPU's resident cache, and as over the store with rows copied.
+TEST_P(CudaModel, DecodeOverTheStoreWithRowsGatheredOnTheGpuMatchesTheResidentCache) {
+  const std::string dir = FixturePath("hf/" + GetParam());
+  OnGpu g = LoadOnGpu(dir, DType::kF32);
+  ASSERT_NE(g.model, nullptr);
+  const auto prompt = testing::RandomTokens(24, g.model->config().vocab_size, 3);
+  GenerateOptions o;
+  o.max_new_tokens = 16;
+  o.ignore_eos = true;
+  ResidentKvCache resident(*g.backend, g.model->kv_shape());
+  auto want = Generate(*g.model, resident, 1, prompt, o);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  KvStoreConfig sc;
+  sc.capacity_bytes = 64 << 20;
+  sc.huge_pages = false;
+  auto store = KvStore::Create(sc);
+  ASSERT_TRUE(store.ok()) << store.status();
+  KvClientConfig cc;
+  cc.transport = KvClientConfig::Transport::kInProcess;
+  cc.store = store->get();
+  cc.renew_every = absl::ZeroDuration();
+  auto client = MakeKvStoreClient(cc);
+  ASSERT_TRUE(client.ok()) << client.status();
+  for (bool on_gpu : {true, false}) {
+    StoreKvCacheOptions options;
+    options.device_reads_mapped_rows = on_gpu;
+    StoreKvCache cache(*g.backend, g.model->kv_shape(), **client, options);
+    EXPECT_EQ(cache.device_gathers(), on_gpu);
+    auto got = Generate(*g.model, cache, 1, prompt, o);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->tokens, want->tokens) << (on_gpu ? "gathered on the GPU" : "copied");
   }
 }
 

@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <tuple>
 
 #include "gpu_worker/engine/resident_kv_cache.h"
@@ -76,6 +78,36 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
   }
   return run;
 }
+
+// A CPU backend that presents its memory as a device's: a store cache over it takes the GPU path
+// (the store's memory registered, prefetched rows gathered by address into device staging),
+// with memcpy as the device's gather.
+class DeviceLikeCpuBackend final : public CpuBackend {
+ public:
+  bool host_accessible() const override { return false; }
+  absl::Status RegisterHostMemory(const void* data, size_t bytes) override {
+    regions_.push_back({static_cast<const char*>(data), bytes});
+    return absl::OkStatus();
+  }
+  absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes,
+                          void* dst) override {
+    for (int64_t i = 0; i < n; ++i) {
+      const char* p = static_cast<const char*>(rows[i]);
+      const bool registered = std::any_of(regions_.begin(), regions_.end(), [&](const auto& r) {
+        return p >= r.first && p + row_bytes <= r.first + r.second;
+      });
+      if (!registered) return absl::InvalidArgumentError("row outside registered memory");
+      std::memcpy(static_cast<char*>(dst) + i * row_bytes, p, row_bytes);
+    }
+    rows_gathered_ += n;
+    return absl::OkStatus();
+  }
+  int64_t rows_gathered() const { return rows_gathered_; }
+
+ private:
+  std::vector<std::pair<const char*, size_t>> regions_;
+  int64_t rows_gathered_ = 0;
+};
 
 class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
  protected:
@@ -267,6 +299,31 @@ TEST_P(StoreCache, APrefetchBatchWithAFailingSequenceFailsOnlyThatOne) {
   EXPECT_EQ(cache_->Fetch(2, 0).status().code(), absl::StatusCode::kNotFound);
   cache_->Close(1);
   cache_->Close(2);
+}
+
+// The GPU path of the store cache (device_reads_mapped_rows) on a backend that is a device
+// only in name: batches decode to the resident cache's logits bit for bit, every decode step's
+// rows gathered by address from the registered arena.
+TEST_P(StoreCache, RowsGatheredByAddressOnADeviceBackendMatchTheResidentCache) {
+  ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
+  const auto prompts = Prompts(2);
+  const DecodeRun want = Decode(*l_.model, resident, {nullptr, nullptr}, prompts, 10, 1000);
+  DeviceLikeCpuBackend device;
+  StoreKvCacheOptions options;
+  options.read_in_place = std::get<1>(GetParam());
+  options.device_reads_mapped_rows = true;
+  StoreKvCache cache(device, l_.model->kv_shape(), *client_, options);
+  EXPECT_EQ(cache.device_gathers(), std::get<1>(GetParam()));
+  EXPECT_FALSE(cache.reads_in_place()) << "the device reads copies, not the rows in place";
+  const DecodeRun got = Decode(*l_.model, cache, {nullptr, nullptr}, prompts, 10, 1000);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.logits, want.logits);
+  if (cache.device_gathers()) {
+    // 9 of the 10 steps read every stored row of both layers by address, for both sequences.
+    EXPECT_GT(device.rows_gathered(), 9 * 2 * l_.model->config().num_layers);
+  } else {
+    EXPECT_EQ(device.rows_gathered(), 0);
+  }
 }
 
 TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
