@@ -62,8 +62,9 @@ class GrpcClient final : public QueuedKvClient {
  public:
   GrpcClient(const KvClientConfig& config, std::shared_ptr<grpc::ChannelCredentials> credentials)
       : QueuedKvClient(config) {
-    stub_ = pb::KvStore::NewStub(grpc::CreateCustomChannel(config.address, std::move(credentials),
-                                                           InternalChannelArgs(256 << 20)));
+    channel_ = grpc::CreateCustomChannel(config.address, std::move(credentials),
+                                         InternalChannelArgs(256 << 20));
+    stub_ = pb::KvStore::NewStub(channel_);
     Start();
   }
   ~GrpcClient() override {
@@ -85,7 +86,7 @@ class GrpcClient final : public QueuedKvClient {
   absl::Status ConnectUcx() {
 #if INFINIGEN_HAVE_UCX
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(config_.connect_timeout));
+    Prepare(ctx, config_.connect_timeout);
     pb::DescribeResponse resp;
     IG_RETURN_IF_ERROR_GRPC(stub_->Describe(&ctx, pb::DescribeRequest(), &resp));
     if (resp.ucx_port() == 0) {
@@ -103,7 +104,7 @@ class GrpcClient final : public QueuedKvClient {
   // Maps the store's arena (shm transport).
   absl::Status MapArena() {
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(config_.connect_timeout));
+    Prepare(ctx, config_.connect_timeout);
     pb::DescribeResponse resp;
     IG_RETURN_IF_ERROR_GRPC(stub_->Describe(&ctx, pb::DescribeRequest(), &resp));
     if (resp.shm_path().empty()) {
@@ -150,7 +151,7 @@ class GrpcClient final : public QueuedKvClient {
     req.set_owner(spec.owner);
     pb::OpenResponse resp;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     IG_RETURN_IF_ERROR_GRPC(stub_->Open(&ctx, req, &resp));
     // The store restarted since its arena was mapped: map the new one. Rows answered in place
     // before are void from here; the worker opens sequences between steps, holding none.
@@ -164,7 +165,7 @@ class GrpcClient final : public QueuedKvClient {
     req.set_sequence_id(seq);
     pb::CloseResponse resp;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     specs_.erase(seq);
     for (auto it = tables_.begin(); it != tables_.end();) {
       if (it->first.first == seq) {
@@ -191,7 +192,7 @@ class GrpcClient final : public QueuedKvClient {
     req.set_v(v.data(), v.size());
     pb::AppendResponse resp;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     absl::Status st = FromGrpcStatus(stub_->Append(&ctx, req, &resp));
     NoteAppended(seq, layer, st.ok() ? start + n : -1);
     return st;
@@ -215,7 +216,7 @@ class GrpcClient final : public QueuedKvClient {
     }
     pb::AppendBatchResponse resp;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     absl::Status st = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
     for (const AppendJob& j : jobs) NoteAppended(j.seq, j.layer, st.ok() ? j.start + j.n : -1);
     return st;
@@ -263,7 +264,7 @@ class GrpcClient final : public QueuedKvClient {
     }
     pb::GatherResponse resp;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     IG_RETURN_IF_ERROR_GRPC(stub_->Gather(&ctx, req, &resp));
     if (resp.results_size() != static_cast<int>(items.size())) {
       return absl::InternalError("the KV store answered a gather with the wrong number of items");
@@ -282,7 +283,7 @@ class GrpcClient final : public QueuedKvClient {
   absl::StatusOr<KvStoreStats> DoStats() override {
     pb::StatsResponse r;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     IG_RETURN_IF_ERROR_GRPC(stub_->Stats(&ctx, pb::StatsRequest(), &r));
     KvStoreStats s;
     s.sequences = r.sequences();
@@ -303,7 +304,7 @@ class GrpcClient final : public QueuedKvClient {
     req.set_owner(config_.owner);
     pb::RenewResponse resp;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     return FromGrpcStatus(stub_->Renew(&ctx, req, &resp));
   }
 
@@ -313,7 +314,17 @@ class GrpcClient final : public QueuedKvClient {
     std::vector<int32_t> k_blocks, v_blocks;  // [heads, blocks_per_head]
   };
 
-  std::chrono::system_clock::time_point Deadline() const { return Deadline(config_.call_timeout); }
+  // Sets the call's deadline, then waits (up to half the timeout, at most 1 s) for a channel
+  // that is not connected to connect. A channel that lost its store reconnects through
+  // attempts whose completion only a thread polling the channel notices; fail-fast calls do
+  // not poll, and gRPC's backup poller runs every 5 s, so without this wait a restarted store
+  // was reached only after ~5 s of UNAVAILABLE. A dead store still fails the call in time.
+  void Prepare(grpc::ClientContext& ctx, absl::Duration timeout) {
+    ctx.set_deadline(Deadline(timeout));  // the wait counts against the call's timeout
+    if (channel_->GetState(/*try_to_connect=*/true) != GRPC_CHANNEL_READY) {
+      channel_->WaitForConnected(Deadline(std::min(timeout / 2, absl::Seconds(1))));
+    }
+  }
   static std::chrono::system_clock::time_point Deadline(absl::Duration timeout) {
     return std::chrono::system_clock::now() +
            std::chrono::microseconds(absl::ToInt64Microseconds(timeout));
@@ -325,7 +336,7 @@ class GrpcClient final : public QueuedKvClient {
     req.set_layer(layer);
     pb::BlocksResponse r;
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline());
+    Prepare(ctx, config_.call_timeout);
     IG_RETURN_IF_ERROR_GRPC(stub_->Blocks(&ctx, req, &r));
     if (r.instance() != instance_) {  // blocks of another run's arena than the one mapped
       return absl::UnavailableError(
@@ -420,6 +431,7 @@ class GrpcClient final : public QueuedKvClient {
     return absl::OkStatus();
   }
 
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::KvStore::Stub> stub_;
 #if INFINIGEN_HAVE_UCX
   std::unique_ptr<UcxGatherChannel> ucx_;
