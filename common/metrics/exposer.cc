@@ -120,6 +120,9 @@ void MetricsExposer::Serve() {
 }
 
 void MetricsExposer::Answer(int fd) {
+  // A client that stops reading the reply is dropped too.
+  const timeval send_timeout = {kClientTimeoutMs / 1000, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
   std::string head;
   if (!ReadRequestHead(fd, &head)) return;
   const std::string line = head.substr(0, head.find("\r\n"));
