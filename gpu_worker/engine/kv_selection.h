@@ -4,7 +4,8 @@
 // comparisons. Policies keep per-sequence state (partial key caches, accumulated scores) and
 // see every key row the model stores, with its slot.
 //
-// Policies run on the host: the pointers below are host memory (the CPU backend's activations).
+// Policies run on the host: the pointers below are host memory, float32 (the CPU backend's
+// activations, or copies of them that the model makes on a backend the host cannot read).
 #pragma once
 
 #include <cstdint>
@@ -68,7 +69,8 @@ class KvSelectionPolicy {
   // Whether the model should report attention probabilities of decode steps (H2O).
   virtual bool wants_attention_weights() const { return false; }
   // Whether the policy reads stored K rows itself (H2O's prefill scores, the oracle's exact
-  // scores), so it cannot run over a cache that is not resident (the KV store).
+  // scores), so it cannot run over a cache that is not resident (the KV store) nor over one in
+  // memory the host cannot read (a GPU). The others see KvLayerView::num_slots only there.
   virtual bool needs_resident_kv() const { return false; }
 
   // Every K row the model stores, prefill and decode, in order.

@@ -78,6 +78,18 @@ absl::Status Model::EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<Model::HostRows> Model::ToHost(MatView m, std::vector<float>& host) {
+  if (backend_.host_accessible()) return HostRows{m.As<const float>(), m.stride};
+  const size_t count = static_cast<size_t>(m.rows * m.cols);
+  IG_RETURN_IF_ERROR(EnsureBuffer(ws_.mirror, count * sizeof(float)));
+  const MatView staging{ws_.mirror->data(), DType::kF32, m.rows, m.cols, m.cols};
+  IG_RETURN_IF_ERROR(backend_.Copy(m, staging));  // converts the activations' type
+  host.resize(count);
+  IG_RETURN_IF_ERROR(backend_.CopyToHost(staging.data, host.data(), count * sizeof(float)));
+  IG_RETURN_IF_ERROR(backend_.Synchronize());
+  return HostRows{host.data(), m.cols};
+}
+
 absl::Status Model::Norm(MatView x, const Weight& w, const Weight& b, MatView out) {
   if (config_.architecture == Architecture::kLlama) {
     return backend_.RmsNorm(x, w, config_.norm_eps, out);
@@ -150,6 +162,12 @@ absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer
                              int64_t n) {
   const ModelConfig& c = config_;
   const int64_t kv_heads = c.num_kv_heads;
+  // The speculated queries of the layer, for policies that preselect from them.
+  HostRows spec_q;
+  if (speculating_ && next_layer > 0 && !cache.reads_in_place()) {
+    IG_ASSIGN_OR_RETURN(spec_q,
+                        ToHost(SpeculatedQkv(next_layer, n).Cols(0, c.q_dim()), host_spec_q_));
+  }
   // The batch's prefetches of this layer travel together.
   cache.BeginPrefetches();
   absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
@@ -177,8 +195,7 @@ absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer
       request.kv.num_slots = stored;
       if (speculating_ && next_layer > 0 &&
           policy->speculation_input() != SpeculationInput::kNone) {
-        request.speculated_q =
-            SpeculatedQkv(next_layer, n).Cols(0, c.q_dim()).Rows(first, 1).As<const float>();
+        request.speculated_q = spec_q.Row(first);
       }
       if (!policy->Preselect(request, candidates)) continue;
     }
@@ -216,8 +233,19 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
   const int64_t kv_heads = c.num_kv_heads;
   host_slots_.resize(static_cast<size_t>(n * kv_heads));
   selections_.resize(batch.size());
-  MatView spec_q = SpeculatedQkv(layer, n).Cols(0, c.q_dim());
   const bool resident = cache.resident();
+  // Policies run on the host: they read this layer's queries and keys (and the speculated
+  // queries) as host floats, copied out of the backend's memory where the host cannot read it.
+  const bool host_memory = backend_.host_accessible();
+  const bool any_policy = std::any_of(batch.begin(), batch.end(),
+                                      [](const ForwardChunk& chunk) { return chunk.policy; });
+  HostRows qk, spec_q;  // qk: the q and k columns of qkv, which are adjacent
+  if (any_policy) {
+    IG_ASSIGN_OR_RETURN(qk, ToHost(qkv.Cols(0, c.q_dim() + c.kv_dim()), host_qk_));
+    if (speculating_ && layer > 0) {
+      IG_ASSIGN_OR_RETURN(spec_q, ToHost(SpeculatedQkv(layer, n).Cols(0, c.q_dim()), host_spec_q_));
+    }
+  }
 
   // Pass 1: store every chunk's K/V, let the policies see the keys, and choose the rows of each
   // decode token. A cache that is not resident starts fetching those rows here, so that the
@@ -230,34 +258,23 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     int32_t* slots = host_slots_.data() + row * kv_heads;
     Selection& selection = selections_[b];
     selection.all = true;
-    if (policy != nullptr && !backend_.host_accessible()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("policy ", policy->Name(), " runs on the host and cannot read ",
-                       backend_.Name(), " memory; use policy full on this backend"));
-    }
-    if (policy != nullptr && !resident && policy->needs_resident_kv()) {
+    if (policy != nullptr && policy->needs_resident_kv() && (!resident || !host_memory)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "policy ", policy->Name(), " reads stored K rows itself and needs a resident KV cache"));
+          "policy ", policy->Name(), " reads stored K rows itself and needs a resident KV cache",
+          host_memory ? "" : " in host memory (the cpu backend)",
+          "; infinigen, window and full run over any cache and backend"));
     }
     IG_RETURN_IF_ERROR(
         cache.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len), slots));
     if (policy != nullptr) {
-      KvLayerView kv;
-      if (resident) {
+      KvLayerView kv;  // the stored rows themselves only where the host can read them
+      if (resident && host_memory) {
         IG_ASSIGN_OR_RETURN(kv, cache.Read(chunk.seq, layer));
       } else {
         IG_ASSIGN_OR_RETURN(kv.num_slots, cache.NumSlots(chunk.seq, layer));
       }
-      LayerKeys keys{chunk.seq,
-                     layer,
-                     chunk.start,
-                     len,
-                     k.Rows(row, len).As<const float>(),
-                     k.stride,
-                     q.Rows(row, len).As<const float>(),
-                     q.stride,
-                     slots,
-                     kv};
+      LayerKeys keys{chunk.seq, layer,       chunk.start, len,   qk.Row(row) + c.q_dim(),
+                     qk.stride, qk.Row(row), qk.stride,   slots, kv};
       IG_RETURN_IF_ERROR(policy->OnKeys(keys));
       if (len == 1) {
         SelectRequest request;
@@ -266,9 +283,9 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
         request.position = chunk.start;
         request.current_slots = slots;
         request.kv = kv;
-        request.q = q.Rows(row, 1).As<const float>();
+        request.q = qk.Row(row);
         if (speculating_ && layer > 0 && policy->speculation_input() != SpeculationInput::kNone) {
-          request.speculated_q = spec_q.Rows(row, 1).As<const float>();
+          request.speculated_q = spec_q.Row(row);
         }
         IG_RETURN_IF_ERROR(policy->Select(request, selection));
         if (!selection.all &&

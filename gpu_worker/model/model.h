@@ -66,6 +66,8 @@ class Model {
     std::unique_ptr<Buffer> spec_in, spec_qkv[2];
     // Decode selection: row indices in device memory and attention weights, sized on demand.
     std::unique_ptr<Buffer> indices, weights;
+    // Float32 staging of activations the host policies read, on backends the host cannot read.
+    std::unique_ptr<Buffer> mirror;
   };
   absl::Status Reserve(int64_t tokens, int64_t logit_rows);
   MatView Activations(Buffer& b, int64_t rows, int64_t cols) const;
@@ -85,6 +87,15 @@ class Model {
   // Slots 0 .. stored-1 for each of `kv_heads` heads ([kv_heads, stored]): a dense read.
   static void EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t>& out);
   absl::Status EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes);
+  // Float32 rows on the host, for the selection policies (which run there).
+  struct HostRows {
+    const float* data = nullptr;
+    int64_t stride = 0;
+    const float* Row(int64_t r) const { return data + r * stride; }
+  };
+  // `m` itself where the backend's memory is host floats; else a float32 copy of it in `host`
+  // (converted on the device, then copied out; waits for the backend).
+  absl::StatusOr<HostRows> ToHost(MatView m, std::vector<float>& host);
   absl::Status Norm(MatView x, const Weight& w, const Weight& b, MatView out);
   absl::Status Attention(std::span<const ForwardChunk> batch, int layer, KvCache& cache,
                          int64_t num_tokens);
@@ -110,6 +121,7 @@ class Model {
   std::vector<int32_t> host_ids_, host_positions_;
   std::vector<int32_t> host_slots_;  // [tokens, num_kv_heads] slots from the last Append
   std::vector<float> host_weights_;
+  std::vector<float> host_qk_, host_spec_q_;  // ToHost copies (backends the host cannot read)
   std::vector<Selection> selections_;  // per chunk of the current batch, at the current layer
   std::vector<int32_t> all_slots_;     // every slot, for dense reads of a non-resident cache
   // Per layer parity and chunk: the candidate rows prefetched for a layer (-1: none),

@@ -3,8 +3,8 @@
 // transformers' token for token; in bf16 and f16 the logits stay within the storage type's
 // tolerance. Also: a dense decode over the GPU's resident cache equals the prefill's logits, and
 // decoding over the KV store (rows gathered on the GPU from registered host memory, or copied)
-// gives the resident cache's tokens.
-// Skipped without a GPU.
+// gives the resident cache's tokens; host selection policies (InfiniGen, the window) with the
+// model on the GPU pick the CPU backend's tokens. Skipped without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +16,9 @@
 #include "gpu_worker/engine/generator.h"
 #include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/engine/store_kv_cache.h"
+#include "gpu_worker/infinigen/prepare.h"
+#include "gpu_worker/infinigen/selection_config.h"
+#include "gpu_worker/infinigen/sidecar.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 #include "kernels/cuda/device.h"
@@ -57,6 +60,28 @@ float MaxAbs(const std::vector<float>& a) {
   for (float x : a) m = std::max(m, std::abs(x));
   return m;
 }
+
+// A KV store in this process and its in-process client (null after recording a failure).
+struct InProcessStore {
+  InProcessStore() {
+    KvStoreConfig sc;
+    sc.capacity_bytes = 64 << 20;
+    sc.huge_pages = false;
+    auto s = KvStore::Create(sc);
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) return;
+    store = std::move(*s);
+    KvClientConfig cc;
+    cc.transport = KvClientConfig::Transport::kInProcess;
+    cc.store = store.get();
+    cc.renew_every = absl::ZeroDuration();
+    auto c = MakeKvStoreClient(cc);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (c.ok()) client = std::move(*c);
+  }
+  std::unique_ptr<KvStore> store;
+  std::unique_ptr<KvStoreClient> client;
+};
 
 class CudaModel : public ::testing::TestWithParam<std::string> {
  protected:
@@ -112,25 +137,62 @@ TEST_P(CudaModel, DecodeOverTheStoreWithRowsGatheredOnTheGpuMatchesTheResidentCa
   auto want = Generate(*g.model, resident, 1, prompt, o);
   ASSERT_TRUE(want.ok()) << want.status();
 
-  KvStoreConfig sc;
-  sc.capacity_bytes = 64 << 20;
-  sc.huge_pages = false;
-  auto store = KvStore::Create(sc);
-  ASSERT_TRUE(store.ok()) << store.status();
-  KvClientConfig cc;
-  cc.transport = KvClientConfig::Transport::kInProcess;
-  cc.store = store->get();
-  cc.renew_every = absl::ZeroDuration();
-  auto client = MakeKvStoreClient(cc);
-  ASSERT_TRUE(client.ok()) << client.status();
+  InProcessStore store;
+  ASSERT_NE(store.client, nullptr);
   for (bool on_gpu : {true, false}) {
     StoreKvCacheOptions options;
     options.device_reads_mapped_rows = on_gpu;
-    StoreKvCache cache(*g.backend, g.model->kv_shape(), **client, options);
+    StoreKvCache cache(*g.backend, g.model->kv_shape(), *store.client, options);
     EXPECT_EQ(cache.device_gathers(), on_gpu);
     auto got = Generate(*g.model, cache, 1, prompt, o);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(got->tokens, want->tokens) << (on_gpu ? "gathered on the GPU" : "copied");
+  }
+}
+
+// Host selection policies with the model on the GPU in f32: the policies read float32 copies
+// of the GPU's queries, keys and speculated queries and pick the CPU backend's rows, so a batch
+// of two sequences decodes to the CPU backend's greedy tokens under InfiniGen (layer 1 sparse)
+// and the window, over the GPU's resident cache and over the store with rows gathered on the GPU.
+TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
+  const std::string dir = FixturePath("hf/" + GetParam());
+  OnGpu g = LoadOnGpu(dir, DType::kF32);
+  testing::LoadedModel cpu = testing::LoadModel(dir);
+  ASSERT_NE(g.model, nullptr);
+  ASSERT_NE(cpu.model, nullptr);
+  const int64_t vocab = cpu.model->config().vocab_size;
+  PrepareOptions po;
+  po.ratio = 0.5f;
+  po.chunk_tokens = 40;
+  auto sidecar = PrepareInfinigen(*cpu.model, *cpu.ckpt, testing::RandomTokens(96, vocab, 5), po);
+  ASSERT_TRUE(sidecar.ok()) << sidecar.status();
+  auto policy = [&](const std::string& name) {
+    SelectionConfig config;
+    config.policy = name;
+    config.dense_layers = 1;  // the fixtures have 2 layers: make layer 1 sparse
+    config.budget_fraction = 0.3;
+    auto p = MakeSelectionPolicy(config, cpu.model->config(), &*sidecar);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  };
+  const std::vector<std::vector<int32_t>> prompts = {testing::RandomTokens(30, vocab, 11),
+                                                     testing::RandomTokens(41, vocab, 12)};
+  InProcessStore store;
+  ASSERT_NE(store.client, nullptr);
+  for (const std::string name : {"infinigen", "window"}) {
+    SCOPED_TRACE(name);
+    auto a = policy(name), b = policy(name);
+    ResidentKvCache cpu_cache(*cpu.backend, cpu.model->kv_shape());
+    const auto want = testing::Decode(*cpu.model, cpu_cache, {a.get(), b.get()}, prompts, 12, 1000);
+    ResidentKvCache resident(*g.backend, g.model->kv_shape());
+    StoreKvCacheOptions options;
+    options.device_reads_mapped_rows = true;
+    StoreKvCache over_store(*g.backend, g.model->kv_shape(), *store.client, options);
+    for (KvCache* cache : std::vector<KvCache*>{&resident, &over_store}) {
+      auto c = policy(name), d = policy(name);
+      const auto got = testing::Decode(*g.model, *cache, {c.get(), d.get()}, prompts, 12, 1000);
+      EXPECT_EQ(got.tokens, want.tokens) << (cache == &resident ? "resident" : "over the store");
+    }
   }
 }
 

@@ -1,7 +1,7 @@
 // The worker service end to end on the GPU: infinigen-worker --device=cuda and infinigen-kvstore
 // as real processes on 127.0.0.1 with the tiny Llama 3.1 fixture. In f32 the stream is exactly
-// the CPU engine's greedy tokens, with the K/V going through the store; a host-side selection
-// policy is refused with FAILED_PRECONDITION naming the fix. Skipped without a GPU.
+// the CPU engine's greedy tokens, with the K/V going through the store, under the dense policy
+// and under a host-side selection policy. Skipped without a GPU.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -66,13 +66,17 @@ TEST_F(WorkerOnGpu, GreedyStreamIsTheCpuEnginesTokens) {
   EXPECT_EQ(r.tokens, want);
 }
 
-TEST_F(WorkerOnGpu, HostSelectionPolicyIsRefusedWithTheFix) {
-  const testing::WorkerStreamResult r =
-      Stream(*stub_, testing::RandomTokens(20, 200, 2), 4, "window");
-  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
-      << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("policy full"), std::string::npos)
-      << r.status.error_message();
+// A host selection policy on the GPU worker (the model copies what it reads out of GPU memory).
+// The prompt is shorter than the worker's --min_budget_tokens (256), so the window attends to
+// every row and the stream is the dense greedy continuation; cuda_model_test checks sparse
+// selections on the GPU against the CPU backend's.
+TEST_F(WorkerOnGpu, HostSelectionPolicyStreamsOnTheGpu) {
+  testing::LoadedModel cpu = testing::LoadModel(testing::FixturePath(kModel));
+  ASSERT_NE(cpu.model, nullptr);
+  const auto prompt = testing::RandomTokens(20, cpu.model->config().vocab_size, 2);
+  const testing::WorkerStreamResult r = Stream(*stub_, prompt, 8, "window");
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message() << " (log " << worker_->log_path() << ")";
+  EXPECT_EQ(r.tokens, testing::GreedyTokens(*cpu.model, prompt, 8));
 }
 
 }  // namespace

@@ -4,7 +4,8 @@
 // InfiniGen reads exactly the rows it selected and gives the same logits as over the resident
 // cache, batches of several sequences equal each sequence alone, chunked prefill reads back
 // from the store, InfiniGen's rows for layer i are prefetched during layer i-1 and found there,
-// and policies that must read stored keys themselves are refused.
+// policies that must read stored keys themselves are refused, and host policies run on a
+// backend the host cannot read through copies of what they read.
 #include "gpu_worker/engine/store_kv_cache.h"
 
 #include <gtest/gtest.h>
@@ -18,96 +19,17 @@
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
 #include "kv_store/client/kv_store_client.h"
+#include "tests/support/device_like_backend.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
 namespace infinigen {
 namespace {
 
+using testing::Decode;
+using testing::DecodeRun;
+using testing::DeviceLikeCpuBackend;
 using testing::RandomTokens;
-
-struct DecodeRun {
-  std::vector<std::vector<int32_t>> tokens;  // per sequence
-  std::vector<float> logits;                 // every step's logits, all sequences
-};
-
-// Greedy decode of `prompts` as one batch per step (prefill in chunks of `chunk` tokens).
-DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
-                 const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk) {
-  const int64_t vocab = model.config().vocab_size;
-  const size_t n = prompts.size();
-  DecodeRun run;
-  run.tokens.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    EXPECT_TRUE(cache.Open(i + 1, 256).ok());
-  }
-  std::vector<float> logits(n * vocab);
-  std::vector<int32_t> next(n);
-  if (chunk >= 1000) {  // every whole prompt in one forward pass
-    std::vector<ForwardChunk> batch;
-    for (size_t i = 0; i < n; ++i) batch.push_back({i + 1, 0, prompts[i], false, policies[i]});
-    auto st = model.Forward(batch, cache, logits);
-    EXPECT_TRUE(st.ok()) << st;
-  }
-  for (size_t i = 0; i < n && chunk < 1000; ++i) {  // prefill one sequence at a time, in chunks
-    for (int64_t pos = 0; pos < static_cast<int64_t>(prompts[i].size()); pos += chunk) {
-      const int64_t len = std::min<int64_t>(chunk, prompts[i].size() - pos);
-      ForwardChunk c{i + 1, pos, std::span<const int32_t>(prompts[i]).subspan(pos, len), false,
-                     policies[i]};
-      auto st = model.Forward({&c, 1}, cache, std::span<float>(logits).subspan(i * vocab, vocab));
-      EXPECT_TRUE(st.ok()) << st;
-    }
-  }
-  for (int64_t s = 0; s < steps; ++s) {
-    std::vector<ForwardChunk> batch;
-    for (size_t i = 0; i < n; ++i) {
-      const float* row = logits.data() + i * vocab;
-      next[i] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
-      run.tokens[i].push_back(next[i]);
-      batch.push_back({i + 1, static_cast<int64_t>(prompts[i].size()) + s,
-                       std::span<const int32_t>(&next[i], 1), false, policies[i]});
-    }
-    auto st = model.Forward(batch, cache, logits);
-    EXPECT_TRUE(st.ok()) << st;
-    if (!st.ok()) break;
-    run.logits.insert(run.logits.end(), logits.begin(), logits.end());
-  }
-  for (size_t i = 0; i < n; ++i) {
-    cache.Close(i + 1);
-    if (policies[i] != nullptr) policies[i]->Release(i + 1);
-  }
-  return run;
-}
-
-// A CPU backend that presents its memory as a device's: a store cache over it takes the GPU path
-// (the store's memory registered, prefetched rows gathered by address into device staging),
-// with memcpy as the device's gather.
-class DeviceLikeCpuBackend final : public CpuBackend {
- public:
-  bool host_accessible() const override { return false; }
-  absl::Status RegisterHostMemory(const void* data, size_t bytes) override {
-    regions_.push_back({static_cast<const char*>(data), bytes});
-    return absl::OkStatus();
-  }
-  absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes,
-                          void* dst) override {
-    for (int64_t i = 0; i < n; ++i) {
-      const char* p = static_cast<const char*>(rows[i]);
-      const bool registered = std::any_of(regions_.begin(), regions_.end(), [&](const auto& r) {
-        return p >= r.first && p + row_bytes <= r.first + r.second;
-      });
-      if (!registered) return absl::InvalidArgumentError("row outside registered memory");
-      std::memcpy(static_cast<char*>(dst) + i * row_bytes, p, row_bytes);
-    }
-    rows_gathered_ += n;
-    return absl::OkStatus();
-  }
-  int64_t rows_gathered() const { return rows_gathered_; }
-
- private:
-  std::vector<std::pair<const char*, size_t>> regions_;
-  int64_t rows_gathered_ = 0;
-};
 
 class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
  protected:
@@ -324,6 +246,102 @@ TEST_P(StoreCache, RowsGatheredByAddressOnADeviceBackendMatchTheResidentCache) {
   } else {
     EXPECT_EQ(device.rows_gathered(), 0);
   }
+}
+
+// Forwards to a policy, counting the pointers it is handed that lie in the device's memory
+// (which host code on a GPU machine could not read) and the selections it makes.
+class HostPointerCheck final : public KvSelectionPolicy {
+ public:
+  HostPointerCheck(KvSelectionPolicy& inner, const DeviceLikeCpuBackend& device)
+      : inner_(inner), device_(device) {}
+  std::string Name() const override { return inner_.Name(); }
+  SpeculationInput speculation_input() const override { return inner_.speculation_input(); }
+  bool wants_attention_weights() const override { return inner_.wants_attention_weights(); }
+  bool needs_resident_kv() const override { return inner_.needs_resident_kv(); }
+  absl::Status OnKeys(const LayerKeys& keys) override {
+    for (const void* p : std::initializer_list<const void*>{keys.k, keys.q, keys.slots,
+                                                            keys.kv.k.data, keys.kv.v.data}) {
+      Check(p);
+    }
+    return inner_.OnKeys(keys);
+  }
+  absl::Status Select(const SelectRequest& r, Selection& out) override {
+    CheckRequest(r);
+    absl::Status st = inner_.Select(r, out);
+    if (st.ok() && !out.all) ++sparse_selections_;
+    return st;
+  }
+  bool Preselect(const SelectRequest& r, Selection& out) override {
+    CheckRequest(r);
+    return inner_.Preselect(r, out);
+  }
+  void OnAttentionWeights(SequenceId seq, int layer, const Selection& selection,
+                          const float* weights, int64_t rows) override {
+    Check(weights);
+    inner_.OnAttentionWeights(seq, layer, selection, weights, rows);
+  }
+  void Release(SequenceId seq) override { inner_.Release(seq); }
+
+  int64_t device_pointers() const { return device_pointers_; }
+  int64_t sparse_selections() const { return sparse_selections_; }
+
+ private:
+  void Check(const void* p) {
+    if (p != nullptr && device_.Owns(p)) ++device_pointers_;
+  }
+  void CheckRequest(const SelectRequest& r) {
+    for (const void* p : std::initializer_list<const void*>{r.q, r.speculated_q, r.current_slots,
+                                                            r.kv.k.data, r.kv.v.data}) {
+      Check(p);
+    }
+  }
+
+  KvSelectionPolicy& inner_;
+  const DeviceLikeCpuBackend& device_;
+  int64_t device_pointers_ = 0, sparse_selections_ = 0;
+};
+
+// Host selection policies on a backend whose memory the host cannot read (a GPU; here a CPU
+// backend that presents itself as one): the model hands them float32 copies of the queries,
+// keys and speculated queries, so InfiniGen and the window run over that backend's resident
+// cache and over the store with the CPU backend's logits bit for bit, and never see a device
+// pointer. Policies that read stored K rows themselves are refused, naming what would work.
+TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
+  DeviceLikeCpuBackend device;
+  auto loaded = Model::Load(*l_.ckpt, device);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  Model& on_device = **loaded;
+  const auto prompts = Prompts(2);
+  for (const std::string name : {"infinigen", "window"}) {
+    SCOPED_TRACE(name);
+    auto a = Policy(name), b = Policy(name);
+    ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
+    const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 10, 1000);
+    ResidentKvCache device_resident(device, on_device.kv_shape());
+    StoreKvCacheOptions options;
+    options.read_in_place = std::get<1>(GetParam());
+    options.device_reads_mapped_rows = true;
+    StoreKvCache device_store(device, on_device.kv_shape(), *client_, options);
+    for (KvCache* cache : std::vector<KvCache*>{&device_resident, &device_store}) {
+      SCOPED_TRACE(cache == &device_resident ? "resident on the device" : "over the store");
+      auto c = Policy(name), d = Policy(name);
+      HostPointerCheck checked_c(*c, device), checked_d(*d, device);
+      const DecodeRun got = Decode(on_device, *cache, {&checked_c, &checked_d}, prompts, 10, 1000);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.logits, want.logits);
+      EXPECT_EQ(checked_c.device_pointers() + checked_d.device_pointers(), 0);
+      EXPECT_GT(checked_c.sparse_selections(), 0);
+      EXPECT_GT(checked_d.sparse_selections(), 0);
+    }
+  }
+  auto h2o = Policy("h2o");
+  ResidentKvCache device_resident(device, on_device.kv_shape());
+  ASSERT_TRUE(device_resident.Open(1, 64).ok());
+  std::vector<float> logits(on_device.config().vocab_size);
+  ForwardChunk c{1, 0, prompts[0], false, h2o.get()};
+  auto st = on_device.Forward({&c, 1}, device_resident, logits);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("in host memory"), std::string::npos) << st;
 }
 
 TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {

@@ -65,4 +65,51 @@ std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
   return t;
 }
 
+DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
+                 const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk) {
+  const int64_t vocab = model.config().vocab_size;
+  const size_t n = prompts.size();
+  DecodeRun run;
+  run.tokens.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_TRUE(cache.Open(i + 1, 256).ok());
+  }
+  std::vector<float> logits(n * vocab);
+  std::vector<int32_t> next(n);
+  if (chunk >= 1000) {  // every whole prompt in one forward pass
+    std::vector<ForwardChunk> batch;
+    for (size_t i = 0; i < n; ++i) batch.push_back({i + 1, 0, prompts[i], false, policies[i]});
+    auto st = model.Forward(batch, cache, logits);
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  for (size_t i = 0; i < n && chunk < 1000; ++i) {  // prefill one sequence at a time, in chunks
+    for (int64_t pos = 0; pos < static_cast<int64_t>(prompts[i].size()); pos += chunk) {
+      const int64_t len = std::min<int64_t>(chunk, prompts[i].size() - pos);
+      ForwardChunk c{i + 1, pos, std::span<const int32_t>(prompts[i]).subspan(pos, len), false,
+                     policies[i]};
+      auto st = model.Forward({&c, 1}, cache, std::span<float>(logits).subspan(i * vocab, vocab));
+      EXPECT_TRUE(st.ok()) << st;
+    }
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<ForwardChunk> batch;
+    for (size_t i = 0; i < n; ++i) {
+      const float* row = logits.data() + i * vocab;
+      next[i] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      run.tokens[i].push_back(next[i]);
+      batch.push_back({i + 1, static_cast<int64_t>(prompts[i].size()) + s,
+                       std::span<const int32_t>(&next[i], 1), false, policies[i]});
+    }
+    auto st = model.Forward(batch, cache, logits);
+    EXPECT_TRUE(st.ok()) << st;
+    if (!st.ok()) break;
+    run.logits.insert(run.logits.end(), logits.begin(), logits.end());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    cache.Close(i + 1);
+    if (policies[i] != nullptr) policies[i]->Release(i + 1);
+  }
+  return run;
+}
+
 }  // namespace infinigen::testing

@@ -33,6 +33,18 @@ std::vector<int32_t> GreedyTokens(Model& model, const std::vector<int32_t>& prom
 // max |a[i] - b[i]| (records a failure when the sizes differ).
 float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b);
 
+struct DecodeRun {
+  std::vector<std::vector<int32_t>> tokens;  // per sequence
+  std::vector<float> logits;                 // every step's logits, all sequences
+};
+
+// Greedy decode of `prompts` as sequences 1, 2, ... of `cache`, one batch per step, with
+// policies[i] selecting the rows of sequence i + 1 (null: dense). Prefill in chunks of `chunk`
+// tokens, one sequence at a time, or (chunk >= 1000) every whole prompt in one forward pass.
+// Records test failures; closes the sequences and releases them from their policies at the end.
+DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
+                 const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk);
+
 // `n` token ids in [0, vocab), the same for the same seed.
 std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed);
 

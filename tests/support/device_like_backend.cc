@@ -1,0 +1,63 @@
+#include "tests/support/device_like_backend.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace infinigen::testing {
+
+// A CpuBackend buffer that leaves the live set when freed.
+class DeviceLikeCpuBackend::Tracked final : public Buffer {
+ public:
+  Tracked(DeviceLikeCpuBackend& owner, std::unique_ptr<Buffer> inner)
+      : owner_(owner), inner_(std::move(inner)) {}
+  ~Tracked() override {
+    std::lock_guard<std::mutex> lock(owner_.mu_);
+    owner_.live_.erase(static_cast<const char*>(inner_->data()));
+  }
+  void* data() override { return inner_->data(); }
+  size_t size() const override { return inner_->size(); }
+
+ private:
+  DeviceLikeCpuBackend& owner_;
+  std::unique_ptr<Buffer> inner_;
+};
+
+absl::StatusOr<std::unique_ptr<Buffer>> DeviceLikeCpuBackend::Allocate(size_t bytes) {
+  auto inner = CpuBackend::Allocate(bytes);
+  if (!inner.ok()) return inner.status();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_[static_cast<const char*>((*inner)->data())] = std::max<size_t>(bytes, 1);
+  }
+  return std::unique_ptr<Buffer>(new Tracked(*this, std::move(*inner)));
+}
+
+bool DeviceLikeCpuBackend::Owns(const void* p) const {
+  const char* c = static_cast<const char*>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.upper_bound(c);
+  if (it == live_.begin()) return false;
+  --it;
+  return c < it->first + it->second;
+}
+
+absl::Status DeviceLikeCpuBackend::RegisterHostMemory(const void* data, size_t bytes) {
+  registered_.push_back({static_cast<const char*>(data), bytes});
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLikeCpuBackend::GatherRows(const void* const* rows, int64_t n, size_t row_bytes,
+                                              void* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    const char* p = static_cast<const char*>(rows[i]);
+    const bool registered = std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {
+      return p >= r.first && p + row_bytes <= r.first + r.second;
+    });
+    if (!registered) return absl::InvalidArgumentError("row outside registered memory");
+    std::memcpy(static_cast<char*>(dst) + i * row_bytes, p, row_bytes);
+  }
+  rows_gathered_ += n;
+  return absl::OkStatus();
+}
+
+}  // namespace infinigen::testing

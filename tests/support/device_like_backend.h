@@ -1,0 +1,39 @@
+// A CPU backend that presents its memory as a device's (host_accessible() is false), for tests
+// of the code paths a GPU takes, run where there is none: the model copies what host code must
+// read out of "device" memory, and a store cache gathers rows by address into device staging
+// (GatherRows is a checked memcpy from registered memory). Owns() tells whether a pointer is
+// inside memory this backend allocated, so a test can assert that host code never reads it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "gpu_worker/backend/cpu_backend.h"
+
+namespace infinigen::testing {
+
+class DeviceLikeCpuBackend final : public CpuBackend {
+ public:
+  bool host_accessible() const override { return false; }
+  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
+  absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
+  absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
+
+  // Whether p lies in a live buffer from Allocate().
+  bool Owns(const void* p) const;
+  int64_t rows_gathered() const { return rows_gathered_; }
+
+ private:
+  class Tracked;
+  mutable std::mutex mu_;
+  std::map<const char*, size_t> live_;  // start -> bytes
+  std::vector<std::pair<const char*, size_t>> registered_;
+  int64_t rows_gathered_ = 0;
+};
+
+}  // namespace infinigen::testing
