@@ -10,6 +10,13 @@
 namespace infinigen {
 namespace {
 
+// Scoring work (heads x rows) below which a layer's selection stays on the calling thread.
+constexpr int64_t kParallelRows = 1 << 16;
+// Rows scored together per query head (accumulators on the stack).
+constexpr int64_t kRowBlock = 256;
+// The widest partial key: d' = ceil(ratio x head_dim) with head_dim <= 256.
+constexpr int kMaxPartialDim = 256;
+
 class InfinigenPolicy final : public KvSelectionPolicy {
  public:
   InfinigenPolicy(const SelectionConfig& config, const ModelConfig& model,
@@ -30,22 +37,26 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     if (keys.layer < config_.dense_layers) return absl::OkStatus();
     auto& layers = partial_[keys.seq];
     if (static_cast<int>(layers.size()) < model_.num_layers) layers.resize(model_.num_layers);
-    auto& heads = layers[keys.layer];
+    PartialKeys& cache = layers[keys.layer];
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
     const int d = static_cast<int>(model_.head_dim), p = partial_dim_;
-    if (static_cast<int>(heads.size()) < kv_heads) heads.resize(kv_heads);
-    const float* skew = partial_skew_[keys.layer].data();
     Prescored& pre = prescored_[keys.layer % 2];
+    int32_t max_slot = -1;
+    for (int64_t i = 0; i < keys.count * kv_heads; ++i) {
+      const int32_t slot = keys.slots[i];
+      max_slot = std::max(max_slot, slot);
+      if (pre.seq == keys.seq && pre.layer == keys.layer && slot < pre.n) pre.layer = -1;
+    }
+    Reserve(cache, max_slot + 1);
+    const float* skew = partial_skew_[keys.layer].data();
+#pragma omp parallel for schedule(static) if (keys.count >= 64)
     for (int64_t t = 0; t < keys.count; ++t) {
+      float partial[kMaxPartialDim];
       for (int g = 0; g < kv_heads; ++g) {
         const int32_t slot = keys.slots[t * kv_heads + g];
-        if (pre.seq == keys.seq && pre.layer == keys.layer && slot < pre.n) pre.layer = -1;
-        auto& cache = heads[g];  // [slot, p]
-        if (static_cast<int64_t>(cache.size()) < (slot + 1) * static_cast<int64_t>(p)) {
-          cache.resize(static_cast<size_t>(slot + 1) * p, 0.0f);
-        }
         Project(keys.k + t * keys.k_stride + g * d, skew + static_cast<size_t>(g) * d * p, d, p,
-                cache.data() + static_cast<size_t>(slot) * p);
+                partial);
+        for (int c = 0; c < p; ++c) cache.Channel(g, c, p)[slot] = partial[c];
       }
     }
     return absl::OkStatus();
@@ -107,14 +118,18 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   // scores_; returns k: the mean over heads of the rows within alpha of the head's best,
   // clamped to [max(min_tokens, min_budget_tokens), k_max]. `keep`: remember the scores, so
   // that the layer's own Select (the same query, one more row) scores only the new rows; the
-  // reused scores are the same floats it would compute.
+  // reused scores are the same floats it would compute (each row's dot product is summed in
+  // channel order, whichever block of rows it is scored in). KV heads in parallel.
   int64_t Score(const SelectRequest& r, const float* query, int64_t n, int64_t k_max, bool keep) {
     const int heads = static_cast<int>(model_.num_heads);
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
     const int group = heads / kv_heads;
     const int d = static_cast<int>(model_.head_dim), p = partial_dim_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const auto& cache = partial_[r.seq][r.layer];
+    auto& layers = partial_[r.seq];
+    if (static_cast<int>(layers.size()) < model_.num_layers) layers.resize(model_.num_layers);
+    PartialKeys& cache = layers[r.layer];
+    Reserve(cache, n);  // rows never stored read as zeros
     const float* skew = partial_skew_[r.layer].data();
     q_partial_.resize(static_cast<size_t>(heads) * p);
     for (int h = 0; h < heads; ++h) {
@@ -127,22 +142,44 @@ class InfinigenPolicy final : public KvSelectionPolicy {
             ? pre.n
             : 0;
     scores_.resize(static_cast<size_t>(heads) * n);
-    double count_sum = 0;
-    for (int h = 0; h < heads; ++h) {
-      const int g = h / group;
-      const float* q_partial = q_partial_.data() + static_cast<size_t>(h) * p;
-      float* s = scores_.data() + static_cast<size_t>(h) * n;
-      std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse, s);
-      const float* kp = cache[g].data();
-      for (int64_t j = reuse; j < n; ++j) {
-        float dot = 0.0f;
-        for (int c = 0; c < p; ++c) dot += q_partial[c] * kp[j * p + c];
-        s[j] = dot * scale;
+    head_counts_.assign(heads, 0);
+    const float margin = static_cast<float>(config_.alpha);
+#pragma omp parallel for schedule(static) if (heads * (n - reuse) >= kParallelRows)
+    for (int g = 0; g < kv_heads; ++g) {
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse,
+                    scores_.data() + static_cast<size_t>(h) * n);
       }
-      const float best = *std::max_element(s, s + n);
-      const float threshold = best - static_cast<float>(config_.alpha);
-      count_sum += std::count_if(s, s + n, [&](float v) { return v > threshold; });
+      for (int64_t j0 = reuse; j0 < n; j0 += kRowBlock) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, n - j0);
+        for (int h = g * group; h < (g + 1) * group; ++h) {
+          const float* q_partial = q_partial_.data() + static_cast<size_t>(h) * p;
+          float acc[kRowBlock] = {};
+          for (int c = 0; c < p; ++c) {
+            const float qc = q_partial[c];
+            const float* kc = cache.Channel(g, c, p) + j0;
+#pragma omp simd
+            for (int64_t i = 0; i < rows; ++i) acc[i] += qc * kc[i];
+          }
+          float* s = scores_.data() + static_cast<size_t>(h) * n + j0;
+#pragma omp simd
+          for (int64_t i = 0; i < rows; ++i) s[i] = acc[i] * scale;
+        }
+      }
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        const float* s = scores_.data() + static_cast<size_t>(h) * n;
+        float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+        for (int64_t j = 0; j < n; ++j) best = s[j] > best ? s[j] : best;
+        const float threshold = best - margin;
+        int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+        for (int64_t j = 0; j < n; ++j) count += s[j] > threshold;
+        head_counts_[h] = count;
+      }
     }
+    double count_sum = 0;
+    for (int64_t c : head_counts_) count_sum += static_cast<double>(c);
     if (keep) {
       pre = {r.seq, r.layer, n, q_partial_, scores_};
     } else {
@@ -153,20 +190,47 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   }
 
   // The top k rows per KV head by the group's predicted attention mass (from scores_), the
-  // current token (when asked) and the always-kept rows first.
+  // current token (when asked) and the always-kept rows first. KV heads in parallel.
   void Choose(const SelectRequest& r, int64_t n, int64_t k, bool with_current, Selection& out) {
     const int heads = static_cast<int>(model_.num_heads);
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
     GroupAttentionMass(scores_.data(), heads, kv_heads, n, mass_);
+    forced_.resize(kv_heads);
+    for (int g = 0; g < kv_heads; ++g) {
+      forced_[g].clear();
+      if (with_current) forced_[g].push_back(r.current_slots[g]);
+      AddAlwaysKept(r, g, n, forced_[g]);
+    }
     out.all = false;
     out.count = k;
-    out.indices.clear();
+    out.indices.resize(static_cast<size_t>(kv_heads) * k);
+#pragma omp parallel for schedule(static) if (kv_heads * n >= kParallelRows)
     for (int g = 0; g < kv_heads; ++g) {
-      std::vector<int32_t> forced;
-      if (with_current) forced.push_back(r.current_slots[g]);
-      AddAlwaysKept(r, g, n, forced);
-      TopK(mass_.data() + static_cast<size_t>(g) * n, n, k, forced, out.indices);
+      TopK(mass_.data() + static_cast<size_t>(g) * n, n, k, forced_[g],
+           out.indices.data() + static_cast<size_t>(g) * k);
     }
+  }
+
+  // Partial keys of one (sequence, layer), channel-major: [kv_heads][p][capacity], so that
+  // scoring a block of rows reads each channel contiguously (vectorized over the rows).
+  struct PartialKeys {
+    int64_t capacity = 0;
+    std::vector<float> data;
+    float* Channel(int g, int c, int p) {
+      return data.data() + (static_cast<size_t>(g) * p + c) * capacity;
+    }
+  };
+  // Room for `slots` rows (doubling, so appends are amortized); new rows are zeros.
+  void Reserve(PartialKeys& keys, int64_t slots) const {
+    if (slots <= keys.capacity) return;
+    const int64_t cap = std::max<int64_t>({slots, 2 * keys.capacity, 256});
+    const size_t channels = static_cast<size_t>(model_.num_kv_heads) * partial_dim_;
+    std::vector<float> data(channels * cap, 0.0f);
+    for (size_t ch = 0; ch < channels; ++ch) {
+      std::copy_n(keys.data.data() + ch * keys.capacity, keys.capacity, data.data() + ch * cap);
+    }
+    keys.data.swap(data);
+    keys.capacity = cap;
   }
 
   // out[c] = Σ_i x[i] · a[i, c] for a: [d, p].
@@ -194,10 +258,11 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   const ModelConfig& model_;
   int partial_dim_;
   std::vector<std::vector<float>> partial_skew_;  // [layer] -> [kv_heads, d, p]
-  // seq -> [layer][kv head] -> [slot, p] partial keys
-  absl::flat_hash_map<SequenceId, std::vector<std::vector<std::vector<float>>>> partial_;
+  absl::flat_hash_map<SequenceId, std::vector<PartialKeys>> partial_;  // seq -> [layer]
   SlotPositions positions_;
   std::vector<float> scores_, mass_, q_partial_;
+  std::vector<int64_t> head_counts_;
+  std::vector<std::vector<int32_t>> forced_;  // per KV head, for Choose
   // The scores a Preselect computed for layer `layer` ([heads, n]), per layer parity (the
   // next layer's Preselect may come before this layer's Select).
   struct Prescored {
@@ -216,6 +281,12 @@ absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeInfinigenPolicy(
   if (sidecar.num_layers != model.num_layers || sidecar.num_kv_heads != model.num_kv_heads ||
       sidecar.head_dim != model.head_dim) {
     return absl::FailedPreconditionError("the InfiniGen sidecar does not match the model's shape");
+  }
+  if (sidecar.partial_dim < 1 ||
+      sidecar.partial_dim > std::min<int64_t>(model.head_dim, kMaxPartialDim)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the InfiniGen sidecar's partial dimension ", sidecar.partial_dim,
+                     " is outside [1, ", std::min<int64_t>(model.head_dim, kMaxPartialDim), "]"));
   }
   return std::unique_ptr<KvSelectionPolicy>(new InfinigenPolicy(config, model, sidecar));
 }

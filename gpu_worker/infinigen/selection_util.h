@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -23,14 +24,19 @@ class SlotPositions {
   absl::flat_hash_map<SequenceId, std::vector<std::vector<std::vector<int64_t>>>> seqs_;
 };
 
-// Chooses `k` slots of one KV head: every slot in `forced` first, then the highest
-// `scores[slot]` among the other slots in [0, n), ties to the lower slot. Appends them in
-// ascending slot order to `out`. Uses nth_element (no full sort of the n scores).
+// Chooses min(k, n) slots of one KV head: every slot in `forced` first, then the highest
+// `scores[slot]` among the other slots in [0, n), ties to the lower slot (NaN ranks lowest).
+// Writes them in ascending slot order to `out` and returns how many. One nth_element over the
+// scores and a pass in slot order: no sort. Safe to call from several threads at once.
+int64_t TopK(const float* scores, int64_t n, int64_t k, std::span<const int32_t> forced,
+             int32_t* out);
+// The same, appended to `out`.
 void TopK(const float* scores, int64_t n, int64_t k, const std::vector<int32_t>& forced,
           std::vector<int32_t>& out);
 
 // For GQA: per KV head, the sum over its query heads of softmax(scores[h]) (the predicted
-// attention mass). scores: [num_heads, n]; out: [num_kv_heads, n].
+// attention mass). scores: [num_heads, n]; out: [num_kv_heads, n]. Several threads (OpenMP)
+// for large n; the exponentials are within 2 ulp of std::exp.
 void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
                         std::vector<float>& out);
 

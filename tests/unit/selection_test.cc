@@ -3,9 +3,12 @@
 // window and oracle choices, and the sidecar file.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <iterator>
 #include <random>
+#include <tuple>
 
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
@@ -81,6 +84,97 @@ TEST(SelectionUtil, TopKKeepsForcedSlotsAndIsSorted) {
   out.clear();
   TopK(scores, 6, 2, {}, out);
   EXPECT_EQ(out, (std::vector<int32_t>{1, 3}));  // tie at 0.9 keeps both; lower slot first
+}
+
+// The radix-select top-k against ranking every slot by (score descending, slot ascending), on
+// random scores with many ties, NaN and infinities, forced slots (repeated, out of range, more
+// than k) and k from 1 to past n.
+TEST(SelectionUtil, TopKEqualsAFullRankingOnRandomScores) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t n = 1 + rng() % 300;
+    std::vector<float> scores(n);
+    const int levels = 1 + rng() % 20;  // few distinct values: many ties
+    for (float& v : scores) {
+      const int r = rng() % 100;
+      v = r < 3    ? NAN
+          : r < 5  ? INFINITY
+          : r < 7  ? -INFINITY
+          : r < 10 ? -0.0f
+                   : static_cast<float>(static_cast<int>(rng() % levels) - levels / 2) * 0.37f;
+    }
+    std::vector<int32_t> forced;
+    for (int f = rng() % 4; f > 0; --f) forced.push_back(static_cast<int32_t>(rng() % (n + 3)) - 1);
+    if (!forced.empty() && rng() % 2) forced.push_back(forced[0]);
+    const int64_t k = 1 + rng() % (n + 5);
+
+    std::vector<int32_t> want;
+    for (int32_t f : forced) {
+      if (f >= 0 && f < n && static_cast<int64_t>(want.size()) < k &&
+          std::find(want.begin(), want.end(), f) == want.end()) {
+        want.push_back(f);
+      }
+    }
+    std::vector<int32_t> rest;
+    for (int32_t j = 0; j < n; ++j) {
+      if (std::find(want.begin(), want.end(), j) == want.end()) rest.push_back(j);
+    }
+    // Higher first, NaN below everything (even -inf); stable: ties keep the lower slot first.
+    std::stable_sort(rest.begin(), rest.end(), [&](int32_t a, int32_t b) {
+      const float x = scores[a], y = scores[b];
+      if (std::isnan(x) || std::isnan(y)) return !std::isnan(x) && std::isnan(y);
+      return x > y;
+    });
+    for (int32_t j : rest) {
+      if (static_cast<int64_t>(want.size()) >= std::min(k, n)) break;
+      want.push_back(j);
+    }
+    std::sort(want.begin(), want.end());
+
+    std::vector<int32_t> got = {-5};  // appended after what is there
+    TopK(scores.data(), n, k, forced, got);
+    ASSERT_EQ(got.front(), -5);
+    got.erase(got.begin());
+    std::vector<int32_t> only_got, only_want;
+    std::set_difference(got.begin(), got.end(), want.begin(), want.end(),
+                        std::back_inserter(only_got));
+    std::set_difference(want.begin(), want.end(), got.begin(), got.end(),
+                        std::back_inserter(only_want));
+    ASSERT_EQ(got, want) << "trial " << trial << ": n " << n << ", k " << k << "; " << got.size()
+                         << " vs " << want.size() << " slots; first only chosen "
+                         << (only_got.empty() ? -1 : only_got[0]) << " (score "
+                         << (only_got.empty() ? 0.0f : scores[only_got[0]])
+                         << "), first only expected " << (only_want.empty() ? -1 : only_want[0])
+                         << " (score " << (only_want.empty() ? 0.0f : scores[only_want[0]]) << ")";
+  }
+}
+
+// The group mass against softmax in double precision with std::exp, on odd sizes (vector tails)
+// and scores far below the maximum (exponentials that underflow to zero).
+TEST(SelectionUtil, GroupMassAgreesWithADoublePrecisionSoftmax) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 6.0f);
+  for (const auto [heads, kv_heads, n] : {std::tuple{4, 2, 1}, std::tuple{8, 2, 37},
+                                          std::tuple{6, 3, 1001}, std::tuple{32, 8, 70000}}) {
+    std::vector<float> s(static_cast<size_t>(heads) * n);
+    for (float& v : s) v = normal(rng);
+    s[n / 2] = -500.0f;
+    std::vector<float> mass;
+    GroupAttentionMass(s.data(), heads, kv_heads, n, mass);
+    std::vector<double> want(static_cast<size_t>(kv_heads) * n, 0.0);
+    const int group = heads / kv_heads;
+    for (int h = 0; h < heads; ++h) {
+      const float* row = s.data() + static_cast<size_t>(h) * n;
+      const double mx = *std::max_element(row, row + n);
+      double sum = 0;
+      for (int64_t j = 0; j < n; ++j) sum += std::exp(row[j] - mx);
+      for (int64_t j = 0; j < n; ++j) want[(h / group) * n + j] += std::exp(row[j] - mx) / sum;
+    }
+    ASSERT_EQ(mass.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(mass[i], want[i], 1e-6 + 2e-5 * want[i]) << "n " << n << ", index " << i;
+    }
+  }
 }
 
 TEST(SelectionUtil, GroupMassSumsSoftmaxOfTheGroupsHeads) {

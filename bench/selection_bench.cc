@@ -1,0 +1,120 @@
+// The host side of InfiniGen per decode layer and sequence: what a worker's host computes for
+// every sparse layer of every decode token, at the Llama-3.1-8B attention shape (32 query heads,
+// 8 KV heads of 128 dims, partial ratio 0.2: d' = 26) over n stored tokens. One iteration = the
+// prefetch's Preselect over the n stored rows (speculated scores, budget, group attention mass,
+// top-k plus a margin), the new token's partial key (OnKeys), and the layer's Select over n + 1
+// rows (reusing the preselect's scores). Budget 20%, alpha 10, random keys and queries.
+//
+// usage: selection_bench [--benchmark_repetitions=3 ...]
+#include <benchmark/benchmark.h>
+
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "gpu_worker/infinigen/selection_config.h"
+#include "gpu_worker/infinigen/sidecar.h"
+
+namespace infinigen {
+namespace {
+
+constexpr int kHeads = 32, kKvHeads = 8, kDim = 128;
+
+struct Setup {
+  ModelConfig model;
+  InfinigenSidecar sidecar;
+  std::unique_ptr<KvSelectionPolicy> policy;
+  std::vector<float> q;  // [heads, d]: the speculated and the actual query
+  std::vector<float> key;
+  std::vector<int32_t> slots;
+
+  explicit Setup(int64_t n) {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    model.num_layers = 2;
+    model.num_heads = kHeads;
+    model.num_kv_heads = kKvHeads;
+    model.head_dim = kDim;
+    sidecar.num_layers = 2;
+    sidecar.num_kv_heads = kKvHeads;
+    sidecar.head_dim = kDim;
+    sidecar.partial_dim = 26;
+    for (int l = 0; l < 2; ++l) {
+      std::vector<float> skew(static_cast<size_t>(kKvHeads) * kDim * kDim);
+      for (float& x : skew) x = normal(rng) * 0.09f;
+      sidecar.skew.push_back(std::move(skew));
+      std::vector<int32_t> channels;
+      for (int g = 0; g < kKvHeads; ++g) {
+        for (int c = 0; c < sidecar.partial_dim; ++c) channels.push_back((c * 5 + g) % kDim);
+      }
+      sidecar.channels.push_back(std::move(channels));
+    }
+    SelectionConfig config;
+    config.policy = "infinigen";
+    config.dense_layers = 1;
+    config.budget_fraction = 0.2;
+    policy = std::move(*MakeSelectionPolicy(config, model, &sidecar));
+    // The prompt's keys at layer 1, slot = position.
+    std::vector<float> keys(static_cast<size_t>(n) * kKvHeads * kDim);
+    for (float& x : keys) x = normal(rng);
+    std::vector<int32_t> prompt_slots(static_cast<size_t>(n) * kKvHeads);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int g = 0; g < kKvHeads; ++g) prompt_slots[t * kKvHeads + g] = static_cast<int32_t>(t);
+    }
+    LayerKeys k;
+    k.seq = 1;
+    k.layer = 1;
+    k.count = n;
+    k.k = keys.data();
+    k.k_stride = kKvHeads * kDim;
+    k.slots = prompt_slots.data();
+    (void)policy->OnKeys(k);
+    q.resize(static_cast<size_t>(kHeads) * kDim);
+    for (float& x : q) x = normal(rng) * 2.0f;
+    key.resize(static_cast<size_t>(kKvHeads) * kDim);
+    for (float& x : key) x = normal(rng);
+    slots.assign(kKvHeads, static_cast<int32_t>(n));
+  }
+};
+
+void BM_InfinigenLayer(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  Setup s(n);
+  Selection candidates, selection;
+  int64_t rows = 0;
+  for (auto _ : state) {
+    SelectRequest pre;
+    pre.seq = 1;
+    pre.layer = 1;
+    pre.position = n;
+    pre.kv.num_slots = n;
+    pre.speculated_q = s.q.data();
+    benchmark::DoNotOptimize(s.policy->Preselect(pre, candidates));
+    LayerKeys k;
+    k.seq = 1;
+    k.layer = 1;
+    k.start = n;
+    k.count = 1;
+    k.k = s.key.data();
+    k.k_stride = kKvHeads * kDim;
+    k.slots = s.slots.data();
+    (void)s.policy->OnKeys(k);
+    SelectRequest r = pre;
+    r.current_slots = s.slots.data();
+    r.kv.num_slots = n + 1;
+    r.q = s.q.data();
+    (void)s.policy->Select(r, selection);
+    rows += selection.all ? n + 1 : selection.count;
+    benchmark::DoNotOptimize(selection.indices.data());
+  }
+  state.counters["rows_selected"] =
+      benchmark::Counter(static_cast<double>(rows) / state.iterations());
+  state.counters["stored_rows_per_s"] =
+      benchmark::Counter(static_cast<double>(n) * state.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_InfinigenLayer)->Arg(2048)->Arg(8192)->Arg(32768)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace infinigen
+
+BENCHMARK_MAIN();
