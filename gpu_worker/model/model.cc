@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "absl/cleanup/cleanup.h"
@@ -168,47 +169,61 @@ absl::Status Model::Prefetch(std::span<const ForwardChunk> batch, int next_layer
     IG_ASSIGN_OR_RETURN(spec_q,
                         ToHost(SpeculatedQkv(next_layer, n).Cols(0, c.q_dim()), host_spec_q_));
   }
-  // The batch's prefetches of this layer travel together.
-  cache.BeginPrefetches();
-  absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
+  // Which decode chunks fetch, and how many rows they have stored (in order: cache calls).
+  chunks_.resize(batch.size());
   int64_t row = 0;
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
-    const int64_t first = row;
+    ChunkWork& w = chunks_[b];
+    w.row = row;
     row += len;
-    Prefetched& pre = prefetched_[next_layer % 2][b];
-    pre.layer = -1;
+    w.stored = 0;
+    w.fetch = false;
+    w.candidates.all = true;  // every row unless a policy guesses fewer
+    prefetched_[next_layer % 2][b].layer = -1;
     if (len != 1) continue;
-    IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, next_layer));
-    if (stored <= 0) continue;
-    KvSelectionPolicy* policy = chunk.policy;
-    Selection candidates;
-    // Every row without a policy, and where rows are read in place (addresses cost nothing,
-    // so the exact selection made at the layer is looked up among all of them).
-    candidates.all = true;
-    if (policy != nullptr && !cache.reads_in_place()) {
+    IG_ASSIGN_OR_RETURN(w.stored, cache.NumSlots(chunk.seq, next_layer));
+    w.fetch = w.stored > 0;
+  }
+  // The policies' guesses, sequences in parallel. Every row without a policy, and where rows
+  // are read in place (addresses cost nothing, so the exact selection made at the layer is
+  // looked up among all of them).
+  if (!cache.reads_in_place()) {
+    IG_RETURN_IF_ERROR(ForEachPolicy(batch, [&](size_t b) {
+      ChunkWork& w = chunks_[b];
+      if (!w.fetch) return absl::OkStatus();
+      KvSelectionPolicy* policy = batch[b].policy;
       SelectRequest request;
-      request.seq = chunk.seq;
+      request.seq = batch[b].seq;
       request.layer = next_layer;
-      request.position = chunk.start;
-      request.kv.num_slots = stored;
+      request.position = batch[b].start;
+      request.kv.num_slots = w.stored;
       if (speculating_ && next_layer > 0 &&
           policy->speculation_input() != SpeculationInput::kNone) {
-        request.speculated_q = spec_q.Row(first);
+        request.speculated_q = spec_q.Row(w.row);
       }
-      if (!policy->Preselect(request, candidates)) continue;
-    }
-    if (candidates.all) {  // dense: every stored row, in slot order
-      EverySlot(kv_heads, stored, pre.slots);
-      pre.count = stored;
+      w.fetch = policy->Preselect(request, w.candidates);  // false: no guess, nothing fetched
+      return absl::OkStatus();
+    }));
+  }
+  // The batch's prefetches of this layer travel together.
+  cache.BeginPrefetches();
+  absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
+  for (size_t b = 0; b < batch.size(); ++b) {
+    ChunkWork& w = chunks_[b];
+    if (!w.fetch) continue;
+    Prefetched& pre = prefetched_[next_layer % 2][b];
+    if (w.candidates.all) {  // dense: every stored row, in slot order
+      EverySlot(kv_heads, w.stored, pre.slots);
+      pre.count = w.stored;
     } else {
-      pre.slots = std::move(candidates.indices);
-      pre.count = candidates.count;
+      pre.slots = std::move(w.candidates.indices);
+      pre.count = w.candidates.count;
     }
-    pre.dense = candidates.all;
+    pre.dense = w.candidates.all;
     // One row per head is left free for the current token, which the step computes itself.
-    IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, next_layer, pre.slots.data(), pre.count,
+    IG_RETURN_IF_ERROR(cache.Prefetch(batch[b].seq, next_layer, pre.slots.data(), pre.count,
                                       /*extra_rows=*/1));
     pre.layer = next_layer;
   }
@@ -247,67 +262,83 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     }
   }
 
-  // Pass 1: store every chunk's K/V, let the policies see the keys, and choose the rows of each
-  // decode token. A cache that is not resident starts fetching those rows here, so that the
-  // fetches of later sequences overlap the attention of earlier ones in pass 2.
+  // Pass 1: store every chunk's K/V (in order: cache calls).
+  chunks_.resize(batch.size());
   int64_t row = 0;
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
     KvSelectionPolicy* policy = chunk.policy;
-    int32_t* slots = host_slots_.data() + row * kv_heads;
-    Selection& selection = selections_[b];
-    selection.all = true;
+    ChunkWork& w = chunks_[b];
+    w.row = row;
+    row += len;
+    selections_[b].all = true;
     if (policy != nullptr && policy->needs_resident_kv() && (!resident || !host_memory)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "policy ", policy->Name(), " reads stored K rows itself and needs a resident KV cache",
           host_memory ? "" : " in host memory (the cpu backend)",
           "; infinigen, window and full run over any cache and backend"));
     }
+    int32_t* slots = host_slots_.data() + w.row * kv_heads;
     IG_RETURN_IF_ERROR(
-        cache.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len), slots));
-    if (policy != nullptr) {
-      KvLayerView kv;  // the stored rows themselves only where the host can read them
-      if (resident && host_memory) {
-        IG_ASSIGN_OR_RETURN(kv, cache.Read(chunk.seq, layer));
-      } else {
-        IG_ASSIGN_OR_RETURN(kv.num_slots, cache.NumSlots(chunk.seq, layer));
-      }
-      LayerKeys keys{chunk.seq, layer,       chunk.start, len,   qk.Row(row) + c.q_dim(),
-                     qk.stride, qk.Row(row), qk.stride,   slots, kv};
-      IG_RETURN_IF_ERROR(policy->OnKeys(keys));
-      if (len == 1) {
-        SelectRequest request;
-        request.seq = chunk.seq;
-        request.layer = layer;
-        request.position = chunk.start;
-        request.current_slots = slots;
-        request.kv = kv;
-        request.q = qk.Row(row);
-        if (speculating_ && layer > 0 && policy->speculation_input() != SpeculationInput::kNone) {
-          request.speculated_q = spec_q.Row(row);
-        }
-        IG_RETURN_IF_ERROR(policy->Select(request, selection));
-        if (!selection.all &&
-            (selection.count <= 0 ||
-             static_cast<int64_t>(selection.indices.size()) != selection.count * kv_heads)) {
-          return absl::InternalError(
-              absl::StrCat("policy ", policy->Name(), " returned a malformed selection"));
-        }
-      }
+        cache.Append(chunk.seq, layer, chunk.start, k.Rows(w.row, len), v.Rows(w.row, len), slots));
+    if (policy == nullptr) continue;
+    w.kv = KvLayerView();  // the stored rows themselves only where the host can read them
+    if (resident && host_memory) {
+      IG_ASSIGN_OR_RETURN(w.kv, cache.Read(chunk.seq, layer));
+    } else {
+      IG_ASSIGN_OR_RETURN(w.kv.num_slots, cache.NumSlots(chunk.seq, layer));
     }
-    if (len == 1 && !resident && !MapPrefetched(b, layer, selection, slots)) {
-      // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
-      if (selection.all) {  // dense: every stored row
-        IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, layer));
-        EverySlot(kv_heads, stored, all_slots_);
-        IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, layer, all_slots_.data(), stored));
-      } else {
-        IG_RETURN_IF_ERROR(
-            cache.Prefetch(chunk.seq, layer, selection.indices.data(), selection.count));
-      }
+  }
+
+  // The policies see the keys and choose the rows of each decode token, sequences in parallel.
+  IG_RETURN_IF_ERROR(ForEachPolicy(batch, [&](size_t b) -> absl::Status {
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    KvSelectionPolicy* policy = chunk.policy;
+    const ChunkWork& w = chunks_[b];
+    const int32_t* slots = host_slots_.data() + w.row * kv_heads;
+    LayerKeys keys{chunk.seq, layer,         chunk.start, len,   qk.Row(w.row) + c.q_dim(),
+                   qk.stride, qk.Row(w.row), qk.stride,   slots, w.kv};
+    IG_RETURN_IF_ERROR(policy->OnKeys(keys));
+    if (len != 1) return absl::OkStatus();
+    SelectRequest request;
+    request.seq = chunk.seq;
+    request.layer = layer;
+    request.position = chunk.start;
+    request.current_slots = slots;
+    request.kv = w.kv;
+    request.q = qk.Row(w.row);
+    if (speculating_ && layer > 0 && policy->speculation_input() != SpeculationInput::kNone) {
+      request.speculated_q = spec_q.Row(w.row);
     }
-    row += len;
+    Selection& selection = selections_[b];
+    IG_RETURN_IF_ERROR(policy->Select(request, selection));
+    if (!selection.all && (selection.count <= 0 || static_cast<int64_t>(selection.indices.size()) !=
+                                                       selection.count * kv_heads)) {
+      return absl::InternalError(
+          absl::StrCat("policy ", policy->Name(), " returned a malformed selection"));
+    }
+    return absl::OkStatus();
+  }));
+
+  // A cache that is not resident starts fetching what the prefetch during the previous layer
+  // did not bring, so that the fetches of later sequences overlap the attention of earlier ones
+  // in pass 2.
+  for (size_t b = 0; b < batch.size() && !resident; ++b) {
+    const ForwardChunk& chunk = batch[b];
+    const Selection& selection = selections_[b];
+    const int32_t* slots = host_slots_.data() + chunks_[b].row * kv_heads;
+    if (chunk.tokens.size() != 1 || MapPrefetched(b, layer, selection, slots)) continue;
+    // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
+    if (selection.all) {  // dense: every stored row
+      IG_ASSIGN_OR_RETURN(const int64_t stored, cache.NumSlots(chunk.seq, layer));
+      EverySlot(kv_heads, stored, all_slots_);
+      IG_RETURN_IF_ERROR(cache.Prefetch(chunk.seq, layer, all_slots_.data(), stored));
+    } else {
+      IG_RETURN_IF_ERROR(
+          cache.Prefetch(chunk.seq, layer, selection.indices.data(), selection.count));
+    }
   }
 
   // Pass 2: attention of every chunk over its rows.
@@ -389,6 +420,27 @@ absl::Status Model::Attention(std::span<const ForwardChunk> batch, int layer, Kv
     }
     row += len;
   }
+  return absl::OkStatus();
+}
+
+absl::Status Model::ForEachPolicy(std::span<const ForwardChunk> batch,
+                                  const std::function<absl::Status(size_t)>& work) {
+  policy_chunks_.clear();
+  for (size_t b = 0; b < batch.size(); ++b) {
+    if (batch[b].policy != nullptr) policy_chunks_.push_back(b);
+  }
+  const int64_t m = static_cast<int64_t>(policy_chunks_.size());
+  // A policy keeps per-sequence state and is not thread-safe; separate policies are independent.
+  bool distinct = m > 1;
+  for (int64_t i = 0; i < m && distinct; ++i) {
+    for (int64_t j = 0; j < i && distinct; ++j) {
+      distinct = batch[policy_chunks_[i]].policy != batch[policy_chunks_[j]].policy;
+    }
+  }
+  statuses_.assign(static_cast<size_t>(m), absl::OkStatus());
+#pragma omp parallel for schedule(dynamic, 1) if (distinct)
+  for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
+  for (const absl::Status& st : statuses_) IG_RETURN_IF_ERROR(st);
   return absl::OkStatus();
 }
 

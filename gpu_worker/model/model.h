@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -105,6 +106,11 @@ class Model {
   // prefetched candidates or is the current token (a selection of all rows: whether every row
   // was prefetched); fills the chunk's row map if so.
   bool MapPrefetched(size_t b, int layer, const Selection& selection, const int32_t* current_slots);
+  // Runs work(b) for every chunk b whose policy is set and returns the first error: on several
+  // threads (OpenMP) when those chunks' policies are distinct objects, in order otherwise.
+  // `work` calls only its chunk's policy and writes only that chunk's state.
+  absl::Status ForEachPolicy(std::span<const ForwardChunk> batch,
+                             const std::function<absl::Status(size_t)>& work);
   struct Prefetched;
   bool Miss(Prefetched& pre);
   absl::Status AttentionStep(const ForwardChunk& chunk, int layer, MatView q, const KvLayerView& kv,
@@ -134,6 +140,17 @@ class Model {
     std::vector<int32_t> map;  // the selection's rows as rows of the prefetched staging
   };
   std::vector<Prefetched> prefetched_[2];
+  // Per chunk of the current batch, what the policy work of a layer (run in parallel) needs.
+  struct ChunkWork {
+    int64_t row = 0;     // the chunk's first row of the batch's activations
+    KvLayerView kv;      // the layer's stored rows as its policy may see them
+    int64_t stored = 0;  // rows stored before this step (prefetch)
+    bool fetch = false;  // the prefetch fetches for it
+    Selection candidates;
+  };
+  std::vector<ChunkWork> chunks_;
+  std::vector<size_t> policy_chunks_;
+  std::vector<absl::Status> statuses_;
   int64_t prefetch_hits_ = 0, prefetch_misses_ = 0;
   bool speculating_ = false;  // some chunk of the current batch speculates
 };
