@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,10 @@ namespace {
 constexpr int64_t kParallelRows = 1 << 16;
 // Rows scored together per query head (accumulators on the stack).
 constexpr int64_t kRowBlock = 256;
+// Rows per chunk of the partial key cache: a growing sequence adds chunks and never copies
+// what it has (a copy of every layer's partial keys used to stall the first decode step).
+constexpr int64_t kChunkRows = 1024;
+static_assert(kChunkRows % kRowBlock == 0, "a block of scored rows lies in one chunk");
 // The widest partial key: d' = ceil(ratio x head_dim) with head_dim <= 256.
 constexpr int kMaxPartialDim = 256;
 
@@ -56,7 +61,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
         const int32_t slot = keys.slots[t * kv_heads + g];
         Project(keys.k + t * keys.k_stride + g * d, skew + static_cast<size_t>(g) * d * p, d, p,
                 partial);
-        for (int c = 0; c < p; ++c) cache.Channel(g, c, p)[slot] = partial[c];
+        for (int c = 0; c < p; ++c) *cache.Rows(slot, g, c, p) = partial[c];
       }
     }
     return absl::OkStatus();
@@ -157,7 +162,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
           float acc[kRowBlock] = {};
           for (int c = 0; c < p; ++c) {
             const float qc = q_partial[c];
-            const float* kc = cache.Channel(g, c, p) + j0;
+            const float* kc = cache.Rows(j0, g, c, p);
 #pragma omp simd
             for (int64_t i = 0; i < rows; ++i) acc[i] += qc * kc[i];
           }
@@ -211,26 +216,24 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     }
   }
 
-  // Partial keys of one (sequence, layer), channel-major: [kv_heads][p][capacity], so that
-  // scoring a block of rows reads each channel contiguously (vectorized over the rows).
+  // Partial keys of one (sequence, layer) in chunks of kChunkRows rows, each channel-major:
+  // [kv_heads][p][kChunkRows], so that scoring a block of rows reads each channel contiguously
+  // (vectorized over the rows).
   struct PartialKeys {
-    int64_t capacity = 0;
-    std::vector<float> data;
-    float* Channel(int g, int c, int p) {
-      return data.data() + (static_cast<size_t>(g) * p + c) * capacity;
+    std::vector<std::unique_ptr<float[]>> chunks;
+    int64_t capacity() const { return static_cast<int64_t>(chunks.size()) * kChunkRows; }
+    // Channel c of KV head g from row `row` to the end of its chunk.
+    float* Rows(int64_t row, int g, int c, int p) {
+      return chunks[static_cast<size_t>(row / kChunkRows)].get() +
+             (static_cast<size_t>(g) * p + c) * kChunkRows + row % kChunkRows;
     }
   };
-  // Room for `slots` rows (doubling, so appends are amortized); new rows are zeros.
+  // Room for `slots` rows; new rows are zeros.
   void Reserve(PartialKeys& keys, int64_t slots) const {
-    if (slots <= keys.capacity) return;
-    const int64_t cap = std::max<int64_t>({slots, 2 * keys.capacity, 256});
-    const size_t channels = static_cast<size_t>(model_.num_kv_heads) * partial_dim_;
-    std::vector<float> data(channels * cap, 0.0f);
-    for (size_t ch = 0; ch < channels; ++ch) {
-      std::copy_n(keys.data.data() + ch * keys.capacity, keys.capacity, data.data() + ch * cap);
+    const size_t floats = static_cast<size_t>(model_.num_kv_heads) * partial_dim_ * kChunkRows;
+    while (keys.capacity() < slots) {
+      keys.chunks.push_back(std::make_unique<float[]>(floats));  // value-initialized: zeros
     }
-    keys.data.swap(data);
-    keys.capacity = cap;
   }
 
   // out[c] = Σ_i x[i] · a[i, c] for a: [d, p].

@@ -275,6 +275,65 @@ TEST(InfinigenPolicy, AlphaMarginCountsAndBudgetClamps) {
   EXPECT_TRUE(RunInfinigen(**all, keys, q).all);
 }
 
+// Keys stored in uneven appends that cross the partial key cache's chunk boundaries (1024
+// rows) are scored where they were stored: the planted strong keys on either side of each
+// boundary are exactly what is selected.
+TEST(InfinigenPolicy, KeysAcrossChunkBoundariesAreScoredWhereTheyWereStored) {
+  TinySetup t;
+  constexpr int64_t n = 2600;
+  const std::vector<int32_t> strong0 = {0, 511, 1023, 1024, 2047, 2048};
+  const std::vector<int32_t> strong1 = {1, 1025, 2046, 2049, 2100, 2598};
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> weak(-1.0f, 1.0f);
+  std::vector<float> keys(n * 4);
+  for (float& k : keys) k = weak(rng);
+  for (int32_t j : strong0) keys[j * 4 + 0] = 50.0f;  // KV head 0, channel 0
+  for (int32_t j : strong1) keys[j * 4 + 3] = 50.0f;  // KV head 1, channel 1
+  std::vector<int32_t> slots(n * 2);
+  for (int64_t j = 0; j < n; ++j) slots[2 * j] = slots[2 * j + 1] = static_cast<int32_t>(j);
+
+  SelectionConfig config;
+  config.policy = "infinigen";
+  config.dense_layers = 1;
+  config.alpha = 100.0;
+  config.budget_tokens = 7;  // the six strong keys and the current token
+  auto policy = MakeSelectionPolicy(config, t.model, &t.sidecar);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  int64_t stored = 0;
+  for (int64_t piece : {700, 400, 1, 1000, 499}) {
+    LayerKeys k;
+    k.seq = 1;
+    k.layer = 1;
+    k.count = piece;
+    k.k = keys.data() + stored * 4;
+    k.k_stride = 4;
+    k.slots = slots.data() + stored * 2;
+    ASSERT_TRUE((*policy)->OnKeys(k).ok());
+    stored += piece;
+  }
+  ASSERT_EQ(stored, n);
+  const std::vector<float> q = {1, 0, 1, 0, 0, 1, 0, 1};
+  SelectRequest r;
+  r.seq = 1;
+  r.layer = 1;
+  r.position = n - 1;
+  const int32_t current[2] = {n - 1, n - 1};
+  r.current_slots = current;
+  r.kv.num_slots = n;
+  r.q = q.data();
+  r.speculated_q = q.data();
+  Selection sel;
+  ASSERT_TRUE((*policy)->Select(r, sel).ok());
+  ASSERT_FALSE(sel.all);
+  ASSERT_EQ(sel.count, 7);
+  std::vector<int32_t> want0 = strong0, want1 = strong1;
+  want0.push_back(n - 1);
+  want1.push_back(n - 1);
+  std::sort(want1.begin(), want1.end());
+  EXPECT_EQ(std::vector<int32_t>(sel.indices.begin(), sel.indices.begin() + 7), want0);
+  EXPECT_EQ(std::vector<int32_t>(sel.indices.begin() + 7, sel.indices.end()), want1);
+}
+
 TEST(InfinigenPolicy, NeedsItsSidecar) {
   TinySetup t;
   SelectionConfig config;
