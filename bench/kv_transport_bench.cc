@@ -3,7 +3,7 @@
 // throughput, against a plain memcpy of the same bytes; plus the store's memory overhead per
 // stored token beyond the K/V bytes. One JSON line per case, then a markdown table.
 //
-// usage: kv_transport_bench [--iterations 200]
+// usage: kv_transport_bench [--iterations 200] [--transports in-process,shm,grpc,ucx]
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -12,7 +12,9 @@
 #include <cstring>
 #include <random>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
 #if INFINIGEN_HAVE_UCX
@@ -36,7 +38,19 @@ double Percentile(std::vector<double> v, double p) {
 
 int main(int argc, char** argv) {
   int iterations = 200;
-  if (argc > 2 && std::string(argv[1]) == "--iterations") iterations = std::atoi(argv[2]);
+  std::string only;  // comma-separated transports to run; empty: all
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--iterations") {
+      iterations = std::atoi(argv[i + 1]);
+    } else if (flag == "--transports") {
+      only = argv[i + 1];
+    } else {
+      std::fprintf(stderr, "unknown flag %s (expected --iterations N, --transports LIST)\n",
+                   flag.c_str());
+      return 2;
+    }
+  }
   KvStoreConfig c;
   c.capacity_bytes = size_t{512} << 20;
   c.block_tokens = 64;
@@ -87,6 +101,7 @@ int main(int argc, char** argv) {
   StoreSequenceId seq = 1;
   for (const char* name : transports) {
     ++seq;
+    if (!only.empty() && !absl::c_linear_search(absl::StrSplit(only, ','), name)) continue;
     KvClientConfig cc;
     cc.transport = *ParseTransport(name);
     cc.address = "127.0.0.1:" + std::to_string(port);

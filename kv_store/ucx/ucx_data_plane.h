@@ -1,11 +1,11 @@
 // The UCX data plane of the KV store, for workers on other hosts: a gather request goes to the
-// store as one UCX active message and the rows come back as one byte stream in a few pieces of
-// up to 1 MiB (eager for small ones, rendezvous, i.e. zero-copy RMA under the hood, for large
-// ones) that the store gathers while the worker receives the previous one -- never a message per
-// row. The worker receives each piece in place, straight into the item buffers. Connections use
-// peer failure detection, so UCX picks network transports (RDMA where the fabric has it, TCP
-// here; tests use UCX_NET_DEVICES=lo); workers on the store's host use the shm transport.
-// Control calls stay on gRPC.
+// store as one UCX active message and the rows come back as one byte stream laid out as the
+// worker's buffers are, two messages per item (its K rows, its V rows; eager for small ones,
+// rendezvous, i.e. zero-copy RMA under the hood, for large ones) -- never a message per row. The
+// worker receives each message in place, into one contiguous destination: a scattered receive
+// would make UCX copy every fragment. Connections use peer failure detection, so UCX picks
+// network transports (RDMA where the fabric has it, TCP here; tests use UCX_NET_DEVICES=lo);
+// workers on the store's host use the shm transport. Control calls stay on gRPC.
 #pragma once
 
 #include <atomic>

@@ -205,6 +205,55 @@ TEST_P(KvTransport, InterleavedAppendsAndGathersSeeWhatTheyNeed) {
   EXPECT_TRUE(client_->Close(1).ok());
 }
 
+// One gather of several items, as a batched prefetch sends: large ones (hundreds of KiB, which
+// UCX sends by rendezvous), an empty one and a small one, over two sequences. Every row lands in
+// its item's buffers at its place.
+TEST_P(KvTransport, ABatchedGatherOfLargeSmallAndEmptyItemsLandsEveryRowInPlace) {
+  constexpr int64_t kTokens = 5000;
+  for (StoreSequenceId seq : {1, 2}) {
+    ASSERT_TRUE(client_->Open(seq, Spec()).ok());
+    for (int64_t t = 0; t < kTokens; t += 1000) {
+      for (int layer = 0; layer < 2; ++layer) {
+        const int64_t tag = t + 10000 * layer + 100000 * seq;
+        client_->AppendAsync(seq, layer, t, 1000, TokenRows(tag, 1000, 0), TokenRows(tag, 1000, 1));
+      }
+    }
+  }
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  struct Want {
+    StoreSequenceId seq;
+    int layer;
+    int64_t count;
+  };
+  const std::vector<Want> wants = {{1, 0, 4000}, {2, 1, 0}, {2, 0, 3}, {1, 1, 2500}};
+  std::mt19937 rng(5);
+  std::vector<std::vector<int32_t>> slots;
+  std::vector<std::vector<uint8_t>> ks, vs;
+  std::vector<ClientGatherItem> items;
+  for (const Want& w : wants) {
+    slots.emplace_back(2 * w.count);
+    for (int32_t& s : slots.back()) s = static_cast<int32_t>(rng() % kTokens);
+    ks.emplace_back(2 * w.count * 32, 0);
+    vs.emplace_back(2 * w.count * 32, 0);
+    items.push_back({w.seq, w.layer, w.count, slots.back(), ks.back().data(), vs.back().data()});
+  }
+  ASSERT_TRUE(client_->GatherAsync(items)->Wait(Soon()).ok());
+  for (size_t i = 0; i < wants.size(); ++i) {
+    const Want& w = wants[i];
+    for (int g = 0; g < 2; ++g) {
+      for (int64_t j = 0; j < w.count; ++j) {
+        const int32_t t = slots[i][g * w.count + j];
+        const int64_t tag = t + 10000 * w.layer + 100000 * static_cast<int64_t>(w.seq);
+        const size_t at = (g * w.count + j) * 32;
+        ASSERT_EQ(0, std::memcmp(ks[i].data() + at, TokenRows(tag, 1, 0).data() + g * 32, 32))
+            << "item " << i << " head " << g << " row " << j;
+        ASSERT_EQ(0, std::memcmp(vs[i].data() + at, TokenRows(tag, 1, 1).data() + g * 32, 32))
+            << "item " << i << " head " << g << " row " << j;
+      }
+    }
+  }
+}
+
 // Appends that linger for company (a minute here) still go at once when a gather needs one of
 // them, together with everything queued before, and when the client is destroyed.
 TEST_P(KvTransport, LingeringAppendsGoWhenAGatherNeedsThemOrTheClientCloses) {
