@@ -61,6 +61,11 @@ absl::Status Model::Reserve(int64_t tokens, int64_t logit_rows) {
     IG_RETURN_IF_ERROR(grow(ws_.spec_in, tokens, c.hidden_size, e));
     IG_RETURN_IF_ERROR(grow(ws_.spec_qkv[0], tokens, c.q_dim() + 2 * c.kv_dim(), e));
     IG_RETURN_IF_ERROR(grow(ws_.spec_qkv[1], tokens, c.q_dim() + 2 * c.kv_dim(), e));
+    if (!backend_.host_accessible()) {  // ToHost's float32 staging and host copies
+      IG_RETURN_IF_ERROR(grow(ws_.mirror, tokens, c.q_dim() + c.kv_dim(), sizeof(float)));
+      host_qk_.reserve(static_cast<size_t>(tokens * (c.q_dim() + c.kv_dim())));
+      host_spec_q_.reserve(static_cast<size_t>(tokens * c.q_dim()));
+    }
     ws_.max_tokens = tokens;
   }
   if (logit_rows > ws_.max_logit_rows) {

@@ -67,7 +67,8 @@ class Model {
     std::unique_ptr<Buffer> spec_in, spec_qkv[2];
     // Decode selection: row indices in device memory and attention weights, sized on demand.
     std::unique_ptr<Buffer> indices, weights;
-    // Float32 staging of activations the host policies read, on backends the host cannot read.
+    // Float32 staging of activations the host policies read, on backends the host cannot read
+    // (sized with the others in Reserve, so that no decode step allocates it).
     std::unique_ptr<Buffer> mirror;
   };
   absl::Status Reserve(int64_t tokens, int64_t logit_rows);
