@@ -236,24 +236,44 @@ struct DecodeCase {
   }
 };
 
+// 9 rows: one task per KV head; 700 rows: several chunks per KV head, merged (the last one
+// partial). The output and the attention probabilities against a double loop.
 TEST(CpuKernels, DecodeAttentionOverIndexListMatchesDoubleLoop) {
-  DecodeCase c(6, 8, 2, 12, 64, 9);
-  const float scale = 0.3f;
-  for (bool with_indices : {true, false}) {
-    std::vector<float> out(c.heads * c.d);
-    AttentionDecode(c.q.data(), {c.k.data(), c.head_stride, c.row_stride},
-                    {c.v.data(), c.head_stride, c.row_stride},
-                    with_indices ? c.idx.data() : nullptr, c.num_rows, c.heads, c.kv_heads, c.d,
-                    scale, out.data());
-    for (int h = 0; h < c.heads; ++h) {
-      const int g = h / (c.heads / c.kv_heads);
-      std::vector<int32_t> rows(c.num_rows);
-      for (int64_t j = 0; j < c.num_rows; ++j) {
-        rows[j] = with_indices ? c.idx[g * c.num_rows + j] : static_cast<int32_t>(j);
+  for (int64_t num_rows : {9, 700}) {
+    DecodeCase c(6, 8, 2, 12, 1000, num_rows);
+    const float scale = 0.3f;
+    for (bool with_indices : {true, false}) {
+      std::vector<float> out(c.heads * c.d), weights(c.heads * c.num_rows);
+      AttentionDecode(c.q.data(), {c.k.data(), c.head_stride, c.row_stride},
+                      {c.v.data(), c.head_stride, c.row_stride},
+                      with_indices ? c.idx.data() : nullptr, c.num_rows, c.heads, c.kv_heads, c.d,
+                      scale, out.data(), weights.data());
+      for (int h = 0; h < c.heads; ++h) {
+        const int g = h / (c.heads / c.kv_heads);
+        std::vector<int32_t> rows(c.num_rows);
+        for (int64_t j = 0; j < c.num_rows; ++j) {
+          rows[j] = with_indices ? c.idx[g * c.num_rows + j] : static_cast<int32_t>(j);
+        }
+        auto want = RefAttendRow(c.q.data() + h * c.d, c.k, c.v, c.head_stride, c.row_stride, rows,
+                                 g, c.d, scale);
+        for (int e = 0; e < c.d; ++e) {
+          ASSERT_NEAR(want[e], out[h * c.d + e], 1e-5) << num_rows << " rows, head " << h;
+        }
+        std::vector<double> p(c.num_rows);
+        double max_s = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < c.num_rows; ++j) {
+          const float* kr = c.k.data() + g * c.head_stride + rows[j] * c.row_stride;
+          double dot = 0;
+          for (int e = 0; e < c.d; ++e) dot += double(c.q[h * c.d + e]) * kr[e];
+          p[j] = dot * scale;
+          max_s = std::max(max_s, p[j]);
+        }
+        for (double& x : p) sum += (x = std::exp(x - max_s));
+        for (int64_t j = 0; j < c.num_rows; ++j) {
+          ASSERT_NEAR(p[j] / sum, weights[h * c.num_rows + j], 1e-6)
+              << num_rows << " rows, head " << h << " row " << j;
+        }
       }
-      auto want = RefAttendRow(c.q.data() + h * c.d, c.k, c.v, c.head_stride, c.row_stride, rows, g,
-                               c.d, scale);
-      for (int e = 0; e < c.d; ++e) ASSERT_NEAR(want[e], out[h * c.d + e], 1e-5) << "head " << h;
     }
   }
 }
