@@ -1,11 +1,13 @@
 // The UCX data plane of the KV store, for workers on other hosts: a gather request goes to the
 // store as one UCX active message and the rows come back as one byte stream laid out as the
-// worker's buffers are, two messages per item (its K rows, its V rows; eager for small ones,
-// rendezvous, i.e. zero-copy RMA under the hood, for large ones) -- never a message per row. The
-// worker receives each message in place, into one contiguous destination: a scattered receive
-// would make UCX copy every fragment. Connections use peer failure detection, so UCX picks
-// network transports (RDMA where the fabric has it, TCP here; tests use UCX_NET_DEVICES=lo);
-// workers on the store's host use the shm transport. Control calls stay on gRPC.
+// worker's buffers are (per item: K rows of every head, then V rows) -- never a message per row.
+// A large item travels as two messages (its K rows, its V rows) that the worker receives in
+// place, each into one contiguous destination by rendezvous (zero-copy RMA under the hood): a
+// scattered receive would make UCX copy every fragment. Small items (a batch's many sequences)
+// travel several to a message, received into one buffer and copied out. Connections use peer
+// failure detection, so UCX picks network transports (RDMA where the fabric has it, TCP here;
+// tests use UCX_NET_DEVICES=lo); workers on the store's host use the shm transport. Control
+// calls stay on gRPC.
 #pragma once
 
 #include <atomic>

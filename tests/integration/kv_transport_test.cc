@@ -206,7 +206,7 @@ TEST_P(KvTransport, InterleavedAppendsAndGathersSeeWhatTheyNeed) {
 }
 
 // One gather of several items, as a batched prefetch sends: large ones (hundreds of KiB, which
-// UCX sends by rendezvous), an empty one and a small one, over two sequences. Every row lands in
+// UCX sends by rendezvous), an empty one and small ones, over two sequences. Every row lands in
 // its item's buffers at its place.
 TEST_P(KvTransport, ABatchedGatherOfLargeSmallAndEmptyItemsLandsEveryRowInPlace) {
   constexpr int64_t kTokens = 5000;
@@ -225,7 +225,11 @@ TEST_P(KvTransport, ABatchedGatherOfLargeSmallAndEmptyItemsLandsEveryRowInPlace)
     int layer;
     int64_t count;
   };
-  const std::vector<Want> wants = {{1, 0, 4000}, {2, 1, 0}, {2, 0, 3}, {1, 1, 2500}};
+  // Over UCX: large items travel alone, two messages each; runs of small ones (under 128 KiB of
+  // K rows: here 1500 rows and fewer) several to a message of up to 1 MiB.
+  const std::vector<Want> wants = {{1, 0, 4000}, {2, 1, 0},    {2, 0, 3},    {1, 1, 2500},
+                                   {1, 0, 1500}, {2, 1, 1500}, {1, 1, 1500}, {2, 0, 1500},
+                                   {1, 0, 1500}, {2, 1, 1500}, {1, 1, 1500}, {2, 0, 7}};
   std::mt19937 rng(5);
   std::vector<std::vector<int32_t>> slots;
   std::vector<std::vector<uint8_t>> ks, vs;
