@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <map>
+#include <memory>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,7 @@
 #include "common/grpc/status.h"
 #include "common/grpc/tls.h"
 #include "common/status_macros.h"
+#include "common/thread_pool.h"
 #include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
 #include "kv_store/client/queued_client.h"
 #include "kv_store/client/transports.h"
@@ -27,6 +29,9 @@ namespace infinigen {
 namespace {
 
 namespace pb = kvstore::v1;
+
+// shm gathers copying at least this many bytes use the client's copy threads.
+constexpr size_t kParallelCopyBytes = 1 << 20;
 
 #define IG_RETURN_IF_ERROR_GRPC(call)                                  \
   do {                                                                 \
@@ -365,6 +370,8 @@ class GrpcClient final : public QueuedKvClient {
   }
 
   absl::Status GatherShm(const std::vector<ClientGatherItem>& items) {
+    copies_.clear();
+    size_t copy_bytes = 0;
     for (const auto& it : items) {
       auto spec = specs_.find(it.seq);
       if (spec == specs_.end()) {
@@ -412,23 +419,62 @@ class GrpcClient final : public QueuedKvClient {
               arena_ + static_cast<size_t>(t.v_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
               off;
         }
-        for (int64_t j = 0; !in_place && j < it.count;) {
-          // Consecutive slots within a block are one copy.
-          const int64_t first = idx[j], b = first / per_block, left = per_block - first % per_block;
-          int64_t run = 1;
-          while (run < left && j + run < it.count && idx[j + run] == first + run) ++run;
-          const size_t off = static_cast<size_t>((first % per_block) * t.row_bytes);
-          const size_t dst = static_cast<size_t>((g * it.count + j) * t.row_bytes);
-          const size_t bytes = static_cast<size_t>(run * t.row_bytes);
-          const int32_t kb = t.k_blocks[g * t.blocks_per_head + b];
-          const int32_t vb = t.v_blocks[g * t.blocks_per_head + b];
-          std::memcpy(it.k_out + dst, arena_ + static_cast<size_t>(kb) * block_bytes_ + off, bytes);
-          std::memcpy(it.v_out + dst, arena_ + static_cast<size_t>(vb) * block_bytes_ + off, bytes);
-          j += run;
+        if (!in_place && it.count > 0) {
+          copies_.push_back({&it, &t, g, per_block});
+          copy_bytes += 2 * static_cast<size_t>(it.count * t.row_bytes);
         }
       }
     }
+    // Every item checked: copy the rows, one (item, KV head) per task.
+    auto copy = [&](int64_t u) { CopyRows(copies_[u]); };
+    if (copy_bytes >= kParallelCopyBytes && config_.gather_threads > 1) {
+      if (pool_ == nullptr) pool_ = std::make_unique<ThreadPool>(config_.gather_threads);
+      pool_->ParallelFor(static_cast<int64_t>(copies_.size()), copy);
+    } else {
+      for (int64_t u = 0; u < static_cast<int64_t>(copies_.size()); ++u) copy(u);
+    }
     return absl::OkStatus();
+  }
+
+  // One KV head of an item, read from the mapped arena.
+  struct CopyJob {
+    const ClientGatherItem* item;
+    const Table* table;
+    int head;
+    int64_t per_block;
+  };
+  void CopyRows(const CopyJob& c) const {
+    const ClientGatherItem& it = *c.item;
+    const Table& t = *c.table;
+    const int g = c.head;
+    const int32_t* idx = it.slots.data() + g * it.count;
+    const int32_t* k_blocks = t.k_blocks.data() + g * t.blocks_per_head;
+    const int32_t* v_blocks = t.v_blocks.data() + g * t.blocks_per_head;
+    auto row = [&](const int32_t* blocks, int64_t slot) {
+      return arena_ + static_cast<size_t>(blocks[slot / c.per_block]) * block_bytes_ +
+             static_cast<size_t>((slot % c.per_block) * t.row_bytes);
+    };
+    // Random rows are latency-bound: ask for the row kAhead positions ahead while copying.
+    // Consecutive slots within a block are one copy.
+    constexpr int64_t kAhead = 8;
+    for (int64_t j = 0; j < it.count;) {
+      if (j + kAhead < it.count) {
+        const uint8_t* pk = row(k_blocks, idx[j + kAhead]);
+        const uint8_t* pv = row(v_blocks, idx[j + kAhead]);
+        for (int64_t line = 0; line < t.row_bytes; line += 64) {
+          __builtin_prefetch(pk + line);
+          __builtin_prefetch(pv + line);
+        }
+      }
+      const int64_t first = idx[j], left = c.per_block - first % c.per_block;
+      int64_t run = 1;
+      while (run < left && j + run < it.count && idx[j + run] == first + run) ++run;
+      const size_t dst = static_cast<size_t>((g * it.count + j) * t.row_bytes);
+      const size_t bytes = static_cast<size_t>(run * t.row_bytes);
+      std::memcpy(it.k_out + dst, row(k_blocks, first), bytes);
+      std::memcpy(it.v_out + dst, row(v_blocks, first), bytes);
+      j += run;
+    }
   }
 
   std::shared_ptr<grpc::Channel> channel_;
@@ -444,7 +490,9 @@ class GrpcClient final : public QueuedKvClient {
   uint64_t instance_ = 0;  // the run of the store whose arena is mapped
   // Queue-thread state.
   absl::flat_hash_map<StoreSequenceId, SequenceSpec> specs_;
-  std::map<std::pair<StoreSequenceId, int>, Table> tables_;
+  std::map<std::pair<StoreSequenceId, int>, Table> tables_;  // node-based: stable addresses
+  std::vector<CopyJob> copies_;
+  std::unique_ptr<ThreadPool> pool_;  // shm copies of large gathers
   // Append-thread state read by gathers (shm).
   absl::Mutex appended_mu_;
   absl::flat_hash_map<std::pair<StoreSequenceId, int>, int64_t> appended_
