@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kv_store/row_copy.h"
 
 namespace infinigen {
 namespace {
@@ -294,27 +295,11 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
         }
         return;
       }
-      uint8_t* k_out = item.k_out + g * item.count * row_bytes;
-      uint8_t* v_out = item.v_out + g * item.count * row_bytes;
-      // Random rows are latency-bound: ask for rows kAhead positions ahead while copying.
-      // Consecutive slots within a block (dense reads, runs in a selection) are one copy.
-      constexpr int64_t kAhead = 8;
-      for (int64_t j = 0; j < item.count;) {
-        if (j + kAhead < item.count) {
-          const uint8_t* pk = Row(h.k_blocks, idx[j + kAhead], row_bytes);
-          const uint8_t* pv = Row(h.v_blocks, idx[j + kAhead], row_bytes);
-          for (int64_t line = 0; line < row_bytes; line += 64) {
-            __builtin_prefetch(pk + line);
-            __builtin_prefetch(pv + line);
-          }
-        }
-        const int64_t first = idx[j], left_in_block = per_block - first % per_block;
-        int64_t run = 1;
-        while (run < left_in_block && j + run < item.count && idx[j + run] == first + run) ++run;
-        std::memcpy(k_out + j * row_bytes, Row(h.k_blocks, first, row_bytes), run * row_bytes);
-        std::memcpy(v_out + j * row_bytes, Row(h.v_blocks, first, row_bytes), run * row_bytes);
-        j += run;
-      }
+      const HeadRowsView view{arena_->base(),    arena_->block_bytes(),
+                              h.k_blocks.data(), h.v_blocks.data(),
+                              row_bytes,         per_block};
+      CopyHeadRows(view, idx, item.count, item.k_out + g * item.count * row_bytes,
+                   item.v_out + g * item.count * row_bytes);
     };
     if (copy_bytes >= config_.parallel_gather_bytes) {
       pool_->ParallelFor(static_cast<int64_t>(work.size()), copy);

@@ -21,6 +21,7 @@
 #include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
 #include "kv_store/client/queued_client.h"
 #include "kv_store/client/transports.h"
+#include "kv_store/row_copy.h"
 #if INFINIGEN_HAVE_UCX
 #include "kv_store/ucx/ucx_data_plane.h"
 #endif
@@ -448,33 +449,14 @@ class GrpcClient final : public QueuedKvClient {
     const Table& t = *c.table;
     const int g = c.head;
     const int32_t* idx = it.slots.data() + g * it.count;
-    const int32_t* k_blocks = t.k_blocks.data() + g * t.blocks_per_head;
-    const int32_t* v_blocks = t.v_blocks.data() + g * t.blocks_per_head;
-    auto row = [&](const int32_t* blocks, int64_t slot) {
-      return arena_ + static_cast<size_t>(blocks[slot / c.per_block]) * block_bytes_ +
-             static_cast<size_t>((slot % c.per_block) * t.row_bytes);
-    };
-    // Random rows are latency-bound: ask for the row kAhead positions ahead while copying.
-    // Consecutive slots within a block are one copy.
-    constexpr int64_t kAhead = 8;
-    for (int64_t j = 0; j < it.count;) {
-      if (j + kAhead < it.count) {
-        const uint8_t* pk = row(k_blocks, idx[j + kAhead]);
-        const uint8_t* pv = row(v_blocks, idx[j + kAhead]);
-        for (int64_t line = 0; line < t.row_bytes; line += 64) {
-          __builtin_prefetch(pk + line);
-          __builtin_prefetch(pv + line);
-        }
-      }
-      const int64_t first = idx[j], left = c.per_block - first % c.per_block;
-      int64_t run = 1;
-      while (run < left && j + run < it.count && idx[j + run] == first + run) ++run;
-      const size_t dst = static_cast<size_t>((g * it.count + j) * t.row_bytes);
-      const size_t bytes = static_cast<size_t>(run * t.row_bytes);
-      std::memcpy(it.k_out + dst, row(k_blocks, first), bytes);
-      std::memcpy(it.v_out + dst, row(v_blocks, first), bytes);
-      j += run;
-    }
+    const HeadRowsView view{arena_,
+                            static_cast<size_t>(block_bytes_),
+                            t.k_blocks.data() + g * t.blocks_per_head,
+                            t.v_blocks.data() + g * t.blocks_per_head,
+                            t.row_bytes,
+                            c.per_block};
+    const size_t dst = static_cast<size_t>(g * it.count * t.row_bytes);
+    CopyHeadRows(view, idx, it.count, it.k_out + dst, it.v_out + dst);
   }
 
   std::shared_ptr<grpc::Channel> channel_;

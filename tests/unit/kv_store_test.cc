@@ -5,9 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <thread>
+
+#include "kv_store/row_copy.h"
 
 namespace infinigen {
 namespace {
@@ -119,6 +122,52 @@ TEST(KvStore, OneGatherServesManySequences) {
               Expected(s, 0, 0, 0, seq));
   }
   EXPECT_EQ(store->Stats().gathers, 1);
+}
+
+// The copy loop every gather runs, on its own: rows of the sizes it specializes (128, 256, 512
+// bytes) and others, blocks holding a power of two rows or not, blocks in any order, slots in
+// random order with runs of consecutive slots that cross block boundaries, and counts below and
+// above its prefetch distance; each row must equal a plain per-row copy.
+TEST(RowCopy, EveryRowSizeAndBlockShapeCopiesTheSelectedRows) {
+  std::mt19937 rng(5);
+  for (int64_t row_bytes : {32, 96, 128, 256, 384, 512, 1024}) {
+    for (int64_t per_block : {16, 24, 64}) {
+      constexpr int kBlocks = 9;
+      const int64_t rows = kBlocks * per_block;
+      const size_t block_bytes = static_cast<size_t>(per_block * row_bytes) + 64;  // padded
+      std::vector<uint8_t> arena(2 * kBlocks * block_bytes);
+      for (size_t i = 0; i < arena.size(); ++i) arena[i] = static_cast<uint8_t>(rng());
+      std::vector<int32_t> blocks(2 * kBlocks);  // K then V, shuffled across the arena
+      for (int i = 0; i < 2 * kBlocks; ++i) blocks[i] = i;
+      std::shuffle(blocks.begin(), blocks.end(), rng);
+      const HeadRowsView view{arena.data(), block_bytes, blocks.data(), blocks.data() + kBlocks,
+                              row_bytes,    per_block};
+      auto row = [&](const int32_t* b, int64_t slot) {
+        return arena.data() + b[slot / per_block] * block_bytes + (slot % per_block) * row_bytes;
+      };
+      for (int64_t count : {0, 1, 5, 9, 50, 300}) {
+        std::vector<int32_t> slots;
+        while (static_cast<int64_t>(slots.size()) < count) {
+          const int64_t first = rng() % rows, run = 1 + rng() % 4 * (rng() % 3 == 0 ? 10 : 1);
+          for (int64_t r = 0;
+               r < run && first + r < rows && static_cast<int64_t>(slots.size()) < count; ++r) {
+            slots.push_back(static_cast<int32_t>(first + r));
+          }
+        }
+        std::vector<uint8_t> k(count * row_bytes, 0xee), v(count * row_bytes, 0xee);
+        CopyHeadRows(view, slots.data(), count, k.data(), v.data());
+        for (int64_t j = 0; j < count; ++j) {
+          ASSERT_EQ(std::memcmp(k.data() + j * row_bytes, row(view.k_blocks, slots[j]), row_bytes),
+                    0)
+              << "K row " << j << " (slot " << slots[j] << "), rows of " << row_bytes << " bytes, "
+              << per_block << " per block";
+          ASSERT_EQ(std::memcmp(v.data() + j * row_bytes, row(view.v_blocks, slots[j]), row_bytes),
+                    0)
+              << "V row " << j << " (slot " << slots[j] << ")";
+        }
+      }
+    }
+  }
 }
 
 TEST(KvStore, AHeadRangeGathersThoseHeadsOnly) {
