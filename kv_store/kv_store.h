@@ -36,7 +36,7 @@ struct KvStoreConfig {
   int64_t block_tokens = 64;     // rows per arena block
   int64_t max_row_bytes = 1024;  // the largest head_dim x dtype size accepted (sizes blocks)
   int gather_threads = 2;
-  int64_t parallel_gather_bytes = 1 << 20;  // gathers at least this large use the thread pool
+  int64_t parallel_gather_bytes = 2 << 20;  // gathers at least this large use the thread pool
   absl::Duration lease = absl::Seconds(30);
   bool shared_memory = true;  // see ArenaOptions::shared
   std::string shm_path;       // see ArenaOptions

@@ -32,7 +32,7 @@ namespace {
 namespace pb = kvstore::v1;
 
 // shm gathers copying at least this many bytes use the client's copy threads.
-constexpr size_t kParallelCopyBytes = 1 << 20;
+constexpr size_t kParallelCopyBytes = 2 << 20;
 
 #define IG_RETURN_IF_ERROR_GRPC(call)                                  \
   do {                                                                 \
