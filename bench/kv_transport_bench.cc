@@ -6,7 +6,11 @@
 // --batch B splits each gather into B items of equal size (a batched prefetch of B sequences'
 // rows; the total stays 0.5-4 MB).
 //
+// --rows LIST sets the rows gathered per KV head (default 128,256,512,1024); small counts show a
+// transport's fixed cost per gather.
+//
 // usage: kv_transport_bench [--iterations 200] [--transports in-process,shm,grpc,ucx] [--batch 1]
+//                           [--rows 128,256,512,1024]
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -16,6 +20,7 @@
 #include <random>
 
 #include "absl/algorithm/container.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kv_store/client/kv_store_client.h"
@@ -43,6 +48,7 @@ int main(int argc, char** argv) {
   int iterations = 200;
   std::string only;  // comma-separated transports to run; empty: all
   int batch = 1;
+  std::vector<int64_t> rows_per_head = {128, 256, 512, 1024};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--iterations") {
@@ -51,9 +57,20 @@ int main(int argc, char** argv) {
       only = argv[i + 1];
     } else if (flag == "--batch") {
       batch = std::max(1, std::atoi(argv[i + 1]));
+    } else if (flag == "--rows") {
+      rows_per_head.clear();
+      for (absl::string_view r : absl::StrSplit(argv[i + 1], ',')) {
+        int64_t n = 0;
+        if (!absl::SimpleAtoi(r, &n) || n < 1 || n > kStored) {
+          std::fprintf(stderr, "--rows takes counts in [1, %ld], got %s\n", kStored, argv[i + 1]);
+          return 2;
+        }
+        rows_per_head.push_back(n);
+      }
     } else {
       std::fprintf(stderr,
-                   "unknown flag %s (expected --iterations N, --transports LIST, --batch B)\n",
+                   "unknown flag %s (expected --iterations N, --transports LIST, --batch B, "
+                   "--rows LIST)\n",
                    flag.c_str());
       return 2;
     }
@@ -126,7 +143,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s: %s\n", name, std::string(st.message()).c_str());
       return 1;
     }
-    for (int64_t total_per_head : {128, 256, 512, 1024}) {
+    for (int64_t total_per_head : rows_per_head) {
       const int64_t per_head = std::max<int64_t>(1, total_per_head / batch);
       std::vector<int32_t> slots(kHeads * per_head * batch);
       for (auto& s : slots) s = static_cast<int32_t>(rng() % kStored);
