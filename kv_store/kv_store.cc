@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -67,6 +68,23 @@ absl::Status KvStore::Open(StoreSequenceId seq, const SequenceSpec& spec, absl::
     return absl::InvalidArgumentError(absl::StrCat("rows of ", spec.row_bytes(),
                                                    " bytes exceed the store's limit of ",
                                                    config_.max_row_bytes));
+  }
+  // Bounds before anything is sized from the spec (it comes from the network).
+  if (spec.num_layers > kMaxLayers || spec.num_kv_heads > kMaxKvHeads) {
+    return absl::InvalidArgumentError(absl::StrCat("a sequence has at most ", kMaxLayers,
+                                                   " layers and ", kMaxKvHeads, " KV heads; got ",
+                                                   spec.num_layers, " and ", spec.num_kv_heads));
+  }
+  if (spec.capacity_tokens > 0) {
+    const int64_t token_bytes = 2 * int64_t{spec.num_layers} * spec.num_kv_heads * spec.row_bytes();
+    const int64_t most =
+        std::min<int64_t>(std::numeric_limits<int32_t>::max(),
+                          static_cast<int64_t>(config_.capacity_bytes) / token_bytes);
+    if (spec.capacity_tokens > most) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("a KV pool of ", spec.capacity_tokens, " tokens needs ", token_bytes,
+                       " bytes per token; this store holds at most ", most, " such tokens"));
+    }
   }
   auto s = std::make_shared<Sequence>();
   s->spec = spec;
@@ -242,11 +260,17 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
       break;
     }
     const bool in_place = item.k_rows != nullptr && item.v_rows != nullptr;
-    if (item.count < 0 || item.slots.size() != static_cast<size_t>(item.count * heads) ||
+    if (!CountMatches(item.count, heads, item.slots.size()) ||
         (item.count > 0 && !in_place && (item.k_out == nullptr || item.v_out == nullptr))) {
       status = absl::InvalidArgumentError(
           absl::StrCat("sequence ", item.seq, " layer ", item.layer, ": ", item.slots.size(),
                        " indices given for ", item.count, " rows x ", heads, " KV heads"));
+      break;
+    }
+    if (item.row_bytes > 0 && item.row_bytes != spec.row_bytes()) {
+      status = absl::FailedPreconditionError(
+          absl::StrCat("sequence ", item.seq, " now has rows of ", spec.row_bytes(), " bytes, not ",
+                       item.row_bytes, ": it was closed and opened again during the gather"));
       break;
     }
     const int64_t rows = s.layers[item.layer].rows;

@@ -76,7 +76,20 @@ struct GatherItem {
   // slot is given to another token).
   const void** k_rows = nullptr;
   const void** v_rows = nullptr;
+  // When > 0: the row size k_out and v_out were sized for. A sequence closed and opened again
+  // with other rows between the caller's sizing and the gather then fails (FAILED_PRECONDITION)
+  // instead of overrunning them.
+  int64_t row_bytes = 0;
 };
+
+// True when `indices` slots are `count` rows for each of `heads` KV heads. Counts come from the
+// network: no product that could overflow.
+inline bool CountMatches(int64_t count, int64_t heads, size_t indices) {
+  if (count < 0 || heads < 0) return false;
+  if (heads == 0) return indices == 0;
+  return indices % static_cast<uint64_t>(heads) == 0 &&
+         static_cast<uint64_t>(count) == indices / static_cast<uint64_t>(heads);
+}
 
 // Where the rows of one layer live: block ids per KV head for K and V.
 struct LayerBlocks {
@@ -95,6 +108,8 @@ struct KvStoreStats {
 
 class KvStore {
  public:
+  // Open refuses sequences with more (Llama 3.1 405B: 126 layers, 8 KV heads).
+  static constexpr int kMaxLayers = 1024, kMaxKvHeads = 1024;
   static absl::StatusOr<std::unique_ptr<KvStore>> Create(const KvStoreConfig& config);
 
   // ALREADY_EXISTS if open; INVALID_ARGUMENT for a bad spec; RESOURCE_EXHAUSTED if a KV pool

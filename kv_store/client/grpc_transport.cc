@@ -383,7 +383,7 @@ class GrpcClient final : public QueuedKvClient {
       if (it.layer < 0 || it.layer >= spec->second.num_layers) {
         return absl::InvalidArgumentError(absl::StrCat("layer ", it.layer, " out of range"));
       }
-      if (it.slots.size() != static_cast<size_t>(it.count * heads)) {
+      if (!CountMatches(it.count, heads, it.slots.size())) {
         return absl::InvalidArgumentError(absl::StrCat(it.slots.size(), " indices given for ",
                                                        it.count, " rows x ", heads, " KV heads"));
       }

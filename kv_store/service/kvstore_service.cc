@@ -69,7 +69,15 @@ grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* r
   }
   auto spec = store_.Spec(req->sequence_id());
   if (!spec.ok()) return ToGrpcStatus(spec.status());
-  std::vector<int32_t> slots(static_cast<size_t>(req->num_tokens() * spec->num_kv_heads));
+  // Checked here too, before the slots are sized from num_tokens.
+  const int64_t rows = req->num_tokens() * spec->num_kv_heads;
+  if (req->k().size() != static_cast<size_t>(rows * spec->row_bytes())) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("k and v must hold ", req->num_tokens(), " tokens x ", spec->num_kv_heads,
+                     " KV heads x ", spec->row_bytes(), " bytes = ", rows * spec->row_bytes(),
+                     " bytes each; got ", req->k().size())));
+  }
+  std::vector<int32_t> slots(static_cast<size_t>(rows));
   absl::Status st = store_.Append(
       req->sequence_id(), static_cast<int>(req->layer()), req->start(), req->num_tokens(),
       reinterpret_cast<const uint8_t*>(req->k().data()),
@@ -96,18 +104,30 @@ grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
 grpc::Status KvStoreService::Gather(grpc::ServerContext*, const GatherRequest* req,
                                     GatherResponse* resp) {
   std::vector<infinigen::GatherItem> items;
-  std::vector<std::pair<std::string*, std::string*>> outs;
+  std::vector<int64_t> row_bytes;
+  size_t reply_bytes = 0;
   for (const auto& it : req->items()) {
-    auto blocks = store_.Blocks(it.sequence_id(), static_cast<int>(it.layer()));
-    if (!blocks.ok()) return ToGrpcStatus(blocks.status());
+    auto spec = store_.Spec(it.sequence_id());
+    if (!spec.ok()) return ToGrpcStatus(spec.status());
+    row_bytes.push_back(spec->row_bytes());
+    reply_bytes += 2 * static_cast<size_t>(it.slots_size()) * static_cast<size_t>(row_bytes.back());
+  }
+  if (reply_bytes > kMaxKvMessageBytes) {
+    return ToGrpcStatus(absl::ResourceExhaustedError(
+        absl::StrCat("the gathered rows would take ", reply_bytes, " bytes, over the ",
+                     kMaxKvMessageBytes, "-byte message limit: gather fewer rows per call")));
+  }
+  for (int i = 0; i < req->items_size(); ++i) {
+    const auto& it = req->items(i);
     auto* result = resp->add_results();
-    const size_t bytes = static_cast<size_t>(it.slots_size()) * blocks->row_bytes;
+    const size_t bytes = static_cast<size_t>(it.slots_size()) * row_bytes[i];
     result->mutable_k()->resize(bytes);
     result->mutable_v()->resize(bytes);
     items.push_back({it.sequence_id(), static_cast<int>(it.layer()), it.count(),
                      std::span<const int32_t>(it.slots().data(), it.slots_size()),
                      reinterpret_cast<uint8_t*>(result->mutable_k()->data()),
                      reinterpret_cast<uint8_t*>(result->mutable_v()->data())});
+    items.back().row_bytes = row_bytes[i];  // the sizes above, checked under the gather's lock
   }
   absl::Status st = store_.Gather(items);
   if (!st.ok()) {

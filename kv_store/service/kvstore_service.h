@@ -11,6 +11,10 @@
 
 namespace infinigen {
 
+// The largest message the server takes or sends (main.cc sets both); a Gather whose rows would
+// exceed it is refused before anything is allocated for them.
+inline constexpr size_t kMaxKvMessageBytes = size_t{256} << 20;
+
 class KvStoreService final : public kvstore::v1::KvStore::Service {
  public:
   using Clock = std::function<absl::Time()>;

@@ -104,8 +104,8 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
-  builder.SetMaxReceiveMessageSize(256 << 20);
-  builder.SetMaxSendMessageSize(256 << 20);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(infinigen::kMaxKvMessageBytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(infinigen::kMaxKvMessageBytes));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

@@ -13,6 +13,8 @@
 #include <deque>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kv_store/ucx/gather_wire.h"
 
 namespace infinigen {
 namespace {
@@ -79,20 +81,6 @@ void CloseEndpoint(ucp_worker_h worker, ucp_ep_h ep) {
     ucp_worker_progress(worker);
   }
   if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
-}
-
-// Serialized request: u32 items, then per item u64 seq, i32 layer, i64 count, i64 n, n x i32.
-template <typename T>
-void Put(std::vector<uint8_t>& out, T v) {
-  const auto* p = reinterpret_cast<const uint8_t*>(&v);
-  out.insert(out.end(), p, p + sizeof(T));
-}
-template <typename T>
-bool Take(const uint8_t*& p, const uint8_t* end, T* v) {
-  if (static_cast<size_t>(end - p) < sizeof(T)) return false;
-  std::memcpy(v, p, sizeof(T));
-  p += sizeof(T);
-  return true;
 }
 
 }  // namespace
@@ -269,35 +257,18 @@ struct UcxGatherServer::State {
     return UCS_OK;
   }
 
-  // Reads a request into a job: its units in stream order.
+  // Reads a request into a job: its units in stream order. Lengths come from the network:
+  // nothing is sized from them before they are checked (gather_wire.h, CountMatches).
   absl::Status Parse(const uint8_t* p, size_t length, Job& job) {
-    const uint8_t* end = p + length;
-    uint32_t n;
-    if (!Take(p, end, &n)) return absl::InvalidArgumentError("malformed gather request");
-    job.slots.resize(n);
-    struct Item {
-      uint64_t seq;
-      int32_t layer;
-      int64_t count;
-    };
-    std::vector<Item> items(n);
-    for (uint32_t i = 0; i < n; ++i) {
-      int64_t num;
-      if (!Take(p, end, &items[i].seq) || !Take(p, end, &items[i].layer) ||
-          !Take(p, end, &items[i].count) || !Take(p, end, &num) || num < 0 ||
-          static_cast<size_t>(end - p) < num * sizeof(int32_t)) {
-        return absl::InvalidArgumentError("malformed gather request");
-      }
-      job.slots[i].resize(num);
-      std::memcpy(job.slots[i].data(), p, num * sizeof(int32_t));
-      p += num * sizeof(int32_t);
-    }
-    for (uint32_t i = 0; i < n; ++i) {
-      const Item& it = items[i];
+    IG_ASSIGN_OR_RETURN(std::vector<WireGatherItem> items, ParseGatherRequest(p, length));
+    job.slots.resize(items.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      const WireGatherItem& it = items[i];
+      job.slots[i] = std::move(items[i].slots);
       auto spec = store->Spec(it.seq);
       if (!spec.ok()) return spec.status();
       const int64_t heads = spec->num_kv_heads;
-      if (it.count < 0 || static_cast<int64_t>(job.slots[i].size()) != it.count * heads) {
+      if (!CountMatches(it.count, heads, job.slots[i].size())) {
         return absl::InvalidArgumentError(
             absl::StrCat("sequence ", it.seq, " layer ", it.layer, ": ", job.slots[i].size(),
                          " indices given for ", it.count, " rows x ", heads, " KV heads"));
@@ -310,6 +281,7 @@ struct UcxGatherServer::State {
             it.count, std::span<const int32_t>(job.slots[i]).subspan(g * it.count, it.count),
             nullptr,  nullptr,
             g,        1};
+        u.row_bytes = spec->row_bytes();  // what the reply buffer is sized for
         job.units.push_back(u);
         job.places.push_back({i, job.total + g * half, job.total + (heads + g) * half, half,
                               job.total + 2 * static_cast<size_t>(heads) * half,
@@ -674,17 +646,12 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
   State& st = *state_;
   if (st.broken) return absl::UnavailableError("the UCX connection to the KV store broke");
   std::vector<uint8_t> request;
-  Put<uint32_t>(request, static_cast<uint32_t>(items.size()));
+  PutItemCount(request, static_cast<uint32_t>(items.size()));
   st.regions.clear();
   st.total = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const auto& it = items[i];
-    Put<uint64_t>(request, it.seq);
-    Put<int32_t>(request, it.layer);
-    Put<int64_t>(request, it.count);
-    Put<int64_t>(request, static_cast<int64_t>(it.slots.size()));
-    const auto* p = reinterpret_cast<const uint8_t*>(it.slots.data());
-    request.insert(request.end(), p, p + it.slots.size() * sizeof(int32_t));
+    PutGatherItem(request, it.seq, it.layer, it.count, it.slots);
     if (it.count <= 0) continue;
     // K of every head, then V of every head: where the item's buffers want them.
     const size_t half = it.slots.size() * static_cast<size_t>(row_bytes[i]);

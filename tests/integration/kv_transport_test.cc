@@ -296,6 +296,19 @@ TEST_P(KvTransport, BadRequestsGetClearErrors) {
   EXPECT_EQ(range->Wait(Soon()).code(), absl::StatusCode::kInvalidArgument);
   auto layer = client_->GatherAsync({{2, 5, 1, {0, 0}, k.data(), v.data()}});
   EXPECT_EQ(layer->Wait(Soon()).code(), absl::StatusCode::kInvalidArgument);
+  // A count whose product with 4 KV heads wraps around to the 4 indices given.
+  SequenceSpec four = Spec();
+  four.num_kv_heads = 4;
+  ASSERT_TRUE(client_->Open(5, four).ok());
+  client_->AppendAsync(5, 0, 0, 1, TokenRows(0, 2, 0), TokenRows(0, 2, 1));  // 4 heads x 32 B
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  std::vector<uint8_t> k4(4 * 32, 0xee), v4(4 * 32, 0xee);
+  auto wraps =
+      client_->GatherAsync({{5, 0, (int64_t{1} << 62) + 1, {0, 0, 0, 0}, k4.data(), v4.data()}});
+  EXPECT_EQ(wraps->Wait(Soon()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(k4, std::vector<uint8_t>(4 * 32, 0xee));
+  auto fine = client_->GatherAsync({{5, 0, 1, {0, 0, 0, 0}, k4.data(), v4.data()}});
+  EXPECT_TRUE(fine->Wait(Soon()).ok());
   // A malformed append (one byte short) is reported by the next Flush, and only once.
   auto short_k = TokenRows(4, 1, 0);
   short_k.pop_back();
@@ -322,6 +335,47 @@ TEST_P(KvTransport, AFullStoreRefusesWithoutLosingOtherSequences) {
   auto ticket = client_->GatherAsync({{3, 0, 1, slots, k.data(), v.data()}});
   ASSERT_TRUE(ticket->Wait(Soon()).ok());
   EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(15, 1, 0).data(), 32));
+}
+
+// The service refuses what it would have to allocate too much for, before allocating it: a
+// gather whose rows exceed the message limit (2^22 + 1 indices of 32-byte rows: 256 MiB and 64
+// bytes of K and V)
+// and an append whose byte count does not match its token count.
+TEST(KvStoreServiceLimits, OversizedGathersAndMismatchedAppendsAreRefusedFirst) {
+  KvStoreConfig c;
+  c.capacity_bytes = 8 << 20;
+  c.block_tokens = 16;
+  c.max_row_bytes = 64;
+  c.huge_pages = false;
+  auto store = std::move(*KvStore::Create(c));
+  KvStoreService service(*store);
+  kvstore::v1::OpenRequest open;
+  open.set_sequence_id(1);
+  open.set_num_layers(1);
+  open.set_num_kv_heads(1);
+  open.set_head_dim(16);
+  open.set_dtype(kvstore::v1::DTYPE_BF16);
+  kvstore::v1::OpenResponse opened;
+  grpc::ServerContext ctx;
+  ASSERT_TRUE(service.Open(&ctx, &open, &opened).ok());
+  kvstore::v1::GatherRequest gather;
+  auto* item = gather.add_items();
+  item->set_sequence_id(1);
+  item->set_count((int64_t{1} << 22) + 1);
+  item->mutable_slots()->Resize((1 << 22) + 1, 0);
+  kvstore::v1::GatherResponse gathered;
+  const grpc::Status g = service.Gather(&ctx, &gather, &gathered);
+  EXPECT_EQ(g.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << g.error_message();
+  EXPECT_EQ(gathered.results_size(), 0);
+  kvstore::v1::AppendRequest append;
+  append.set_sequence_id(1);
+  append.set_num_tokens(1 << 24);  // with 32 bytes of k and v
+  append.set_k(std::string(32, 'k'));
+  append.set_v(std::string(32, 'v'));
+  kvstore::v1::AppendResponse appended;
+  const grpc::Status a = service.Append(&ctx, &append, &appended);
+  EXPECT_EQ(a.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << a.error_message();
+  EXPECT_NE(a.error_message().find("bytes each"), std::string::npos) << a.error_message();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, KvTransport,

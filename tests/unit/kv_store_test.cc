@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "kv_store/row_copy.h"
+#include "kv_store/ucx/gather_wire.h"
 
 namespace infinigen {
 namespace {
@@ -170,6 +171,47 @@ TEST(RowCopy, EveryRowSizeAndBlockShapeCopiesTheSelectedRows) {
   }
 }
 
+// The UCX request's bytes: what a worker writes parses back; a request cut short, one with
+// bytes left over, or one announcing more items or indices than it holds is refused without
+// sizing anything from the announced numbers (2^32 - 1 items, 2^62 indices).
+TEST(GatherWire, RoundTripsAndRefusesMalformedRequests) {
+  std::vector<uint8_t> req;
+  PutItemCount(req, 2);
+  const std::vector<int32_t> a = {3, 1, 4, 1}, b = {};
+  PutGatherItem(req, 7, 1, 2, a);
+  PutGatherItem(req, 8, 0, 0, b);
+  auto items = ParseGatherRequest(req.data(), req.size());
+  ASSERT_TRUE(items.ok()) << items.status();
+  ASSERT_EQ(items->size(), 2u);
+  EXPECT_EQ((*items)[0].seq, 7u);
+  EXPECT_EQ((*items)[0].layer, 1);
+  EXPECT_EQ((*items)[0].count, 2);
+  EXPECT_EQ((*items)[0].slots, a);
+  EXPECT_EQ((*items)[1].seq, 8u);
+  EXPECT_TRUE((*items)[1].slots.empty());
+  for (size_t cut = 0; cut < req.size(); ++cut) {
+    EXPECT_EQ(ParseGatherRequest(req.data(), cut).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << cut << " bytes";
+  }
+  std::vector<uint8_t> longer = req;
+  longer.push_back(0);
+  EXPECT_EQ(ParseGatherRequest(longer.data(), longer.size()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<uint8_t> many;
+  PutItemCount(many, 0xffffffffu);
+  PutGatherItem(many, 1, 0, 1, a);
+  EXPECT_EQ(ParseGatherRequest(many.data(), many.size()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<uint8_t> indices;
+  PutItemCount(indices, 1);
+  PutGatherItem(indices, 1, 0, 1, a);
+  const int64_t announced = int64_t{1} << 62;  // x 4 bytes wraps to 0
+  std::memcpy(indices.data() + 4 + 8 + 4 + 8, &announced, sizeof(announced));
+  EXPECT_EQ(ParseGatherRequest(indices.data(), indices.size()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(KvStore, AHeadRangeGathersThoseHeadsOnly) {
   auto store = MakeStore();
   const SequenceSpec s = Spec(1, 3, 24);
@@ -192,6 +234,45 @@ TEST(KvStore, AHeadRangeGathersThoseHeadsOnly) {
   const absl::Status st = store->Gather({&item, 1});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("KV heads [2, 4)"), std::string::npos) << st;
+}
+
+// Requests come from the network: a count whose product with the heads wraps around to the
+// number of indices given must not pass (it would copy 2^62 rows into a buffer of 4), a caller
+// that sized its buffers for other rows is refused, and Open refuses shapes the store could
+// never hold before sizing anything from them.
+TEST(KvStore, CountsThatWouldOverflowAndStaleSizesAreRefused) {
+  auto store = MakeStore();
+  const SequenceSpec s = Spec(1, 4, 16);  // 4 KV heads of 32-byte rows
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 3);
+  std::vector<int32_t> slots = {0, 1, 2, 0};
+  std::vector<uint8_t> k(4 * 32, 0xee), v(4 * 32, 0xee);
+  GatherItem wraps{1, 0, (int64_t{1} << 62) + 1, slots, k.data(), v.data()};  // x 4 = 2^64 + 4
+  EXPECT_EQ(store->Gather({&wraps, 1}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(k, std::vector<uint8_t>(4 * 32, 0xee));
+  GatherItem stale{1, 0, 1, slots, k.data(), v.data()};
+  stale.row_bytes = 64;  // sized for f32 rows; the sequence holds bf16 ones
+  const absl::Status st = store->Gather({&stale, 1});
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(k, std::vector<uint8_t>(4 * 32, 0xee));
+  stale.row_bytes = 32;
+  EXPECT_TRUE(store->Gather({&stale, 1}).ok());
+  EXPECT_TRUE(CountMatches(3, 4, 12));
+  EXPECT_FALSE(CountMatches((int64_t{1} << 62) + 1, 4, 4));
+  EXPECT_FALSE(CountMatches(-1, 4, 4));
+  EXPECT_TRUE(CountMatches(7, 0, 0));
+
+  SequenceSpec huge = Spec(KvStore::kMaxLayers + 1, 2, 16);
+  EXPECT_EQ(store->Open(2, huge, kT0).code(), absl::StatusCode::kInvalidArgument);
+  huge = Spec(2, 1 << 30, 16);
+  EXPECT_EQ(store->Open(2, huge, kT0).code(), absl::StatusCode::kInvalidArgument);
+  SequenceSpec pool = Spec(2, 2, 16);
+  pool.capacity_tokens = int64_t{1} << 40;  // slot ids are int32; no arena holds this
+  EXPECT_EQ(store->Open(2, pool, kT0).code(), absl::StatusCode::kResourceExhausted);
+  pool.capacity_tokens = (8 << 20) / (2 * 2 * 2 * 32) + 1;  // one token more than 8 MiB holds
+  EXPECT_EQ(store->Open(2, pool, kT0).code(), absl::StatusCode::kResourceExhausted);
+  pool.capacity_tokens = 1000;
+  EXPECT_TRUE(store->Open(2, pool, kT0).ok());
 }
 
 TEST(KvStore, BadRequestsAreRefusedWithTheReason) {
