@@ -30,6 +30,9 @@ class UcxGatherServer {
   static absl::StatusOr<std::unique_ptr<UcxGatherServer>> Start(KvStore& store, int port);
   ~UcxGatherServer();
   int port() const { return port_; }
+  // Workers connected now; the endpoint of one that went away is closed within a few
+  // milliseconds of UCX noticing.
+  int connected_workers() const;
 
  private:
   UcxGatherServer() = default;

@@ -378,6 +378,47 @@ TEST(KvStoreServiceLimits, OversizedGathersAndMismatchedAppendsAreRefusedFirst) 
   EXPECT_NE(a.error_message().find("bytes each"), std::string::npos) << a.error_message();
 }
 
+#if INFINIGEN_HAVE_UCX
+// A worker's UCX channel that goes away (a crash, or a broken channel dropped to reconnect)
+// leaves no endpoint behind in the store, and the store keeps serving the next one.
+TEST(UcxDataPlane, EndpointsOfWorkersThatLeaveAreClosed) {
+  KvStoreConfig c;
+  c.capacity_bytes = 8 << 20;
+  c.block_tokens = 16;
+  c.max_row_bytes = 64;
+  c.huge_pages = false;
+  auto store = std::move(*KvStore::Create(c));
+  SequenceSpec spec;
+  spec.num_layers = 1;
+  spec.num_kv_heads = 1;
+  spec.head_dim = 16;
+  spec.dtype = DType::kBF16;
+  ASSERT_TRUE(store->Open(1, spec, absl::Now()).ok());
+  std::vector<uint8_t> row(32, 7);
+  ASSERT_TRUE(store->Append(1, 0, 0, 1, row.data(), row.data(), row.size()).ok());
+  auto server = UcxGatherServer::Start(*store, 0);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto wait_for = [&](int workers) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while ((*server)->connected_workers() != workers && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return (*server)->connected_workers();
+  };
+  for (int round = 0; round < 3; ++round) {
+    auto channel = UcxGatherChannel::Connect("127.0.0.1", (*server)->port());
+    ASSERT_TRUE(channel.ok()) << channel.status();
+    std::vector<uint8_t> k(32), v(32);
+    std::vector<ClientGatherItem> items = {{1, 0, 1, {0}, k.data(), v.data()}};
+    ASSERT_TRUE((*channel)->Gather(items, {32}, absl::Seconds(5)).ok()) << "round " << round;
+    EXPECT_EQ(k, row);
+    EXPECT_EQ(wait_for(1), 1) << "round " << round;
+    channel->reset();
+    EXPECT_EQ(wait_for(0), 0) << "round " << round << ": the store kept the endpoint";
+  }
+}
+#endif
+
 INSTANTIATE_TEST_SUITE_P(Transports, KvTransport,
                          ::testing::Values(KvClientConfig::Transport::kInProcess,
                                            KvClientConfig::Transport::kGrpc,
