@@ -200,7 +200,7 @@ class GrpcClient final : public QueuedKvClient {
     grpc::ClientContext ctx;
     Prepare(ctx, config_.call_timeout);
     absl::Status st = FromGrpcStatus(stub_->Append(&ctx, req, &resp));
-    NoteAppended(seq, layer, st.ok() ? start + n : -1);
+    NoteAppended(seq, layer, st.ok() ? start + n : kAppendFailed);
     return st;
   }
 
@@ -224,7 +224,9 @@ class GrpcClient final : public QueuedKvClient {
     grpc::ClientContext ctx;
     Prepare(ctx, config_.call_timeout);
     absl::Status st = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
-    for (const AppendJob& j : jobs) NoteAppended(j.seq, j.layer, st.ok() ? j.start + j.n : -1);
+    for (const AppendJob& j : jobs) {
+      NoteAppended(j.seq, j.layer, st.ok() ? j.start + j.n : kAppendFailed);
+    }
     return st;
   }
 
@@ -359,6 +361,8 @@ class GrpcClient final : public QueuedKvClient {
 
   // Rows [0, rows) of `layer` of `seq` are in the store since an append of this client ended
   // there (-1: unknown, after a failed append). The shm transport reads rows without asking.
+  // Appended()'s answer after an append of the layer failed (-1: none appended yet).
+  static constexpr int64_t kAppendFailed = -2;
   void NoteAppended(StoreSequenceId seq, int layer, int64_t rows) {
     if (!shm_) return;
     absl::MutexLock lock(&appended_mu_);
@@ -394,10 +398,12 @@ class GrpcClient final : public QueuedKvClient {
       // already lists (a new block every block_bytes_ / row_bytes tokens); a KV pool's slots
       // are not positions, so its tables are asked for.
       const int64_t per_block = block_bytes_ / spec->second.row_bytes();
-      const int64_t appended =
-          spec->second.capacity_tokens == 0 ? Appended(it.seq, it.layer) : int64_t{-1};
-      int64_t rows = appended >= 0 ? appended : t.rows;
-      if (max_slot >= rows || max_slot >= t.blocks_per_head * per_block) {
+      // After a failed append the store may have restarted (its arena mapped anew, a file it
+      // reuses truncated) or dropped the sequence: ask it before reading the mapping.
+      const int64_t appended = Appended(it.seq, it.layer);
+      const bool ask = appended == kAppendFailed;
+      int64_t rows = appended >= 0 && spec->second.capacity_tokens == 0 ? appended : t.rows;
+      if (ask || max_slot >= rows || max_slot >= t.blocks_per_head * per_block) {
         IG_RETURN_IF_ERROR(RefreshTable(it.seq, it.layer, t));
         rows = t.rows;
       }
