@@ -126,11 +126,19 @@ void KvStore::FreeSequence(Sequence& s) {
 absl::Status KvStore::Close(StoreSequenceId seq) {
   std::shared_ptr<Sequence> s = Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  return CloseIf(seq, s, absl::InfiniteFuture());
+}
+
+absl::Status KvStore::CloseIf(StoreSequenceId seq, const std::shared_ptr<Sequence>& s,
+                              absl::Time lease_ended_by) {
   absl::MutexLock seq_lock(&s->mu);
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(seq);
   if (it == sequences_.end() || it->second != s) {
     return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  }
+  if (s->lease_end > lease_ended_by) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " was renewed"));
   }
   stats_.tokens_stored -= s->layers.empty() ? 0 : s->layers[0].rows;
   FreeSequence(*s);
@@ -365,16 +373,18 @@ int64_t KvStore::Renew(const std::string& owner, absl::Time now) {
 }
 
 int64_t KvStore::ReapExpired(absl::Time now) {
-  std::vector<StoreSequenceId> expired;
+  std::vector<std::pair<StoreSequenceId, std::shared_ptr<Sequence>>> expired;
   {
     absl::MutexLock lock(&mu_);
     for (auto& [id, s] : sequences_) {
-      if (s->lease_end <= now) expired.push_back(id);
+      if (s->lease_end <= now) expired.emplace_back(id, s);
     }
   }
+  // Each is closed only if it is still the sequence seen above and still expired: an owner may
+  // renew, or close and open the same id, between the two locks.
   int64_t freed = 0;
-  for (StoreSequenceId id : expired) {
-    if (Close(id).ok()) ++freed;
+  for (const auto& [id, s] : expired) {
+    if (CloseIf(id, s, now).ok()) ++freed;
   }
   absl::MutexLock lock(&mu_);
   stats_.leases_expired += freed;

@@ -161,6 +161,10 @@ class KvStore {
   std::shared_ptr<Sequence> Find(StoreSequenceId seq) const ABSL_LOCKS_EXCLUDED(mu_);
   uint8_t* Row(const std::vector<int32_t>& blocks, int64_t slot, int64_t row_bytes) const;
   void FreeSequence(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes `seq` if it is still `s` and its lease ended by `lease_ended_by` (NOT_FOUND,
+  // FAILED_PRECONDITION otherwise).
+  absl::Status CloseIf(StoreSequenceId seq, const std::shared_ptr<Sequence>& s,
+                       absl::Time lease_ended_by);
 
   KvStoreConfig config_;
   std::unique_ptr<ThreadPool> pool_;

@@ -738,11 +738,20 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
       break;
     }
   }
+  // Closing the endpoint by force completes every request on it: the last resort when a
+  // cancelled request does not finish, so that nothing is left writing the caller's buffers.
+  auto force_close = [&] {
+    if (st.ep != nullptr) CloseEndpoint(st.worker, st.ep);
+    st.ep = nullptr;
+    st.broken = true;
+  };
   if (send != nullptr && !UCS_PTR_IS_ERR(send)) {
     if (ucp_request_check_status(send) == UCS_INPROGRESS) ucp_request_cancel(st.worker, send);
-    while (ucp_request_check_status(send) == UCS_INPROGRESS && !st.broken) {
+    const absl::Time cap = absl::Now() + absl::Seconds(2);
+    while (ucp_request_check_status(send) == UCS_INPROGRESS && !st.broken && absl::Now() < cap) {
       ucp_worker_progress(st.worker);
     }
+    if (ucp_request_check_status(send) == UCS_INPROGRESS) force_close();
     ucp_request_free(send);
   }
   if (!status.ok()) {
@@ -753,8 +762,11 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
     for (auto& r : st.receives) {
       if (!r.done && r.request != nullptr) ucp_request_cancel(st.worker, r.request);
     }
-    const absl::Time cap = absl::Now() + absl::Seconds(2);
-    while (st.ReceivesPending() && absl::Now() < cap) ucp_worker_progress(st.worker);
+    for (int attempt = 0; attempt < 2 && st.ReceivesPending(); ++attempt) {
+      if (attempt == 1) force_close();
+      const absl::Time cap = absl::Now() + absl::Seconds(2);
+      while (st.ReceivesPending() && absl::Now() < cap) ucp_worker_progress(st.worker);
+    }
     if (st.ReceivesPending()) st.broken = true;
     st.ReleaseStale();
   }
