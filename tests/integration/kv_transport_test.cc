@@ -337,17 +337,21 @@ TEST_P(KvTransport, AFullStoreRefusesWithoutLosingOtherSequences) {
   EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(15, 1, 0).data(), 32));
 }
 
-// The service refuses what it would have to allocate too much for, before allocating it: a
-// gather whose rows exceed the message limit (2^22 + 1 indices of 32-byte rows: 256 MiB and 64
-// bytes of K and V)
-// and an append whose byte count does not match its token count.
-TEST(KvStoreServiceLimits, OversizedGathersAndMismatchedAppendsAreRefusedFirst) {
+// An 8 MiB store of 16-token blocks, rows up to 64 bytes, for tests of one service or channel.
+std::unique_ptr<KvStore> SmallStore() {
   KvStoreConfig c;
   c.capacity_bytes = 8 << 20;
   c.block_tokens = 16;
   c.max_row_bytes = 64;
   c.huge_pages = false;
-  auto store = std::move(*KvStore::Create(c));
+  return std::move(*KvStore::Create(c));
+}
+
+// The service refuses what it would have to allocate too much for, before allocating it: a
+// gather whose rows exceed the message limit (2^22 + 1 indices of 32-byte rows: 256 MiB and 64
+// bytes of K and V) and an append whose byte count does not match its token count.
+TEST(KvStoreServiceLimits, OversizedGathersAndMismatchedAppendsAreRefusedFirst) {
+  auto store = SmallStore();
   KvStoreService service(*store);
   kvstore::v1::OpenRequest open;
   open.set_sequence_id(1);
@@ -382,12 +386,7 @@ TEST(KvStoreServiceLimits, OversizedGathersAndMismatchedAppendsAreRefusedFirst) 
 // A worker's UCX channel that goes away (a crash, or a broken channel dropped to reconnect)
 // leaves no endpoint behind in the store, and the store keeps serving the next one.
 TEST(UcxDataPlane, EndpointsOfWorkersThatLeaveAreClosed) {
-  KvStoreConfig c;
-  c.capacity_bytes = 8 << 20;
-  c.block_tokens = 16;
-  c.max_row_bytes = 64;
-  c.huge_pages = false;
-  auto store = std::move(*KvStore::Create(c));
+  auto store = SmallStore();
   SequenceSpec spec;
   spec.num_layers = 1;
   spec.num_kv_heads = 1;
