@@ -221,7 +221,7 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
   l.length = start + n;
   absl::MutexLock lock(&mu_);
   ++stats_.appends;
-  stats_.evictions += evictions / spec.num_kv_heads;
+  if (layer == 0) stats_.evictions += evictions / spec.num_kv_heads;  // tokens, not per layer
   if (layer == 0) stats_.tokens_stored += new_rows - old_rows;
   return absl::OkStatus();
 }

@@ -204,11 +204,12 @@ class GrpcClient final : public QueuedKvClient {
     return st;
   }
 
-  // One AppendBatch call for everything that piled up (an Append each costs a round trip).
-  absl::Status DoAppendBatch(const std::vector<AppendJob>& jobs) override {
+  // One AppendBatch call for everything that piled up (an Append each costs a round trip). The
+  // store applies each append on its own and lists the failed ones.
+  std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs) override {
     if (jobs.size() == 1) {
       const AppendJob& j = jobs[0];
-      return DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v);
+      return {DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v)};
     }
     pb::AppendBatchRequest req;
     for (const AppendJob& j : jobs) {
@@ -223,11 +224,21 @@ class GrpcClient final : public QueuedKvClient {
     pb::AppendBatchResponse resp;
     grpc::ClientContext ctx;
     Prepare(ctx, config_.call_timeout);
-    absl::Status st = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
-    for (const AppendJob& j : jobs) {
-      NoteAppended(j.seq, j.layer, st.ok() ? j.start + j.n : kAppendFailed);
+    const absl::Status call = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
+    std::vector<absl::Status> statuses(jobs.size(), call);  // a failed call fails every append
+    if (call.ok()) {
+      for (const pb::AppendFailure& f : resp.failures()) {
+        if (f.index() < 0 || f.index() >= static_cast<int>(jobs.size())) continue;
+        statuses[f.index()] = absl::Status(
+            f.code() == 0 ? absl::StatusCode::kInternal : static_cast<absl::StatusCode>(f.code()),
+            f.message());
+      }
     }
-    return st;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      NoteAppended(jobs[i].seq, jobs[i].layer,
+                   statuses[i].ok() ? jobs[i].start + jobs[i].n : kAppendFailed);
+    }
+    return statuses;
   }
 
   bool reads_in_place() const override { return shm_; }
@@ -277,9 +288,23 @@ class GrpcClient final : public QueuedKvClient {
     if (resp.results_size() != static_cast<int>(items.size())) {
       return absl::InternalError("the KV store answered a gather with the wrong number of items");
     }
+    // The store is a peer on the network: its reply fills the caller's buffers only if it is
+    // exactly what they were sized for (a store of another version, or a bug, must not overrun
+    // them or leave last step's rows in them with an OK).
     for (size_t i = 0; i < items.size(); ++i) {
       const auto& r = resp.results(static_cast<int>(i));
-      if (r.k().size() != r.v().size()) return absl::InternalError("malformed gather reply");
+      auto spec = specs_.find(items[i].seq);
+      const size_t want = spec == specs_.end() ? r.k().size()
+                                               : items[i].slots.size() *
+                                                     static_cast<size_t>(spec->second.row_bytes());
+      if (r.k().size() != want || r.v().size() != want) {
+        return absl::InternalError(
+            absl::StrCat("the KV store answered item ", i, " of a gather with ", r.k().size(),
+                         " + ", r.v().size(), " bytes; its rows take ", want, " each"));
+      }
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      const auto& r = resp.results(static_cast<int>(i));
       if (!r.k().empty()) {
         std::memcpy(items[i].k_out, r.k().data(), r.k().size());
         std::memcpy(items[i].v_out, r.v().data(), r.v().size());

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "kv_store/client/append_failures.h"
 #include "kv_store/client/transports.h"
 
 namespace infinigen {
@@ -42,15 +43,21 @@ class InProcessClient final : public KvStoreClient {
   absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) override {
     SequenceSpec s = spec;
     if (s.owner.empty()) s.owner = config_.owner;
-    return store_.Open(seq, s, absl::Now());
+    absl::Status st = store_.Open(seq, s, absl::Now());
+    if (st.ok()) append_failures_.Forget(seq);
+    return st;
   }
-  absl::Status Close(StoreSequenceId seq) override { return store_.Close(seq); }
+  absl::Status Close(StoreSequenceId seq) override {
+    append_failures_.Forget(seq);
+    return store_.Close(seq);
+  }
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
                    std::vector<uint8_t> v) override {
     absl::Status st = k.size() == v.size()
                           ? store_.Append(seq, layer, start, n, k.data(), v.data(), k.size())
                           : absl::InvalidArgumentError("k and v differ in size");
     if (st.ok()) return;
+    append_failures_.Record(seq, layer, st);
     absl::MutexLock lock(&mu_);
     if (append_error_.ok()) append_error_ = st;
   }
@@ -67,7 +74,7 @@ class InProcessClient final : public KvStoreClient {
       g.push_back({it.seq, it.layer, it.count, it.slots, it.k_out, it.v_out, /*head_begin=*/0,
                    /*heads=*/-1, it.k_rows, it.v_rows});
     }
-    return std::make_unique<DoneTicket>(store_.Gather(g));
+    return std::make_unique<DoneTicket>(append_failures_.Explain(store_.Gather(g), items));
   }
   bool reads_in_place() const override { return true; }
   Span mapped_memory() const override {
@@ -81,6 +88,7 @@ class InProcessClient final : public KvStoreClient {
   KvStore& store_;
   absl::Mutex mu_;
   absl::Status append_error_ ABSL_GUARDED_BY(mu_);  // the first since the last Flush
+  AppendFailures append_failures_;
   absl::Notification stop_;
   std::thread renew_thread_;
 };

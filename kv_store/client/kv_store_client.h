@@ -84,7 +84,7 @@ struct KvClientConfig {
   // gather or call needs them first (a decode step appends one row per layer; sending each on
   // its own costs a round trip and a wakeup of the store per layer). 0: each goes at once.
   absl::Duration append_linger = absl::Milliseconds(5);
-  // shm: threads (the queue thread included) copying the rows of gathers of 1 MiB and more.
+  // shm: threads (the queue thread included) copying the rows of gathers of 2 MiB and more.
   int gather_threads = 2;
   KvStore* store = nullptr;  // in-process
   TlsFiles tls;  // the gRPC control plane: TLS when tls.ca is set, mTLS with tls.cert/key

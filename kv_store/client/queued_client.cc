@@ -113,54 +113,118 @@ void QueuedKvClient::AppendLoop() {
       }
       append_bytes_queued_ -= bytes;
     }
-    absl::Status st = DoAppendBatch(batch);
+    const std::vector<absl::Status> statuses = DoAppendBatch(batch);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (i < statuses.size()) append_failures_.Record(batch[i].seq, batch[i].layer, statuses[i]);
+    }
     absl::MutexLock lock(&mu_);
-    if (!st.ok() && append_error_.ok()) append_error_ = st;
+    for (const absl::Status& st : statuses) {
+      if (!st.ok() && append_error_.ok()) append_error_ = st;
+    }
     appends_done_ += batch.size();
   }
 }
 
-absl::Status QueuedKvClient::DoAppendBatch(const std::vector<AppendJob>& jobs) {
-  for (const AppendJob& j : jobs) {
-    absl::Status st = DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v);
-    if (!st.ok()) return st;
+std::vector<absl::Status> QueuedKvClient::DoAppendBatch(const std::vector<AppendJob>& jobs) {
+  std::vector<absl::Status> statuses;
+  absl::flat_hash_map<StoreSequenceId, size_t> failed;  // sequence -> its failed append
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const AppendJob& j = jobs[i];
+    if (auto it = failed.find(j.seq); it != failed.end()) {
+      statuses.push_back(absl::FailedPreconditionError(
+          absl::StrCat("not tried: an earlier append to sequence ", j.seq,
+                       " failed: ", statuses[it->second].message())));
+      continue;
+    }
+    statuses.push_back(DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v));
+    if (!statuses.back().ok()) failed.emplace(j.seq, i);
   }
-  return absl::OkStatus();
+  return statuses;
+}
+
+void QueuedKvClient::NoteClose(StoreSequenceId seq, const absl::Status& closed) {
+  if (closed.ok() || absl::IsNotFound(closed)) {
+    unclosed_.erase(seq);
+  } else {
+    unclosed_.insert(seq);
+  }
 }
 
 void QueuedKvClient::RenewLoop() {
   while (!stop_renew_.WaitForNotificationWithTimeout(config_.renew_every)) {
     // Renewal failures are not fatal: the next one may get through before the lease ends.
-    RunSync([this] { return DoRenew(); }, absl::Now() + config_.call_timeout).IgnoreError();
+    RunSync(
+        [this] {
+          const std::vector<StoreSequenceId> retry(unclosed_.begin(), unclosed_.end());
+          for (StoreSequenceId seq : retry) NoteClose(seq, DoClose(seq));
+          return DoRenew();
+        },
+        absl::Now() + config_.call_timeout)
+        .IgnoreError();
   }
 }
 
-absl::Status QueuedKvClient::RunSync(std::function<absl::Status()> fn, absl::Time deadline) {
-  auto state = std::make_shared<TicketState>();
+absl::Status QueuedKvClient::RunSync(std::function<absl::Status()> fn, absl::Time deadline,
+                                     std::function<void(const absl::Status&)> if_abandoned) {
+  struct Call {
+    absl::Notification done;
+    absl::Status status;
+    bool finished = false;   // under mu_
+    bool abandoned = false;  // under mu_
+  };
+  auto call = std::make_shared<Call>();
   uint64_t after;
   {
     absl::MutexLock lock(&mu_);
     after = appends_queued_;
   }
-  Enqueue(after, [state, fn = std::move(fn)] {
-    state->status = fn();
-    state->done.Notify();
+  Enqueue(after, [this, call, fn = std::move(fn), if_abandoned = std::move(if_abandoned)] {
+    const absl::Status st = fn();
+    bool abandoned;
+    {
+      absl::MutexLock lock(&mu_);
+      call->status = st;
+      call->finished = true;
+      abandoned = call->abandoned;
+    }
+    if (abandoned && if_abandoned) if_abandoned(st);
+    call->done.Notify();
   });
-  if (!state->done.WaitForNotificationWithDeadline(deadline)) {
-    return absl::DeadlineExceededError("the KV store client queue did not drain in time");
-  }
-  return state->status;
+  if (call->done.WaitForNotificationWithDeadline(deadline)) return call->status;
+  absl::MutexLock lock(&mu_);
+  if (call->finished) return call->status;  // it finished just now: the caller gets its result
+  call->abandoned = true;
+  return absl::DeadlineExceededError("the KV store client queue did not drain in time");
 }
 
 absl::Status QueuedKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec) {
   SequenceSpec s = spec;
   if (s.owner.empty()) s.owner = config_.owner;
-  return RunSync([this, seq, s] { return DoOpen(seq, s); }, absl::Now() + 4 * config_.call_timeout);
+  return RunSync(
+      [this, seq, s] {
+        absl::Status st = DoOpen(seq, s);
+        if (st.ok()) {
+          unclosed_.erase(seq);  // opened anew: wanted
+          append_failures_.Forget(seq);
+        }
+        return st;
+      },
+      absl::Now() + 4 * config_.call_timeout,
+      // Opened after the caller gave up on it: nobody will close it, and renewals would keep it.
+      [this, seq](const absl::Status& opened) {
+        if (opened.ok()) NoteClose(seq, DoClose(seq));
+      });
 }
 
 absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
-  absl::Status st =
-      RunSync([this, seq] { return DoClose(seq); }, absl::Now() + 4 * config_.call_timeout);
+  absl::Status st = RunSync(
+      [this, seq] {
+        absl::Status closed = DoClose(seq);
+        NoteClose(seq, closed);
+        return closed;
+      },
+      absl::Now() + 4 * config_.call_timeout);
+  append_failures_.Forget(seq);
   absl::MutexLock lock(&mu_);
   last_append_.erase(seq);
   return st;
@@ -200,7 +264,7 @@ std::unique_ptr<GatherTicket> QueuedKvClient::GatherAsync(std::vector<ClientGath
     }
   }
   Enqueue(after, [this, state, items = std::move(items)] {
-    state->status = DoGather(items);
+    state->status = append_failures_.Explain(DoGather(items), items);
     state->done.Notify();
   });
   return std::make_unique<QueuedTicket>(state);

@@ -1,13 +1,15 @@
 // The machinery every KvStoreClient transport shares: write-behind appends on their own thread
 // (in order among themselves), a work queue on another thread for gathers and synchronous calls,
-// the first append error kept for Flush, and a lease-renewal thread. A gather waits only for the
-// appends to the (sequence, layer) pairs it reads that were queued before it, so a prefetch of
-// rows stored in earlier steps never waits behind this step's appends; synchronous calls wait for
-// every append queued before them. Appends linger (config.append_linger) so that a step's
-// appends of every layer travel in one call: they go as soon as a gather or call waits for one
-// of them, when enough bytes are queued, or when the oldest has waited the linger. A transport
-// implements the Do* calls; DoAppend runs on the append thread, the others on the queue thread, so
-// the two may run at the same time.
+// the first append error kept for Flush and each sequence's first one for its gathers' errors
+// (AppendFailures), and a lease-renewal thread, which also retries the Close of sequences whose
+// Close failed (the lease it renews would otherwise keep them for the client's whole life). A
+// gather waits only for the appends to the (sequence, layer) pairs it reads that were queued before
+// it, so a prefetch of rows stored in earlier steps never waits behind this step's appends;
+// synchronous calls wait for every append queued before them. Appends linger (config.append_linger)
+// so that a step's appends of every layer travel in one call: they go as soon as a gather or call
+// waits for one of them, when enough bytes are queued, or when the oldest has waited the linger. A
+// transport implements the Do* calls; DoAppend runs on the append thread, the others on the queue
+// thread, so the two may run at the same time.
 #pragma once
 
 #include <deque>
@@ -17,8 +19,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "kv_store/client/append_failures.h"
 #include "kv_store/client/kv_store_client.h"
 
 namespace infinigen {
@@ -46,8 +50,9 @@ class QueuedKvClient : public KvStoreClient {
   virtual absl::Status DoClose(StoreSequenceId seq) = 0;
   virtual absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                 const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) = 0;
-  // The appends that piled up while the previous ones ran, in order; the first error ends the
-  // batch. The default sends them one by one.
+  // The appends that piled up while the previous ones ran, in order; returns each one's status.
+  // A failed append fails the later appends of its sequence (not tried: they could not be in
+  // order) and no other. The default sends them one by one.
   struct AppendJob {
     StoreSequenceId seq;
     int layer;
@@ -55,7 +60,7 @@ class QueuedKvClient : public KvStoreClient {
     std::vector<uint8_t> k, v;
     absl::Time queued_at;
   };
-  virtual absl::Status DoAppendBatch(const std::vector<AppendJob>& jobs);
+  virtual std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs);
   virtual absl::Status DoGather(const std::vector<ClientGatherItem>& items) = 0;
   virtual absl::StatusOr<KvStoreStats> DoStats() = 0;
   virtual absl::Status DoRenew() = 0;
@@ -69,8 +74,12 @@ class QueuedKvClient : public KvStoreClient {
   };
 
   // Runs `fn` on the queue thread after everything queued before it, appends included; waits
-  // up to `deadline`.
-  absl::Status RunSync(std::function<absl::Status()> fn, absl::Time deadline);
+  // up to `deadline`. If the caller stops waiting first, `if_abandoned` (when given) gets fn's
+  // status on the queue thread once fn has run: the caller was told DEADLINE_EXCEEDED.
+  absl::Status RunSync(std::function<absl::Status()> fn, absl::Time deadline,
+                       std::function<void(const absl::Status&)> if_abandoned = nullptr);
+  // Queue thread: remembers `seq` for a retried Close unless `closed` says it is gone.
+  void NoteClose(StoreSequenceId seq, const absl::Status& closed);
   void Enqueue(uint64_t after_append, std::function<void()> fn);
   void QueueLoop();
   void AppendLoop();
@@ -87,7 +96,11 @@ class QueuedKvClient : public KvStoreClient {
   // seq -> per layer, the number of the last append queued to it.
   absl::flat_hash_map<StoreSequenceId, std::vector<uint64_t>> last_append_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status append_error_ ABSL_GUARDED_BY(mu_);
+  absl::Status append_error_ ABSL_GUARDED_BY(mu_);  // the first since the last Flush
+  AppendFailures append_failures_;
+  // Sequences whose Close failed (or whose Open the caller gave up on after it went through):
+  // closed again before each renewal. Read and written on the queue thread only.
+  absl::flat_hash_set<StoreSequenceId> unclosed_;
   std::thread queue_thread_;
   std::thread append_thread_;
   std::thread renew_thread_;

@@ -4,6 +4,7 @@
 
 #include <random>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc/status.h"
 
@@ -89,15 +90,31 @@ grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* r
 
 grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
                                          const AppendBatchRequest* req, AppendBatchResponse* resp) {
+  absl::flat_hash_map<uint64_t, int> failed;  // sequence -> index of its failed append
+  int applied = 0;
   for (int i = 0; i < req->appends_size(); ++i) {
-    AppendResponse one;
-    grpc::Status st = Append(context, &req->appends(i), &one);
-    if (!st.ok()) {
-      return grpc::Status(st.error_code(), absl::StrCat("append ", i, " of ", req->appends_size(),
-                                                        ": ", st.error_message()));
+    const uint64_t seq = req->appends(i).sequence_id();
+    AppendFailure* failure = nullptr;
+    if (auto it = failed.find(seq); it != failed.end()) {
+      failure = resp->add_failures();
+      failure->set_code(grpc::StatusCode::FAILED_PRECONDITION);
+      failure->set_message(absl::StrCat("not tried: append ", it->second,
+                                        " of this batch to sequence ", seq, " failed"));
+    } else {
+      AppendResponse one;
+      const grpc::Status st = Append(context, &req->appends(i), &one);
+      if (st.ok()) {
+        ++applied;
+        continue;
+      }
+      failed.emplace(seq, i);
+      failure = resp->add_failures();
+      failure->set_code(st.error_code());
+      failure->set_message(st.error_message());
     }
-    resp->set_applied(i + 1);
+    failure->set_index(i);
   }
+  resp->set_applied(applied);
   return grpc::Status::OK;
 }
 

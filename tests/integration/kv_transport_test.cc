@@ -318,6 +318,39 @@ TEST_P(KvTransport, BadRequestsGetClearErrors) {
   EXPECT_EQ(client_->Open(2, Spec()).code(), absl::StatusCode::kAlreadyExists);
 }
 
+// One sequence's failed append fails no other sequence, even when their appends travel in one
+// batch (the linger holds them until a gather needs them), and a gather that misses the rows of
+// a failed append names that failure rather than blaming the caller's indices.
+TEST_P(KvTransport, AFailedAppendFailsOnlyItsSequenceAndItsGathersSayWhy) {
+  Reconnect(absl::Seconds(10));
+  ASSERT_TRUE(client_->Open(10, Spec()).ok());
+  ASSERT_TRUE(client_->Open(11, Spec()).ok());
+  client_->AppendAsync(10, 0, 0, 4, TokenRows(0, 4, 0), TokenRows(0, 4, 1));
+  client_->AppendAsync(11, 0, 0, 4, TokenRows(0, 4, 0), TokenRows(0, 4, 1));
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  client_->AppendAsync(10, 0, 7, 1, TokenRows(7, 1, 0), TokenRows(7, 1, 1));  // not in order
+  client_->AppendAsync(11, 0, 4, 1, TokenRows(4, 1, 0), TokenRows(4, 1, 1));
+  std::vector<uint8_t> k(64), v(64);
+  auto healthy = client_->GatherAsync({{11, 0, 1, {4, 4}, k.data(), v.data()}});
+  const absl::Status ok = healthy->Wait(Soon());
+  ASSERT_TRUE(ok.ok()) << ok;
+  EXPECT_EQ(k, TokenRows(4, 1, 0));
+  auto broken = client_->GatherAsync({{10, 0, 1, {7, 7}, k.data(), v.data()}});
+  const absl::Status why = broken->Wait(Soon());
+  EXPECT_EQ(why.code(), absl::StatusCode::kInvalidArgument) << why;
+  EXPECT_NE(why.message().find("an append to sequence 10 failed before it"), std::string::npos)
+      << why;
+  EXPECT_EQ(client_->Flush(Soon()).code(), absl::StatusCode::kInvalidArgument);
+  // Closed and opened anew, the sequence is healthy again.
+  ASSERT_TRUE(client_->Close(10).ok());
+  ASSERT_TRUE(client_->Open(10, Spec()).ok());
+  client_->AppendAsync(10, 0, 0, 1, TokenRows(0, 1, 0), TokenRows(0, 1, 1));
+  auto fresh = client_->GatherAsync({{10, 0, 1, {3, 3}, k.data(), v.data()}});
+  const absl::Status plain = fresh->Wait(Soon());
+  EXPECT_EQ(plain.code(), absl::StatusCode::kInvalidArgument) << plain;
+  EXPECT_EQ(plain.message().find("an append"), std::string::npos) << plain;
+}
+
 TEST_P(KvTransport, AFullStoreRefusesWithoutLosingOtherSequences) {
   ASSERT_TRUE(client_->Open(3, Spec()).ok());
   client_->AppendAsync(3, 0, 0, 16, TokenRows(0, 16, 0), TokenRows(0, 16, 1));

@@ -358,6 +358,16 @@ TEST(KvStore, KvPoolEvictsByPolicy) {
   ASSERT_TRUE(store->Append(2, 0, 4, 1, k.data(), v.data(), k.size(), slot.data()).ok());
   EXPECT_EQ(slot[0], 1);
   EXPECT_EQ(store->Stats().evictions, 2);
+  // Evictions count tokens: one token evicted from both layers of a sequence is one.
+  SequenceSpec two_layers = Spec(2, 1, 8, DType::kF32);
+  two_layers.capacity_tokens = 4;
+  two_layers.eviction = EvictionPolicy::kFifo;
+  ASSERT_TRUE(store->Open(3, two_layers, kT0).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    AppendRows(*store, 3, two_layers, layer, 0, 4);
+    ASSERT_TRUE(store->Append(3, layer, 4, 1, k.data(), v.data(), k.size()).ok());
+  }
+  EXPECT_EQ(store->Stats().evictions, 3);
 }
 
 TEST(KvStore, LeasesFreeSequencesOfOwnersThatStopped) {
