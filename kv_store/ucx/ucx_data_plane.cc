@@ -19,26 +19,6 @@
 namespace infinigen {
 namespace {
 
-constexpr unsigned kGatherRequest = 1;
-constexpr unsigned kGatherReply = 2;
-
-// The reply of a gather is one byte stream laid out as the worker's buffers are: for each item,
-// its K rows of every KV head, then its V rows of every KV head. Each message of the reply lies
-// inside one item's K or V, so the worker receives it into one contiguous place (rendezvous then
-// lands the bytes in place; a scattered receive would make UCX copy every fragment). The store
-// gathers about `piece_bytes` at a time (a few KV heads of one item, K and V) and sends their K
-// and their V as two messages, gathering the next heads while the worker receives these.
-struct RequestHeader {
-  uint64_t id;
-  uint64_t piece_bytes;
-};
-struct ReplyHeader {
-  uint64_t id;
-  int32_t code;  // absl::StatusCode; 0 = rows [offset, offset + length) follow, else a message
-  int32_t unused;
-  uint64_t offset;
-};
-
 constexpr uint64_t kMinPiece = 64 << 10, kMaxPiece = 64 << 20;
 // Items whose K rows (and V rows) are smaller than this travel several to a message (of up to
 // kGroupBytes), which the worker receives into one buffer and copies out: two messages for every
