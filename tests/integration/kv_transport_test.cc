@@ -421,6 +421,21 @@ TEST(KvStoreServiceLimits, OversizedGathersAndMismatchedAppendsAreRefusedFirst) 
 }
 
 #if INFINIGEN_HAVE_UCX
+// A SmallStore holding sequence 1: one layer of `heads` KV heads of 32-byte rows, one token
+// whose rows are all 7s.
+std::unique_ptr<KvStore> StoreWithOneToken(int heads) {
+  auto store = SmallStore();
+  SequenceSpec spec;
+  spec.num_layers = 1;
+  spec.num_kv_heads = heads;
+  spec.head_dim = 16;
+  spec.dtype = DType::kBF16;
+  EXPECT_TRUE(store->Open(1, spec, absl::Now()).ok());
+  const std::vector<uint8_t> rows(heads * 32, 7);
+  EXPECT_TRUE(store->Append(1, 0, 0, 1, rows.data(), rows.data(), rows.size()).ok());
+  return store;
+}
+
 // A raw UCX peer that sends the store request bytes no worker would send.
 class RawUcxPeer {
  public:
@@ -508,15 +523,8 @@ class RawUcxPeer {
 // inside a UCX callback (std::terminate), and a count wrapping around with the heads passed.
 TEST(UcxDataPlane, MalformedRequestsGetErrorsAndTheStoreServesOn) {
   setenv("UCX_NET_DEVICES", "lo", 0);
-  auto store = SmallStore();
-  SequenceSpec spec;
-  spec.num_layers = 1;
-  spec.num_kv_heads = 4;
-  spec.head_dim = 16;
-  spec.dtype = DType::kBF16;
-  ASSERT_TRUE(store->Open(1, spec, absl::Now()).ok());
-  std::vector<uint8_t> rows(4 * 32, 7);
-  ASSERT_TRUE(store->Append(1, 0, 0, 1, rows.data(), rows.data(), rows.size()).ok());
+  auto store = StoreWithOneToken(4);
+  const std::vector<uint8_t> rows(4 * 32, 7);
   auto server = UcxGatherServer::Start(*store, 0);
   ASSERT_TRUE(server.ok()) << server.status();
   RawUcxPeer peer((*server)->port());
@@ -544,21 +552,12 @@ TEST(UcxDataPlane, MalformedRequestsGetErrorsAndTheStoreServesOn) {
   ASSERT_TRUE((*channel)->Gather(ok, {32}, absl::Seconds(5)).ok());
   EXPECT_EQ(k, rows);
 }
-#endif
 
-#if INFINIGEN_HAVE_UCX
 // A worker's UCX channel that goes away (a crash, or a broken channel dropped to reconnect)
 // leaves no endpoint behind in the store, and the store keeps serving the next one.
 TEST(UcxDataPlane, EndpointsOfWorkersThatLeaveAreClosed) {
-  auto store = SmallStore();
-  SequenceSpec spec;
-  spec.num_layers = 1;
-  spec.num_kv_heads = 1;
-  spec.head_dim = 16;
-  spec.dtype = DType::kBF16;
-  ASSERT_TRUE(store->Open(1, spec, absl::Now()).ok());
-  std::vector<uint8_t> row(32, 7);
-  ASSERT_TRUE(store->Append(1, 0, 0, 1, row.data(), row.data(), row.size()).ok());
+  auto store = StoreWithOneToken(1);
+  const std::vector<uint8_t> row(32, 7);
   auto server = UcxGatherServer::Start(*store, 0);
   ASSERT_TRUE(server.ok()) << server.status();
   auto wait_for = [&](int workers) {
