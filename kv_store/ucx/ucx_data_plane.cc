@@ -240,6 +240,9 @@ struct UcxGatherServer::State {
       st->MaybeRelease(b);
       return UCS_OK;
     }
+    // A channel has one gather in flight: a new request from it means it gave up on the ones
+    // still queued, which would only delay this one.
+    st->DropJobs(job.ep);
     st->jobs.push_back(std::move(job));  // answered from the loop, between progress calls
     return UCS_OK;
   }
@@ -324,6 +327,25 @@ struct UcxGatherServer::State {
       b->filling = false;
       MaybeRelease(b);
       jobs.pop_front();
+    } else if (jobs.size() > 1) {  // other workers' gathers take turns with this one's items
+      jobs.push_back(std::move(jobs.front()));
+      jobs.pop_front();
+    }
+  }
+
+  // Forgets the queued gathers of `ep`; a partly sent one's buffer goes back once its sends
+  // finish.
+  void DropJobs(ucp_ep_h ep) {
+    for (auto it = jobs.begin(); it != jobs.end();) {
+      if (it->ep != ep) {
+        ++it;
+        continue;
+      }
+      if (it->buffer != nullptr) {
+        it->buffer->filling = false;
+        MaybeRelease(it->buffer);
+      }
+      it = jobs.erase(it);
     }
   }
 
@@ -334,17 +356,7 @@ struct UcxGatherServer::State {
     std::vector<ucp_ep_h> gone;
     gone.swap(failed);
     for (ucp_ep_h ep : gone) {
-      for (auto it = jobs.begin(); it != jobs.end();) {
-        if (it->ep != ep) {
-          ++it;
-          continue;
-        }
-        if (it->buffer != nullptr) {  // partly sent: its buffer goes back once sends finish
-          it->buffer->filling = false;
-          MaybeRelease(it->buffer);
-        }
-        it = jobs.erase(it);
-      }
+      DropJobs(ep);
       auto at = std::find(endpoints.begin(), endpoints.end(), ep);
       if (at == endpoints.end()) continue;  // reported twice
       endpoints.erase(at);
@@ -432,7 +444,8 @@ UcxGatherServer::~UcxGatherServer() {
   st.stop.store(true);
   if (st.progress.joinable()) st.progress.join();
   if (st.listener != nullptr) ucp_listener_destroy(st.listener);
-  for (ucp_ep_h ep : st.endpoints) CloseEndpoint(st.worker, ep);
+  for (ucp_ep_h ep : st.endpoints) CloseEndpoint(st.worker, ep);  // completes their sends
+  for (ucp_ep_h ep : st.endpoints) st.DropJobs(ep);  // buffers of unfinished gathers go idle
   for (State::Buffer* b : st.idle) st.Free(b);
   if (st.worker != nullptr) ucp_worker_destroy(st.worker);
   if (st.context != nullptr) ucp_cleanup(st.context);
@@ -687,7 +700,9 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
   st.code = 0;
   st.message.clear();
   st.protocol_error = false;
+  for (const auto& a : st.announced) st.stale.push_back(a.desc);  // none expected: never unread
   st.announced.clear();
+  st.ReleaseStale();
   const absl::Time deadline = absl::Now() + timeout;
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -718,8 +733,15 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
       break;
     }
   }
-  // Closing the endpoint by force completes every request on it: the last resort when a
-  // cancelled request does not finish, so that nothing is left writing the caller's buffers.
+  // Pieces of a failed gather that still come are released unread from here on (OnReply files
+  // them as stale), not announced and forgotten: an unreleased rendezvous piece would keep the
+  // store's send, and its reply buffer, pending for the connection's life.
+  if (!status.ok()) st.waiting_for = 0;
+  // Closing the endpoint by force completes every request on it. ucp_request_cancel is asked
+  // first, but the UCX sources we read cancel only tag receives: an active message's send or
+  // rendezvous receive runs on until it completes, so one that does not finish within a short
+  // grace gets its endpoint closed.
+  constexpr absl::Duration kGrace = absl::Milliseconds(100);
   auto force_close = [&] {
     if (st.ep != nullptr) CloseEndpoint(st.worker, st.ep);
     st.ep = nullptr;
@@ -727,16 +749,16 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
   };
   if (send != nullptr && !UCS_PTR_IS_ERR(send)) {
     if (ucp_request_check_status(send) == UCS_INPROGRESS) ucp_request_cancel(st.worker, send);
-    const absl::Time cap = absl::Now() + absl::Seconds(2);
-    while (ucp_request_check_status(send) == UCS_INPROGRESS && !st.broken && absl::Now() < cap) {
+    const absl::Time grace = absl::Now() + kGrace;
+    while (ucp_request_check_status(send) == UCS_INPROGRESS && !st.broken && absl::Now() < grace) {
       ucp_worker_progress(st.worker);
     }
     if (ucp_request_check_status(send) == UCS_INPROGRESS) force_close();
     ucp_request_free(send);
   }
   if (!status.ok()) {
-    // The destinations belong to the caller: cancel what is posted and wait for UCX to let go
-    // of them before returning. A channel whose transfers could not be cancelled is dropped.
+    // The destinations belong to the caller: receives already posted may still write them, so
+    // they finish (within the grace) or are ended with the endpoint before this returns.
     for (const auto& a : st.announced) st.stale.push_back(a.desc);
     st.announced.clear();
     for (auto& r : st.receives) {
@@ -744,7 +766,7 @@ absl::Status UcxGatherChannel::Gather(const std::vector<ClientGatherItem>& items
     }
     for (int attempt = 0; attempt < 2 && st.ReceivesPending(); ++attempt) {
       if (attempt == 1) force_close();
-      const absl::Time cap = absl::Now() + absl::Seconds(2);
+      const absl::Time cap = absl::Now() + (attempt == 0 ? kGrace : absl::Seconds(2));
       while (st.ReceivesPending() && absl::Now() < cap) ucp_worker_progress(st.worker);
     }
     if (st.ReceivesPending()) st.broken = true;
