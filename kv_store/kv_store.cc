@@ -221,8 +221,10 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
   l.length = start + n;
   absl::MutexLock lock(&mu_);
   ++stats_.appends;
-  if (layer == 0) stats_.evictions += evictions / spec.num_kv_heads;  // tokens, not per layer
-  if (layer == 0) stats_.tokens_stored += new_rows - old_rows;
+  if (layer == 0) {  // tokens, not tokens x layers
+    stats_.evictions += evictions / spec.num_kv_heads;
+    stats_.tokens_stored += new_rows - old_rows;
+  }
   return absl::OkStatus();
 }
 
@@ -310,28 +312,16 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
       const HeadRows& h = s.layers[item.layer].heads[item.head_begin + g];
       const int32_t* idx = item.slots.data() + g * item.count;
       const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
-      if (item.k_rows != nullptr && item.v_rows != nullptr) {  // in place: addresses only
-        const void** k_rows = item.k_rows + g * item.count;
-        const void** v_rows = item.v_rows + g * item.count;
-        for (int64_t j = 0; j < item.count;) {  // a block lookup per run of consecutive slots
-          const int64_t first = idx[j], left_in_block = per_block - first % per_block;
-          const uint8_t* k = Row(h.k_blocks, first, row_bytes);
-          const uint8_t* v = Row(h.v_blocks, first, row_bytes);
-          int64_t run = 0;
-          do {
-            k_rows[j + run] = k + run * row_bytes;
-            v_rows[j + run] = v + run * row_bytes;
-            ++run;
-          } while (run < left_in_block && j + run < item.count && idx[j + run] == first + run);
-          j += run;
-        }
-        return;
-      }
       const HeadRowsView view{arena_->base(),    arena_->block_bytes(),
                               h.k_blocks.data(), h.v_blocks.data(),
                               row_bytes,         per_block};
-      CopyHeadRows(view, idx, item.count, item.k_out + g * item.count * row_bytes,
-                   item.v_out + g * item.count * row_bytes);
+      if (item.k_rows != nullptr && item.v_rows != nullptr) {  // in place: addresses only
+        HeadRowAddresses(view, idx, item.count, item.k_rows + g * item.count,
+                         item.v_rows + g * item.count);
+      } else {
+        CopyHeadRows(view, idx, item.count, item.k_out + g * item.count * row_bytes,
+                     item.v_out + g * item.count * row_bytes);
+      }
     };
     if (copy_bytes >= config_.parallel_gather_bytes) {
       pool_->ParallelFor(static_cast<int64_t>(work.size()), copy);

@@ -69,13 +69,33 @@ void CopyRowsOf(const HeadRowsView& h, int shift, const int32_t* slots, int64_t 
   }
 }
 
+// rows_per_block as a shift when it is a power of two, else -1.
+int ShiftOf(int64_t rows_per_block) {
+  if (rows_per_block > 0 && (rows_per_block & (rows_per_block - 1)) == 0) {
+    return __builtin_ctzll(rows_per_block);
+  }
+  return -1;
+}
+
 }  // namespace
+
+void HeadRowAddresses(const HeadRowsView& h, const int32_t* slots, int64_t count,
+                      const void** k_rows, const void** v_rows) {
+  const int shift = ShiftOf(h.rows_per_block);
+  const int64_t mask = h.rows_per_block - 1;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t slot = slots[j];
+    const int64_t block = shift >= 0 ? slot >> shift : slot / h.rows_per_block;
+    const size_t row =
+        static_cast<size_t>((shift >= 0 ? slot & mask : slot % h.rows_per_block) * h.row_bytes);
+    k_rows[j] = h.arena + static_cast<size_t>(h.k_blocks[block]) * h.block_bytes + row;
+    v_rows[j] = h.arena + static_cast<size_t>(h.v_blocks[block]) * h.block_bytes + row;
+  }
+}
 
 void CopyHeadRows(const HeadRowsView& head, const int32_t* slots, int64_t count, uint8_t* k_out,
                   uint8_t* v_out) {
-  const int64_t per_block = head.rows_per_block;
-  int shift = -1;
-  if (per_block > 0 && (per_block & (per_block - 1)) == 0) shift = __builtin_ctzll(per_block);
+  const int shift = ShiftOf(head.rows_per_block);
   switch (head.row_bytes) {  // head_dim 64 / 128 / 256 in 16-bit, 64 / 128 in float32
     case 128:
       return CopyRowsOf<128>(head, shift, slots, count, k_out, v_out);

@@ -1,7 +1,8 @@
-// Copying one KV head's selected rows out of the arena's blocks into packed K and V buffers: the
-// inner loop of every gather that copies (the store's Gather, and the shm client reading a
-// mapped arena). Rows are random and latency-bound, so the loop prefetches rows ahead of the
-// copy; consecutive slots within a block are one copy.
+// One KV head's selected rows out of the arena's blocks: copied into packed K and V buffers (the
+// inner loop of every gather that copies: the store's Gather, and the shm client reading a
+// mapped arena), or their addresses answered for a gather in place. Rows are random and
+// latency-bound, so the loop prefetches rows ahead of the copy; consecutive slots within a block
+// are one copy.
 #pragma once
 
 #include <cstddef>
@@ -24,5 +25,9 @@ struct HeadRowsView {
 // slots must be valid (callers check them first).
 void CopyHeadRows(const HeadRowsView& head, const int32_t* slots, int64_t count, uint8_t* k_out,
                   uint8_t* v_out);
+
+// Writes the addresses of rows slots[0..count) of K and V to k_rows and v_rows ([count] each).
+void HeadRowAddresses(const HeadRowsView& head, const int32_t* slots, int64_t count,
+                      const void** k_rows, const void** v_rows);
 
 }  // namespace infinigen

@@ -246,11 +246,19 @@ class GrpcClient final : public QueuedKvClient {
 
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {
     if (arena_ != nullptr) return GatherShm(items);
+    // The caller sized its buffers for the rows of sequences it opened through this client.
+    std::vector<int64_t> row_bytes;
     for (const auto& it : items) {
       if (it.k_rows != nullptr || it.v_rows != nullptr) {
         return absl::FailedPreconditionError(absl::StrCat(
             "the ", transport(), " transport copies rows; it cannot gather them in place"));
       }
+      auto spec = specs_.find(it.seq);
+      if (spec == specs_.end()) {
+        return absl::NotFoundError(
+            absl::StrCat("sequence ", it.seq, " is not open on this client"));
+      }
+      row_bytes.push_back(spec->second.row_bytes());
     }
 #if INFINIGEN_HAVE_UCX
     if (config_.transport == KvClientConfig::Transport::kUcx) {
@@ -260,15 +268,6 @@ class GrpcClient final : public QueuedKvClient {
           return absl::UnavailableError(
               absl::StrCat("the UCX data plane of the KV store is unreachable: ", st.message()));
         }
-      }
-      std::vector<int64_t> row_bytes;
-      for (const auto& it : items) {
-        auto spec = specs_.find(it.seq);
-        if (spec == specs_.end()) {
-          return absl::NotFoundError(
-              absl::StrCat("sequence ", it.seq, " is not open on this client"));
-        }
-        row_bytes.push_back(spec->second.row_bytes());
       }
       return ucx_->Gather(items, row_bytes, config_.call_timeout);
     }
@@ -293,10 +292,7 @@ class GrpcClient final : public QueuedKvClient {
     // them or leave last step's rows in them with an OK).
     for (size_t i = 0; i < items.size(); ++i) {
       const auto& r = resp.results(static_cast<int>(i));
-      auto spec = specs_.find(items[i].seq);
-      const size_t want = spec == specs_.end() ? r.k().size()
-                                               : items[i].slots.size() *
-                                                     static_cast<size_t>(spec->second.row_bytes());
+      const size_t want = items[i].slots.size() * static_cast<size_t>(row_bytes[i]);
       if (r.k().size() != want || r.v().size() != want) {
         return absl::InternalError(
             absl::StrCat("the KV store answered item ", i, " of a gather with ", r.k().size(),
@@ -385,8 +381,8 @@ class GrpcClient final : public QueuedKvClient {
   }
 
   // Rows [0, rows) of `layer` of `seq` are in the store since an append of this client ended
-  // there (-1: unknown, after a failed append). The shm transport reads rows without asking.
-  // Appended()'s answer after an append of the layer failed (-1: none appended yet).
+  // there (-1: none appended yet; kAppendFailed after a failed append). The shm transport reads
+  // rows without asking.
   static constexpr int64_t kAppendFailed = -2;
   void NoteAppended(StoreSequenceId seq, int layer, int64_t rows) {
     if (!shm_) return;
@@ -441,15 +437,9 @@ class GrpcClient final : public QueuedKvClient {
       const bool in_place = it.k_rows != nullptr && it.v_rows != nullptr;
       for (int g = 0; g < heads; ++g) {
         const int32_t* idx = it.slots.data() + g * it.count;
-        for (int64_t j = 0; in_place && j < it.count; ++j) {  // addresses only
-          const int64_t b = idx[j] / per_block;
-          const size_t off = static_cast<size_t>((idx[j] % per_block) * t.row_bytes);
-          it.k_rows[g * it.count + j] =
-              arena_ + static_cast<size_t>(t.k_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
-              off;
-          it.v_rows[g * it.count + j] =
-              arena_ + static_cast<size_t>(t.v_blocks[g * t.blocks_per_head + b]) * block_bytes_ +
-              off;
+        if (in_place) {
+          HeadRowAddresses(HeadView(t, g, per_block), idx, it.count, it.k_rows + g * it.count,
+                           it.v_rows + g * it.count);
         }
         if (!in_place && it.count > 0) {
           copies_.push_back({&it, &t, g, per_block});
@@ -480,14 +470,17 @@ class GrpcClient final : public QueuedKvClient {
     const Table& t = *c.table;
     const int g = c.head;
     const int32_t* idx = it.slots.data() + g * it.count;
-    const HeadRowsView view{arena_,
-                            static_cast<size_t>(block_bytes_),
-                            t.k_blocks.data() + g * t.blocks_per_head,
-                            t.v_blocks.data() + g * t.blocks_per_head,
-                            t.row_bytes,
-                            c.per_block};
     const size_t dst = static_cast<size_t>(g * it.count * t.row_bytes);
-    CopyHeadRows(view, idx, it.count, it.k_out + dst, it.v_out + dst);
+    CopyHeadRows(HeadView(t, g, c.per_block), idx, it.count, it.k_out + dst, it.v_out + dst);
+  }
+  // One KV head's rows of a layer in the mapped arena.
+  HeadRowsView HeadView(const Table& t, int head, int64_t per_block) const {
+    return {arena_,
+            static_cast<size_t>(block_bytes_),
+            t.k_blocks.data() + head * t.blocks_per_head,
+            t.v_blocks.data() + head * t.blocks_per_head,
+            t.row_bytes,
+            per_block};
   }
 
   std::shared_ptr<grpc::Channel> channel_;

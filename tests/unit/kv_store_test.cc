@@ -125,10 +125,11 @@ TEST(KvStore, OneGatherServesManySequences) {
   EXPECT_EQ(store->Stats().gathers, 1);
 }
 
-// The copy loop every gather runs, on its own: rows of the sizes it specializes (128, 256, 512
-// bytes) and others, blocks holding a power of two rows or not, blocks in any order, slots in
-// random order with runs of consecutive slots that cross block boundaries, and counts below and
-// above its prefetch distance; each row must equal a plain per-row copy.
+// The copy loop every gather runs (and the address loop of gathers in place), on its own: rows of
+// the sizes it specializes (128, 256, 512 bytes) and others, blocks holding a power of two rows or
+// not, blocks in any order, slots in random order with runs of consecutive slots that cross block
+// boundaries, and counts below and above its prefetch distance; each row must equal a plain per-row
+// copy.
 TEST(RowCopy, EveryRowSizeAndBlockShapeCopiesTheSelectedRows) {
   std::mt19937 rng(5);
   for (int64_t row_bytes : {32, 96, 128, 256, 384, 512, 1024}) {
@@ -157,6 +158,8 @@ TEST(RowCopy, EveryRowSizeAndBlockShapeCopiesTheSelectedRows) {
         }
         std::vector<uint8_t> k(count * row_bytes, 0xee), v(count * row_bytes, 0xee);
         CopyHeadRows(view, slots.data(), count, k.data(), v.data());
+        std::vector<const void*> k_rows(count), v_rows(count);
+        HeadRowAddresses(view, slots.data(), count, k_rows.data(), v_rows.data());
         for (int64_t j = 0; j < count; ++j) {
           ASSERT_EQ(std::memcmp(k.data() + j * row_bytes, row(view.k_blocks, slots[j]), row_bytes),
                     0)
@@ -165,6 +168,8 @@ TEST(RowCopy, EveryRowSizeAndBlockShapeCopiesTheSelectedRows) {
           ASSERT_EQ(std::memcmp(v.data() + j * row_bytes, row(view.v_blocks, slots[j]), row_bytes),
                     0)
               << "V row " << j << " (slot " << slots[j] << ")";
+          ASSERT_EQ(k_rows[j], row(view.k_blocks, slots[j])) << "K address " << j;
+          ASSERT_EQ(v_rows[j], row(view.v_blocks, slots[j])) << "V address " << j;
         }
       }
     }
