@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/row_gemm.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -59,6 +60,35 @@ void BM_GemvBf16(benchmark::State& state) {
   SetBytes(state, p.n * p.k * 2);
 }
 
+// The batch-invariant kernels (kernels/cpu/row_gemm.h) the CPU backend uses by default.
+void BM_GemvRowsF32(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  for (auto _ : state) {
+    GemmRowsF32(p.x.data(), p.k, p.w.data(), p.k, nullptr, p.y.data(), p.n, 1, p.n, p.k, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k * 4);
+}
+
+void BM_GemvRowsBf16(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  for (auto _ : state) {
+    GemmRowsBf16(p.x.data(), p.k, p.w_bf16.data(), nullptr, p.y.data(), p.n, 1, p.n, p.k, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k * 2);
+}
+
+void BM_GemvRowsQ8(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  const Q8Matrix m{p.qs.data(), p.scales.data(), p.n, p.k};
+  for (auto _ : state) {
+    GemmRowsQ8(p.x.data(), p.k, m, nullptr, p.y.data(), p.n, 1, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k + p.n * p.k / kQ8Block * 4);
+}
+
 void BM_GemvQ8(benchmark::State& state) {
   Problem p(state.range(0), state.range(1));
   Q8Matrix m{p.qs.data(), p.scales.data(), p.n, p.k};
@@ -106,6 +136,38 @@ void BM_GemvQ8Sequence(benchmark::State& state) {
 }
 BENCHMARK(BM_GemvQ8Sequence);
 
+// A prefill chunk: 256 rows of activations times the weights, invariant kernels against the
+// widen-and-OpenBLAS path (arg 2: 0 f32, 1 bf16, 2 q8; arg 3: 1 = batch-invariant kernels).
+void BM_Prefill(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  const int64_t m = 256;
+  std::vector<float> x(m * p.k), y(m * p.n);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = p.x[i % p.k] * (1.0f + i % 7);
+  const Q8Matrix q8{p.qs.data(), p.scales.data(), p.n, p.k};
+  const bool rows = state.range(3) == 1;
+  for (auto _ : state) {
+    switch (state.range(2)) {
+      case 0:
+        rows ? GemmRowsF32(x.data(), p.k, p.w.data(), p.k, nullptr, y.data(), p.n, m, p.n, p.k,
+                           false)
+             : Gemm(x.data(), p.k, p.w.data(), p.k, nullptr, y.data(), p.n, m, p.n, p.k, false);
+        break;
+      case 1:
+        rows ? GemmRowsBf16(x.data(), p.k, p.w_bf16.data(), nullptr, y.data(), p.n, m, p.n, p.k,
+                            false)
+             : GemmBf16(x.data(), p.k, p.w_bf16.data(), nullptr, y.data(), p.n, m, p.n, p.k, false);
+        break;
+      default:
+        rows ? GemmRowsQ8(x.data(), p.k, q8, nullptr, y.data(), p.n, m, false)
+             : GemmQ8(x.data(), p.k, q8, nullptr, y.data(), p.n, m, false);
+    }
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["GFLOPS"] =
+      benchmark::Counter(2.0 * m * p.n * p.k * state.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_Prefill)->ArgsProduct({{3072}, {576}, {0, 1, 2}, {0, 1}});
+
 // SmolLM2-135M: fused gate+up [3072, 576], down [576, 1536], lm_head [49152, 576];
 // Llama-3.2-1B: gate+up [16384, 2048].
 // The last shape (113 MB in Q8) cannot stay in any cache: it streams from DRAM as decode does.
@@ -117,6 +179,9 @@ BENCHMARK(BM_GemvQ8Sequence);
       ->Args({196608, 576})
 BENCHMARK(BM_GemvF32) SHAPES;
 BENCHMARK(BM_GemvBf16) SHAPES;
+BENCHMARK(BM_GemvRowsF32) SHAPES;
+BENCHMARK(BM_GemvRowsBf16) SHAPES;
+BENCHMARK(BM_GemvRowsQ8) SHAPES;
 BENCHMARK(BM_GemvQ8) SHAPES;
 BENCHMARK(BM_ReadBandwidth) SHAPES;
 

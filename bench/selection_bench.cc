@@ -50,7 +50,7 @@ struct Setup {
       sidecar.channels.push_back(std::move(channels));
     }
     SelectionConfig config;
-    config.policy = "infinigen";
+    config.policy = PolicyKind::kInfinigen;
     config.dense_layers = 1;
     config.budget_fraction = 0.2;
     policy = std::move(*MakeSelectionPolicy(config, model, &sidecar));

@@ -25,7 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "cli/loaded_model.h"
 #include "gpu_worker/engine/batch_engine.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/service/worker_runtime.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<worker::v1::Worker::Stub> stub;
   cli::LoadedModel loaded;
-  std::unique_ptr<ResidentKvCache> cache;
+  std::unique_ptr<BackendKvCache> cache;
   std::unique_ptr<BatchEngine> engine;
   std::unique_ptr<InfinigenSidecar> sidecar;
   PolicyFactory make_policy;
@@ -210,7 +210,7 @@ int main(int argc, char** argv) {
     }
     loaded = std::move(*l);
     vocab = loaded.model->config().vocab_size;
-    cache = std::make_unique<ResidentKvCache>(*loaded.backend, loaded.model->kv_shape());
+    cache = std::make_unique<BackendKvCache>(*loaded.backend, loaded.model->kv_shape());
     // The policy as the worker would run it with its default flags and the model's sidecar.
     WorkerConfig defaults;
     defaults.policy = policy.empty() ? "full" : policy;
@@ -221,10 +221,14 @@ int main(int argc, char** argv) {
         return 1;
       }
       sidecar = std::make_unique<InfinigenSidecar>(std::move(*s));
+      if (auto st = AttachSidecar(*loaded.model, *loaded.checkpoint, *sidecar); !st.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
+        return 1;
+      }
     }
     const SelectionConfig selection = defaults.Selection(sidecar != nullptr);
     make_policy = [&, selection]() -> absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> {
-      if (selection.policy == "full") return std::unique_ptr<KvSelectionPolicy>();
+      if (selection.policy == PolicyKind::kFull) return std::unique_ptr<KvSelectionPolicy>();
       return MakeSelectionPolicy(selection, loaded.model->config(), sidecar.get());
     };
     EngineConfig ec;

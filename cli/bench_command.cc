@@ -9,7 +9,8 @@
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/loaded_model.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 
 namespace infinigen::cli {
 namespace {
@@ -63,7 +64,8 @@ int RunBench(int argc, char** argv) {
   std::mt19937 rng(1);
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(c.vocab_size - 1));
   std::vector<float> logits(c.vocab_size);
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
+  DecodeStep step(model, cache);
 
   double best_pp = 0, best_tg = 0;
   for (int64_t r = 0; r < repetitions; ++r) {
@@ -73,7 +75,7 @@ int RunBench(int argc, char** argv) {
       if (auto st = cache.Open(1, prompt_tokens); !st.ok()) return ReportError("bench", st);
       ForwardChunk chunk{1, 0, prompt, false};
       const double t0 = Now();
-      if (auto st = model.Forward({&chunk, 1}, cache, logits); !st.ok()) {
+      if (auto st = step.Forward({&chunk, 1}, logits); !st.ok()) {
         return ReportError("bench", st);
       }
       best_pp = std::max(best_pp, prompt_tokens / (Now() - t0));
@@ -85,7 +87,7 @@ int RunBench(int argc, char** argv) {
       const double t0 = Now();
       for (int64_t pos = 0; pos < gen_tokens; ++pos) {
         ForwardChunk chunk{1, pos, std::span<const int32_t>(&next, 1), false};
-        if (auto st = model.Forward({&chunk, 1}, cache, logits); !st.ok()) {
+        if (auto st = step.Forward({&chunk, 1}, logits); !st.ok()) {
           return ReportError("bench", st);
         }
         next =

@@ -122,6 +122,9 @@ int RunEval(int argc, char** argv) {
                          *loaded->checkpoint);
     if (!s.ok()) return fail(s.status());
     sidecar = std::make_unique<InfinigenSidecar>(std::move(*s));
+    if (auto st = AttachSidecar(*loaded->model, *loaded->checkpoint, *sidecar); !st.ok()) {
+      return fail(st);
+    }
   }
   Model& model = *loaded->model;
   std::vector<int32_t> reference;
@@ -134,14 +137,17 @@ int RunEval(int argc, char** argv) {
   nlohmann::json rows = nlohmann::json::array();
   double full_ppl = 0;
   std::cout << "| policy | budget | alpha | perplexity | vs full | KV read (all layers) | KV read "
-               "(sparse layers) | mass recall | greedy agreement | identical prefix | passkey | "
-               "seconds |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+               "(sparse layers) | KV moved (all layers) | KV moved (sparse layers) | mass recall | "
+               "greedy agreement | identical prefix | passkey | seconds |\n"
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (absl::string_view name : absl::StrSplit(policies, ',', absl::SkipWhitespace())) {
     const bool sparse = name != "full";
     for (double budget : sparse ? *budget_list : std::vector<double>{1.0}) {
       for (double alpha : name == "infinigen" ? *alpha_list : std::vector<double>{0.0}) {
         SelectionConfig config;
-        config.policy = std::string(name);
+        auto kind = ParsePolicyKind(name);
+        if (!kind.ok()) return fail(kind.status());
+        config.policy = *kind;
         config.dense_layers = static_cast<int>(dense_layers);
         config.budget_fraction = budget;
         if (alpha > 0) config.alpha = alpha;
@@ -160,20 +166,22 @@ int RunEval(int argc, char** argv) {
         const double ratio = full_ppl > 0 ? r->perplexity / full_ppl : 0.0;
         // "-" where a column was not measured in this run.
         auto measured = [](bool m, std::string v) { return m ? v : std::string("-"); };
-        std::cout << absl::StrFormat(
-                         "| %s | %s | %s | %.3f | %s | %.3f | %.3f | %s | %s | %s | %s | %.0f |\n",
-                         name, sparse ? absl::StrFormat("%.2f", budget) : "-",
-                         alpha > 0 ? absl::StrFormat("%.1f", alpha) : "-", r->perplexity,
-                         full_ppl > 0 ? absl::StrFormat("%.4fx", ratio) : "-",
-                         r->meter.fraction_read(), r->meter.sparse_fraction_read(),
-                         measured(options.measure_recall,
-                                  absl::StrFormat("%.3f", r->meter.recall())),
-                         measured(generate > 0, absl::StrFormat("%.3f", r->greedy_agreement)),
-                         measured(generate > 0, absl::StrCat(r->greedy_identical_prefix)),
-                         measured(r->passkey_total > 0,
-                                  absl::StrFormat("%d/%d", r->passkey_found, r->passkey_total)),
-                         r->seconds)
-                  << std::flush;
+        std::cout
+            << absl::StrFormat(
+                   "| %s | %s | %s | %.3f | %s | %.3f | %.3f | %.3f | %.3f | %s | %s | %s | %s | "
+                   "%.0f |\n",
+                   name, sparse ? absl::StrFormat("%.2f", budget) : "-",
+                   alpha > 0 ? absl::StrFormat("%.1f", alpha) : "-", r->perplexity,
+                   full_ppl > 0 ? absl::StrFormat("%.4fx", ratio) : "-", r->meter.fraction_read(),
+                   r->meter.sparse_fraction_read(), r->meter.fraction_moved(),
+                   r->meter.sparse_fraction_moved(),
+                   measured(options.measure_recall, absl::StrFormat("%.3f", r->meter.recall())),
+                   measured(generate > 0, absl::StrFormat("%.3f", r->greedy_agreement)),
+                   measured(generate > 0, absl::StrCat(r->greedy_identical_prefix)),
+                   measured(r->passkey_total > 0,
+                            absl::StrFormat("%d/%d", r->passkey_found, r->passkey_total)),
+                   r->seconds)
+            << std::flush;
         rows.push_back({{"policy", std::string(name)},
                         {"budget", budget},
                         {"alpha", alpha},
@@ -181,6 +189,9 @@ int RunEval(int argc, char** argv) {
                         {"perplexity_vs_full", ratio},
                         {"kv_read_fraction", r->meter.fraction_read()},
                         {"kv_read_fraction_sparse_layers", r->meter.sparse_fraction_read()},
+                        {"kv_moved_fraction", r->meter.fraction_moved()},
+                        {"kv_moved_fraction_sparse_layers", r->meter.sparse_fraction_moved()},
+                        {"prefetch_misses", r->meter.prefetch_misses},
                         {"attention_mass_recall", r->meter.recall()},
                         {"greedy_agreement", r->greedy_agreement},
                         {"greedy_identical_prefix", r->greedy_identical_prefix},

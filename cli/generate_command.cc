@@ -8,7 +8,7 @@
 #include "cli/loaded_model.h"
 #include "common/status_macros.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/tokenizer/chat_template.h"
 
 namespace infinigen::cli {
@@ -90,7 +90,7 @@ int RunGenerate(int argc, char** argv) {
   if (!prompt_tokens.ok()) return ReportError("generate", prompt_tokens.status());
 
   Model& model = *loaded->model;
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   std::unique_ptr<IncrementalDecoder> stream;
   if (!print_ids) stream = std::make_unique<IncrementalDecoder>(*tokenizer, /*skip_special=*/true);
   auto result = Generate(model, cache, /*seq=*/1, *prompt_tokens, options, [&](int32_t token) {

@@ -14,6 +14,9 @@ void BackendFlags::Register(FlagSet& flags) {
   flags.Int("threads", &threads, "CPU threads (0 = all cores)");
   flags.String("cpu-weights", &cpu_weights,
                "weight storage on the CPU: f32 (exact), bf16 or q8 (faster decode)");
+  flags.Bool("batch-invariant", &batch_invariant,
+             "a sequence's logits do not depend on the sequences batched with it (CPU; false: "
+             "OpenBLAS for prefill, faster, batch-dependent rounding)");
 }
 
 absl::StatusOr<CpuBackendOptions> BackendFlags::Options() const {
@@ -25,6 +28,7 @@ absl::StatusOr<CpuBackendOptions> BackendFlags::Options() const {
     return absl::InvalidArgumentError(absl::StrCat("--cpu-weights: ", format.status().message()));
   }
   options.weight_format = *format;
+  options.batch_invariant = batch_invariant;
   if (device != "cpu" && device != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device must be cpu or cuda, got '", device, "'"));

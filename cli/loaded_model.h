@@ -23,6 +23,7 @@ struct BackendFlags {
   int64_t threads = 0;
   std::string cpu_weights = "f32";
   std::string cuda_dtype = "bf16";
+  bool batch_invariant = true;  // CpuBackendOptions::batch_invariant
 
   void Register(FlagSet& flags);
   absl::StatusOr<CpuBackendOptions> Options() const;

@@ -5,7 +5,8 @@
 #include "cli/flags.h"
 #include "cli/loaded_model.h"
 #include "common/npy.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 
 namespace infinigen::cli {
 
@@ -41,11 +42,11 @@ int RunLogits(int argc, char** argv) {
                                      absl::StrCat(n, " tokens exceed the model's context of ",
                                                   model.config().max_position_embeddings)));
   }
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   if (auto st = cache.Open(1, n); !st.ok()) return ReportError("logits", st);
   std::vector<float> logits(static_cast<size_t>(n * vocab));
   ForwardChunk chunk{1, 0, *ids, /*all_logits=*/true};
-  if (auto st = model.Forward({&chunk, 1}, cache, logits); !st.ok()) {
+  if (auto st = DecodeStep(model, cache).Forward({&chunk, 1}, logits); !st.ok()) {
     return ReportError("logits", st);
   }
   if (auto st = WriteNpyF32(out, {n, vocab}, logits.data()); !st.ok()) {

@@ -44,6 +44,7 @@ int RunPrepare(int argc, char** argv) {
   double ratio = 0.0;
   int64_t calibration_tokens = 2048;
   bool no_skew = false;
+  bool rope_pairs = false;
   std::string channel_rule = "product";
   BackendFlags backend_flags;
   FlagSet flags("prepare", "--model PATH [flags]",
@@ -59,6 +60,9 @@ int RunPrepare(int argc, char** argv) {
             "calibration tokens (capped at the model's context)");
   flags.String("out", &out, "sidecar path (default: next to the model)");
   flags.Bool("no-skew", &no_skew, "skip the skew (A = I): the paper's ablation");
+  flags.Bool("rope-pairs", &rope_pairs,
+             "partial channels as whole RoPE pairs, not skewed (Llama): the speculation then "
+             "multiplies only those rows of W_q");
   flags.String("channel-rule", &channel_rule,
                "partial channel ranking: product (mean|QA| x mean|KA|, the default) or sum "
                "(Σ|QA| + Σ|KA|, the paper's)");
@@ -86,6 +90,7 @@ int RunPrepare(int argc, char** argv) {
   PrepareOptions options;
   options.ratio = static_cast<float>(ratio);
   options.skew = !no_skew;
+  options.rope_pairs = rope_pairs;
   if (channel_rule != "sum" && channel_rule != "product") {
     return ReportError("prepare",
                        absl::InvalidArgumentError("--channel-rule must be sum or product"));
@@ -108,7 +113,10 @@ int RunPrepare(int argc, char** argv) {
       "wrote %s: ratio %.3f, %d of %d channels per KV head, %s, %d "
       "calibration tokens from %s\n",
       out, sidecar->ratio, sidecar->partial_dim, sidecar->head_dim,
-      sidecar->skewed ? "skewed" : "not skewed", sidecar->calibration_tokens, calibration);
+      sidecar->rope_pairs ? "whole RoPE pairs, not skewed"
+      : sidecar->skewed   ? "skewed"
+                          : "not skewed",
+      sidecar->calibration_tokens, calibration);
   return 0;
 }
 

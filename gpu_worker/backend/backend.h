@@ -141,11 +141,16 @@ class Backend {
   // out = x · wᵀ + bias (+ out when accumulate). bias may be null.
   virtual absl::Status Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
                               bool accumulate) = 0;
-  // Rotates heads of x in place; positions [x.rows] and inv_freq [rotary_dim / 2] are device
-  // arrays.
+  // Rotates heads of x in place; positions [x.rows] and inv_freq [rotary_dim / 2, or one such
+  // table per head inv_freq_head_stride apart] are device arrays.
   virtual absl::Status Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
-                            const int32_t* positions, const float* inv_freq,
-                            cpu::RopeLayout layout) = 0;
+                            const int32_t* positions, const float* inv_freq, cpu::RopeLayout layout,
+                            int64_t inv_freq_head_stride = 0) = 0;
+  // Each head of x [rows, num_heads * head_dim] times its KV head's skew (device f32,
+  // [num_kv_heads, head_dim, partial_dim]) into out [rows, num_heads * partial_dim]
+  // (kernels/cpu/ops.h ProjectHeads).
+  virtual absl::Status ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
+                                    const float* skew, int partial_dim, MatView out) = 0;
   virtual absl::Status SwiGlu(MatView gate, MatView up, MatView out) = 0;
   virtual absl::Status Relu(MatView x) = 0;
   // y += x.

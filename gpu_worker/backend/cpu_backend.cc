@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/row_gemm.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -158,26 +159,55 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
   }
   switch (w.format) {
     case WeightFormat::kBF16:
-      cpu::GemmBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), F(bias),
-                    out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
+      if (options_.batch_invariant) {
+        cpu::GemmRowsBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), F(bias),
+                          out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
+      } else {
+        cpu::GemmBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), F(bias),
+                      out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
+      }
       break;
     case WeightFormat::kQ8:
-      cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride, x.rows,
-                  accumulate);
+      if (options_.batch_invariant) {
+        cpu::GemmRowsQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride,
+                        x.rows, accumulate);
+      } else {
+        cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride,
+                    x.rows, accumulate);
+      }
       break;
     default:
-      cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride, x.rows,
-                w.rows, w.cols, accumulate);
+      if (options_.batch_invariant) {
+        cpu::GemmRowsF32(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(),
+                         out.stride, x.rows, w.rows, w.cols, accumulate);
+      } else {
+        cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride,
+                  x.rows, w.rows, w.cols, accumulate);
+      }
   }
   return absl::OkStatus();
 }
 
 absl::Status CpuBackend::Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
                               const int32_t* positions, const float* inv_freq,
-                              cpu::RopeLayout layout) {
+                              cpu::RopeLayout layout, int64_t inv_freq_head_stride) {
   if (auto st = CheckF32(x, "Rope"); !st.ok()) return st;
   cpu::Rope(x.As<float>(), x.stride, x.rows, num_heads, head_dim, rotary_dim, positions, inv_freq,
-            layout);
+            layout, inv_freq_head_stride);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
+                                      const float* skew, int partial_dim, MatView out) {
+  if (auto st = CheckF32(x, "ProjectHeads"); !st.ok()) return st;
+  if (auto st = CheckF32(out, "ProjectHeads"); !st.ok()) return st;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
+      x.cols != static_cast<int64_t>(num_heads) * head_dim ||
+      out.cols != static_cast<int64_t>(num_heads) * partial_dim || out.rows != x.rows) {
+    return absl::InvalidArgumentError("cpu backend: ProjectHeads shapes do not match");
+  }
+  cpu::ProjectHeads(x.As<float>(), x.stride, x.rows, num_heads, num_kv_heads, head_dim, skew,
+                    partial_dim, out.As<float>(), out.stride);
   return absl::OkStatus();
 }
 
@@ -219,11 +249,11 @@ absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t 
         "cpu backend: AttentionCausal reads K/V rows packed, not by "
         "row table");
   }
-  cpu::AttentionCausal(q.As<float>(), q.stride, q.rows, q_start,
-                       {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
-                       {static_cast<const float*>(v.data), v.head_stride, v.row_stride},
-                       s.num_heads, s.num_kv_heads, s.head_dim, s.scale, out.As<float>(),
-                       out.stride);
+  const auto causal = options_.batch_invariant ? cpu::AttentionCausalRows : cpu::AttentionCausal;
+  causal(q.As<float>(), q.stride, q.rows, q_start,
+         {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
+         {static_cast<const float*>(v.data), v.head_stride, v.row_stride}, s.num_heads,
+         s.num_kv_heads, s.head_dim, s.scale, out.As<float>(), out.stride);
   return absl::OkStatus();
 }
 

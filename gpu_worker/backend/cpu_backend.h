@@ -12,6 +12,11 @@ struct CpuBackendOptions {
   // accuracy for 2x / ~3.8x fewer bytes per decode step. Matrices whose rows are not a multiple
   // of 32 stay f32 under q8.
   WeightFormat weight_format = WeightFormat::kF32;
+  // Every row of a Linear computed by the same fixed-order kernel whatever the batch
+  // (kernels/cpu/row_gemm.h; q8: activations quantized per row): a sequence's logits do not
+  // depend on which sequences share its step. false: OpenBLAS for several rows (faster
+  // prefill, results that vary with the batch).
+  bool batch_invariant = true;
 };
 
 class CpuBackend : public Backend {
@@ -37,8 +42,10 @@ class CpuBackend : public Backend {
   absl::Status Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
                       bool accumulate) override;
   absl::Status Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
-                    const int32_t* positions, const float* inv_freq,
-                    cpu::RopeLayout layout) override;
+                    const int32_t* positions, const float* inv_freq, cpu::RopeLayout layout,
+                    int64_t inv_freq_head_stride = 0) override;
+  absl::Status ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
+                            const float* skew, int partial_dim, MatView out) override;
   absl::Status SwiGlu(MatView gate, MatView up, MatView out) override;
   absl::Status Relu(MatView x) override;
   absl::Status Add(MatView x, MatView y) override;

@@ -299,10 +299,35 @@ absl::Status CudaBackend::Linear(MatView x, const Weight& w, const Weight* bias,
 
 absl::Status CudaBackend::Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
                                const int32_t* positions, const float* inv_freq,
-                               cpu::RopeLayout layout) {
-  return Check(cuda::Rope(M(x), num_heads, head_dim, rotary_dim, positions, inv_freq,
-                          layout == cpu::RopeLayout::kInterleaved, S(stream_)),
-               "Rope");
+                               cpu::RopeLayout layout, int64_t inv_freq_head_stride) {
+  return Check(
+      cuda::Rope(M(x), num_heads, head_dim, rotary_dim, positions, inv_freq,
+                 layout == cpu::RopeLayout::kInterleaved, S(stream_), inv_freq_head_stride),
+      "Rope");
+}
+
+absl::Status CudaBackend::ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
+                                       const float* skew, int partial_dim, MatView out) {
+  if (out.rows != x.rows || x.cols != static_cast<int64_t>(num_heads) * head_dim ||
+      out.cols != static_cast<int64_t>(num_heads) * partial_dim) {
+    return absl::InvalidArgumentError("cuda backend: ProjectHeads shapes do not match");
+  }
+  cuda::PartialProjection p;
+  p.x_type = ToElem(x.dtype);
+  p.x = x.data;
+  p.x_seq_stride = x.stride;
+  p.batch = static_cast<int>(x.rows);
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.partial_dim = partial_dim;
+  p.skew = skew;
+  p.out_type = ToElem(out.dtype);
+  p.out = out.data;
+  p.out_seq_stride = out.stride;
+  p.out_head_stride = partial_dim;
+  if (x.rows == 0) return absl::OkStatus();
+  return Check(cuda::RunPartialProjection(p, S(stream_)), "ProjectHeads");
 }
 
 absl::Status CudaBackend::SwiGlu(MatView gate, MatView up, MatView out) {

@@ -45,8 +45,10 @@ class CudaBackend final : public Backend {
   absl::Status Linear(MatView x, const Weight& w, const Weight* bias, MatView out,
                       bool accumulate) override;
   absl::Status Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
-                    const int32_t* positions, const float* inv_freq,
-                    cpu::RopeLayout layout) override;
+                    const int32_t* positions, const float* inv_freq, cpu::RopeLayout layout,
+                    int64_t inv_freq_head_stride = 0) override;
+  absl::Status ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
+                            const float* skew, int partial_dim, MatView out) override;
   absl::Status SwiGlu(MatView gate, MatView up, MatView out) override;
   absl::Status Relu(MatView x) override;
   absl::Status Add(MatView x, MatView y) override;

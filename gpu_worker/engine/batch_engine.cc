@@ -27,7 +27,7 @@ absl::Status EngineConfig::Validate() const {
 }
 
 BatchEngine::BatchEngine(Model& model, KvCache& cache, const EngineConfig& config)
-    : model_(model), cache_(cache), config_(config) {
+    : model_(model), cache_(cache), config_(config), step_(model, cache) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -272,8 +272,8 @@ bool BatchEngine::Step() {
     }
   }
   const int64_t vocab = model_.config().vocab_size;
-  logits_.resize(static_cast<size_t>(Model::NumLogitRows(batch) * vocab));
-  absl::Status st = model_.Forward(batch, cache_, logits_);
+  logits_.resize(static_cast<size_t>(DecodeStep::NumLogitRows(batch) * vocab));
+  absl::Status st = step_.Forward(batch, logits_);
   int64_t generated = 0, prompt = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Active& a = *owners[i];
@@ -308,8 +308,8 @@ bool BatchEngine::Step() {
   stats_.generated_tokens += generated;
   stats_.prompt_tokens += prompt;
   stats_.last_batch_sequences = static_cast<int64_t>(batch.size());
-  stats_.prefetch_hits = model_.prefetch_hits();
-  stats_.prefetch_misses = model_.prefetch_misses();
+  stats_.prefetch_hits = step_.prefetch_hits();
+  stats_.prefetch_misses = step_.prefetch_misses();
   return true;
 }
 

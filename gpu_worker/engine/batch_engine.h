@@ -21,8 +21,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/model/model.h"
 
 namespace infinigen {
@@ -83,7 +84,7 @@ struct EngineStats {
   int64_t bytes_fetched = 0;
   int64_t bytes_full = 0;
   // Decode steps whose selection was among the rows prefetched during the previous layer, and
-  // those that fetched again (Model::prefetch_hits).
+  // those that fetched again (DecodeStep::prefetch_hits).
   int64_t prefetch_hits = 0;
   int64_t prefetch_misses = 0;
 };
@@ -136,6 +137,7 @@ class BatchEngine {
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
 
   // Engine thread only.
+  DecodeStep step_;
   std::vector<std::unique_ptr<Active>> running_;
   std::vector<float> logits_;
   size_t device_bytes_reserved_ = 0;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "gpu_worker/engine/decode_step.h"
 
 namespace infinigen {
 namespace {
@@ -81,13 +82,14 @@ absl::StatusOr<GenerateResult> Generate(Model& model, KvCache& cache, SequenceId
   SamplingScratch scratch;
   const auto t0 = std::chrono::steady_clock::now();
 
+  DecodeStep decode(model, cache);
   // Prefill in chunks; only the last chunk's last token needs logits.
   int64_t pos = 0;
   const int64_t n_prompt = static_cast<int64_t>(prompt.size());
   while (pos < n_prompt) {
     const int64_t len = std::min(options.prefill_chunk_tokens, n_prompt - pos);
     ForwardChunk chunk{seq, pos, prompt.subspan(pos, len), false};
-    IG_RETURN_IF_ERROR(model.Forward({&chunk, 1}, cache, logits));
+    IG_RETURN_IF_ERROR(decode.Forward({&chunk, 1}, logits));
     pos += len;
   }
 
@@ -95,7 +97,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, KvCache& cache, SequenceId
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     if (step > 0) {
       ForwardChunk chunk{seq, pos, std::span<const int32_t>(&history.back(), 1), false};
-      IG_RETURN_IF_ERROR(model.Forward({&chunk, 1}, cache, logits));
+      IG_RETURN_IF_ERROR(decode.Forward({&chunk, 1}, logits));
       ++pos;
     }
     const int32_t token = SampleToken(logits, options.sampling, history,

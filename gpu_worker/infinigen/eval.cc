@@ -7,7 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 
 namespace infinigen {
 namespace {
@@ -15,7 +16,7 @@ namespace {
 std::unique_ptr<KvCache> MakeCache(Model& model, const EvalOptions& o) {
   if (o.use_kv_pool)
     return std::make_unique<KvPoolCache>(model.backend(), model.kv_shape(), o.kv_pool);
-  return std::make_unique<ResidentKvCache>(model.backend(), model.kv_shape());
+  return std::make_unique<BackendKvCache>(model.backend(), model.kv_shape());
 }
 
 int32_t Argmax(const std::vector<float>& logits) {
@@ -40,12 +41,12 @@ absl::Status Feed(Model& model, KvCache& cache, KvSelectionPolicy* policy, Seque
   for (int64_t pos = 0; pos < dense; pos += chunk) {
     const int64_t len = std::min(chunk, dense - pos);
     ForwardChunk c{seq, pos, tokens.subspan(pos, len), false, policy};
-    IG_RETURN_IF_ERROR(model.Forward({&c, 1}, cache, logits));
+    IG_RETURN_IF_ERROR(DecodeStep(model, cache).Forward({&c, 1}, logits));
   }
   on_step(dense - 1, logits);
   for (int64_t t = dense; t < static_cast<int64_t>(tokens.size()); ++t) {
     ForwardChunk c{seq, t, tokens.subspan(t, 1), false, policy};
-    IG_RETURN_IF_ERROR(model.Forward({&c, 1}, cache, logits));
+    IG_RETURN_IF_ERROR(DecodeStep(model, cache).Forward({&c, 1}, logits));
     on_step(t, logits);
   }
   cache.Close(seq);
@@ -64,13 +65,13 @@ absl::StatusOr<std::vector<int32_t>> Greedy(Model& model, KvCache& cache, KvSele
   for (int64_t pos = 0; pos < n; pos += chunk) {
     const int64_t len = std::min(chunk, n - pos);
     ForwardChunk c{seq, pos, prompt.subspan(pos, len), false, policy};
-    IG_RETURN_IF_ERROR(model.Forward({&c, 1}, cache, logits));
+    IG_RETURN_IF_ERROR(DecodeStep(model, cache).Forward({&c, 1}, logits));
   }
   for (int64_t s = 0; s < steps; ++s) {
     out.push_back(Argmax(logits));
     if (s + 1 == steps) break;
     ForwardChunk c{seq, n + s, std::span<const int32_t>(&out.back(), 1), false, policy};
-    IG_RETURN_IF_ERROR(model.Forward({&c, 1}, cache, logits));
+    IG_RETURN_IF_ERROR(DecodeStep(model, cache).Forward({&c, 1}, logits));
   }
   cache.Close(seq);
   if (policy != nullptr) policy->Release(seq);

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "gpu_worker/engine/kv_pool_cache.h"
 #include "gpu_worker/infinigen/metered_policy.h"
+#include "gpu_worker/kv/kv_pool_cache.h"
 #include "gpu_worker/model/model.h"
 #include "gpu_worker/tokenizer/tokenizer.h"
 

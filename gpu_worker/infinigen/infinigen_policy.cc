@@ -35,6 +35,9 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     return config_.speculation == SpeculationInput::kActualQuery ? SpeculationInput::kNone
                                                                  : config_.speculation;
   }
+  bool SpeculatesFor(int layer) const override {
+    return speculation_input() != SpeculationInput::kNone && layer >= config_.dense_layers;
+  }
 
   // Rotates and cuts every new key of a sparse layer into the partial key cache, at its slot.
   absl::Status OnKeys(const LayerKeys& keys) override {
@@ -74,12 +77,12 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       out.all = true;
       return absl::OkStatus();
     }
-    const float* query =
-        config_.speculation == SpeculationInput::kActualQuery ? r.q : r.speculated_q;
+    const bool actual = config_.speculation == SpeculationInput::kActualQuery;
+    const float* query = actual ? r.q : r.speculated_q;
     if (query == nullptr) {
       return absl::InternalError("infinigen: the model did not provide a speculated query");
     }
-    const int64_t k = Score(r, query, n, k_max, /*keep=*/false);
+    const int64_t k = Score(r, query, /*partial=*/!actual, n, k_max, /*keep=*/false);
     if (k >= n) {
       out.all = true;
       return absl::OkStatus();
@@ -90,8 +93,10 @@ class InfinigenPolicy final : public KvSelectionPolicy {
 
   // Candidates for the prefetch of layer r.layer, chosen during the previous layer before the
   // current token's key exists: the same speculated scores over the n stored rows, ranked the
-  // same way, but as many as the budget allows plus a margin, so that the exact selection made
-  // at the layer itself (which also scores the current token) is nearly always among them.
+  // same way, as many as the alpha threshold counts there (clamped to the budget) plus a margin
+  // (PrefetchMargin), so that the exact selection made at the layer itself (which also scores
+  // the current token, and may count one row more) is nearly always among them. The threshold
+  // thereby decides the bytes moved, not only the rows attended.
   bool Preselect(const SelectRequest& r, Selection& out) override {
     const int64_t n = r.kv.num_slots;  // stored rows, the current token not among them
     if (n <= 0) return false;
@@ -103,12 +108,16 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       return false;
     }
     const int64_t k_max = config_.Budget(n + 1);
-    const int64_t k = std::min(n, k_max + std::max<int64_t>(4, k_max / 16));
-    if (k >= n) {  // everything: the layer reads all rows anyway
+    if (k_max > n) {  // everything: the layer reads all rows anyway
       out.all = true;
       return true;
     }
-    Score(r, r.speculated_q, n, k_max, /*keep=*/true);
+    const int64_t counted = Score(r, r.speculated_q, /*partial=*/true, n, k_max, /*keep=*/true);
+    const int64_t k = std::min(n, counted + PrefetchMargin(counted));
+    if (k >= n) {
+      out.all = true;
+      return true;
+    }
     Choose(r, n, k, /*with_current=*/false, out);
     return true;
   }
@@ -119,13 +128,19 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   }
 
  private:
+  // Rows prefetched beyond the alpha count of the stored rows: one for the count the current
+  // token may add, and a share for rows whose rank changes once the current token joins the
+  // softmax of each head (measured: docs/accuracy.md, "Rows moved").
+  static int64_t PrefetchMargin(int64_t counted) { return 1 + std::max<int64_t>(2, counted / 16); }
   // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) of rows [0, n) into
-  // scores_; returns k: the mean over heads of the rows within alpha of the head's best,
-  // clamped to [max(min_tokens, min_budget_tokens), k_max]. `keep`: remember the scores, so
+  // scores_ (`partial`: `query` is q~ = q_h · A_g[:, P] already, [heads, p]; else the whole
+  // query, projected here); returns k: the mean over heads of the rows within alpha of the head's
+  // best, clamped to [max(min_tokens, min_budget_tokens), k_max]. `keep`: remember the scores, so
   // that the layer's own Select (the same query, one more row) scores only the new rows; the
   // reused scores are the same floats it would compute (each row's dot product is summed in
   // channel order, whichever block of rows it is scored in). KV heads in parallel.
-  int64_t Score(const SelectRequest& r, const float* query, int64_t n, int64_t k_max, bool keep) {
+  int64_t Score(const SelectRequest& r, const float* query, bool partial, int64_t n, int64_t k_max,
+                bool keep) {
     const int heads = static_cast<int>(model_.num_heads);
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
     const int group = heads / kv_heads;
@@ -137,10 +152,11 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     Reserve(cache, n);  // rows never stored read as zeros
     const float* skew = partial_skew_[r.layer].data();
     q_partial_.resize(static_cast<size_t>(heads) * p);
-    for (int h = 0; h < heads; ++h) {
+    for (int h = 0; h < heads && !partial; ++h) {
       Project(query + static_cast<size_t>(h) * d, skew + static_cast<size_t>(h / group) * d * p, d,
               p, q_partial_.data() + static_cast<size_t>(h) * p);
     }
+    if (partial) std::copy_n(query, q_partial_.size(), q_partial_.begin());
     Prescored& pre = prescored_[r.layer % 2];
     const int64_t reuse =
         pre.seq == r.seq && pre.layer == r.layer && pre.n <= n && pre.q_partial == q_partial_

@@ -235,6 +235,31 @@ class OraclePolicy final : public PositionalPolicy {
 
 }  // namespace
 
+const char* PolicyKindName(PolicyKind kind) {
+  switch (kind) {
+    case PolicyKind::kFull:
+      return "full";
+    case PolicyKind::kInfinigen:
+      return "infinigen";
+    case PolicyKind::kH2o:
+      return "h2o";
+    case PolicyKind::kWindow:
+      return "window";
+    case PolicyKind::kOracle:
+      return "oracle";
+  }
+  return "?";
+}
+
+absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name) {
+  for (PolicyKind k : {PolicyKind::kFull, PolicyKind::kInfinigen, PolicyKind::kH2o,
+                       PolicyKind::kWindow, PolicyKind::kOracle}) {
+    if (name == PolicyKindName(k)) return k;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown selection policy '", name, "': expected full, infinigen, h2o, window or oracle"));
+}
+
 int64_t SelectionConfig::Budget(int64_t stored) const {
   const int64_t k = budget_tokens > 0
                         ? budget_tokens
@@ -243,12 +268,6 @@ int64_t SelectionConfig::Budget(int64_t stored) const {
 }
 
 absl::Status SelectionConfig::Validate() const {
-  if (policy != "full" && policy != "infinigen" && policy != "h2o" && policy != "window" &&
-      policy != "oracle") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown selection policy '", policy,
-                     "': expected full, infinigen, h2o, window or oracle"));
-  }
   if (dense_layers < 1) {
     return absl::InvalidArgumentError(
         "dense_layers must be >= 1 (layer 0 has nothing to speculate from)");
@@ -275,8 +294,13 @@ absl::StatusOr<SelectionConfig> ApplyOverrides(const SelectionConfig& defaults,
   if (o.policy.has_value()) {
     if (std::find(limits.allowed_policies.begin(), limits.allowed_policies.end(), *o.policy) ==
         limits.allowed_policies.end()) {
+      std::string allowed;
+      for (PolicyKind k : limits.allowed_policies) {
+        absl::StrAppend(&allowed, allowed.empty() ? "" : ", ", PolicyKindName(k));
+      }
       return absl::InvalidArgumentError(
-          absl::StrCat("selection policy '", *o.policy, "' is not allowed on this server"));
+          absl::StrCat("selection policy '", PolicyKindName(*o.policy),
+                       "' is not allowed on this server (", allowed, " are)"));
     }
     c.policy = *o.policy;
   }
@@ -305,16 +329,20 @@ absl::StatusOr<SelectionConfig> ApplyOverrides(const SelectionConfig& defaults,
 absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(
     const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar* sidecar) {
   IG_RETURN_IF_ERROR(config.Validate());
-  if (config.policy == "full") return std::unique_ptr<KvSelectionPolicy>(new FullPolicy());
-  if (config.policy == "window") {
-    SelectionConfig c = config;
-    if (c.sink_tokens == 0) c.sink_tokens = 4;  // StreamingLLM's attention sinks
-    return std::unique_ptr<KvSelectionPolicy>(new WindowPolicy(c, model));
-  }
-  if (config.policy == "h2o")
-    return std::unique_ptr<KvSelectionPolicy>(new H2oPolicy(config, model));
-  if (config.policy == "oracle") {
-    return std::unique_ptr<KvSelectionPolicy>(new OraclePolicy(config, model));
+  switch (config.policy) {
+    case PolicyKind::kFull:
+      return std::unique_ptr<KvSelectionPolicy>(new FullPolicy());
+    case PolicyKind::kWindow: {
+      SelectionConfig c = config;
+      if (c.sink_tokens == 0) c.sink_tokens = 4;  // StreamingLLM's attention sinks
+      return std::unique_ptr<KvSelectionPolicy>(new WindowPolicy(c, model));
+    }
+    case PolicyKind::kH2o:
+      return std::unique_ptr<KvSelectionPolicy>(new H2oPolicy(config, model));
+    case PolicyKind::kOracle:
+      return std::unique_ptr<KvSelectionPolicy>(new OraclePolicy(config, model));
+    case PolicyKind::kInfinigen:
+      break;
   }
   if (sidecar == nullptr) {
     return absl::FailedPreconditionError(

@@ -6,8 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/infinigen/skew.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 
 namespace infinigen {
 namespace {
@@ -76,7 +77,7 @@ class CalibrationObserver final : public KvSelectionPolicy {
 absl::Status RunCalibration(Model& model, std::span<const int32_t> tokens, int64_t chunk,
                             KvSelectionPolicy& observer, int pass,
                             const PrepareProgress& progress) {
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   const SequenceId seq = 1;
   IG_RETURN_IF_ERROR(cache.Open(seq, static_cast<int64_t>(tokens.size())));
   std::vector<float> logits(model.config().vocab_size);
@@ -84,7 +85,7 @@ absl::Status RunCalibration(Model& model, std::span<const int32_t> tokens, int64
   for (int64_t pos = 0; pos < n; pos += chunk) {
     const int64_t len = std::min(chunk, n - pos);
     ForwardChunk c{seq, pos, tokens.subspan(pos, len), false, &observer};
-    IG_RETURN_IF_ERROR(model.Forward({&c, 1}, cache, logits));
+    IG_RETURN_IF_ERROR(DecodeStep(model, cache).Forward({&c, 1}, logits));
     if (progress) progress(pass, pos + len, n);
   }
   cache.Close(seq);
@@ -115,10 +116,17 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
   if (options.chunk_tokens < 1) return absl::InvalidArgumentError("chunk_tokens must be >= 1");
   const int64_t chunk = options.chunk_tokens;
 
+  if (options.rope_pairs && (c.architecture != Architecture::kLlama ||
+                             c.rope.rotary_dim != c.head_dim || c.head_dim % 2 != 0)) {
+    return absl::InvalidArgumentError(
+        "rope_pairs needs a Llama-family model whose RoPE rotates whole heads");
+  }
   InfinigenSidecar s;
   s.ratio = ratio;
   s.partial_dim = static_cast<int>(std::ceil(ratio * c.head_dim - 1e-6));
-  s.skewed = options.skew;
+  if (options.rope_pairs) s.partial_dim += s.partial_dim % 2;
+  s.skewed = options.skew && !options.rope_pairs;
+  s.rope_pairs = options.rope_pairs;
   s.channel_rule = options.channel_rule == ChannelRule::kProduct ? "product" : "sum";
   s.model_fingerprint = ModelFingerprint(checkpoint);
   s.calibration_hash = Fnv1aHex(calibration.data(), calibration.size() * sizeof(int32_t));
@@ -130,7 +138,7 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
 
   // Pass 1: the skews (or identities for the ablation).
   s.skew.assign(c.num_layers, std::vector<float>(c.num_kv_heads * d * d, 0.0f));
-  if (options.skew) {
+  if (s.skewed) {
     CalibrationObserver grams(c, nullptr);
     IG_RETURN_IF_ERROR(RunCalibration(model, calibration, chunk, grams, 1, progress));
     for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -152,7 +160,12 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
   for (int64_t l = 0; l < c.num_layers; ++l) {
     std::vector<int32_t> channels;
     for (int64_t g = 0; g < c.num_kv_heads; ++g) {
-      auto top = scores.scores(l, g).Top(s.partial_dim, options.channel_rule);
+      auto top =
+          options.rope_pairs
+              ? scores.scores(l, g).TopPairs(
+                    s.partial_dim, options.channel_rule,
+                    [&](int ch) { return RopePartner(ch, c.rope.rotary_dim, c.rope.layout); })
+              : scores.scores(l, g).Top(s.partial_dim, options.channel_rule);
       channels.insert(channels.end(), top.begin(), top.end());
     }
     s.channels.push_back(std::move(channels));

@@ -8,16 +8,25 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "gpu_worker/engine/kv_selection.h"
+#include "absl/strings/string_view.h"
+#include "gpu_worker/kv/kv_selection.h"
 #include "gpu_worker/model/config.h"
 
 namespace infinigen {
 
 struct InfinigenSidecar;
 
+// Which rows a decode step reads (INFINIGEN.md, "Baselines"): every row, InfiniGen's
+// speculation, or one of the paper's comparisons.
+enum class PolicyKind { kFull, kInfinigen, kH2o, kWindow, kOracle };
+// "full", "infinigen", "h2o", "window", "oracle".
+const char* PolicyKindName(PolicyKind kind);
+// INVALID_ARGUMENT listing the names for anything else.
+absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name);
+
 struct SelectionConfig {
-  std::string policy = "full";  // full | infinigen | h2o | window | oracle
-  int dense_layers = 2;         // layers below this always attend to every row
+  PolicyKind policy = PolicyKind::kFull;
+  int dense_layers = 2;  // layers below this always attend to every row
   // Budget: the most rows per KV head a decode step reads: budget_tokens when > 0, else
   // ceil(budget_fraction x stored rows). InfiniGen reads fewer when its threshold says so.
   double budget_fraction = 0.2;
@@ -43,12 +52,14 @@ struct SelectionConfig {
 
 // What a request may change, and within which bounds the server lets it (per model config).
 struct SelectionOverrides {
-  std::optional<std::string> policy;
+  std::optional<PolicyKind> policy;
   std::optional<double> budget_fraction;
   std::optional<double> alpha;
 };
 struct SelectionLimits {
-  std::vector<std::string> allowed_policies = {"full", "infinigen", "h2o", "window", "oracle"};
+  std::vector<PolicyKind> allowed_policies = {PolicyKind::kFull, PolicyKind::kInfinigen,
+                                              PolicyKind::kH2o, PolicyKind::kWindow,
+                                              PolicyKind::kOracle};
   double min_budget_fraction = 0.05;  // below this, quality collapses for every policy
   double max_budget_fraction = 1.0;
   double min_alpha = 1.0, max_alpha = 30.0;

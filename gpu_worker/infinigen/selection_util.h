@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "gpu_worker/engine/kv_selection.h"
+#include "gpu_worker/kv/kv_selection.h"
 
 namespace infinigen {
 

@@ -34,6 +34,20 @@ std::vector<float> InfinigenSidecar::PartialSkew(int layer) const {
   return out;
 }
 
+PartialChannels PartialChannelsOf(const InfinigenSidecar& s) {
+  PartialChannels pc;
+  pc.partial_dim = s.partial_dim;
+  pc.skewed = s.skewed;
+  pc.channels = s.channels;
+  for (int l = 0; l < s.num_layers; ++l) pc.partial_skew.push_back(s.PartialSkew(l));
+  return pc;
+}
+
+absl::Status AttachSidecar(Model& model, const Checkpoint& checkpoint,
+                           const InfinigenSidecar& sidecar) {
+  return model.AttachSpeculation(checkpoint, PartialChannelsOf(sidecar));
+}
+
 std::string Fnv1aHex(const void* data, size_t bytes) {
   uint64_t h = 0xcbf29ce484222325ull;
   const auto* p = static_cast<const uint8_t*>(data);
@@ -73,6 +87,7 @@ absl::Status WriteSidecar(const InfinigenSidecar& s, const std::string& path) {
       {"ratio", absl::StrCat(s.ratio)},
       {"partial_dim", absl::StrCat(s.partial_dim)},
       {"skewed", s.skewed ? "true" : "false"},
+      {"rope_pairs", s.rope_pairs ? "true" : "false"},
       {"channel_rule", s.channel_rule},
       {"model_fingerprint", s.model_fingerprint},
       {"calibration_hash", s.calibration_hash},
@@ -121,7 +136,8 @@ absl::StatusOr<InfinigenSidecar> ReadSidecar(const std::string& path, const Chec
     return bad("malformed metadata");
   }
   s.skewed = meta["skewed"] == "true";
-  s.channel_rule = meta["channel_rule"];  // absent in sidecars written before it was recorded
+  s.rope_pairs = meta["rope_pairs"] == "true";  // absent in sidecars written before it existed
+  s.channel_rule = meta["channel_rule"];        // absent in sidecars written before it was recorded
   s.model_fingerprint = fingerprint;
   s.calibration_hash = meta["calibration_hash"];
   if (s.num_layers != c.num_layers || s.num_kv_heads != c.num_kv_heads ||
@@ -150,6 +166,13 @@ absl::StatusOr<InfinigenSidecar> ReadSidecar(const std::string& path, const Chec
       idx.push_back(static_cast<int32_t>(f));
     }
     s.channels.push_back(std::move(idx));
+    if (s.rope_pairs &&
+        (s.skewed || !IsRopePairOrder(s.channels.back(), s.num_kv_heads, s.partial_dim, s.head_dim,
+                                      c.rope.rotary_dim, c.rope.layout))) {
+      return bad(absl::StrCat("layer ", l,
+                              " says rope_pairs but its channels are not whole RoPE "
+                              "pairs of this model"));
+    }
   }
   return s;
 }

@@ -9,15 +9,19 @@
 
 #include "absl/status/statusor.h"
 #include "gpu_worker/model/checkpoint.h"
+#include "gpu_worker/model/model.h"
 
 namespace infinigen {
 
 struct InfinigenSidecar {
   static constexpr int kFormatVersion = 1;
 
-  float ratio = 0.2f;        // partial ratio r
-  int partial_dim = 0;       // d' = ceil(r * d)
-  bool skewed = true;        // false: A = I (the paper's "no skewing" ablation)
+  float ratio = 0.2f;   // partial ratio r
+  int partial_dim = 0;  // d' = ceil(r * d)
+  bool skewed = true;   // false: A = I (the paper's "no skewing" ablation)
+  // The channels are whole RoPE pairs in Speculation's kRopePairs order (unskewed): the
+  // speculation multiplies only their rows of W_q.
+  bool rope_pairs = false;
   std::string channel_rule;  // how the partial channels were ranked ("sum", "product"; "" unknown)
   std::string model_fingerprint;
   std::string calibration_hash;
@@ -29,6 +33,13 @@ struct InfinigenSidecar {
   // A[:, P] for every KV head of `layer`: [kv_heads, d, partial_dim], row-major.
   std::vector<float> PartialSkew(int layer) const;
 };
+
+// The sidecar's partial channels as the model's speculation takes them.
+PartialChannels PartialChannelsOf(const InfinigenSidecar& sidecar);
+// Builds `model`'s speculation weights from the sidecar (Model::AttachSpeculation): needed
+// before any InfiniGen policy of this sidecar runs on the model.
+absl::Status AttachSidecar(Model& model, const Checkpoint& checkpoint,
+                           const InfinigenSidecar& sidecar);
 
 // Identifies a checkpoint: its shape and a hash of the first layer's query weights.
 std::string ModelFingerprint(const Checkpoint& checkpoint);

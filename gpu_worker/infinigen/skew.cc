@@ -82,13 +82,35 @@ void ChannelScores::Add(const float* row, std::vector<double>& sums, int64_t& ro
   ++rows;
 }
 
-std::vector<int32_t> ChannelScores::Top(int count, ChannelRule rule) const {
+std::vector<double> ChannelScores::Scores(ChannelRule rule) const {
   std::vector<double> score(d_);
   for (int j = 0; j < d_; ++j) {
     score[j] = rule == ChannelRule::kSumAbs ? q_[j] + k_[j]
                                             : (q_[j] / std::max<int64_t>(q_rows_, 1)) *
                                                   (k_[j] / std::max<int64_t>(k_rows_, 1));
   }
+  return score;
+}
+
+std::vector<int32_t> ChannelScores::TopPairs(int count, ChannelRule rule,
+                                             const std::function<int(int)>& partner) const {
+  const std::vector<double> score = Scores(rule);
+  std::vector<int32_t> firsts;
+  for (int c = 0; c < d_; ++c) {
+    if (c < partner(c)) firsts.push_back(c);
+  }
+  std::stable_sort(firsts.begin(), firsts.end(), [&](int32_t a, int32_t b) {
+    return score[a] + score[partner(a)] > score[b] + score[partner(b)];
+  });
+  firsts.resize(std::min<size_t>(firsts.size(), count / 2));
+  std::sort(firsts.begin(), firsts.end());
+  std::vector<int32_t> out = firsts;
+  for (int32_t c : firsts) out.push_back(partner(c));
+  return out;
+}
+
+std::vector<int32_t> ChannelScores::Top(int count, ChannelRule rule) const {
+  const std::vector<double> score = Scores(rule);
   std::vector<int32_t> idx(d_);
   std::iota(idx.begin(), idx.end(), 0);
   std::stable_sort(idx.begin(), idx.end(),

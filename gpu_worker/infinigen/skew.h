@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace infinigen {
@@ -47,8 +48,14 @@ class ChannelScores {
   void AddKey(const float* row) { Add(row, k_, k_rows_); }
   // The `count` best channels by `rule`, ascending.
   std::vector<int32_t> Top(int count, ChannelRule rule = ChannelRule::kSumAbs) const;
+  // The count / 2 best whole pairs {c, partner(c)} by the sum of their channels' scores: the
+  // first members (the smaller channel of each pair) ascending, then their partners in the same
+  // order. count must be even; partner must pair the channels up.
+  std::vector<int32_t> TopPairs(int count, ChannelRule rule,
+                                const std::function<int(int)>& partner) const;
 
  private:
+  std::vector<double> Scores(ChannelRule rule) const;
   void Add(const float* row, std::vector<double>& sums, int64_t& rows);
 
   int d_;

@@ -57,6 +57,9 @@ ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a reques
 ABSL_FLAG(int64_t, max_prompt_tokens, 0, "the most prompt tokens a request may have (0: context)");
 ABSL_FLAG(int64_t, threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(std::string, cpu_weights, "f32", "CPU backend weight storage: f32, bf16, q8");
+ABSL_FLAG(bool, batch_invariant, true,
+          "CPU: a sequence's logits do not depend on the sequences batched with it (false: "
+          "OpenBLAS for prefill, faster, batch-dependent rounding)");
 ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu or cuda (GPU 0)");
 ABSL_FLAG(std::string, cuda_dtype, "bf16",
           "GPU storage of activations, weights and K/V: bf16, f16, f32");
@@ -111,6 +114,7 @@ int main(int argc, char** argv) {
   config.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   config.backend.threads = absl::GetFlag(FLAGS_threads);
   config.backend.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
+  config.backend.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   config.backend.device = absl::GetFlag(FLAGS_device);
   config.backend.cuda_dtype = absl::GetFlag(FLAGS_cuda_dtype);
   if (auto st = config.Validate(); !st.ok()) return Fail(st.message(), 2);

@@ -41,7 +41,8 @@ SelectionConfig WorkerConfig::Selection(bool have_sidecar) const {
   s.min_budget_tokens = min_budget_tokens;
   s.alpha = alpha;
   s.dense_layers = dense_layers;
-  s.policy = policy == "auto" ? (have_sidecar ? "infinigen" : "full") : policy;
+  s.policy = policy == "auto" ? (have_sidecar ? PolicyKind::kInfinigen : PolicyKind::kFull)
+                              : ParsePolicyKind(policy).value_or(PolicyKind::kFull);
   return s;
 }
 
@@ -71,10 +72,11 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
     if (given || std::filesystem::exists(path)) {
       IG_ASSIGN_OR_RETURN(InfinigenSidecar s, ReadSidecar(path, *w->loaded_.checkpoint));
       w->sidecar_ = std::make_unique<InfinigenSidecar>(std::move(s));
+      IG_RETURN_IF_ERROR(AttachSidecar(*w->loaded_.model, *w->loaded_.checkpoint, *w->sidecar_));
     }
   }
   const SelectionConfig selection = config.Selection(w->sidecar_ != nullptr);
-  if (selection.policy == "infinigen" && !w->sidecar_) {
+  if (selection.policy == PolicyKind::kInfinigen && !w->sidecar_) {
     return absl::InvalidArgumentError(
         "--policy infinigen needs a sidecar: run `infinigen prepare "
         "--model " +
@@ -130,8 +132,8 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   options.model_name = std::filesystem::path(config.model).filename().string();
   options.kv_transport = config.kv_transport;
   options.selection = selection;
-  options.selection_limits.allowed_policies = {"full", "window"};
-  if (w->sidecar_) options.selection_limits.allowed_policies.push_back("infinigen");
+  options.selection_limits.allowed_policies = {PolicyKind::kFull, PolicyKind::kWindow};
+  if (w->sidecar_) options.selection_limits.allowed_policies.push_back(PolicyKind::kInfinigen);
   options.default_max_new_tokens = config.default_max_new_tokens;
   options.max_new_tokens_limit = config.max_new_tokens_limit;
   options.max_prompt_tokens = config.max_prompt_tokens;
@@ -139,7 +141,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   w->service_ = std::make_unique<WorkerService>(*w->engine_, model, w->tokenizer_.get(),
                                                 w->sidecar_.get(), options);
   w->description_ = absl::StrCat(
-      options.model_name, " (policy ", selection.policy, ", KV store ",
+      options.model_name, " (policy ", PolicyKindName(selection.policy), ", KV store ",
       in_process ? "in this process" : config.kv_transport + " at " + config.kv_store, ")");
   return w;
 }

@@ -13,7 +13,7 @@
 #include "cli/loaded_model.h"
 #include "common/tls_files.h"
 #include "gpu_worker/engine/batch_engine.h"
-#include "gpu_worker/engine/store_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
 #include "gpu_worker/service/worker_service.h"
 #include "kv_store/client/kv_store_client.h"
 

@@ -128,13 +128,20 @@ absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateReques
 absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> WorkerService::Policy(
     const wv1::GenerateRequest& r) const {
   SelectionOverrides o;
-  if (!r.selection().policy().empty()) o.policy = r.selection().policy();
+  if (!r.selection().policy().empty()) {
+    auto kind = ParsePolicyKind(r.selection().policy());
+    if (!kind.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("selection.policy: ", kind.status().message()));
+    }
+    o.policy = *kind;
+  }
   if (r.selection().has_budget_fraction()) o.budget_fraction = r.selection().budget_fraction();
   if (r.selection().has_alpha()) o.alpha = r.selection().alpha();
   IG_ASSIGN_OR_RETURN(SelectionConfig config,
                       ApplyOverrides(options_.selection, o, options_.selection_limits));
-  if (config.policy == "full") return std::unique_ptr<KvSelectionPolicy>();  // dense
-  if (config.policy == "infinigen" && sidecar_ == nullptr) {
+  if (config.policy == PolicyKind::kFull) return std::unique_ptr<KvSelectionPolicy>();  // dense
+  if (config.policy == PolicyKind::kInfinigen && sidecar_ == nullptr) {
     return absl::InvalidArgumentError(
         "selection.policy: infinigen needs a sidecar, and this worker was started without one");
   }
@@ -309,8 +316,8 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const wv1::InfoRequest*,
   r->set_running(static_cast<int32_t>(s.running));
   r->set_queued(static_cast<int32_t>(s.queued));
   r->set_kv_transport(options_.kv_transport);
-  r->set_default_policy(options_.selection.policy);
-  for (const auto& p : options_.selection_limits.allowed_policies) r->add_policies(p);
+  r->set_default_policy(PolicyKindName(options_.selection.policy));
+  for (PolicyKind p : options_.selection_limits.allowed_policies) r->add_policies(PolicyKindName(p));
   r->set_draining(draining_);
   return grpc::Status::OK;
 }

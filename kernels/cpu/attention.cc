@@ -59,6 +59,19 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
   }
 }
 
+void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start, KvRows k,
+                         KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
+                         float* out, int64_t out_stride) {
+  // Each query row exactly as a decode step computes it (AttentionDecode over the rows it sees,
+  // whose chunking and merge order do not depend on threads); rows in parallel, each on one
+  // thread (the nested region of AttentionDecode runs with a team of one).
+#pragma omp parallel for schedule(dynamic, 1) if (num_q > 1)
+  for (int64_t r = 0; r < num_q; ++r) {
+    AttentionDecode(q + r * q_stride, k, v, nullptr, q_start + r + 1, num_heads, num_kv_heads,
+                    head_dim, scale, out + r * out_stride);
+  }
+}
+
 // Decode attention, split like flash-decoding: the rows of each KV head are cut into chunks of
 // kDecodeChunk, and one task per (KV head, chunk) reads each K and V row once for every query
 // head of the group (a row read per query head made the dense case read K and V group times),

@@ -46,10 +46,19 @@ void Gemm(const float* x, int64_t ldx, const float* w, int64_t ldw, const float*
           int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate);
 
 // Rotates the first rotary_dim channels of every head of every row in place. Row r holds
-// num_heads heads of head_dim channels and sits at position positions[r]; channel pair i
-// turns by positions[r] * inv_freq[i] (inv_freq has rotary_dim / 2 entries).
+// num_heads heads of head_dim channels and sits at position positions[r]; channel pair i of
+// head h turns by positions[r] * inv_freq[h * inv_freq_head_stride + i] (rotary_dim / 2 entries
+// per head; stride 0: every head turns by the same ones).
 void Rope(float* x, int64_t stride, int64_t rows, int num_heads, int head_dim, int rotary_dim,
-          const int32_t* positions, const float* inv_freq, RopeLayout layout);
+          const int32_t* positions, const float* inv_freq, RopeLayout layout,
+          int64_t inv_freq_head_stride = 0);
+
+// Each head on its KV head's partial skew: out[r, h * p + c] = sum_i x[r, h * d + i] *
+// skew[g, i, c] for g = h / (num_heads / num_kv_heads), i ascending. x: [rows, num_heads * d],
+// skew: [num_kv_heads, d, p], out: [rows, num_heads * p].
+void ProjectHeads(const float* x, int64_t x_stride, int64_t rows, int num_heads, int num_kv_heads,
+                  int head_dim, const float* skew, int partial_dim, float* out,
+                  int64_t out_stride);
 
 // out[r, i] = silu(gate[r, i]) * up[r, i].
 void SwiGlu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride,
@@ -71,6 +80,14 @@ void Softmax(float* x, int64_t n);
 void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start, KvRows k,
                      KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
                      float* out, int64_t out_stride);
+
+// The same, each query row computed exactly as AttentionDecode computes a decode token over the
+// rows it sees: a row's result does not depend on the rows sharing the call, on q_start (a
+// prompt in one piece or in chunks), or on whether it is a prompt's last token or a decode
+// step. The batch-invariant backend's prefill.
+void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start,
+                         KvRows k, KvRows v, int num_heads, int num_kv_heads, int head_dim,
+                         float scale, float* out, int64_t out_stride);
 
 // Attention of one query row (all heads) over an explicit list of rows per KV head: KV head g
 // attends rows indices[g * num_rows + j] for j < num_rows (indices may be null: rows 0 ..

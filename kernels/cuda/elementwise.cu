@@ -56,13 +56,14 @@ __global__ void LayerNormKernel(const T* x, int64_t x_stride, const float* w, co
 // One block per row; thread i handles channel pair i of every head.
 template <typename T>
 __global__ void RopeKernel(T* x, int64_t stride, int num_heads, int head_dim, int rotary_dim,
-                           const int32_t* positions, const float* inv_freq, bool interleaved) {
+                           const int32_t* positions, const float* inv_freq, bool interleaved,
+                           int64_t inv_freq_head_stride) {
   const int half = rotary_dim / 2;
   const float pos = static_cast<float>(positions[blockIdx.x]);
   T* row = x + blockIdx.x * stride;
   for (int t = threadIdx.x; t < half * num_heads; t += blockDim.x) {
     const int h = t / half, i = t % half;
-    const float angle = pos * inv_freq[i];  // f32 angle, as the CPU reference
+    const float angle = pos * inv_freq[h * inv_freq_head_stride + i];  // f32, as the CPU
     float s, c;
     sincosf(angle, &s, &c);
     T* head = row + static_cast<int64_t>(h) * head_dim;
@@ -162,7 +163,8 @@ cudaError_t LayerNorm(Mat x, const float* weight, const float* bias, float eps, 
 }
 
 cudaError_t Rope(Mat x, int num_heads, int head_dim, int rotary_dim, const int32_t* positions,
-                 const float* inv_freq, bool interleaved, cudaStream_t stream) {
+                 const float* inv_freq, bool interleaved, cudaStream_t stream,
+                 int64_t inv_freq_head_stride) {
   if (rotary_dim > head_dim || rotary_dim % 2 != 0 || x.cols < num_heads * head_dim) {
     return cudaErrorInvalidValue;
   }
@@ -170,7 +172,7 @@ cudaError_t Rope(Mat x, int num_heads, int head_dim, int rotary_dim, const int32
   IG_CUDA_DISPATCH(x.type, T, {
     RopeKernel<T><<<x.rows, 128, 0, stream>>>(static_cast<T*>(x.data), x.stride, num_heads,
                                               head_dim, rotary_dim, positions, inv_freq,
-                                              interleaved);
+                                              interleaved, inv_freq_head_stride);
   });
   return cudaGetLastError();
 }

@@ -40,8 +40,10 @@ cudaError_t LayerNorm(Mat x, const float* weight, const float* bias, float eps, 
                       cudaStream_t stream);
 // Rotates the first rotary_dim channels of each of num_heads heads of every row in place.
 // positions: [x.rows]; inv_freq: [rotary_dim / 2]. interleaved: pairs (2i, 2i+1), else (i, i+r/2).
+// inv_freq_head_stride: head h turns by inv_freq + h * stride (0: one table for every head).
 cudaError_t Rope(Mat x, int num_heads, int head_dim, int rotary_dim, const int32_t* positions,
-                 const float* inv_freq, bool interleaved, cudaStream_t stream);
+                 const float* inv_freq, bool interleaved, cudaStream_t stream,
+                 int64_t inv_freq_head_stride = 0);
 // out = silu(gate) * up.
 cudaError_t SwiGlu(Mat gate, Mat up, Mat out, cudaStream_t stream);
 cudaError_t Relu(Mat x, cudaStream_t stream);

@@ -13,12 +13,13 @@
 
 #include "common/npy.h"
 #include "gpu_worker/backend/cuda_backend.h"
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
-#include "gpu_worker/engine/store_kv_cache.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 #include "kernels/cuda/device.h"
@@ -133,7 +134,7 @@ TEST_P(CudaModel, DecodeOverTheStoreWithRowsGatheredOnTheGpuMatchesTheResidentCa
   GenerateOptions o;
   o.max_new_tokens = 16;
   o.ignore_eos = true;
-  ResidentKvCache resident(*g.backend, g.model->kv_shape());
+  BackendKvCache resident(*g.backend, g.model->kv_shape());
   auto want = Generate(*g.model, resident, 1, prompt, o);
   ASSERT_TRUE(want.ok()) << want.status();
 
@@ -166,9 +167,11 @@ TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
   po.chunk_tokens = 40;
   auto sidecar = PrepareInfinigen(*cpu.model, *cpu.ckpt, testing::RandomTokens(96, vocab, 5), po);
   ASSERT_TRUE(sidecar.ok()) << sidecar.status();
+  ASSERT_TRUE(AttachSidecar(*cpu.model, *cpu.ckpt, *sidecar).ok());
+  ASSERT_TRUE(AttachSidecar(*g.model, *g.ckpt, *sidecar).ok());
   auto policy = [&](const std::string& name) {
     SelectionConfig config;
-    config.policy = name;
+    config.policy = ParsePolicyKind(name).value();
     config.dense_layers = 1;  // the fixtures have 2 layers: make layer 1 sparse
     config.budget_fraction = 0.3;
     auto p = MakeSelectionPolicy(config, cpu.model->config(), &*sidecar);
@@ -182,9 +185,9 @@ TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
   for (const std::string name : {"infinigen", "window"}) {
     SCOPED_TRACE(name);
     auto a = policy(name), b = policy(name);
-    ResidentKvCache cpu_cache(*cpu.backend, cpu.model->kv_shape());
+    BackendKvCache cpu_cache(*cpu.backend, cpu.model->kv_shape());
     const auto want = testing::Decode(*cpu.model, cpu_cache, {a.get(), b.get()}, prompts, 12, 1000);
-    ResidentKvCache resident(*g.backend, g.model->kv_shape());
+    BackendKvCache resident(*g.backend, g.model->kv_shape());
     StoreKvCacheOptions options;
     options.device_reads_mapped_rows = true;
     StoreKvCache over_store(*g.backend, g.model->kv_shape(), *store.client, options);
@@ -206,12 +209,13 @@ TEST(CudaModelErrors, TokenIdsOutsideTheVocabularyAreInvalidArgument) {
   OnGpu g = LoadOnGpu(dir, DType::kBF16);
   ASSERT_NE(g.model, nullptr);
   // Token ids outside the vocabulary: INVALID_ARGUMENT before anything reaches the GPU.
-  ResidentKvCache cache(g.model->backend(), g.model->kv_shape());
+  BackendKvCache cache(g.model->backend(), g.model->kv_shape());
   ASSERT_TRUE(cache.Open(1, 4).ok());
   const std::vector<int32_t> bad = {1, 100000};
   std::vector<float> logits(g.model->config().vocab_size);
   ForwardChunk c{1, 0, bad, false};
-  EXPECT_EQ(g.model->Forward({&c, 1}, cache, logits).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeStep(*g.model, cache).Forward({&c, 1}, logits).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

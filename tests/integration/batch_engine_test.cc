@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/synchronization/notification.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
@@ -52,7 +52,7 @@ class Engine : public ::testing::Test {
     return o;
   }
   std::vector<int32_t> Alone(const std::vector<int32_t>& prompt, const GenerateOptions& o) {
-    ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+    BackendKvCache cache(*l_.backend, l_.model->kv_shape());
     auto r = Generate(*l_.model, cache, 1, prompt, o);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? r->tokens : std::vector<int32_t>{};
@@ -63,7 +63,7 @@ class Engine : public ::testing::Test {
 };
 
 TEST_F(Engine, ConcurrentRequestsEachProduceWhatTheyProduceAlone) {
-  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
   EngineConfig config;
   config.max_running = 4;             // fewer slots than requests: some wait, then join mid-flight
   config.prefill_budget_tokens = 16;  // long prompts take several steps beside the decodes
@@ -96,7 +96,7 @@ TEST_F(Engine, ConcurrentRequestsEachProduceWhatTheyProduceAlone) {
 }
 
 TEST_F(Engine, CancelAndDeadlineFreeTheSequence) {
-  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
   BatchEngine engine(*l_.model, cache, EngineConfig{});
   Collector cancelled, timed_out, late;
   EngineRequest a;
@@ -150,7 +150,7 @@ TEST_F(Engine, CancelAndDeadlineFreeTheSequence) {
 }
 
 TEST_F(Engine, BadRequestsAndAFullQueueAreRefused) {
-  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
   EngineConfig config;
   config.max_running = 1;
   config.max_queued = 1;
@@ -204,7 +204,7 @@ TEST_F(Engine, BadRequestsAndAFullQueueAreRefused) {
 }
 
 TEST_F(Engine, AdmissionByDeviceMemory) {
-  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
   EngineConfig config;
   config.device_bytes_per_token = 1000;
   config.device_memory_bytes = 1000 * 60;  // one 10 + 40 token request fits, two do not
@@ -248,7 +248,7 @@ TEST_F(Engine, AdmissionByDeviceMemory) {
 }
 
 TEST_F(Engine, AResumedRequestContinuesAsTheOriginal) {
-  ResidentKvCache cache(*l_.backend, l_.model->kv_shape());
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
   BatchEngine engine(*l_.model, cache, EngineConfig{});
   GenerateOptions o = Options(1);  // sampled, not greedy
   const auto prompt = RandomTokens(11, vocab_, 77);

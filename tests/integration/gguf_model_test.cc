@@ -7,7 +7,8 @@
 
 #include "common/npy.h"
 #include "gpu_worker/backend/cpu_backend.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 #include "tests/support/gguf_writer.h"
@@ -104,11 +105,11 @@ TEST(GgufModel, ConvertedFixtureMatchesTransformersLogits) {
   ASSERT_TRUE(model.ok()) << model.status();
   auto tokens = testing::NpyInts(dir + "/tokens.npy");
   auto want = testing::NpyFloats(dir + "/logits.npy");
-  ResidentKvCache cache(backend, (*model)->kv_shape());
+  BackendKvCache cache(backend, (*model)->kv_shape());
   ASSERT_TRUE(cache.Open(1, 32).ok());
   std::vector<float> logits(tokens.size() * c.vocab_size);
   ForwardChunk chunk{1, 0, tokens, true};
-  ASSERT_TRUE((*model)->Forward({&chunk, 1}, cache, logits).ok());
+  ASSERT_TRUE(DecodeStep(**model, cache).Forward({&chunk, 1}, logits).ok());
   float max_diff = 0;
   for (size_t i = 0; i < logits.size(); ++i)
     max_diff = std::max(max_diff, std::abs(logits[i] - want[i]));

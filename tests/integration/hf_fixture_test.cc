@@ -10,8 +10,9 @@
 
 #include "common/npy.h"
 #include "gpu_worker/backend/cpu_backend.h"
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 #include "tests/support/fixture_model.h"
@@ -68,7 +69,7 @@ TEST_P(HfGeneration, RaggedBatchEqualsSequencesAlone) {
 
   // Sequence A prefills 10 tokens then decodes one at a time; B prefills 6 tokens in the same
   // steps, then decodes too: prefill and decode chunks mixed in one batch.
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   ASSERT_TRUE(cache.Open(1, 24).ok());
   ASSERT_TRUE(cache.Open(2, 24).ok());
   std::vector<int32_t> b_tokens(tokens.rbegin(), tokens.rend());
@@ -76,7 +77,7 @@ TEST_P(HfGeneration, RaggedBatchEqualsSequencesAlone) {
   std::span<const int32_t> a(tokens), b(b_tokens);
   std::vector<float> logits(2 * 10 * vocab);
   ForwardChunk step0[] = {{1, 0, a.subspan(0, 10), false}, {2, 0, b.subspan(0, 6), true}};
-  ASSERT_TRUE(model.Forward(step0, cache, logits).ok());
+  ASSERT_TRUE(DecodeStep(model, cache).Forward(step0, logits).ok());
   EXPECT_LE(MaxAbsDiff({logits.begin(), logits.begin() + vocab},
                        {alone.begin() + 9 * vocab, alone.begin() + 10 * vocab}),
             2e-5f);
@@ -86,7 +87,7 @@ TEST_P(HfGeneration, RaggedBatchEqualsSequencesAlone) {
   for (int64_t step = 0; step < 8; ++step) {
     ForwardChunk s[] = {{1, 10 + step, a.subspan(10 + step, 1), false},
                         {2, 6 + step, b.subspan(6 + step, 1), false}};
-    ASSERT_TRUE(model.Forward(s, cache, logits).ok());
+    ASSERT_TRUE(DecodeStep(model, cache).Forward(s, logits).ok());
     EXPECT_LE(
         MaxAbsDiff({logits.begin(), logits.begin() + vocab},
                    {alone.begin() + (10 + step) * vocab, alone.begin() + (11 + step) * vocab}),
@@ -114,12 +115,12 @@ INSTANTIATE_TEST_SUITE_P(AllModels, HfGeneration,
 TEST(HfFixtureErrors, TokenIdOutsideVocabularyIsInvalidArgument) {
   Loaded l = LoadModel(FixturePath("hf/llama31_gqa"));
   ASSERT_NE(l.model, nullptr);
-  ResidentKvCache cache(l.model->backend(), l.model->kv_shape());
+  BackendKvCache cache(l.model->backend(), l.model->kv_shape());
   ASSERT_TRUE(cache.Open(1, 4).ok());
   std::vector<int32_t> bad = {1, 211};
   std::vector<float> logits(l.model->config().vocab_size);
   ForwardChunk c{1, 0, bad, false};
-  auto st = l.model->Forward({&c, 1}, cache, logits);
+  auto st = DecodeStep(*l.model, cache).Forward({&c, 1}, logits);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("211"), std::string::npos) << st;
 }
@@ -127,7 +128,7 @@ TEST(HfFixtureErrors, TokenIdOutsideVocabularyIsInvalidArgument) {
 TEST(HfFixtureErrors, OptPositionsPastTheTableAreInvalidArgument) {
   Loaded l = LoadModel(FixturePath("hf/opt_preln"));
   ASSERT_NE(l.model, nullptr);
-  ResidentKvCache cache(l.model->backend(), l.model->kv_shape());
+  BackendKvCache cache(l.model->backend(), l.model->kv_shape());
   GenerateOptions options;
   options.max_new_tokens = 200;  // 8 + 200 > 128 learned positions
   std::vector<int32_t> prompt(8, 3);

@@ -10,12 +10,13 @@
 #include <set>
 
 #include "gpu_worker/backend/cpu_backend.h"
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/kv_pool_cache.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/kv_pool_cache.h"
 #include "gpu_worker/model/safetensors.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
@@ -37,6 +38,9 @@ InfinigenSidecar Prepare(Loaded& l, float ratio = 0.5f) {
   options.chunk_tokens = 40;
   auto s = PrepareInfinigen(*l.model, *l.ckpt, tokens, options);
   EXPECT_TRUE(s.ok()) << s.status();
+  if (s.ok()) {
+    EXPECT_TRUE(AttachSidecar(*l.model, *l.ckpt, *s).ok());
+  }
   return *s;
 }
 
@@ -54,13 +58,13 @@ DecodeRun Decode(Model& model, KvCache& cache, KvSelectionPolicy* policy, int64_
   EXPECT_TRUE(cache.Open(1, prompt_len + steps).ok());
   std::vector<float> logits(vocab);
   ForwardChunk first{1, 0, prompt, false, policy};
-  EXPECT_TRUE(model.Forward({&first, 1}, cache, logits).ok());
+  EXPECT_TRUE(DecodeStep(model, cache).Forward({&first, 1}, logits).ok());
   int32_t next = 0;
   for (int64_t s = 0; s < steps; ++s) {
     next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     run.tokens.push_back(next);
     ForwardChunk c{1, prompt_len + s, std::span<const int32_t>(&next, 1), false, policy};
-    auto st = model.Forward({&c, 1}, cache, logits);
+    auto st = DecodeStep(model, cache).Forward({&c, 1}, logits);
     EXPECT_TRUE(st.ok()) << st;
     if (!st.ok()) break;
     run.logits.insert(run.logits.end(), logits.begin(), logits.end());
@@ -97,11 +101,11 @@ TEST_P(Fixture, SidecarRoundTripsAndRefusesOtherModels) {
 TEST_P(Fixture, EveryPolicyGeneratesAndFullIsDense) {
   Loaded l = LoadModel(testing::FixturePath("hf/" + GetParam()));
   InfinigenSidecar sidecar = Prepare(l);
-  ResidentKvCache cache(*l.backend, l.model->kv_shape());
+  BackendKvCache cache(*l.backend, l.model->kv_shape());
   const DecodeRun dense = Decode(*l.model, cache, nullptr, 24, 20);
   for (const char* name : {"full", "infinigen", "h2o", "window", "oracle"}) {
     SelectionConfig config;
-    config.policy = name;
+    config.policy = ParsePolicyKind(name).value();
     config.dense_layers = 1;  // the fixtures have 2 layers: make layer 1 sparse
     config.budget_fraction = 0.3;
     auto policy = MakeSelectionPolicy(config, l.model->config(), &sidecar);
@@ -114,7 +118,7 @@ TEST_P(Fixture, EveryPolicyGeneratesAndFullIsDense) {
   }
   // InfiniGen with a 100% budget and an unbounded margin is dense attention.
   SelectionConfig config;
-  config.policy = "infinigen";
+  config.policy = PolicyKind::kInfinigen;
   config.dense_layers = 1;
   config.budget_fraction = 1.0;
   config.alpha = 1e30;
@@ -166,8 +170,8 @@ TEST(OptFolding, FoldedWeightsKeepTheLogits) {
   }
   ASSERT_TRUE(WriteSafetensors(out + "/model.safetensors", tensors, {}).ok());
   Loaded folded = LoadModel(out);
-  ResidentKvCache cache(*l.backend, l.model->kv_shape());
-  ResidentKvCache cache2(*folded.backend, folded.model->kv_shape());
+  BackendKvCache cache(*l.backend, l.model->kv_shape());
+  BackendKvCache cache2(*folded.backend, folded.model->kv_shape());
   const DecodeRun a = Decode(*l.model, cache, nullptr, 16, 8);
   const DecodeRun b = Decode(*folded.model, cache2, nullptr, 16, 8);
   ASSERT_EQ(a.logits.size(), b.logits.size());
@@ -246,7 +250,7 @@ TEST(KvPool, EvictionNeverReselectsAndKeepsSlotsAligned) {
       pool_config.eviction = eviction;
       KvPoolCache pool(*l.backend, l.model->kv_shape(), pool_config);
       SelectionConfig config;
-      config.policy = name;
+      config.policy = ParsePolicyKind(name).value();
       config.dense_layers = 1;
       config.budget_fraction = 0.4;
       auto inner = MakeSelectionPolicy(config, l.model->config(), &sidecar);
@@ -270,7 +274,7 @@ TEST(KvPool, PrefillLongerThanTheCapacityIsRefused) {
   auto tokens = RandomTokens(12, l.model->config().vocab_size, 1);
   std::vector<float> logits(l.model->config().vocab_size);
   ForwardChunk c{1, 0, tokens, false};
-  auto st = l.model->Forward({&c, 1}, pool, logits);
+  auto st = DecodeStep(*l.model, pool).Forward({&c, 1}, logits);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(st.message().find("capacity of 8"), std::string::npos) << st;
 }

@@ -9,8 +9,9 @@
 
 #include "common/npy.h"
 #include "gpu_worker/backend/cpu_backend.h"
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 #include "gpu_worker/tokenizer/tokenizer.h"
@@ -67,11 +68,11 @@ TEST_F(SmolLm2, PromptLogitsMatchTransformers) {
   auto prompt = testing::NpyInts(FixturePath("smollm2/prompt.npy"));
   auto want = testing::NpyFloats(FixturePath("smollm2/prompt_logits.npy"));
   const int64_t vocab = model_->config().vocab_size;
-  ResidentKvCache cache(*backend_, model_->kv_shape());
+  BackendKvCache cache(*backend_, model_->kv_shape());
   ASSERT_TRUE(cache.Open(1, 16).ok());
   std::vector<float> logits(prompt.size() * vocab);
   ForwardChunk chunk{1, 0, prompt, true};
-  ASSERT_TRUE(model_->Forward({&chunk, 1}, cache, logits).ok());
+  ASSERT_TRUE(DecodeStep(*model_, cache).Forward({&chunk, 1}, logits).ok());
   float max_diff = 0, max_abs = 0;
   for (size_t i = 0; i < logits.size(); ++i) {
     max_diff = std::max(max_diff, std::abs(logits[i] - want[i]));
@@ -84,7 +85,7 @@ TEST_F(SmolLm2, PromptLogitsMatchTransformers) {
 TEST_F(SmolLm2, GreedyContinuationMatchesTransformers) {
   auto prompt = testing::NpyInts(FixturePath("smollm2/prompt.npy"));
   auto want = testing::NpyInts(FixturePath("smollm2/greedy.npy"));
-  ResidentKvCache cache(*backend_, model_->kv_shape());
+  BackendKvCache cache(*backend_, model_->kv_shape());
   GenerateOptions options;
   options.sampling.temperature = 0.0f;
   options.max_new_tokens = static_cast<int64_t>(want.size());
@@ -101,14 +102,14 @@ double WikiText2Perplexity(Model& model) {
   auto ids = testing::NpyInts(FixturePath("smollm2/wikitext2_test_4096.npy"));
   EXPECT_EQ(ids.size(), 4096u);
   const int64_t vocab = model.config().vocab_size;
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   EXPECT_TRUE(cache.Open(1, 4096).ok());
   const int64_t kChunk = 512;
   std::vector<float> logits(kChunk * vocab);
   double nll = 0;
   for (int64_t pos = 0; pos < 4096; pos += kChunk) {
     ForwardChunk chunk{1, pos, std::span(ids).subspan(pos, kChunk), true};
-    auto st = model.Forward({&chunk, 1}, cache, logits);
+    auto st = DecodeStep(model, cache).Forward({&chunk, 1}, logits);
     EXPECT_TRUE(st.ok()) << st;
     if (!st.ok()) return 0;
     for (int64_t t = 0; t < kChunk && pos + t + 1 < 4096; ++t) {
@@ -127,13 +128,13 @@ double WikiText2Perplexity(Model& model) {
 double DecodePerplexity(Model& model, int64_t n) {
   auto ids = testing::NpyInts(FixturePath("smollm2/wikitext2_test_4096.npy"));
   const int64_t vocab = model.config().vocab_size;
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   EXPECT_TRUE(cache.Open(1, n).ok());
   std::vector<float> logits(vocab);
   double nll = 0;
   for (int64_t pos = 0; pos + 1 < n; ++pos) {
     ForwardChunk chunk{1, pos, std::span(ids).subspan(pos, 1), false};
-    EXPECT_TRUE(model.Forward({&chunk, 1}, cache, logits).ok());
+    EXPECT_TRUE(DecodeStep(model, cache).Forward({&chunk, 1}, logits).ok());
     double mx = *std::max_element(logits.begin(), logits.end()), sum = 0;
     for (float l : logits) sum += std::exp(l - mx);
     nll += std::log(sum) + mx - logits[ids[pos + 1]];

@@ -6,7 +6,7 @@
 // from the store, InfiniGen's rows for layer i are prefetched during layer i-1 and found there,
 // policies that must read stored keys themselves are refused, and host policies run on a
 // backend the host cannot read through copies of what they read.
-#include "gpu_worker/engine/store_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
 
 #include <gtest/gtest.h>
 
@@ -14,10 +14,11 @@
 #include <cstring>
 #include <tuple>
 
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/device_like_backend.h"
 #include "tests/support/fixture_model.h"
@@ -59,11 +60,12 @@ class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>
     auto s = PrepareInfinigen(*l_.model, *l_.ckpt, tokens, po);
     ASSERT_TRUE(s.ok()) << s.status();
     sidecar_ = std::move(*s);
+    ASSERT_TRUE(AttachSidecar(*l_.model, *l_.ckpt, sidecar_).ok());
   }
 
   std::unique_ptr<KvSelectionPolicy> Policy(const std::string& name) {
     SelectionConfig config;
-    config.policy = name;
+    config.policy = ParsePolicyKind(name).value();
     config.dense_layers = 1;  // the fixtures have 2 layers: make layer 1 sparse
     config.budget_fraction = 0.3;
     auto p = MakeSelectionPolicy(config, l_.model->config(), &sidecar_);
@@ -86,22 +88,21 @@ class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>
 };
 
 TEST_P(StoreCache, DenseDecodeEqualsTheResidentCacheBitForBit) {
-  ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   const auto prompts = Prompts(1);
   const DecodeRun want = Decode(*l_.model, resident, {nullptr}, prompts, 12, 1000);
-  const int64_t hits = l_.model->prefetch_hits(), misses = l_.model->prefetch_misses();
   const DecodeRun got = Decode(*l_.model, *cache_, {nullptr}, prompts, 12, 1000);
   EXPECT_EQ(got.tokens, want.tokens);
   EXPECT_EQ(got.logits, want.logits);
   // Every decode step read each layer's rows from a fetch started before the layer (layer 0's
   // before the embedding), never after its own append.
-  EXPECT_GE(l_.model->prefetch_hits() - hits, 11 * l_.model->config().num_layers);
-  EXPECT_EQ(l_.model->prefetch_misses(), misses);
+  EXPECT_GE(got.prefetch_hits, 11 * l_.model->config().num_layers);
+  EXPECT_EQ(got.prefetch_misses, 0);
   // A prefetch answers row addresses in the arena when reading in place, packed rows if not.
   ASSERT_TRUE(cache_->Open(1, 64).ok());
   std::vector<float> logits(l_.model->config().vocab_size);
   ForwardChunk c{1, 0, prompts[0], false, nullptr};
-  ASSERT_TRUE(l_.model->Forward({&c, 1}, *cache_, logits).ok());
+  ASSERT_TRUE(DecodeStep(*l_.model, *cache_).Forward({&c, 1}, logits).ok());
   const std::vector<int32_t> slots(l_.model->config().num_kv_heads, 3);  // row 3 of every head
   ASSERT_TRUE(cache_->Prefetch(1, 0, slots.data(), 1).ok());
   auto kv = cache_->Fetch(1, 0);
@@ -128,7 +129,7 @@ TEST_P(StoreCache, DenseDecodeEqualsTheResidentCacheBitForBit) {
 }
 
 TEST_P(StoreCache, InfinigenFetchesOnlyItsSelectionAndMatchesTheResidentCache) {
-  ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   const auto prompts = Prompts(1);
   auto p1 = Policy("infinigen");
   const DecodeRun want = Decode(*l_.model, resident, {p1.get()}, prompts, 16, 1000);
@@ -138,7 +139,8 @@ TEST_P(StoreCache, InfinigenFetchesOnlyItsSelectionAndMatchesTheResidentCache) {
   ASSERT_TRUE(cache_->Open(1, 256).ok());
   std::vector<float> logits(vocab);
   ForwardChunk first{1, 0, prompts[0], false, p2.get()};
-  ASSERT_TRUE(l_.model->Forward({&first, 1}, *cache_, logits).ok());
+  DecodeStep step(*l_.model, *cache_);
+  ASSERT_TRUE(step.Forward({&first, 1}, logits).ok());
   std::vector<float> got_logits;
   for (int64_t s = 0; s < 16; ++s) {
     int32_t next =
@@ -146,14 +148,14 @@ TEST_P(StoreCache, InfinigenFetchesOnlyItsSelectionAndMatchesTheResidentCache) {
     EXPECT_EQ(next, want.tokens[0][s]) << "step " << s;
     ForwardChunk c{1, static_cast<int64_t>(prompts[0].size()) + s,
                    std::span<const int32_t>(&next, 1), false, p2.get()};
-    auto st = l_.model->Forward({&c, 1}, *cache_, logits);
+    auto st = step.Forward({&c, 1}, logits);
     ASSERT_TRUE(st.ok()) << st;
     got_logits.insert(got_logits.end(), logits.begin(), logits.end());
   }
   EXPECT_EQ(got_logits, want.logits);
   // Layer 1's rows were prefetched during layer 0 (the cross-layer pipeline), and the exact
   // selection was found among the candidates at most steps.
-  const int64_t hits = l_.model->prefetch_hits(), misses = l_.model->prefetch_misses();
+  const int64_t hits = step.prefetch_hits(), misses = step.prefetch_misses();
   EXPECT_GT(hits, 0);
   EXPECT_GE(hits, 4 * misses) << hits << " hits, " << misses << " misses";
   const FetchCounters counters = cache_->Counters(1);
@@ -170,7 +172,7 @@ TEST_P(StoreCache, ABatchEqualsEachSequenceAlone) {
   auto pb = Policy("window");
   const DecodeRun batched =
       Decode(*l_.model, *cache_, {pa.get(), nullptr, pb.get()}, prompts, 10, 1000);
-  ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   std::vector<std::unique_ptr<KvSelectionPolicy>> own;
   own.push_back(Policy("infinigen"));
   own.push_back(nullptr);
@@ -190,7 +192,7 @@ TEST_P(StoreCache, APrefetchBatchWithAFailingSequenceFailsOnlyThatOne) {
   for (SequenceId seq : {1, 2}) {
     ASSERT_TRUE(cache_->Open(seq, 64).ok());
     ForwardChunk c{seq, 0, prompts[seq - 1], false, nullptr};
-    ASSERT_TRUE(l_.model->Forward({&c, 1}, *cache_, logits).ok());
+    ASSERT_TRUE(DecodeStep(*l_.model, *cache_).Forward({&c, 1}, logits).ok());
   }
   const int heads = l_.model->config().num_kv_heads;
   const size_t row_bytes = l_.model->kv_shape().head_dim * DTypeSize(l_.model->kv_shape().dtype);
@@ -227,7 +229,7 @@ TEST_P(StoreCache, APrefetchBatchWithAFailingSequenceFailsOnlyThatOne) {
 // only in name: batches decode to the resident cache's logits bit for bit, every decode step's
 // rows gathered by address from the registered arena.
 TEST_P(StoreCache, RowsGatheredByAddressOnADeviceBackendMatchTheResidentCache) {
-  ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   const auto prompts = Prompts(2);
   const DecodeRun want = Decode(*l_.model, resident, {nullptr, nullptr}, prompts, 10, 1000);
   DeviceLikeCpuBackend device;
@@ -236,7 +238,7 @@ TEST_P(StoreCache, RowsGatheredByAddressOnADeviceBackendMatchTheResidentCache) {
   options.device_reads_mapped_rows = true;
   StoreKvCache cache(device, l_.model->kv_shape(), *client_, options);
   EXPECT_EQ(cache.device_gathers(), std::get<1>(GetParam()));
-  EXPECT_FALSE(cache.reads_in_place()) << "the device reads copies, not the rows in place";
+  EXPECT_FALSE(cache.addresses_only()) << "the device reads copies, not the rows in place";
   const DecodeRun got = Decode(*l_.model, cache, {nullptr, nullptr}, prompts, 10, 1000);
   EXPECT_EQ(got.tokens, want.tokens);
   EXPECT_EQ(got.logits, want.logits);
@@ -311,13 +313,14 @@ TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
   auto loaded = Model::Load(*l_.ckpt, device);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   Model& on_device = **loaded;
+  ASSERT_TRUE(AttachSidecar(on_device, *l_.ckpt, sidecar_).ok());
   const auto prompts = Prompts(2);
   for (const std::string name : {"infinigen", "window"}) {
     SCOPED_TRACE(name);
     auto a = Policy(name), b = Policy(name);
-    ResidentKvCache resident(*l_.backend, l_.model->kv_shape());
+    BackendKvCache resident(*l_.backend, l_.model->kv_shape());
     const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 10, 1000);
-    ResidentKvCache device_resident(device, on_device.kv_shape());
+    BackendKvCache device_resident(device, on_device.kv_shape());
     StoreKvCacheOptions options;
     options.read_in_place = std::get<1>(GetParam());
     options.device_reads_mapped_rows = true;
@@ -335,11 +338,11 @@ TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
     }
   }
   auto h2o = Policy("h2o");
-  ResidentKvCache device_resident(device, on_device.kv_shape());
+  BackendKvCache device_resident(device, on_device.kv_shape());
   ASSERT_TRUE(device_resident.Open(1, 64).ok());
   std::vector<float> logits(on_device.config().vocab_size);
   ForwardChunk c{1, 0, prompts[0], false, h2o.get()};
-  auto st = on_device.Forward({&c, 1}, device_resident, logits);
+  auto st = DecodeStep(on_device, device_resident).Forward({&c, 1}, logits);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_NE(st.message().find("in host memory"), std::string::npos) << st;
 }
@@ -350,7 +353,7 @@ TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
   const auto prompt = Prompts(1)[0];
   std::vector<float> logits(l_.model->config().vocab_size);
   ForwardChunk c{1, 0, prompt, false, h2o.get()};
-  auto st = l_.model->Forward({&c, 1}, *cache_, logits);
+  auto st = DecodeStep(*l_.model, *cache_).Forward({&c, 1}, logits);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_NE(st.message().find("resident"), std::string::npos) << st;
   cache_->Close(1);

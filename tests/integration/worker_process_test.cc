@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/sidecar.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -108,7 +108,7 @@ class WorkerProcess : public ::testing::Test {
   // What the local engine generates for the same request.
   std::vector<int32_t> Local(const std::vector<int32_t>& prompt, int max_new, float temperature,
                              uint64_t seed) {
-    ResidentKvCache cache(*model_->backend, model_->model->kv_shape());
+    BackendKvCache cache(*model_->backend, model_->model->kv_shape());
     GenerateOptions o;
     o.max_new_tokens = max_new;
     o.ignore_eos = true;

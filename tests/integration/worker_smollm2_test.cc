@@ -6,7 +6,7 @@
 
 #include "cli/loaded_model.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/tokenizer/chat_template.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "tests/support/process.h"
@@ -40,7 +40,7 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   auto tokenizer = cli::LoadTokenizer(*loaded->checkpoint);
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
   auto local = [&](const std::vector<int32_t>& prompt, int max_new) {
-    ResidentKvCache cache(*loaded->backend, loaded->model->kv_shape());
+    BackendKvCache cache(*loaded->backend, loaded->model->kv_shape());
     GenerateOptions o;
     o.max_new_tokens = max_new;
     o.sampling.temperature = 0;

@@ -7,8 +7,9 @@
 #include <random>
 #include <span>
 
+#include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 
 namespace infinigen::testing {
 
@@ -26,14 +27,15 @@ LoadedModel LoadModel(const std::string& dir) {
 }
 
 std::vector<float> ChunkedLogits(Model& model, const std::vector<int32_t>& tokens, int64_t chunk) {
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   EXPECT_TRUE(cache.Open(7, static_cast<int64_t>(tokens.size())).ok());
   const int64_t vocab = model.config().vocab_size;
   std::vector<float> logits(tokens.size() * vocab);
   for (size_t pos = 0; pos < tokens.size(); pos += chunk) {
     const size_t len = std::min<size_t>(chunk, tokens.size() - pos);
     ForwardChunk c{7, static_cast<int64_t>(pos), std::span(tokens).subspan(pos, len), true};
-    auto st = model.Forward({&c, 1}, cache, std::span(logits).subspan(pos * vocab, len * vocab));
+    auto st = DecodeStep(model, cache)
+                  .Forward({&c, 1}, std::span(logits).subspan(pos * vocab, len * vocab));
     EXPECT_TRUE(st.ok()) << st;
   }
   return logits;
@@ -41,7 +43,7 @@ std::vector<float> ChunkedLogits(Model& model, const std::vector<int32_t>& token
 
 std::vector<int32_t> GreedyTokens(Model& model, const std::vector<int32_t>& prompt,
                                   int64_t max_new_tokens) {
-  ResidentKvCache cache(model.backend(), model.kv_shape());
+  BackendKvCache cache(model.backend(), model.kv_shape());
   GenerateOptions options;
   options.sampling.temperature = 0.0f;
   options.max_new_tokens = max_new_tokens;
@@ -76,10 +78,11 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
   }
   std::vector<float> logits(n * vocab);
   std::vector<int32_t> next(n);
+  DecodeStep step(model, cache);
   if (chunk >= 1000) {  // every whole prompt in one forward pass
     std::vector<ForwardChunk> batch;
     for (size_t i = 0; i < n; ++i) batch.push_back({i + 1, 0, prompts[i], false, policies[i]});
-    auto st = model.Forward(batch, cache, logits);
+    auto st = step.Forward(batch, logits);
     EXPECT_TRUE(st.ok()) << st;
   }
   for (size_t i = 0; i < n && chunk < 1000; ++i) {  // prefill one sequence at a time, in chunks
@@ -87,7 +90,7 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
       const int64_t len = std::min<int64_t>(chunk, prompts[i].size() - pos);
       ForwardChunk c{i + 1, pos, std::span<const int32_t>(prompts[i]).subspan(pos, len), false,
                      policies[i]};
-      auto st = model.Forward({&c, 1}, cache, std::span<float>(logits).subspan(i * vocab, vocab));
+      auto st = step.Forward({&c, 1}, std::span<float>(logits).subspan(i * vocab, vocab));
       EXPECT_TRUE(st.ok()) << st;
     }
   }
@@ -100,7 +103,7 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
       batch.push_back({i + 1, static_cast<int64_t>(prompts[i].size()) + s,
                        std::span<const int32_t>(&next[i], 1), false, policies[i]});
     }
-    auto st = model.Forward(batch, cache, logits);
+    auto st = step.Forward(batch, logits);
     EXPECT_TRUE(st.ok()) << st;
     if (!st.ok()) break;
     run.logits.insert(run.logits.end(), logits.begin(), logits.end());
@@ -109,6 +112,8 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
     cache.Close(i + 1);
     if (policies[i] != nullptr) policies[i]->Release(i + 1);
   }
+  run.prefetch_hits = step.prefetch_hits();
+  run.prefetch_misses = step.prefetch_misses();
   return run;
 }
 

@@ -246,7 +246,7 @@ TEST(InfinigenPolicy, AlphaMarginCountsAndBudgetClamps) {
                              1 * s2,  1 * s2, 0, 0,       0.5f * s2, 0, 0, 0,      0};
   std::vector<float> q = {1, 0, 1, 0, 0, 1, 0, 1};  // heads 0,1 -> KV 0; heads 2,3 -> KV 1
   SelectionConfig config;
-  config.policy = "infinigen";
+  config.policy = PolicyKind::kInfinigen;
   config.dense_layers = 1;
   config.alpha = 1.0;  // head on KV 0 counts {10, 9.5} = 2, head on KV 1 counts {10} = 1
   config.budget_fraction = 1.0;
@@ -293,7 +293,7 @@ TEST(InfinigenPolicy, KeysAcrossChunkBoundariesAreScoredWhereTheyWereStored) {
   for (int64_t j = 0; j < n; ++j) slots[2 * j] = slots[2 * j + 1] = static_cast<int32_t>(j);
 
   SelectionConfig config;
-  config.policy = "infinigen";
+  config.policy = PolicyKind::kInfinigen;
   config.dense_layers = 1;
   config.alpha = 100.0;
   config.budget_tokens = 7;  // the six strong keys and the current token
@@ -337,12 +337,17 @@ TEST(InfinigenPolicy, KeysAcrossChunkBoundariesAreScoredWhereTheyWereStored) {
 TEST(InfinigenPolicy, NeedsItsSidecar) {
   TinySetup t;
   SelectionConfig config;
-  config.policy = "infinigen";
+  config.policy = PolicyKind::kInfinigen;
   EXPECT_EQ(MakeSelectionPolicy(config, t.model, nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  config.policy = "magic";
-  EXPECT_EQ(MakeSelectionPolicy(config, t.model, &t.sidecar).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  auto magic = ParsePolicyKind("magic");
+  EXPECT_EQ(magic.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(magic.status().message().find("full, infinigen, h2o, window or oracle"),
+            std::string::npos);
+  for (PolicyKind k : {PolicyKind::kFull, PolicyKind::kInfinigen, PolicyKind::kH2o,
+                       PolicyKind::kWindow, PolicyKind::kOracle}) {
+    EXPECT_EQ(ParsePolicyKind(PolicyKindName(k)).value(), k);
+  }
 }
 
 TEST(SelectionConfig, BudgetIsAFractionOrACountClampedToTheRows) {
@@ -357,9 +362,9 @@ TEST(SelectionConfig, BudgetIsAFractionOrACountClampedToTheRows) {
 
 TEST(SelectionConfig, RequestOverridesStayWithinTheServersLimits) {
   SelectionConfig defaults;
-  defaults.policy = "infinigen";
+  defaults.policy = PolicyKind::kInfinigen;
   SelectionLimits limits;
-  limits.allowed_policies = {"infinigen", "full"};
+  limits.allowed_policies = {PolicyKind::kInfinigen, PolicyKind::kFull};
   SelectionOverrides o;
   o.budget_fraction = 0.3;
   o.alpha = 8.0;
@@ -367,14 +372,14 @@ TEST(SelectionConfig, RequestOverridesStayWithinTheServersLimits) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->budget_fraction, 0.3);
   EXPECT_EQ(c->alpha, 8.0);
-  EXPECT_EQ(c->policy, "infinigen");
+  EXPECT_EQ(c->policy, PolicyKind::kInfinigen);
   o = {};
   o.budget_fraction = 0.01;
   auto low = ApplyOverrides(defaults, o, limits);
   EXPECT_EQ(low.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(low.status().message().find("0.05"), std::string::npos) << low.status();
   o = {};
-  o.policy = "oracle";
+  o.policy = PolicyKind::kOracle;
   EXPECT_NE(ApplyOverrides(defaults, o, limits).status().message().find("not allowed"),
             std::string::npos);
   o = {};

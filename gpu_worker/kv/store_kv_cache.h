@@ -18,7 +18,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
-#include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/kv/kv_cache.h"
 #include "kv_store/client/kv_store_client.h"
 
 namespace infinigen {
@@ -45,7 +45,7 @@ struct StoreKvCacheOptions {
   bool device_reads_mapped_rows = false;
 };
 
-class StoreKvCache final : public KvCache {
+class StoreKvCache final : public StreamedKvCache {
  public:
   StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreClient& client,
                const StoreKvCacheOptions& options);
@@ -56,10 +56,9 @@ class StoreKvCache final : public KvCache {
   absl::StatusOr<int64_t> Length(SequenceId seq) const override;
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                       int32_t* slots_out = nullptr) override;
-  absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) override;
+  absl::StatusOr<KvLayerView> ReadAll(SequenceId seq, int layer) override;
 
-  bool resident() const override { return false; }
-  bool reads_in_place() const override { return in_place_; }
+  bool addresses_only() const override { return in_place_; }
   // Whether prefetches reach a GPU backend by Backend::GatherRows from registered store memory.
   bool device_gathers() const { return device_gathers_; }
   absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override;

@@ -7,14 +7,14 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/kv/kv_cache.h"
 
 namespace infinigen {
 
-class ResidentKvCache final : public KvCache {
+class BackendKvCache final : public ResidentKvCache {
  public:
   // `max_bytes`: total K/V bytes of all sequences (0: unlimited).
-  ResidentKvCache(Backend& backend, const KvCacheShape& shape, size_t max_bytes = 0);
+  BackendKvCache(Backend& backend, const KvCacheShape& shape, size_t max_bytes = 0);
 
   absl::Status Open(SequenceId seq, int64_t capacity_tokens) override;
   void Close(SequenceId seq) override;

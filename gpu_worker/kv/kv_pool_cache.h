@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/kv/kv_cache.h"
 #include "kv_store/slot_table.h"
 
 namespace infinigen {
@@ -22,7 +22,7 @@ struct KvPoolConfig {
   EvictionPolicy eviction = EvictionPolicy::kCounter;
 };
 
-class KvPoolCache final : public KvCache {
+class KvPoolCache final : public ResidentKvCache {
  public:
   KvPoolCache(Backend& backend, const KvCacheShape& shape, const KvPoolConfig& config);
 

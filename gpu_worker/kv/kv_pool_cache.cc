@@ -1,4 +1,4 @@
-#include "gpu_worker/engine/kv_pool_cache.h"
+#include "gpu_worker/kv/kv_pool_cache.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "gpu_worker/engine/store_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
 
 #include <chrono>
 #include <cstring>
@@ -296,7 +296,7 @@ absl::Status StoreKvCache::WaitGather(Sequence& s, Pending& p) {
   return st;
 }
 
-absl::StatusOr<KvLayerView> StoreKvCache::Read(SequenceId seq, int layer) {
+absl::StatusOr<KvLayerView> StoreKvCache::ReadAll(SequenceId seq, int layer) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "gpu_worker/engine/kv_cache.h"
+#include "gpu_worker/kv/kv_cache.h"
 
 namespace infinigen {
 
@@ -47,8 +47,9 @@ struct SelectRequest {
   const int32_t* current_slots = nullptr;  // [num_kv_heads]
   KvLayerView kv;                          // valid slots of the layer (current token included)
   const float* q = nullptr;                // this layer's query [num_heads * head_dim], after RoPE
-  // This layer's query speculated from the previous layer's attention input (after RoPE), when
-  // the policy asked for it; else null.
+  // This layer's partial query q~ [num_heads, partial_dim] speculated from the previous layer's
+  // attention input (Model::SpeculatePartialQuery: after RoPE, on each KV head's A[:, P]), when
+  // the policy speculates this layer; else null.
   const float* speculated_q = nullptr;
 };
 
@@ -66,6 +67,11 @@ class KvSelectionPolicy {
   virtual std::string Name() const = 0;
 
   virtual SpeculationInput speculation_input() const { return SpeculationInput::kNone; }
+  // Whether the policy reads a speculated query for `layer` (a speculating policy's dense
+  // layers need none).
+  virtual bool SpeculatesFor(int layer) const {
+    return speculation_input() != SpeculationInput::kNone;
+  }
   // Whether the model should report attention probabilities of decode steps (H2O).
   virtual bool wants_attention_weights() const { return false; }
   // Whether the policy reads stored K rows itself (H2O's prefill scores, the oracle's exact

@@ -1,5 +1,5 @@
 // KvCache: where a sequence's K/V rows live between steps. The model appends the K/V of every
-// token it processes and reads them back for attention. ResidentKvCache keeps them in backend
+// token it processes and reads them back for attention. BackendKvCache keeps them in backend
 // memory; the KV store service implements the same seam with host RAM on another process.
 //
 // Rows of one layer are "slots". Without a memory limit a token's slot is its position. A cache
@@ -50,6 +50,9 @@ struct KvLayerView {
   int64_t num_slots = 0;  // valid rows per KV head
 };
 
+// What every cache does: sequences open and close, and every token's K/V is appended at every
+// layer. How a decode step then reads rows is what distinguishes the two kinds below; a decode
+// step is built for one kind (gpu_worker/engine/decode_step.h) and never asks which it has.
 class KvCache {
  public:
   virtual ~KvCache() = default;
@@ -68,31 +71,44 @@ class KvCache {
   // position. `slots_out` (host, [n, num_kv_heads], may be null) receives each row's slot.
   virtual absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                               int32_t* slots_out = nullptr) = 0;
-  // The valid slots of `layer`, readable by the backend until the next Append or Close.
-  virtual absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) = 0;
+  // Valid slots of `layer` (after the appends so far).
+  virtual absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) = 0;
   // A decode step at `layer` read these slots (host, [num_kv_heads, count]; null: every stored
   // row, count per head). Caches that evict keep fetch counts and recency from it; caches that
   // read in place count the bytes read; others ignore it.
   virtual void RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {}
+  // What `seq` has read so far (zeros for resident caches and unknown sequences).
+  virtual FetchCounters Counters(SequenceId seq) const { return {}; }
+};
 
-  // Whether Read() is cheap because the rows already live in backend memory. A cache that is
-  // not resident (the KV store, in host RAM of another process) is read by decode steps that
-  // select rows through Prefetch + Fetch, so that only the selected rows move.
-  virtual bool resident() const { return true; }
-  // Valid slots of `layer` without reading them.
-  virtual absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) {
+// A cache whose rows the backend reads where they lie (backend memory): attention reads them in
+// place, by index, and policies that score stored keys themselves (H2O, oracle) can see them.
+class ResidentKvCache : public KvCache {
+ public:
+  // The valid slots of `layer`, readable by the backend until the next Append or Close.
+  virtual absl::StatusOr<KvLayerView> Read(SequenceId seq, int layer) = 0;
+  absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override {
     auto kv = Read(seq, layer);
     if (!kv.ok()) return kv.status();
     return kv->num_slots;
   }
+};
+
+// A cache whose rows live elsewhere (the KV store service, host RAM of another process or node):
+// a decode step plans which rows it will read, starts moving them while the layer before
+// computes (Prefetch, batched between BeginPrefetches and SubmitPrefetches), and collects them
+// at the layer (Fetch). Only the planned rows move.
+class StreamedKvCache : public KvCache {
+ public:
+  // Every stored row of `layer`, packed [num_kv_heads, rows, head_dim] in backend memory (a
+  // prefill chunk's causal attention); waits for it. Valid until the next read of `seq`.
+  virtual absl::StatusOr<KvLayerView> ReadAll(SequenceId seq, int layer) = 0;
   // Starts reading `count` slots per KV head of `layer` (host, [num_kv_heads, count], each
-  // head's list in the order attention will see them). At most one prefetch per sequence is
-  // outstanding; Fetch() returns it. `extra_rows` more rows per head are left free after the
-  // packed rows (rows num_kv_heads * count + ...) for the caller to fill.
+  // head's list in the order attention will see them). At most one prefetch per sequence and
+  // layer parity is outstanding; Fetch() returns it. `extra_rows` more rows per head are left
+  // free after the packed rows (rows num_kv_heads * count + ...) for the caller to fill.
   virtual absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
-                                int64_t extra_rows = 0) {
-    return absl::UnimplementedError("this KV cache reads rows in place; it does not prefetch");
-  }
+                                int64_t extra_rows = 0) = 0;
   // Prefetches made between these two calls may travel together (a batch's sequences in one
   // request to the store). Fetch submits any still held.
   virtual void BeginPrefetches() {}
@@ -101,15 +117,11 @@ class KvCache {
   // slot of g's list. Valid until the next Prefetch or Close of `seq`. A cache whose rows the
   // backend can read where they lie answers row tables (KvView::rows) instead of copies; the
   // caller then fills the extra rows by setting their table entries to its rows' addresses.
-  virtual absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) {
-    return absl::UnimplementedError("this KV cache reads rows in place; it does not fetch");
-  }
+  virtual absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) = 0;
   // Whether Prefetch answers the rows' addresses rather than copies of them (Fetch's row
-  // tables): then prefetching every stored row costs next to nothing, and the caller need not
-  // guess the selection before the layer.
-  virtual bool reads_in_place() const { return false; }
-  // What `seq` has read so far (zeros for resident caches and unknown sequences).
-  virtual FetchCounters Counters(SequenceId seq) const { return {}; }
+  // tables): then prefetching every stored row costs next to nothing, and a decode step need
+  // not guess the selection before the layer.
+  virtual bool addresses_only() const { return false; }
 };
 
 }  // namespace infinigen

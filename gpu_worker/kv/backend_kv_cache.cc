@@ -1,4 +1,4 @@
-#include "gpu_worker/engine/resident_kv_cache.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 
 #include <algorithm>
 
@@ -7,10 +7,10 @@
 
 namespace infinigen {
 
-ResidentKvCache::ResidentKvCache(Backend& backend, const KvCacheShape& shape, size_t max_bytes)
+BackendKvCache::BackendKvCache(Backend& backend, const KvCacheShape& shape, size_t max_bytes)
     : backend_(backend), shape_(shape), max_bytes_(max_bytes) {}
 
-absl::Status ResidentKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
+absl::Status BackendKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   if (sequences_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
   }
@@ -21,20 +21,20 @@ absl::Status ResidentKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   return absl::OkStatus();
 }
 
-void ResidentKvCache::Close(SequenceId seq) {
+void BackendKvCache::Close(SequenceId seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return;
   bytes_reserved_ -= it->second.capacity * shape_.BytesPerToken();
   sequences_.erase(it);
 }
 
-absl::StatusOr<int64_t> ResidentKvCache::Length(SequenceId seq) const {
+absl::StatusOr<int64_t> BackendKvCache::Length(SequenceId seq) const {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   return it->second.layers.back().length;
 }
 
-absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
+absl::Status BackendKvCache::Grow(Sequence& s, int64_t min_capacity) {
   const int64_t capacity = std::max(min_capacity, s.capacity * 2);
   const size_t extra = (capacity - s.capacity) * shape_.BytesPerToken();
   if (max_bytes_ > 0 && bytes_reserved_ + extra > max_bytes_) {
@@ -65,7 +65,7 @@ absl::Status ResidentKvCache::Grow(Sequence& s, int64_t min_capacity) {
   return absl::OkStatus();
 }
 
-absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
+absl::Status BackendKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                                      int32_t* slots_out) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
@@ -104,7 +104,7 @@ absl::Status ResidentKvCache::Append(SequenceId seq, int layer, int64_t start, M
   return absl::OkStatus();
 }
 
-absl::StatusOr<KvLayerView> ResidentKvCache::Read(SequenceId seq, int layer) {
+absl::StatusOr<KvLayerView> BackendKvCache::Read(SequenceId seq, int layer) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   Sequence& s = it->second;

@@ -1,0 +1,502 @@
+#include "gpu_worker/engine/decode_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace infinigen {
+
+DecodeStep::DecodeStep(Model& model, KvCache& cache) : model_(model), cache_(cache) {
+  // The one place that asks what kind of cache this is.
+  resident_ = dynamic_cast<ResidentKvCache*>(&cache);
+  streamed_ = dynamic_cast<StreamedKvCache*>(&cache);
+}
+
+DecodeStep::~DecodeStep() = default;
+
+int64_t DecodeStep::NumLogitRows(std::span<const ForwardChunk> batch) {
+  int64_t rows = 0;
+  for (const ForwardChunk& c : batch) {
+    rows += c.all_logits ? static_cast<int64_t>(c.tokens.size()) : (c.tokens.empty() ? 0 : 1);
+  }
+  return rows;
+}
+
+absl::Status DecodeStep::EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes) {
+  if (b != nullptr && b->size() >= bytes) return absl::OkStatus();
+  b.reset();
+  IG_ASSIGN_OR_RETURN(b, model_.backend().Allocate(std::max<size_t>(bytes, 64)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeStep::HostRows> DecodeStep::ToHost(MatView m, std::vector<float>& host) {
+  Backend& backend = model_.backend();
+  if (backend.host_accessible()) return HostRows{m.As<const float>(), m.stride};
+  const size_t count = static_cast<size_t>(m.rows * m.cols);
+  IG_RETURN_IF_ERROR(EnsureBuffer(mirror_, count * sizeof(float)));
+  const MatView staging{mirror_->data(), DType::kF32, m.rows, m.cols, m.cols};
+  IG_RETURN_IF_ERROR(backend.Copy(m, staging));  // converts the activations' type
+  host.resize(count);
+  IG_RETURN_IF_ERROR(backend.CopyToHost(staging.data, host.data(), count * sizeof(float)));
+  IG_RETURN_IF_ERROR(backend.Synchronize());
+  return HostRows{host.data(), m.cols};
+}
+
+absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
+  if (resident_ == nullptr && streamed_ == nullptr) {
+    return absl::InternalError("the KV cache is neither resident nor streamed");
+  }
+  const ModelConfig& c = model_.config();
+  Backend& backend = model_.backend();
+  batch_ = batch;
+  model_chunks_.clear();
+  rows_.assign(batch.size(), 0);
+  spec_rows_.assign(batch.size(), -1);
+  host_spec_positions_.clear();
+  num_tokens_ = 0;
+  speculating_ = false;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardChunk& chunk = batch[b];
+    model_chunks_.push_back({chunk.start, chunk.tokens, chunk.all_logits});
+    rows_[b] = num_tokens_;
+    num_tokens_ += static_cast<int64_t>(chunk.tokens.size());
+    KvSelectionPolicy* policy = chunk.policy;
+    if (policy == nullptr) continue;
+    if (policy->needs_resident_kv() && (resident_ == nullptr || !backend.host_accessible())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "policy ", policy->Name(), " reads stored K rows itself and needs a resident KV cache",
+          backend.host_accessible() ? "" : " in host memory (the cpu backend)",
+          "; infinigen, window and full run over any cache and backend"));
+    }
+    if (chunk.tokens.size() != 1 || policy->speculation_input() == SpeculationInput::kNone) {
+      continue;
+    }
+    if (model_.speculation() == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("policy ", policy->Name(),
+                       " speculates, but the model has no speculation weights (attach the "
+                       "InfiniGen sidecar's partial channels)"));
+    }
+    speculating_ = true;
+    spec_rows_[b] = static_cast<int64_t>(host_spec_positions_.size());
+    host_spec_positions_.push_back(static_cast<int32_t>(chunk.start));
+  }
+  num_spec_rows_ = static_cast<int64_t>(host_spec_positions_.size());
+  host_slots_.resize(static_cast<size_t>(num_tokens_ * c.num_kv_heads));
+  selections_.resize(batch.size());
+  chunks_.resize(batch.size());
+  spec_layer_[0] = spec_layer_[1] = -1;
+  for (auto& per_chunk : prefetched_) {
+    per_chunk.resize(batch.size());
+    for (Prefetched& p : per_chunk) p.layer = -1;
+  }
+  if (speculating_) {
+    const size_t e = DTypeSize(backend.activation_dtype());
+    const int64_t m = num_spec_rows_;
+    const int64_t p = model_.speculation()->partial_dim();
+    IG_RETURN_IF_ERROR(EnsureBuffer(spec_in_, m * c.hidden_size * e));
+    IG_RETURN_IF_ERROR(EnsureBuffer(spec_scratch_, m * c.q_dim() * e));
+    IG_RETURN_IF_ERROR(EnsureBuffer(spec_q_[0], m * c.num_heads * p * e));
+    IG_RETURN_IF_ERROR(EnsureBuffer(spec_q_[1], m * c.num_heads * p * e));
+    IG_RETURN_IF_ERROR(EnsureBuffer(spec_positions_, m * sizeof(int32_t)));
+    IG_RETURN_IF_ERROR(backend.CopyToDevice(host_spec_positions_.data(), spec_positions_->data(),
+                                            m * sizeof(int32_t)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeStep::Forward(std::span<const ForwardChunk> batch, std::span<float> logits) {
+  IG_RETURN_IF_ERROR(Plan(batch));
+  // Layer 0's rows start moving before the embedding; every later layer's during the one
+  // before it.
+  if (streamed_ != nullptr && num_tokens_ > 0) IG_RETURN_IF_ERROR(Prefetch(0));
+  return model_.Forward(model_chunks_, *this, logits);
+}
+
+MatView DecodeStep::SpeculatedRows(int layer) const {
+  const int64_t cols = model_.config().num_heads * model_.speculation()->partial_dim();
+  return {spec_q_[layer % 2]->data(), model_.backend().activation_dtype(), num_spec_rows_, cols,
+          cols};
+}
+
+absl::Status DecodeStep::Speculate(int next_layer, MatView in, MatView residual) {
+  const ModelConfig& c = model_.config();
+  Backend& backend = model_.backend();
+  const DType t = backend.activation_dtype();
+  const MatView spec_in{spec_in_->data(), t, num_spec_rows_, c.hidden_size, c.hidden_size};
+  for (size_t b = 0; b < batch_.size(); ++b) {
+    if (spec_rows_[b] < 0) continue;
+    const MatView dst = spec_in.Rows(spec_rows_[b], 1);
+    if (batch_[b].policy->speculation_input() == SpeculationInput::kThisLayerNorm) {
+      IG_RETURN_IF_ERROR(model_.AttentionNorm(next_layer, residual.Rows(rows_[b], 1), dst));
+    } else {
+      IG_RETURN_IF_ERROR(backend.Copy(in.Rows(rows_[b], 1), dst));
+    }
+  }
+  const MatView scratch{spec_scratch_->data(), t, num_spec_rows_, c.q_dim(), c.q_dim()};
+  return model_.SpeculatePartialQuery(next_layer, spec_in,
+                                      static_cast<const int32_t*>(spec_positions_->data()), scratch,
+                                      SpeculatedRows(next_layer));
+}
+
+absl::Status DecodeStep::BeforeLayer(int layer, MatView attention_input, MatView residual) {
+  if (layer + 1 >= model_.config().num_layers) return absl::OkStatus();
+  // Speculation for the next layer from this layer's attention input; over a streamed cache,
+  // its rows start moving now and arrive while this layer computes.
+  spec_layer_[(layer + 1) % 2] = -1;
+  bool speculate = false;
+  for (size_t b = 0; b < batch_.size() && speculating_ && !speculate; ++b) {
+    speculate = spec_rows_[b] >= 0 && batch_[b].policy->SpeculatesFor(layer + 1);
+  }
+  if (speculate) {
+    IG_RETURN_IF_ERROR(Speculate(layer + 1, attention_input, residual));
+    spec_layer_[(layer + 1) % 2] = layer + 1;
+  }
+  if (streamed_ != nullptr) IG_RETURN_IF_ERROR(Prefetch(layer + 1));
+  return absl::OkStatus();
+}
+
+void DecodeStep::EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t>& out) {
+  out.resize(static_cast<size_t>(kv_heads * stored));
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    std::iota(out.begin() + g * stored, out.begin() + (g + 1) * stored, 0);
+  }
+}
+
+absl::Status DecodeStep::Prefetch(int next_layer) {
+  StreamedKvCache& cache = *streamed_;
+  const int64_t kv_heads = model_.config().num_kv_heads;
+  // The speculated queries of the layer, for policies that preselect from them.
+  const bool preselect = !cache.addresses_only();
+  HostRows spec_q;
+  const bool speculated = spec_layer_[next_layer % 2] == next_layer;
+  if (speculated && preselect) {
+    IG_ASSIGN_OR_RETURN(spec_q, ToHost(SpeculatedRows(next_layer), host_spec_q_));
+  }
+  // Which decode chunks fetch, and how many rows they have stored (in order: cache calls).
+  for (size_t b = 0; b < batch_.size(); ++b) {
+    ChunkWork& w = chunks_[b];
+    w.stored = 0;
+    w.fetch = false;
+    w.candidates.all = true;  // every row unless a policy guesses fewer
+    prefetched_[next_layer % 2][b].layer = -1;
+    if (batch_[b].tokens.size() != 1) continue;
+    IG_ASSIGN_OR_RETURN(w.stored, cache.NumSlots(batch_[b].seq, next_layer));
+    w.fetch = w.stored > 0;
+  }
+  // The policies' guesses, sequences in parallel. Every row without a policy, and where a
+  // prefetch answers addresses (they cost nothing, so the exact selection made at the layer is
+  // looked up among all of them).
+  if (preselect) {
+    IG_RETURN_IF_ERROR(ForEachPolicy([&](size_t b) {
+      ChunkWork& w = chunks_[b];
+      if (!w.fetch) return absl::OkStatus();
+      KvSelectionPolicy* policy = batch_[b].policy;
+      SelectRequest request;
+      request.seq = batch_[b].seq;
+      request.layer = next_layer;
+      request.position = batch_[b].start;
+      request.kv.num_slots = w.stored;
+      if (speculated && spec_rows_[b] >= 0) {
+        request.speculated_q = spec_q.Row(spec_rows_[b]);
+      }
+      w.fetch = policy->Preselect(request, w.candidates);  // false: no guess, nothing fetched
+      return absl::OkStatus();
+    }));
+  }
+  // The batch's prefetches of this layer travel together.
+  cache.BeginPrefetches();
+  absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
+  for (size_t b = 0; b < batch_.size(); ++b) {
+    ChunkWork& w = chunks_[b];
+    if (!w.fetch) continue;
+    Prefetched& pre = prefetched_[next_layer % 2][b];
+    if (w.candidates.all) {  // dense: every stored row, in slot order
+      EverySlot(kv_heads, w.stored, pre.slots);
+      pre.count = w.stored;
+    } else {
+      pre.slots = std::move(w.candidates.indices);
+      pre.count = w.candidates.count;
+    }
+    pre.dense = w.candidates.all;
+    // One row per head is left free for the current token, which the step computes itself.
+    IG_RETURN_IF_ERROR(cache.Prefetch(batch_[b].seq, next_layer, pre.slots.data(), pre.count,
+                                      /*extra_rows=*/1));
+    pre.layer = next_layer;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatView out) {
+  const ModelConfig& c = model_.config();
+  Backend& backend = model_.backend();
+  const int64_t kv_heads = c.num_kv_heads;
+  const std::span<const ForwardChunk> batch = batch_;
+  // Policies run on the host: they read this layer's queries and keys (and the speculated
+  // queries) as host floats, copied out of the backend's memory where the host cannot read it.
+  const bool host_memory = backend.host_accessible();
+  const bool any_policy = std::any_of(batch.begin(), batch.end(),
+                                      [](const ForwardChunk& chunk) { return chunk.policy; });
+  HostRows host_q, host_k, spec_q;
+  if (any_policy) {
+    IG_ASSIGN_OR_RETURN(host_q, ToHost(q, host_q_));
+    IG_ASSIGN_OR_RETURN(host_k, ToHost(k, host_k_));
+    if (spec_layer_[layer % 2] == layer) {
+      IG_ASSIGN_OR_RETURN(spec_q, ToHost(SpeculatedRows(layer), host_spec_q_));
+    }
+  }
+
+  // Pass 1: store every chunk's K/V (in order: cache calls).
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    ChunkWork& w = chunks_[b];
+    const int64_t row = rows_[b];
+    selections_[b].all = true;
+    int32_t* slots = host_slots_.data() + row * kv_heads;
+    IG_RETURN_IF_ERROR(
+        cache_.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len), slots));
+    if (chunk.policy == nullptr) continue;
+    w.kv = KvLayerView();  // the stored rows themselves only where the host can read them
+    if (resident_ != nullptr && host_memory) {
+      IG_ASSIGN_OR_RETURN(w.kv, resident_->Read(chunk.seq, layer));
+    } else {
+      IG_ASSIGN_OR_RETURN(w.kv.num_slots, cache_.NumSlots(chunk.seq, layer));
+    }
+  }
+
+  // The policies see the keys and choose the rows of each decode token, sequences in parallel.
+  IG_RETURN_IF_ERROR(ForEachPolicy([&](size_t b) -> absl::Status {
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    KvSelectionPolicy* policy = chunk.policy;
+    const ChunkWork& w = chunks_[b];
+    const int64_t row = rows_[b];
+    const int32_t* slots = host_slots_.data() + row * kv_heads;
+    LayerKeys keys{chunk.seq,     layer,           chunk.start,   len,   host_k.Row(row),
+                   host_k.stride, host_q.Row(row), host_q.stride, slots, w.kv};
+    IG_RETURN_IF_ERROR(policy->OnKeys(keys));
+    if (len != 1) return absl::OkStatus();
+    SelectRequest request;
+    request.seq = chunk.seq;
+    request.layer = layer;
+    request.position = chunk.start;
+    request.current_slots = slots;
+    request.kv = w.kv;
+    request.q = host_q.Row(row);
+    if (spec_layer_[layer % 2] == layer && spec_rows_[b] >= 0) {
+      request.speculated_q = spec_q.Row(spec_rows_[b]);
+    }
+    Selection& selection = selections_[b];
+    IG_RETURN_IF_ERROR(policy->Select(request, selection));
+    if (!selection.all && (selection.count <= 0 || static_cast<int64_t>(selection.indices.size()) !=
+                                                       selection.count * kv_heads)) {
+      return absl::InternalError(
+          absl::StrCat("policy ", policy->Name(), " returned a malformed selection"));
+    }
+    return absl::OkStatus();
+  }));
+
+  // A streamed cache starts fetching what the prefetch during the previous layer did not
+  // bring, so that the fetches of later sequences overlap the attention of earlier ones in
+  // pass 2.
+  for (size_t b = 0; b < batch.size() && streamed_ != nullptr; ++b) {
+    const ForwardChunk& chunk = batch[b];
+    const Selection& selection = selections_[b];
+    const int32_t* slots = host_slots_.data() + rows_[b] * kv_heads;
+    if (chunk.tokens.size() != 1 || MapPrefetched(b, layer, selection, slots)) continue;
+    // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
+    if (selection.all) {  // dense: every stored row
+      IG_ASSIGN_OR_RETURN(const int64_t stored, cache_.NumSlots(chunk.seq, layer));
+      EverySlot(kv_heads, stored, all_slots_);
+      IG_RETURN_IF_ERROR(streamed_->Prefetch(chunk.seq, layer, all_slots_.data(), stored));
+    } else {
+      IG_RETURN_IF_ERROR(
+          streamed_->Prefetch(chunk.seq, layer, selection.indices.data(), selection.count));
+    }
+  }
+
+  // Pass 2: attention of every chunk over its rows.
+  const AttentionShape shape{static_cast<int>(c.num_heads), static_cast<int>(c.num_kv_heads),
+                             static_cast<int>(c.head_dim),
+                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    const int64_t row = rows_[b];
+    const Selection& selection = selections_[b];
+    if (len > 1 && chunk.start == 0 && streamed_ != nullptr) {
+      // A whole prompt in one chunk: its K/V are the activations; no need to read them back.
+      const KvView kk{k.Rows(row, len).data, k.dtype, c.head_dim, k.stride};
+      const KvView vv{v.Rows(row, len).data, v.dtype, c.head_dim, v.stride};
+      IG_RETURN_IF_ERROR(
+          backend.AttentionCausal(q.Rows(row, len), kk, vv, 0, shape, out.Rows(row, len)));
+      continue;
+    }
+    if (len > 1) {
+      KvLayerView kv;
+      if (resident_ != nullptr) {
+        IG_ASSIGN_OR_RETURN(kv, resident_->Read(chunk.seq, layer));
+      } else {
+        IG_ASSIGN_OR_RETURN(kv, streamed_->ReadAll(chunk.seq, layer));
+      }
+      if (kv.num_slots != chunk.start + len) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "prefill of sequence ", chunk.seq, " needs all its ", chunk.start + len,
+            " tokens in the KV cache, which holds ", kv.num_slots, " (capacity too small)"));
+      }
+      IG_RETURN_IF_ERROR(backend.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start, shape,
+                                                 out.Rows(row, len)));
+    } else if (streamed_ != nullptr && prefetched_[layer % 2][b].layer == layer) {
+      // The rows prefetched during the previous layer, packed [num_kv_heads, count], then one
+      // row per head for the current token, which this step computed itself.
+      const Prefetched& pre = prefetched_[layer % 2][b];
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, streamed_->Fetch(chunk.seq, layer));
+      const int64_t hd = c.head_dim;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t dst = kv_heads * pre.count + g;
+        const MatView k_row = k.Rows(row, 1).Cols(g * hd, hd);
+        const MatView v_row = v.Rows(row, 1).Cols(g * hd, hd);
+        if (kv.k.rows != nullptr) {  // rows read in place: point at the activations
+          kv.k.rows[dst] = k_row.data;
+          kv.v.rows[dst] = v_row.data;
+          continue;
+        }
+        IG_RETURN_IF_ERROR(backend.Copy(k_row, kv.k.Head(0, dst, 1, hd)));
+        IG_RETURN_IF_ERROR(backend.Copy(v_row, kv.v.Head(0, dst, 1, hd)));
+      }
+      cache_.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
+                         selection.all ? pre.count : selection.count);
+      const size_t bytes = pre.map.size() * sizeof(int32_t);
+      IG_RETURN_IF_ERROR(EnsureBuffer(indices_, bytes));
+      IG_RETURN_IF_ERROR(backend.CopyToDevice(pre.map.data(), indices_->data(), bytes));
+      IG_RETURN_IF_ERROR(AttentionStep(
+          b, layer, q.Rows(row, 1), kv, static_cast<const int32_t*>(indices_->data()),
+          static_cast<int64_t>(pre.map.size()) / kv_heads, selection, out.Rows(row, 1)));
+    } else if (streamed_ != nullptr) {
+      // The rows fetched in pass 1 (all of them, or the selection), packed in selection order.
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, streamed_->Fetch(chunk.seq, layer));
+      cache_.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
+                         selection.all ? kv.num_slots : selection.count);
+      IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
+                                       selection, out.Rows(row, 1)));
+    } else if (selection.all) {
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, resident_->Read(chunk.seq, layer));
+      IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
+                                       selection, out.Rows(row, 1)));
+    } else {
+      const int64_t rows = selection.count;
+      cache_.RecordFetch(chunk.seq, layer, selection.indices.data(), rows);
+      IG_ASSIGN_OR_RETURN(KvLayerView kv, resident_->Read(chunk.seq, layer));
+      const size_t bytes = selection.indices.size() * sizeof(int32_t);
+      IG_RETURN_IF_ERROR(EnsureBuffer(indices_, bytes));
+      IG_RETURN_IF_ERROR(backend.CopyToDevice(selection.indices.data(), indices_->data(), bytes));
+      IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv,
+                                       static_cast<const int32_t*>(indices_->data()), rows,
+                                       selection, out.Rows(row, 1)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeStep::ForEachPolicy(const std::function<absl::Status(size_t)>& work) {
+  policy_chunks_.clear();
+  for (size_t b = 0; b < batch_.size(); ++b) {
+    if (batch_[b].policy != nullptr) policy_chunks_.push_back(b);
+  }
+  const int64_t m = static_cast<int64_t>(policy_chunks_.size());
+  // A policy keeps per-sequence state and is not thread-safe; separate policies are independent.
+  bool distinct = m > 1;
+  for (int64_t i = 0; i < m && distinct; ++i) {
+    for (int64_t j = 0; j < i && distinct; ++j) {
+      distinct = batch_[policy_chunks_[i]].policy != batch_[policy_chunks_[j]].policy;
+    }
+  }
+  statuses_.assign(static_cast<size_t>(m), absl::OkStatus());
+#pragma omp parallel for schedule(dynamic, 1) if (distinct)
+  for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
+  for (const absl::Status& st : statuses_) IG_RETURN_IF_ERROR(st);
+  return absl::OkStatus();
+}
+
+bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
+                               const int32_t* current_slots) {
+  Prefetched& pre = prefetched_[layer % 2][b];
+  if (pre.layer != layer) return false;
+  const int64_t kv_heads = model_.config().num_kv_heads;
+  // Row of the staging, relative to head g's first row, that holds the current token.
+  auto current = [&](int64_t g) {
+    return static_cast<int32_t>(kv_heads * pre.count + g - g * pre.count);
+  };
+  if (selection.all) {
+    if (!pre.dense) return Miss(pre);
+    // Every stored row in slot order, then the current token (its slot is the next one).
+    const int64_t rows = pre.count + 1;
+    pre.map.resize(static_cast<size_t>(kv_heads * rows));
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      std::iota(pre.map.begin() + g * rows, pre.map.begin() + g * rows + pre.count, 0);
+      pre.map[g * rows + pre.count] = current(g);
+    }
+    ++prefetch_hits_;
+    return true;
+  }
+  const int64_t count = selection.count;
+  pre.map.resize(static_cast<size_t>(kv_heads * count));
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    const int32_t* begin = pre.slots.data() + g * pre.count;
+    const int32_t* end = begin + pre.count;
+    for (int64_t j = 0; j < count; ++j) {
+      const int32_t slot = selection.indices[g * count + j];
+      int32_t at;
+      if (slot == current_slots[g]) {
+        at = current(g);
+      } else if (pre.dense) {  // every stored slot, in slot order
+        if (slot < 0 || slot >= pre.count) return Miss(pre);
+        at = slot;
+      } else {
+        const int32_t* it = std::lower_bound(begin, end, slot);
+        if (it == end || *it != slot) return Miss(pre);
+        at = static_cast<int32_t>(it - begin);
+      }
+      pre.map[g * count + j] = at;
+    }
+  }
+  ++prefetch_hits_;
+  return true;
+}
+
+bool DecodeStep::Miss(Prefetched& pre) {
+  pre.layer = -1;  // the caller fetches the exact selection
+  ++prefetch_misses_;
+  return false;
+}
+
+absl::Status DecodeStep::AttentionStep(size_t b, int layer, MatView q, const KvLayerView& kv,
+                                       const int32_t* indices, int64_t rows,
+                                       const Selection& selection, MatView out) {
+  const ModelConfig& c = model_.config();
+  Backend& backend = model_.backend();
+  const AttentionShape shape{static_cast<int>(c.num_heads), static_cast<int>(c.num_kv_heads),
+                             static_cast<int>(c.head_dim),
+                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  KvSelectionPolicy* policy = batch_[b].policy;
+  float* weights = nullptr;
+  if (policy != nullptr && policy->wants_attention_weights()) {
+    IG_RETURN_IF_ERROR(EnsureBuffer(weights_, c.num_heads * rows * sizeof(float)));
+    weights = static_cast<float*>(weights_->data());
+  }
+  IG_RETURN_IF_ERROR(backend.AttentionDecode(q, kv.k, kv.v, indices, rows, shape, out, weights));
+  if (weights != nullptr) {
+    host_weights_.resize(static_cast<size_t>(c.num_heads * rows));
+    IG_RETURN_IF_ERROR(
+        backend.CopyToHost(weights, host_weights_.data(), host_weights_.size() * sizeof(float)));
+    policy->OnAttentionWeights(batch_[b].seq, layer, selection, host_weights_.data(), rows);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace infinigen

@@ -1,0 +1,157 @@
+// DecodeStep: one forward pass of a ragged batch (decode tokens and prefill chunks of several
+// sequences) over a KV cache. The model runs the layers; this class owns everything about the
+// K/V they attend to (INFINIGEN.md, "Decode step"):
+//   - appends each layer's new K/V to the cache;
+//   - speculation: during layer i-1 each speculating decode token's partial query of layer i
+//     (Model::SpeculatePartialQuery, on its own compact rows);
+//   - over a StreamedKvCache, the prefetch of layer i's rows during layer i-1: the candidates
+//     the policy preselects from the speculation, or every stored row (dense layers, `full`);
+//   - the exact selection at layer i (the policies), mapping it onto the prefetched rows (or
+//     fetching what is missing), attention over them, and what was fetched (cache counters).
+// A ResidentKvCache is read in place, by index; nothing is prefetched.
+//
+// Prefill chunks run through the same step (mixed batches); they attend densely.
+// Not thread-safe: one engine thread owns a step, its model and its cache.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gpu_worker/kv/kv_cache.h"
+#include "gpu_worker/kv/kv_selection.h"
+#include "gpu_worker/model/model.h"
+
+namespace infinigen {
+
+struct ForwardChunk {
+  SequenceId seq = 0;
+  int64_t start = 0;                // tokens of `seq` already in the cache (= first position)
+  std::span<const int32_t> tokens;  // the new tokens
+  bool all_logits = false;          // logits of every new token, else of the last one only
+  // Which rows decode steps of this sequence attend to; null = all (dense).
+  KvSelectionPolicy* policy = nullptr;
+};
+
+class DecodeStep final : private LayerAttention {
+ public:
+  // `model` and `cache` must outlive the step; `cache` is a ResidentKvCache or a
+  // StreamedKvCache (which one decides how rows are read, once, here).
+  DecodeStep(Model& model, KvCache& cache);
+  ~DecodeStep() override;
+
+  Model& model() const { return model_; }
+  KvCache& cache() const { return cache_; }
+
+  // Logit rows that Forward writes for `batch`: per chunk, all its tokens or its last one.
+  static int64_t NumLogitRows(std::span<const ForwardChunk> batch);
+
+  // Runs `batch`, appending each chunk's K/V to the cache (the sequences must be open there),
+  // and writes float32 logits [NumLogitRows(batch), vocab_size] to host memory `logits`, chunk
+  // by chunk in order. INVALID_ARGUMENT for out-of-range token ids or positions;
+  // FAILED_PRECONDITION for a policy this cache or model cannot serve.
+  absl::Status Forward(std::span<const ForwardChunk> batch, std::span<float> logits);
+
+  // Decode steps whose selection was among the rows prefetched during the previous layer
+  // (hits), and those that had to fetch again (misses). Streamed caches only.
+  int64_t prefetch_hits() const { return prefetch_hits_; }
+  int64_t prefetch_misses() const { return prefetch_misses_; }
+
+ private:
+  // LayerAttention.
+  absl::Status BeforeLayer(int layer, MatView attention_input, MatView residual) override;
+  absl::Status Attend(int layer, MatView q, MatView k, MatView v, MatView out) override;
+
+  // Checks every chunk's policy against this cache and model; sizes the workspaces.
+  absl::Status Plan(std::span<const ForwardChunk> batch);
+  // The speculated partial queries of `next_layer` for the speculating decode tokens, from
+  // the current layer's attention input (or its residual under the next layer's norm).
+  absl::Status Speculate(int next_layer, MatView attention_input, MatView residual);
+  MatView SpeculatedRows(int layer) const;
+  // Starts fetching, from a streamed cache, the rows of `next_layer` that each decode token will
+  // read: the candidates its policy preselects from the speculation (INFINIGEN.md decode step
+  // 6), or every stored row where it attends densely (no policy, a dense layer), so that a full
+  // fetch overlaps the layer before too.
+  absl::Status Prefetch(int next_layer);
+  // Slots 0 .. stored-1 for each of `kv_heads` heads ([kv_heads, stored]): a dense read.
+  static void EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t>& out);
+  absl::Status EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes);
+  // Float32 rows on the host, for the selection policies (which run there).
+  struct HostRows {
+    const float* data = nullptr;
+    int64_t stride = 0;
+    const float* Row(int64_t r) const { return data + r * stride; }
+  };
+  // `m` itself where the backend's memory is host floats; else a float32 copy of it in `host`
+  // (converted on the device, then copied out; waits for the backend).
+  absl::StatusOr<HostRows> ToHost(MatView m, std::vector<float>& host);
+  // Whether every row of `selection` (chunk b's, at the layer prefetched for it) is among the
+  // prefetched candidates or is the current token (a selection of all rows: whether every row
+  // was prefetched); fills the chunk's row map if so.
+  bool MapPrefetched(size_t b, int layer, const Selection& selection, const int32_t* current_slots);
+  struct Prefetched;
+  bool Miss(Prefetched& pre);
+  // Runs work(b) for every chunk b whose policy is set and returns the first error: on several
+  // threads (OpenMP) when those chunks' policies are distinct objects, in order otherwise.
+  // `work` calls only its chunk's policy and writes only that chunk's state.
+  absl::Status ForEachPolicy(const std::function<absl::Status(size_t)>& work);
+  // One decode token's attention over `rows` rows of `kv` (listed by device `indices`, or the
+  // first `rows` when null); hands the attention weights to policies that want them.
+  absl::Status AttentionStep(size_t b, int layer, MatView q, const KvLayerView& kv,
+                             const int32_t* indices, int64_t rows, const Selection& selection,
+                             MatView out);
+
+  Model& model_;
+  KvCache& cache_;
+  ResidentKvCache* resident_ = nullptr;  // exactly one of these is the cache
+  StreamedKvCache* streamed_ = nullptr;
+
+  // The step being run.
+  std::span<const ForwardChunk> batch_;
+  std::vector<ModelChunk> model_chunks_;
+  int64_t num_tokens_ = 0;
+  std::vector<int64_t> rows_;       // per chunk: its first row of the batch's activations
+  std::vector<int64_t> spec_rows_;  // per chunk: its row of the speculation buffers, or -1
+  int64_t num_spec_rows_ = 0;
+  std::vector<int32_t> host_spec_positions_;
+
+  // Workspaces (backend memory; grow only): the speculation's input, scratch and partial
+  // queries of layer i in spec_q_[i % 2] (layer i-1 writes layer i's while its own is in use),
+  // the positions of the speculating rows, decode row indices and attention weights.
+  std::unique_ptr<Buffer> spec_in_, spec_scratch_, spec_q_[2], spec_positions_, indices_, weights_;
+  // Float32 staging of activations the host policies read, on backends the host cannot read.
+  std::unique_ptr<Buffer> mirror_;
+  std::vector<int32_t> host_slots_;  // [tokens, num_kv_heads] slots from the last Append
+  std::vector<float> host_weights_;
+  std::vector<float> host_q_, host_k_, host_spec_q_;  // ToHost copies
+  std::vector<Selection> selections_;  // per chunk of the current batch, at the current layer
+  std::vector<int32_t> all_slots_;     // every slot, for dense reads of a streamed cache
+  // Per layer parity and chunk: the candidate rows prefetched for a layer (-1: none),
+  // [num_kv_heads, count]; layer i's are in use while layer i + 1's are being fetched.
+  struct Prefetched {
+    int layer = -1;
+    int64_t count = 0;
+    bool dense = false;  // every stored row (slots 0, 1, ...)
+    std::vector<int32_t> slots;
+    std::vector<int32_t> map;  // the selection's rows as rows of the prefetched staging
+  };
+  std::vector<Prefetched> prefetched_[2];
+  // Per chunk of the current batch, what the policy work of a layer (run in parallel) needs.
+  struct ChunkWork {
+    KvLayerView kv;      // the layer's stored rows as its policy may see them
+    int64_t stored = 0;  // rows stored before this step (prefetch)
+    bool fetch = false;  // the prefetch fetches for it
+    Selection candidates;
+  };
+  std::vector<ChunkWork> chunks_;
+  std::vector<size_t> policy_chunks_;
+  std::vector<absl::Status> statuses_;
+  int64_t prefetch_hits_ = 0, prefetch_misses_ = 0;
+  bool speculating_ = false;      // some chunk of the current batch speculates
+  int spec_layer_[2] = {-1, -1};  // the layer whose partial queries spec_q_[parity] holds
+};
+
+}  // namespace infinigen

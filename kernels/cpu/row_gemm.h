@@ -1,0 +1,27 @@
+// Batch-invariant GEMM: every output element y[i, j] is one dot product x_i . w_j reduced in a
+// fixed order (8-lane FMA accumulator over k, a fixed horizontal sum, then the tail), whatever
+// the number of rows and whichever other rows share the call. A decode token's logits then do
+// not depend on the batch it was served in (OpenBLAS picks different kernels, blockings and
+// reduction orders for sgemv and for sgemm of different shapes). The canonical order: 8-element
+// block b of k into accumulator b % 2 by FMA, the two summed lane-wise, a fixed horizontal sum,
+// then the tail by scalar FMA.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cpu/packed_gemm.h"
+
+namespace infinigen::cpu {
+
+// y[m, n] = x[m, k] . w[n, k]^T + bias[n] (+ y when accumulate); bias may be null.
+void GemmRowsF32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias,
+                 float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate);
+// The same with bf16 weights [n, k] (row stride k), widened exactly to float32 per panel.
+void GemmRowsBf16(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate);
+// The same with Q8 weights (packed_gemm.h), each widened to float32 times its block's scale:
+// float32 activations, unlike GemmQ8's integer products on quantized activations.
+void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
+                int64_t ldy, int64_t m, bool accumulate);
+
+}  // namespace infinigen::cpu
