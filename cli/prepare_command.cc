@@ -44,7 +44,7 @@ int RunPrepare(int argc, char** argv) {
   double ratio = 0.0;
   int64_t calibration_tokens = 2048;
   bool no_skew = false;
-  bool rope_pairs = false;
+  bool rope_pairs = true;
   std::string channel_rule = "product";
   BackendFlags backend_flags;
   FlagSet flags("prepare", "--model PATH [flags]",
@@ -61,8 +61,8 @@ int RunPrepare(int argc, char** argv) {
   flags.String("out", &out, "sidecar path (default: next to the model)");
   flags.Bool("no-skew", &no_skew, "skip the skew (A = I): the paper's ablation");
   flags.Bool("rope-pairs", &rope_pairs,
-             "partial channels as whole RoPE pairs, not skewed (Llama): the speculation then "
-             "multiplies only those rows of W_q");
+             "partial channels as whole RoPE pairs, not skewed, where the model allows (Llama): "
+             "the speculation then multiplies only those rows of W_q; false: skewed channels");
   flags.String("channel-rule", &channel_rule,
                "partial channel ranking: product (mean|QA| x mean|KA|, the default) or sum "
                "(Σ|QA| + Σ|KA|, the paper's)");

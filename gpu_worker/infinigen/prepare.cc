@@ -116,17 +116,14 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
   if (options.chunk_tokens < 1) return absl::InvalidArgumentError("chunk_tokens must be >= 1");
   const int64_t chunk = options.chunk_tokens;
 
-  if (options.rope_pairs && (c.architecture != Architecture::kLlama ||
-                             c.rope.rotary_dim != c.head_dim || c.head_dim % 2 != 0)) {
-    return absl::InvalidArgumentError(
-        "rope_pairs needs a Llama-family model whose RoPE rotates whole heads");
-  }
+  const bool rope_pairs = options.rope_pairs && c.architecture == Architecture::kLlama &&
+                          c.rope.rotary_dim == c.head_dim && c.head_dim % 2 == 0;
   InfinigenSidecar s;
   s.ratio = ratio;
   s.partial_dim = static_cast<int>(std::ceil(ratio * c.head_dim - 1e-6));
-  if (options.rope_pairs) s.partial_dim += s.partial_dim % 2;
-  s.skewed = options.skew && !options.rope_pairs;
-  s.rope_pairs = options.rope_pairs;
+  if (rope_pairs) s.partial_dim = std::min<int>(s.partial_dim + s.partial_dim % 2, c.head_dim);
+  s.skewed = options.skew && !rope_pairs;
+  s.rope_pairs = rope_pairs;
   s.channel_rule = options.channel_rule == ChannelRule::kProduct ? "product" : "sum";
   s.model_fingerprint = ModelFingerprint(checkpoint);
   s.calibration_hash = Fnv1aHex(calibration.data(), calibration.size() * sizeof(int32_t));
@@ -161,7 +158,7 @@ absl::StatusOr<InfinigenSidecar> PrepareInfinigen(Model& model, const Checkpoint
     std::vector<int32_t> channels;
     for (int64_t g = 0; g < c.num_kv_heads; ++g) {
       auto top =
-          options.rope_pairs
+          rope_pairs
               ? scores.scores(l, g).TopPairs(
                     s.partial_dim, options.channel_rule,
                     [&](int ch) { return RopePartner(ch, c.rope.rotary_dim, c.rope.layout); })

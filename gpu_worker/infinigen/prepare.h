@@ -26,10 +26,11 @@ struct PrepareOptions {
   // Product ranks channels by mean|QA| x mean|KA| (what a channel adds to Q.K); docs/accuracy.md
   // compares it with the paper's sum.
   ChannelRule channel_rule = ChannelRule::kProduct;
-  // Partial channels as whole RoPE pairs, not skewed (Llama only): the speculation then needs
-  // only those rows of W_q (Speculation::Mode::kRopePairs) instead of the whole Q projection.
-  // The channel count rounds up to even.
-  bool rope_pairs = false;
+  // Partial channels as whole RoPE pairs, not skewed, where the model allows (Llama with RoPE
+  // over whole heads; otherwise ignored): the speculation then needs only those rows of W_q
+  // (Speculation::Mode::kRopePairs) instead of the whole Q projection, and on SmolLM2 predicts
+  // as well as the skewed channels (docs/accuracy.md). The channel count rounds up to even.
+  bool rope_pairs = true;
   int64_t chunk_tokens = 512;  // prefill chunk size
 };
 

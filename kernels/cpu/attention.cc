@@ -1,6 +1,7 @@
 // Reference attention. Prefill runs per head as two GEMMs over blocks of query rows (the
 // scores of one block are the only scratch); decode walks an explicit row list per KV head.
 #include <cblas.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -59,16 +60,183 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
   }
 }
 
+namespace {
+
+// q . k and y += a * x over n floats with explicit 8-lane FMAs and a fixed reduction: the same
+// arithmetic whatever the pointers' alignment (a compiler's alignment peeling would round the
+// first elements differently on different buffers, and a decode step and a prefill row must
+// agree bit for bit).
+inline float Dot(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 lo = _mm256_castps256_ps128(acc), hi = _mm256_extractf128_ps(acc, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  float s = _mm_cvtss_f32(lo);
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
+  return s;
+}
+inline void Axpy(float a, const float* x, float* y, int n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+// Where one (query row, query head) of a chunk puts its partial results: the chunk's
+// probabilities before normalization (exp(score - chunk max)) for rows j0 .., the chunk's max
+// score and sum of exponentials, and its unnormalized output [head_dim].
+struct ChunkPartial {
+  float* p;
+  float* max;
+  float* sum;
+  float* out;
+};
+
+// The partials of chunk rows [j0, j1) of KV head g (listed by idx when not null) for nq query
+// rows of the group's heads: query row i sees rows [j0, ends[i]) (ends[i] <= j1), its head h0 +
+// hh writes partials[i * group + hh]. Each K and V row is read once for every query and head.
+// Decode calls this with one query row and prefill with a block of them: the same code, so the
+// same numbers for a query whichever it is (never inlined: a caller's constants must not let the
+// compiler vectorize its copy differently).
+__attribute__((noinline)) void ChunkPartials(const float* const* qs, const int64_t* ends, int nq,
+                                             KvRows k, KvRows v, const int32_t* idx, int g,
+                                             int group, int64_t j0, int64_t j1, int head_dim,
+                                             float scale, const ChunkPartial* partials) {
+  const int h0 = g * group;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* kr = k.Row(g, idx != nullptr ? idx[j] : j);
+    if (idx != nullptr && j + kAhead < j1) Prefetch(k.Row(g, idx[j + kAhead]), head_dim);
+    for (int i = 0; i < nq; ++i) {
+      if (j >= ends[i]) continue;
+      for (int hh = 0; hh < group; ++hh) {
+        partials[i * group + hh].p[j - j0] =
+            Dot(qs[i] + (h0 + hh) * head_dim, kr, head_dim) * scale;
+      }
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    for (int hh = 0; hh < group; ++hh) {
+      const ChunkPartial& cp = partials[i * group + hh];
+      const int64_t n = ends[i] - j0;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) m = std::max(m, cp.p[j]);
+      double sum = 0.0;
+      for (int64_t j = 0; j < n; ++j) {
+        cp.p[j] = m == -INFINITY ? 0.0f : std::exp(cp.p[j] - m);
+        sum += cp.p[j];
+      }
+      *cp.max = m;
+      *cp.sum = static_cast<float>(sum);
+      std::fill(cp.out, cp.out + head_dim, 0.0f);
+    }
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vr = v.Row(g, idx != nullptr ? idx[j] : j);
+    if (idx != nullptr && j + kAhead < j1) Prefetch(v.Row(g, idx[j + kAhead]), head_dim);
+    for (int i = 0; i < nq; ++i) {
+      if (j >= ends[i]) continue;
+      for (int hh = 0; hh < group; ++hh) {
+        const ChunkPartial& cp = partials[i * group + hh];
+        Axpy(cp.p[j - j0], vr, cp.out, head_dim);
+      }
+    }
+  }
+}
+
+// One query head's output from its chunks' partials (max [chunks], sum [chunks], out [chunks,
+// head_dim]): each chunk rescaled by exp(chunk max - max) over the total. Writes each chunk's
+// weight to `weights` when not null. False when every score was -inf (nothing written). Never
+// inlined, for the same reason as ChunkPartials.
+__attribute__((noinline)) bool MergeChunks(const float* max, const float* sum, const float* out,
+                                           int64_t chunks, int head_dim, float* oh,
+                                           float* weights) {
+  float max_v = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) max_v = std::max(max_v, max[c]);
+  if (max_v == -INFINITY) return false;
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    total += static_cast<double>(sum[c]) * std::exp(max[c] - max_v);
+  }
+  std::fill(oh, oh + head_dim, 0.0f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float w = static_cast<float>(std::exp(max[c] - max_v) / total);
+    Axpy(w, out + c * head_dim, oh, head_dim);
+    if (weights != nullptr) weights[c] = w;
+  }
+  return true;
+}
+
+// Query rows per block of the blocked causal attention (their chunk partials share the K/V
+// reads).
+constexpr int kCausalBlock = 16;
+
+}  // namespace
+
 void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start, KvRows k,
                          KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
                          float* out, int64_t out_stride) {
-  // Each query row exactly as a decode step computes it (AttentionDecode over the rows it sees,
-  // whose chunking and merge order do not depend on threads); rows in parallel, each on one
-  // thread (the nested region of AttentionDecode runs with a team of one).
+  // Each query row computed exactly as a decode step computes it (ChunkPartials over the
+  // 256-row chunks of the rows it sees, then MergeChunks), blocks of query rows sharing each
+  // chunk's K/V reads; tasks (query block, KV head) in parallel.
+  const int group = num_heads / num_kv_heads;
+  const int64_t blocks = (num_q + kCausalBlock - 1) / kCausalBlock;
 #pragma omp parallel for schedule(dynamic, 1) if (num_q > 1)
-  for (int64_t r = 0; r < num_q; ++r) {
-    AttentionDecode(q + r * q_stride, k, v, nullptr, q_start + r + 1, num_heads, num_kv_heads,
-                    head_dim, scale, out + r * out_stride);
+  for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
+    const int64_t b0 = t / num_kv_heads * kCausalBlock;
+    const int g = static_cast<int>(t % num_kv_heads);
+    const int nq = static_cast<int>(std::min<int64_t>(kCausalBlock, num_q - b0));
+    const int64_t last = q_start + b0 + nq;  // rows the block's last query sees
+    const int64_t chunks = (last + kDecodeChunk - 1) / kDecodeChunk;
+    // Scratch: per (query, head) the probabilities of one chunk, and per (query, head, chunk)
+    // max, sum and output.
+    const int64_t per = static_cast<int64_t>(nq) * group;
+    float* scratch = Scratch(per * (kDecodeChunk + chunks * (2 + head_dim)));
+    float* probs = scratch;
+    float* maxs = probs + per * kDecodeChunk;
+    float* sums = maxs + per * chunks;
+    float* outs = sums + per * chunks;
+    const float* qs[kCausalBlock];
+    int64_t ends[kCausalBlock];
+    thread_local std::vector<ChunkPartial> partials;
+    partials.resize(static_cast<size_t>(per));
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t j0 = c * kDecodeChunk, j1 = std::min(last, j0 + kDecodeChunk);
+      int m = 0;  // the block's queries that see rows of this chunk, in order
+      for (int i = 0; i < nq; ++i) {
+        const int64_t visible = q_start + b0 + i + 1;
+        if (visible <= j0) continue;
+        qs[m] = q + (b0 + i) * q_stride;
+        ends[m] = std::min(visible, j0 + kDecodeChunk);
+        for (int hh = 0; hh < group; ++hh) {
+          const int64_t at = (static_cast<int64_t>(i) * group + hh);
+          partials[m * group + hh] = {probs + at * kDecodeChunk, maxs + at * chunks + c,
+                                      sums + at * chunks + c, outs + (at * chunks + c) * head_dim};
+        }
+        ++m;
+      }
+      if (m > 0) {
+        ChunkPartials(qs, ends, m, k, v, nullptr, g, group, j0, j1, head_dim, scale,
+                      partials.data());
+      }
+    }
+    for (int i = 0; i < nq; ++i) {
+      const int64_t visible = q_start + b0 + i + 1;
+      const int64_t own = (visible + kDecodeChunk - 1) / kDecodeChunk;  // its chunks
+      for (int hh = 0; hh < group; ++hh) {
+        const int64_t at = static_cast<int64_t>(i) * group + hh;
+        float* oh = out + (b0 + i) * out_stride + (g * group + hh) * head_dim;
+        if (!MergeChunks(maxs + at * chunks, sums + at * chunks, outs + at * chunks * head_dim, own,
+                         head_dim, oh, nullptr)) {
+          std::fill(oh, oh + head_dim, 0.0f);  // -inf everywhere cannot happen: q.k is finite
+        }
+      }
+    }
   }
 }
 
@@ -88,89 +256,53 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
   }
   const int64_t chunks = (num_rows + kDecodeChunk - 1) / kDecodeChunk;
   const int64_t tasks = chunks * num_kv_heads;
-  // Scratch of the calling thread: scores [heads, rows] (then exp(score - chunk max)), and per
-  // (query head, chunk) the max, the sum and the output [head_dim].
+  // Scratch of the calling thread: probabilities [heads, rows] (exp(score - chunk max)), and
+  // per (query head, chunk) the max, the sum and the output [head_dim]; chunk weights [chunks].
   float* scratch = Scratch(static_cast<size_t>(num_heads) *
-                           (num_rows + chunks * (2 + static_cast<int64_t>(head_dim))));
+                           (num_rows + chunks * (3 + static_cast<int64_t>(head_dim))));
   float* scores = scratch;
   float* chunk_max = scores + static_cast<int64_t>(num_heads) * num_rows;
   float* chunk_sum = chunk_max + num_heads * chunks;
   float* chunk_out = chunk_sum + num_heads * chunks;
+  float* chunk_weight = chunk_out + num_heads * chunks * head_dim;
 #pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim > (1 << 16))
   for (int64_t t = 0; t < tasks; ++t) {
     const int g = static_cast<int>(t / chunks);
     const int64_t c = t % chunks;
     const int64_t j0 = c * kDecodeChunk, j1 = std::min(num_rows, j0 + kDecodeChunk);
     const int32_t* idx = indices != nullptr ? indices + g * num_rows : nullptr;
-    const int h0 = g * group;
-    for (int64_t j = j0; j < j1; ++j) {
-      const float* kr = k.Row(g, idx != nullptr ? idx[j] : j);
-      if (idx != nullptr && j + kAhead < j1) Prefetch(k.Row(g, idx[j + kAhead]), head_dim);
-      for (int h = h0; h < h0 + group; ++h) {
-        const float* qh = q + h * head_dim;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < head_dim; ++d) dot += qh[d] * kr[d];
-        scores[h * num_rows + j] = dot * scale;
-      }
+    thread_local std::vector<ChunkPartial> partials;
+    partials.resize(static_cast<size_t>(group));
+    for (int hh = 0; hh < group; ++hh) {
+      const int h = g * group + hh;
+      partials[hh] = {scores + h * num_rows + j0, chunk_max + h * chunks + c,
+                      chunk_sum + h * chunks + c, chunk_out + (h * chunks + c) * head_dim};
     }
-    for (int h = h0; h < h0 + group; ++h) {
-      float* s = scores + h * num_rows;
-      float m = -INFINITY;
-      for (int64_t j = j0; j < j1; ++j) m = std::max(m, s[j]);
-      double sum = 0.0;
-      for (int64_t j = j0; j < j1; ++j) {
-        s[j] = m == -INFINITY ? 0.0f : std::exp(s[j] - m);
-        sum += s[j];
-      }
-      chunk_max[h * chunks + c] = m;
-      chunk_sum[h * chunks + c] = static_cast<float>(sum);
-      float* o = chunk_out + (h * chunks + c) * head_dim;
-      std::fill(o, o + head_dim, 0.0f);
-    }
-    for (int64_t j = j0; j < j1; ++j) {
-      const float* vr = v.Row(g, idx != nullptr ? idx[j] : j);
-      if (idx != nullptr && j + kAhead < j1) Prefetch(v.Row(g, idx[j + kAhead]), head_dim);
-      for (int h = h0; h < h0 + group; ++h) {
-        const float p = scores[h * num_rows + j];
-        float* o = chunk_out + (h * chunks + c) * head_dim;
-#pragma omp simd
-        for (int d = 0; d < head_dim; ++d) o[d] += p * vr[d];
-      }
-    }
+    ChunkPartials(&q, &j1, 1, k, v, idx, g, group, j0, j1, head_dim, scale, partials.data());
   }
-  // Merge the chunks of each query head.
   for (int h = 0; h < num_heads; ++h) {
-    const float* m = chunk_max + h * chunks;
-    float max_v = -INFINITY;
-    for (int64_t c = 0; c < chunks; ++c) max_v = std::max(max_v, m[c]);
     float* oh = out + h * head_dim;
-    float* s = scores + h * num_rows;
-    if (max_v == -INFINITY) {  // every score -inf: uniform is the only finite answer
+    if (!MergeChunks(chunk_max + h * chunks, chunk_sum + h * chunks,
+                     chunk_out + h * chunks * head_dim, chunks, head_dim, oh,
+                     chunk_weight + h * chunks)) {
+      // Every score -inf: uniform is the only finite answer.
       std::fill(oh, oh + head_dim, 0.0f);
       const int32_t* idx = indices != nullptr ? indices + (h / group) * num_rows : nullptr;
       for (int64_t j = 0; j < num_rows; ++j) {
         const float* vr = v.Row(h / group, idx != nullptr ? idx[j] : j);
         for (int d = 0; d < head_dim; ++d) oh[d] += vr[d] / num_rows;
       }
-      if (weights_out != nullptr)
+      if (weights_out != nullptr) {
         std::fill_n(weights_out + h * num_rows, num_rows, 1.0f / num_rows);
+      }
       continue;
     }
-    double total = 0.0;
+    if (weights_out == nullptr) continue;
+    const float* s = scores + h * num_rows;
     for (int64_t c = 0; c < chunks; ++c) {
-      total += static_cast<double>(chunk_sum[h * chunks + c]) * std::exp(m[c] - max_v);
-    }
-    std::fill(oh, oh + head_dim, 0.0f);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float w = static_cast<float>(std::exp(m[c] - max_v) / total);
-      const float* o = chunk_out + (h * chunks + c) * head_dim;
-#pragma omp simd
-      for (int d = 0; d < head_dim; ++d) oh[d] += w * o[d];
-      if (weights_out != nullptr) {
-        const int64_t j0 = c * kDecodeChunk, j1 = std::min(num_rows, j0 + kDecodeChunk);
-        for (int64_t j = j0; j < j1; ++j) weights_out[h * num_rows + j] = s[j] * w;
-      }
+      const int64_t j0 = c * kDecodeChunk, j1 = std::min(num_rows, j0 + kDecodeChunk);
+      for (int64_t j = j0; j < j1; ++j)
+        weights_out[h * num_rows + j] = s[j] * chunk_weight[h * chunks + c];
     }
   }
 }

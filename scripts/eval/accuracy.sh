@@ -20,11 +20,12 @@ sidecar() {  # name, then prepare flags
 }
 # The paper's defaults (r = 0.2, sum rule); ours (26 channels = r 0.4 at head_dim 64, product);
 # and each without the skew, and ours with the paper's channel rule.
-sidecar paper --ratio 0.2 --channel-rule sum
-sidecar tuned --ratio 0.4 --channel-rule product
-sidecar noskew --ratio 0.2 --channel-rule sum --no-skew
-sidecar tuned_noskew --ratio 0.4 --channel-rule product --no-skew
-sidecar tuned_sum --ratio 0.4 --channel-rule sum
+sidecar paper --ratio 0.2 --channel-rule sum --rope-pairs=false
+sidecar tuned --ratio 0.4 --channel-rule product  # whole RoPE pairs, the default since they predict as well
+sidecar tuned_skewed --ratio 0.4 --channel-rule product --rope-pairs=false
+sidecar noskew --ratio 0.2 --channel-rule sum --no-skew --rope-pairs=false
+sidecar tuned_noskew --ratio 0.4 --channel-rule product --no-skew --rope-pairs=false
+sidecar tuned_sum --ratio 0.4 --channel-rule sum --rope-pairs=false
 
 run() {  # name, then eval flags
   local name="$1"; shift
@@ -48,7 +49,7 @@ run wiki2k_infinigen_tuned "${WIKI2K[@]}" --policies infinigen --budgets 0.1,0.2
 run wiki2k_infinigen_overall20 "${WIKI2K[@]}" --policies infinigen,h2o,oracle --budgets 0.15 \
   --alphas 10 --sidecar "$OUT/tuned.safetensors" --generate-tokens 128
 # Skew on/off at both settings, and the channel rule at r = 0.4 (budget 0.2, alpha 10).
-for sc in paper noskew tuned_noskew tuned_sum; do
+for sc in paper noskew tuned_skewed tuned_noskew tuned_sum; do
   run "wiki2k_ablation_$sc" "${WIKI2K[@]}" --policies infinigen --budgets 0.2 --alphas 10 \
     --sidecar "$OUT/$sc.safetensors"
 done

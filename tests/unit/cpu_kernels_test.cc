@@ -212,6 +212,35 @@ TEST(CpuKernels, CausalAttentionWithGqaMatchesDoubleLoop) {
   }
 }
 
+// The batch-invariant prefill attention: every query row of a block, whatever q_start and the
+// block's size, is bit for bit what AttentionDecode gives that row over the rows it sees (so a
+// prompt's last token equals a decode step of it, and chunking a prompt changes nothing).
+TEST(CpuKernels, CausalRowsEqualDecodeOfEachRowBitForBit) {
+  std::mt19937 rng(9);
+  const int heads = 9, kv_heads = 3, d = 64;
+  const int64_t cap = 700, row_stride = d, head_stride = cap * row_stride;
+  auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
+  for (const auto& [q_start, num_q] :
+       {std::pair<int64_t, int64_t>{0, 1}, {0, 5}, {0, 40}, {3, 1}, {250, 20}, {600, 37}}) {
+    const int64_t q_stride = heads * d;
+    auto q = Random(num_q * q_stride, rng, 2.0f);
+    std::vector<float> out(num_q * heads * d), want(heads * d);
+    const float scale = 0.125f;
+    AttentionCausalRows(q.data(), q_stride, num_q, q_start, {k.data(), head_stride, row_stride},
+                        {v.data(), head_stride, row_stride}, heads, kv_heads, d, scale, out.data(),
+                        heads * d);
+    for (int64_t i = 0; i < num_q; ++i) {
+      AttentionDecode(q.data() + i * q_stride, {k.data(), head_stride, row_stride},
+                      {v.data(), head_stride, row_stride}, nullptr, q_start + i + 1, heads,
+                      kv_heads, d, scale, want.data());
+      for (int c = 0; c < heads * d; ++c) {
+        ASSERT_EQ(out[i * heads * d + c], want[c])
+            << "q_start " << q_start << ", row " << i << ", value " << c;
+      }
+    }
+  }
+}
+
 // K and V of `cap` rows per KV head, one query, and num_rows random row indices per KV head
 // (repeats allowed).
 struct DecodeCase {
