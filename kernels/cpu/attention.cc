@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/row_gemm.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -62,23 +63,9 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
 
 namespace {
 
-// q . k and y += a * x over n floats with explicit 8-lane FMAs and a fixed reduction: the same
-// arithmetic whatever the pointers' alignment (a compiler's alignment peeling would round the
-// first elements differently on different buffers, and a decode step and a prefill row must
-// agree bit for bit).
-inline float Dot(const float* a, const float* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 lo = _mm256_castps256_ps128(acc), hi = _mm256_extractf128_ps(acc, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  float s = _mm_cvtss_f32(lo);
-  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
-  return s;
-}
+// y += a * x over n floats with explicit 8-lane FMAs: the same arithmetic whatever the
+// pointers' alignment (a compiler's alignment peeling would round the first elements
+// differently on different buffers, and a decode step and a prefill row must agree bit for bit).
 inline void Axpy(float a, const float* x, float* y, int n) {
   const __m256 av = _mm256_set1_ps(a);
   int i = 0;
@@ -86,6 +73,25 @@ inline void Axpy(float a, const float* x, float* y, int n) {
     _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   }
   for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+// out = sum over j < n of p[j] * rows[j] (n rows of `width` floats), each element accumulated
+// in j order by FMA from zero, as Axpy would: 64 floats at a time in registers.
+void WeightedRows(const float* p, const float* const* rows, int64_t n, int width, float* out) {
+  int d0 = 0;
+  for (; d0 + 64 <= width; d0 += 64) {
+    __m256 acc[8];
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* r = rows[j] + d0;
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8 * t), acc[t]);
+    }
+    for (int t = 0; t < 8; ++t) _mm256_storeu_ps(out + d0 + 8 * t, acc[t]);
+  }
+  if (d0 == width) return;
+  std::fill(out + d0, out + width, 0.0f);
+  for (int64_t j = 0; j < n; ++j) Axpy(p[j], rows[j] + d0, out + d0, width - d0);
 }
 
 // Where one (query row, query head) of a chunk puts its partial results: the chunk's
@@ -99,52 +105,45 @@ struct ChunkPartial {
 };
 
 // The partials of chunk rows [j0, j1) of KV head g (listed by idx when not null) for nq query
-// rows of the group's heads: query row i sees rows [j0, ends[i]) (ends[i] <= j1), its head h0 +
-// hh writes partials[i * group + hh]. Each K and V row is read once for every query and head.
-// Decode calls this with one query row and prefill with a block of them: the same code, so the
-// same numbers for a query whichever it is (never inlined: a caller's constants must not let the
-// compiler vectorize its copy differently).
-__attribute__((noinline)) void ChunkPartials(const float* const* qs, const int64_t* ends, int nq,
-                                             KvRows k, KvRows v, const int32_t* idx, int g,
-                                             int group, int64_t j0, int64_t j1, int head_dim,
-                                             float scale, const ChunkPartial* partials) {
+// rows q0 + i * q_stride of the group's heads: query row i sees rows [j0, ends[i]) (ends[i] <=
+// j1), its head h0 + hh writes partials[i * group + hh]. Scores are the fixed-order dot products
+// of row_gemm.h (each K row read once per block of queries), the weighted V rows summed in row
+// order. Decode calls this with one query row and prefill with a block of them: the same code,
+// so the same numbers for a query whichever it is.
+void ChunkPartials(const float* q0, int64_t q_stride, const int64_t* ends, int nq, KvRows k,
+                   KvRows v, const int32_t* idx, int g, int group, int64_t j0, int64_t j1,
+                   int head_dim, float scale, const ChunkPartial* partials) {
   const int h0 = g * group;
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* kr = k.Row(g, idx != nullptr ? idx[j] : j);
-    if (idx != nullptr && j + kAhead < j1) Prefetch(k.Row(g, idx[j + kAhead]), head_dim);
-    for (int i = 0; i < nq; ++i) {
-      if (j >= ends[i]) continue;
-      for (int hh = 0; hh < group; ++hh) {
-        partials[i * group + hh].p[j - j0] =
-            Dot(qs[i] + (h0 + hh) * head_dim, kr, head_dim) * scale;
-      }
-    }
+  const int64_t n = j1 - j0;
+  thread_local std::vector<const float*> k_rows, v_rows;
+  thread_local std::vector<float> scores;  // [nq * group, kDecodeChunk]
+  k_rows.resize(kDecodeChunk);
+  v_rows.resize(kDecodeChunk);
+  scores.resize(static_cast<size_t>(nq) * group * kDecodeChunk);
+  for (int64_t j = 0; j < n; ++j) {
+    k_rows[j] = k.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
+    v_rows[j] = v.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
+  }
+  for (int hh = 0; hh < group; ++hh) {
+    GemmRowsF32Table(q0 + (h0 + hh) * head_dim, q_stride, k_rows.data(), nullptr,
+                     scores.data() + hh * kDecodeChunk, group * kDecodeChunk, nq, n, head_dim,
+                     false);
   }
   for (int i = 0; i < nq; ++i) {
     for (int hh = 0; hh < group; ++hh) {
       const ChunkPartial& cp = partials[i * group + hh];
-      const int64_t n = ends[i] - j0;
+      const float* s = scores.data() + (static_cast<int64_t>(i) * group + hh) * kDecodeChunk;
+      const int64_t seen = ends[i] - j0;
       float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, cp.p[j]);
+      for (int64_t j = 0; j < seen; ++j) m = std::max(m, cp.p[j] = s[j] * scale);
       double sum = 0.0;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < seen; ++j) {
         cp.p[j] = m == -INFINITY ? 0.0f : std::exp(cp.p[j] - m);
         sum += cp.p[j];
       }
       *cp.max = m;
       *cp.sum = static_cast<float>(sum);
-      std::fill(cp.out, cp.out + head_dim, 0.0f);
-    }
-  }
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* vr = v.Row(g, idx != nullptr ? idx[j] : j);
-    if (idx != nullptr && j + kAhead < j1) Prefetch(v.Row(g, idx[j + kAhead]), head_dim);
-    for (int i = 0; i < nq; ++i) {
-      if (j >= ends[i]) continue;
-      for (int hh = 0; hh < group; ++hh) {
-        const ChunkPartial& cp = partials[i * group + hh];
-        Axpy(cp.p[j - j0], vr, cp.out, head_dim);
-      }
+      WeightedRows(cp.p, v_rows.data(), seen, head_dim, cp.out);
     }
   }
 }
@@ -221,7 +220,7 @@ void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_
         ++m;
       }
       if (m > 0) {
-        ChunkPartials(qs, ends, m, k, v, nullptr, g, group, j0, j1, head_dim, scale,
+        ChunkPartials(qs[0], q_stride, ends, m, k, v, nullptr, g, group, j0, j1, head_dim, scale,
                       partials.data());
       }
     }
@@ -278,7 +277,7 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
       partials[hh] = {scores + h * num_rows + j0, chunk_max + h * chunks + c,
                       chunk_sum + h * chunks + c, chunk_out + (h * chunks + c) * head_dim};
     }
-    ChunkPartials(&q, &j1, 1, k, v, idx, g, group, j0, j1, head_dim, scale, partials.data());
+    ChunkPartials(q, 0, &j1, 1, k, v, idx, g, group, j0, j1, head_dim, scale, partials.data());
   }
   for (int h = 0; h < num_heads; ++h) {
     float* oh = out + h * head_dim;

@@ -59,6 +59,14 @@ struct Bf16Rows {
     for (int64_t i = 0; i < k; ++i) out[i] = At(c, i);
   }
 };
+// Float32 rows wherever they lie (a row table).
+struct TableRows {
+  const float* const* rows;
+  __m256 Load8(int64_t c, int64_t i) const { return _mm256_loadu_ps(rows[c] + i); }
+  float At(int64_t c, int64_t i) const { return rows[c][i]; }
+  const void* Address(int64_t c, int64_t i) const { return rows[c] + i; }
+  TableRows From(int64_t j) const { return {rows + j}; }
+};
 // Q8: w[r, c] = qs[r, c] * scales[r, c / 32] (packed_gemm.h), the product taken in float32.
 struct Q8Rows {
   const int8_t* qs;
@@ -167,7 +175,7 @@ void ColumnBlock(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
     const int64_t i1 = std::min(m, i0 + kRowBlock);
     for (int64_t j = 0; j < cols; j += step) {
       const int64_t width = std::min(step, cols - j);
-      if constexpr (!std::is_same_v<A, F32Rows>) {
+      if constexpr (!std::is_same_v<A, F32Rows> && !std::is_same_v<A, TableRows>) {
         if (!gemv) {
           panel.resize(static_cast<size_t>(kCols * k));
           for (int64_t c = 0; c < width; ++c) w.Widen(j + c, panel.data() + c * k, k);
@@ -209,6 +217,11 @@ void GemmRowsF32(const float* x, int64_t ldx, const float* w, int64_t ldw, const
 void GemmRowsBf16(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y,
                   int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
   Gemm(x, ldx, Bf16Rows{w, k}, bias, y, ldy, m, n, k, accumulate);
+}
+
+void GemmRowsF32Table(const float* x, int64_t ldx, const float* const* w_rows, const float* bias,
+                      float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
+  Gemm(x, ldx, TableRows{w_rows}, bias, y, ldy, m, n, k, accumulate);
 }
 
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
