@@ -169,6 +169,7 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
       continue;
     }
     a.opened = true;
+    if (a.request.policy != nullptr) a.request.policy->Open(a.id, a.max_total);
     device_bytes_reserved_ += a.device_bytes;
     running_.push_back(std::move(incoming[i]));
   }

@@ -33,6 +33,27 @@ absl::Status DecodeStep::EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes) 
   return absl::OkStatus();
 }
 
+template <typename Work>
+absl::Status DecodeStep::ForEachPolicy(const Work& work) {
+  policy_chunks_.clear();
+  for (size_t b = 0; b < batch_.size(); ++b) {
+    if (batch_[b].policy != nullptr) policy_chunks_.push_back(b);
+  }
+  const int64_t m = static_cast<int64_t>(policy_chunks_.size());
+  // A policy keeps per-sequence state and is not thread-safe; separate policies are independent.
+  bool distinct = m > 1;
+  for (int64_t i = 0; i < m && distinct; ++i) {
+    for (int64_t j = 0; j < i && distinct; ++j) {
+      distinct = batch_[policy_chunks_[i]].policy != batch_[policy_chunks_[j]].policy;
+    }
+  }
+  statuses_.assign(static_cast<size_t>(m), absl::OkStatus());
+#pragma omp parallel for schedule(dynamic, 1) if (distinct)
+  for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
+  for (const absl::Status& st : statuses_) IG_RETURN_IF_ERROR(st);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DecodeStep::HostRows> DecodeStep::ToHost(MatView m, std::vector<float>& host) {
   Backend& backend = model_.backend();
   if (backend.host_accessible()) return HostRows{m.As<const float>(), m.stride};
@@ -87,11 +108,12 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
   }
   num_spec_rows_ = static_cast<int64_t>(host_spec_positions_.size());
   host_slots_.resize(static_cast<size_t>(num_tokens_ * c.num_kv_heads));
-  selections_.resize(batch.size());
-  chunks_.resize(batch.size());
+  // Per-chunk state only grows: a slot's vectors keep their capacity for the next batch.
+  if (selections_.size() < batch.size()) selections_.resize(batch.size());
+  if (chunks_.size() < batch.size()) chunks_.resize(batch.size());
   spec_layer_[0] = spec_layer_[1] = -1;
   for (auto& per_chunk : prefetched_) {
-    per_chunk.resize(batch.size());
+    if (per_chunk.size() < batch.size()) per_chunk.resize(batch.size());
     for (Prefetched& p : per_chunk) p.layer = -1;
   }
   if (speculating_) {
@@ -400,26 +422,6 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
                                        selection, out.Rows(row, 1)));
     }
   }
-  return absl::OkStatus();
-}
-
-absl::Status DecodeStep::ForEachPolicy(const std::function<absl::Status(size_t)>& work) {
-  policy_chunks_.clear();
-  for (size_t b = 0; b < batch_.size(); ++b) {
-    if (batch_[b].policy != nullptr) policy_chunks_.push_back(b);
-  }
-  const int64_t m = static_cast<int64_t>(policy_chunks_.size());
-  // A policy keeps per-sequence state and is not thread-safe; separate policies are independent.
-  bool distinct = m > 1;
-  for (int64_t i = 0; i < m && distinct; ++i) {
-    for (int64_t j = 0; j < i && distinct; ++j) {
-      distinct = batch_[policy_chunks_[i]].policy != batch_[policy_chunks_[j]].policy;
-    }
-  }
-  statuses_.assign(static_cast<size_t>(m), absl::OkStatus());
-#pragma omp parallel for schedule(dynamic, 1) if (distinct)
-  for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
-  for (const absl::Status& st : statuses_) IG_RETURN_IF_ERROR(st);
   return absl::OkStatus();
 }
 

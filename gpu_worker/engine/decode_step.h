@@ -96,8 +96,10 @@ class DecodeStep final : private LayerAttention {
   bool Miss(Prefetched& pre);
   // Runs work(b) for every chunk b whose policy is set and returns the first error: on several
   // threads (OpenMP) when those chunks' policies are distinct objects, in order otherwise.
-  // `work` calls only its chunk's policy and writes only that chunk's state.
-  absl::Status ForEachPolicy(const std::function<absl::Status(size_t)>& work);
+  // `work` calls only its chunk's policy and writes only that chunk's state. (A template, not a
+  // std::function: a capturing lambda would be copied to the heap every layer.)
+  template <typename Work>
+  absl::Status ForEachPolicy(const Work& work);
   // One decode token's attention over `rows` rows of `kv` (listed by device `indices`, or the
   // first `rows` when null); hands the attention weights to policies that want them.
   absl::Status AttentionStep(size_t b, int layer, MatView q, const KvLayerView& kv,

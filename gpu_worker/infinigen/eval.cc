@@ -38,6 +38,7 @@ absl::Status Feed(Model& model, KvCache& cache, KvSelectionPolicy* policy, Seque
                   std::span<const int32_t> tokens, int64_t dense, int64_t chunk, OnStep on_step) {
   std::vector<float> logits(model.config().vocab_size);
   IG_RETURN_IF_ERROR(cache.Open(seq, static_cast<int64_t>(tokens.size())));
+  if (policy != nullptr) policy->Open(seq, static_cast<int64_t>(tokens.size()));
   for (int64_t pos = 0; pos < dense; pos += chunk) {
     const int64_t len = std::min(chunk, dense - pos);
     ForwardChunk c{seq, pos, tokens.subspan(pos, len), false, policy};
@@ -62,6 +63,7 @@ absl::StatusOr<std::vector<int32_t>> Greedy(Model& model, KvCache& cache, KvSele
   std::vector<float> logits(model.config().vocab_size);
   const int64_t n = static_cast<int64_t>(prompt.size());
   IG_RETURN_IF_ERROR(cache.Open(seq, n + steps));
+  if (policy != nullptr) policy->Open(seq, n + steps);
   for (int64_t pos = 0; pos < n; pos += chunk) {
     const int64_t len = std::min(chunk, n - pos);
     ForwardChunk c{seq, pos, prompt.subspan(pos, len), false, policy};

@@ -39,6 +39,28 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     return speculation_input() != SpeculationInput::kNone && layer >= config_.dense_layers;
   }
 
+  // Room for the whole sequence: its partial keys, slot positions and this policy's scratch.
+  void Open(SequenceId seq, int64_t capacity_tokens) override {
+    positions_.Reserve(seq, static_cast<int>(model_.num_layers),
+                       static_cast<int>(model_.num_kv_heads), capacity_tokens);
+    auto& layers = partial_[seq];
+    if (static_cast<int>(layers.size()) < model_.num_layers) layers.resize(model_.num_layers);
+    for (int l = config_.dense_layers; l < model_.num_layers; ++l) {
+      Reserve(layers[l], capacity_tokens);
+    }
+    const size_t rows = static_cast<size_t>(capacity_tokens);
+    scores_.reserve(static_cast<size_t>(model_.num_heads) * rows);
+    mass_.reserve(static_cast<size_t>(model_.num_kv_heads) * rows);
+    for (Prescored& p : prescored_) p.scores.reserve(static_cast<size_t>(model_.num_heads) * rows);
+    forced_.resize(model_.num_kv_heads);
+    for (auto& f : forced_) f.reserve(rows + 1);
+    q_partial_.reserve(static_cast<size_t>(model_.num_heads) * partial_dim_);
+    head_counts_.reserve(static_cast<size_t>(model_.num_heads));
+    for (Prescored& p : prescored_) {
+      p.q_partial.reserve(static_cast<size_t>(model_.num_heads) * partial_dim_);
+    }
+  }
+
   // Rotates and cuts every new key of a sparse layer into the partial key cache, at its slot.
   absl::Status OnKeys(const LayerKeys& keys) override {
     positions_.Record(keys, static_cast<int>(model_.num_kv_heads));
@@ -202,7 +224,11 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     double count_sum = 0;
     for (int64_t c : head_counts_) count_sum += static_cast<double>(c);
     if (keep) {
-      pre = {r.seq, r.layer, n, q_partial_, scores_};
+      pre.seq = r.seq;  // field by field: the vectors keep their capacity
+      pre.layer = r.layer;
+      pre.n = n;
+      pre.q_partial.assign(q_partial_.begin(), q_partial_.end());
+      pre.scores.assign(scores_.begin(), scores_.end());
     } else {
       pre.layer = -1;
     }

@@ -29,6 +29,11 @@ class PositionalPolicy : public KvSelectionPolicy {
  public:
   PositionalPolicy(const SelectionConfig& config, const ModelConfig& model)
       : config_(config), model_(model) {}
+  void Open(SequenceId seq, int64_t capacity_tokens) override {
+    positions_.Reserve(seq, static_cast<int>(model_.num_layers),
+                       static_cast<int>(model_.num_kv_heads), capacity_tokens);
+    order_.reserve(static_cast<size_t>(capacity_tokens));
+  }
   absl::Status OnKeys(const LayerKeys& keys) override {
     positions_.Record(keys, static_cast<int>(model_.num_kv_heads));
     return absl::OkStatus();
@@ -43,22 +48,23 @@ class PositionalPolicy : public KvSelectionPolicy {
     out.all = true;
     return true;
   }
-  // Slots of one head ordered by position, oldest first.
-  std::vector<int32_t> ByPosition(SequenceId seq, int layer, int head, int64_t n) const {
+  // Slots of one head ordered by position, oldest first (into order_, reused).
+  const std::vector<int32_t>& ByPosition(SequenceId seq, int layer, int head, int64_t n) {
     const auto& pos = positions_.Of(seq, layer, head);
-    std::vector<int32_t> slots(n);
-    for (int32_t j = 0; j < n; ++j) slots[j] = j;
-    std::sort(slots.begin(), slots.end(), [&](int32_t a, int32_t b) {
+    order_.resize(static_cast<size_t>(n));
+    for (int32_t j = 0; j < n; ++j) order_[j] = j;
+    std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
       const int64_t pa = a < static_cast<int32_t>(pos.size()) ? pos[a] : a;
       const int64_t pb = b < static_cast<int32_t>(pos.size()) ? pos[b] : b;
       return pa < pb;
     });
-    return slots;
+    return order_;
   }
 
   SelectionConfig config_;
   const ModelConfig& model_;
   SlotPositions positions_;
+  std::vector<int32_t> order_;
 };
 
 class WindowPolicy final : public PositionalPolicy {
@@ -71,13 +77,13 @@ class WindowPolicy final : public PositionalPolicy {
     const int64_t sinks = std::min(config_.sink_tokens, k - 1);
     out.all = false;
     out.count = k;
-    out.indices.clear();
+    out.indices.resize(static_cast<size_t>(model_.num_kv_heads) * k);
     for (int g = 0; g < model_.num_kv_heads; ++g) {
-      const auto order = ByPosition(r.seq, r.layer, g, n);
-      std::vector<int32_t> chosen(order.begin(), order.begin() + sinks);
-      chosen.insert(chosen.end(), order.end() - (k - sinks), order.end());
-      std::sort(chosen.begin(), chosen.end());
-      out.indices.insert(out.indices.end(), chosen.begin(), chosen.end());
+      const std::vector<int32_t>& order = ByPosition(r.seq, r.layer, g, n);
+      int32_t* chosen = out.indices.data() + static_cast<size_t>(g) * k;
+      std::copy(order.begin(), order.begin() + sinks, chosen);
+      std::copy(order.end() - (k - sinks), order.end(), chosen + sinks);
+      std::sort(chosen, chosen + k);
     }
     return absl::OkStatus();
   }

@@ -8,6 +8,15 @@
 
 namespace infinigen {
 
+void SlotPositions::Reserve(SequenceId seq, int num_layers, int num_kv_heads, int64_t capacity) {
+  auto& layers = seqs_[seq];
+  if (static_cast<int>(layers.size()) < num_layers) layers.resize(num_layers);
+  for (auto& heads : layers) {
+    if (static_cast<int>(heads.size()) < num_kv_heads) heads.resize(num_kv_heads);
+    for (auto& pos : heads) pos.reserve(static_cast<size_t>(capacity));
+  }
+}
+
 void SlotPositions::Record(const LayerKeys& keys, int num_kv_heads) {
   auto& layers = seqs_[keys.seq];
   if (static_cast<int>(layers.size()) <= keys.layer) layers.resize(keys.layer + 1);

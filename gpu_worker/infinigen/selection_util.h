@@ -14,6 +14,8 @@ namespace infinigen {
 // Position of the token in every slot, per (sequence, layer, KV head), kept from OnKeys.
 class SlotPositions {
  public:
+  // Room for `capacity` slots of every (layer, head) of `seq`, so that Record allocates nothing.
+  void Reserve(SequenceId seq, int num_layers, int num_kv_heads, int64_t capacity);
   void Record(const LayerKeys& keys, int num_kv_heads);
   // [slot] -> position for one head; empty if unknown.
   const std::vector<int64_t>& Of(SequenceId seq, int layer, int head) const;

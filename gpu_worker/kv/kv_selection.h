@@ -79,6 +79,10 @@ class KvSelectionPolicy {
   // memory the host cannot read (a GPU). The others see KvLayerView::num_slots only there.
   virtual bool needs_resident_kv() const { return false; }
 
+  // `seq` will hold up to `capacity_tokens` tokens: per-sequence state is sized for them here,
+  // so that its decode steps allocate nothing (the engine calls it when it admits the sequence;
+  // without it state grows as rows arrive).
+  virtual void Open(SequenceId seq, int64_t capacity_tokens) {}
   // Every K row the model stores, prefill and decode, in order.
   virtual absl::Status OnKeys(const LayerKeys& keys) { return absl::OkStatus(); }
   // Rows for one decode token at one layer.

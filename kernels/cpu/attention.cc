@@ -124,10 +124,15 @@ void ChunkPartials(const float* q0, int64_t q_stride, const int64_t* ends, int n
     k_rows[j] = k.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
     v_rows[j] = v.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
   }
-  for (int hh = 0; hh < group; ++hh) {
-    GemmRowsF32Table(q0 + (h0 + hh) * head_dim, q_stride, k_rows.data(), nullptr,
-                     scores.data() + hh * kDecodeChunk, group * kDecodeChunk, nq, n, head_dim,
-                     false);
+  if (nq == 1) {  // the group's heads are the rows: each K row read once per two heads
+    GemmRowsF32Table(q0 + h0 * head_dim, head_dim, k_rows.data(), nullptr, scores.data(),
+                     kDecodeChunk, group, n, head_dim, false);
+  } else {  // a block of queries per head: each K row read once per two queries
+    for (int hh = 0; hh < group; ++hh) {
+      GemmRowsF32Table(q0 + (h0 + hh) * head_dim, q_stride, k_rows.data(), nullptr,
+                       scores.data() + hh * kDecodeChunk, group * kDecodeChunk, nq, n, head_dim,
+                       false);
+    }
   }
   for (int i = 0; i < nq; ++i) {
     for (int hh = 0; hh < group; ++hh) {

@@ -75,6 +75,7 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
   run.tokens.resize(n);
   for (size_t i = 0; i < n; ++i) {
     EXPECT_TRUE(cache.Open(i + 1, 256).ok());
+    if (policies[i] != nullptr) policies[i]->Open(i + 1, 256);
   }
   std::vector<float> logits(n * vocab);
   std::vector<int32_t> next(n);
