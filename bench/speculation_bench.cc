@@ -90,7 +90,8 @@ void BM_Speculation(benchmark::State& state) {
   }
   state.counters["macs_vs_qkv"] =
       static_cast<double>(spec.MacsPerToken()) / static_cast<double>(spec.QkvMacsPerToken());
-  state.SetLabel(spec.mode() == Speculation::Mode::kRopePairs ? "rope pairs" : "skewed (Q, then A)");
+  state.SetLabel(spec.mode() == Speculation::Mode::kRopePairs ? "rope pairs"
+                                                              : "skewed (Q, then A)");
 }
 
 void BM_QkvProjection(benchmark::State& state) {

@@ -11,8 +11,10 @@
 namespace infinigen {
 namespace {
 
-// Scoring work (heads x rows) below which a layer's selection stays on the calling thread.
+// Work (heads x rows) below which a layer's choice stays on the calling thread, and (smaller)
+// below which its scoring does: a 4K-token sequence of a 9-head model scores on every core.
 constexpr int64_t kParallelRows = 1 << 16;
+constexpr int64_t kParallelScores = 1 << 13;
 // Rows scored together per query head (accumulators on the stack).
 constexpr int64_t kRowBlock = 256;
 // Rows per chunk of the partial key cache: a growing sequence adds chunks and never copies
@@ -187,39 +189,42 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     scores_.resize(static_cast<size_t>(heads) * n);
     head_counts_.assign(heads, 0);
     const float margin = static_cast<float>(config_.alpha);
-#pragma omp parallel for schedule(static) if (heads * (n - reuse) >= kParallelRows)
-    for (int g = 0; g < kv_heads; ++g) {
+    for (int h = 0; h < heads; ++h) {
+      std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse,
+                  scores_.data() + static_cast<size_t>(h) * n);
+    }
+    // Blocks of rows of every KV head in parallel (a few KV heads would leave cores idle), each
+    // row's score summed in channel order whichever block it falls in.
+    const int64_t blocks = (n - reuse + kRowBlock - 1) / kRowBlock;
+#pragma omp parallel for schedule(static) if (heads * (n - reuse) >= kParallelScores)
+    for (int64_t t = 0; t < blocks * kv_heads; ++t) {
+      const int g = static_cast<int>(t % kv_heads);
+      const int64_t j0 = reuse + t / kv_heads * kRowBlock;
+      const int64_t rows = std::min<int64_t>(kRowBlock, n - j0);
       for (int h = g * group; h < (g + 1) * group; ++h) {
-        std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse,
-                    scores_.data() + static_cast<size_t>(h) * n);
-      }
-      for (int64_t j0 = reuse; j0 < n; j0 += kRowBlock) {
-        const int64_t rows = std::min<int64_t>(kRowBlock, n - j0);
-        for (int h = g * group; h < (g + 1) * group; ++h) {
-          const float* q_partial = q_partial_.data() + static_cast<size_t>(h) * p;
-          float acc[kRowBlock] = {};
-          for (int c = 0; c < p; ++c) {
-            const float qc = q_partial[c];
-            const float* kc = cache.Rows(j0, g, c, p);
+        const float* q_partial = q_partial_.data() + static_cast<size_t>(h) * p;
+        float acc[kRowBlock] = {};
+        for (int c = 0; c < p; ++c) {
+          const float qc = q_partial[c];
+          const float* kc = cache.Rows(j0, g, c, p);
 #pragma omp simd
-            for (int64_t i = 0; i < rows; ++i) acc[i] += qc * kc[i];
-          }
-          float* s = scores_.data() + static_cast<size_t>(h) * n + j0;
-#pragma omp simd
-          for (int64_t i = 0; i < rows; ++i) s[i] = acc[i] * scale;
+          for (int64_t i = 0; i < rows; ++i) acc[i] += qc * kc[i];
         }
+        float* s = scores_.data() + static_cast<size_t>(h) * n + j0;
+#pragma omp simd
+        for (int64_t i = 0; i < rows; ++i) s[i] = acc[i] * scale;
       }
-      for (int h = g * group; h < (g + 1) * group; ++h) {
-        const float* s = scores_.data() + static_cast<size_t>(h) * n;
-        float best = -INFINITY;
+    }
+    for (int h = 0; h < heads; ++h) {
+      const float* s = scores_.data() + static_cast<size_t>(h) * n;
+      float best = -INFINITY;
 #pragma omp simd reduction(max : best)
-        for (int64_t j = 0; j < n; ++j) best = s[j] > best ? s[j] : best;
-        const float threshold = best - margin;
-        int64_t count = 0;
+      for (int64_t j = 0; j < n; ++j) best = s[j] > best ? s[j] : best;
+      const float threshold = best - margin;
+      int64_t count = 0;
 #pragma omp simd reduction(+ : count)
-        for (int64_t j = 0; j < n; ++j) count += s[j] > threshold;
-        head_counts_[h] = count;
-      }
+      for (int64_t j = 0; j < n; ++j) count += s[j] > threshold;
+      head_counts_[h] = count;
     }
     double count_sum = 0;
     for (int64_t c : head_counts_) count_sum += static_cast<double>(c);

@@ -23,9 +23,6 @@ float* Scratch(size_t n) {
   return buf.data();
 }
 
-// Rows listed by index are scattered: ask for the row kAhead positions ahead while working on
-// this one, so that several misses are in flight (hardware prefetchers do not follow indices).
-constexpr int64_t kAhead = 8;
 // Rows per decode task (see AttentionDecode).
 constexpr int64_t kDecodeChunk = 256;
 inline void Prefetch(const float* row, int head_dim) {
@@ -75,23 +72,48 @@ inline void Axpy(float a, const float* x, float* y, int n) {
   for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
 }
 
-// out = sum over j < n of p[j] * rows[j] (n rows of `width` floats), each element accumulated
-// in j order by FMA from zero, as Axpy would: 64 floats at a time in registers.
-void WeightedRows(const float* p, const float* const* rows, int64_t n, int width, float* out) {
+// outs[r] = sum over j < n of ps[r][j] * rows[j] for r < R (n rows of `width` floats), each
+// element accumulated in j order by FMA from zero, as Axpy would: R rows x 32 floats at a time
+// in registers (each V row loaded once for the R outputs).
+template <int R>
+void WeightedRowsTile(const float* const* ps, const float* const* rows, int64_t n, int width,
+                      float* const* outs) {
   int d0 = 0;
-  for (; d0 + 64 <= width; d0 += 64) {
-    __m256 acc[8];
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* r = rows[j] + d0;
-      for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8 * t), acc[t]);
+  for (; d0 + 32 <= width; d0 += 32) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < 4; ++t) acc[r][t] = _mm256_setzero_ps();
     }
-    for (int t = 0; t < 8; ++t) _mm256_storeu_ps(out + d0 + 8 * t, acc[t]);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = rows[j] + d0;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+      const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_set1_ps(ps[r][j]);
+        acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(pj, v2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(pj, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < 4; ++t) _mm256_storeu_ps(outs[r] + d0 + 8 * t, acc[r][t]);
+    }
   }
   if (d0 == width) return;
-  std::fill(out + d0, out + width, 0.0f);
-  for (int64_t j = 0; j < n; ++j) Axpy(p[j], rows[j] + d0, out + d0, width - d0);
+  for (int r = 0; r < R; ++r) {
+    std::fill(outs[r] + d0, outs[r] + width, 0.0f);
+    for (int64_t j = 0; j < n; ++j) Axpy(ps[r][j], rows[j] + d0, outs[r] + d0, width - d0);
+  }
+}
+
+// The weighted rows of several outputs that see the same n rows, three at a time.
+void WeightedRows(const float* const* ps, int count, const float* const* rows, int64_t n, int width,
+                  float* const* outs) {
+  int r = 0;
+  for (; r + 3 <= count; r += 3) WeightedRowsTile<3>(ps + r, rows, n, width, outs + r);
+  if (count - r == 2) WeightedRowsTile<2>(ps + r, rows, n, width, outs + r);
+  if (count - r == 1) WeightedRowsTile<1>(ps + r, rows, n, width, outs + r);
 }
 
 // Where one (query row, query head) of a chunk puts its partial results: the chunk's
@@ -123,6 +145,12 @@ void ChunkPartials(const float* q0, int64_t q_stride, const int64_t* ends, int n
   for (int64_t j = 0; j < n; ++j) {
     k_rows[j] = k.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
     v_rows[j] = v.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
+    // Rows listed by index are scattered: ask for all of the chunk's at once, so that their
+    // misses overlap (hardware prefetchers do not follow indices); a chunk fits in L2.
+    if (idx != nullptr) {
+      Prefetch(k_rows[j], head_dim);
+      Prefetch(v_rows[j], head_dim);
+    }
   }
   if (nq == 1) {  // the group's heads are the rows: each K row read once per two heads
     GemmRowsF32Table(q0 + h0 * head_dim, head_dim, k_rows.data(), nullptr, scores.data(),
@@ -135,10 +163,10 @@ void ChunkPartials(const float* q0, int64_t q_stride, const int64_t* ends, int n
     }
   }
   for (int i = 0; i < nq; ++i) {
+    const int64_t seen = ends[i] - j0;
     for (int hh = 0; hh < group; ++hh) {
       const ChunkPartial& cp = partials[i * group + hh];
       const float* s = scores.data() + (static_cast<int64_t>(i) * group + hh) * kDecodeChunk;
-      const int64_t seen = ends[i] - j0;
       float m = -INFINITY;
       for (int64_t j = 0; j < seen; ++j) m = std::max(m, cp.p[j] = s[j] * scale);
       double sum = 0.0;
@@ -148,8 +176,19 @@ void ChunkPartials(const float* q0, int64_t q_stride, const int64_t* ends, int n
       }
       *cp.max = m;
       *cp.sum = static_cast<float>(sum);
-      WeightedRows(cp.p, v_rows.data(), seen, head_dim, cp.out);
     }
+  }
+  // The weighted V rows: the group's heads of one query see the same rows.
+  thread_local std::vector<const float*> ps;
+  thread_local std::vector<float*> outs;
+  ps.resize(group);
+  outs.resize(group);
+  for (int i = 0; i < nq; ++i) {
+    for (int hh = 0; hh < group; ++hh) {
+      ps[hh] = partials[i * group + hh].p;
+      outs[hh] = partials[i * group + hh].out;
+    }
+    WeightedRows(ps.data(), group, v_rows.data(), ends[i] - j0, head_dim, outs.data());
   }
 }
 
