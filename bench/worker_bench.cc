@@ -6,6 +6,14 @@
 //
 // usage: worker_bench (--target HOST:PORT | --local MODEL [--threads N --cpu-weights q8])
 //            [--streams 1,4,16] [--prompt-tokens 128] [--new-tokens 64] [--policy full]
+//
+// The local engine can also run a model of random weights (--random CONFIG.json: a Hugging Face
+// Llama config, e.g. scripts/gpu/llama31_8b.json; InfiniGen gets a sidecar of 26 channels as
+// whole RoPE pairs), on the GPU (--device cuda [--cuda-dtype bf16]), over the KV store as the
+// worker and `infinigen serve` run it (--kv store: StoreKvCache over an in-process store of
+// --kv-capacity-mb; --kv-device-gather: rows read by the GPU from the store's memory) instead of
+// the resident cache (--kv resident, the all-on-device baseline); --prefill-budget sets the
+// engine's prompt tokens per step (a whole long prompt in one step: its K/V are not read back).
 // Each case starts `streams` requests at once (random prompt ids, greedy, EOS ignored) and
 // waits for all; tokens/s = generated tokens / wall time of the case; TPOT = the gaps between
 // consecutive tokens of a stream after its first, over all streams (p50, p99). One markdown row
@@ -16,8 +24,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -26,8 +36,10 @@
 #include "cli/loaded_model.h"
 #include "gpu_worker/engine/batch_engine.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
 #include "gpu_worker/service/worker_runtime.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
+#include "kv_store/client/kv_store_client.h"
 
 namespace {
 
@@ -141,9 +153,47 @@ CaseResult RunLocal(BatchEngine& engine, int streams, int64_t vocab, int64_t pro
 
 }  // namespace
 
+// Partial channels of a random-weight model: the first 13 RoPE pairs (26 channels) of every KV
+// head, unskewed (InfiniGen's selection then costs what it costs on a real model; which rows it
+// picks on random weights says nothing about accuracy).
+InfinigenSidecar RopePairSidecar(const ModelConfig& c) {
+  InfinigenSidecar s;
+  const int d = static_cast<int>(c.head_dim), kv = static_cast<int>(c.num_kv_heads);
+  s.partial_dim = std::min(26, d - d % 2);
+  s.ratio = static_cast<float>(s.partial_dim) / d;
+  s.skewed = false;
+  s.rope_pairs = true;
+  s.num_layers = static_cast<int>(c.num_layers);
+  s.num_kv_heads = kv;
+  s.head_dim = d;
+  for (int l = 0; l < s.num_layers; ++l) {
+    std::vector<float> skew(static_cast<size_t>(kv) * d * d, 0.0f);
+    std::vector<int32_t> channels;
+    for (int g = 0; g < kv; ++g) {
+      for (int i = 0; i < d; ++i) skew[(static_cast<size_t>(g) * d + i) * d + i] = 1.0f;
+      for (int i = 0; i < s.partial_dim / 2; ++i) channels.push_back(i);
+      for (int i = 0; i < s.partial_dim / 2; ++i) {
+        channels.push_back(RopePartner(i, c.rope.rotary_dim, c.rope.layout));
+      }
+    }
+    s.skew.push_back(std::move(skew));
+    s.channels.push_back(std::move(channels));
+  }
+  return s;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
 int main(int argc, char** argv) {
-  std::string target, local, streams_list = "1,4,16", policy, label, cpu_weights = "q8";
-  int64_t prompt = 128, new_tokens = 64, threads = 0;
+  std::string target, local, random, streams_list = "1,4,16", policy, label, cpu_weights = "q8";
+  std::string device = "cpu", cuda_dtype = "bf16", kv = "resident";
+  int64_t prompt = 128, new_tokens = 64, threads = 0, kv_capacity_mb = 4096, prefill_budget = 256;
+  bool kv_device_gather = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--target")
@@ -164,13 +214,32 @@ int main(int argc, char** argv) {
       (void)absl::SimpleAtoi(v, &new_tokens);
     else if (k == "--threads")
       (void)absl::SimpleAtoi(v, &threads);
+    else if (k == "--random")
+      random = v;
+    else if (k == "--device")
+      device = v;
+    else if (k == "--cuda-dtype")
+      cuda_dtype = v;
+    else if (k == "--kv")
+      kv = v;
+    else if (k == "--kv-capacity-mb")
+      (void)absl::SimpleAtoi(v, &kv_capacity_mb);
+    else if (k == "--kv-device-gather")
+      kv_device_gather = v == "true" || v == "1";
+    else if (k == "--prefill-budget")
+      (void)absl::SimpleAtoi(v, &prefill_budget);
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
     }
   }
-  if (target.empty() == local.empty()) {
-    std::fprintf(stderr, "give exactly one of --target HOST:PORT and --local MODEL\n");
+  if (int(!target.empty()) + int(!local.empty()) + int(!random.empty()) != 1) {
+    std::fprintf(stderr,
+                 "give exactly one of --target HOST:PORT, --local MODEL and --random CONFIG\n");
+    return 2;
+  }
+  if (kv != "resident" && kv != "store") {
+    std::fprintf(stderr, "--kv must be resident or store\n");
     return 2;
   }
   std::vector<int> streams;
@@ -182,7 +251,9 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<worker::v1::Worker::Stub> stub;
   cli::LoadedModel loaded;
-  std::unique_ptr<BackendKvCache> cache;
+  std::unique_ptr<KvStore> store;
+  std::unique_ptr<KvStoreClient> client;
+  std::unique_ptr<KvCache> cache;
   std::unique_ptr<BatchEngine> engine;
   std::unique_ptr<InfinigenSidecar> sidecar;
   PolicyFactory make_policy;
@@ -203,27 +274,63 @@ int main(int argc, char** argv) {
     cli::BackendFlags flags;
     flags.threads = threads;
     flags.cpu_weights = cpu_weights;
-    auto l = cli::LoadModel(local, flags);
-    if (!l.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(l.status().message()).c_str());
+    flags.device = device;
+    flags.cuda_dtype = cuda_dtype;
+    auto fail = [](const absl::Status& st) {
+      std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
       return 1;
+    };
+    if (!random.empty()) {
+      auto config = ParseHfConfig(ReadFile(random), random);
+      if (!config.ok()) return fail(config.status());
+      auto backend = flags.Create();
+      if (!backend.ok()) return fail(backend.status());
+      loaded.backend = std::move(*backend);
+      auto model = Model::LoadRandom(*config, *loaded.backend, 1);
+      if (!model.ok()) return fail(model.status());
+      loaded.model = std::move(*model);
+    } else {
+      auto l = cli::LoadModel(local, flags);
+      if (!l.ok()) return fail(l.status());
+      loaded = std::move(*l);
     }
-    loaded = std::move(*l);
     vocab = loaded.model->config().vocab_size;
-    cache = std::make_unique<BackendKvCache>(*loaded.backend, loaded.model->kv_shape());
+    if (kv == "store") {
+      KvStoreConfig sc;
+      sc.capacity_bytes = static_cast<size_t>(kv_capacity_mb) << 20;
+      sc.shared_memory = false;
+      auto s = KvStore::Create(sc);
+      if (!s.ok()) return fail(s.status());
+      store = std::move(*s);
+      KvClientConfig cc;
+      cc.transport = KvClientConfig::Transport::kInProcess;
+      cc.store = store.get();
+      auto c = MakeKvStoreClient(cc);
+      if (!c.ok()) return fail(c.status());
+      client = std::move(*c);
+      StoreKvCacheOptions options;
+      options.device_reads_mapped_rows = kv_device_gather;
+      cache = std::make_unique<StoreKvCache>(*loaded.backend, loaded.model->kv_shape(), *client,
+                                             options);
+    } else {
+      cache = std::make_unique<BackendKvCache>(*loaded.backend, loaded.model->kv_shape());
+    }
     // The policy as the worker would run it with its default flags and the model's sidecar.
     WorkerConfig defaults;
     defaults.policy = policy.empty() ? "full" : policy;
     if (defaults.policy == "infinigen") {
-      auto s = ReadSidecar(DefaultSidecarPath(local), *loaded.checkpoint);
-      if (!s.ok()) {
-        std::fprintf(stderr, "%s\n", std::string(s.status().message()).c_str());
-        return 1;
-      }
-      sidecar = std::make_unique<InfinigenSidecar>(std::move(*s));
-      if (auto st = AttachSidecar(*loaded.model, *loaded.checkpoint, *sidecar); !st.ok()) {
-        std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
-        return 1;
+      if (!random.empty()) {
+        sidecar = std::make_unique<InfinigenSidecar>(RopePairSidecar(loaded.model->config()));
+        if (auto st = loaded.model->AttachSpeculation(PartialChannelsOf(*sidecar)); !st.ok()) {
+          return fail(st);
+        }
+      } else {
+        auto s = ReadSidecar(DefaultSidecarPath(local), *loaded.checkpoint);
+        if (!s.ok()) return fail(s.status());
+        sidecar = std::make_unique<InfinigenSidecar>(std::move(*s));
+        if (auto st = AttachSidecar(*loaded.model, *loaded.checkpoint, *sidecar); !st.ok()) {
+          return fail(st);
+        }
       }
     }
     const SelectionConfig selection = defaults.Selection(sidecar != nullptr);
@@ -233,6 +340,7 @@ int main(int argc, char** argv) {
     };
     EngineConfig ec;
     ec.max_running = 64;
+    ec.prefill_budget_tokens = prefill_budget;
     engine = std::make_unique<BatchEngine>(*loaded.model, *cache, ec);
   }
   // Warm-up: one short request.

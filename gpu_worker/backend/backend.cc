@@ -1,5 +1,7 @@
 #include "gpu_worker/backend/backend.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace infinigen {
@@ -25,6 +27,13 @@ absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown weight format '", name, "': expected f32, f16, bf16 or q8"));
+}
+
+absl::StatusOr<Weight> Backend::UploadRandomWeight(int64_t rows, int64_t cols, uint64_t seed,
+                                                   float scale) {
+  std::vector<float> host(static_cast<size_t>(rows * cols));
+  cpu::FillRandom(host.data(), rows * cols, seed, scale);
+  return UploadWeight(host.data(), rows, cols);
 }
 
 }  // namespace infinigen

@@ -131,6 +131,11 @@ class Backend {
 
   // Uploads a float32 host matrix [rows, cols] in the backend's weight format.
   virtual absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) = 0;
+  // A weight [rows, cols] of cpu::FillRandom(seed, scale) values in the backend's format (for
+  // benchmarks of shapes no checkpoint is at hand for). The default makes them on the host and
+  // uploads them; a device fills its own memory.
+  virtual absl::StatusOr<Weight> UploadRandomWeight(int64_t rows, int64_t cols, uint64_t seed,
+                                                    float scale);
 
   // out[i, :] = table[ids[i], :]; ids in device memory, already checked against the vocab.
   virtual absl::Status Embedding(const Weight& table, const int32_t* ids, MatView out) = 0;

@@ -254,6 +254,21 @@ absl::StatusOr<Weight> CudaBackend::UploadWeight(const float* host, int64_t rows
   return w;
 }
 
+absl::StatusOr<Weight> CudaBackend::UploadRandomWeight(int64_t rows, int64_t cols, uint64_t seed,
+                                                       float scale) {
+  Weight w;
+  w.rows = rows;
+  w.cols = cols;
+  w.format = rows == 1 ? WeightFormat::kF32 : FormatOf(options_.dtype);
+  const DType t = WeightDType(w.format);
+  IG_ASSIGN_OR_RETURN(w.buffer, Allocate(static_cast<size_t>(rows * cols) * DTypeSize(t)));
+  // The same values as cpu::FillRandom, rounded to the weight type on the device.
+  IG_RETURN_IF_ERROR(
+      Check(cuda::FillRandom(w.buffer->data(), ToElem(t), rows * cols, seed, scale, S(stream_)),
+            "FillRandom"));
+  return w;
+}
+
 absl::Status CudaBackend::Embedding(const Weight& table, const int32_t* ids, MatView out) {
   if (out.cols != table.cols) return absl::InvalidArgumentError("cuda backend: Embedding width");
   return Check(

@@ -47,6 +47,8 @@ class CudaBackend final : public Backend {
   absl::Status Rope(MatView x, int num_heads, int head_dim, int rotary_dim,
                     const int32_t* positions, const float* inv_freq, cpu::RopeLayout layout,
                     int64_t inv_freq_head_stride = 0) override;
+  absl::StatusOr<Weight> UploadRandomWeight(int64_t rows, int64_t cols, uint64_t seed,
+                                            float scale) override;
   absl::Status ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
                             const float* skew, int partial_dim, MatView out) override;
   absl::Status SwiGlu(MatView gate, MatView up, MatView out) override;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "gpu_worker/model/random_weights.h"
 
 namespace infinigen {
 
@@ -235,7 +236,37 @@ const int32_t* Model::positions() const {
   return ws_.positions ? static_cast<const int32_t*>(ws_.positions->data()) : nullptr;
 }
 
+absl::StatusOr<std::unique_ptr<Model>> Model::LoadRandom(const ModelConfig& config,
+                                                         Backend& backend, uint64_t seed) {
+  IG_RETURN_IF_ERROR(config.Validate("random model"));
+  IG_ASSIGN_OR_RETURN(ModelWeights weights, RandomWeights(config, backend, seed));
+  std::unique_ptr<Model> m(new Model(config, backend, std::move(weights)));
+  m->random_seed_ = seed;
+  return m;
+}
+
 absl::Status Model::AttachSpeculation(const Checkpoint& ckpt, const PartialChannels& channels) {
+  return BuildSpeculation(Speculation::FromCheckpoint(ckpt), channels);
+}
+
+absl::Status Model::AttachSpeculation(const PartialChannels& channels) {
+  if (!random_seed_.has_value()) {
+    return absl::FailedPreconditionError(
+        "this model was loaded from a checkpoint: attach the speculation from it");
+  }
+  const uint64_t seed = *random_seed_;
+  const ModelConfig& c = config_;
+  return BuildSpeculation(
+      [seed, &c](int layer, std::vector<float>& w, std::vector<float>& b) {
+        w = RandomQueryWeight(c, seed, layer);
+        b.clear();
+        return absl::OkStatus();
+      },
+      channels);
+}
+
+absl::Status Model::BuildSpeculation(const Speculation::QueryWeights& query_weights,
+                                     const PartialChannels& channels) {
   std::vector<float> inv_freq;
   if (weights_.rope_inv_freq != nullptr) {
     inv_freq.resize(static_cast<size_t>(config_.rope.rotary_dim / 2));
@@ -243,7 +274,8 @@ absl::Status Model::AttachSpeculation(const Checkpoint& ckpt, const PartialChann
                                            inv_freq.size() * sizeof(float)));
     IG_RETURN_IF_ERROR(backend_.Synchronize());
   }
-  IG_ASSIGN_OR_RETURN(speculation_, Speculation::Build(ckpt, channels, inv_freq, backend_));
+  IG_ASSIGN_OR_RETURN(speculation_,
+                      Speculation::Build(config_, query_weights, channels, inv_freq, backend_));
   return absl::OkStatus();
 }
 

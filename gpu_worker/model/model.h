@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -32,6 +33,10 @@ class Model {
  public:
   // Loads every weight of `ckpt` onto `backend`, which must outlive the model.
   static absl::StatusOr<std::unique_ptr<Model>> Load(const Checkpoint& ckpt, Backend& backend);
+  // A Llama-shaped model of random weights (model/random_weights.h), for benchmarks of shapes
+  // no checkpoint is at hand for.
+  static absl::StatusOr<std::unique_ptr<Model>> LoadRandom(const ModelConfig& config,
+                                                           Backend& backend, uint64_t seed);
   ~Model();
 
   const ModelConfig& config() const { return config_; }
@@ -57,6 +62,8 @@ class Model {
   // head of every layer): the cheapest exact form for this model (speculation.h). Replaces any
   // attached before.
   absl::Status AttachSpeculation(const Checkpoint& ckpt, const PartialChannels& channels);
+  // The same for a model of random weights (LoadRandom), from the values it was filled with.
+  absl::Status AttachSpeculation(const PartialChannels& channels);
   // What AttachSpeculation built; null before.
   const Speculation* speculation() const { return speculation_.get(); }
   // `layer`'s own attention norm of `residual` into `out` (the speculation input that uses the
@@ -92,6 +99,9 @@ class Model {
   Workspace ws_;
   std::vector<int32_t> host_ids_, host_positions_;
   std::unique_ptr<Speculation> speculation_;
+  std::optional<uint64_t> random_seed_;  // LoadRandom's
+  absl::Status BuildSpeculation(const Speculation::QueryWeights& query_weights,
+                                const PartialChannels& channels);
 };
 
 }  // namespace infinigen

@@ -42,11 +42,30 @@ bool IsRopePairOrder(const std::vector<int32_t>& channels, int num_kv_heads, int
   return true;
 }
 
-absl::StatusOr<std::unique_ptr<Speculation>> Speculation::Build(const Checkpoint& ckpt,
+Speculation::QueryWeights Speculation::FromCheckpoint(const Checkpoint& ckpt) {
+  return [&ckpt](int layer, std::vector<float>& w, std::vector<float>& b) -> absl::Status {
+    const ModelConfig& c = ckpt.config();
+    const std::string name = absl::StrCat(
+        c.architecture == Architecture::kLlama ? "model.layers." : "model.decoder.layers.", layer,
+        ".self_attn.q_proj.");
+    IG_ASSIGN_OR_RETURN(const StoredTensor* t,
+                        ckpt.Get(name + "weight", {c.q_dim(), c.hidden_size}));
+    w.resize(static_cast<size_t>(t->NumElements()));
+    DecodeToFloat(*t, w.data());
+    ckpt.DropPages(*t);
+    b.clear();
+    if (c.attention_bias) {
+      IG_ASSIGN_OR_RETURN(b, ckpt.ReadFloat(name + "bias", {c.q_dim()}));
+    }
+    return absl::OkStatus();
+  };
+}
+
+absl::StatusOr<std::unique_ptr<Speculation>> Speculation::Build(const ModelConfig& c,
+                                                                const QueryWeights& query_weights,
                                                                 const PartialChannels& pc,
                                                                 const std::vector<float>& inv_freq,
                                                                 Backend& backend) {
-  const ModelConfig& c = ckpt.config();
   const int kv_heads = static_cast<int>(c.num_kv_heads), heads = static_cast<int>(c.num_heads);
   const int d = static_cast<int>(c.head_dim), p = pc.partial_dim, group = heads / kv_heads;
   const int64_t hidden = c.hidden_size;
@@ -76,17 +95,15 @@ absl::StatusOr<std::unique_ptr<Speculation>> Speculation::Build(const Checkpoint
     IG_RETURN_IF_ERROR(backend.CopyToDevice(v.data(), b->data(), v.size() * sizeof(float)));
     return b;
   };
-  const std::string prefix =
-      c.architecture == Architecture::kLlama ? "model.layers." : "model.decoder.layers.";
-  std::vector<float> wq(static_cast<size_t>(c.q_dim() * hidden)), bq;
+  std::vector<float> wq, bq;
   std::vector<float> rows(static_cast<size_t>(heads) * out_dim * hidden), bias;
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    const std::string name = absl::StrCat(prefix, l, ".self_attn.q_proj.");
-    IG_ASSIGN_OR_RETURN(const StoredTensor* t, ckpt.Get(name + "weight", {c.q_dim(), hidden}));
-    DecodeToFloat(*t, wq.data());
-    ckpt.DropPages(*t);
-    if (c.attention_bias) {
-      IG_ASSIGN_OR_RETURN(bq, ckpt.ReadFloat(name + "bias", {c.q_dim()}));
+    IG_RETURN_IF_ERROR(query_weights(static_cast<int>(l), wq, bq));
+    if (wq.size() != static_cast<size_t>(c.q_dim() * hidden) ||
+        (!bq.empty() && bq.size() != static_cast<size_t>(c.q_dim()))) {
+      return absl::InvalidArgumentError(absl::StrCat("speculation: layer ", l, "'s W_q has ",
+                                                     wq.size(), " values, ", c.q_dim() * hidden,
+                                                     " expected"));
     }
     const std::vector<float>& a = pc.partial_skew[l];  // [kv_heads, d, p]
     if (a.size() != static_cast<size_t>(kv_heads) * d * p) {
@@ -94,7 +111,7 @@ absl::StatusOr<std::unique_ptr<Speculation>> Speculation::Build(const Checkpoint
           absl::StrCat("speculation: layer ", l, "'s A[:, P] has ", a.size(), " values"));
     }
     Layer& L = s->layers_.emplace_back();
-    bias.assign(c.attention_bias ? static_cast<size_t>(heads) * out_dim : 0, 0.0f);
+    bias.assign(bq.empty() ? 0 : static_cast<size_t>(heads) * out_dim, 0.0f);
     if (s->mode_ == Mode::kFullQuery) {
       rows = wq;
       bias = bq;

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -45,9 +46,17 @@ class Speculation {
  public:
   enum class Mode { kFoldedQuery, kRopePairs, kFullQuery };
 
-  // Builds the weights of every layer from the checkpoint's float W_q (and bias) on `backend`.
-  // `inv_freq`: the model's RoPE inverse frequencies (rotary_dim / 2, host), Llama only.
-  static absl::StatusOr<std::unique_ptr<Speculation>> Build(const Checkpoint& ckpt,
+  // W_q of a layer ([q_dim, hidden]) and its bias ([q_dim], empty without one) as float32.
+  using QueryWeights =
+      std::function<absl::Status(int layer, std::vector<float>& w, std::vector<float>& b)>;
+  // The reader of a checkpoint's W_q (and bias).
+  static QueryWeights FromCheckpoint(const Checkpoint& ckpt);
+
+  // Builds the weights of every layer of a model shaped `config` from its float W_q on
+  // `backend`. `inv_freq`: the model's RoPE inverse frequencies (rotary_dim / 2, host), Llama
+  // only.
+  static absl::StatusOr<std::unique_ptr<Speculation>> Build(const ModelConfig& config,
+                                                            const QueryWeights& query_weights,
                                                             const PartialChannels& channels,
                                                             const std::vector<float>& inv_freq,
                                                             Backend& backend);

@@ -70,6 +70,10 @@ void Relu(float* x, int64_t stride, int64_t rows, int64_t cols);
 // y[r, :] += x[r, :].
 void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y, int64_t y_stride);
 
+// out[i] = uniform in [-scale, scale) from a counter hash (splitmix64) of (seed, i): the CPU
+// reference of kernels/cuda FillRandom, value for value.
+void FillRandom(float* out, int64_t n, uint64_t seed, float scale, int64_t first = 0);
+
 // Numerically stable softmax of x[0..n) in place.
 void Softmax(float* x, int64_t n);
 

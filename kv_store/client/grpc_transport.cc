@@ -272,39 +272,105 @@ class GrpcClient final : public QueuedKvClient {
       return ucx_->Gather(items, row_bytes, config_.call_timeout);
     }
 #endif
-    pb::GatherRequest req;
-    for (const auto& it : items) {
-      auto* item = req.add_items();
-      item->set_sequence_id(it.seq);
-      item->set_layer(it.layer);
-      item->set_count(it.count);
-      item->mutable_slots()->Add(it.slots.begin(), it.slots.end());
-    }
-    pb::GatherResponse resp;
-    grpc::ClientContext ctx;
-    Prepare(ctx, config_.call_timeout);
-    IG_RETURN_IF_ERROR_GRPC(stub_->Gather(&ctx, req, &resp));
-    if (resp.results_size() != static_cast<int>(items.size())) {
-      return absl::InternalError("the KV store answered a gather with the wrong number of items");
-    }
-    // The store is a peer on the network: its reply fills the caller's buffers only if it is
-    // exactly what they were sized for (a store of another version, or a bug, must not overrun
-    // them or leave last step's rows in them with an OK).
+    return GatherOverGrpc(items, row_bytes);
+  }
+
+  // A gather over the control plane, in calls whose replies stay under
+  // config_.max_gather_reply_bytes: items are cut into pieces of rows (every KV head's rows
+  // [r0, r1) of the item), and pieces go several to a call. Each piece's reply rows are written
+  // where the item's buffers expect them.
+  absl::Status GatherOverGrpc(const std::vector<ClientGatherItem>& items,
+                              const std::vector<int64_t>& row_bytes) {
+    struct Piece {
+      size_t item;
+      int64_t r0, r1;
+      bool whole;  // the item as the caller made it (not cut)
+    };
+    std::vector<Piece> pieces;
     for (size_t i = 0; i < items.size(); ++i) {
-      const auto& r = resp.results(static_cast<int>(i));
-      const size_t want = items[i].slots.size() * static_cast<size_t>(row_bytes[i]);
-      if (r.k().size() != want || r.v().size() != want) {
-        return absl::InternalError(
-            absl::StrCat("the KV store answered item ", i, " of a gather with ", r.k().size(),
-                         " + ", r.v().size(), " bytes; its rows take ", want, " each"));
+      const ClientGatherItem& it = items[i];
+      // Only a well-formed item ([heads, count] slots) is cut; anything else goes whole, for
+      // the store to refuse with its reason (a count whose product with the heads wraps, ...).
+      const int64_t heads = specs_.at(it.seq).num_kv_heads;
+      const bool well_formed = it.count > 0 && heads > 0 &&
+                               it.count <= static_cast<int64_t>(it.slots.size()) &&
+                               static_cast<int64_t>(it.slots.size()) == heads * it.count;
+      const size_t per_row = 2 * static_cast<size_t>(std::max<int64_t>(heads, 1) * row_bytes[i]);
+      const int64_t rows = std::max<int64_t>(
+          1, static_cast<int64_t>(config_.max_gather_reply_bytes / std::max<size_t>(per_row, 1)));
+      if (!well_formed || it.count <= rows) {
+        pieces.push_back({i, 0, it.count, !well_formed});
+        continue;
+      }
+      for (int64_t r0 = 0; r0 < it.count; r0 += rows) {
+        pieces.push_back({i, r0, std::min(it.count, r0 + rows), false});
       }
     }
-    for (size_t i = 0; i < items.size(); ++i) {
-      const auto& r = resp.results(static_cast<int>(i));
-      if (!r.k().empty()) {
-        std::memcpy(items[i].k_out, r.k().data(), r.k().size());
-        std::memcpy(items[i].v_out, r.v().data(), r.v().size());
+    for (size_t p0 = 0; p0 < pieces.size();) {
+      pb::GatherRequest req;
+      size_t bytes = 0, p1 = p0;
+      for (; p1 < pieces.size(); ++p1) {
+        const Piece& pc = pieces[p1];
+        const ClientGatherItem& it = items[pc.item];
+        const int64_t heads = specs_.at(it.seq).num_kv_heads;
+        const size_t piece_bytes =
+            pc.whole ? 0 : 2 * static_cast<size_t>(heads * (pc.r1 - pc.r0) * row_bytes[pc.item]);
+        if (p1 > p0 && bytes + piece_bytes > config_.max_gather_reply_bytes) break;
+        bytes += piece_bytes;
+        auto* item = req.add_items();
+        item->set_sequence_id(it.seq);
+        item->set_layer(it.layer);
+        item->set_count(pc.r1 - pc.r0);
+        if (pc.whole || (pc.r0 == 0 && pc.r1 == it.count)) {
+          item->mutable_slots()->Add(it.slots.begin(), it.slots.end());
+          continue;
+        }
+        for (int64_t g = 0; g < heads; ++g) {
+          const auto first = it.slots.begin() + g * it.count;
+          item->mutable_slots()->Add(first + pc.r0, first + pc.r1);
+        }
       }
+      pb::GatherResponse resp;
+      grpc::ClientContext ctx;
+      Prepare(ctx, config_.call_timeout);
+      IG_RETURN_IF_ERROR_GRPC(stub_->Gather(&ctx, req, &resp));
+      if (resp.results_size() != static_cast<int>(p1 - p0)) {
+        return absl::InternalError("the KV store answered a gather with the wrong number of items");
+      }
+      // The store is a peer on the network: its reply fills the caller's buffers only if it is
+      // exactly what they were sized for (a store of another version, or a bug, must not overrun
+      // them or leave last step's rows in them with an OK).
+      for (size_t p = p0; p < p1; ++p) {
+        const auto& r = resp.results(static_cast<int>(p - p0));
+        const size_t want = static_cast<size_t>(req.items(static_cast<int>(p - p0)).slots_size()) *
+                            static_cast<size_t>(row_bytes[pieces[p].item]);
+        if (r.k().size() != want || r.v().size() != want) {
+          return absl::InternalError(absl::StrCat(
+              "the KV store answered item ", pieces[p].item, " of a gather with ", r.k().size(),
+              " + ", r.v().size(), " bytes; its rows take ", want, " each"));
+        }
+      }
+      for (size_t p = p0; p < p1; ++p) {
+        const auto& r = resp.results(static_cast<int>(p - p0));
+        const Piece& pc = pieces[p];
+        const ClientGatherItem& it = items[pc.item];
+        if (r.k().empty()) continue;
+        if (pc.whole || (pc.r0 == 0 && pc.r1 == it.count)) {  // the item's own layout
+          std::memcpy(it.k_out, r.k().data(), r.k().size());
+          std::memcpy(it.v_out, r.v().data(), r.v().size());
+          continue;
+        }
+        const size_t row = static_cast<size_t>(row_bytes[pc.item]);
+        const size_t piece_rows = static_cast<size_t>(pc.r1 - pc.r0);
+        const int64_t heads = specs_.at(it.seq).num_kv_heads;
+        for (int64_t g = 0; g < heads; ++g) {
+          const size_t dst = (static_cast<size_t>(g * it.count + pc.r0)) * row;
+          const size_t src = static_cast<size_t>(g) * piece_rows * row;
+          std::memcpy(it.k_out + dst, r.k().data() + src, piece_rows * row);
+          std::memcpy(it.v_out + dst, r.v().data() + src, piece_rows * row);
+        }
+      }
+      p0 = p1;
     }
     return absl::OkStatus();
   }

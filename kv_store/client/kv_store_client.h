@@ -86,6 +86,9 @@ struct KvClientConfig {
   absl::Duration append_linger = absl::Milliseconds(5);
   // shm: threads (the queue thread included) copying the rows of gathers of 2 MiB and more.
   int gather_threads = 2;
+  // gRPC: the most K + V bytes one Gather reply carries (the channel allows 256 MiB). A larger
+  // gather (a dense layer's full read at long context) is split into several calls by rows.
+  size_t max_gather_reply_bytes = size_t{128} << 20;
   KvStore* store = nullptr;  // in-process
   TlsFiles tls;  // the gRPC control plane: TLS when tls.ca is set, mTLS with tls.cert/key
 };

@@ -65,6 +65,21 @@ class CudaKernels : public ::testing::Test {
   std::mt19937 rng_;
 };
 
+// Random weights of benchmark models are made on the device; the host recomputes them (the
+// speculation's W_q rows of a random model): the same values, f32 exactly, bf16 as rounded.
+TEST_F(CudaKernels, FillRandomEqualsTheCpuReference) {
+  const int64_t n = 100003;
+  std::vector<float> want(n);
+  cpu::FillRandom(want.data(), n, 12345, 0.25f);
+  Dev<float> f32(n);
+  ASSERT_EQ(cuda::FillRandom(f32.p, cuda::Elem::kF32, n, 12345, 0.25f, nullptr), cudaSuccess);
+  EXPECT_EQ(f32.Get(), want);
+  Dev<uint16_t> bf16(n);
+  ASSERT_EQ(cuda::FillRandom(bf16.p, cuda::Elem::kBF16, n, 12345, 0.25f, nullptr), cudaSuccess);
+  std::vector<float> rounded = want;
+  EXPECT_EQ(bf16.Get(), Bf16(rounded));
+}
+
 TEST_F(CudaKernels, BatchedDecodeWithCurrentTokenMatchesReference) {
   const int batch = 3, heads = 8, kv_heads = 2, hd = 24;
   const int64_t cap = 300, rows = 70;

@@ -103,6 +103,10 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
 #endif
   KvClientConfig config_;
   std::unique_ptr<KvStoreClient> client_;
+
+  // Two sequences of 5000 tokens, then one gather of 12 items of 0 to 4000 rows per head; every
+  // row byte checked.
+  void GatherLargeSmallAndEmptyItems();
 };
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(5); }
@@ -214,6 +218,24 @@ TEST_P(KvTransport, InterleavedAppendsAndGathersSeeWhatTheyNeed) {
 // UCX sends by rendezvous), an empty one and small ones, over two sequences. Every row lands in
 // its item's buffers at its place.
 TEST_P(KvTransport, ABatchedGatherOfLargeSmallAndEmptyItemsLandsEveryRowInPlace) {
+  GatherLargeSmallAndEmptyItems();
+}
+
+// A gather whose reply would pass the gRPC reply limit (a dense layer's full read at long
+// context passed the channel's 256 MiB) is cut into several calls by rows; every row still
+// lands where the caller's buffers expect it. Here with a 16 KiB limit.
+TEST_P(KvTransport, GathersLargerThanAReplyGoInSeveralCalls) {
+  config_.max_gather_reply_bytes = 16 << 10;
+  Reconnect(config_.append_linger);
+  GatherLargeSmallAndEmptyItems();
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  if (GetParam() == KvClientConfig::Transport::kGrpc) {
+    EXPECT_GT(stats->gathers, 12) << "12 items, several calls each";
+  }
+}
+
+void KvTransport::GatherLargeSmallAndEmptyItems() {
   constexpr int64_t kTokens = 5000;
   for (StoreSequenceId seq : {1, 2}) {
     ASSERT_TRUE(client_->Open(seq, Spec()).ok());

@@ -2,6 +2,7 @@
 // strided inputs and fresh random data.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -239,6 +240,26 @@ TEST(CpuKernels, CausalRowsEqualDecodeOfEachRowBitForBit) {
       }
     }
   }
+}
+
+// The counter-hash fill behind random benchmark weights: in range, the same for the same seed,
+// and any slice (`first`) of a tensor equals the same elements of the whole.
+TEST(CpuKernels, FillRandomIsACounterHash) {
+  std::vector<float> a(1000), b(1000), slice(100);
+  FillRandom(a.data(), 1000, 7, 0.5f);
+  FillRandom(b.data(), 1000, 7, 0.5f);
+  FillRandom(slice.data(), 100, 7, 0.5f, 450);
+  EXPECT_EQ(a, b);
+  EXPECT_TRUE(std::equal(slice.begin(), slice.end(), a.begin() + 450));
+  double mean = 0;
+  for (float v : a) {
+    ASSERT_GE(v, -0.5f);
+    ASSERT_LT(v, 0.5f);
+    mean += v / 1000;
+  }
+  EXPECT_NEAR(mean, 0.0, 0.05);
+  FillRandom(b.data(), 1000, 8, 0.5f);
+  EXPECT_NE(a, b);
 }
 
 // K and V of `cap` rows per KV head, one query, and num_rows random row indices per KV head
