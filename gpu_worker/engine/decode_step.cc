@@ -241,7 +241,7 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
       EverySlot(kv_heads, w.stored, pre.slots);
       pre.count = w.stored;
     } else {
-      pre.slots = std::move(w.candidates.indices);
+      pre.slots.swap(w.candidates.indices);  // both keep their capacity
       pre.count = w.candidates.count;
     }
     pre.dense = w.candidates.all;

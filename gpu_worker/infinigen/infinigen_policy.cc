@@ -48,7 +48,9 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     auto& layers = partial_[seq];
     if (static_cast<int>(layers.size()) < model_.num_layers) layers.resize(model_.num_layers);
     for (int l = config_.dense_layers; l < model_.num_layers; ++l) {
-      Reserve(layers[l], capacity_tokens);
+      // Uninitialized: the pages are committed as rows are written, not at admission (a long
+      // max_new_tokens need not hold memory it never uses); every row scored was written first.
+      Reserve(layers[l], capacity_tokens, /*zero=*/false);
     }
     const size_t rows = static_cast<size_t>(capacity_tokens);
     scores_.reserve(static_cast<size_t>(model_.num_heads) * rows);
@@ -195,12 +197,16 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     }
     // Blocks of rows of every KV head in parallel (a few KV heads would leave cores idle), each
     // row's score summed in channel order whichever block it falls in.
-    const int64_t blocks = (n - reuse + kRowBlock - 1) / kRowBlock;
+    // Blocks aligned to kRowBlock (so that none crosses a chunk of the partial key cache), the
+    // first one starting at `reuse`.
+    const int64_t first_block = reuse / kRowBlock;
+    const int64_t blocks = n > reuse ? (n + kRowBlock - 1) / kRowBlock - first_block : 0;
 #pragma omp parallel for schedule(static) if (heads * (n - reuse) >= kParallelScores)
     for (int64_t t = 0; t < blocks * kv_heads; ++t) {
       const int g = static_cast<int>(t % kv_heads);
-      const int64_t j0 = reuse + t / kv_heads * kRowBlock;
-      const int64_t rows = std::min<int64_t>(kRowBlock, n - j0);
+      const int64_t b = first_block + t / kv_heads;
+      const int64_t j0 = std::max(reuse, b * kRowBlock);
+      const int64_t rows = std::min(n, (b + 1) * kRowBlock) - j0;
       for (int h = g * group; h < (g + 1) * group; ++h) {
         const float* q_partial = q_partial_.data() + static_cast<size_t>(h) * p;
         float acc[kRowBlock] = {};
@@ -275,11 +281,12 @@ class InfinigenPolicy final : public KvSelectionPolicy {
              (static_cast<size_t>(g) * p + c) * kChunkRows + row % kChunkRows;
     }
   };
-  // Room for `slots` rows; new rows are zeros.
-  void Reserve(PartialKeys& keys, int64_t slots) const {
+  // Room for `slots` rows; new rows are zeros (uninitialized with `zero` false).
+  void Reserve(PartialKeys& keys, int64_t slots, bool zero = true) const {
     const size_t floats = static_cast<size_t>(model_.num_kv_heads) * partial_dim_ * kChunkRows;
     while (keys.capacity() < slots) {
-      keys.chunks.push_back(std::make_unique<float[]>(floats));  // value-initialized: zeros
+      keys.chunks.push_back(zero ? std::make_unique<float[]>(floats)  // value-initialized
+                                 : std::unique_ptr<float[]>(new float[floats]));
     }
   }
 

@@ -22,6 +22,23 @@ int PairIndex(int c, int rotary_dim, cpu::RopeLayout layout) {
   return c < half ? c : c - half;
 }
 
+// Whether A[:, P] ([kv_heads, d, p]) only picks channels: column c of head g is the unit vector
+// of channel channels[g * p + c] (an unskewed sidecar). Otherwise the speculation must multiply
+// by A itself.
+bool PicksChannels(const std::vector<float>& a, const std::vector<int32_t>& channels, int kv_heads,
+                   int d, int p) {
+  if (a.size() != static_cast<size_t>(kv_heads) * d * p) return false;
+  for (int g = 0; g < kv_heads; ++g) {
+    for (int i = 0; i < d; ++i) {
+      for (int c = 0; c < p; ++c) {
+        const float want = i == channels[static_cast<size_t>(g) * p + c] ? 1.0f : 0.0f;
+        if (a[(static_cast<size_t>(g) * d + i) * p + c] != want) return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 bool IsRopePairOrder(const std::vector<int32_t>& channels, int num_kv_heads, int partial_dim,
@@ -34,7 +51,9 @@ bool IsRopePairOrder(const std::vector<int32_t>& channels, int num_kv_heads, int
   for (int g = 0; g < num_kv_heads; ++g) {
     const int32_t* ch = channels.data() + static_cast<size_t>(g) * partial_dim;
     for (int i = 0; i < m; ++i) {
-      if (ch[i] < 0 || ch[i] >= head_dim || ch[m + i] != RopePartner(ch[i], rotary_dim, layout)) {
+      // The first member of each pair is its lower channel, as the compact RoPE rotates it.
+      if (ch[i] < 0 || ch[i] >= head_dim || ch[m + i] != RopePartner(ch[i], rotary_dim, layout) ||
+          ch[m + i] < ch[i]) {
         return false;
       }
     }
@@ -79,7 +98,8 @@ absl::StatusOr<std::unique_ptr<Speculation>> Speculation::Build(const ModelConfi
   const bool rope = c.architecture == Architecture::kLlama;
   bool pairs = rope && !pc.skewed && static_cast<int64_t>(pc.channels.size()) == c.num_layers;
   for (int64_t l = 0; pairs && l < c.num_layers; ++l) {
-    pairs = IsRopePairOrder(pc.channels[l], kv_heads, p, d, c.rope.rotary_dim, c.rope.layout);
+    pairs = IsRopePairOrder(pc.channels[l], kv_heads, p, d, c.rope.rotary_dim, c.rope.layout) &&
+            PicksChannels(pc.partial_skew[l], pc.channels[l], kv_heads, d, p);
   }
   s->mode_ = !rope ? Mode::kFoldedQuery : pairs ? Mode::kRopePairs : Mode::kFullQuery;
   if (rope && static_cast<int>(inv_freq.size()) != c.rope.rotary_dim / 2) {

@@ -131,10 +131,12 @@ struct ChunkPartial {
 // j1), its head h0 + hh writes partials[i * group + hh]. Scores are the fixed-order dot products
 // of row_gemm.h (each K row read once per block of queries), the weighted V rows summed in row
 // order. Decode calls this with one query row and prefill with a block of them: the same code,
-// so the same numbers for a query whichever it is.
-void ChunkPartials(const float* q0, int64_t q_stride, const int64_t* ends, int nq, KvRows k,
-                   KvRows v, const int32_t* idx, int g, int group, int64_t j0, int64_t j1,
-                   int head_dim, float scale, const ChunkPartial* partials) {
+// so the same numbers for a query whichever it is (never inlined: a caller's constants must not
+// let the compiler compile its copy differently).
+__attribute__((noinline)) void ChunkPartials(const float* q0, int64_t q_stride, const int64_t* ends,
+                                             int nq, KvRows k, KvRows v, const int32_t* idx, int g,
+                                             int group, int64_t j0, int64_t j1, int head_dim,
+                                             float scale, const ChunkPartial* partials) {
   const int h0 = g * group;
   const int64_t n = j1 - j0;
   thread_local std::vector<const float*> k_rows, v_rows;

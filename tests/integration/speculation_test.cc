@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <random>
@@ -143,6 +144,44 @@ INSTANTIATE_TEST_SUITE_P(
                                    : info.param.skew     ? "_skewed"
                                                          : "_unskewed");
     });
+
+// Unskewed channels that are pairs in the wrong order (a partner first), or a sidecar that says
+// it is unskewed while its A is not a pick of channels, are not computed as RoPE pairs (that
+// would rotate by the opposite angle or miss A): the speculation falls back to Q then A, and
+// its partial query still equals the double reference.
+TEST(RopePairSidecar, PairsOnlyWhenTheyAreExactlyPairsInOrder) {
+  LoadedModel l = LoadModel(testing::FixturePath("hf/llama31_gqa"));
+  ASSERT_NE(l.model, nullptr);
+  const ModelConfig& c = l.model->config();
+  InfinigenSidecar swapped = Prepare(l, true, true);
+  ASSERT_TRUE(swapped.rope_pairs);
+  const int p = swapped.partial_dim, m = p / 2;
+  for (auto& layer : swapped.channels) {  // partners first, then the lower channels
+    for (int g = 0; g < c.num_kv_heads; ++g) {
+      std::rotate(layer.begin() + g * p, layer.begin() + g * p + m, layer.begin() + (g + 1) * p);
+    }
+  }
+  swapped.rope_pairs = false;
+  InfinigenSidecar not_a_pick = Prepare(l, true, true);
+  not_a_pick.rope_pairs = false;
+  for (auto& a : not_a_pick.skew) a[1] = 0.5f;  // still "unskewed", but A is no longer a pick
+  for (const InfinigenSidecar* s : {&swapped, &not_a_pick}) {
+    ASSERT_TRUE(AttachSidecar(*l.model, *l.ckpt, *s).ok());
+    EXPECT_EQ(l.model->speculation()->mode(), Speculation::Mode::kFullQuery);
+    const int64_t cols = c.num_heads * p;
+    std::vector<float> x(c.hidden_size, 0.25f), scratch(c.q_dim()), out(cols);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.7f * i);
+    const std::vector<int32_t> pos = {33};
+    ASSERT_TRUE(l.model
+                    ->SpeculatePartialQuery(
+                        3 % c.num_layers, {x.data(), DType::kF32, 1, c.hidden_size, c.hidden_size},
+                        pos.data(), {scratch.data(), DType::kF32, 1, c.q_dim(), c.q_dim()},
+                        {out.data(), DType::kF32, 1, cols, cols})
+                    .ok());
+    const std::vector<double> want = Reference(*l.ckpt, *s, 3 % c.num_layers, x, pos);
+    for (int64_t i = 0; i < cols; ++i) ASSERT_NEAR(out[i], want[i], 1e-4) << i;
+  }
+}
 
 TEST(RopePairSidecar, RoundTripsAndIsCheckedOnLoad) {
   LoadedModel l = LoadModel(testing::FixturePath("hf/llama31_gqa"));
