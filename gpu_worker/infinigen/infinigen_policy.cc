@@ -1,10 +1,12 @@
 #include "gpu_worker/infinigen/infinigen_policy.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <memory>
 
 #include "absl/container/flat_hash_map.h"
+#include "common/dtype.h"
 #include "absl/strings/str_cat.h"
 #include "gpu_worker/infinigen/selection_util.h"
 
@@ -90,7 +92,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
         const int32_t slot = keys.slots[t * kv_heads + g];
         Project(keys.k + t * keys.k_stride + g * d, skew + static_cast<size_t>(g) * d * p, d, p,
                 partial);
-        for (int c = 0; c < p; ++c) *cache.Rows(slot, g, c, p) = partial[c];
+        for (int c = 0; c < p; ++c) *cache.Rows(slot, g, c, p) = FloatToBf16(partial[c]);
       }
     }
     return absl::OkStatus();
@@ -212,9 +214,11 @@ class InfinigenPolicy final : public KvSelectionPolicy {
         float acc[kRowBlock] = {};
         for (int c = 0; c < p; ++c) {
           const float qc = q_partial[c];
-          const float* kc = cache.Rows(j0, g, c, p);
+          const uint16_t* kc = cache.Rows(j0, g, c, p);
 #pragma omp simd
-          for (int64_t i = 0; i < rows; ++i) acc[i] += qc * kc[i];
+          for (int64_t i = 0; i < rows; ++i) {
+            acc[i] += qc * std::bit_cast<float>(static_cast<uint32_t>(kc[i]) << 16);
+          }
         }
         float* s = scores_.data() + static_cast<size_t>(h) * n + j0;
 #pragma omp simd
@@ -271,12 +275,13 @@ class InfinigenPolicy final : public KvSelectionPolicy {
 
   // Partial keys of one (sequence, layer) in chunks of kChunkRows rows, each channel-major:
   // [kv_heads][p][kChunkRows], so that scoring a block of rows reads each channel contiguously
-  // (vectorized over the rows).
+  // (vectorized over the rows). bfloat16: scoring every stored row is bound by reading them, and
+  // half the bytes measured the same selections (docs/accuracy.md).
   struct PartialKeys {
-    std::vector<std::unique_ptr<float[]>> chunks;
+    std::vector<std::unique_ptr<uint16_t[]>> chunks;
     int64_t capacity() const { return static_cast<int64_t>(chunks.size()) * kChunkRows; }
     // Channel c of KV head g from row `row` to the end of its chunk.
-    float* Rows(int64_t row, int g, int c, int p) {
+    uint16_t* Rows(int64_t row, int g, int c, int p) {
       return chunks[static_cast<size_t>(row / kChunkRows)].get() +
              (static_cast<size_t>(g) * p + c) * kChunkRows + row % kChunkRows;
     }
@@ -285,8 +290,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   void Reserve(PartialKeys& keys, int64_t slots, bool zero = true) const {
     const size_t floats = static_cast<size_t>(model_.num_kv_heads) * partial_dim_ * kChunkRows;
     while (keys.capacity() < slots) {
-      keys.chunks.push_back(zero ? std::make_unique<float[]>(floats)  // value-initialized
-                                 : std::unique_ptr<float[]>(new float[floats]));
+      keys.chunks.push_back(zero ? std::make_unique<uint16_t[]>(floats)  // value-initialized
+                                 : std::unique_ptr<uint16_t[]>(new uint16_t[floats]));
     }
   }
 
