@@ -116,7 +116,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
     if (w->sidecar_) {
       per_token +=
           static_cast<size_t>(std::max<int64_t>(0, c.num_layers - selection.dense_layers)) *
-          c.num_kv_heads * w->sidecar_->partial_dim * sizeof(float);
+          c.num_kv_heads * w->sidecar_->partial_dim * sizeof(uint16_t);  // bf16 partial keys
     }
     engine_config.device_bytes_per_token = per_token;
     engine_config.device_memory_bytes =
