@@ -33,6 +33,13 @@ if(INFINIGEN_WITH_CUDA)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
     enable_language(CUDA)
+    # Debian 12's own cmake (3.25.1) FindCUDAToolkit marks CUDA::nvToolsExt deprecated without
+    # checking that the target exists, and CUDA 13 no longer ships that library: configure then
+    # fails for any project requiring cmake >= 3.25. An empty stand-in (nothing links it) lets
+    # the stock module finish; cmake versions that check the target never see it missing.
+    if(NOT TARGET CUDA::nvToolsExt)
+      add_library(CUDA::nvToolsExt INTERFACE IMPORTED)
+    endif()
     find_package(CUDAToolkit REQUIRED)
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)

@@ -8,8 +8,12 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-git -C "$root" ls-files -z --cached --others --exclude-standard |
-  (cd "$root" && xargs -0 cp --parents -t "$work" 2>/dev/null || true)
+if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git -C "$root" ls-files -z --cached --others --exclude-standard |
+    (cd "$root" && xargs -0 cp --parents -t "$work" 2>/dev/null || true)
+else  # a source tree without git (an unpacked archive): everything but build trees
+  tar -C "$root" --exclude='./build*' --exclude='./.venv' -cf - . | tar -C "$work" -xf -
+fi
 cd "$work"
 BUILD_DIR="$work/build" scripts/docker/build.sh "$work/out" infinigen-router infinigen-kvstore
 # Both start and take their flags (as the images' CMD give them).
