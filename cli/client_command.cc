@@ -139,10 +139,12 @@ int RunClient(int argc, char** argv) {
   const auto& t = last.timings();
   std::cerr << absl::StrFormat(
       "[%d prompt + %d generated tokens, finish %s, time to first token %.3f s, %.1f ms/token, "
-      "KV fetched %.1f%% of a full fetch, failovers %d]\n",
+      "failovers %d]\n[policy %s on %s: KV fetched %.2f MiB, %.1f%% of a full fetch (%.2f MiB)]\n",
       u.prompt_tokens(), u.generated_tokens(), v1::FinishReason_Name(last.finish_reason()),
-      t.time_to_first_token_seconds(), 1e3 * t.time_per_output_token_seconds(),
-      100.0 * u.selection_fraction(), last.failovers());
+      t.time_to_first_token_seconds(), 1e3 * t.time_per_output_token_seconds(), last.failovers(),
+      u.policy().empty() ? "?" : u.policy(), u.backend().empty() ? "?" : u.backend(),
+      static_cast<double>(u.kv_bytes_fetched()) / (1 << 20), 100.0 * u.selection_fraction(),
+      static_cast<double>(u.kv_bytes_full_fetch()) / (1 << 20));
   return 0;
 }
 

@@ -323,6 +323,7 @@ grpc::Status RouterService::GetModelInfo(grpc::ServerContext* context,
   info->set_max_prompt_tokens(std::min(w.max_context_tokens(), options_.max_prompt_tokens));
   info->set_max_request_bytes(options_.max_request_bytes);
   info->set_default_policy(w.default_policy());
+  info->set_backend(w.backend());
   *info->mutable_policies() = w.policies();
   info->set_workers(pool_.available());
   info->set_streams(admission_.streams());

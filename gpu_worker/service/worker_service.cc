@@ -40,7 +40,12 @@ struct CallEvents {
 
 WorkerService::WorkerService(BatchEngine& engine, const Model& model, const Tokenizer* tokenizer,
                              const InfinigenSidecar* sidecar, const WorkerServiceOptions& options)
-    : engine_(engine), model_(model), tokenizer_(tokenizer), sidecar_(sidecar), options_(options) {}
+    : engine_(engine),
+      model_(model),
+      tokenizer_(tokenizer),
+      sidecar_(sidecar),
+      options_(options),
+      backend_name_(model.backend().Name()) {}
 
 absl::StatusOr<std::string> WorkerService::RenderChat(const infinigen::v1::ChatMessages& m) const {
   std::vector<ChatMessage> messages;
@@ -156,6 +161,7 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
                         "this worker is draining; send the request to another worker");
   }
   EngineRequest er;
+  std::string policy_name;
   {
     auto prompt = PromptTokens(*request);
     if (!prompt.ok()) return ToGrpcStatus(prompt.status());
@@ -166,6 +172,7 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     auto policy = Policy(*request);
     if (!policy.ok()) return ToGrpcStatus(policy.status());
     er.policy = std::move(*policy);
+    policy_name = er.policy != nullptr ? er.policy->Name() : PolicyKindName(PolicyKind::kFull);
   }
   er.resume_tokens.assign(request->resume_token_ids().begin(), request->resume_token_ids().end());
   er.deadline = absl::FromChrono(context->deadline());
@@ -239,6 +246,8 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
                                         ? static_cast<double>(u.fetch.bytes_fetched) /
                                               static_cast<double>(u.fetch.bytes_full)
                                         : 1.0);
+      usage->set_policy(policy_name);
+      usage->set_backend(backend_name_);
       auto* t = last.mutable_timings();
       t->set_queue_seconds(u.queue_seconds);
       t->set_time_to_first_token_seconds(u.time_to_first_token);
@@ -319,6 +328,7 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const wv1::InfoRequest*,
   r->set_default_policy(PolicyKindName(options_.selection.policy));
   for (PolicyKind p : options_.selection_limits.allowed_policies) r->add_policies(PolicyKindName(p));
   r->set_draining(draining_);
+  r->set_backend(backend_name_);
   return grpc::Status::OK;
 }
 

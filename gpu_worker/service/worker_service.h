@@ -68,6 +68,7 @@ class WorkerService final : public worker::v1::Worker::Service {
   const Tokenizer* tokenizer_;
   const InfinigenSidecar* sidecar_;
   const WorkerServiceOptions options_;
+  const std::string backend_name_;  // Backend::Name(), asked once (CUDA queries the device)
   std::atomic<bool> draining_{false};
   WorkerLatencyMetrics latency_;
 };

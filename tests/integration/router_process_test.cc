@@ -46,8 +46,8 @@ bool LocalhostResolvesToLoopback() {
   if (getaddrinfo("localhost", nullptr, &hints, &found) != 0) return false;
   bool loopback = false;
   for (const addrinfo* a = found; a != nullptr && !loopback; a = a->ai_next) {
-    loopback = reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr ==
-               htonl(INADDR_LOOPBACK);
+    loopback =
+        reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr == htonl(INADDR_LOOPBACK);
   }
   freeaddrinfo(found);
   return loopback;
@@ -557,6 +557,15 @@ TEST(ServeProcess, AllInOneServesThePublicApiAndABoundedLoad) {
   const StreamResult r = Stream(*stub, Request({1, 2, 3, 4}, 12));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens.size(), 12u);
+  // The embedded default: q8 weights; the fixture has no sidecar, so `auto` serves dense.
+  EXPECT_EQ(r.last.usage().backend(), "cpu-q8");
+  EXPECT_EQ(r.last.usage().policy(), "full");
+  {
+    grpc::ClientContext c;
+    v1::ModelInfo info;
+    ASSERT_TRUE(stub->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok());
+    EXPECT_EQ(info.backend(), "cpu-q8");
+  }
   const nlohmann::json j = Load(port, 16, 20);
   ASSERT_FALSE(j.is_discarded());
   EXPECT_EQ(j["errors"].get<int>(), 0) << j.dump();

@@ -142,6 +142,8 @@ TEST_F(WorkerProcess, FullPolicyStreamsExactlyTheLocalEnginesTokens) {
   EXPECT_DOUBLE_EQ(r.last.usage().selection_fraction(), 1.0);
   EXPECT_GT(r.last.usage().kv_bytes_fetched(), 0);
   EXPECT_GT(r.last.timings().time_to_first_token_seconds(), 0.0);
+  EXPECT_EQ(r.last.usage().policy(), "full");
+  EXPECT_EQ(r.last.usage().backend(), "cpu-f32");
 }
 
 TEST_F(WorkerProcess, WorkerAndStoreMetricsCountWhatWasServed) {
@@ -180,6 +182,7 @@ TEST_F(WorkerProcess, InfinigenRunsAndFetchesLess) {
   // Layer 0 dense, layer 1 at a 30% budget: well under 0.75 of a full fetch.
   EXPECT_LT(u.selection_fraction(), 0.75);
   EXPECT_GT(u.selection_fraction(), 0.3);
+  EXPECT_EQ(u.policy(), "infinigen");
 }
 
 TEST_F(WorkerProcess, InfinigenAttendsDenselyBelowTheMinimumBudget) {
@@ -349,6 +352,7 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   EXPECT_EQ(info.num_layers(), 2);
   EXPECT_EQ(info.kv_transport(), "grpc");
   EXPECT_EQ(info.default_policy(), "full");
+  EXPECT_EQ(info.backend(), "cpu-f32");
   EXPECT_EQ(info.max_running(), 16);
   EXPECT_EQ(Health(*channel_), grpc::health::v1::HealthCheckResponse::SERVING);
   // SIGTERM during a stream: health NOT_SERVING, new requests UNAVAILABLE, the stream finishes.
