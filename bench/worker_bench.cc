@@ -4,7 +4,8 @@
 // service-path overhead of docs/benchmarks.md. --policy applies to both: the local engine runs
 // it as the worker does with its default flags (infinigen: the sidecar next to the model).
 //
-// usage: worker_bench (--target HOST:PORT | --local MODEL [--threads N --cpu-weights q8])
+// usage: worker_bench (--target HOST:PORT | --local MODEL [--threads N --cpu-weights q8
+//                                                          --cpu-kv f32|bf16])
 //            [--streams 1,4,16] [--prompt-tokens 128] [--new-tokens 64] [--policy full]
 //
 // The local engine can also run a model of random weights (--random CONFIG.json: a Hugging Face
@@ -191,7 +192,7 @@ std::string ReadFile(const std::string& path) {
 
 int main(int argc, char** argv) {
   std::string target, local, random, streams_list = "1,4,16", policy, label, cpu_weights = "q8";
-  std::string device = "cpu", cuda_dtype = "bf16", kv = "resident";
+  std::string device = "cpu", cuda_dtype = "bf16", kv = "resident", cpu_kv = "f32";
   int64_t prompt = 128, new_tokens = 64, threads = 0, kv_capacity_mb = 4096, prefill_budget = 256;
   bool kv_device_gather = false;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -208,6 +209,8 @@ int main(int argc, char** argv) {
       label = v;
     else if (k == "--cpu-weights")
       cpu_weights = v;
+    else if (k == "--cpu-kv")
+      cpu_kv = v;
     else if (k == "--prompt-tokens")
       (void)absl::SimpleAtoi(v, &prompt);
     else if (k == "--new-tokens")
@@ -274,6 +277,7 @@ int main(int argc, char** argv) {
     cli::BackendFlags flags;
     flags.threads = threads;
     flags.cpu_weights = cpu_weights;
+    flags.cpu_kv = cpu_kv;
     flags.device = device;
     flags.cuda_dtype = cuda_dtype;
     auto fail = [](const absl::Status& st) {

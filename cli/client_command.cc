@@ -110,7 +110,7 @@ int RunClient(int argc, char** argv) {
   s->set_top_p(options->sampling.top_p);
   s->set_min_p(options->sampling.min_p);
   s->set_repetition_penalty(options->sampling.repetition_penalty);
-  s->set_seed(options->sampling.seed);
+  if (options->sampling.seed != 0) s->set_seed(options->sampling.seed);  // 0: the server draws
   r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(options->max_new_tokens));
   r.mutable_stopping()->set_ignore_eos(options->ignore_eos);
   if (!stop.empty()) r.mutable_stopping()->add_stop_strings(stop);
@@ -139,10 +139,12 @@ int RunClient(int argc, char** argv) {
   const auto& t = last.timings();
   std::cerr << absl::StrFormat(
       "[%d prompt + %d generated tokens, finish %s, time to first token %.3f s, %.1f ms/token, "
-      "failovers %d]\n[policy %s on %s: KV fetched %.2f MiB, %.1f%% of a full fetch (%.2f MiB)]\n",
+      "failovers %d, seed %llu]\n[policy %s on %s: KV fetched %.2f MiB, %.1f%% of a full fetch "
+      "(%.2f MiB)]\n",
       u.prompt_tokens(), u.generated_tokens(), v1::FinishReason_Name(last.finish_reason()),
       t.time_to_first_token_seconds(), 1e3 * t.time_per_output_token_seconds(), last.failovers(),
-      u.policy().empty() ? "?" : u.policy(), u.backend().empty() ? "?" : u.backend(),
+      static_cast<unsigned long long>(last.seed()), u.policy().empty() ? "?" : u.policy(),
+      u.backend().empty() ? "?" : u.backend(),
       static_cast<double>(u.kv_bytes_fetched()) / (1 << 20), 100.0 * u.selection_fraction(),
       static_cast<double>(u.kv_bytes_full_fetch()) / (1 << 20));
   return 0;

@@ -14,6 +14,9 @@ void BackendFlags::Register(FlagSet& flags) {
   flags.Int("threads", &threads, "CPU threads (0 = all cores)");
   flags.String("cpu-weights", &cpu_weights,
                "weight storage on the CPU: f32 (exact), bf16 or q8 (faster decode)");
+  flags.String("cpu-kv", &cpu_kv,
+               "K/V storage on the CPU: f32 (exact) or bf16 (half the bytes a long-context decode "
+               "step reads)");
   flags.Bool("batch-invariant", &batch_invariant,
              "a sequence's logits do not depend on the sequences batched with it (CPU; false: "
              "OpenBLAS for prefill, faster, batch-dependent rounding)");
@@ -28,6 +31,11 @@ absl::StatusOr<CpuBackendOptions> BackendFlags::Options() const {
     return absl::InvalidArgumentError(absl::StrCat("--cpu-weights: ", format.status().message()));
   }
   options.weight_format = *format;
+  if (cpu_kv != "f32" && cpu_kv != "bf16") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu-kv must be f32 or bf16, got '", cpu_kv, "'"));
+  }
+  options.kv_dtype = cpu_kv == "bf16" ? DType::kBF16 : DType::kF32;
   options.batch_invariant = batch_invariant;
   if (device != "cpu" && device != "cuda") {
     return absl::InvalidArgumentError(
@@ -61,7 +69,7 @@ void SamplingFlags::Register(FlagSet& flags) {
   flags.Float("top-p", &top_p, "nucleus sampling mass (1 = off)");
   flags.Float("min-p", &min_p, "drop tokens below min-p x the top probability (0 = off)");
   flags.Float("repetition-penalty", &repetition_penalty, "penalty for repeated tokens (1 = off)");
-  flags.Int("seed", &seed, "random seed for sampling");
+  flags.Int("seed", &seed, "random seed for sampling (client: 0 lets the server draw one)");
   flags.Bool("ignore-eos", &ignore_eos, "keep generating past end-of-sequence tokens");
 }
 

@@ -16,12 +16,13 @@
 
 namespace infinigen::cli {
 
-// --device, --threads, --cpu-weights and --cuda-dtype, shared by every command that runs the
-// model.
+// --device, --threads, --cpu-weights, --cpu-kv and --cuda-dtype, shared by every command that runs
+// the model.
 struct BackendFlags {
   std::string device = "cpu";  // cpu | cuda
   int64_t threads = 0;
   std::string cpu_weights = "f32";
+  std::string cpu_kv = "f32";  // CpuBackendOptions::kv_dtype: f32 | bf16
   std::string cuda_dtype = "bf16";
   bool batch_invariant = true;  // CpuBackendOptions::batch_invariant
 

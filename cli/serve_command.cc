@@ -10,9 +10,11 @@
 
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "common/grpc/health.h"
 #include "common/shutdown_signal.h"
 #include "gpu_worker/service/worker_metrics.h"
 #include "gpu_worker/service/worker_runtime.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "router/router_server.h"
 
 namespace infinigen::cli {
@@ -60,9 +62,11 @@ int RunServe(int argc, char** argv) {
   flags.Int("worker-metrics-port", &worker_metrics_port,
             "worker metrics (Prometheus) on this port (0: off)");
   flags.Int("drain-seconds", &drain_seconds, "how long shutdown lets running requests finish");
-  // The embedded default serves q8 weights: the fastest CPU format, WikiText-2 perplexity 16.43
-  // against transformers' 16.40 (docs/model.md). The standalone worker keeps f32 (exact).
+  // The embedded default serves q8 weights and bf16 K/V: the fastest CPU storage, WikiText-2
+  // perplexity 16.43 against transformers' 16.40 for q8 (docs/model.md), bf16 K/V +0.01%
+  // (docs/accuracy.md). The standalone worker keeps f32 (exact).
   worker.backend.cpu_weights = "q8";
+  worker.backend.cpu_kv = "bf16";
   worker.backend.Register(flags);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("serve", parsed.status());
@@ -101,7 +105,7 @@ int RunServe(int argc, char** argv) {
   if (internal == nullptr) {
     return ReportError("serve", absl::InternalError("cannot start the in-process worker server"));
   }
-  internal->GetHealthCheckService()->SetServingStatus(true);
+  SetHealth(*internal, {worker::v1::Worker::service_full_name()}, true);
   router.pool.channels.emplace_back("in-process",
                                     internal->InProcessChannel(grpc::ChannelArguments()));
   auto server = RouterServer::Start(router);

@@ -42,8 +42,9 @@ absl::StatusOr<ApiKeys> ApiKeys::Load(const std::string& path) {
 }
 
 bool ApiKeys::Accepts(absl::string_view authorization) const {
+  // The scheme is case-insensitive (RFC 9110, section 11.1): "bearer", "BEARER" work too.
   constexpr absl::string_view kBearer = "Bearer ";
-  if (!absl::StartsWith(authorization, kBearer)) return false;
+  if (!absl::StartsWithIgnoreCase(authorization, kBearer)) return false;
   const absl::string_view given = authorization.substr(kBearer.size());
   bool ok = false;
   for (const std::string& key : keys_) ok |= ConstantTimeEquals(given, key);  // no early exit

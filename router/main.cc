@@ -7,6 +7,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "common/shutdown_signal.h"
 #include "router/router_server.h"
@@ -36,6 +38,13 @@ ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment
 
 int main(int argc, char** argv) {
   using namespace infinigen;
+  // --help lists this binary's own flags (absl's default matches files named after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "router/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("infinigen-router: the public gRPC API over a pool of workers");
   absl::ParseCommandLine(argc, argv);
 

@@ -4,8 +4,10 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc/health.h"
 #include "common/grpc/tls.h"
 #include "common/status_macros.h"
+#include "infinigen/v1/generation.grpc.pb.h"
 
 namespace infinigen {
 
@@ -39,7 +41,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
   if (r->server_ == nullptr || r->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
-  r->server_->GetHealthCheckService()->SetServingStatus(true);
+  SetHealth(*r->server_, {v1::Generation::service_full_name()}, true);
   return r;
 }
 
@@ -48,7 +50,7 @@ RouterServer::~RouterServer() {
 }
 
 void RouterServer::Drain(absl::Duration timeout) {
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  SetHealth(*server_, {v1::Generation::service_full_name()}, false);
   const absl::Time end = absl::Now() + timeout;
   while (absl::Now() < end &&
          service_->admission().streams() + service_->admission().queued() > 0) {

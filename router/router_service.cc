@@ -2,6 +2,8 @@
 
 #include <atomic>
 
+#include "absl/random/distributions.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "router/router_metrics.h"
@@ -119,6 +121,14 @@ grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
       if (r.messages().messages().empty()) {
         return {StatusCode::INVALID_ARGUMENT, "messages: the list is empty"};
       }
+      for (int i = 0; i < r.messages().messages_size(); ++i) {
+        const std::string& role = r.messages().messages(i).role();
+        if (role != "system" && role != "user" && role != "assistant") {
+          return grpc::Status(StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("messages[", i, "].role is '", role,
+                                           "'; the accepted roles are system, user and assistant"));
+        }
+      }
       break;
     default:
       return {StatusCode::INVALID_ARGUMENT, "input: give one of text, token_ids or messages"};
@@ -164,6 +174,12 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
 grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
                                   grpc::ServerWriter<v1::GenerateResponse>* writer) {
   wv1::GenerateRequest wr = ToWorker(request, options_.max_prompt_tokens);
+  // A request without a seed gets its own (a fixed default would make every "random" request
+  // of a prompt the same); every worker of the stream, after a failover too, uses it.
+  if (!request.sampling().has_seed()) {
+    thread_local absl::BitGen bits;
+    wr.mutable_sampling()->set_seed(absl::Uniform<uint64_t>(bits));
+  }
   const std::string request_id =
       request.request_id().empty() ? NewRequestId() : request.request_id();
   wr.set_request_id(request_id);
@@ -211,6 +227,7 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
         *out.mutable_usage() = m.usage();
         *out.mutable_timings() = m.timings();
         out.set_failovers(failovers);
+        out.set_seed(wr.sampling().seed());
       }
       if (!first_sent) {
         out.set_request_id(request_id);

@@ -105,6 +105,9 @@ class Backend {
   virtual std::string Name() const = 0;
   // The dtype of activations (and of MatViews the model allocates for them).
   virtual DType activation_dtype() const = 0;
+  // The dtype K/V rows are stored in (KV caches, the KV store): the activations' unless the
+  // backend stores them narrower (the CPU's bf16 K/V); Copy converts activations into it.
+  virtual DType kv_dtype() const { return activation_dtype(); }
   // Bytes of device memory still free for caches and workspaces.
   virtual size_t FreeMemory() const = 0;
   // Whether buffers from Allocate() are ordinary host memory that other host code (a KV store

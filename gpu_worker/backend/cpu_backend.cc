@@ -7,6 +7,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/row_gemm.h"
 
@@ -59,7 +61,8 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options) : options_(options) {
 }
 
 std::string CpuBackend::Name() const {
-  return absl::StrCat("cpu-", WeightFormatName(options_.weight_format));
+  return absl::StrCat("cpu-", WeightFormatName(options_.weight_format),
+                      options_.kv_dtype == DType::kF32 ? "" : " (bf16 K/V)");
 }
 
 size_t CpuBackend::FreeMemory() const {
@@ -231,15 +234,49 @@ absl::Status CpuBackend::Add(MatView x, MatView y) {
 }
 
 absl::Status CpuBackend::Copy(MatView src, MatView dst) {
-  if (src.dtype != dst.dtype || src.rows != dst.rows || src.cols != dst.cols) {
-    return absl::InvalidArgumentError("cpu backend: Copy needs equal shapes and dtypes");
+  if (src.rows != dst.rows || src.cols != dst.cols) {
+    return absl::InvalidArgumentError("cpu backend: Copy needs equal shapes");
   }
-  const size_t row_bytes = src.cols * DTypeSize(src.dtype);
-  for (int64_t r = 0; r < src.rows; ++r) {
-    std::memcpy(dst.Rows(r, 1).data, src.Rows(r, 1).data, row_bytes);
+  if (src.dtype == dst.dtype) {
+    const size_t row_bytes = src.cols * DTypeSize(src.dtype);
+    for (int64_t r = 0; r < src.rows; ++r) {
+      std::memcpy(dst.Rows(r, 1).data, src.Rows(r, 1).data, row_bytes);
+    }
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  // Conversions between float32 and bfloat16 (activations into bf16 K/V rows, and back).
+  if (src.dtype == DType::kF32 && dst.dtype == DType::kBF16) {
+    for (int64_t r = 0; r < src.rows; ++r) {
+      const float* in = src.Rows(r, 1).As<float>();
+      uint16_t* out = static_cast<uint16_t*>(dst.Rows(r, 1).data);
+      for (int64_t c = 0; c < src.cols; ++c) out[c] = FloatToBf16(in[c]);
+    }
+    return absl::OkStatus();
+  }
+  if (src.dtype == DType::kBF16 && dst.dtype == DType::kF32) {
+    for (int64_t r = 0; r < src.rows; ++r) {
+      const uint16_t* in = static_cast<const uint16_t*>(src.Rows(r, 1).data);
+      float* out = dst.Rows(r, 1).As<float>();
+      for (int64_t c = 0; c < src.cols; ++c) out[c] = Bf16ToFloat(in[c]);
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cpu backend: Copy cannot convert ", DTypeName(src.dtype), " to ", DTypeName(dst.dtype)));
 }
+
+namespace {
+
+// K or V rows for the CPU kernels: float32 or bfloat16.
+absl::StatusOr<cpu::KvRows> KernelRows(const KvView& kv, const char* op) {
+  if (kv.dtype != DType::kF32 && kv.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu backend: ", op, " reads float32 or bfloat16 K/V, got ", DTypeName(kv.dtype)));
+  }
+  return cpu::KvRows{kv.data, kv.head_stride, kv.row_stride, kv.rows, kv.dtype == DType::kBF16};
+}
+
+}  // namespace
 
 absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                          const AttentionShape& s, MatView out) {
@@ -249,11 +286,13 @@ absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t 
         "cpu backend: AttentionCausal reads K/V rows packed, not by "
         "row table");
   }
-  const auto causal = options_.batch_invariant ? cpu::AttentionCausalRows : cpu::AttentionCausal;
-  causal(q.As<float>(), q.stride, q.rows, q_start,
-         {static_cast<const float*>(k.data), k.head_stride, k.row_stride},
-         {static_cast<const float*>(v.data), v.head_stride, v.row_stride}, s.num_heads,
-         s.num_kv_heads, s.head_dim, s.scale, out.As<float>(), out.stride);
+  IG_ASSIGN_OR_RETURN(cpu::KvRows kr, KernelRows(k, "AttentionCausal"));
+  IG_ASSIGN_OR_RETURN(cpu::KvRows vr, KernelRows(v, "AttentionCausal"));
+  // OpenBLAS multiplies float32 only: bf16 K/V always take the per-row kernel.
+  const bool rows = options_.batch_invariant || kr.bf16 || vr.bf16;
+  const auto causal = rows ? cpu::AttentionCausalRows : cpu::AttentionCausal;
+  causal(q.As<float>(), q.stride, q.rows, q_start, kr, vr, s.num_heads, s.num_kv_heads, s.head_dim,
+         s.scale, out.As<float>(), out.stride);
   return absl::OkStatus();
 }
 
@@ -261,13 +300,10 @@ absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const in
                                          int64_t num_rows, const AttentionShape& s, MatView out,
                                          float* weights_out) {
   if (auto st = CheckF32(q, "AttentionDecode"); !st.ok()) return st;
-  if (k.dtype != DType::kF32 || v.dtype != DType::kF32) {
-    return absl::InvalidArgumentError("cpu backend: AttentionDecode needs float32 K and V");
-  }
-  cpu::AttentionDecode(
-      q.As<float>(), {static_cast<const float*>(k.data), k.head_stride, k.row_stride, k.rows},
-      {static_cast<const float*>(v.data), v.head_stride, v.row_stride, v.rows}, indices, num_rows,
-      s.num_heads, s.num_kv_heads, s.head_dim, s.scale, out.As<float>(), weights_out);
+  IG_ASSIGN_OR_RETURN(cpu::KvRows kr, KernelRows(k, "AttentionDecode"));
+  IG_ASSIGN_OR_RETURN(cpu::KvRows vr, KernelRows(v, "AttentionDecode"));
+  cpu::AttentionDecode(q.As<float>(), kr, vr, indices, num_rows, s.num_heads, s.num_kv_heads,
+                       s.head_dim, s.scale, out.As<float>(), weights_out);
   return absl::OkStatus();
 }
 

@@ -17,6 +17,9 @@ struct CpuBackendOptions {
   // depend on which sequences share its step. false: OpenBLAS for several rows (faster
   // prefill, results that vary with the batch).
   bool batch_invariant = true;
+  // Storage of K/V rows: f32 (exact), or bf16 (half the bytes a long-context decode step reads;
+  // every K/V row rounded once as it is stored, and read back widened exactly).
+  DType kv_dtype = DType::kF32;
 };
 
 class CpuBackend : public Backend {
@@ -25,6 +28,7 @@ class CpuBackend : public Backend {
 
   std::string Name() const override;
   DType activation_dtype() const override { return DType::kF32; }
+  DType kv_dtype() const override { return options_.kv_dtype; }
   size_t FreeMemory() const override;
   bool host_accessible() const override { return true; }
 

@@ -258,6 +258,11 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   Backend& backend = model_.backend();
   const int64_t kv_heads = c.num_kv_heads;
   const std::span<const ForwardChunk> batch = batch_;
+  const DType kv_dtype = model_.kv_shape().dtype;
+  if (k.dtype != kv_dtype) {
+    IG_RETURN_IF_ERROR(
+        EnsureBuffer(current_kv_, batch.size() * 2 * kv_heads * c.head_dim * DTypeSize(kv_dtype)));
+  }
   // Policies run on the host: they read this layer's queries and keys (and the speculated
   // queries) as host floats, copied out of the backend's memory where the host cannot read it.
   const bool host_memory = backend.host_accessible();
@@ -351,7 +356,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
     const int64_t row = rows_[b];
     const Selection& selection = selections_[b];
-    if (len > 1 && chunk.start == 0 && streamed_ != nullptr) {
+    if (len > 1 && chunk.start == 0 && streamed_ != nullptr && k.dtype == kv_dtype) {
       // A whole prompt in one chunk: its K/V are the activations; no need to read them back.
       const KvView kk{k.Rows(row, len).data, k.dtype, c.head_dim, k.stride};
       const KvView vv{v.Rows(row, len).data, v.dtype, c.head_dim, v.stride};
@@ -381,9 +386,20 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       const int64_t hd = c.head_dim;
       for (int64_t g = 0; g < kv_heads; ++g) {
         const int64_t dst = kv_heads * pre.count + g;
-        const MatView k_row = k.Rows(row, 1).Cols(g * hd, hd);
-        const MatView v_row = v.Rows(row, 1).Cols(g * hd, hd);
-        if (kv.k.rows != nullptr) {  // rows read in place: point at the activations
+        MatView k_row = k.Rows(row, 1).Cols(g * hd, hd);
+        MatView v_row = v.Rows(row, 1).Cols(g * hd, hd);
+        if (kv.k.rows != nullptr) {   // rows read in place: point at the activations
+          if (k.dtype != kv_dtype) {  // or at their copy in the cache's dtype
+            const int64_t at = (static_cast<int64_t>(b) * 2 * kv_heads + g) * hd;
+            uint8_t* base = static_cast<uint8_t*>(current_kv_->data());
+            const size_t e = DTypeSize(kv_dtype);
+            const MatView k_cur{base + at * e, kv_dtype, 1, hd, hd};
+            const MatView v_cur{base + (at + kv_heads * hd) * e, kv_dtype, 1, hd, hd};
+            IG_RETURN_IF_ERROR(backend.Copy(k_row, k_cur));
+            IG_RETURN_IF_ERROR(backend.Copy(v_row, v_cur));
+            k_row = k_cur;
+            v_row = v_cur;
+          }
           kv.k.rows[dst] = k_row.data;
           kv.v.rows[dst] = v_row.data;
           continue;

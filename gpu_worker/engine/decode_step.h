@@ -126,6 +126,10 @@ class DecodeStep final : private LayerAttention {
   std::unique_ptr<Buffer> spec_in_, spec_scratch_, spec_q_[2], spec_positions_, indices_, weights_;
   // Float32 staging of activations the host policies read, on backends the host cannot read.
   std::unique_ptr<Buffer> mirror_;
+  // The current token's K and V rows in the cache's dtype, per chunk ([batch, 2, kv_heads,
+  // head_dim]), where the activations' dtype differs (the CPU's bf16 K/V): attention must read
+  // the rows a later step (or a prefill) will read from the cache, not the unrounded activations.
+  std::unique_ptr<Buffer> current_kv_;
   std::vector<int32_t> host_slots_;  // [tokens, num_kv_heads] slots from the last Append
   std::vector<float> host_weights_;
   std::vector<float> host_q_, host_k_, host_spec_q_;  // ToHost copies

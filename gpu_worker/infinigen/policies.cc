@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/status_macros.h"
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
@@ -192,11 +193,23 @@ class H2oPolicy final : public PositionalPolicy {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const int64_t ctx = keys.start + keys.count;
     std::vector<float> s(static_cast<size_t>(keys.count) * ctx);
+    const KvView& k = keys.kv.k;
+    std::vector<float> widened;  // a KV head's keys as float32 when they are stored as bf16
     for (int h = 0; h < model_.num_heads; ++h) {
       const int g = h / group;
-      const float* kh = static_cast<const float*>(keys.kv.k.data) + g * keys.kv.k.head_stride;
+      const float* kh = static_cast<const float*>(k.data) + g * k.head_stride;
+      int64_t ldk = k.row_stride;
+      if (k.dtype == DType::kBF16) {
+        widened.resize(static_cast<size_t>(ctx) * d);
+        const uint16_t* src = static_cast<const uint16_t*>(k.data) + g * k.head_stride;
+        for (int64_t j = 0; j < ctx; ++j) {
+          for (int c = 0; c < d; ++c) widened[j * d + c] = Bf16ToFloat(src[j * k.row_stride + c]);
+        }
+        kh = widened.data();
+        ldk = d;
+      }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, keys.count, ctx, d, scale,
-                  keys.q + h * d, keys.q_stride, kh, keys.kv.k.row_stride, 0.0f, s.data(), ctx);
+                  keys.q + h * d, keys.q_stride, kh, ldk, 0.0f, s.data(), ctx);
       Head& head = l.heads[g];
       for (int64_t t = 0; t < keys.count; ++t) {
         float* row = s.data() + t * ctx;

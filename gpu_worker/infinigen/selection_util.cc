@@ -6,6 +6,8 @@
 #include <functional>
 #include <numeric>
 
+#include "common/dtype.h"
+
 namespace infinigen {
 
 void SlotPositions::Reserve(SequenceId seq, int num_layers, int num_kv_heads, int64_t capacity) {
@@ -184,12 +186,19 @@ void ExactScores(const float* q, const KvLayerView& kv, int num_heads, int num_k
   const int64_t n = kv.num_slots;
   out.resize(static_cast<size_t>(num_heads) * n);
   const int group = num_heads / num_kv_heads;
-  const float* k = static_cast<const float*>(kv.k.data);
+  const bool bf16 = kv.k.dtype == DType::kBF16;  // else float32
+  std::vector<float> row(static_cast<size_t>(head_dim));
   for (int h = 0; h < num_heads; ++h) {
     const float* qh = q + static_cast<size_t>(h) * head_dim;
-    const float* kh = k + (h / group) * kv.k.head_stride;
+    const int64_t first = (h / group) * kv.k.head_stride;
     for (int64_t j = 0; j < n; ++j) {
-      const float* kr = kh + j * kv.k.row_stride;
+      const int64_t at = first + j * kv.k.row_stride;
+      const float* kr = static_cast<const float*>(kv.k.data) + at;
+      if (bf16) {
+        const uint16_t* kb = static_cast<const uint16_t*>(kv.k.data) + at;
+        for (int d = 0; d < head_dim; ++d) row[d] = Bf16ToFloat(kb[d]);
+        kr = row.data();
+      }
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int d = 0; d < head_dim; ++d) dot += qh[d] * kr[d];

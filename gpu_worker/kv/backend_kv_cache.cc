@@ -66,7 +66,7 @@ absl::Status BackendKvCache::Grow(Sequence& s, int64_t min_capacity) {
 }
 
 absl::Status BackendKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
-                                     int32_t* slots_out) {
+                                    int32_t* slots_out) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   Sequence& s = it->second;
@@ -75,9 +75,10 @@ absl::Status BackendKvCache::Append(SequenceId seq, int layer, int64_t start, Ma
   }
   const int64_t n = k.rows;
   const int64_t kv_cols = static_cast<int64_t>(shape_.num_kv_heads) * shape_.head_dim;
-  if (k.cols != kv_cols || v.cols != kv_cols || v.rows != n || k.dtype != shape_.dtype) {
+  // Rows of another dtype (float32 activations into bf16 K/V) are converted by Backend::Copy.
+  if (k.cols != kv_cols || v.cols != kv_cols || v.rows != n || k.dtype != v.dtype) {
     return absl::InvalidArgumentError(
-        absl::StrCat("K/V rows must be [n, ", kv_cols, "] of ", DTypeName(shape_.dtype)));
+        absl::StrCat("K/V rows must be [n, ", kv_cols, "] of one dtype"));
   }
   if (start < 0 || start > s.layers[layer].length) {
     return absl::InvalidArgumentError(absl::StrCat("append at ", start,

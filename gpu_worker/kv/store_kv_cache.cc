@@ -124,19 +124,19 @@ absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatV
 }
 
 absl::Status StoreKvCache::RowsToHost(MatView m, uint8_t* out) {
-  const size_t row = static_cast<size_t>(m.cols) * DTypeSize(m.dtype);
-  if (m.stride == m.cols) return backend_.CopyToHost(m.data, out, m.rows * row);
-  if (host_access_) {
-    for (int64_t r = 0; r < m.rows; ++r) {
-      std::memcpy(out + r * row, static_cast<const uint8_t*>(m.Rows(r, 1).data), row);
-    }
-    return absl::OkStatus();
+  // Rows as the store keeps them: in the cache's dtype (activations converted by Backend::Copy).
+  const size_t row = static_cast<size_t>(m.cols) * DTypeSize(shape_.dtype);
+  const MatView packed{out, shape_.dtype, m.rows, m.cols, m.cols};
+  if (m.dtype == shape_.dtype && m.stride == m.cols) {
+    return backend_.CopyToHost(m.data, out, m.rows * row);
   }
+  if (host_access_) return backend_.Copy(m, packed);
   // Device memory: pack the rows there first, so that one copy (one wait) moves them all.
   if (pack_ == nullptr || pack_->size() < m.rows * row) {
     IG_ASSIGN_OR_RETURN(pack_, backend_.Allocate(m.rows * row));
   }
-  IG_RETURN_IF_ERROR(backend_.Copy(m, MatView{pack_->data(), m.dtype, m.rows, m.cols, m.cols}));
+  IG_RETURN_IF_ERROR(
+      backend_.Copy(m, MatView{pack_->data(), shape_.dtype, m.rows, m.cols, m.cols}));
   return backend_.CopyToHost(pack_->data(), out, m.rows * row);
 }
 

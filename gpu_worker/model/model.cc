@@ -21,7 +21,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const Checkpoint& ckpt, Backe
 
 KvCacheShape Model::kv_shape() const {
   return {static_cast<int>(config_.num_layers), static_cast<int>(config_.num_kv_heads),
-          static_cast<int>(config_.head_dim), backend_.activation_dtype()};
+          static_cast<int>(config_.head_dim), backend_.kv_dtype()};
 }
 
 int64_t Model::NumLogitRows(std::span<const ModelChunk> batch) {

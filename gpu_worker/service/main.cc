@@ -15,12 +15,16 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc/health.h"
 #include "common/grpc/tls.h"
 #include "common/shutdown_signal.h"
 #include "gpu_worker/service/loading_gate.h"
 #include "gpu_worker/service/worker_metrics.h"
 #include "gpu_worker/service/worker_runtime.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
 
 ABSL_FLAG(std::string, model, "", "model folder (Hugging Face) or .gguf file");
 ABSL_FLAG(std::string, sidecar, "",
@@ -57,6 +61,8 @@ ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a reques
 ABSL_FLAG(int64_t, max_prompt_tokens, 0, "the most prompt tokens a request may have (0: context)");
 ABSL_FLAG(int64_t, threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(std::string, cpu_weights, "f32", "CPU backend weight storage: f32, bf16, q8");
+ABSL_FLAG(std::string, cpu_kv, "f32",
+          "CPU backend K/V storage: f32 (exact) or bf16 (half the bytes)");
 ABSL_FLAG(bool, batch_invariant, true,
           "CPU: a sequence's logits do not depend on the sequences batched with it (false: "
           "OpenBLAS for prefill, faster, batch-dependent rounding)");
@@ -85,6 +91,13 @@ int Fail(absl::string_view what, int code = 1) {
 
 int main(int argc, char** argv) {
   using namespace infinigen;
+  // --help lists this binary's own flags (absl's default matches files named after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "gpu_worker/service/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("infinigen-worker: serves generations of one model");
   absl::ParseCommandLine(argc, argv);
 
@@ -115,6 +128,7 @@ int main(int argc, char** argv) {
   config.backend.threads = absl::GetFlag(FLAGS_threads);
   config.backend.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
   config.backend.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
+  config.backend.cpu_kv = absl::GetFlag(FLAGS_cpu_kv);
   config.backend.device = absl::GetFlag(FLAGS_device);
   config.backend.cuda_dtype = absl::GetFlag(FLAGS_cuda_dtype);
   if (auto st = config.Validate(); !st.ok()) return Fail(st.message(), 2);
@@ -136,7 +150,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0)
     return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
-  server->GetHealthCheckService()->SetServingStatus(false);
+  infinigen::SetHealth(*server, {infinigen::worker::v1::Worker::service_full_name()}, false);
   std::cout << "infinigen-worker: port " << port << " open, loading " << config.model << std::endl;
   std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_hold_loading_ms)));
 
@@ -151,13 +165,13 @@ int main(int argc, char** argv) {
     worker.service().SetLatencyMetrics(metrics->latency());
   }
   gate.Open(&worker.service());
-  server->GetHealthCheckService()->SetServingStatus(true);
+  infinigen::SetHealth(*server, {infinigen::worker::v1::Worker::service_full_name()}, true);
   std::cout << "infinigen-worker: serving " << worker.description() << " on port " << port
             << std::endl;
 
   WaitForShutdownSignal();
   std::cout << "infinigen-worker: draining" << std::endl;
-  server->GetHealthCheckService()->SetServingStatus(false);
+  infinigen::SetHealth(*server, {infinigen::worker::v1::Worker::service_full_name()}, false);
   worker.Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   std::cout << "infinigen-worker: stopped" << std::endl;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/dtype.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/row_gemm.h"
 
@@ -25,9 +26,18 @@ float* Scratch(size_t n) {
 
 // Rows per decode task (see AttentionDecode).
 constexpr int64_t kDecodeChunk = 256;
-inline void Prefetch(const float* row, int head_dim) {
-  for (int d = 0; d < head_dim; d += 16) __builtin_prefetch(row + d);  // a cache line per 16
+inline void Prefetch(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b);
 }
+
+// 8 elements of a K/V row as float32 (bfloat16 widened exactly), and one element.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float At(const float* p, int i) { return p[i]; }
+inline float At(const uint16_t* p, int i) { return Bf16ToFloat(p[i]); }
 
 }  // namespace
 
@@ -37,8 +47,8 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
   const int group = num_heads / num_kv_heads;
   for (int h = 0; h < num_heads; ++h) {
     const int g = h / group;
-    const float* kh = k.data + g * k.head_stride;
-    const float* vh = v.data + g * v.head_stride;
+    const float* kh = static_cast<const float*>(k.data) + g * k.head_stride;
+    const float* vh = static_cast<const float*>(v.data) + g * v.head_stride;
     for (int64_t b0 = 0; b0 < num_q; b0 += kQueryBlock) {
       const int64_t rows = std::min(kQueryBlock, num_q - b0);
       const int64_t ctx = q_start + b0 + rows;  // keys visible to the block's last row
@@ -63,20 +73,21 @@ namespace {
 // y += a * x over n floats with explicit 8-lane FMAs: the same arithmetic whatever the
 // pointers' alignment (a compiler's alignment peeling would round the first elements
 // differently on different buffers, and a decode step and a prefill row must agree bit for bit).
-inline void Axpy(float a, const float* x, float* y, int n) {
+template <typename T>
+inline void Axpy(float a, const T* x, float* y, int n) {
   const __m256 av = _mm256_set1_ps(a);
   int i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, Load8(x + i), _mm256_loadu_ps(y + i)));
   }
-  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+  for (; i < n; ++i) y[i] = std::fma(a, At(x, i), y[i]);
 }
 
 // outs[r] = sum over j < n of ps[r][j] * rows[j] for r < R (n rows of `width` floats), each
 // element accumulated in j order by FMA from zero, as Axpy would: R rows x 32 floats at a time
-// in registers (each V row loaded once for the R outputs).
-template <int R>
-void WeightedRowsTile(const float* const* ps, const float* const* rows, int64_t n, int width,
+// in registers (each V row loaded once for the R outputs). T: float, or uint16_t for bfloat16.
+template <int R, typename T>
+void WeightedRowsTile(const float* const* ps, const T* const* rows, int64_t n, int width,
                       float* const* outs) {
   int d0 = 0;
   for (; d0 + 32 <= width; d0 += 32) {
@@ -85,9 +96,9 @@ void WeightedRowsTile(const float* const* ps, const float* const* rows, int64_t 
       for (int t = 0; t < 4; ++t) acc[r][t] = _mm256_setzero_ps();
     }
     for (int64_t j = 0; j < n; ++j) {
-      const float* v = rows[j] + d0;
-      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-      const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+      const T* v = rows[j] + d0;
+      const __m256 v0 = Load8(v), v1 = Load8(v + 8);
+      const __m256 v2 = Load8(v + 16), v3 = Load8(v + 24);
       for (int r = 0; r < R; ++r) {
         const __m256 pj = _mm256_set1_ps(ps[r][j]);
         acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
@@ -108,7 +119,8 @@ void WeightedRowsTile(const float* const* ps, const float* const* rows, int64_t 
 }
 
 // The weighted rows of several outputs that see the same n rows, three at a time.
-void WeightedRows(const float* const* ps, int count, const float* const* rows, int64_t n, int width,
+template <typename T>
+void WeightedRows(const float* const* ps, int count, const T* const* rows, int64_t n, int width,
                   float* const* outs) {
   int r = 0;
   for (; r + 3 <= count; r += 3) WeightedRowsTile<3>(ps + r, rows, n, width, outs + r);
@@ -139,7 +151,7 @@ __attribute__((noinline)) void ChunkPartials(const float* q0, int64_t q_stride, 
                                              float scale, const ChunkPartial* partials) {
   const int h0 = g * group;
   const int64_t n = j1 - j0;
-  thread_local std::vector<const float*> k_rows, v_rows;
+  thread_local std::vector<const void*> k_rows, v_rows;
   thread_local std::vector<float> scores;  // [nq * group, kDecodeChunk]
   k_rows.resize(kDecodeChunk);
   v_rows.resize(kDecodeChunk);
@@ -150,18 +162,26 @@ __attribute__((noinline)) void ChunkPartials(const float* q0, int64_t q_stride, 
     // Rows listed by index are scattered: ask for all of the chunk's at once, so that their
     // misses overlap (hardware prefetchers do not follow indices); a chunk fits in L2.
     if (idx != nullptr) {
-      Prefetch(k_rows[j], head_dim);
-      Prefetch(v_rows[j], head_dim);
+      Prefetch(k_rows[j], head_dim * (k.bf16 ? 2 : 4));
+      Prefetch(v_rows[j], head_dim * (v.bf16 ? 2 : 4));
     }
   }
+  // Scores of m query rows (row stride ldq) against the chunk's K rows into y (row stride ldy).
+  auto scores_of = [&](const float* q, int64_t ldq, float* y, int64_t ldy, int64_t m) {
+    if (k.bf16) {
+      GemmRowsBf16Table(q, ldq, reinterpret_cast<const uint16_t* const*>(k_rows.data()), nullptr, y,
+                        ldy, m, n, head_dim, false);
+    } else {
+      GemmRowsF32Table(q, ldq, reinterpret_cast<const float* const*>(k_rows.data()), nullptr, y,
+                       ldy, m, n, head_dim, false);
+    }
+  };
   if (nq == 1) {  // the group's heads are the rows: each K row read once per two heads
-    GemmRowsF32Table(q0 + h0 * head_dim, head_dim, k_rows.data(), nullptr, scores.data(),
-                     kDecodeChunk, group, n, head_dim, false);
+    scores_of(q0 + h0 * head_dim, head_dim, scores.data(), kDecodeChunk, group);
   } else {  // a block of queries per head: each K row read once per two queries
     for (int hh = 0; hh < group; ++hh) {
-      GemmRowsF32Table(q0 + (h0 + hh) * head_dim, q_stride, k_rows.data(), nullptr,
-                       scores.data() + hh * kDecodeChunk, group * kDecodeChunk, nq, n, head_dim,
-                       false);
+      scores_of(q0 + (h0 + hh) * head_dim, q_stride, scores.data() + hh * kDecodeChunk,
+                group * kDecodeChunk, nq);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -190,7 +210,13 @@ __attribute__((noinline)) void ChunkPartials(const float* q0, int64_t q_stride, 
       ps[hh] = partials[i * group + hh].p;
       outs[hh] = partials[i * group + hh].out;
     }
-    WeightedRows(ps.data(), group, v_rows.data(), ends[i] - j0, head_dim, outs.data());
+    if (v.bf16) {
+      WeightedRows(ps.data(), group, reinterpret_cast<const uint16_t* const*>(v_rows.data()),
+                   ends[i] - j0, head_dim, outs.data());
+    } else {
+      WeightedRows(ps.data(), group, reinterpret_cast<const float* const*>(v_rows.data()),
+                   ends[i] - j0, head_dim, outs.data());
+    }
   }
 }
 
@@ -334,8 +360,12 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
       std::fill(oh, oh + head_dim, 0.0f);
       const int32_t* idx = indices != nullptr ? indices + (h / group) * num_rows : nullptr;
       for (int64_t j = 0; j < num_rows; ++j) {
-        const float* vr = v.Row(h / group, idx != nullptr ? idx[j] : j);
-        for (int d = 0; d < head_dim; ++d) oh[d] += vr[d] / num_rows;
+        const void* vr = v.Row(h / group, idx != nullptr ? idx[j] : j);
+        for (int d = 0; d < head_dim; ++d) {
+          oh[d] += (v.bf16 ? At(static_cast<const uint16_t*>(vr), d)
+                           : At(static_cast<const float*>(vr), d)) /
+                   num_rows;
+        }
       }
       if (weights_out != nullptr) {
         std::fill_n(weights_out + h * num_rows, num_rows, 1.0f / num_rows);

@@ -13,18 +13,21 @@ namespace infinigen::cpu {
 // GGUF llama files do.
 enum class RopeLayout { kHalf, kInterleaved };
 
-// K or V rows of one layer: row j of KV head g starts at data + g * head_stride + j * row_stride.
-// With a row table instead (`rows` set, `data` unused), it starts at rows[g * head_stride + j *
-// row_stride]: rows read in place wherever they live (AttentionDecode only).
+// K or V rows of one layer: row j of KV head g starts at data + g * head_stride + j * row_stride
+// (in elements). With a row table instead (`rows` set, `data` unused), it starts at rows[g *
+// head_stride + j * row_stride]: rows read in place wherever they live (AttentionDecode only).
+// Elements are float32, or bfloat16 with `bf16` (widened exactly to float32 as they are read).
 struct KvRows {
-  const float* data = nullptr;
+  const void* data = nullptr;
   int64_t head_stride = 0;
   int64_t row_stride = 0;
   const void* const* rows = nullptr;
+  bool bf16 = false;
 
-  const float* Row(int64_t g, int64_t j) const {
+  const void* Row(int64_t g, int64_t j) const {
     const int64_t at = g * head_stride + j * row_stride;
-    return rows != nullptr ? static_cast<const float*>(rows[at]) : data + at;
+    if (rows != nullptr) return rows[at];
+    return static_cast<const uint8_t*>(data) + at * (bf16 ? 2 : 4);
   }
 };
 
@@ -57,8 +60,7 @@ void Rope(float* x, int64_t stride, int64_t rows, int num_heads, int head_dim, i
 // skew[g, i, c] for g = h / (num_heads / num_kv_heads), i ascending. x: [rows, num_heads * d],
 // skew: [num_kv_heads, d, p], out: [rows, num_heads * p].
 void ProjectHeads(const float* x, int64_t x_stride, int64_t rows, int num_heads, int num_kv_heads,
-                  int head_dim, const float* skew, int partial_dim, float* out,
-                  int64_t out_stride);
+                  int head_dim, const float* skew, int partial_dim, float* out, int64_t out_stride);
 
 // out[r, i] = silu(gate[r, i]) * up[r, i].
 void SwiGlu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride,
@@ -80,7 +82,7 @@ void Softmax(float* x, int64_t n);
 // Causal attention of num_q new query rows that sit at positions q_start .. q_start+num_q-1
 // over keys/values at positions 0 .. q_start+num_q-1. q: [num_q, num_heads * head_dim];
 // out: same shape. Query head h uses KV head h / (num_heads / num_kv_heads). Scores are
-// q·k * scale.
+// q·k * scale. Float32 K/V only (OpenBLAS).
 void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start, KvRows k,
                      KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
                      float* out, int64_t out_stride);
@@ -89,9 +91,9 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
 // rows it sees: a row's result does not depend on the rows sharing the call, on q_start (a
 // prompt in one piece or in chunks), or on whether it is a prompt's last token or a decode
 // step. The batch-invariant backend's prefill.
-void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start,
-                         KvRows k, KvRows v, int num_heads, int num_kv_heads, int head_dim,
-                         float scale, float* out, int64_t out_stride);
+void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_t q_start, KvRows k,
+                         KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
+                         float* out, int64_t out_stride);
 
 // Attention of one query row (all heads) over an explicit list of rows per KV head: KV head g
 // attends rows indices[g * num_rows + j] for j < num_rows (indices may be null: rows 0 ..

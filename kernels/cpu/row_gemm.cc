@@ -35,6 +35,16 @@ inline float Reduce(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// n bfloat16 values widened exactly to float32, 8 at a time (the floats Load8 makes).
+inline void WidenBf16(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+}
+
 // Weight rows as a tile reads them: row c of the accessor, 8 values at column i (a multiple of
 // 8), widened exactly to float32, so every format goes through the same products.
 struct F32Rows {
@@ -55,9 +65,7 @@ struct Bf16Rows {
   float At(int64_t c, int64_t i) const { return Bf16ToFloat(w[c * ld + i]); }
   const void* Address(int64_t c, int64_t i) const { return w + c * ld + i; }
   Bf16Rows From(int64_t j) const { return {w + j * ld, ld}; }
-  void Widen(int64_t c, float* out, int64_t k) const {
-    for (int64_t i = 0; i < k; ++i) out[i] = At(c, i);
-  }
+  void Widen(int64_t c, float* out, int64_t k) const { WidenBf16(w + c * ld, out, k); }
 };
 // Float32 rows wherever they lie (a row table).
 struct TableRows {
@@ -66,6 +74,18 @@ struct TableRows {
   float At(int64_t c, int64_t i) const { return rows[c][i]; }
   const void* Address(int64_t c, int64_t i) const { return rows[c] + i; }
   TableRows From(int64_t j) const { return {rows + j}; }
+};
+// Bfloat16 rows wherever they lie (a row table), widened as Bf16Rows widens them.
+struct Bf16TableRows {
+  const uint16_t* const* rows;
+  __m256 Load8(int64_t c, int64_t i) const {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c] + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  float At(int64_t c, int64_t i) const { return Bf16ToFloat(rows[c][i]); }
+  const void* Address(int64_t c, int64_t i) const { return rows[c] + i; }
+  Bf16TableRows From(int64_t j) const { return {rows + j}; }
+  void Widen(int64_t c, float* out, int64_t k) const { WidenBf16(rows[c], out, k); }
 };
 // Q8: w[r, c] = qs[r, c] * scales[r, c / 32] (packed_gemm.h), the product taken in float32.
 struct Q8Rows {
@@ -222,6 +242,12 @@ void GemmRowsBf16(const float* x, int64_t ldx, const uint16_t* w, const float* b
 void GemmRowsF32Table(const float* x, int64_t ldx, const float* const* w_rows, const float* bias,
                       float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
   Gemm(x, ldx, TableRows{w_rows}, bias, y, ldy, m, n, k, accumulate);
+}
+
+void GemmRowsBf16Table(const float* x, int64_t ldx, const uint16_t* const* w_rows,
+                       const float* bias, float* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                       bool accumulate) {
+  Gemm(x, ldx, Bf16TableRows{w_rows}, bias, y, ldy, m, n, k, accumulate);
 }
 
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,

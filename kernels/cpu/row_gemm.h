@@ -22,6 +22,10 @@ void GemmRowsBf16(const float* x, int64_t ldx, const uint16_t* w, const float* b
 // The same with weight row j at w_rows[j] (rows anywhere: a row table).
 void GemmRowsF32Table(const float* x, int64_t ldx, const float* const* w_rows, const float* bias,
                       float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate);
+// The same with bf16 weight row j at w_rows[j] (a row table of bfloat16 rows).
+void GemmRowsBf16Table(const float* x, int64_t ldx, const uint16_t* const* w_rows,
+                       const float* bias, float* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                       bool accumulate);
 // The same with Q8 weights (packed_gemm.h), each widened to float32 times its block's scale:
 // float32 activations, unlike GemmQ8's integer products on quantized activations.
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,

@@ -11,10 +11,14 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/grpc/health.h"
 #include "common/grpc/tls.h"
 #include "common/shutdown_signal.h"
+#include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
 #include "kv_store/service/kvstore_metrics.h"
 #include "kv_store/service/kvstore_service.h"
 #if INFINIGEN_HAVE_UCX
@@ -42,6 +46,13 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
 
 int main(int argc, char** argv) {
+  // --help lists this binary's own flags (absl's default matches files named after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "kv_store/service/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("infinigen-kvstore: host-memory KV caches served to workers");
   absl::ParseCommandLine(argc, argv);
   infinigen::KvStoreConfig config;
@@ -112,7 +123,7 @@ int main(int argc, char** argv) {
     std::cerr << "infinigen-kvstore: cannot listen on " << absl::GetFlag(FLAGS_listen) << "\n";
     return 1;
   }
-  server->GetHealthCheckService()->SetServingStatus(true);
+  infinigen::SetHealth(*server, {infinigen::kvstore::v1::KvStore::service_full_name()}, true);
   std::cout << "infinigen-kvstore: serving on port " << port << ", arena "
             << (*store)->arena().share_path() << ", " << (config.capacity_bytes >> 20) << " MiB"
             << ((*store)->arena().huge_pages() ? " (huge pages)" : "") << std::endl;
@@ -125,7 +136,7 @@ int main(int argc, char** argv) {
     }
   });
   infinigen::WaitForShutdownSignal();
-  server->GetHealthCheckService()->SetServingStatus(false);
+  infinigen::SetHealth(*server, {infinigen::kvstore::v1::KvStore::service_full_name()}, false);
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(absl::GetFlag(FLAGS_drain_seconds)));
   stop.Notify();

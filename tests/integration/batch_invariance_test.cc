@@ -1,8 +1,9 @@
-// Batch invariance on SmolLM2, every CPU weight format: 24 sequences arrive one step apart, so
-// the steps hold 1 to 24 of them, mixing prompt chunks of varying sizes with decode tokens; the
-// logits of every decode step of every sequence are bit for bit those of the same sequence run
-// alone (its prompt in one piece, then one token at a time). With the batch-dependent OpenBLAS
-// path (--batch-invariant=false) they are not, which is what the test would catch.
+// Batch invariance on SmolLM2, every CPU weight format (and q8 with bf16 K/V): 24 sequences arrive
+// one step apart, so the steps hold 1 to 24 of them, mixing prompt chunks of varying sizes with
+// decode tokens; the logits of every decode step of every sequence are bit for bit those of the
+// same sequence run alone (its prompt in one piece, then one token at a time). With the
+// batch-dependent OpenBLAS path (--batch-invariant=false) they are not, which is what the test
+// would catch.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -90,7 +91,12 @@ std::vector<Sequence> RunTogether(Model& model, std::vector<Sequence> seqs) {
   return seqs;
 }
 
-class BatchInvariance : public ::testing::TestWithParam<WeightFormat> {};
+struct Storage {
+  WeightFormat weights;
+  DType kv;  // CpuBackendOptions::kv_dtype
+};
+
+class BatchInvariance : public ::testing::TestWithParam<Storage> {};
 
 TEST_P(BatchInvariance, EverySequenceOfMixedStepsEqualsItselfAlone) {
   const std::string path = testing::SmolLm2Path();
@@ -98,7 +104,8 @@ TEST_P(BatchInvariance, EverySequenceOfMixedStepsEqualsItselfAlone) {
   auto ckpt = Checkpoint::Open(path);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   CpuBackendOptions options;
-  options.weight_format = GetParam();
+  options.weight_format = GetParam().weights;
+  options.kv_dtype = GetParam().kv;
   CpuBackend backend(options);
   auto model = Model::Load(**ckpt, backend);
   ASSERT_TRUE(model.ok()) << model.status();
@@ -121,10 +128,13 @@ TEST_P(BatchInvariance, EverySequenceOfMixedStepsEqualsItselfAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(CpuFormats, BatchInvariance,
-                         ::testing::Values(WeightFormat::kF32, WeightFormat::kBF16,
-                                           WeightFormat::kQ8),
-                         [](const ::testing::TestParamInfo<WeightFormat>& info) {
-                           return std::string(WeightFormatName(info.param));
+                         ::testing::Values(Storage{WeightFormat::kF32, DType::kF32},
+                                           Storage{WeightFormat::kBF16, DType::kF32},
+                                           Storage{WeightFormat::kQ8, DType::kF32},
+                                           Storage{WeightFormat::kQ8, DType::kBF16}),
+                         [](const ::testing::TestParamInfo<Storage>& info) {
+                           return std::string(WeightFormatName(info.param.weights)) + "_kv_" +
+                                  std::string(DTypeName(info.param.kv));
                          });
 
 }  // namespace

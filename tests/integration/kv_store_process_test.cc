@@ -2,6 +2,7 @@
 // one is reconnected to; a worker that stops renewing loses its sequences when the lease ends;
 // a client abandoning a large gather mid-transfer harms nothing; SIGTERM drains and exits 0.
 // Fault tests run over the gRPC and shm data paths and, where built, the UCX one.
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/process.h"
 
@@ -206,6 +208,31 @@ INSTANTIATE_TEST_SUITE_P(DataPaths, KvStoreFaults,
                                               : info.param == Transport::kShm ? "Shm"
                                                                               : "Grpc");
                          });
+
+// grpc.health.v1 answers for the whole server and for the store's service by name (what
+// `grpc-health-probe -service` and Kubernetes' gRPC probes with `service:` ask); other names
+// are NOT_FOUND.
+TEST(KvStoreProcess, HealthAnswersByServiceName) {
+  const int port = FreePort();
+  ServerProcess store("infinigen-kvstore", StoreArgs(port), port);
+  ASSERT_TRUE(store.running());
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  for (const std::string name : {"", "infinigen.kvstore.v1.KvStore", "no.such.Service"}) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(name);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status st = health->Check(&c, request, &response);
+    if (name == "no.such.Service") {
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+    } else {
+      ASSERT_TRUE(st.ok()) << "'" << name << "': " << st.error_message();
+      EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << name;
+    }
+  }
+}
 
 TEST(KvStoreProcess, SigtermDrainsAndExitsCleanly) {
   const int port = FreePort();

@@ -212,6 +212,23 @@ TEST_F(RouterProcess, StreamsEqualAWorkersOwnAndCarryUsage) {
   EXPECT_EQ(testing::MetricValue(metrics.body, "infinigen_router_streams"), 0);
 }
 
+// A request without a seed gets one of its own (a fixed default would make every sampled
+// answer to a prompt the same), reported on its last message; that seed reproduces the stream.
+TEST_F(RouterProcess, UnseededRequestsDrawASeedAndReportIt) {
+  v1::GenerateRequest r = Request(RandomTokens(10, kVocab, 77), 16, 1.0f);
+  r.mutable_sampling()->clear_seed();
+  const StreamResult a = Stream(*stub_, r), b = Stream(*stub_, r);
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_NE(a.last.seed(), b.last.seed());
+  v1::GenerateRequest again = r;
+  again.mutable_sampling()->set_seed(a.last.seed());
+  const StreamResult c = Stream(*stub_, again);
+  ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+  EXPECT_EQ(c.last.seed(), a.last.seed());
+  EXPECT_EQ(c.tokens, a.tokens) << "the reported seed reproduces the stream";
+}
+
 TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   constexpr int kStreams = 8, kNew = 220;
   std::vector<v1::GenerateRequest> requests;
@@ -286,6 +303,17 @@ TEST_F(RouterProcess, BadRequestsNameTheLimitAndTheRouterKeepsServing) {
   v1::GenerateRequest empty_text;
   empty_text.set_text("");
   check(empty_text, "empty");
+  for (const char* role : {"", "admin", "User"}) {  // roles are checked, and case matters
+    v1::GenerateRequest chat;
+    auto* m = chat.mutable_messages()->add_messages();
+    m->set_role("user");
+    m->set_content("hi");
+    m = chat.mutable_messages()->add_messages();
+    m->set_role(role);
+    m->set_content("hello");
+    check(chat, "messages[1].role");
+    check(chat, "system, user and assistant");
+  }
   EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4)).status.ok());
 }
 
@@ -308,6 +336,10 @@ TEST_F(RouterProcess, ApiKeys) {
   EXPECT_EQ(with_key("secret-one").error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_TRUE(with_key("Bearer secret-one").ok());
   EXPECT_TRUE(with_key("Bearer secret-two").ok());
+  EXPECT_TRUE(with_key("bearer secret-one").ok()) << "the scheme is case-insensitive";
+  EXPECT_TRUE(with_key("BEARER secret-two").ok());
+  EXPECT_EQ(with_key("Bearer SECRET-ONE").error_code(), grpc::StatusCode::UNAUTHENTICATED)
+      << "the key is not";
   grpc::ClientContext c;
   v1::ModelInfo info;
   EXPECT_EQ(stub->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).error_code(),
@@ -546,6 +578,23 @@ TEST_F(RouterProcess, BoundedLoadThroughTheRouterHasNoErrors) {
   EXPECT_GT(j["requests_ok"].get<int>(), 16) << j.dump();
 }
 
+// `--help` on each service binary lists its own flags (absl's default filter matched none).
+TEST(Binaries, HelpListsTheirOwnFlags) {
+  for (const auto& [binary, flag] :
+       {std::pair<std::string, std::string>{"infinigen-router", "--api_keys_file"},
+        {"infinigen-worker", "--kv_transport"},
+        {"infinigen-kvstore", "--capacity_mb"}}) {
+    FILE* p = popen((testing::BinaryPath(binary) + " --help 2>&1").c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[4096];
+    for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+    pclose(p);
+    EXPECT_NE(out.find(flag), std::string::npos) << binary << " --help:\n" << out;
+    EXPECT_NE(out.find("--listen"), std::string::npos) << binary;
+  }
+}
+
 TEST(ServeProcess, AllInOneServesThePublicApiAndABoundedLoad) {
   const int port = FreePort();
   ServerProcess serve(
@@ -557,14 +606,24 @@ TEST(ServeProcess, AllInOneServesThePublicApiAndABoundedLoad) {
   const StreamResult r = Stream(*stub, Request({1, 2, 3, 4}, 12));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens.size(), 12u);
-  // The embedded default: q8 weights; the fixture has no sidecar, so `auto` serves dense.
-  EXPECT_EQ(r.last.usage().backend(), "cpu-q8");
+  // The embedded default: q8 weights, bf16 K/V; the fixture has no sidecar, so `auto` is dense.
+  EXPECT_EQ(r.last.usage().backend(), "cpu-q8 (bf16 K/V)");
   EXPECT_EQ(r.last.usage().policy(), "full");
   {
     grpc::ClientContext c;
     v1::ModelInfo info;
     ASSERT_TRUE(stub->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok());
-    EXPECT_EQ(info.backend(), "cpu-q8");
+    EXPECT_EQ(info.backend(), "cpu-q8 (bf16 K/V)");
+  }
+  {  // health by the public service's name
+    auto health = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(Addr(port), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext c;
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service("infinigen.v1.Generation");
+    grpc::health::v1::HealthCheckResponse response;
+    ASSERT_TRUE(health->Check(&c, request, &response).ok());
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
   }
   const nlohmann::json j = Load(port, 16, 20);
   ASSERT_FALSE(j.is_discarded());

@@ -15,9 +15,9 @@
 #include <thread>
 
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
@@ -334,13 +334,16 @@ TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
   EXPECT_TRUE(StreamWorker(*stub_, TokenRequest({1, 2, 3}, 4, 0, 0)).status.ok());
 }
 
-grpc::health::v1::HealthCheckResponse::ServingStatus Health(grpc::Channel& channel) {
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(grpc::Channel& channel,
+                                                            const std::string& service = "") {
   auto stub = grpc::health::v1::Health::NewStub(
       std::shared_ptr<grpc::Channel>(&channel, [](grpc::Channel*) {}));
   grpc::ClientContext c;
   c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   grpc::health::v1::HealthCheckResponse r;
-  auto st = stub->Check(&c, grpc::health::v1::HealthCheckRequest(), &r);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  auto st = stub->Check(&c, request, &r);
   return st.ok() ? r.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
 }
 
@@ -355,6 +358,9 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   EXPECT_EQ(info.backend(), "cpu-f32");
   EXPECT_EQ(info.max_running(), 16);
   EXPECT_EQ(Health(*channel_), grpc::health::v1::HealthCheckResponse::SERVING);
+  // By the service's name too (grpc-health-probe -service, Kubernetes probes with `service:`).
+  const std::string name = wv1::Worker::service_full_name();
+  EXPECT_EQ(Health(*channel_, name), grpc::health::v1::HealthCheckResponse::SERVING);
   // SIGTERM during a stream: health NOT_SERVING, new requests UNAVAILABLE, the stream finishes.
   grpc::health::v1::HealthCheckResponse::ServingStatus during = {};
   grpc::Status refused;
@@ -371,6 +377,7 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
         refused = StreamWorker(*stub_, TokenRequest(prompt, 4, 0.0f, 0)).status;
       });
   EXPECT_EQ(during, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(Health(*channel_, name), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
   EXPECT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens.size(), 230u) << "the running stream completes during the drain";
@@ -389,6 +396,8 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
   auto stub = wv1::Worker::NewStub(channel);
   EXPECT_EQ(Health(*channel), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(Health(*channel, wv1::Worker::service_full_name()),
+            grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   const auto prompt = RandomTokens(8, vocab(), 3);
   const StreamResult early = StreamWorker(*stub, TokenRequest(prompt, 4, 0.0f, 0));
   EXPECT_EQ(early.status.error_code(), grpc::StatusCode::UNAVAILABLE);

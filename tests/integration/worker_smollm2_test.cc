@@ -9,6 +9,7 @@
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/tokenizer/chat_template.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
+#include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
 #include "tests/support/worker_stream.h"
@@ -79,6 +80,51 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   ASSERT_TRUE(rendered.ok());
   EXPECT_EQ(b.tokens, local((*tokenizer)->Encode(*rendered, false), 24));
   EXPECT_EQ(b.text, (*tokenizer)->Decode(b.tokens, /*skip_special=*/true));
+}
+
+// The embedded default's storage (q8 weights, bf16 K/V) through the store-backed worker: the
+// rows it fetches from the KV store (converted as they were appended, the current token's
+// converted in the step) give the tokens of the local engine's resident bf16 cache. A prompt of
+// several hundred tokens, so that decode attention spans several chunks.
+TEST(WorkerSmolLm2, Bf16KvThroughTheStoreStreamsTheLocalEnginesTokens) {
+  const std::string model_path = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(model_path, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  const int port = testing::FreePort();
+  testing::ServerProcess worker(
+      "infinigen-worker",
+      {"--model=" + model_path, "--listen=127.0.0.1:" + std::to_string(port),
+       "--kv_transport=in-process", "--policy=full", "--threads=1", "--kv_capacity_mb=256",
+       "--cpu_weights=q8", "--cpu_kv=bf16"},
+      port);
+  ASSERT_TRUE(worker.running());
+  auto stub = wv1::Worker::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  cli::BackendFlags flags;
+  flags.threads = 1;
+  flags.cpu_weights = "q8";
+  flags.cpu_kv = "bf16";
+  auto loaded = cli::LoadModel(model_path, flags);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->model->kv_shape().dtype, DType::kBF16);
+  const std::vector<int32_t> prompt =
+      testing::RandomTokens(600, loaded->model->config().vocab_size, 17);
+  BackendKvCache cache(*loaded->backend, loaded->model->kv_shape());
+  GenerateOptions o;
+  o.max_new_tokens = 32;
+  o.ignore_eos = true;
+  o.sampling.temperature = 0;
+  auto want = Generate(*loaded->model, cache, 1, prompt, o);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  wv1::GenerateRequest r;
+  for (int32_t t : prompt) r.mutable_token_ids()->add_ids(t);
+  r.mutable_sampling()->set_temperature(0);
+  r.mutable_stopping()->set_max_new_tokens(32);
+  r.mutable_stopping()->set_ignore_eos(true);
+  const testing::WorkerStreamResult got = StreamWorker(*stub, r);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, want->tokens);
+  EXPECT_EQ(got.last.usage().backend(), "cpu-q8 (bf16 K/V)");
 }
 
 }  // namespace

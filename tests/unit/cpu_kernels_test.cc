@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "common/dtype.h"
 #include "kernels/cpu/ops.h"
 
 namespace infinigen::cpu {
@@ -360,6 +361,64 @@ TEST(CpuKernels, DecodeAttentionOverRowTablesEqualsPackedRowsBitForBit) {
                   {nullptr, c.num_rows, 1, v_rows.data()}, nullptr, c.num_rows, c.heads, c.kv_heads,
                   c.d, 0.25f, table.data());
   EXPECT_EQ(table, packed);
+}
+
+// bfloat16 K/V are read widened exactly to float32: attention over bf16 rows equals, bit for bit,
+// attention over float32 rows holding the same (rounded) values, for decode over an index list,
+// over row tables, and for the per-row prefill (head sizes with and without vector tails).
+TEST(CpuKernels, Bf16KvEqualsFloatKvOfTheSameValuesBitForBit) {
+  std::mt19937 rng(21);
+  for (int d : {64, 13, 40}) {
+    const int heads = 6, kv_heads = 2;
+    const int64_t cap = 600, row_stride = d, head_stride = cap * row_stride;
+    auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
+    std::vector<uint16_t> kb(k.size()), vb(v.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      kb[i] = FloatToBf16(k[i]);
+      vb[i] = FloatToBf16(v[i]);
+      k[i] = Bf16ToFloat(kb[i]);
+      v[i] = Bf16ToFloat(vb[i]);
+    }
+    const KvRows kf{k.data(), head_stride, row_stride}, vf{v.data(), head_stride, row_stride};
+    const KvRows kh{kb.data(), head_stride, row_stride, nullptr, true},
+        vh{vb.data(), head_stride, row_stride, nullptr, true};
+    const float scale = 1.0f / std::sqrt(float(d));
+    // Decode over a scattered index list of 300 rows per KV head (two chunks).
+    const int64_t n = 300;
+    std::vector<int32_t> idx(kv_heads * n);
+    for (auto& i : idx) i = static_cast<int32_t>(rng() % cap);
+    auto q = Random(heads * d, rng, 2.0f);
+    std::vector<float> a(heads * d), b(heads * d), wa(heads * n), wb(heads * n);
+    AttentionDecode(q.data(), kf, vf, idx.data(), n, heads, kv_heads, d, scale, a.data(),
+                    wa.data());
+    AttentionDecode(q.data(), kh, vh, idx.data(), n, heads, kv_heads, d, scale, b.data(),
+                    wb.data());
+    EXPECT_EQ(a, b) << "decode, head_dim " << d;
+    EXPECT_EQ(wa, wb) << "decode weights, head_dim " << d;
+    // The same rows through row tables of bf16 rows.
+    std::vector<const void*> k_rows(idx.size()), v_rows(idx.size());
+    for (int g = 0; g < kv_heads; ++g) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t at = g * head_stride + idx[g * n + j] * row_stride;
+        k_rows[g * n + j] = kb.data() + at;
+        v_rows[g * n + j] = vb.data() + at;
+      }
+    }
+    std::fill(b.begin(), b.end(), 0.0f);
+    AttentionDecode(q.data(), {nullptr, n, 1, k_rows.data(), true},
+                    {nullptr, n, 1, v_rows.data(), true}, nullptr, n, heads, kv_heads, d, scale,
+                    b.data());
+    EXPECT_EQ(a, b) << "row tables, head_dim " << d;
+    // Prefill rows 500..539 over the first 540 rows.
+    const int64_t num_q = 40, q_start = 500, q_stride = heads * d;
+    auto qs = Random(num_q * q_stride, rng, 2.0f);
+    std::vector<float> pa(num_q * q_stride), pb(num_q * q_stride);
+    AttentionCausalRows(qs.data(), q_stride, num_q, q_start, kf, vf, heads, kv_heads, d, scale,
+                        pa.data(), q_stride);
+    AttentionCausalRows(qs.data(), q_stride, num_q, q_start, kh, vh, heads, kv_heads, d, scale,
+                        pb.data(), q_stride);
+    EXPECT_EQ(pa, pb) << "prefill, head_dim " << d;
+  }
 }
 
 }  // namespace
