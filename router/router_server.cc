@@ -37,6 +37,8 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
   builder.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(4 * config.options.max_request_bytes, 1 << 30)));
   builder.RegisterService(r->service_.get());
+  r->unknown_methods_ = std::make_unique<grpc::CallbackGenericService>();
+  builder.RegisterCallbackGenericService(r->unknown_methods_.get());
   r->server_ = builder.BuildAndStart();
   if (r->server_ == nullptr || r->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));

@@ -4,6 +4,7 @@
 // its own process.
 #pragma once
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
@@ -43,6 +44,9 @@ class RouterServer {
   std::optional<ApiKeys> api_keys_;
   std::unique_ptr<WorkerPool> pool_;
   std::unique_ptr<RouterService> service_;
+  // Calls to methods the server does not have: UNIMPLEMENTED, as without it. gRPC requires one
+  // because RouterService re-registers two of its methods (marked generic) with UTF-8 checks.
+  std::unique_ptr<grpc::CallbackGenericService> unknown_methods_;
   std::unique_ptr<RouterMetrics> metrics_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

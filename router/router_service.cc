@@ -6,6 +6,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/grpc/utf8_fields.h"
 #include "router/router_metrics.h"
 
 namespace infinigen {
@@ -79,7 +80,40 @@ absl::Status RouterOptions::Validate() const {
 }
 
 RouterService::RouterService(WorkerPool& pool, const RouterOptions& options)
-    : pool_(pool), options_(options), admission_(options.max_streams, options.max_queued) {}
+    : pool_(pool), options_(options), admission_(options.max_streams, options.max_queued) {
+  // Generate and Tokenize check their requests' strings first: invalid UTF-8 is answered
+  // INVALID_ARGUMENT naming the field, not INTERNAL with no message (common/grpc/utf8_fields.h).
+  // The generated methods are withdrawn (marked generic: no handler) and registered again,
+  // same names and types, with wrapped handlers.
+  using grpc::internal::RpcMethod;
+  using grpc::internal::RpcServiceMethod;
+  MarkMethodGeneric(0);
+  AddMethod(new RpcServiceMethod(
+      "/infinigen.v1.Generation/Generate", RpcMethod::SERVER_STREAMING,
+      new Utf8CheckedHandler(
+          *v1::GenerateRequest::descriptor(),
+          std::make_unique<grpc::internal::ServerStreamingHandler<
+              v1::Generation::Service, v1::GenerateRequest, v1::GenerateResponse>>(
+              [](v1::Generation::Service* service, grpc::ServerContext* context,
+                 const v1::GenerateRequest* request,
+                 grpc::ServerWriter<v1::GenerateResponse>* writer) {
+                return service->Generate(context, request, writer);
+              },
+              this))));
+  MarkMethodGeneric(1);
+  AddMethod(new RpcServiceMethod(
+      "/infinigen.v1.Generation/Tokenize", RpcMethod::NORMAL_RPC,
+      new Utf8CheckedHandler(
+          *v1::TokenizeRequest::descriptor(),
+          std::make_unique<grpc::internal::RpcMethodHandler<
+              v1::Generation::Service, v1::TokenizeRequest, v1::TokenizeResponse,
+              google::protobuf::MessageLite, google::protobuf::MessageLite>>(
+              [](v1::Generation::Service* service, grpc::ServerContext* context,
+                 const v1::TokenizeRequest* request, v1::TokenizeResponse* response) {
+                return service->Tokenize(context, request, response);
+              },
+              this))));
+}
 
 grpc::Status RouterService::Authenticate(const grpc::ServerContext& context) const {
   if (options_.api_keys == nullptr) return grpc::Status::OK;

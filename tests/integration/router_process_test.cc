@@ -317,6 +317,58 @@ TEST_F(RouterProcess, BadRequestsNameTheLimitAndTheRouterKeepsServing) {
   EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4)).status.ok());
 }
 
+// Raw invalid UTF-8 in any string field of a request: INVALID_ARGUMENT naming the field (protobuf
+// alone refuses the message and gRPC answers INTERNAL with no message), and the router goes on.
+TEST_F(RouterProcess, InvalidUtf8IsNamedPerField) {
+  const std::string bad = "ok \xff\xfe";  // 0xFF never occurs in UTF-8
+  auto chat = [&](const std::string& role, const std::string& content) {
+    v1::GenerateRequest r;
+    auto* m = r.mutable_messages()->add_messages();
+    m->set_role("user");
+    m->set_content("hi");
+    m = r.mutable_messages()->add_messages();
+    m->set_role(role);
+    m->set_content(content);
+    return r;
+  };
+  std::vector<std::pair<v1::GenerateRequest, std::string>> cases;
+  v1::GenerateRequest text;
+  text.set_text(bad);
+  cases.emplace_back(text, "text");
+  cases.emplace_back(chat("user", bad), "messages.messages[1].content");
+  cases.emplace_back(chat(bad, "x"), "messages.messages[1].role");
+  v1::GenerateRequest stop = Request({1, 2, 3}, 4);
+  stop.mutable_stopping()->add_stop_strings("fine");
+  stop.mutable_stopping()->add_stop_strings(bad);
+  cases.emplace_back(stop, "stopping.stop_strings[1]");
+  v1::GenerateRequest session = Request({1, 2, 3}, 4);
+  session.set_session_id(bad);
+  cases.emplace_back(session, "session_id");
+  v1::GenerateRequest policy = Request({1, 2, 3}, 4);
+  policy.mutable_selection()->set_policy(bad);
+  cases.emplace_back(policy, "selection.policy");
+  for (const auto& [request, field] : cases) {
+    const grpc::Status st = Stream(*stub_, request).status;
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << field << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(field + " is not valid UTF-8"), std::string::npos)
+        << st.error_message();
+  }
+  grpc::ClientContext c;
+  v1::TokenizeRequest t;
+  t.set_text(bad);
+  v1::TokenizeResponse out;
+  const grpc::Status st = stub_->Tokenize(&c, t, &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("text is not valid UTF-8"), std::string::npos);
+  EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4)).status.ok());
+  // Valid multi-byte text passes.
+  v1::GenerateRequest fine = chat("user", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  fine.mutable_stopping()->set_max_new_tokens(2);
+  const grpc::Status ok = Stream(*stub_, fine).status;
+  EXPECT_NE(ok.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ok.error_message();
+}
+
 TEST_F(RouterProcess, ApiKeys) {
   const std::string keys = ::testing::TempDir() + "/router_keys.txt";
   std::ofstream(keys) << "# keys\nsecret-one\n\nsecret-two\n";
