@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Builds the tokenizer fuzz target with clang (libFuzzer + ASan + UBSan) into build-fuzz/ and
-# runs it for a bounded time, seeded with the tokenizer fixture strings.
+# Builds the fuzz targets with clang (libFuzzer + ASan + UBSan) into build-fuzz/ and runs each
+# for a bounded time: the tokenizers (seeded with the tokenizer fixture strings) for SECONDS,
+# and the GGUF, safetensors and .npy readers (seeded with real files: the fixtures' shards and
+# arrays, the head of the SmolLM2 GGUF, and a tiny GGUF written here) for SECONDS / 2 each.
+# Any crash, sanitizer report, leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_LIMIT="${1:-60}"
+FILE_SECONDS=$(( (SECONDS_LIMIT + 1) / 2 ))
 CXX=clang++-14 cmake -S tests/fuzz -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-fuzz >/dev/null
-mkdir -p build-fuzz/corpus
+rm -rf build-fuzz/corpus build-fuzz/corpus-*
+mkdir -p build-fuzz/corpus build-fuzz/corpus-gguf build-fuzz/corpus-safetensors build-fuzz/corpus-npy
 python3 - <<'PY'
-import json, os
+import json, os, struct
 for name in os.listdir("tests/fixtures/tokenizers"):
     if not name.endswith(".jsonl") or name.startswith("chat"):
         continue
@@ -17,8 +22,70 @@ for name in os.listdir("tests/fixtures/tokenizers"):
         data = bytes.fromhex(json.loads(line)["text_hex"])[:4096]
         with open(f"build-fuzz/corpus/{name}-{i}", "wb") as f:
             f.write(data)
+
+# A tiny valid GGUF v3: llama metadata and three tensors (F32, F16, Q8_0), 32-byte aligned.
+def gguf_string(s):
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+kv = [("general.architecture", 8, gguf_string("llama")),
+      ("llama.block_count", 4, struct.pack("<I", 1)),
+      ("llama.embedding_length", 4, struct.pack("<I", 32)),
+      ("llama.attention.head_count", 4, struct.pack("<I", 4)),
+      ("llama.context_length", 4, struct.pack("<I", 128)),
+      ("llama.feed_forward_length", 4, struct.pack("<I", 64)),
+      ("llama.attention.head_count_kv", 4, struct.pack("<I", 2)),
+      ("llama.attention.layer_norm_rms_epsilon", 6, struct.pack("<f", 1e-5)),
+      ("llama.rope.freq_base", 6, struct.pack("<f", 10000.0)),
+      ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + gguf_string("a") + gguf_string("b"))]
+tensors = [("token_embd.weight", [32, 2], 0, 2 * 32 * 4),   # ggml dims innermost first
+           ("output_norm.weight", [32], 1, 32 * 2),
+           ("blk.0.attn_q.weight", [32, 1], 8, 34)]
+out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv))
+for key, vtype, value in kv:
+    out += gguf_string(key) + struct.pack("<I", vtype) + value
+offset, data = 0, b""
+for name, dims, ttype, nbytes in tensors:
+    out += gguf_string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+    out += struct.pack("<IQ", ttype, offset)
+    chunk = bytes((i * 7) % 251 for i in range(nbytes))
+    pad = (-len(chunk)) % 32
+    data += chunk + b"\0" * pad
+    offset += nbytes + pad
+out += b"\0" * ((-len(out)) % 32) + data
+open("build-fuzz/corpus-gguf/tiny.gguf", "wb").write(out)
+
+# A tiny safetensors file, and the fixtures' own shards and arrays.
+header = json.dumps({"__metadata__": {"format": "pt"},
+                     "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+                     "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]}}).encode()
+open("build-fuzz/corpus-safetensors/tiny.safetensors", "wb").write(
+    struct.pack("<Q", len(header)) + header + bytes(range(32)))
+import glob, shutil
+for path in sorted(glob.glob("tests/fixtures/hf/*/*.safetensors")):
+    if os.path.getsize(path) <= 65536:
+        shutil.copy(path, "build-fuzz/corpus-safetensors/" + path.replace("/", "_"))
+for path in sorted(glob.glob("tests/fixtures/*/*.npy") + glob.glob("tests/fixtures/hf/*/*.npy")):
+    if os.path.getsize(path) <= 65536:
+        shutil.copy(path, "build-fuzz/corpus-npy/" + path.replace("/", "_"))
 PY
-INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" build-fuzz/tokenizer_fuzz \
-  -max_total_time="$SECONDS_LIMIT" -max_len=4096 -timeout=10 -rss_limit_mb=4096 \
-  -print_final_stats=1 build-fuzz/corpus 2>&1 | tail -n 12
-echo "fuzz: ${SECONDS_LIMIT}s of tokenizer fuzzing found no crash"
+# The head of the real SmolLM2 GGUF (its metadata and tensor table), when setup.sh fetched it.
+SMOLLM2="${INFINIGEN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/infinigen}/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+[[ -f "$SMOLLM2" ]] && head -c 65536 "$SMOLLM2" > build-fuzz/corpus-gguf/smollm2-head.gguf
+
+run() {  # target, seconds, corpus, extra flags...
+  local target="$1" seconds="$2" corpus="$3"
+  shift 3
+  if ! "build-fuzz/$target" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
+      -print_final_stats=1 "$@" "$corpus" > "build-fuzz/$target.log" 2>&1; then
+    tail -n 60 "build-fuzz/$target.log"
+    echo "fuzz: $target FAILED (log: build-fuzz/$target.log)" >&2
+    return 1
+  fi
+  echo "fuzz: $target: $(grep -o 'stat::number_of_executed_units: *[0-9]*' "build-fuzz/$target.log" |
+    grep -o '[0-9]*$') executions in ${seconds}s, no crash"
+}
+INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_fuzz "$SECONDS_LIMIT" \
+  build-fuzz/corpus -max_len=4096
+run gguf_fuzz "$FILE_SECONDS" build-fuzz/corpus-gguf -max_len=65536
+run safetensors_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors -max_len=65536
+run npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096

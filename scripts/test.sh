@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The test command: installs what is missing, builds everything, runs a bounded tokenizer fuzz
-# (scripts/fuzz.sh, 60 s) and then every test (CTest labels: unit, integration, slow; gpu tests
-# skip without a GPU). Extra arguments go to ctest, e.g. `scripts/test.sh -L unit` (which also
-# skips the fuzz run).
+# The test command: installs what is missing, builds everything, runs the bounded fuzz targets
+# (scripts/fuzz.sh: tokenizers 60 s, GGUF / safetensors / .npy readers 30 s each) and then every
+# test (CTest labels: unit, integration, slow; gpu tests skip without a GPU). Extra arguments go
+# to ctest, e.g. `scripts/test.sh -L unit` (which also skips the fuzz run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
