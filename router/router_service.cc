@@ -1,10 +1,14 @@
 #include "router/router_service.h"
 
 #include <atomic>
+#include <cstdio>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/random/distributions.h"
 #include "absl/random/random.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/grpc/utf8_fields.h"
 #include "router/router_metrics.h"
@@ -186,6 +190,12 @@ grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
 grpc::Status RouterService::Generate(grpc::ServerContext* context,
                                      const v1::GenerateRequest* request,
                                      grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const absl::Time start = absl::Now();
+  const std::string request_id =
+      request->request_id().empty() || request->request_id().size() > kMaxIdBytes
+          ? NewRequestId()
+          : request->request_id();
+  RelayStats stats;
   grpc::Status s = Authenticate(*context);
   if (s.ok()) s = Validate(*request);
   if (s.ok()) {
@@ -198,15 +208,25 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
       s = grpc::Status(static_cast<StatusCode>(admitted.code()), std::string(admitted.message()));
     } else {
       AdmissionSlot slot(&admission_);
-      s = Relay(context, *request, writer);
+      s = Relay(context, *request, request_id, writer, stats);
     }
   }
   if (metrics_ != nullptr) metrics_->RequestDone(s.error_code());
+  // One line per request (never the prompt, the text or the key): its id, the outcome, what
+  // was streamed. One write, so that concurrent requests' lines do not interleave.
+  const std::string line = absl::StrFormat(
+      "request %s: %s%s%s, %d tokens in %.3f s, %d failovers\n", request_id,
+      absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())), s.ok() ? "" : ": ",
+      s.error_message(), stats.tokens, absl::ToDoubleSeconds(absl::Now() - start), stats.failovers);
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
   return s;
 }
 
 grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
-                                  grpc::ServerWriter<v1::GenerateResponse>* writer) {
+                                  const std::string& request_id,
+                                  grpc::ServerWriter<v1::GenerateResponse>* writer,
+                                  RelayStats& stats) {
   wv1::GenerateRequest wr = ToWorker(request, options_.max_prompt_tokens);
   // A request without a seed gets its own (a fixed default would make every "random" request
   // of a prompt the same); every worker of the stream, after a failover too, uses it.
@@ -214,8 +234,6 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
     thread_local absl::BitGen bits;
     wr.mutable_sampling()->set_seed(absl::Uniform<uint64_t>(bits));
   }
-  const std::string request_id =
-      request.request_id().empty() ? NewRequestId() : request.request_id();
   wr.set_request_id(request_id);
   const int64_t budget =
       request.stopping().has_max_new_tokens() ? request.stopping().max_new_tokens() : 256;
@@ -223,6 +241,10 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
   std::vector<int32_t> sent;
   bool first_sent = false;
   int failovers = 0;
+  absl::Cleanup record = [&] {
+    stats.tokens = static_cast<int64_t>(sent.size());
+    stats.failovers = failovers;
+  };
   int failed_calls = 0;
   std::vector<std::shared_ptr<PooledWorker>> failed, full;  // in this request
   grpc::Status last(StatusCode::UNAVAILABLE, "no worker is available");

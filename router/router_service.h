@@ -49,8 +49,14 @@ class RouterService final : public v1::Generation::Service {
  private:
   grpc::Status Authenticate(const grpc::ServerContext& context) const;
   grpc::Status Validate(const v1::GenerateRequest& request) const;
+  // What a relayed stream did, for its log line.
+  struct RelayStats {
+    int64_t tokens = 0;
+    int failovers = 0;
+  };
   grpc::Status Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
-                     grpc::ServerWriter<v1::GenerateResponse>* writer);
+                     const std::string& request_id,
+                     grpc::ServerWriter<v1::GenerateResponse>* writer, RelayStats& stats);
 
   WorkerPool& pool_;
   const RouterOptions options_;

@@ -300,9 +300,16 @@ grpc::Status WorkerService::Tokenize(grpc::ServerContext*, const infinigen::v1::
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "input: give one of text, messages or token_ids");
   }
+  // Each token's text as it adds to the decoded text (not its vocabulary entry, e.g. "Ġworld"):
+  // the pieces concatenate to Decode(ids); a token that ends inside a UTF-8 character adds
+  // nothing and the one that completes it carries the character.
+  IncrementalDecoder pieces(*tokenizer_, /*skip_special=*/false);
   for (int32_t id : ids) {
     out->add_token_ids(id);
-    out->add_pieces(tokenizer_->TokenText(id));
+    out->add_pieces(pieces.Add(id));
+  }
+  if (std::string tail = pieces.Finish(); !tail.empty() && out->pieces_size() > 0) {
+    *out->mutable_pieces(out->pieces_size() - 1) += tail;
   }
   return grpc::Status::OK;
 }
@@ -326,7 +333,8 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const wv1::InfoRequest*,
   r->set_queued(static_cast<int32_t>(s.queued));
   r->set_kv_transport(options_.kv_transport);
   r->set_default_policy(PolicyKindName(options_.selection.policy));
-  for (PolicyKind p : options_.selection_limits.allowed_policies) r->add_policies(PolicyKindName(p));
+  for (PolicyKind p : options_.selection_limits.allowed_policies)
+    r->add_policies(PolicyKindName(p));
   r->set_draining(draining_);
   r->set_backend(backend_name_);
   return grpc::Status::OK;

@@ -229,6 +229,24 @@ TEST_F(RouterProcess, UnseededRequestsDrawASeedAndReportIt) {
   EXPECT_EQ(c.tokens, a.tokens) << "the reported seed reproduces the stream";
 }
 
+// One log line per request: its id, the outcome and what was streamed (never the prompt).
+TEST_F(RouterProcess, EachRequestIsLoggedByItsId) {
+  v1::GenerateRequest r = Request({1, 2, 3}, 5);
+  r.set_request_id("log-me-42");
+  ASSERT_TRUE(Stream(*stub_, r).status.ok());
+  v1::GenerateRequest bad = Request({1, 2, 3}, 5);
+  bad.set_request_id("log-me-43");
+  bad.mutable_sampling()->set_top_p(-1);
+  EXPECT_FALSE(Stream(*stub_, bad).status.ok());
+  bool logged = false;
+  for (int i = 0; i < 50 && !logged; ++i) {
+    logged = router_->Logged("request log-me-43: INVALID_ARGUMENT");
+    if (!logged) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(router_->Logged("request log-me-42: OK, 5 tokens in "));
+  EXPECT_TRUE(logged);
+}
+
 TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   constexpr int kStreams = 8, kNew = 220;
   std::vector<v1::GenerateRequest> requests;

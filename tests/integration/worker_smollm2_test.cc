@@ -61,6 +61,28 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   EXPECT_EQ(a.text, (*tokenizer)->Decode(a.tokens));
   EXPECT_FALSE(a.text.empty());
 
+  // Tokenize: pieces are text (" world", not the vocabulary's "Ġworld") and concatenate to the
+  // decoding, multi-byte characters included.
+  {
+    grpc::ClientContext c;
+    infinigen::v1::TokenizeRequest t;
+    t.set_text(
+        "Hello world, caf\xc3\xa9 \xe2\x82\xac"
+        "5 \xf0\x9f\x98\x80!");
+    infinigen::v1::TokenizeResponse out;
+    const grpc::Status st = stub->Tokenize(&c, t, &out);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_EQ(out.pieces_size(), out.token_ids_size());
+    std::string joined;
+    for (const std::string& p : out.pieces()) {
+      EXPECT_EQ(p.find("\xc4\xa0"), std::string::npos) << p;  // U+0120 'Ġ', GPT-2's space mark
+      joined += p;
+    }
+    const std::vector<int32_t> ids(out.token_ids().begin(), out.token_ids().end());
+    EXPECT_EQ(joined, (*tokenizer)->Decode(ids));
+    EXPECT_NE(std::find(out.pieces().begin(), out.pieces().end(), " world"), out.pieces().end());
+  }
+
   // A conversation: rendered with the model's own (ChatML) template.
   wv1::GenerateRequest chat;
   auto* m = chat.mutable_messages()->add_messages();
