@@ -62,14 +62,24 @@ void ConvertToFloat(DType src_type, const void* src, float* dst, size_t count) {
     case DType::kF32:
       std::memcpy(dst, src, count * 4);
       return;
+    // Loads through memcpy: checkpoint bytes need not be 2-byte aligned (a safetensors header
+    // of odd length puts every tensor at an odd address; found by fuzzing).
     case DType::kF16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < count; ++i) dst[i] = HalfToFloat(s[i]);
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, s + 2 * i, 2);
+        dst[i] = HalfToFloat(h);
+      }
       return;
     }
     case DType::kBF16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < count; ++i) dst[i] = Bf16ToFloat(s[i]);
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, s + 2 * i, 2);
+        dst[i] = Bf16ToFloat(h);
+      }
       return;
     }
   }

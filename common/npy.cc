@@ -46,7 +46,7 @@ absl::StatusOr<std::vector<float>> NpyArray::AsFloat() const {
   const int64_t n = NumElements();
   std::vector<float> out(n);
   if (descr == "<f4") {
-    std::memcpy(out.data(), data.data(), n * 4);
+    if (n > 0) std::memcpy(out.data(), data.data(), n * 4);  // (null data() of an empty array)
   } else if (descr == "<f8") {
     for (int64_t i = 0; i < n; ++i) {
       double d;
@@ -69,7 +69,7 @@ absl::StatusOr<std::vector<int64_t>> NpyArray::AsInt() const {
       out[i] = v;
     }
   } else if (descr == "<i8") {
-    std::memcpy(out.data(), data.data(), n * 8);
+    if (n > 0) std::memcpy(out.data(), data.data(), n * 8);  // (null data() of an empty array)
   } else {
     return absl::InvalidArgumentError(absl::StrCat("npy dtype ", descr, " is not an int type"));
   }
@@ -108,9 +108,12 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   arr.descr = std::string(absl::StripSuffix(absl::StripPrefix(*descr, "'"), "'"));
   if (absl::StripAsciiWhitespace(*order) != "False") return bad("fortran order unsupported");
   std::string dims(absl::StripSuffix(absl::StripPrefix(*shape, "("), ")"));
+  int64_t elements = 1;  // bounded as it grows: the product of huge dims must not overflow
   for (absl::string_view d : absl::StrSplit(dims, ',', absl::SkipWhitespace())) {
     int64_t v;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(d), &v) || v < 0) return bad("shape");
+    if (v > 0 && elements > (int64_t{1} << 40) / v) return bad("shape too large");
+    elements *= v;
     arr.shape.push_back(v);
   }
   size_t elem = 0;

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Builds the fuzz targets with clang (libFuzzer + ASan + UBSan) into build-fuzz/ and runs each
-# for a bounded time: the tokenizers (seeded with the tokenizer fixture strings) for SECONDS,
-# and the GGUF, safetensors and .npy readers (seeded with real files: the fixtures' shards and
-# arrays, the head of the SmolLM2 GGUF, and a tiny GGUF written here) for SECONDS / 2 each.
-# Any crash, sanitizer report, leak or timeout fails the run.
+# Builds the fuzz targets with clang (libFuzzer + ASan + UBSan, which aborts on any report) into
+# build-fuzz/ and runs each for a bounded time: the tokenizers (seeded with the tokenizer fixture
+# strings) for SECONDS; for SECONDS / 2 each the GGUF, safetensors and .npy readers (seeded with
+# real files: the fixtures' shards and arrays, the head of the SmolLM2 GGUF, and a tiny GGUF
+# written here), the KV store's request validation (programs of Open / Append / Gather / Close
+# calls with arbitrary arguments) and the UCX gather request codec (a parse must re-encode to
+# the same bytes). Any crash, sanitizer report, leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +14,8 @@ FILE_SECONDS=$(( (SECONDS_LIMIT + 1) / 2 ))
 CXX=clang++-14 cmake -S tests/fuzz -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-fuzz >/dev/null
 rm -rf build-fuzz/corpus build-fuzz/corpus-*
-mkdir -p build-fuzz/corpus build-fuzz/corpus-gguf build-fuzz/corpus-safetensors build-fuzz/corpus-npy
+mkdir -p build-fuzz/corpus build-fuzz/corpus-gguf build-fuzz/corpus-safetensors build-fuzz/corpus-npy \
+  build-fuzz/corpus-kv-store build-fuzz/corpus-gather-wire
 python3 - <<'PY'
 import json, os, struct
 for name in os.listdir("tests/fixtures/tokenizers"):
@@ -64,6 +67,12 @@ import glob, shutil
 for path in sorted(glob.glob("tests/fixtures/hf/*/*.safetensors")):
     if os.path.getsize(path) <= 65536:
         shutil.copy(path, "build-fuzz/corpus-safetensors/" + path.replace("/", "_"))
+# Valid UCX gather requests: u32 items, then per item u64 seq, i32 layer, i64 count, i64 n, n x i32.
+def gather_item(seq, layer, count, slots):
+    return struct.pack("<QiqQ", seq, layer, count, len(slots)) + struct.pack(f"<{len(slots)}i", *slots)
+for i, items in enumerate([[], [(1, 0, 2, [0, 1, 2, 3])], [(7, 3, 0, []), (2, 1, 1, [5, 9])]]):
+    with open(f"build-fuzz/corpus-gather-wire/request-{i}", "wb") as f:
+        f.write(struct.pack("<I", len(items)) + b"".join(gather_item(*it) for it in items))
 for path in sorted(glob.glob("tests/fixtures/*/*.npy") + glob.glob("tests/fixtures/hf/*/*.npy")):
     if os.path.getsize(path) <= 65536:
         shutil.copy(path, "build-fuzz/corpus-npy/" + path.replace("/", "_"))
@@ -89,3 +98,5 @@ INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_fuzz "$SECOND
 run gguf_fuzz "$FILE_SECONDS" build-fuzz/corpus-gguf -max_len=65536
 run safetensors_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors -max_len=65536
 run npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096
+run kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
+run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096

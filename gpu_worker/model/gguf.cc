@@ -276,6 +276,16 @@ absl::StatusOr<GgufFile> GgufFile::Parse(const MappedFile& file) {
       }
       d = static_cast<int64_t>(v);
     }
+    // The product of the dims too (each may be up to 2^40; their product overflowed int64 when
+    // it was first computed: found by fuzzing). 2^50 elements is far past any real tensor.
+    uint64_t elements = 1;
+    for (int64_t d : dims) {
+      if (elements > (uint64_t{1} << 50) / static_cast<uint64_t>(d)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(file.path(), ": tensor ", info.name, " has too many elements"));
+      }
+      elements *= static_cast<uint64_t>(d);
+    }
     info.shape.assign(dims.rbegin(), dims.rend());
     info.type = r.Get<uint32_t>("tensor type");
     info.offset = r.Get<uint64_t>("tensor offset");
@@ -316,6 +326,16 @@ absl::StatusOr<GgufFile> GgufFile::Parse(const MappedFile& file) {
     }
     auto bytes = StorageBytes(t.type, numel);
     if (!bytes.ok()) return bytes.status();
+    // GGUF places every tensor at a multiple of general.alignment; the decoders also need the
+    // element alignment (4 bytes for F32, 2 for F16, BF16 and the blocks' f16 scales), which an
+    // alignment of 1 or 2 would not give (found by fuzzing: a misaligned f16 load).
+    const uint64_t element_align = t.type == StorageType::kF32 ? 4 : 2;
+    if (info.offset % alignment != 0 || (data_start + info.offset) % element_align != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.path(), ": tensor ", info.name, " at data offset ", info.offset,
+                       " is not aligned (general.alignment ", alignment, ", ", element_align,
+                       " bytes for its elements)"));
+    }
     if (info.offset > data_size || static_cast<uint64_t>(*bytes) > data_size - info.offset) {
       return absl::InvalidArgumentError(absl::StrCat(
           file.path(), ": tensor ", info.name, " at data offset ", info.offset, " with ", *bytes,

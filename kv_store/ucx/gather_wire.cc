@@ -65,7 +65,8 @@ absl::StatusOr<std::vector<WireGatherItem>> ParseGatherRequest(const uint8_t* da
                                                      (end - p) / sizeof(int32_t), " follow"));
     }
     it.slots.resize(static_cast<size_t>(num));
-    std::memcpy(it.slots.data(), p, static_cast<size_t>(num) * sizeof(int32_t));
+    // (memcpy to an empty vector's null data() is undefined even for 0 bytes: UBSan, fuzzing)
+    if (num > 0) std::memcpy(it.slots.data(), p, static_cast<size_t>(num) * sizeof(int32_t));
     p += num * sizeof(int32_t);
   }
   if (p != end) {

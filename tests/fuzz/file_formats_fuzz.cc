@@ -66,14 +66,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)gguf->StringOr(key, "");
   }
   (void)infinigen::GgufModelConfig(*gguf, path);  // any metadata: a config or an error
-#elif INFINIGEN_FUZZ_FORMAT == 2  // safetensors
+#elif INFINIGEN_FUZZ_FORMAT == 2                  // safetensors
   auto file = infinigen::MappedFile::Open(path);
   if (!file.ok()) return 0;
   std::vector<infinigen::StoredTensor> tensors;
   std::map<std::string, std::string> metadata;
   if (!infinigen::ParseSafetensors(*file, tensors, &metadata).ok()) return 0;
   CheckTensors(*file, tensors);
-#elif INFINIGEN_FUZZ_FORMAT == 3  // .npy
+#elif INFINIGEN_FUZZ_FORMAT == 3                  // .npy
   auto array = infinigen::ReadNpy(path);
   if (!array.ok()) return 0;
   int64_t elements = 1;

@@ -191,6 +191,12 @@ TEST_F(CheckpointErrors, GgufOffsetPastTheEnd) {
               {"m.gguf", "token_embd.weight", "past the end"});
 }
 
+TEST_F(CheckpointErrors, GgufMisalignedTensor) {
+  WriteFile(Path("m.gguf"), TinyGguf().Build(/*offset_shift=*/1));
+  ExpectError(Checkpoint::Open(Path("m.gguf")).status(), absl::StatusCode::kInvalidArgument,
+              {"m.gguf", "token_embd.weight", "not aligned"});
+}
+
 TEST_F(CheckpointErrors, GgufOverlappingTensors) {
   GgufWriter w = TinyGguf();
   w.AddTensor("blk.0.attn_norm.weight", {32}, 0, std::vector<uint8_t>(128), /*offset=*/0);
