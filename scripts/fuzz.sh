@@ -5,7 +5,9 @@
 # real files: the fixtures' shards and arrays, the head of the SmolLM2 GGUF, and a tiny GGUF
 # written here), the KV store's request validation (programs of Open / Append / Gather / Close
 # calls with arbitrary arguments) and the UCX gather request codec (a parse must re-encode to
-# the same bytes). Any crash, sanitizer report, leak or timeout fails the run.
+# the same bytes), and the tokenizer file loaders (tokenizer.json, tokenizer.model, vocab.json +
+# merges.txt; seeded with small tokenizers cut from the real ones). Any crash, sanitizer report,
+# leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +69,39 @@ import glob, shutil
 for path in sorted(glob.glob("tests/fixtures/hf/*/*.safetensors")):
     if os.path.getsize(path) <= 65536:
         shutil.copy(path, "build-fuzz/corpus-safetensors/" + path.replace("/", "_"))
+# Small tokenizers cut from the real ones (kind byte first, see tokenizer_files_fuzz.cc): the
+# first 400 vocabulary entries of Llama 3.1 and Mistral with the merges among them, GPT-2's as
+# vocab.json + NUL + merges.txt, and the head of Llama 2's tokenizer.model.
+os.makedirs("build-fuzz/corpus-tokenizer-files", exist_ok=True)
+root = os.environ.get("INFINIGEN_TESTDATA", "../shared/testdata") + "/tokenizers"
+def cut_json(path, keep=400):
+    tj = json.load(open(path))
+    vocab = {t: i for t, i in tj["model"]["vocab"].items() if i < keep}
+    merges = []
+    for m in tj["model"].get("merges", [])[:20000]:
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        if a in vocab and b in vocab and a + b in vocab:
+            merges.append(m)
+    tj["model"]["vocab"], tj["model"]["merges"] = vocab, merges[:300]
+    tj["added_tokens"] = [dict(t, id=keep + k) for k, t in enumerate(tj.get("added_tokens", [])[:4])]
+    tj["post_processor"] = None
+    return json.dumps(tj).encode()
+for name in ("llama3.1", "mistral-7b"):
+    path = f"{root}/{name}/tokenizer.json"
+    if os.path.exists(path):
+        open(f"build-fuzz/corpus-tokenizer-files/{name}.json", "wb").write(b"\0" + cut_json(path))
+if os.path.exists(f"{root}/gpt2/vocab.json"):
+    vocab = {t: i for t, i in json.load(open(f"{root}/gpt2/vocab.json")).items() if i < 400}
+    merges = [l for i, l in enumerate(open(f"{root}/gpt2/merges.txt").read().split("\n")[:3000])
+              if (i == 0 and l.startswith("#version")) or
+              (len(l.split(" ")) == 2 and all(x in vocab for x in l.split(" ")) and
+               "".join(l.split(" ")) in vocab)]
+    open("build-fuzz/corpus-tokenizer-files/gpt2", "wb").write(
+        b"\2" + json.dumps(vocab).encode() + b"\0" + "\n".join(merges[:300]).encode())
+if os.path.exists(f"{root}/llama2-spm/tokenizer.model"):
+    open("build-fuzz/corpus-tokenizer-files/llama2.model", "wb").write(
+        b"\1" + open(f"{root}/llama2-spm/tokenizer.model", "rb").read()[:60000])
+
 # Valid UCX gather requests: u32 items, then per item u64 seq, i32 layer, i64 count, i64 n, n x i32.
 def gather_item(seq, layer, count, slots):
     return struct.pack("<QiqQ", seq, layer, count, len(slots)) + struct.pack(f"<{len(slots)}i", *slots)
@@ -100,3 +135,5 @@ run safetensors_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors -max_len=6553
 run npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096
 run kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
 run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096
+INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_files_fuzz "$FILE_SECONDS" \
+  build-fuzz/corpus-tokenizer-files -max_len=65536

@@ -23,6 +23,19 @@ using json = nlohmann::json;
 
 constexpr char kSpaceSymbol[] = "\xE2\x96\x81";
 
+// Vocabulary ids come from files: an integer in [0, kMaxVocabId), else an error naming the token
+// (a negative id indexed before the table, and a huge one sized it: found by fuzzing).
+constexpr int64_t kMaxVocabId = int64_t{1} << 24;
+absl::StatusOr<int32_t> VocabId(const nlohmann::json& id, const std::string& path,
+                                const std::string& token) {
+  if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kMaxVocabId) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": token ", token, " has the id ",
+                                                   id.dump(), "; ids are integers in [0, ",
+                                                   kMaxVocabId, ")"));
+  }
+  return static_cast<int32_t>(id.get<int64_t>());
+}
+
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
@@ -69,20 +82,20 @@ absl::StatusOr<TokenizerConfig> ReadTokenizerConfig(const std::string& path) {
   if (j.contains("add_eos_token") && j["add_eos_token"].is_boolean())
     c.add_eos = j["add_eos_token"];
   if (j.contains("bos_token")) c.bos_token = TokenString(j["bos_token"]);
-  if (j.contains("eos_token")) c.eos_token = TokenString(j["eos_token"]);
+  if (j.contains("eos_token")) c.eos_token = TokenString(j.at("eos_token"));
   if (j.contains("chat_template")) {
-    const json& t = j["chat_template"];
+    const json& t = j.at("chat_template");
     if (t.is_string()) c.chat_template = t.get<std::string>();
     if (t.is_array()) {  // [{"name": "default", "template": ...}, ...]
       for (const json& e : t) {
         if (e.value("name", "") == "default" && e.contains("template")) {
-          c.chat_template = e["template"].get<std::string>();
+          c.chat_template = e.at("template").get<std::string>();
         }
       }
     }
   }
-  if (j.contains("added_tokens_decoder") && j["added_tokens_decoder"].is_object()) {
-    for (auto& [id, tok] : j["added_tokens_decoder"].items()) {
+  if (j.contains("added_tokens_decoder") && j.at("added_tokens_decoder").is_object()) {
+    for (auto& [id, tok] : j.at("added_tokens_decoder").items()) {
       AddedToken a;
       a.id = std::atoi(id.c_str());
       a.content = tok.value("content", "");
@@ -125,7 +138,8 @@ absl::Status ParseNormalizer(const json& n, const std::string& path, TokenizerSp
   if (n.is_null()) return absl::OkStatus();
   const std::string type = n.value("type", "");
   if (type == "Sequence") {
-    for (const json& sub : n["normalizers"]) IG_RETURN_IF_ERROR(ParseNormalizer(sub, path, spec));
+    for (const json& sub : n.at("normalizers"))
+      IG_RETURN_IF_ERROR(ParseNormalizer(sub, path, spec));
     return absl::OkStatus();
   }
   if (type == "Prepend") {
@@ -133,8 +147,8 @@ absl::Status ParseNormalizer(const json& n, const std::string& path, TokenizerSp
     spec.prepend = n.value("prepend", "");
     return absl::OkStatus();
   }
-  if (type == "Replace" && n.contains("pattern") && n["pattern"].contains("String")) {
-    spec.replacements.emplace_back(n["pattern"]["String"].get<std::string>(),
+  if (type == "Replace" && n.contains("pattern") && n.at("pattern").contains("String")) {
+    spec.replacements.emplace_back(n.at("pattern").at("String").get<std::string>(),
                                    n.value("content", ""));
     return absl::OkStatus();
   }
@@ -145,16 +159,16 @@ absl::Status ParsePreTokenizer(const json& p, const std::string& path, Tokenizer
   if (p.is_null()) return absl::OkStatus();
   const std::string type = p.value("type", "");
   if (type == "Sequence") {
-    for (const json& sub : p["pretokenizers"])
+    for (const json& sub : p.at("pretokenizers"))
       IG_RETURN_IF_ERROR(ParsePreTokenizer(sub, path, spec));
     return absl::OkStatus();
   }
   if (type == "Split") {
-    if (!p.contains("pattern") || !p["pattern"].contains("Regex") ||
+    if (!p.contains("pattern") || !p.at("pattern").contains("Regex") ||
         p.value("behavior", "") != "Isolated" || p.value("invert", false)) {
       return Unsupported(path, absl::StrCat("pre-tokenizer ", p.dump()));
     }
-    auto pattern = RecognizeSplitRegex(p["pattern"]["Regex"].get<std::string>());
+    auto pattern = RecognizeSplitRegex(p.at("pattern").at("Regex").get<std::string>());
     if (!pattern.ok()) return Unsupported(path, std::string(pattern.status().message()));
     spec.split = *pattern;
     return absl::OkStatus();
@@ -184,10 +198,11 @@ absl::Status ParseDecoder(const json& d, const std::string& path, TokenizerSpec&
   if (type == "Sequence") {
     // The SentencePiece-style chain: Replace(▁ -> " "), ByteFallback, Fuse, Strip(" ", 1, 0).
     spec.decoder = TokenizerSpec::Decoder::kSentencePiece;
-    for (const json& sub : d["decoders"]) {
+    for (const json& sub : d.at("decoders")) {
       const std::string t = sub.value("type", "");
       if (t == "Replace" && sub.contains("pattern") &&
-          sub["pattern"].value("String", "") == kSpaceSymbol && sub.value("content", "") == " ") {
+          sub.at("pattern").value("String", "") == kSpaceSymbol &&
+          sub.value("content", "") == " ") {
         continue;
       }
       if (t == "ByteFallback" || t == "Fuse") continue;
@@ -208,20 +223,22 @@ absl::Status ParsePostProcessor(const json& p, const std::string& path, Tokenize
   if (p.is_null()) return absl::OkStatus();
   const std::string type = p.value("type", "");
   if (type == "Sequence") {
-    for (const json& sub : p["processors"]) IG_RETURN_IF_ERROR(ParsePostProcessor(sub, path, spec));
+    for (const json& sub : p.at("processors"))
+      IG_RETURN_IF_ERROR(ParsePostProcessor(sub, path, spec));
     return absl::OkStatus();
   }
   if (type == "ByteLevel") return absl::OkStatus();  // offsets only
   if (type != "TemplateProcessing") return Unsupported(path, "post-processor " + type);
   bool after = false;
-  for (const json& item : p["single"]) {
+  for (const json& item : p.at("single")) {
     if (item.contains("Sequence")) {
       after = true;
       continue;
     }
-    const std::string name = item["SpecialToken"].value("id", "");
+    const std::string name = item.at("SpecialToken").value("id", "");
     const json& entry = p.at("special_tokens").at(name);
-    for (const json& id : entry["ids"]) (after ? spec.suffix_ids : spec.prefix_ids).push_back(id);
+    for (const json& id : entry.at("ids"))
+      (after ? spec.suffix_ids : spec.prefix_ids).push_back(id);
   }
   return absl::OkStatus();
 }
@@ -242,7 +259,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfJson(const std::string& path,
     }
     absl::flat_hash_map<std::string, int32_t> vocab;
     for (auto& [token, id] : m.at("vocab").items()) {
-      const int32_t i = id.get<int32_t>();
+      IG_ASSIGN_OR_RETURN(const int32_t i, VocabId(id, path, token));
       vocab[token] = i;
       if (i >= static_cast<int32_t>(spec.id_to_token.size())) spec.id_to_token.resize(i + 1);
       spec.id_to_token[i] = token;
@@ -306,11 +323,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadVocabMerges(const std::string& di
   absl::flat_hash_map<std::string, int32_t> vocab;
   if (!v.is_object()) return absl::InvalidArgumentError(vocab_path + ": not a JSON object");
   for (auto& [token, id] : v.items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(vocab_path, ": token ", token, " has a bad id"));
-    }
-    const int32_t i = id.get<int32_t>();
+    IG_ASSIGN_OR_RETURN(const int32_t i, VocabId(id, vocab_path, token));
     vocab[token] = i;
     if (i >= static_cast<int32_t>(spec.id_to_token.size())) spec.id_to_token.resize(i + 1);
     spec.id_to_token[i] = token;

@@ -66,6 +66,24 @@ TEST(TokenizerErrors, MalformedFilesAreNamed) {
   ExpectError(Tokenizer::Load("/no/such/tokenizer.json"), {"/no/such/tokenizer.json"});
 }
 
+// Found by fuzzing (tests/fuzz/tokenizer_files_fuzz.cc): ids that are negative or huge
+// indexed before the id table or sized it from the file, and a "Sequence" decoder without its
+// "decoders" read a missing key of a const JSON object (use after free).
+TEST(TokenizerErrors, BadIdsAndMissingKeysAreErrors) {
+  for (const char* id : {"-3", "2147483648", "99999999999"}) {
+    ExpectError(Tokenizer::Load(Write("id.json", std::string(R"({"model": {"type": "BPE",
+        "vocab": {"a": 0, "b": )") + id + R"(}, "merges": []}, "decoder": {"type": "ByteLevel"}})")),
+                {"id.json", "token b has the id"});
+  }
+  const std::string dir = fs::path(Write("vocab.json", R"({"a": 0, "b": -1})")).parent_path();
+  Write("merges.txt", "");
+  ExpectError(Tokenizer::Load(dir), {"vocab.json", "token b has the id -1"});
+  ExpectError(Tokenizer::Load(Write("seq.json",
+                                    R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+                                        "decoder": {"type": "Sequence"}})")),
+              {"seq.json", "malformed"});
+}
+
 TEST(TokenizerErrors, GgufTokenizerKindsAreChecked) {
   testing::GgufWriter w;
   w.AddString("tokenizer.ggml.model", "bert");
