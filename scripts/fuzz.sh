@@ -6,8 +6,8 @@
 # written here), the KV store's request validation (programs of Open / Append / Gather / Close
 # calls with arbitrary arguments) and the UCX gather request codec (a parse must re-encode to
 # the same bytes), and the tokenizer file loaders (tokenizer.json, tokenizer.model, vocab.json +
-# merges.txt; seeded with small tokenizers cut from the real ones). Any crash, sanitizer report,
-# leak or timeout fails the run.
+# merges.txt; seeded with small tokenizers cut from the real ones) and chat template rendering of
+# arbitrary conversations. Any crash, sanitizer report, leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +102,15 @@ if os.path.exists(f"{root}/llama2-spm/tokenizer.model"):
     open("build-fuzz/corpus-tokenizer-files/llama2.model", "wb").write(
         b"\1" + open(f"{root}/llama2-spm/tokenizer.model", "rb").read()[:60000])
 
+# Conversations for the chat templates: a first line (tried as a Jinja template), then
+# role / content pairs separated by NUL bytes.
+os.makedirs("build-fuzz/corpus-chat", exist_ok=True)
+for i, conv in enumerate([["user", "Hello!"],
+                          ["system", "Be brief.", "user", "Hi", "assistant", "Hello.", "user", "Why?"],
+                          ["user", " caf\u00e9 \u20ac ", "assistant", ""]]):
+    with open(f"build-fuzz/corpus-chat/conversation-{i}", "wb") as f:
+        f.write(b"{{ messages }}\n" + "\0".join(conv).encode())
+
 # Valid UCX gather requests: u32 items, then per item u64 seq, i32 layer, i64 count, i64 n, n x i32.
 def gather_item(seq, layer, count, slots):
     return struct.pack("<QiqQ", seq, layer, count, len(slots)) + struct.pack(f"<{len(slots)}i", *slots)
@@ -137,3 +146,4 @@ run kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
 run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096
 INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_files_fuzz "$FILE_SECONDS" \
   build-fuzz/corpus-tokenizer-files -max_len=65536
+run chat_template_fuzz "$FILE_SECONDS" build-fuzz/corpus-chat -max_len=4096
