@@ -6,8 +6,8 @@
 #include <memory>
 
 #include "absl/container/flat_hash_map.h"
-#include "common/dtype.h"
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "gpu_worker/infinigen/selection_util.h"
 
 namespace infinigen {

@@ -1,7 +1,8 @@
 // libFuzzer target for chat template rendering: arbitrary message lists (roles and contents from
 // the input, NUL-separated) rendered by each template family, and the input's first line taken
 // as a Jinja template to recognize. Whatever the messages: an error naming what breaks the
-// template's rules, or a prompt that holds every message's plain content (ChatML and Llama 3). scripts/fuzz.sh builds it with clang and runs it for a bounded time.
+// template's rules, or a prompt that holds every message's plain content (ChatML and Llama 3).
+// scripts/fuzz.sh builds it with clang and runs it for a bounded time.
 #include <algorithm>
 #include <cstdint>
 #include <string>

@@ -21,18 +21,34 @@ namespace wv1 = worker::v1;
 
 using testing::StreamWorker;
 
+// A SmolLM2 worker over an in-process KV store (full policy, one thread) with `extra` flags.
+struct SmolLm2Worker {
+  explicit SmolLm2Worker(const std::vector<std::string>& extra)
+      : port(testing::FreePort()),
+        process("infinigen-worker", Flags(port, extra), port),
+        stub(wv1::Worker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                      grpc::InsecureChannelCredentials()))) {}
+  static std::vector<std::string> Flags(int port, const std::vector<std::string>& extra) {
+    std::vector<std::string> f = {"--model=" + testing::SmolLm2Path(),
+                                  "--listen=127.0.0.1:" + std::to_string(port),
+                                  "--kv_transport=in-process",
+                                  "--policy=full",
+                                  "--threads=1",
+                                  "--kv_capacity_mb=256"};
+    f.insert(f.end(), extra.begin(), extra.end());
+    return f;
+  }
+  int port;
+  testing::ServerProcess process;
+  std::unique_ptr<wv1::Worker::Stub> stub;
+};
+
 TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   const std::string model_path = testing::SmolLm2Path();
   IG_REQUIRE_FILE(model_path, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
-  const int port = testing::FreePort();
-  testing::ServerProcess worker(
-      "infinigen-worker",
-      {"--model=" + model_path, "--listen=127.0.0.1:" + std::to_string(port),
-       "--kv_transport=in-process", "--policy=full", "--threads=1", "--kv_capacity_mb=256"},
-      port);
-  ASSERT_TRUE(worker.running());
-  auto stub = wv1::Worker::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  SmolLm2Worker worker({});
+  ASSERT_TRUE(worker.process.running());
+  auto& stub = worker.stub;
 
   cli::BackendFlags flags;
   flags.threads = 1;
@@ -111,16 +127,9 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
 TEST(WorkerSmolLm2, Bf16KvThroughTheStoreStreamsTheLocalEnginesTokens) {
   const std::string model_path = testing::SmolLm2Path();
   IG_REQUIRE_FILE(model_path, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
-  const int port = testing::FreePort();
-  testing::ServerProcess worker(
-      "infinigen-worker",
-      {"--model=" + model_path, "--listen=127.0.0.1:" + std::to_string(port),
-       "--kv_transport=in-process", "--policy=full", "--threads=1", "--kv_capacity_mb=256",
-       "--cpu_weights=q8", "--cpu_kv=bf16"},
-      port);
-  ASSERT_TRUE(worker.running());
-  auto stub = wv1::Worker::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  SmolLm2Worker worker({"--cpu_weights=q8", "--cpu_kv=bf16"});
+  ASSERT_TRUE(worker.process.running());
+  auto& stub = worker.stub;
   cli::BackendFlags flags;
   flags.threads = 1;
   flags.cpu_weights = "q8";

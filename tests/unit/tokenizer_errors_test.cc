@@ -71,8 +71,10 @@ TEST(TokenizerErrors, MalformedFilesAreNamed) {
 // "decoders" read a missing key of a const JSON object (use after free).
 TEST(TokenizerErrors, BadIdsAndMissingKeysAreErrors) {
   for (const char* id : {"-3", "2147483648", "99999999999"}) {
-    ExpectError(Tokenizer::Load(Write("id.json", std::string(R"({"model": {"type": "BPE",
-        "vocab": {"a": 0, "b": )") + id + R"(}, "merges": []}, "decoder": {"type": "ByteLevel"}})")),
+    ExpectError(Tokenizer::Load(
+                    Write("id.json", std::string(R"({"model": {"type": "BPE",
+        "vocab": {"a": 0, "b": )") + id +
+                                         R"(}, "merges": []}, "decoder": {"type": "ByteLevel"}})")),
                 {"id.json", "token b has the id"});
   }
   const std::string dir = fs::path(Write("vocab.json", R"({"a": 0, "b": -1})")).parent_path();
