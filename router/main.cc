@@ -32,6 +32,12 @@ ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "the most prompt tokens a request m
 ABSL_FLAG(int64_t, max_request_bytes, 1 << 20, "the largest request message, in bytes");
 ABSL_FLAG(int32_t, max_attempts, 4, "worker failures one request may go through");
 ABSL_FLAG(int64_t, health_interval_ms, 1000, "how often workers' health is checked");
+ABSL_FLAG(int64_t, stall_when_down_ms, 1000,
+          "a stream whose worker fails its health checks and sends nothing for this long moves "
+          "to another worker (a frozen or unreachable worker)");
+ABSL_FLAG(int64_t, stall_timeout_ms, 30000,
+          "a stream that has sent tokens and then nothing for max(this, 20 x its mean time per "
+          "token) moves to another worker, even if its worker answers health checks");
 ABSL_FLAG(int32_t, metrics_port, 0, "Prometheus metrics on this HTTP port (0: off)");
 ABSL_FLAG(int64_t, drain_seconds, 30, "how long shutdown lets streams in progress finish");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
@@ -61,6 +67,8 @@ int main(int argc, char** argv) {
   o.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   o.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   o.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  o.stall.when_down = absl::Milliseconds(absl::GetFlag(FLAGS_stall_when_down_ms));
+  o.stall.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_stall_timeout_ms));
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty())) {
     config.pool.targets.emplace_back(w);
   }

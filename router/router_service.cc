@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/grpc/utf8_fields.h"
+#include "router/public_status.h"
 #include "router/router_metrics.h"
 
 namespace infinigen {
@@ -80,11 +81,14 @@ absl::Status RouterOptions::Validate() const {
     return absl::InvalidArgumentError("--max_request_bytes must be >= 1024");
   }
   if (max_attempts < 1) return absl::InvalidArgumentError("--max_attempts must be >= 1");
-  return absl::OkStatus();
+  return stall.Validate();
 }
 
 RouterService::RouterService(WorkerPool& pool, const RouterOptions& options)
-    : pool_(pool), options_(options), admission_(options.max_streams, options.max_queued) {
+    : pool_(pool),
+      options_(options),
+      admission_(options.max_streams, options.max_queued),
+      watchdog_(options.stall) {
   // Generate and Tokenize check their requests' strings first: invalid UTF-8 is answered
   // INVALID_ARGUMENT naming the field, not INTERNAL with no message (common/grpc/utf8_fields.h).
   // The generated methods are withdrawn (marked generic: no handler) and registered again,
@@ -220,7 +224,7 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
       s.error_message(), stats.tokens, absl::ToDoubleSeconds(absl::Now() - start), stats.failovers);
   std::fwrite(line.data(), 1, line.size(), stdout);
   std::fflush(stdout);
-  return s;
+  return ForClients(s);  // the log line above keeps the internal addresses
 }
 
 grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
@@ -272,9 +276,11 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
     int64_t expected = std::max<int64_t>(1, budget - static_cast<int64_t>(sent.size()));
     worker->AddOutstanding(expected);
     auto reader = worker->stub().Generate(call.get(), wr);
+    auto watch = std::make_unique<StallWatchdog::Watch>(watchdog_, *call, *worker);
     wv1::GenerateResponse m;
     bool client_gone = false;
     while (reader->Read(&m)) {
+      watch->Progress();
       v1::GenerateResponse out;
       out.mutable_token_ids()->Swap(m.mutable_token_ids());
       out.set_text(std::move(*m.mutable_text()));
@@ -303,10 +309,17 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
       }
       first_sent = true;
     }
-    const grpc::Status s = reader->Finish();
+    grpc::Status s = reader->Finish();
+    const bool stalled = watch->stalled();
+    watch.reset();
     worker->AddOutstanding(-expected);
     if (client_gone || context->IsCancelled()) {
       return {StatusCode::CANCELLED, "the client cancelled"};
+    }
+    if (stalled) {  // the watchdog cancelled it: the worker is frozen or unreachable
+      s = grpc::Status(StatusCode::UNAVAILABLE, "a worker stopped sending (frozen or unreachable)");
+      std::fprintf(stderr, "request %s: worker %s stalled after %zu tokens; moving the stream\n",
+                   request_id.c_str(), worker->address().c_str(), sent.size());
     }
     if (s.ok() || !Retriable(s)) return s;
     last = s;
@@ -356,34 +369,30 @@ grpc::Status RouterService::Tokenize(grpc::ServerContext* context,
       call->set_deadline(absl::ToChronoTime(absl::Now() + kUnaryTimeout));
     }
     last = worker->stub().Tokenize(call.get(), *request, response);
-    if (last.ok() || !Retriable(last)) return last;
+    if (last.ok() || !Retriable(last)) return ForClients(last);
     tried.push_back(worker);
   }
-  return grpc::Status(StatusCode::UNAVAILABLE,
-                      absl::StrCat("no worker could tokenize: ", last.error_message()));
+  std::fprintf(stderr, "tokenize: no worker could serve it: %s\n", last.error_message().c_str());
+  return ForClients(grpc::Status(StatusCode::UNAVAILABLE,
+                                 absl::StrCat("no worker could tokenize: ", last.error_message())));
 }
 
 grpc::Status RouterService::GetModelInfo(grpc::ServerContext* context,
                                          const v1::GetModelInfoRequest*, v1::ModelInfo* info) {
   if (grpc::Status s = Authenticate(*context); !s.ok()) return s;
-  std::vector<std::shared_ptr<PooledWorker>> tried;
-  grpc::Status last(StatusCode::UNAVAILABLE, "no worker is available");
-  wv1::InfoResponse w;
-  for (int i = 0; i < options_.max_attempts; ++i) {
-    std::vector<const PooledWorker*> exclude;
-    for (const auto& x : tried) exclude.push_back(x.get());
-    auto worker = pool_.Pick("", exclude);
-    if (worker == nullptr) break;
-    grpc::ClientContext call;
-    call.set_deadline(absl::ToChronoTime(absl::Now() + kUnaryTimeout));
-    last = worker->stub().Info(&call, wv1::InfoRequest(), &w);
-    if (last.ok()) break;
-    tried.push_back(worker);
+  // From the pool's state (what each worker said when it turned SERVING): a frozen worker
+  // cannot make this call wait.
+  std::shared_ptr<const wv1::InfoResponse> known;
+  for (const auto& worker : pool_.Workers()) {
+    if (!worker->available()) continue;
+    known = worker->info();
+    if (known != nullptr) break;
   }
-  if (!last.ok()) {
+  if (known == nullptr) {
     return grpc::Status(StatusCode::UNAVAILABLE,
-                        absl::StrCat("no worker answered: ", last.error_message()));
+                        "no worker is available (none has answered the router's health checks)");
   }
+  const wv1::InfoResponse& w = *known;
   info->set_model(w.model());
   info->set_architecture(w.architecture());
   info->set_num_layers(w.num_layers());

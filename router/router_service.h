@@ -1,8 +1,10 @@
 // infinigen.v1.Generation over a pool of workers: authenticates (API keys), validates against
 // the router's limits, admits (bounded streams and queue), places each request on a worker and
 // relays its stream. A worker that fails before the first token is replaced transparently; one
-// that dies mid-stream is replaced by another that resumes from the prompt plus the tokens
-// already sent (same seed, so the same continuation), with no token repeated or lost.
+// that dies mid-stream, or stops sending (frozen: StallWatchdog), is replaced by another that
+// resumes from the prompt plus the tokens already sent (same seed, so the same continuation),
+// with no token repeated or lost. GetModelInfo answers from the pool's state, never waiting on
+// a worker.
 #pragma once
 
 #include <memory>
@@ -11,6 +13,7 @@
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "router/admission.h"
 #include "router/api_keys.h"
+#include "router/stall_watchdog.h"
 #include "router/worker_pool.h"
 
 namespace infinigen {
@@ -26,6 +29,8 @@ struct RouterOptions {
   int max_attempts = 4;  // worker calls per request that may fail (first try included)
   // How long a stream whose worker died waits for a worker with room to resume it.
   absl::Duration resume_wait = absl::Seconds(10);
+  // When a stream whose worker sends nothing is moved to another one (router/stall_watchdog.h).
+  StallRules stall;
   const ApiKeys* api_keys = nullptr;  // null: no authentication
 
   absl::Status Validate() const;
@@ -61,6 +66,7 @@ class RouterService final : public v1::Generation::Service {
   WorkerPool& pool_;
   const RouterOptions options_;
   Admission admission_;
+  StallWatchdog watchdog_;
   RouterMetrics* metrics_ = nullptr;
 };
 

@@ -170,6 +170,9 @@ void WorkerPool::Refresh() {
     grpc::ClientContext context;
     grpc::health::v1::HealthCheckRequest request;
     grpc::health::v1::HealthCheckResponse response;
+    grpc::ClientContext info_context;  // a worker that turned SERVING: its Info
+    worker::v1::InfoRequest info_request;
+    std::shared_ptr<worker::v1::InfoResponse> info;
   };
   std::vector<std::unique_ptr<Probe>> probes;
   for (const auto& w : probe) {
@@ -177,18 +180,31 @@ void WorkerPool::Refresh() {
     p->context.set_deadline(absl::ToChronoTime(absl::Now() + config_.health_timeout));
     Probe* raw = p.get();
     probes.push_back(std::move(p));
-    w->health().async()->Check(&raw->context, &raw->request, &raw->response,
-                               [w, raw, &done](grpc::Status status) {
-                                 using S = grpc::health::v1::HealthCheckResponse;
-                                 if (!status.ok()) {
-                                   w->set_state(PooledWorker::State::kDown);
-                                 } else if (raw->response.status() == S::SERVING) {
-                                   w->set_state(PooledWorker::State::kServing);
-                                 } else {
-                                   w->set_state(PooledWorker::State::kDraining);
-                                 }
-                                 done.DecrementCount();
-                               });
+    const absl::Duration timeout = config_.health_timeout;
+    w->health().async()->Check(
+        &raw->context, &raw->request, &raw->response,
+        [w, raw, timeout, &done](grpc::Status status) {
+          using S = grpc::health::v1::HealthCheckResponse;
+          const bool was_serving = w->available();
+          if (!status.ok()) {
+            w->set_state(PooledWorker::State::kDown);
+          } else if (raw->response.status() == S::SERVING) {
+            w->set_state(PooledWorker::State::kServing);
+            if (!was_serving || w->info() == nullptr) {  // new, or back (maybe another model)
+              raw->info = std::make_shared<worker::v1::InfoResponse>();
+              raw->info_context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+              w->stub().async()->Info(&raw->info_context, &raw->info_request, raw->info.get(),
+                                      [w, raw, &done](grpc::Status s) {
+                                        if (s.ok()) w->set_info(std::move(raw->info));
+                                        done.DecrementCount();
+                                      });
+              return;
+            }
+          } else {
+            w->set_state(PooledWorker::State::kDraining);
+          }
+          done.DecrementCount();
+        });
   }
   done.Wait();
 }

@@ -3,7 +3,9 @@
 // A background thread re-resolves the names and checks every worker's gRPC health: SERVING means
 // available, NOT_SERVING draining (no new requests), no answer unavailable. Placement picks the
 // available worker with the fewest outstanding tokens, or, for a session id, the same worker
-// for as long as it stays available (rendezvous hashing, so router replicas agree).
+// for as long as it stays available (rendezvous hashing, so router replicas agree). A worker
+// that turns SERVING is asked for its Info once, so that the router can describe the model
+// without calling a worker that may be frozen.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -42,6 +44,16 @@ class PooledWorker {
   void set_state(State s) { state_.store(s, std::memory_order_relaxed); }
   bool available() const { return state() == State::kServing; }
 
+  // What the worker said of itself (model, limits) when it last turned SERVING; null before.
+  std::shared_ptr<const worker::v1::InfoResponse> info() const {
+    absl::MutexLock l(&info_mu_);
+    return info_;
+  }
+  void set_info(std::shared_ptr<const worker::v1::InfoResponse> info) {
+    absl::MutexLock l(&info_mu_);
+    info_ = std::move(info);
+  }
+
  private:
   std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -49,6 +61,8 @@ class PooledWorker {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   std::atomic<int64_t> outstanding_{0};
   std::atomic<State> state_{State::kUnknown};
+  mutable absl::Mutex info_mu_;
+  std::shared_ptr<const worker::v1::InfoResponse> info_ ABSL_GUARDED_BY(info_mu_);
 };
 
 struct WorkerPoolConfig {

@@ -274,12 +274,14 @@ bool BatchEngine::Step() {
   }
   const int64_t vocab = model_.config().vocab_size;
   logits_.resize(static_cast<size_t>(DecodeStep::NumLogitRows(batch) * vocab));
-  absl::Status st = step_.Forward(batch, logits_);
+  const absl::Status st = step_.Forward(batch, logits_);
   int64_t generated = 0, prompt = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Active& a = *owners[i];
-    if (!st.ok()) {
-      Finish(a, FinishReason::kCancelled, st);
+    // A failure of one sequence (its rows lost in the KV store, a fetch that timed out) ends
+    // that sequence alone; a failure of the step ends every sequence in it.
+    if (!st.ok() && (!step_.completed() || !step_.chunk_status(i).ok())) {
+      Finish(a, FinishReason::kCancelled, step_.completed() ? step_.chunk_status(i) : st);
       continue;
     }
     const int64_t len = static_cast<int64_t>(batch[i].tokens.size());

@@ -4,7 +4,9 @@
 // a per-step prefill budget so that long prompts do not stall the running decodes. Requests join
 // between steps (admission by queue length and by the cache accepting the sequence) and leave
 // when they finish, are cancelled, pass their deadline, or fail; leaving closes the sequence in
-// the cache (the KV store) and releases its policy state at once.
+// the cache (the KV store) and releases its policy state at once. A failure of one sequence in
+// a step (the store lost its rows, a fetch timed out: ABORTED) ends that request alone; the
+// others of the batch go on with the logits they would have had without it.
 //
 // Events reach the caller through a sink called on the engine thread: keep it short.
 #pragma once

@@ -33,11 +33,26 @@ absl::Status DecodeStep::EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes) 
   return absl::OkStatus();
 }
 
+void DecodeStep::Fail(size_t b, absl::Status status) {
+  if (chunk_status_[b].ok()) chunk_status_[b] = std::move(status);
+}
+
+void DecodeStep::FailKv(size_t b, int layer, const absl::Status& status) {
+  // Rows lost (the store no longer has the sequence: NOT_FOUND) or late (DEADLINE_EXCEEDED)
+  // are ABORTED: the sequence can be continued elsewhere. Other codes stay what they are (the
+  // store unreachable or full, a cache's capacity, the request's own bad input).
+  const absl::StatusCode code = absl::IsNotFound(status) || absl::IsDeadlineExceeded(status)
+                                    ? absl::StatusCode::kAborted
+                                    : status.code();
+  Fail(b, absl::Status(code, absl::StrCat("the KV cache failed sequence ", batch_[b].seq,
+                                          " at layer ", layer, ": ", status.message())));
+}
+
 template <typename Work>
-absl::Status DecodeStep::ForEachPolicy(const Work& work) {
+void DecodeStep::ForEachPolicy(const Work& work) {
   policy_chunks_.clear();
   for (size_t b = 0; b < batch_.size(); ++b) {
-    if (batch_[b].policy != nullptr) policy_chunks_.push_back(b);
+    if (batch_[b].policy != nullptr && !Failed(b)) policy_chunks_.push_back(b);
   }
   const int64_t m = static_cast<int64_t>(policy_chunks_.size());
   // A policy keeps per-sequence state and is not thread-safe; separate policies are independent.
@@ -50,8 +65,9 @@ absl::Status DecodeStep::ForEachPolicy(const Work& work) {
   statuses_.assign(static_cast<size_t>(m), absl::OkStatus());
 #pragma omp parallel for schedule(dynamic, 1) if (distinct)
   for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
-  for (const absl::Status& st : statuses_) IG_RETURN_IF_ERROR(st);
-  return absl::OkStatus();
+  for (int64_t i = 0; i < m; ++i) {
+    if (!statuses_[i].ok()) Fail(policy_chunks_[i], std::move(statuses_[i]));
+  }
 }
 
 absl::StatusOr<DecodeStep::HostRows> DecodeStep::ToHost(MatView m, std::vector<float>& host) {
@@ -80,6 +96,7 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
   host_spec_positions_.clear();
   num_tokens_ = 0;
   speculating_ = false;
+  chunk_status_.assign(batch.size(), absl::OkStatus());
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];
     model_chunks_.push_back({chunk.start, chunk.tokens, chunk.all_logits});
@@ -88,19 +105,22 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
     KvSelectionPolicy* policy = chunk.policy;
     if (policy == nullptr) continue;
     if (policy->needs_resident_kv() && (resident_ == nullptr || !backend.host_accessible())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "policy ", policy->Name(), " reads stored K rows itself and needs a resident KV cache",
-          backend.host_accessible() ? "" : " in host memory (the cpu backend)",
-          "; infinigen, window and full run over any cache and backend"));
+      Fail(b, absl::FailedPreconditionError(
+                  absl::StrCat("policy ", policy->Name(),
+                               " reads stored K rows itself and needs a resident KV cache",
+                               backend.host_accessible() ? "" : " in host memory (the cpu backend)",
+                               "; infinigen, window and full run over any cache and backend")));
+      continue;
     }
     if (chunk.tokens.size() != 1 || policy->speculation_input() == SpeculationInput::kNone) {
       continue;
     }
     if (model_.speculation() == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("policy ", policy->Name(),
-                       " speculates, but the model has no speculation weights (attach the "
-                       "InfiniGen sidecar's partial channels)"));
+      Fail(b, absl::FailedPreconditionError(
+                  absl::StrCat("policy ", policy->Name(),
+                               " speculates, but the model has no speculation weights (attach "
+                               "the InfiniGen sidecar's partial channels)")));
+      continue;
     }
     speculating_ = true;
     spec_rows_[b] = static_cast<int64_t>(host_spec_positions_.size());
@@ -132,11 +152,15 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
 }
 
 absl::Status DecodeStep::Forward(std::span<const ForwardChunk> batch, std::span<float> logits) {
+  completed_ = false;
   IG_RETURN_IF_ERROR(Plan(batch));
   // Layer 0's rows start moving before the embedding; every later layer's during the one
   // before it.
   if (streamed_ != nullptr && num_tokens_ > 0) IG_RETURN_IF_ERROR(Prefetch(0));
-  return model_.Forward(model_chunks_, *this, logits);
+  IG_RETURN_IF_ERROR(model_.Forward(model_chunks_, *this, logits));
+  completed_ = true;
+  for (const absl::Status& st : chunk_status_) IG_RETURN_IF_ERROR(st);
+  return absl::OkStatus();
 }
 
 MatView DecodeStep::SpeculatedRows(int layer) const {
@@ -206,15 +230,20 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
     w.fetch = false;
     w.candidates.all = true;  // every row unless a policy guesses fewer
     prefetched_[next_layer % 2][b].layer = -1;
-    if (batch_[b].tokens.size() != 1) continue;
-    IG_ASSIGN_OR_RETURN(w.stored, cache.NumSlots(batch_[b].seq, next_layer));
+    if (batch_[b].tokens.size() != 1 || Failed(b)) continue;
+    absl::StatusOr<int64_t> stored = cache.NumSlots(batch_[b].seq, next_layer);
+    if (!stored.ok()) {
+      FailKv(b, next_layer, stored.status());
+      continue;
+    }
+    w.stored = *stored;
     w.fetch = w.stored > 0;
   }
   // The policies' guesses, sequences in parallel. Every row without a policy, and where a
   // prefetch answers addresses (they cost nothing, so the exact selection made at the layer is
   // looked up among all of them).
   if (preselect) {
-    IG_RETURN_IF_ERROR(ForEachPolicy([&](size_t b) {
+    ForEachPolicy([&](size_t b) {
       ChunkWork& w = chunks_[b];
       if (!w.fetch) return absl::OkStatus();
       KvSelectionPolicy* policy = batch_[b].policy;
@@ -228,14 +257,14 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
       }
       w.fetch = policy->Preselect(request, w.candidates);  // false: no guess, nothing fetched
       return absl::OkStatus();
-    }));
+    });
   }
   // The batch's prefetches of this layer travel together.
   cache.BeginPrefetches();
   absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
   for (size_t b = 0; b < batch_.size(); ++b) {
     ChunkWork& w = chunks_[b];
-    if (!w.fetch) continue;
+    if (!w.fetch || Failed(b)) continue;
     Prefetched& pre = prefetched_[next_layer % 2][b];
     if (w.candidates.all) {  // dense: every stored row, in slot order
       EverySlot(kv_heads, w.stored, pre.slots);
@@ -246,8 +275,12 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
     }
     pre.dense = w.candidates.all;
     // One row per head is left free for the current token, which the step computes itself.
-    IG_RETURN_IF_ERROR(cache.Prefetch(batch_[b].seq, next_layer, pre.slots.data(), pre.count,
-                                      /*extra_rows=*/1));
+    const absl::Status st =
+        cache.Prefetch(batch_[b].seq, next_layer, pre.slots.data(), pre.count, /*extra_rows=*/1);
+    if (!st.ok()) {
+      FailKv(b, next_layer, st);
+      continue;
+    }
     pre.layer = next_layer;
   }
   return absl::OkStatus();
@@ -284,20 +317,29 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     ChunkWork& w = chunks_[b];
     const int64_t row = rows_[b];
     selections_[b].all = true;
+    if (Failed(b)) continue;
     int32_t* slots = host_slots_.data() + row * kv_heads;
-    IG_RETURN_IF_ERROR(
-        cache_.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len), slots));
+    const absl::Status appended =
+        cache_.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len), slots);
+    if (!appended.ok()) {
+      FailKv(b, layer, appended);
+      continue;
+    }
     if (chunk.policy == nullptr) continue;
     w.kv = KvLayerView();  // the stored rows themselves only where the host can read them
     if (resident_ != nullptr && host_memory) {
-      IG_ASSIGN_OR_RETURN(w.kv, resident_->Read(chunk.seq, layer));
+      absl::StatusOr<KvLayerView> kv = resident_->Read(chunk.seq, layer);
+      if (kv.ok()) w.kv = *kv;
+      if (!kv.ok()) FailKv(b, layer, kv.status());
     } else {
-      IG_ASSIGN_OR_RETURN(w.kv.num_slots, cache_.NumSlots(chunk.seq, layer));
+      absl::StatusOr<int64_t> stored = cache_.NumSlots(chunk.seq, layer);
+      if (stored.ok()) w.kv.num_slots = *stored;
+      if (!stored.ok()) FailKv(b, layer, stored.status());
     }
   }
 
   // The policies see the keys and choose the rows of each decode token, sequences in parallel.
-  IG_RETURN_IF_ERROR(ForEachPolicy([&](size_t b) -> absl::Status {
+  ForEachPolicy([&](size_t b) -> absl::Status {
     const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
     KvSelectionPolicy* policy = chunk.policy;
@@ -326,7 +368,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
           absl::StrCat("policy ", policy->Name(), " returned a malformed selection"));
     }
     return absl::OkStatus();
-  }));
+  });
 
   // A streamed cache starts fetching what the prefetch during the previous layer did not
   // bring, so that the fetches of later sequences overlap the attention of earlier ones in
@@ -335,16 +377,23 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     const ForwardChunk& chunk = batch[b];
     const Selection& selection = selections_[b];
     const int32_t* slots = host_slots_.data() + rows_[b] * kv_heads;
-    if (chunk.tokens.size() != 1 || MapPrefetched(b, layer, selection, slots)) continue;
-    // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
-    if (selection.all) {  // dense: every stored row
-      IG_ASSIGN_OR_RETURN(const int64_t stored, cache_.NumSlots(chunk.seq, layer));
-      EverySlot(kv_heads, stored, all_slots_);
-      IG_RETURN_IF_ERROR(streamed_->Prefetch(chunk.seq, layer, all_slots_.data(), stored));
-    } else {
-      IG_RETURN_IF_ERROR(
-          streamed_->Prefetch(chunk.seq, layer, selection.indices.data(), selection.count));
+    if (chunk.tokens.size() != 1 || Failed(b) || MapPrefetched(b, layer, selection, slots)) {
+      continue;
     }
+    // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
+    absl::Status st;
+    if (selection.all) {  // dense: every stored row
+      absl::StatusOr<int64_t> stored = cache_.NumSlots(chunk.seq, layer);
+      if (stored.ok()) {
+        EverySlot(kv_heads, *stored, all_slots_);
+        st = streamed_->Prefetch(chunk.seq, layer, all_slots_.data(), *stored);
+      } else {
+        st = stored.status();
+      }
+    } else {
+      st = streamed_->Prefetch(chunk.seq, layer, selection.indices.data(), selection.count);
+    }
+    if (!st.ok()) FailKv(b, layer, st);
   }
 
   // Pass 2: attention of every chunk over its rows.
@@ -356,6 +405,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
     const int64_t row = rows_[b];
     const Selection& selection = selections_[b];
+    if (Failed(b)) continue;  // its rows of `out` stay as they are; no other row reads them
     if (len > 1 && chunk.start == 0 && streamed_ != nullptr && k.dtype == kv_dtype) {
       // A whole prompt in one chunk: its K/V are the activations; no need to read them back.
       const KvView kk{k.Rows(row, len).data, k.dtype, c.head_dim, k.stride};
@@ -365,24 +415,33 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       continue;
     }
     if (len > 1) {
-      KvLayerView kv;
-      if (resident_ != nullptr) {
-        IG_ASSIGN_OR_RETURN(kv, resident_->Read(chunk.seq, layer));
-      } else {
-        IG_ASSIGN_OR_RETURN(kv, streamed_->ReadAll(chunk.seq, layer));
+      absl::StatusOr<KvLayerView> read = resident_ != nullptr
+                                             ? resident_->Read(chunk.seq, layer)
+                                             : streamed_->ReadAll(chunk.seq, layer);
+      if (read.ok() && read->num_slots != chunk.start + len) {
+        Fail(b, absl::FailedPreconditionError(
+                    absl::StrCat("prefill of sequence ", chunk.seq, " needs all its ",
+                                 chunk.start + len, " tokens in the KV cache, which holds ",
+                                 read->num_slots, " (capacity too small)")));
+        continue;
       }
-      if (kv.num_slots != chunk.start + len) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "prefill of sequence ", chunk.seq, " needs all its ", chunk.start + len,
-            " tokens in the KV cache, which holds ", kv.num_slots, " (capacity too small)"));
+      if (!read.ok()) {
+        FailKv(b, layer, read.status());
+        continue;
       }
+      const KvLayerView& kv = *read;
       IG_RETURN_IF_ERROR(backend.AttentionCausal(q.Rows(row, len), kv.k, kv.v, chunk.start, shape,
                                                  out.Rows(row, len)));
     } else if (streamed_ != nullptr && prefetched_[layer % 2][b].layer == layer) {
       // The rows prefetched during the previous layer, packed [num_kv_heads, count], then one
       // row per head for the current token, which this step computed itself.
       const Prefetched& pre = prefetched_[layer % 2][b];
-      IG_ASSIGN_OR_RETURN(KvLayerView kv, streamed_->Fetch(chunk.seq, layer));
+      absl::StatusOr<KvLayerView> fetched = streamed_->Fetch(chunk.seq, layer);
+      if (!fetched.ok()) {
+        FailKv(b, layer, fetched.status());
+        continue;
+      }
+      KvLayerView& kv = *fetched;
       const int64_t hd = c.head_dim;
       for (int64_t g = 0; g < kv_heads; ++g) {
         const int64_t dst = kv_heads * pre.count + g;
@@ -417,19 +476,30 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
           static_cast<int64_t>(pre.map.size()) / kv_heads, selection, out.Rows(row, 1)));
     } else if (streamed_ != nullptr) {
       // The rows fetched in pass 1 (all of them, or the selection), packed in selection order.
-      IG_ASSIGN_OR_RETURN(KvLayerView kv, streamed_->Fetch(chunk.seq, layer));
+      absl::StatusOr<KvLayerView> fetched = streamed_->Fetch(chunk.seq, layer);
+      if (!fetched.ok()) {
+        FailKv(b, layer, fetched.status());
+        continue;
+      }
+      const KvLayerView& kv = *fetched;
       cache_.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
                          selection.all ? kv.num_slots : selection.count);
       IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
                                        selection, out.Rows(row, 1)));
-    } else if (selection.all) {
-      IG_ASSIGN_OR_RETURN(KvLayerView kv, resident_->Read(chunk.seq, layer));
-      IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
-                                       selection, out.Rows(row, 1)));
     } else {
+      absl::StatusOr<KvLayerView> read = resident_->Read(chunk.seq, layer);
+      if (!read.ok()) {
+        FailKv(b, layer, read.status());
+        continue;
+      }
+      const KvLayerView& kv = *read;
+      if (selection.all) {
+        IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv, nullptr, kv.num_slots,
+                                         selection, out.Rows(row, 1)));
+        continue;
+      }
       const int64_t rows = selection.count;
       cache_.RecordFetch(chunk.seq, layer, selection.indices.data(), rows);
-      IG_ASSIGN_OR_RETURN(KvLayerView kv, resident_->Read(chunk.seq, layer));
       const size_t bytes = selection.indices.size() * sizeof(int32_t);
       IG_RETURN_IF_ERROR(EnsureBuffer(indices_, bytes));
       IG_RETURN_IF_ERROR(backend.CopyToDevice(selection.indices.data(), indices_->data(), bytes));

@@ -11,6 +11,11 @@
 // A ResidentKvCache is read in place, by index; nothing is prefetched.
 //
 // Prefill chunks run through the same step (mixed batches); they attend densely.
+//
+// A failure that belongs to one sequence (its rows lost or late in the cache, its policy) fails
+// that chunk alone: the step goes on without touching the chunk's cache or policy again, the
+// other chunks' logits are exactly what they would have been (rows of a batch do not mix), and
+// chunk_status(b) says what happened. Errors of the backend or the model fail the step.
 // Not thread-safe: one engine thread owns a step, its model and its cache.
 #pragma once
 
@@ -51,9 +56,18 @@ class DecodeStep final : private LayerAttention {
 
   // Runs `batch`, appending each chunk's K/V to the cache (the sequences must be open there),
   // and writes float32 logits [NumLogitRows(batch), vocab_size] to host memory `logits`, chunk
-  // by chunk in order. INVALID_ARGUMENT for out-of-range token ids or positions;
-  // FAILED_PRECONDITION for a policy this cache or model cannot serve.
+  // by chunk in order. Returns the step's failure (INVALID_ARGUMENT for out-of-range token ids
+  // or positions; the backend's errors), else the first failed chunk's (chunk_status), else OK.
   absl::Status Forward(std::span<const ForwardChunk> batch, std::span<float> logits);
+  // Whether the last Forward ran to its end: then the chunks with an OK chunk_status have their
+  // logits, and only the others failed.
+  bool completed() const { return completed_; }
+  // Chunk b of the last Forward: OK; FAILED_PRECONDITION for a policy this cache or model
+  // cannot serve, or more tokens than the cache holds; UNAVAILABLE / RESOURCE_EXHAUSTED when
+  // the cache (the KV store) is unreachable or full; ABORTED when it lost this sequence's rows
+  // or did not deliver them in time (another worker may continue it from what the client has);
+  // or the policy's own error.
+  const absl::Status& chunk_status(size_t b) const { return chunk_status_[b]; }
 
   // Decode steps whose selection was among the rows prefetched during the previous layer
   // (hits), and those that had to fetch again (misses). Streamed caches only.
@@ -94,12 +108,19 @@ class DecodeStep final : private LayerAttention {
   bool MapPrefetched(size_t b, int layer, const Selection& selection, const int32_t* current_slots);
   struct Prefetched;
   bool Miss(Prefetched& pre);
-  // Runs work(b) for every chunk b whose policy is set and returns the first error: on several
-  // threads (OpenMP) when those chunks' policies are distinct objects, in order otherwise.
-  // `work` calls only its chunk's policy and writes only that chunk's state. (A template, not a
-  // std::function: a capturing lambda would be copied to the heap every layer.)
+  // Runs work(b) for every chunk b whose policy is set and that has not failed, failing the
+  // chunks whose work fails: on several threads (OpenMP) when those chunks' policies are
+  // distinct objects, in order otherwise. `work` calls only its chunk's policy and writes only
+  // that chunk's state. (A template, not a std::function: a capturing lambda would be copied to
+  // the heap every layer.)
   template <typename Work>
-  absl::Status ForEachPolicy(const Work& work);
+  void ForEachPolicy(const Work& work);
+  bool Failed(size_t b) const { return !chunk_status_[b].ok(); }
+  // Chunk b fails with `status` (its first failure is kept).
+  void Fail(size_t b, absl::Status status);
+  // Chunk b fails because the cache could not store or read its rows at `layer` (NOT_FOUND
+  // and DEADLINE_EXCEEDED become ABORTED; other codes are kept).
+  void FailKv(size_t b, int layer, const absl::Status& status);
   // One decode token's attention over `rows` rows of `kv` (listed by device `indices`, or the
   // first `rows` when null); hands the attention weights to policies that want them.
   absl::Status AttentionStep(size_t b, int layer, MatView q, const KvLayerView& kv,
@@ -155,6 +176,8 @@ class DecodeStep final : private LayerAttention {
   std::vector<ChunkWork> chunks_;
   std::vector<size_t> policy_chunks_;
   std::vector<absl::Status> statuses_;
+  std::vector<absl::Status> chunk_status_;  // per chunk of the current batch
+  bool completed_ = false;
   int64_t prefetch_hits_ = 0, prefetch_misses_ = 0;
   bool speculating_ = false;      // some chunk of the current batch speculates
   int spec_layer_[2] = {-1, -1};  // the layer whose partial queries spec_q_[parity] holds

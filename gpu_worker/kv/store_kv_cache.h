@@ -28,7 +28,7 @@ struct StoreKvCacheOptions {
   // never collide (the worker draws id_base at random).
   uint64_t id_base = 0;
   std::string owner = "worker";                     // lease holder name in the store
-  absl::Duration fetch_timeout = absl::Seconds(5);  // a gather that takes longer fails the step
+  absl::Duration fetch_timeout = absl::Seconds(5);  // a longer gather fails its sequence
   // Where the backend's memory is host memory and the client maps the store's (in-process, shm),
   // prefetched rows are attended where they lie (Fetch answers row tables, KvView::rows) instead
   // of being copied into staging. false: always copy (tests compare the two).

@@ -2,13 +2,16 @@
 // (different prompts, lengths and sampling) produces exactly the tokens it produces alone with
 // the one-sequence Generate(); cancellation and deadlines end a request and free its cache
 // sequence; a full queue and bad requests are refused with the right codes; a resumed request
-// continues as the original would have.
+// continues as the original would have; over the KV store, a sequence the store loses mid-stream
+// fails alone (ABORTED, which the router retries) while the rest of its batch goes on unchanged.
 #include "gpu_worker/engine/batch_engine.h"
 
 #include <gtest/gtest.h>
 
 #include "absl/synchronization/notification.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+#include "kv_store/client/kv_store_client.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
@@ -262,6 +265,79 @@ TEST_F(Engine, AResumedRequestContinuesAsTheOriginal) {
   ASSERT_TRUE(engine.Submit(std::move(r), rest.Sink()).ok());
   ASSERT_TRUE(rest.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.begin() + sent, whole.end()));
+}
+
+// Isolation: a batch of 8 decodes over the KV store (in-process, rows read in place or copied);
+// the store loses one sequence after its third token (closed behind the worker's back, as when
+// its lease lapses). That request ends with ABORTED naming the KV cache; the other seven produce
+// exactly the tokens they produce alone, and every store sequence is closed at the end.
+TEST_F(Engine, ASequenceLostInTheStoreFailsAloneNotItsBatch) {
+  for (bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "rows read in place" : "rows copied");
+    KvStoreConfig sc;
+    sc.capacity_bytes = 64 << 20;
+    sc.shared_memory = false;
+    auto store = KvStore::Create(sc);
+    ASSERT_TRUE(store.ok()) << store.status();
+    KvClientConfig cc;
+    cc.transport = KvClientConfig::Transport::kInProcess;
+    cc.store = store->get();
+    auto client = MakeKvStoreClient(cc);
+    ASSERT_TRUE(client.ok()) << client.status();
+    StoreKvCacheOptions options;
+    options.id_base = 5000;
+    options.read_in_place = in_place;
+    StoreKvCache cache(*l_.backend, l_.model->kv_shape(), **client, options);
+    EngineConfig config;
+    config.max_running = 8;
+    constexpr int kRequests = 8, kLost = 3;
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<Collector> got(kRequests);
+    absl::Notification submitted;
+    std::atomic<uint64_t> lost_id{0};
+    absl::Status closed = absl::UnknownError("not closed");
+    {
+      BatchEngine engine(*l_.model, cache, config);
+      for (int i = 0; i < kRequests; ++i) {
+        prompts.push_back(RandomTokens(6 + 5 * i, vocab_, 60 + i));
+        EngineRequest r;
+        r.prompt = prompts[i];
+        r.options = Options(i);
+        EventSink sink = got[i].Sink();
+        if (i == kLost) {  // on the engine thread, between two steps
+          sink = [&, inner = std::move(sink)](const EngineEvent& e) {
+            inner(e);
+            absl::MutexLock l(&got[kLost].mu);
+            if (got[kLost].tokens.size() == 3 && !e.done) {
+              submitted.WaitForNotification();
+              closed = (*store)->Close(cache.StoreId(lost_id.load()));
+            }
+          };
+        }
+        auto id = engine.Submit(std::move(r), std::move(sink));
+        ASSERT_TRUE(id.ok()) << id.status();
+        if (i == kLost) lost_id = *id;
+      }
+      submitted.Notify();
+      for (int i = 0; i < kRequests; ++i) {
+        ASSERT_TRUE(got[i].done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+      }
+    }
+    ASSERT_TRUE(closed.ok()) << closed;
+    const std::vector<int32_t> lost_alone = Alone(prompts[kLost], Options(kLost));
+    EXPECT_EQ(got[kLost].last.status.code(), absl::StatusCode::kAborted) << got[kLost].last.status;
+    EXPECT_NE(got[kLost].last.status.message().find("KV cache"), std::string::npos)
+        << got[kLost].last.status;
+    ASSERT_GE(got[kLost].tokens.size(), 3u);
+    EXPECT_LT(got[kLost].tokens.size(), lost_alone.size());
+    EXPECT_TRUE(std::equal(got[kLost].tokens.begin(), got[kLost].tokens.end(), lost_alone.begin()));
+    for (int i = 0; i < kRequests; ++i) {
+      if (i == kLost) continue;
+      EXPECT_TRUE(got[i].last.status.ok()) << "request " << i << ": " << got[i].last.status;
+      EXPECT_EQ(got[i].tokens, Alone(prompts[i], Options(i))) << "request " << i;
+    }
+    EXPECT_EQ((*store)->Stats().sequences, 0);
+  }
 }
 
 }  // namespace

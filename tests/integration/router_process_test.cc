@@ -1,7 +1,8 @@
 // infinigen-router in front of two infinigen-worker processes sharing one infinigen-kvstore, all
 // real processes on 127.0.0.1 with the tiny Llama 3.1 fixture: streams through the router equal
 // a worker's own; kill -9 of a worker mid-stream leaves every client stream complete and
-// correct (resumed on the other worker); bad requests name the limit; API keys; queue full;
+// correct (resumed on the other worker), and so does SIGSTOP (a frozen worker's streams move
+// on while it is stopped); bad requests name the limit; API keys; queue full;
 // deadlines; cancellation reaching the worker; a draining worker gets no new requests; TLS with
 // mTLS between the services; and a bounded load with zero errors, through the router and
 // through the all-in-one `infinigen serve`.
@@ -287,6 +288,69 @@ TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   EXPECT_GT(moved, 0) << "some streams ran on the killed worker";
   // New requests go to the survivor.
   EXPECT_TRUE(Stream(*stub_, Request({5, 6, 7}, 4)).status.ok());
+}
+
+// SIGSTOP of one worker while 8 streams run: its health probes time out, the router's
+// watchdog finds its streams silent and moves them to the other worker, so every stream
+// completes with exactly its tokens while the worker is still frozen (the stream does not wait
+// for it; the client's deadline is far away), and GetModelInfo answers from the pool's state
+// meanwhile. Continued afterwards, the worker serves again.
+TEST_F(RouterProcess, AFrozenWorkersStreamsMoveOnAndModelInfoDoesNotWait) {
+  constexpr int kStreams = 8, kNew = 220;
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  for (int i = 0; i < kStreams; ++i) {
+    requests.push_back(
+        Request(RandomTokens(9 + i, kVocab, 80 + i), kNew, i % 2 ? 0.9f : 0.0f, 300 + i));
+    want.push_back(Direct(1, requests.back()));
+  }
+  std::vector<StreamResult> got(kStreams);
+  std::atomic<int> started{0};
+  std::atomic<bool> frozen{false};
+  std::atomic<int> finished_while_frozen{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      bool counted = false;
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      got[i] = Stream(*stub_, requests[i], &context, [&](int n) {
+        if (n >= 3 && !counted) {
+          counted = true;
+          started.fetch_add(1);
+        }
+      });
+      if (frozen.load()) finished_while_frozen.fetch_add(1);
+    });
+  }
+  for (int i = 0; i < 500 && started.load() < kStreams; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(started.load(), kStreams) << "streams should still be running when the worker stops";
+  frozen = true;
+  workers_[0]->Signal(SIGSTOP);
+  {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::ModelInfo info;
+    const grpc::Status s = stub_->GetModelInfo(&c, v1::GetModelInfoRequest(), &info);
+    EXPECT_TRUE(s.ok()) << "GetModelInfo waited on the frozen worker: " << s.error_message();
+    EXPECT_EQ(info.vocab_size(), kVocab);
+  }
+  for (auto& t : threads) t.join();
+  const int while_frozen = finished_while_frozen.load();
+  workers_[0]->Signal(SIGCONT);
+  frozen = false;
+  EXPECT_EQ(while_frozen, kStreams) << "every stream ended while the worker was still stopped";
+  int moved = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
+    moved += got[i].last.failovers();
+  }
+  EXPECT_GT(moved, 0) << "some streams ran on the frozen worker";
+  EXPECT_TRUE(router_->Logged("stalled after")) << "the router logs each moved stream";
+  WaitForWorkers(*stub_, 2);
 }
 
 TEST_F(RouterProcess, NoWorkerLeftIsUnavailable) {

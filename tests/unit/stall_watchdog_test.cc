@@ -1,0 +1,69 @@
+// The router's stall rules (router/stall_watchdog.h) as a table, and the watchdog cancelling the
+// call of a stream whose worker the pool marks down, but not one whose worker is serving.
+#include "router/stall_watchdog.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+namespace infinigen {
+namespace {
+
+TEST(StallRules, Table) {
+  StallRules r;
+  r.when_down = absl::Seconds(1);
+  r.timeout = absl::Seconds(30);
+  r.gap_factor = 20;
+  struct Case {
+    double idle_s;
+    bool down;
+    int64_t messages;
+    double active_s;
+    bool stalled;
+  } cases[] = {
+      {0.5, true, 0, 0, false},    // down, but not idle long enough
+      {1.0, true, 0, 0, true},     // down and idle: frozen before the first token
+      {1.5, true, 40, 4, true},    // down and idle mid-stream
+      {600, false, 0, 0, false},   // a long prefill on a live worker is never a stall
+      {29, false, 10, 1, false},   // serving: under the floor
+      {30, false, 10, 1, true},    // serving, silent past the floor (mean gap 0.11 s)
+      {30, false, 11, 20, false},  // mean gap 2 s: 20 x 2 s = 40 s allowed
+      {40, false, 11, 20, true},   //   and reached
+      {30, false, 1, 0, true},     // one message only: the floor alone
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(IsStalled(r, absl::Seconds(c.idle_s), c.down, c.messages, absl::Seconds(c.active_s)),
+              c.stalled)
+        << "idle " << c.idle_s << " s, down " << c.down << ", " << c.messages << " messages over "
+        << c.active_s << " s";
+  }
+  EXPECT_TRUE(r.Validate().ok());
+  r.gap_factor = 0.5;
+  EXPECT_FALSE(r.Validate().ok());
+  r.gap_factor = 20;
+  r.when_down = absl::ZeroDuration();
+  EXPECT_FALSE(r.Validate().ok());
+}
+
+TEST(StallWatchdog, CancelsTheCallOfAStreamWhoseWorkerIsDown) {
+  StallRules r;
+  r.when_down = absl::Milliseconds(50);
+  StallWatchdog dog(r, absl::Milliseconds(10));
+  PooledWorker serving("127.0.0.1:1",
+                       grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+  PooledWorker down("127.0.0.1:2",
+                    grpc::CreateChannel("127.0.0.1:2", grpc::InsecureChannelCredentials()));
+  serving.set_state(PooledWorker::State::kServing);
+  down.set_state(PooledWorker::State::kDown);
+  grpc::ClientContext a, b;
+  StallWatchdog::Watch live(dog, a, serving);
+  StallWatchdog::Watch frozen(dog, b, down);
+  for (int i = 0; i < 500 && !frozen.stalled(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(frozen.stalled());
+  EXPECT_FALSE(live.stalled());
+}
+
+}  // namespace
+}  // namespace infinigen
