@@ -129,6 +129,47 @@ absl::Status KvStore::Close(StoreSequenceId seq) {
   return CloseIf(seq, s, absl::InfiniteFuture());
 }
 
+absl::StatusOr<int64_t> KvStore::Attach(StoreSequenceId from, StoreSequenceId to,
+                                        const SequenceSpec& spec, int64_t max_length,
+                                        absl::Time now) {
+  if (from == to) {
+    return absl::InvalidArgumentError(absl::StrCat("attach of sequence ", from, " to itself"));
+  }
+  std::shared_ptr<Sequence> s = Find(from);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", from));
+  if (s->spec.capacity_tokens > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", from, " is a KV pool (its slots are not positions): it cannot be attached"));
+  }
+  const SequenceSpec& had = s->spec;
+  if (had.num_layers != spec.num_layers || had.num_kv_heads != spec.num_kv_heads ||
+      had.head_dim != spec.head_dim || had.dtype != spec.dtype) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", from, " was stored as ", had.num_layers, " layers x ",
+                     had.num_kv_heads, " KV heads x ", had.head_dim, " ", DTypeName(had.dtype),
+                     "; the attaching worker expects ", spec.num_layers, " x ", spec.num_kv_heads,
+                     " x ", spec.head_dim, " ", DTypeName(spec.dtype)));
+  }
+  absl::MutexLock seq_lock(&s->mu);
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(from);
+  if (it == sequences_.end() || it->second != s || s->layers.empty()) {
+    return absl::NotFoundError(absl::StrCat("unknown sequence ", from));
+  }
+  if (sequences_.contains(to)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", to, " is already open"));
+  }
+  int64_t length = std::max<int64_t>(0, max_length);
+  for (const Layer& l : s->layers) length = std::min(length, l.length);
+  stats_.tokens_stored -= s->layers[0].rows - length;
+  for (Layer& l : s->layers) l.length = l.rows = length;  // their blocks are reused by appends
+  s->spec.owner = spec.owner;
+  s->lease_end = now + config_.lease;
+  sequences_.erase(it);
+  sequences_.emplace(to, s);
+  return length;
+}
+
 absl::Status KvStore::CloseIf(StoreSequenceId seq, const std::shared_ptr<Sequence>& s,
                               absl::Time lease_ended_by) {
   absl::MutexLock seq_lock(&s->mu);
@@ -392,9 +433,10 @@ absl::StatusOr<int64_t> KvStore::Length(StoreSequenceId seq, int layer) const {
 }
 
 absl::StatusOr<SequenceSpec> KvStore::Spec(StoreSequenceId seq) const {
-  std::shared_ptr<Sequence> s = Find(seq);
-  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
-  return s->spec;
+  absl::MutexLock lock(&mu_);  // Attach changes the owner under mu_
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  return it->second->spec;
 }
 
 absl::StatusOr<LayerBlocks> KvStore::Blocks(StoreSequenceId seq, int layer) const {

@@ -116,6 +116,16 @@ class KvStore {
   // capacity cannot be reserved.
   absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec, absl::Time now);
   absl::Status Close(StoreSequenceId seq);
+  // Hands sequence `from` to another owner under the id `to` (a worker continuing a stream whose
+  // worker died or froze): every layer is cut to the tokens all layers hold, at most
+  // `max_length` (a dead worker's last appends may have reached some layers only), the lease
+  // passes to `spec.owner`, and `from` ceases to exist, so that appends and closes still sent
+  // by the old owner find nothing (NOT_FOUND): the id is the ownership token. Returns the
+  // tokens kept. NOT_FOUND when the store no longer has `from`; ALREADY_EXISTS for a `to` in
+  // use; FAILED_PRECONDITION when `spec` (layers, KV heads, head_dim, dtype) is not the one it
+  // was stored with, or for a KV pool sequence (its slots are not positions).
+  absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                                 int64_t max_length, absl::Time now);
   // Stores rows [start, start + n) of `layer`: k and v are [n, num_kv_heads, head_dim] in the
   // sequence's dtype (`bytes` each). `slots_out` ([n, num_kv_heads], may be null) gets the slots.
   // Appends must be in order (start = the layer's length). RESOURCE_EXHAUSTED when the store is

@@ -117,6 +117,8 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
   RequestUsage& u = e.usage;
   u.prompt_tokens = static_cast<int64_t>(a.request.prompt.size());
   u.generated_tokens = static_cast<int64_t>(a.history.size()) - u.prompt_tokens;
+  u.cached_tokens = a.cached;
+  u.attached = a.attached;
   if (a.opened) {
     u.fetch = cache_.Counters(a.id);
     cache_.Close(a.id);
@@ -154,6 +156,16 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
     if (config_.device_bytes_per_token > 0 &&
         device_bytes_reserved_ + a.device_bytes > config_.device_memory_bytes) {
       st = absl::ResourceExhaustedError("device memory");  // running sequences hold it
+    } else if (a.request.attach_home != 0) {
+      // A stream resumed from another worker's stored KV: take its rows over, all but the last
+      // token (this step computes it for the next logits); replay if they are gone.
+      absl::StatusOr<int64_t> kept = cache_.Attach(a.id, a.request.attach_home, a.prompt_len - 1);
+      if (kept.ok()) {
+        a.attached = true;
+        a.prefilled = a.cached = *kept;
+      } else {
+        st = cache_.Open(a.id, a.max_total);
+      }
     } else {
       st = cache_.Open(a.id, a.max_total);
     }
@@ -169,8 +181,15 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
       continue;
     }
     a.opened = true;
-    if (a.request.policy != nullptr) a.request.policy->Open(a.id, a.max_total);
     device_bytes_reserved_ += a.device_bytes;
+    if (a.request.policy != nullptr) {
+      a.request.policy->Open(a.id, a.max_total);
+      if (a.cached > 0) st = step_.Restore(a.id, *a.request.policy, a.cached);
+      if (!st.ok()) {
+        Finish(a, FinishReason::kCancelled, st);
+        continue;
+      }
+    }
     running_.push_back(std::move(incoming[i]));
   }
 }
@@ -299,6 +318,7 @@ bool BatchEngine::Step() {
     ++generated;
     EngineEvent e;
     e.token = token;
+    if (a.generated == 1) e.home = cache_.Home(a.id);
     a.sink(e);
     if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
       Finish(a, FinishReason::kStop, absl::OkStatus());

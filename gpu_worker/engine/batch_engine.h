@@ -49,6 +49,11 @@ struct EngineRequest {
   // count against max_new_tokens, and keep the sampling positions, so the continuation is the
   // one the first worker would have produced.
   std::vector<int32_t> resume_tokens;
+  // Where the worker that produced resume_tokens stored this sequence's KV (its KvCache::Home),
+  // 0: none. The engine then takes those rows over (KvCache::Attach) instead of prefilling the
+  // prompt and resumed tokens again, and rebuilds the policy's state from the stored keys; if
+  // the cache no longer has them, it replays (prefills) as without.
+  uint64_t attach_home = 0;
   GenerateOptions options;
   std::unique_ptr<KvSelectionPolicy> policy;  // null: dense attention
   absl::Time deadline = absl::InfiniteFuture();
@@ -57,6 +62,8 @@ struct EngineRequest {
 struct RequestUsage {
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
+  int64_t cached_tokens = 0;  // prompt and resumed tokens taken over, not recomputed
+  bool attached = false;      // continued from another worker's stored KV (attach_home)
   FetchCounters fetch;
   double queue_seconds = 0;        // submitted -> first step
   double time_to_first_token = 0;  // submitted -> first token
@@ -66,6 +73,7 @@ struct RequestUsage {
 // One token, or the end of the request (done), or both.
 struct EngineEvent {
   int32_t token = -1;  // -1: none in this event
+  uint64_t home = 0;   // with the first token: where other workers find the KV (KvCache::Home)
   bool done = false;
   FinishReason finish_reason = FinishReason::kLength;
   absl::Status status;  // when done: OK, or why the request failed
@@ -115,6 +123,8 @@ class BatchEngine {
     int64_t prefilled = 0;   // tokens of history in the cache
     int64_t generated = 0;   // tokens sampled here (resumed ones not included)
     int64_t max_total = 0;   // history length at which the length limit ends the request
+    int64_t cached = 0;      // tokens of history taken over from another worker's KV
+    bool attached = false;
     bool opened = false;
     size_t device_bytes = 0;  // reserved against config_.device_memory_bytes while running
     absl::Time submitted, first_step, first_token, last_token;

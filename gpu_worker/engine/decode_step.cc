@@ -163,6 +163,47 @@ absl::Status DecodeStep::Forward(std::span<const ForwardChunk> batch, std::span<
   return absl::OkStatus();
 }
 
+absl::Status DecodeStep::Restore(SequenceId seq, KvSelectionPolicy& policy, int64_t length) {
+  if (length <= 0) return absl::OkStatus();
+  if (policy.needs_resident_kv() || policy.wants_attention_weights()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "policy ", policy.Name(), " cannot continue a sequence from its stored keys alone"));
+  }
+  const ModelConfig& c = model_.config();
+  Backend& backend = model_.backend();
+  const int64_t kv_heads = c.num_kv_heads, d = c.head_dim, width = kv_heads * d;
+  IG_RETURN_IF_ERROR(EnsureBuffer(restore_, static_cast<size_t>(length * width) * sizeof(float)));
+  host_slots_.resize(static_cast<size_t>(length * kv_heads));
+  for (int64_t t = 0; t < length; ++t) {
+    std::fill_n(host_slots_.begin() + t * kv_heads, kv_heads, static_cast<int32_t>(t));
+  }
+  const MatView keys{restore_->data(), DType::kF32, length, width, width};
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    absl::StatusOr<KvLayerView> kv =
+        resident_ != nullptr ? resident_->Read(seq, layer) : streamed_->ReadAll(seq, layer);
+    if (!kv.ok()) return kv.status();
+    if (kv->num_slots < length) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer ", layer, " holds ", kv->num_slots, " tokens, not ", length));
+    }
+    for (int64_t g = 0; g < kv_heads; ++g) {  // head-major rows to token-major floats
+      IG_RETURN_IF_ERROR(backend.Copy(kv->k.Head(g, 0, length, d), keys.Cols(g * d, d)));
+    }
+    IG_ASSIGN_OR_RETURN(HostRows host_k, ToHost(keys, host_k_));
+    LayerKeys lk;
+    lk.seq = seq;
+    lk.layer = layer;
+    lk.start = 0;
+    lk.count = length;
+    lk.k = host_k.data;
+    lk.k_stride = host_k.stride;
+    lk.slots = host_slots_.data();
+    lk.kv.num_slots = length;
+    IG_RETURN_IF_ERROR(policy.OnKeys(lk));
+  }
+  return absl::OkStatus();
+}
+
 MatView DecodeStep::SpeculatedRows(int layer) const {
   const int64_t cols = model_.config().num_heads * model_.speculation()->partial_dim();
   return {spec_q_[layer % 2]->data(), model_.backend().activation_dtype(), num_spec_rows_, cols,

@@ -62,6 +62,12 @@ class DecodeStep final : private LayerAttention {
   // Whether the last Forward ran to its end: then the chunks with an OK chunk_status have their
   // logits, and only the others failed.
   bool completed() const { return completed_; }
+
+  // A sequence whose first `length` tokens another worker stored (KvCache::Attach): hands their
+  // keys, every layer, to `policy` as if this step had appended them (InfiniGen's partial key
+  // cache, positions), one read of each layer and no model forward. The policy must be open
+  // for `seq`; a policy that needs more than the keys (H2O's queries) is FAILED_PRECONDITION.
+  absl::Status Restore(SequenceId seq, KvSelectionPolicy& policy, int64_t length);
   // Chunk b of the last Forward: OK; FAILED_PRECONDITION for a policy this cache or model
   // cannot serve, or more tokens than the cache holds; UNAVAILABLE / RESOURCE_EXHAUSTED when
   // the cache (the KV store) is unreachable or full; ABORTED when it lost this sequence's rows
@@ -151,6 +157,7 @@ class DecodeStep final : private LayerAttention {
   // head_dim]), where the activations' dtype differs (the CPU's bf16 K/V): attention must read
   // the rows a later step (or a prefill) will read from the cache, not the unrounded activations.
   std::unique_ptr<Buffer> current_kv_;
+  std::unique_ptr<Buffer> restore_;  // Restore's keys of one layer, float32 [tokens, kv_heads * d]
   std::vector<int32_t> host_slots_;  // [tokens, num_kv_heads] slots from the last Append
   std::vector<float> host_weights_;
   std::vector<float> host_q_, host_k_, host_spec_q_;  // ToHost copies

@@ -79,6 +79,16 @@ class KvCache {
   virtual void RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {}
   // What `seq` has read so far (zeros for resident caches and unknown sequences).
   virtual FetchCounters Counters(SequenceId seq) const { return {}; }
+
+  // Where other workers can find `seq` (its id in a shared KV store), 0 when it lives only here.
+  virtual uint64_t Home(SequenceId seq) const { return 0; }
+  // Starts `seq` from the rows another worker stored at `home` (that worker's Home), taking
+  // them over: the continuation of a stream whose worker died or froze, without recomputing
+  // them. Returns the tokens kept (every layer holds them; at most `max_length`). NOT_FOUND when
+  // they are gone; UNIMPLEMENTED for caches that are not shared between workers.
+  virtual absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) {
+    return absl::UnimplementedError("this KV cache is not shared between workers");
+  }
 };
 
 // A cache whose rows the backend reads where they lie (backend memory): attention reads them in

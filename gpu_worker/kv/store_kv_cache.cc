@@ -46,20 +46,34 @@ absl::StatusOr<StoreKvCache::Sequence*> StoreKvCache::Find(SequenceId seq) {
   return &it->second;
 }
 
-absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
-  if (sequences_.contains(seq)) {
-    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
-  }
+SequenceSpec StoreKvCache::Spec() const {
   SequenceSpec spec;
   spec.num_layers = shape_.num_layers;
   spec.num_kv_heads = shape_.num_kv_heads;
   spec.head_dim = shape_.head_dim;
   spec.dtype = shape_.dtype;
   spec.owner = options_.owner;
-  IG_RETURN_IF_ERROR(client_.Open(StoreId(seq), spec));
+  return spec;
+}
+
+absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
+  if (sequences_.contains(seq)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
+  }
+  IG_RETURN_IF_ERROR(client_.Open(StoreId(seq), Spec()));
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, 0);
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length) {
+  if (sequences_.contains(seq)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
+  }
+  IG_ASSIGN_OR_RETURN(const int64_t kept, client_.Attach(home, StoreId(seq), Spec(), max_length));
+  Sequence& s = sequences_[seq];
+  s.length.assign(shape_.num_layers, kept);
+  return kept;
 }
 
 void StoreKvCache::DropTicket(Pending& p) {

@@ -57,6 +57,12 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                       int32_t* slots_out = nullptr) override;
   absl::StatusOr<KvLayerView> ReadAll(SequenceId seq, int layer) override;
+  uint64_t Home(SequenceId seq) const override {
+    return sequences_.contains(seq) ? StoreId(seq) : 0;
+  }
+  // The store hands the sequence over under this cache's id for `seq` (KvStore::Attach): the
+  // old id ceases to exist, fencing the worker that stored it.
+  absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) override;
 
   bool addresses_only() const override { return in_place_; }
   // Whether prefetches reach a GPU backend by Backend::GatherRows from registered store memory.
@@ -100,6 +106,7 @@ class StoreKvCache final : public StreamedKvCache {
   };
 
   absl::StatusOr<Sequence*> Find(SequenceId seq);
+  SequenceSpec Spec() const;  // how this cache's sequences are stored
   absl::Status EnsureStaging(Staging& s, size_t bytes);
   // Starts gathering `count` slots per head into the sequence's staging (`in_place`: their
   // addresses into its row tables).

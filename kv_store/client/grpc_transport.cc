@@ -166,6 +166,26 @@ class GrpcClient final : public QueuedKvClient {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<int64_t> DoAttach(StoreSequenceId from, StoreSequenceId to,
+                                   const SequenceSpec& spec, int64_t max_length) override {
+    pb::AttachRequest req;
+    req.set_from_sequence_id(from);
+    req.set_sequence_id(to);
+    req.set_owner(spec.owner);
+    req.set_max_length(max_length);
+    req.set_num_layers(spec.num_layers);
+    req.set_num_kv_heads(spec.num_kv_heads);
+    req.set_head_dim(spec.head_dim);
+    req.set_dtype(ToProto(spec.dtype));
+    pb::AttachResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(ctx, config_.call_timeout);
+    IG_RETURN_IF_ERROR_GRPC(stub_->Attach(&ctx, req, &resp));
+    if (shm_ && resp.instance() != instance_) IG_RETURN_IF_ERROR(MapArena());
+    specs_[to] = spec;
+    return resp.length();
+  }
+
   absl::Status DoClose(StoreSequenceId seq) override {
     pb::CloseRequest req;
     req.set_sequence_id(seq);

@@ -47,6 +47,14 @@ class InProcessClient final : public KvStoreClient {
     if (st.ok()) append_failures_.Forget(seq);
     return st;
   }
+  absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                                 int64_t max_length) override {
+    SequenceSpec s = spec;
+    if (s.owner.empty()) s.owner = config_.owner;
+    auto length = store_.Attach(from, to, s, max_length, absl::Now());
+    if (length.ok()) append_failures_.Forget(to);
+    return length;
+  }
   absl::Status Close(StoreSequenceId seq) override {
     append_failures_.Forget(seq);
     return store_.Close(seq);

@@ -51,6 +51,10 @@ class KvStoreClient {
   // Synchronous control calls (they also wait for queued appends).
   virtual absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) = 0;
   virtual absl::Status Close(StoreSequenceId seq) = 0;
+  // Takes over sequence `from` (another worker's) as `to`, stored as `spec` describes (owner
+  // empty: this client's); returns the tokens kept. See KvStore::Attach.
+  virtual absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to,
+                                         const SequenceSpec& spec, int64_t max_length) = 0;
   // Queues rows [start, start + n) of `layer` (k, v: [n, num_kv_heads, head_dim]).
   virtual void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                            std::vector<uint8_t> k, std::vector<uint8_t> v) = 0;

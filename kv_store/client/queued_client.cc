@@ -216,6 +216,30 @@ absl::Status QueuedKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec)
       });
 }
 
+absl::StatusOr<int64_t> QueuedKvClient::Attach(StoreSequenceId from, StoreSequenceId to,
+                                               const SequenceSpec& spec, int64_t max_length) {
+  SequenceSpec s = spec;
+  if (s.owner.empty()) s.owner = config_.owner;
+  // Shared: if the caller stops waiting, the call still runs (and sets it) on the queue thread.
+  auto length = std::make_shared<int64_t>(0);
+  absl::Status st = RunSync(
+      [this, from, to, s, max_length, length] {
+        absl::StatusOr<int64_t> kept = DoAttach(from, to, s, max_length);
+        if (!kept.ok()) return kept.status();
+        *length = *kept;
+        unclosed_.erase(to);
+        append_failures_.Forget(to);
+        return absl::OkStatus();
+      },
+      absl::Now() + 4 * config_.call_timeout,
+      // Taken over after the caller gave up on it: nobody will close it.
+      [this, to](const absl::Status& attached) {
+        if (attached.ok()) NoteClose(to, DoClose(to));
+      });
+  if (!st.ok()) return st;
+  return *length;
+}
+
 absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
   absl::Status st = RunSync(
       [this, seq] {

@@ -33,6 +33,8 @@ class QueuedKvClient : public KvStoreClient {
 
   absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) final;
   absl::Status Close(StoreSequenceId seq) final;
+  absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                                 int64_t max_length) final;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
                    std::vector<uint8_t> v) final;
   absl::Status Flush(absl::Time deadline) final;
@@ -48,6 +50,8 @@ class QueuedKvClient : public KvStoreClient {
 
   virtual absl::Status DoOpen(StoreSequenceId seq, const SequenceSpec& spec) = 0;
   virtual absl::Status DoClose(StoreSequenceId seq) = 0;
+  virtual absl::StatusOr<int64_t> DoAttach(StoreSequenceId from, StoreSequenceId to,
+                                           const SequenceSpec& spec, int64_t max_length) = 0;
   virtual absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                 const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) = 0;
   // The appends that piled up while the previous ones ran, in order; returns each one's status.

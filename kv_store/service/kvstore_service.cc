@@ -154,6 +154,24 @@ grpc::Status KvStoreService::Gather(grpc::ServerContext*, const GatherRequest* r
   return grpc::Status::OK;
 }
 
+grpc::Status KvStoreService::Attach(grpc::ServerContext*, const AttachRequest* req,
+                                    AttachResponse* resp) {
+  resp->set_instance(instance_);
+  auto dtype = ToDType(req->dtype());
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+  SequenceSpec spec;
+  spec.num_layers = static_cast<int>(req->num_layers());
+  spec.num_kv_heads = static_cast<int>(req->num_kv_heads());
+  spec.head_dim = static_cast<int>(req->head_dim());
+  spec.dtype = *dtype;
+  spec.owner = req->owner();
+  auto length =
+      store_.Attach(req->from_sequence_id(), req->sequence_id(), spec, req->max_length(), clock_());
+  if (!length.ok()) return ToGrpcStatus(length.status());
+  resp->set_length(*length);
+  return grpc::Status::OK;
+}
+
 grpc::Status KvStoreService::Close(grpc::ServerContext*, const CloseRequest* req, CloseResponse*) {
   return ToGrpcStatus(store_.Close(req->sequence_id()));
 }

@@ -28,6 +28,8 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
                            kvstore::v1::AppendBatchResponse*) override;
   grpc::Status Gather(grpc::ServerContext*, const kvstore::v1::GatherRequest*,
                       kvstore::v1::GatherResponse*) override;
+  grpc::Status Attach(grpc::ServerContext*, const kvstore::v1::AttachRequest*,
+                      kvstore::v1::AttachResponse*) override;
   grpc::Status Close(grpc::ServerContext*, const kvstore::v1::CloseRequest*,
                      kvstore::v1::CloseResponse*) override;
   grpc::Status Renew(grpc::ServerContext*, const kvstore::v1::RenewRequest*,

@@ -137,6 +137,38 @@ TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
   EXPECT_TRUE(client_->Close(1).ok());
 }
 
+// Attach over every transport: another client (another worker) takes a sequence over under its
+// own id and gathers the rows the first one appended (shm: through its own block tables); the
+// first client's late appends to the old id fail, and the old id cannot be attached twice.
+TEST_P(KvTransport, AttachHandsTheRowsToAnotherClient) {
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    client_->AppendAsync(1, layer, 0, 30, TokenRows(0, 30, 0), TokenRows(0, 30, 1));
+  }
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  KvClientConfig other = config_;
+  other.owner = "test-worker-2";
+  auto b = MakeKvStoreClient(other);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto kept = (*b)->Attach(1, 2, Spec(), /*max_length=*/29);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, 29);
+  std::vector<int32_t> slots = {28, 0, 5, 28};  // [2 heads, 2]
+  std::vector<uint8_t> k(4 * 32), v(4 * 32);
+  auto ticket = (*b)->GatherAsync({{2, 1, 2, slots, k.data(), v.data()}});
+  ASSERT_TRUE(ticket->Wait(Soon()).ok());
+  for (int i = 0; i < 4; ++i) {
+    const auto want_k = TokenRows(slots[i], 1, 0);
+    EXPECT_EQ(0, std::memcmp(k.data() + i * 32, want_k.data() + (i / 2) * 32, 32)) << i;
+  }
+  (*b)->AppendAsync(2, 0, 29, 1, TokenRows(29, 1, 0), TokenRows(29, 1, 1));
+  EXPECT_TRUE((*b)->Flush(Soon()).ok());
+  client_->AppendAsync(1, 1, 30, 1, TokenRows(30, 1, 0), TokenRows(30, 1, 1));
+  EXPECT_EQ(client_->Flush(Soon()).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*b)->Attach(1, 3, Spec(), 29).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE((*b)->Close(2).ok());
+}
+
 // In place: transports that map the store's memory (in-process, shm) answer each row's address,
 // and the bytes there are the rows, once every append queued before the gather has landed; the
 // transports that copy refuse such a gather with a clear error.

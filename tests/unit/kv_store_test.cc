@@ -392,6 +392,59 @@ TEST(KvStore, LeasesFreeSequencesOfOwnersThatStopped) {
   EXPECT_EQ(store->Stats().leases_expired, 1);
 }
 
+// A worker continuing another's stream takes its sequence over under a new id: layers are cut
+// to what all of them hold (and to max_length), the rows kept are the same bytes, the new owner
+// appends on, and the old id is gone: the old owner's late appends and closes are refused.
+TEST(KvStore, AttachHandsASequenceOverAndFencesTheOldOwner) {
+  auto store = MakeStore();
+  const SequenceSpec s = Spec();
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 20);
+  AppendRows(*store, 1, s, 1, 0, 19);  // the dead owner's last append reached layer 0 only
+  SequenceSpec b = s;
+  b.owner = "worker-b";
+  auto kept = store->Attach(1, 2, b, /*max_length=*/100, kT0);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, 19);
+  EXPECT_EQ(*store->Length(2, 0), 19);
+  EXPECT_EQ(*store->Length(2, 1), 19);
+  EXPECT_EQ(store->Stats().tokens_stored, 19);
+  std::vector<int32_t> slots(s.num_kv_heads * 19);
+  for (int g = 0; g < s.num_kv_heads; ++g) {
+    for (int j = 0; j < 19; ++j) slots[g * 19 + j] = j;
+  }
+  ExpectGathered(*store, 2, s, 0, slots, 19);
+  // The old id is gone: the old owner can neither append nor close.
+  auto k = Rows(s, 20, 1, 0), v = Rows(s, 20, 1, 1);
+  EXPECT_EQ(store->Append(1, 1, 19, 1, k.data(), v.data(), k.size()).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Close(1).code(), absl::StatusCode::kNotFound);
+  // The new owner appends where the kept rows end, and renews the lease.
+  AppendRows(*store, 2, s, 0, 19, 2, /*salt=*/5);
+  EXPECT_EQ(*store->Length(2, 0), 21);
+  EXPECT_EQ(store->Renew("worker-b", kT0), 1);
+  EXPECT_EQ(store->Renew("worker-a", kT0), 0);
+  // max_length cuts further; a shape other than the stored one, an unknown or taken id refuse.
+  ASSERT_TRUE(store->Open(3, s, kT0).ok());
+  AppendRows(*store, 3, s, 0, 0, 8);
+  AppendRows(*store, 3, s, 1, 0, 8);
+  SequenceSpec other = b;
+  other.head_dim = 16;
+  EXPECT_EQ(store->Attach(3, 4, other, 100, kT0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->Attach(3, 2, b, 100, kT0).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(store->Attach(9, 4, b, 100, kT0).status().code(), absl::StatusCode::kNotFound);
+  kept = store->Attach(3, 4, b, /*max_length=*/5, kT0);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, 5);
+  EXPECT_EQ(*store->Length(4, 1), 5);
+  SequenceSpec pool = s;
+  pool.capacity_tokens = 16;
+  ASSERT_TRUE(store->Open(5, pool, kT0).ok());
+  EXPECT_EQ(store->Attach(5, 6, b, 100, kT0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST(KvStore, ConcurrentAppendsAndGathers) {
   auto store = MakeStore(16 << 20, 1 << 12);
   const SequenceSpec s = Spec(2, 2, 32, DType::kF16);

@@ -34,6 +34,10 @@ class FakeTransport final : public QueuedKvClient {
     std::this_thread::sleep_for(std::chrono::milliseconds(open_delay_ms.load()));
     return absl::OkStatus();
   }
+  absl::StatusOr<int64_t> DoAttach(StoreSequenceId, StoreSequenceId, const SequenceSpec&,
+                                   int64_t) override {
+    return absl::UnimplementedError("not used here");
+  }
   absl::Status DoClose(StoreSequenceId seq) override {
     ++closes;
     if (close_failures_left.load() > 0) {

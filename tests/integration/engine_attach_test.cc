@@ -1,0 +1,207 @@
+// A stream continued from another worker's KV in the shared store (EngineRequest::attach_home):
+// worker A decodes part of a request over the store and dies without closing its sequence;
+// worker B's engine takes the rows over (KvCache::Attach, no prefill: the usage says how many
+// tokens were kept), rebuilds the policy's state from the stored keys (DecodeStep::Restore) and
+// continues with exactly the tokens of an uninterrupted run, for dense attention, the window and
+// InfiniGen (its partial key cache rebuilt), greedy and sampled; worker A's late appends are
+// refused (its id no longer exists); and when the rows are gone, B replays instead (exact only
+// for dense attention: the reason to attach).
+#include <gtest/gtest.h>
+
+#include "absl/synchronization/notification.h"
+#include "gpu_worker/engine/batch_engine.h"
+#include "gpu_worker/infinigen/prepare.h"
+#include "gpu_worker/infinigen/selection_config.h"
+#include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+#include "kv_store/client/kv_store_client.h"
+#include "tests/support/fixture_model.h"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+using testing::RandomTokens;
+
+struct Outcome {
+  std::vector<int32_t> tokens;
+  EngineEvent last;
+  uint64_t home = 0;
+};
+
+class Attach : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    l_ = testing::LoadModel(testing::FixturePath("hf/llama31_gqa"));
+    ASSERT_NE(l_.model, nullptr);
+    KvStoreConfig sc;
+    sc.capacity_bytes = 64 << 20;
+    sc.shared_memory = false;
+    auto store = KvStore::Create(sc);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    auto tokens = RandomTokens(96, l_.model->config().vocab_size, 5);
+    PrepareOptions po;
+    po.ratio = 0.5f;
+    po.chunk_tokens = 40;
+    auto s = PrepareInfinigen(*l_.model, *l_.ckpt, tokens, po);
+    ASSERT_TRUE(s.ok()) << s.status();
+    sidecar_ = std::move(*s);
+    ASSERT_TRUE(AttachSidecar(*l_.model, *l_.ckpt, sidecar_).ok());
+  }
+  // A worker's client and cache over the shared store (its own owner and id range).
+  struct Worker {
+    std::unique_ptr<KvStoreClient> client;
+    std::unique_ptr<StoreKvCache> cache;
+  };
+  Worker MakeWorker(const std::string& owner, uint64_t id_base) {
+    KvClientConfig cc;
+    cc.transport = KvClientConfig::Transport::kInProcess;
+    cc.store = store_.get();
+    cc.owner = owner;
+    auto client = MakeKvStoreClient(cc);
+    EXPECT_TRUE(client.ok()) << client.status();
+    StoreKvCacheOptions options;
+    options.id_base = id_base;
+    options.owner = owner;
+    Worker w;
+    w.client = std::move(*client);
+    w.cache = std::make_unique<StoreKvCache>(*l_.backend, l_.model->kv_shape(), *w.client, options);
+    return w;
+  }
+  std::unique_ptr<KvSelectionPolicy> Policy() {
+    if (GetParam() == "full") return nullptr;
+    SelectionConfig config;
+    config.policy = ParsePolicyKind(GetParam()).value();
+    config.dense_layers = 1;  // the fixture has 2 layers: layer 1 selects
+    config.budget_fraction = 0.3;
+    config.recent_tokens = GetParam() == "window" ? 8 : 0;
+    auto p = MakeSelectionPolicy(config, l_.model->config(), &sidecar_);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  }
+  GenerateOptions Options(bool sampled) {
+    GenerateOptions o;
+    o.max_new_tokens = 24;
+    o.ignore_eos = true;
+    o.sampling.temperature = sampled ? 0.8f : 0.0f;
+    o.sampling.seed = 7;
+    return o;
+  }
+  // One request through an engine over `cache`, to its end.
+  Outcome Complete(StoreKvCache& cache, EngineRequest r) {
+    BatchEngine engine(*l_.model, cache, EngineConfig{});
+    Outcome run;
+    absl::Notification done;
+    auto id = engine.Submit(std::move(r), [&](const EngineEvent& e) {
+      if (e.token >= 0) run.tokens.push_back(e.token);
+      if (e.home != 0) run.home = e.home;
+      if (e.done) {
+        run.last = e;
+        done.Notify();
+      }
+    });
+    EXPECT_TRUE(id.ok()) << id.status();
+    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    return run;
+  }
+
+  testing::LoadedModel l_;
+  std::unique_ptr<KvStore> store_;
+  InfinigenSidecar sidecar_;
+};
+
+TEST_P(Attach, AStreamContinuesFromAnotherWorkersKvWithItsTokens) {
+  for (bool sampled : {false, true}) {
+    SCOPED_TRACE(sampled ? "sampled" : "greedy");
+    const auto prompt = RandomTokens(40, l_.model->config().vocab_size, 21);
+    // The uninterrupted run, on a worker of its own.
+    Worker base = MakeWorker("worker-base", 1 << 20);
+    EngineRequest whole_request;
+    whole_request.prompt = prompt;
+    whole_request.options = Options(sampled);
+    whole_request.policy = Policy();
+    const Outcome whole = Complete(*base.cache, std::move(whole_request));
+    ASSERT_TRUE(whole.last.status.ok()) << whole.last.status;
+    ASSERT_EQ(whole.tokens.size(), 24u);
+
+    // Worker A: the prompt and the first `sent` tokens, the last of which it never computed,
+    // as its engine leaves them (decode steps through the same policy); then it dies.
+    constexpr size_t kSent = 9;
+    Worker a = MakeWorker("worker-a", 2 << 20);
+    {
+      auto policy = Policy();
+      ASSERT_TRUE(a.cache->Open(1, 128).ok());
+      if (policy) policy->Open(1, 128);
+      DecodeStep step(*l_.model, *a.cache);
+      std::vector<float> logits(l_.model->config().vocab_size);
+      ForwardChunk chunk{1, 0, prompt, false, policy.get()};
+      ASSERT_TRUE(step.Forward({&chunk, 1}, logits).ok());
+      for (size_t i = 0; i + 1 < kSent; ++i) {
+        ForwardChunk c{
+            1, static_cast<int64_t>(prompt.size() + i), {&whole.tokens[i], 1}, false, policy.get()};
+        ASSERT_TRUE(step.Forward({&c, 1}, logits).ok());
+      }
+    }
+    const uint64_t home = a.cache->Home(1);
+    ASSERT_NE(home, 0u);
+
+    // Worker B continues from A's rows.
+    Worker b = MakeWorker("worker-b", 3 << 20);
+    EngineRequest rest;
+    rest.prompt = prompt;
+    rest.resume_tokens.assign(whole.tokens.begin(), whole.tokens.begin() + kSent);
+    rest.attach_home = home;
+    rest.options = Options(sampled);
+    rest.policy = Policy();
+    const Outcome resumed = Complete(*b.cache, std::move(rest));
+    ASSERT_TRUE(resumed.last.status.ok()) << resumed.last.status;
+    EXPECT_EQ(resumed.tokens,
+              std::vector<int32_t>(whole.tokens.begin() + kSent, whole.tokens.end()));
+    EXPECT_TRUE(resumed.last.usage.attached);
+    EXPECT_EQ(resumed.last.usage.cached_tokens, static_cast<int64_t>(prompt.size() + kSent - 1));
+    EXPECT_NE(resumed.home, home) << "B reports its own id for the next takeover";
+
+    // A wakes up: its appends and its close find nothing (B's rows were never touched).
+    std::vector<uint8_t> row(l_.model->kv_shape().BytesPerToken() / l_.model->config().num_layers /
+                             2);
+    a.client->AppendAsync(home, 0, static_cast<int64_t>(prompt.size() + kSent - 1), 1, row, row);
+    EXPECT_EQ(a.client->Flush(absl::InfiniteFuture()).code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(a.client->Close(home).code(), absl::StatusCode::kNotFound);
+  }
+}
+
+TEST_P(Attach, RowsThatAreGoneAreReplayed) {
+  const auto prompt = RandomTokens(30, l_.model->config().vocab_size, 22);
+  Worker base = MakeWorker("worker-base", 1 << 20);
+  EngineRequest whole_request;
+  whole_request.prompt = prompt;
+  whole_request.options = Options(false);
+  whole_request.policy = Policy();
+  const Outcome whole = Complete(*base.cache, std::move(whole_request));
+  ASSERT_TRUE(whole.last.status.ok()) << whole.last.status;
+  Worker b = MakeWorker("worker-b", 3 << 20);
+  EngineRequest rest;
+  rest.prompt = prompt;
+  rest.resume_tokens.assign(whole.tokens.begin(), whole.tokens.begin() + 5);
+  rest.attach_home = 12345;  // the store has no such sequence (its worker's lease lapsed)
+  rest.options = Options(false);
+  rest.policy = Policy();
+  const Outcome replayed = Complete(*b.cache, std::move(rest));
+  ASSERT_TRUE(replayed.last.status.ok()) << replayed.last.status;
+  // A replay prefills the resumed tokens, which the first run decoded: with dense attention
+  // that is the same computation (batch-invariant kernels); a policy that attended to fewer
+  // rows while decoding them gives other K/V here, so only the length is the same.
+  if (GetParam() == "full") {
+    EXPECT_EQ(replayed.tokens, std::vector<int32_t>(whole.tokens.begin() + 5, whole.tokens.end()));
+  }
+  EXPECT_EQ(replayed.tokens.size(), whole.tokens.size() - 5);
+  EXPECT_FALSE(replayed.last.usage.attached);
+  EXPECT_EQ(replayed.last.usage.cached_tokens, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, Attach, ::testing::Values("full", "window", "infinigen"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace infinigen
