@@ -185,6 +185,10 @@ int RunLoad(int argc, char** argv) {
   j["ttft_p99_ms"] = 1e3 * Percentile(samples.ttft, 0.99);
   j["token_gap_p50_ms"] = 1e3 * Percentile(samples.gaps, 0.50);
   j["token_gap_p99_ms"] = 1e3 * Percentile(samples.gaps, 0.99);
+  // The longest wait for a next token: a failover's cost (kill to the next token's arrival).
+  j["token_gap_max_ms"] = samples.gaps.empty()
+                              ? 0.0
+                              : 1e3 * *std::max_element(samples.gaps.begin(), samples.gaps.end());
   for (const auto& [k, v] : samples.errors) j["error_codes"][k] = v;
   std::cout << absl::StrFormat(
       "load: %d streams, %.1f s: %d requests ok (%.2f/s), %d tokens (%.1f/s), %d errors\n"

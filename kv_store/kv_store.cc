@@ -270,7 +270,8 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
 }
 
 absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left) {
-  // Lock the sequences in id order (no lock-order cycles between concurrent gathers).
+  // Lock the sequences in address order (no lock-order cycles between concurrent gathers; not
+  // id order: Attach gives a sequence another id, its Sequence object stays).
   std::vector<std::pair<StoreSequenceId, std::shared_ptr<Sequence>>> seqs;
   for (const GatherItem& item : items) {
     if (std::any_of(seqs.begin(), seqs.end(), [&](const auto& p) { return p.first == item.seq; })) {
@@ -280,8 +281,9 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
     if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", item.seq));
     seqs.emplace_back(item.seq, std::move(s));
   }
-  std::sort(seqs.begin(), seqs.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(seqs.begin(), seqs.end(), [](const auto& a, const auto& b) {
+    return std::less<const Sequence*>()(a.second.get(), b.second.get());
+  });
   auto seq_of = [&](StoreSequenceId id) -> Sequence& {
     return *std::find_if(seqs.begin(), seqs.end(), [&](const auto& p) {
               return p.first == id;

@@ -32,6 +32,9 @@ ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "the most prompt tokens a request m
 ABSL_FLAG(int64_t, max_request_bytes, 1 << 20, "the largest request message, in bytes");
 ABSL_FLAG(int32_t, max_attempts, 4, "worker failures one request may go through");
 ABSL_FLAG(int64_t, health_interval_ms, 1000, "how often workers' health is checked");
+ABSL_FLAG(bool, resume_from_store, true,
+          "on failover the next worker takes the stream's KV over from the KV store instead of "
+          "recomputing it (false: always replay the prompt and the tokens sent)");
 ABSL_FLAG(int64_t, stall_when_down_ms, 1000,
           "a stream whose worker fails its health checks and sends nothing for this long moves "
           "to another worker (a frozen or unreachable worker)");
@@ -67,6 +70,7 @@ int main(int argc, char** argv) {
   o.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   o.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   o.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  o.resume_from_store = absl::GetFlag(FLAGS_resume_from_store);
   o.stall.when_down = absl::Milliseconds(absl::GetFlag(FLAGS_stall_when_down_ms));
   o.stall.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_stall_timeout_ms));
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty())) {

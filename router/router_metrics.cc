@@ -74,9 +74,16 @@ absl::StatusOr<std::unique_ptr<RouterMetrics>> RouterMetrics::Start(int port,
                       .Register(*m->registry_);
   m->failovers_ = &prometheus::BuildCounter()
                        .Name("infinigen_router_failovers_total")
-                       .Help("Streams resumed on another worker after theirs failed")
+                       .Help("Streams moved to another worker after theirs failed")
                        .Register(*m->registry_)
                        .Add({});
+  m->resumes_ = &prometheus::BuildCounter()
+                     .Name("infinigen_router_resumes_total")
+                     .Help(
+                         "Failovers whose new worker took the stream's KV over from the store "
+                         "instead of recomputing it (the others replayed)")
+                     .Register(*m->registry_)
+                     .Add({});
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("infinigen_router_tokens_total")
                     .Help("Tokens relayed to clients")
@@ -98,6 +105,7 @@ void RouterMetrics::RequestDone(grpc::StatusCode code) {
   requests_->Add({{"code", CodeName(code)}}).Increment();
 }
 void RouterMetrics::Failover() { failovers_->Increment(); }
+void RouterMetrics::Resume() { resumes_->Increment(); }
 void RouterMetrics::Tokens(int n) { tokens_->Increment(n); }
 void RouterMetrics::FirstToken(double seconds) { ttft_->Observe(seconds); }
 

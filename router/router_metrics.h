@@ -32,6 +32,7 @@ class RouterMetrics {
 
   void RequestDone(grpc::StatusCode code);
   void Failover();
+  void Resume();  // a failover that continued from the stored KV (no recompute)
   void Tokens(int n);
   void FirstToken(double seconds);
 
@@ -41,6 +42,7 @@ class RouterMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   prometheus::Counter* failovers_ = nullptr;
+  prometheus::Counter* resumes_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;
   prometheus::Histogram* ttft_ = nullptr;
 };

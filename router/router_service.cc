@@ -219,9 +219,10 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
   // One line per request (never the prompt, the text or the key): its id, the outcome, what
   // was streamed. One write, so that concurrent requests' lines do not interleave.
   const std::string line = absl::StrFormat(
-      "request %s: %s%s%s, %d tokens in %.3f s, %d failovers\n", request_id,
-      absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())), s.ok() ? "" : ": ",
-      s.error_message(), stats.tokens, absl::ToDoubleSeconds(absl::Now() - start), stats.failovers);
+      "request %s: %s%s%s, %d tokens in %.3f s, %d failovers (%d resumed from the KV store)\n",
+      request_id, absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
+      s.ok() ? "" : ": ", s.error_message(), stats.tokens,
+      absl::ToDoubleSeconds(absl::Now() - start), stats.failovers, stats.resumes);
   std::fwrite(line.data(), 1, line.size(), stdout);
   std::fflush(stdout);
   return ForClients(s);  // the log line above keeps the internal addresses
@@ -244,10 +245,14 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
   const absl::Time start = absl::Now();
   std::vector<int32_t> sent;
   bool first_sent = false;
-  int failovers = 0;
+  int failovers = 0, resumes = 0;
+  // Where the stream's KV lives in the KV store (the last worker's first message says): a
+  // failover hands it to the next worker, which takes the rows over instead of recomputing.
+  uint64_t home = 0;
   absl::Cleanup record = [&] {
     stats.tokens = static_cast<int64_t>(sent.size());
     stats.failovers = failovers;
+    stats.resumes = resumes;
   };
   int failed_calls = 0;
   std::vector<std::shared_ptr<PooledWorker>> failed, full;  // in this request
@@ -271,6 +276,7 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
     }
     wr.clear_resume_token_ids();
     for (int32_t t : sent) wr.add_resume_token_ids(t);
+    wr.set_resume_store_sequence_id(sent.empty() || !options_.resume_from_store ? 0 : home);
     // The worker call inherits the client's deadline and cancellation.
     std::unique_ptr<grpc::ClientContext> call = grpc::ClientContext::FromServerContext(*context);
     int64_t expected = std::max<int64_t>(1, budget - static_cast<int64_t>(sent.size()));
@@ -279,8 +285,17 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
     auto watch = std::make_unique<StallWatchdog::Watch>(watchdog_, *call, *worker);
     wv1::GenerateResponse m;
     bool client_gone = false;
+    bool first_message = true;
     while (reader->Read(&m)) {
       watch->Progress();
+      if (m.store_sequence_id() != 0) {
+        if (first_message && m.attached()) {
+          ++resumes;
+          if (metrics_ != nullptr) metrics_->Resume();
+        }
+        home = m.store_sequence_id();
+      }
+      first_message = false;
       v1::GenerateResponse out;
       out.mutable_token_ids()->Swap(m.mutable_token_ids());
       out.set_text(std::move(*m.mutable_text()));
@@ -289,6 +304,7 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
         *out.mutable_usage() = m.usage();
         *out.mutable_timings() = m.timings();
         out.set_failovers(failovers);
+        out.set_resumes(resumes);
         out.set_seed(wr.sampling().seed());
       }
       if (!first_sent) {

@@ -31,6 +31,9 @@ struct RouterOptions {
   absl::Duration resume_wait = absl::Seconds(10);
   // When a stream whose worker sends nothing is moved to another one (router/stall_watchdog.h).
   StallRules stall;
+  // A failover hands the stream's KV in the store to the next worker (resume without
+  // recompute); false: the next worker always replays (recomputes) the prompt and tokens sent.
+  bool resume_from_store = true;
   const ApiKeys* api_keys = nullptr;  // null: no authentication
 
   absl::Status Validate() const;
@@ -58,6 +61,7 @@ class RouterService final : public v1::Generation::Service {
   struct RelayStats {
     int64_t tokens = 0;
     int failovers = 0;
+    int resumes = 0;  // failovers that took the KV over from the store
   };
   grpc::Status Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
                      const std::string& request_id,

@@ -318,7 +318,10 @@ bool BatchEngine::Step() {
     ++generated;
     EngineEvent e;
     e.token = token;
-    if (a.generated == 1) e.home = cache_.Home(a.id);
+    if (a.generated == 1) {
+      e.home = cache_.Home(a.id);
+      e.attached = a.attached;
+    }
     a.sink(e);
     if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
       Finish(a, FinishReason::kStop, absl::OkStatus());

@@ -72,8 +72,9 @@ struct RequestUsage {
 
 // One token, or the end of the request (done), or both.
 struct EngineEvent {
-  int32_t token = -1;  // -1: none in this event
-  uint64_t home = 0;   // with the first token: where other workers find the KV (KvCache::Home)
+  int32_t token = -1;     // -1: none in this event
+  uint64_t home = 0;      // with the first token: where other workers find the KV (KvCache::Home)
+  bool attached = false;  // with the first token: the KV was taken over (attach_home)
   bool done = false;
   FinishReason finish_reason = FinishReason::kLength;
   absl::Status status;  // when done: OK, or why the request failed

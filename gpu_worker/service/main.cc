@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <iostream>
+#include <random>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -112,7 +113,16 @@ int main(int argc, char** argv) {
   config.kv_capacity_mb = absl::GetFlag(FLAGS_kv_capacity_mb);
   config.kv_append_linger_ms = absl::GetFlag(FLAGS_kv_append_linger_ms);
   config.kv_device_gather = absl::GetFlag(FLAGS_kv_device_gather);
-  config.owner = absl::StrCat("worker-", getpid(), "-", absl::GetFlag(FLAGS_listen));
+  {
+    // The store's lease holder: unique per process even across pods, where pid and --listen
+    // are often the same (pid 1, 0.0.0.0:port): a shared name would let one pod's renewals keep
+    // a dead pod's sequences alive.
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    std::random_device rd;
+    config.owner = absl::StrCat("worker-", host, "-", getpid(), "-", absl::GetFlag(FLAGS_listen),
+                                "-", absl::Hex(static_cast<uint64_t>(rd()) << 32 | rd()));
+  }
   config.policy = absl::GetFlag(FLAGS_policy);
   config.budget = absl::GetFlag(FLAGS_budget);
   config.min_budget_tokens = absl::GetFlag(FLAGS_min_budget_tokens);

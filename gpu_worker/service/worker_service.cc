@@ -175,6 +175,7 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     policy_name = er.policy != nullptr ? er.policy->Name() : PolicyKindName(PolicyKind::kFull);
   }
   er.resume_tokens.assign(request->resume_token_ids().begin(), request->resume_token_ids().end());
+  er.attach_home = request->resume_store_sequence_id();
   er.deadline = absl::FromChrono(context->deadline());
 
   auto events = std::make_shared<CallEvents>();
@@ -218,6 +219,8 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       if (e.token >= 0 && !cancelled && !stops.stopped()) {
         wv1::GenerateResponse r;
         r.add_token_ids(e.token);
+        r.set_store_sequence_id(e.home);
+        r.set_attached(e.attached);
         if (decoder) r.set_text(stops.Add(decoder->Add(e.token)));
         // A completed stop string ends the request: the engine frees it at its next step.
         if (stops.stopped()) engine_.Cancel(*id);
@@ -246,6 +249,7 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
                                         ? static_cast<double>(u.fetch.bytes_fetched) /
                                               static_cast<double>(u.fetch.bytes_full)
                                         : 1.0);
+      usage->set_cached_tokens(u.cached_tokens);
       usage->set_policy(policy_name);
       usage->set_backend(backend_name_);
       auto* t = last.mutable_timings();

@@ -278,14 +278,18 @@ TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   EXPECT_EQ(started.load(), kStreams) << "streams should still be running when the worker dies";
   workers_[0]->Kill();
   for (auto& t : threads) t.join();
-  int moved = 0;
+  int moved = 0, resumed = 0;
   for (int i = 0; i < kStreams; ++i) {
     ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
     EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
     EXPECT_EQ(got[i].last.usage().generated_tokens(), kNew);
     moved += got[i].last.failovers();
+    resumed += got[i].last.resumes();
   }
   EXPECT_GT(moved, 0) << "some streams ran on the killed worker";
+  // The killed worker's sequences are still in the store (their lease has not lapsed): every
+  // moved stream continued from its stored KV, none recomputed its prompt.
+  EXPECT_EQ(resumed, moved);
   // New requests go to the survivor.
   EXPECT_TRUE(Stream(*stub_, Request({5, 6, 7}, 4)).status.ok());
 }
@@ -342,13 +346,15 @@ TEST_F(RouterProcess, AFrozenWorkersStreamsMoveOnAndModelInfoDoesNotWait) {
   workers_[0]->Signal(SIGCONT);
   frozen = false;
   EXPECT_EQ(while_frozen, kStreams) << "every stream ended while the worker was still stopped";
-  int moved = 0;
+  int moved = 0, resumed = 0;
   for (int i = 0; i < kStreams; ++i) {
     ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
     EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
     moved += got[i].last.failovers();
+    resumed += got[i].last.resumes();
   }
   EXPECT_GT(moved, 0) << "some streams ran on the frozen worker";
+  EXPECT_EQ(resumed, moved) << "the frozen worker's sequences were taken over, not recomputed";
   EXPECT_TRUE(router_->Logged("stalled after")) << "the router logs each moved stream";
   WaitForWorkers(*stub_, 2);
 }

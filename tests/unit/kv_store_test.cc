@@ -445,6 +445,31 @@ TEST(KvStore, AttachHandsASequenceOverAndFencesTheOldOwner) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// Gathers lock their sequences in one global order that an Attach (a new id for the same
+// sequence) does not change: gathering {10, 20}, then {20, 30} after 10 became 30, used to be
+// a lock-order cycle (absl's deadlock detector ended the store process).
+TEST(KvStore, GathersAcrossAnAttachKeepOneLockOrder) {
+  auto store = MakeStore();
+  const SequenceSpec s = Spec();
+  for (StoreSequenceId id : {10, 20}) {
+    ASSERT_TRUE(store->Open(id, s, kT0).ok());
+    AppendRows(*store, id, s, 0, 0, 4);
+    AppendRows(*store, id, s, 1, 0, 4);
+  }
+  std::vector<int32_t> slots(s.num_kv_heads, 2);
+  std::vector<uint8_t> k(4 * s.num_kv_heads * s.row_bytes()), v(k.size());
+  auto gather = [&](StoreSequenceId a, StoreSequenceId b) {
+    const size_t half = k.size() / 2;
+    GatherItem items[2] = {{a, 0, 1, slots, k.data(), v.data()},
+                           {b, 0, 1, slots, k.data() + half, v.data() + half}};
+    return store->Gather(items);
+  };
+  ASSERT_TRUE(gather(10, 20).ok());
+  ASSERT_TRUE(store->Attach(10, 30, s, 100, kT0).ok());
+  EXPECT_TRUE(gather(20, 30).ok());
+  EXPECT_TRUE(gather(30, 20).ok());
+}
+
 TEST(KvStore, ConcurrentAppendsAndGathers) {
   auto store = MakeStore(16 << 20, 1 << 12);
   const SequenceSpec s = Spec(2, 2, 32, DType::kF16);
