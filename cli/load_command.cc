@@ -26,6 +26,7 @@ namespace {
 struct LoadSpec {
   int64_t prompt_tokens = 32, max_tokens = 32, vocab = 0;
   double temperature = 0.0;
+  double timeout_seconds = 120;  // a request still running this long after the end fails
   std::string text;
   absl::Time end;
 };
@@ -66,7 +67,7 @@ void Drive(Stub& stub, const ConnectionFlags& connection, const LoadSpec& spec, 
     r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(spec.max_tokens));
     r.mutable_stopping()->set_ignore_eos(true);
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(spec.end + absl::Seconds(120)));
+    ctx.set_deadline(absl::ToChronoTime(spec.end + absl::Seconds(spec.timeout_seconds)));
     connection.Authorize(ctx);
     const absl::Time start = absl::Now();
     absl::Time prev = start;
@@ -116,6 +117,8 @@ int RunLoad(int argc, char** argv) {
   flags.String("text", &spec.text, "send this prompt text instead of random token ids");
   flags.Int("max-tokens", &spec.max_tokens, "tokens generated per request (EOS ignored)");
   flags.Float("temperature", &spec.temperature, "sampling temperature (0 = greedy)");
+  flags.Float("timeout", &spec.timeout_seconds,
+              "seconds after the end that a request may still run (its deadline)");
   flags.String("api", &api, "public (router, serve) or worker (a worker directly)");
   flags.String("json", &json_path, "also write the results as JSON to this file");
   flags.Int("max-errors", &max_errors, "exit 1 when more requests than this fail (-1: never)");

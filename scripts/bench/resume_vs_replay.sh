@@ -35,8 +35,10 @@ metric() {  # port, name: the value, 0 when absent
 run_case() {  # prompt tokens, resume (true|false): prints "gap_ms prefilled_by_survivor ttft_ms"
   local prompt="$1" resume="$2"
   local sp=$(port) w0=$(port) w1=$(port) m0=$(port) m1=$(port) rp=$(port)
+  local ucx=()
+  [[ "$TRANSPORT" == ucx ]] && ucx=(--ucx_port "$(port)")
   $BIN/infinigen-kvstore --listen "127.0.0.1:$sp" --capacity_mb 2048 --huge_pages=false \
-    > "$LOGS/store.log" 2>&1 &
+    "${ucx[@]}" > "$LOGS/store.log" 2>&1 &
   PIDS+=($!)
   wait_for "$LOGS/store.log" "serving"
   local wpids=()
@@ -56,7 +58,7 @@ run_case() {  # prompt tokens, resume (true|false): prints "gap_ms prefilled_by_
   PIDS+=($!)
   wait_for "$LOGS/router.log" "serving"
   $BIN/infinigen load --server "127.0.0.1:$rp" --streams 1 --seconds 1 --prompt-tokens "$prompt" \
-    --max-tokens 32 --json "$LOGS/load.json" > "$LOGS/load.log" 2>&1 &
+    --max-tokens 32 --timeout 600 --json "$LOGS/load.json" > "$LOGS/load.log" 2>&1 &
   local load=$!
   # The worker serving the stream, once it has generated 8 tokens, dies.
   local victim="" survivor_metrics=""
