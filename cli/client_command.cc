@@ -138,11 +138,12 @@ int RunClient(int argc, char** argv) {
   const auto& u = last.usage();
   const auto& t = last.timings();
   std::cerr << absl::StrFormat(
-      "[%d prompt + %d generated tokens, finish %s, time to first token %.3f s, %.1f ms/token, "
-      "failovers %d, seed %llu]\n[policy %s on %s: KV fetched %.2f MiB, %.1f%% of a full fetch "
-      "(%.2f MiB)]\n",
-      u.prompt_tokens(), u.generated_tokens(), v1::FinishReason_Name(last.finish_reason()),
-      t.time_to_first_token_seconds(), 1e3 * t.time_per_output_token_seconds(), last.failovers(),
+      "[%d prompt (%lld cached) + %d generated tokens, finish %s, time to first token %.3f s, "
+      "%.1f ms/token, failovers %d (%d resumed), seed %llu]\n[policy %s on %s: KV fetched %.2f "
+      "MiB, %.1f%% of a full fetch (%.2f MiB)]\n",
+      u.prompt_tokens(), static_cast<long long>(u.cached_tokens()), u.generated_tokens(),
+      v1::FinishReason_Name(last.finish_reason()), t.time_to_first_token_seconds(),
+      1e3 * t.time_per_output_token_seconds(), last.failovers(), last.resumes(),
       static_cast<unsigned long long>(last.seed()), u.policy().empty() ? "?" : u.policy(),
       u.backend().empty() ? "?" : u.backend(),
       static_cast<double>(u.kv_bytes_fetched()) / (1 << 20), 100.0 * u.selection_fraction(),

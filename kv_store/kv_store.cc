@@ -461,7 +461,9 @@ absl::StatusOr<LayerBlocks> KvStore::Blocks(StoreSequenceId seq, int layer) cons
 
 KvStoreStats KvStore::Stats() const {
   absl::MutexLock lock(&mu_);
-  return stats_;
+  KvStoreStats s = stats_;
+  s.block_bytes = static_cast<int64_t>(arena_->block_bytes());
+  return s;
 }
 
 }  // namespace infinigen

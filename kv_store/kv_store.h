@@ -104,6 +104,7 @@ struct KvStoreStats {
   int64_t tokens_stored = 0;  // Σ over sequences of layer-0 rows
   int64_t appends = 0, gathers = 0, bytes_gathered = 0;
   int64_t evictions = 0, rejections = 0, leases_expired = 0;
+  int64_t block_bytes = 0;  // the arena's allocation unit (per layer, KV head, K or V)
 };
 
 class KvStore {

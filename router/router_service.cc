@@ -59,6 +59,7 @@ wv1::GenerateRequest ToWorker(const v1::GenerateRequest& r, int64_t max_prompt_t
   *w.mutable_selection() = r.selection();
   w.set_skip_special_tokens(r.skip_special_tokens());
   w.set_max_prompt_tokens(max_prompt_tokens);
+  w.set_session_id(r.session_id());
   return w;
 }
 

@@ -19,6 +19,10 @@ absl::Status EngineConfig::Validate() const {
   if (max_queued < 0) {
     return absl::InvalidArgumentError(absl::StrCat("max_queued must be >= 0, got ", max_queued));
   }
+  if (max_sessions < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_sessions must be >= 0, got ", max_sessions));
+  }
   if (prefill_budget_tokens < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill_budget_tokens must be >= 1, got ", prefill_budget_tokens));
@@ -121,7 +125,19 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
   u.attached = a.attached;
   if (a.opened) {
     u.fetch = cache_.Counters(a.id);
-    cache_.Close(a.id);
+    const bool keep = e.status.ok() && reason != FinishReason::kCancelled &&
+                      !a.request.session_id.empty() && config_.max_sessions > 0 &&
+                      cache_.Home(a.id) != 0;
+    if (keep) {  // the conversation's next request continues from this KV
+      CloseSession(a.request.session_id);
+      Session& s = sessions_[a.request.session_id];
+      s.seq = a.id;
+      s.tokens.assign(a.history.begin(), a.history.begin() + a.prefilled);
+      s.last_used = absl::Now();
+      ExpireSessions();
+    } else {
+      cache_.Close(a.id);
+    }
     a.opened = false;
     device_bytes_reserved_ -= a.device_bytes;
   }
@@ -156,18 +172,8 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
     if (config_.device_bytes_per_token > 0 &&
         device_bytes_reserved_ + a.device_bytes > config_.device_memory_bytes) {
       st = absl::ResourceExhaustedError("device memory");  // running sequences hold it
-    } else if (a.request.attach_home != 0) {
-      // A stream resumed from another worker's stored KV: take its rows over, all but the last
-      // token (this step computes it for the next logits); replay if they are gone.
-      absl::StatusOr<int64_t> kept = cache_.Attach(a.id, a.request.attach_home, a.prompt_len - 1);
-      if (kept.ok()) {
-        a.attached = true;
-        a.prefilled = a.cached = *kept;
-      } else {
-        st = cache_.Open(a.id, a.max_total);
-      }
     } else {
-      st = cache_.Open(a.id, a.max_total);
+      st = OpenSequence(a);
     }
     if (absl::IsResourceExhausted(st) && !running_.empty()) {
       // Not now: wait for running sequences to free memory, keeping the order.
@@ -194,6 +200,81 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
   }
 }
 
+absl::Status BatchEngine::OpenSequence(Active& a) {
+  // Stored KV to take over: another worker's (a resumed stream), or this session's previous
+  // request's, as far as its tokens are this prompt's; always all but the last token (this step
+  // computes it for the next logits).
+  uint64_t home = a.request.attach_home;
+  int64_t keep = a.prompt_len - 1;
+  SequenceId parked = 0;  // the session's sequence, closed unless taken over
+  if (home == 0 && !a.request.session_id.empty()) {
+    auto it = sessions_.find(a.request.session_id);
+    if (it != sessions_.end()) {
+      const std::vector<int32_t>& had = it->second.tokens;
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(had.size()), keep);
+      int64_t common = 0;
+      while (common < n && had[common] == a.history[common]) ++common;
+      parked = it->second.seq;
+      keep = common;
+      if (keep > 0) home = cache_.Home(parked);
+      sessions_.erase(it);
+    }
+  }
+  // Idle sessions give way to the room this sequence will fill (the store allocates as rows
+  // arrive, so a full store would fail it mid-stream): least recently used first.
+  if (!sessions_.empty()) {
+    const int64_t tokens = home != 0 ? a.max_total - keep : a.max_total;
+    for (absl::StatusOr<bool> room = cache_.HasRoomFor(tokens);
+         room.ok() && !*room && !sessions_.empty(); room = cache_.HasRoomFor(tokens)) {
+      CloseSession(LeastRecentSession());
+    }
+  }
+  absl::Status st;
+  for (;;) {
+    if (home != 0) {
+      absl::StatusOr<int64_t> kept = cache_.Attach(a.id, home, keep);
+      if (kept.ok()) {
+        a.attached = a.request.attach_home != 0;
+        a.prefilled = a.cached = *kept;
+        return absl::OkStatus();  // the session's sequence is now a's
+      }
+      home = 0;  // gone (its lease lapsed, another store): compute it
+    }
+    st = cache_.Open(a.id, a.max_total);
+    if (!absl::IsResourceExhausted(st) || sessions_.empty()) break;
+    // Full: the least recently used idle session makes room, never a running sequence.
+    CloseSession(LeastRecentSession());
+  }
+  if (parked != 0) cache_.Close(parked);
+  return st;
+}
+
+void BatchEngine::CloseSession(const std::string& id) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  cache_.Close(it->second.seq);
+  sessions_.erase(it);
+}
+
+void BatchEngine::ExpireSessions() {
+  const absl::Time now = absl::Now();
+  std::vector<std::string> expired;
+  for (const auto& [id, s] : sessions_) {
+    if (now - s.last_used >= config_.session_ttl) expired.push_back(id);
+  }
+  for (const std::string& id : expired) CloseSession(id);
+  while (static_cast<int>(sessions_.size()) > config_.max_sessions) {
+    CloseSession(LeastRecentSession());
+  }
+}
+
+std::string BatchEngine::LeastRecentSession() const {
+  auto lru = std::min_element(sessions_.begin(), sessions_.end(), [](const auto& x, const auto& y) {
+    return x.second.last_used < y.second.last_used;
+  });
+  return lru == sessions_.end() ? std::string() : lru->first;
+}
+
 void BatchEngine::Loop() {
   for (;;) {
     std::vector<std::unique_ptr<Active>> incoming, dropped;
@@ -203,7 +284,13 @@ void BatchEngine::Loop() {
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stopping_ || !queue_.empty() || !running_.empty() || !cancelled_.empty();
       };
-      mu_.Await(absl::Condition(&ready));
+      if (sessions_.empty()) {
+        mu_.Await(absl::Condition(&ready));
+      } else {  // wake up now and then to close sessions past their TTL
+        mu_.AwaitWithTimeout(
+            absl::Condition(&ready),
+            std::clamp(config_.session_ttl, absl::Milliseconds(10), absl::Seconds(1)));
+      }
       if (stopping_) break;
       cancelled.swap(cancelled_);
       // Queued requests that were cancelled or ran out of time leave without a batch slot.
@@ -241,6 +328,7 @@ void BatchEngine::Loop() {
       }
     }
     std::erase_if(running_, [](const auto& a) { return !a->sink; });
+    if (!sessions_.empty()) ExpireSessions();
     Admit(incoming);
     Step();
     std::erase_if(running_, [](const auto& a) { return !a->sink; });
@@ -261,6 +349,7 @@ void BatchEngine::Loop() {
     Finish(*a, FinishReason::kCancelled, absl::AbortedError("the worker is shutting down"));
   }
   running_.clear();
+  while (!sessions_.empty()) CloseSession(sessions_.begin()->first);
 }
 
 bool BatchEngine::Step() {

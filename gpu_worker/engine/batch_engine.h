@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -40,6 +41,12 @@ struct EngineConfig {
   // that could never fit is refused with RESOURCE_EXHAUSTED. 0 bytes per token: no limit.
   size_t device_bytes_per_token = 0;
   size_t device_memory_bytes = 0;
+  // Conversations (EngineRequest::session_id) whose KV stays in a shared cache (the KV store)
+  // after a request, so that the next turn prefills only its new tokens: at most this many,
+  // each for at most session_ttl after its last request; the least recently used goes first
+  // when a running sequence needs the room. 0: none kept.
+  int max_sessions = 64;
+  absl::Duration session_ttl = absl::Minutes(10);
   absl::Status Validate() const;
 };
 
@@ -54,6 +61,10 @@ struct EngineRequest {
   // prompt and resumed tokens again, and rebuilds the policy's state from the stored keys; if
   // the cache no longer has them, it replays (prefills) as without.
   uint64_t attach_home = 0;
+  // A conversation: when the request ends well its KV stays in the cache (a cache with a Home:
+  // the KV store), and the session's next request whose prompt begins with the same tokens
+  // takes it over and prefills only the rest (usage: cached_tokens). Empty: none.
+  std::string session_id;
   GenerateOptions options;
   std::unique_ptr<KvSelectionPolicy> policy;  // null: dense attention
   absl::Time deadline = absl::InfiniteFuture();
@@ -134,6 +145,20 @@ class BatchEngine {
 
   void Loop();
   void Admit(std::vector<std::unique_ptr<Active>>& incoming);
+  // Opens a's sequence in the cache: takes over its session's or another worker's stored KV
+  // where it can (setting a.prefilled, a.cached), else opens it empty; closes least recently
+  // used sessions while the cache is full.
+  absl::Status OpenSequence(Active& a);
+  // A session kept after its request: its sequence stays open in the cache.
+  struct Session {
+    SequenceId seq = 0;
+    std::vector<int32_t> tokens;  // whose K/V the cache holds, in order
+    absl::Time last_used;
+  };
+  void CloseSession(const std::string& id);
+  std::string LeastRecentSession() const;  // "" when none
+  // Closes sessions past their TTL, then the least recently used beyond max_sessions.
+  void ExpireSessions();
   bool Step();  // false when there was nothing to run
   void Finish(Active& a, FinishReason reason, absl::Status status);
 
@@ -154,6 +179,7 @@ class BatchEngine {
   std::vector<std::unique_ptr<Active>> running_;
   std::vector<float> logits_;
   size_t device_bytes_reserved_ = 0;
+  absl::flat_hash_map<std::string, Session> sessions_;
   SamplingScratch scratch_;
   std::thread thread_;
 };

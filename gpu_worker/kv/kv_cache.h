@@ -89,6 +89,11 @@ class KvCache {
   virtual absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) {
     return absl::UnimplementedError("this KV cache is not shared between workers");
   }
+  // Whether a new sequence of `tokens` tokens fits in what the cache has free now (the KV
+  // store's arena, counted in its allocation blocks); UNIMPLEMENTED where unknown.
+  virtual absl::StatusOr<bool> HasRoomFor(int64_t tokens) {
+    return absl::UnimplementedError("this KV cache does not report its free memory");
+  }
 };
 
 // A cache whose rows the backend reads where they lie (backend memory): attention reads them in

@@ -71,6 +71,14 @@ absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int6
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
   }
   IG_ASSIGN_OR_RETURN(const int64_t kept, client_.Attach(home, StoreId(seq), Spec(), max_length));
+  // One of this cache's own sequences (a conversation's next request): its old id is gone.
+  if (home > options_.id_base) {
+    auto own = sequences_.find(home - options_.id_base);
+    if (own != sequences_.end()) {
+      for (Pending& p : own->second.pending) DropTicket(p);
+      sequences_.erase(own);
+    }
+  }
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, kept);
   return kept;
@@ -93,6 +101,16 @@ void StoreKvCache::Close(SequenceId seq) {
   sequences_.erase(it);
   // Failures are the store's to clean up: the lease frees what a Close could not.
   client_.Close(StoreId(seq)).IgnoreError();
+}
+
+absl::StatusOr<bool> StoreKvCache::HasRoomFor(int64_t tokens) {
+  IG_ASSIGN_OR_RETURN(const KvStoreStats stats, client_.Stats());
+  const int64_t row = static_cast<int64_t>(RowBytes());
+  if (stats.block_bytes < row) return absl::UnimplementedError("the store reports no block size");
+  const int64_t rows_per_block = stats.block_bytes / row;
+  const int64_t blocks = 2 * int64_t{shape_.num_layers} * shape_.num_kv_heads *
+                         ((tokens + rows_per_block - 1) / rows_per_block);
+  return blocks * stats.block_bytes <= stats.bytes_capacity - stats.bytes_used;
 }
 
 absl::StatusOr<int64_t> StoreKvCache::Length(SequenceId seq) const {

@@ -63,6 +63,7 @@ class StoreKvCache final : public StreamedKvCache {
   // The store hands the sequence over under this cache's id for `seq` (KvStore::Attach): the
   // old id ceases to exist, fencing the worker that stored it.
   absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) override;
+  absl::StatusOr<bool> HasRoomFor(int64_t tokens) override;
 
   bool addresses_only() const override { return in_place_; }
   // Whether prefetches reach a GPU backend by Backend::GatherRows from registered store memory.

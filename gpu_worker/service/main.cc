@@ -53,6 +53,10 @@ ABSL_FLAG(double, alpha, 10.0, "default InfiniGen logit margin");
 ABSL_FLAG(int32_t, dense_layers, 2, "leading layers that always attend densely");
 ABSL_FLAG(int32_t, max_running, 16, "sequences in the batch at once");
 ABSL_FLAG(int32_t, max_queued, 64, "requests waiting for a slot before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, max_sessions, 64,
+          "conversations (session_id) whose KV stays in the store between requests, so the next "
+          "turn prefills only its new tokens (0: none; least recently used closed first)");
+ABSL_FLAG(int64_t, session_ttl_seconds, 600, "how long an idle conversation's KV is kept");
 ABSL_FLAG(int64_t, prefill_budget, 256, "prompt tokens a step may add beside its decodes");
 ABSL_FLAG(int64_t, device_memory_mb, 0,
           "device memory for per-sequence state (partial key caches, staging); 0: 90% of what "
@@ -130,6 +134,8 @@ int main(int argc, char** argv) {
   config.dense_layers = absl::GetFlag(FLAGS_dense_layers);
   config.engine.max_running = absl::GetFlag(FLAGS_max_running);
   config.engine.max_queued = absl::GetFlag(FLAGS_max_queued);
+  config.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  config.engine.session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   config.engine.prefill_budget_tokens = absl::GetFlag(FLAGS_prefill_budget);
   config.device_memory_mb = absl::GetFlag(FLAGS_device_memory_mb);
   config.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);

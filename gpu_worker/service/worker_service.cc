@@ -176,6 +176,7 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
   }
   er.resume_tokens.assign(request->resume_token_ids().begin(), request->resume_token_ids().end());
   er.attach_home = request->resume_store_sequence_id();
+  er.session_id = request->session_id();
   er.deadline = absl::FromChrono(context->deadline());
 
   auto events = std::make_shared<CallEvents>();

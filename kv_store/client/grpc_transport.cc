@@ -411,6 +411,7 @@ class GrpcClient final : public QueuedKvClient {
     s.evictions = r.evictions();
     s.rejections = r.rejections();
     s.leases_expired = r.leases_expired();
+    s.block_bytes = r.block_bytes();
     return s;
   }
 

@@ -195,6 +195,7 @@ grpc::Status KvStoreService::Stats(grpc::ServerContext*, const StatsRequest*, St
   r->set_evictions(s.evictions);
   r->set_rejections(s.rejections);
   r->set_leases_expired(s.leases_expired);
+  r->set_block_bytes(s.block_bytes);
   return grpc::Status::OK;
 }
 

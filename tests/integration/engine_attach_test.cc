@@ -5,7 +5,8 @@
 // continues with exactly the tokens of an uninterrupted run, for dense attention, the window and
 // InfiniGen (its partial key cache rebuilt), greedy and sampled; worker A's late appends are
 // refused (its id no longer exists); and when the rows are gone, B replays instead (exact only
-// for dense attention: the reason to attach).
+// for dense attention: the reason to attach). The same takeover serves a conversation's next
+// turn (EngineRequest::session_id), whose idle KV gives way to running sequences.
 #include <gtest/gtest.h>
 
 #include "absl/synchronization/notification.h"
@@ -198,6 +199,122 @@ TEST_P(Attach, RowsThatAreGoneAreReplayed) {
   EXPECT_EQ(replayed.tokens.size(), whole.tokens.size() - 5);
   EXPECT_FALSE(replayed.last.usage.attached);
   EXPECT_EQ(replayed.last.usage.cached_tokens, 0);
+}
+
+// A conversation: the second request of a session, whose prompt is the first's prompt and
+// answer plus a new turn, takes the session's stored KV over and prefills only the new tokens;
+// with dense attention its tokens are those of a cold run of the same prompt (a sparse policy
+// decoded the first answer over fewer rows than a cold prefill of it attends to).
+TEST_P(Attach, AConversationsNextTurnPrefillsOnlyItsNewTokens) {
+  Worker w = MakeWorker("worker-s", 4 << 20);
+  BatchEngine engine(*l_.model, *w.cache, EngineConfig{});
+  auto run = [&](std::vector<int32_t> prompt, const std::string& session) {
+    EngineRequest r;
+    r.prompt = std::move(prompt);
+    r.session_id = session;
+    r.options = Options(false);
+    r.policy = Policy();
+    Outcome out;
+    absl::Notification done;
+    EXPECT_TRUE(engine
+                    .Submit(std::move(r),
+                            [&](const EngineEvent& e) {
+                              if (e.token >= 0) out.tokens.push_back(e.token);
+                              if (e.done) {
+                                out.last = e;
+                                done.Notify();
+                              }
+                            })
+                    .ok());
+    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    return out;
+  };
+  const auto first_prompt = RandomTokens(40, l_.model->config().vocab_size, 31);
+  const Outcome first = run(first_prompt, "conversation-1");
+  ASSERT_TRUE(first.last.status.ok()) << first.last.status;
+  EXPECT_EQ(first.last.usage.cached_tokens, 0);
+  std::vector<int32_t> second_prompt = first_prompt;
+  second_prompt.insert(second_prompt.end(), first.tokens.begin(), first.tokens.end());
+  const auto turn = RandomTokens(12, l_.model->config().vocab_size, 32);
+  second_prompt.insert(second_prompt.end(), turn.begin(), turn.end());
+  const Outcome second = run(second_prompt, "conversation-1");
+  ASSERT_TRUE(second.last.status.ok()) << second.last.status;
+  // Stored: the first prompt and answer but its last token (never computed there).
+  EXPECT_EQ(second.last.usage.cached_tokens,
+            static_cast<int64_t>(first_prompt.size() + first.tokens.size() - 1));
+  EXPECT_FALSE(second.last.usage.attached) << "not a failover";
+  // Another session, or a prompt that shares nothing, computes everything.
+  const Outcome other = run(second_prompt, "conversation-2");
+  EXPECT_EQ(other.last.usage.cached_tokens, 0);
+  if (GetParam() == "full") {
+    EXPECT_EQ(second.tokens, other.tokens) << "a reused conversation equals a cold run";
+  }
+  const Outcome diverged =
+      run(RandomTokens(30, l_.model->config().vocab_size, 33), "conversation-1");
+  EXPECT_EQ(diverged.last.usage.cached_tokens, 0);
+}
+
+// Idle conversations hold store memory only while nothing running needs it: a store with room
+// for about one long sequence keeps a session, then a new request that needs the room closes
+// it (never a running sequence); and sessions past their TTL are closed.
+TEST_P(Attach, IdleSessionsMakeRoomAndExpire) {
+  KvStoreConfig sc;
+  sc.block_tokens = 16;
+  sc.shared_memory = false;
+  const KvCacheShape& shape = l_.model->kv_shape();
+  // Room for one sequence of 108 tokens and a half: blocks per (layer, KV head, K or V).
+  const size_t block_bytes = KvStore::Create(sc).value()->arena().block_bytes();
+  const size_t rows_per_block = block_bytes / (shape.head_dim * DTypeSize(shape.dtype));
+  const size_t blocks =
+      2 * shape.num_layers * shape.num_kv_heads * ((108 + rows_per_block - 1) / rows_per_block);
+  sc.capacity_bytes = block_bytes * (blocks + blocks / 2);
+  auto small = KvStore::Create(sc);
+  ASSERT_TRUE(small.ok()) << small.status();
+  KvClientConfig cc;
+  cc.transport = KvClientConfig::Transport::kInProcess;
+  cc.store = small->get();
+  auto client = MakeKvStoreClient(cc);
+  ASSERT_TRUE(client.ok());
+  StoreKvCacheOptions options;
+  options.id_base = 100;
+  StoreKvCache cache(*l_.backend, l_.model->kv_shape(), **client, options);
+  EngineConfig config;
+  config.max_running = 1;
+  auto engine = std::make_unique<BatchEngine>(*l_.model, cache, config);
+  auto run = [&](int prompt_tokens, const std::string& session, unsigned seed) {
+    EngineRequest r;
+    r.prompt = RandomTokens(prompt_tokens, l_.model->config().vocab_size, seed);
+    r.session_id = session;
+    r.options = Options(false);
+    r.options.max_new_tokens = 8;
+    r.policy = Policy();
+    EngineEvent last;
+    absl::Notification done;
+    EXPECT_TRUE(engine
+                    ->Submit(std::move(r),
+                             [&](const EngineEvent& e) {
+                               if (e.done) {
+                                 last = e;
+                                 done.Notify();
+                               }
+                             })
+                    .ok());
+    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    return last;
+  };
+  EngineEvent e = run(100, "a", 41);
+  ASSERT_TRUE(e.status.ok()) << e.status.ToString();
+  EXPECT_EQ((*small)->Stats().sequences, 1) << "session a is kept";
+  e = run(100, "b", 42);  // needs the room session a holds
+  ASSERT_TRUE(e.status.ok()) << e.status;
+  EXPECT_EQ((*small)->Stats().sequences, 1) << "a was closed for b, b is kept";
+  engine.reset();
+  EXPECT_EQ((*small)->Stats().sequences, 0) << "a stopping engine closes its sessions";
+  config.session_ttl = absl::ZeroDuration();  // every session past its TTL at once
+  engine = std::make_unique<BatchEngine>(*l_.model, cache, config);
+  e = run(20, "c", 43);
+  ASSERT_TRUE(e.status.ok()) << e.status;
+  EXPECT_EQ((*small)->Stats().sequences, 0) << "an expired session is closed";
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, Attach, ::testing::Values("full", "window", "infinigen"),
