@@ -430,15 +430,24 @@ class GrpcClient final : public QueuedKvClient {
     std::vector<int32_t> k_blocks, v_blocks;  // [heads, blocks_per_head]
   };
 
-  // Sets the call's deadline, then waits (up to half the timeout, at most 1 s) for a channel
+  // Sets the call's deadline, then waits (up to half the timeout, at most 500 ms) for a channel
   // that is not connected to connect. A channel that lost its store reconnects through
   // attempts whose completion only a thread polling the channel notices; fail-fast calls do
   // not poll, and gRPC's backup poller runs every 5 s, so without this wait a restarted store
-  // was reached only after ~5 s of UNAVAILABLE. A dead store still fails the call in time.
+  // was reached only after ~5 s of UNAVAILABLE. After a wait that failed, calls fail at once
+  // for as long as that wait (the store is gone: a step's append and gathers each waiting 1 s
+  // made a dead store reach clients only after 2-3 s); the next call after that waits again.
   void Prepare(grpc::ClientContext& ctx, absl::Duration timeout) {
     ctx.set_deadline(Deadline(timeout));  // the wait counts against the call's timeout
-    if (channel_->GetState(/*try_to_connect=*/true) != GRPC_CHANNEL_READY) {
-      channel_->WaitForConnected(Deadline(std::min(timeout / 2, absl::Seconds(1))));
+    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return;
+    {
+      absl::MutexLock lock(&reconnect_mu_);
+      if (absl::Now() < no_wait_until_) return;
+    }
+    const absl::Duration wait = std::min(timeout / 2, absl::Milliseconds(500));
+    if (!channel_->WaitForConnected(Deadline(wait))) {
+      absl::MutexLock lock(&reconnect_mu_);
+      no_wait_until_ = absl::Now() + wait;
     }
   }
   static std::chrono::system_clock::time_point Deadline(absl::Duration timeout) {
@@ -574,6 +583,8 @@ class GrpcClient final : public QueuedKvClient {
   std::unique_ptr<pb::KvStore::Stub> stub_;
 #if INFINIGEN_HAVE_UCX
   std::unique_ptr<UcxGatherChannel> ucx_;
+  absl::Mutex reconnect_mu_;  // Prepare runs on the append and the queue threads
+  absl::Time no_wait_until_ ABSL_GUARDED_BY(reconnect_mu_) = absl::InfinitePast();
 #endif
   const bool shm_ = config_.transport == KvClientConfig::Transport::kShm;
   // The mapped arena (shm; queue-thread state once the client is made).
