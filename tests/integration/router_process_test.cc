@@ -577,6 +577,31 @@ TEST_F(RouterProcess, SessionsStickAndDrainingWorkersGetNoNewRequests) {
   EXPECT_EQ(busy_worker("session-a"), 1 - a);
 }
 
+// A conversation through the router: the second turn (first prompt + answer + new tokens,
+// same session) takes the first turn's KV over in the store (usage.cached_tokens) and streams
+// what a request without a session streams for the same prompt.
+TEST_F(RouterProcess, AConversationsSecondTurnReusesItsKv) {
+  const std::vector<int32_t> first_prompt = RandomTokens(30, kVocab, 91);
+  v1::GenerateRequest first = Request(first_prompt, 12);
+  first.set_session_id("conversation-x");
+  const StreamResult one = Stream(*stub_, first);
+  ASSERT_TRUE(one.status.ok()) << one.status.error_message();
+  EXPECT_EQ(one.last.usage().cached_tokens(), 0);
+  std::vector<int32_t> second_prompt = first_prompt;
+  second_prompt.insert(second_prompt.end(), one.tokens.begin(), one.tokens.end());
+  for (int32_t t : RandomTokens(9, kVocab, 92)) second_prompt.push_back(t);
+  v1::GenerateRequest second = Request(second_prompt, 12);
+  second.set_session_id("conversation-x");
+  const StreamResult two = Stream(*stub_, second);
+  ASSERT_TRUE(two.status.ok()) << two.status.error_message();
+  EXPECT_EQ(two.last.usage().cached_tokens(),
+            static_cast<int64_t>(first_prompt.size() + one.tokens.size() - 1));
+  const StreamResult cold = Stream(*stub_, Request(second_prompt, 12));
+  ASSERT_TRUE(cold.status.ok()) << cold.status.error_message();
+  EXPECT_EQ(cold.last.usage().cached_tokens(), 0);
+  EXPECT_EQ(two.tokens, cold.tokens);
+}
+
 // A CA and one certificate (for `san`) that every service serves and presents as a client.
 std::string MakeCertificates(const std::string& name = "tls",
                              const std::string& san = "IP:127.0.0.1,DNS:localhost") {
