@@ -26,6 +26,20 @@ absl::StatusOr<infinigen::DType> ToDType(kvstore::v1::DType d) {
   }
 }
 
+// The layout and owner an Open or an Attach names.
+template <typename Request>
+absl::StatusOr<SequenceSpec> SpecOf(const Request& req) {
+  auto dtype = ToDType(req.dtype());
+  if (!dtype.ok()) return dtype.status();
+  SequenceSpec spec;
+  spec.num_layers = static_cast<int>(req.num_layers());
+  spec.num_kv_heads = static_cast<int>(req.num_kv_heads());
+  spec.head_dim = static_cast<int>(req.head_dim());
+  spec.dtype = *dtype;
+  spec.owner = req.owner();
+  return spec;
+}
+
 }  // namespace
 
 KvStoreService::KvStoreService(infinigen::KvStore& store, Clock clock)
@@ -37,13 +51,9 @@ KvStoreService::KvStoreService(infinigen::KvStore& store, Clock clock)
 grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req,
                                   OpenResponse* resp) {
   resp->set_instance(instance_);
-  auto dtype = ToDType(req->dtype());
-  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-  SequenceSpec spec;
-  spec.num_layers = static_cast<int>(req->num_layers());
-  spec.num_kv_heads = static_cast<int>(req->num_kv_heads());
-  spec.head_dim = static_cast<int>(req->head_dim());
-  spec.dtype = *dtype;
+  auto parsed = SpecOf(*req);
+  if (!parsed.ok()) return ToGrpcStatus(parsed.status());
+  SequenceSpec& spec = *parsed;
   spec.capacity_tokens = req->capacity_tokens();
   switch (req->eviction()) {
     case EVICTION_FIFO:
@@ -55,7 +65,6 @@ grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req,
     default:
       spec.eviction = EvictionPolicy::kCounter;
   }
-  spec.owner = req->owner();
   return ToGrpcStatus(store_.Open(req->sequence_id(), spec, clock_()));
 }
 
@@ -157,16 +166,10 @@ grpc::Status KvStoreService::Gather(grpc::ServerContext*, const GatherRequest* r
 grpc::Status KvStoreService::Attach(grpc::ServerContext*, const AttachRequest* req,
                                     AttachResponse* resp) {
   resp->set_instance(instance_);
-  auto dtype = ToDType(req->dtype());
-  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-  SequenceSpec spec;
-  spec.num_layers = static_cast<int>(req->num_layers());
-  spec.num_kv_heads = static_cast<int>(req->num_kv_heads());
-  spec.head_dim = static_cast<int>(req->head_dim());
-  spec.dtype = *dtype;
-  spec.owner = req->owner();
-  auto length =
-      store_.Attach(req->from_sequence_id(), req->sequence_id(), spec, req->max_length(), clock_());
+  auto spec = SpecOf(*req);
+  if (!spec.ok()) return ToGrpcStatus(spec.status());
+  auto length = store_.Attach(req->from_sequence_id(), req->sequence_id(), *spec, req->max_length(),
+                              clock_());
   if (!length.ok()) return ToGrpcStatus(length.status());
   resp->set_length(*length);
   return grpc::Status::OK;

@@ -89,9 +89,8 @@ class Attach : public ::testing::TestWithParam<std::string> {
     o.sampling.seed = 7;
     return o;
   }
-  // One request through an engine over `cache`, to its end.
-  Outcome Complete(StoreKvCache& cache, EngineRequest r) {
-    BatchEngine engine(*l_.model, cache, EngineConfig{});
+  // One request through `engine`, to its end.
+  static Outcome RunOn(BatchEngine& engine, EngineRequest r) {
     Outcome run;
     absl::Notification done;
     auto id = engine.Submit(std::move(r), [&](const EngineEvent& e) {
@@ -105,6 +104,11 @@ class Attach : public ::testing::TestWithParam<std::string> {
     EXPECT_TRUE(id.ok()) << id.status();
     EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
     return run;
+  }
+  // One request through an engine of its own over `cache`.
+  Outcome Complete(StoreKvCache& cache, EngineRequest r) {
+    BatchEngine engine(*l_.model, cache, EngineConfig{});
+    return RunOn(engine, std::move(r));
   }
 
   testing::LoadedModel l_;
@@ -214,20 +218,7 @@ TEST_P(Attach, AConversationsNextTurnPrefillsOnlyItsNewTokens) {
     r.session_id = session;
     r.options = Options(false);
     r.policy = Policy();
-    Outcome out;
-    absl::Notification done;
-    EXPECT_TRUE(engine
-                    .Submit(std::move(r),
-                            [&](const EngineEvent& e) {
-                              if (e.token >= 0) out.tokens.push_back(e.token);
-                              if (e.done) {
-                                out.last = e;
-                                done.Notify();
-                              }
-                            })
-                    .ok());
-    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
-    return out;
+    return RunOn(engine, std::move(r));
   };
   const auto first_prompt = RandomTokens(40, l_.model->config().vocab_size, 31);
   const Outcome first = run(first_prompt, "conversation-1");
@@ -288,19 +279,7 @@ TEST_P(Attach, IdleSessionsMakeRoomAndExpire) {
     r.options = Options(false);
     r.options.max_new_tokens = 8;
     r.policy = Policy();
-    EngineEvent last;
-    absl::Notification done;
-    EXPECT_TRUE(engine
-                    ->Submit(std::move(r),
-                             [&](const EngineEvent& e) {
-                               if (e.done) {
-                                 last = e;
-                                 done.Notify();
-                               }
-                             })
-                    .ok());
-    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
-    return last;
+    return RunOn(*engine, std::move(r)).last;
   };
   EngineEvent e = run(100, "a", 41);
   ASSERT_TRUE(e.status.ok()) << e.status.ToString();
