@@ -299,6 +299,7 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
       first_message = false;
       v1::GenerateResponse out;
       out.mutable_token_ids()->Swap(m.mutable_token_ids());
+      out.mutable_logprobs()->Swap(m.mutable_logprobs());
       out.set_text(std::move(*m.mutable_text()));
       if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
         out.set_finish_reason(m.finish_reason());

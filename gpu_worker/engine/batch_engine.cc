@@ -397,6 +397,8 @@ bool BatchEngine::Step() {
     a.prefilled += len;
     if (a.prefilled < static_cast<int64_t>(a.history.size())) continue;  // more prompt to go
     std::span<float> row(logits_.data() + i * vocab, static_cast<size_t>(vocab));
+    const int logprobs = a.request.options.logprobs;
+    if (logprobs >= 0) raw_row_.assign(row.begin(), row.end());  // sampling changes `row`
     const int32_t token = SampleToken(row, a.request.options.sampling, a.history,
                                       static_cast<uint64_t>(a.history.size()), scratch_);
     const absl::Time now = absl::Now();
@@ -407,6 +409,10 @@ bool BatchEngine::Step() {
     ++generated;
     EngineEvent e;
     e.token = token;
+    if (logprobs >= 0) {
+      e.has_logprobs = true;
+      ComputeLogprobs(raw_row_, token, logprobs, e.logprobs);
+    }
     if (a.generated == 1) {
       e.home = cache_.Home(a.id);
       e.attached = a.attached;

@@ -86,6 +86,9 @@ struct EngineEvent {
   int32_t token = -1;     // -1: none in this event
   uint64_t home = 0;      // with the first token: where other workers find the KV (KvCache::Home)
   bool attached = false;  // with the first token: the KV was taken over (attach_home)
+  // With each token when the request asked for them (GenerateOptions::logprobs >= 0).
+  bool has_logprobs = false;
+  TokenLogprobs logprobs;
   bool done = false;
   FinishReason finish_reason = FinishReason::kLength;
   absl::Status status;  // when done: OK, or why the request failed
@@ -178,6 +181,7 @@ class BatchEngine {
   DecodeStep step_;
   std::vector<std::unique_ptr<Active>> running_;
   std::vector<float> logits_;
+  std::vector<float> raw_row_;  // a token's logits before sampling changes them (logprobs)
   size_t device_bytes_reserved_ = 0;
   absl::flat_hash_map<std::string, Session> sessions_;
   SamplingScratch scratch_;

@@ -33,6 +33,10 @@ absl::Status GenerateOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("max_new_tokens must be >= 0, got ", max_new_tokens));
   }
+  if (logprobs < -1 || logprobs > 20) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.logprobs must be in [0, 20] (alternatives per token), got ", logprobs));
+  }
   if (prefill_chunk_tokens <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill_chunk_tokens must be > 0, got ", prefill_chunk_tokens));

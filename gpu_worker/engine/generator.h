@@ -21,6 +21,9 @@ struct GenerateOptions {
   std::vector<int32_t> stop_token_ids;  // besides the model's EOS ids (unless ignore_eos)
   bool ignore_eos = false;
   int64_t prefill_chunk_tokens = 512;  // prompt tokens per forward pass
+  // Log-probabilities of each generated token (ComputeLogprobs) and of the `logprobs` most
+  // likely alternatives, at most 20; -1: none (BatchEngine only).
+  int logprobs = -1;
 
   // INVALID_ARGUMENT naming the field.
   absl::Status Validate() const;

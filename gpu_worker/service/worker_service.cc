@@ -103,6 +103,7 @@ absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateReques
   o.sampling.min_p = s.min_p();
   o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
   o.sampling.seed = s.seed();
+  o.logprobs = s.has_logprobs() ? s.logprobs() : -1;
   const auto& stop = r.stopping();
   o.max_new_tokens =
       stop.has_max_new_tokens() ? stop.max_new_tokens() : options_.default_max_new_tokens;
@@ -222,6 +223,15 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
         r.add_token_ids(e.token);
         r.set_store_sequence_id(e.home);
         r.set_attached(e.attached);
+        if (e.has_logprobs) {
+          infinigen::v1::Logprobs* lp = r.add_logprobs();
+          lp->set_logprob(e.logprobs.logprob);
+          for (const auto& [id, value] : e.logprobs.top) {
+            infinigen::v1::TokenLogprob* t = lp->add_top();
+            t->set_token_id(id);
+            t->set_logprob(value);
+          }
+        }
         if (decoder) r.set_text(stops.Add(decoder->Add(e.token)));
         // A completed stop string ends the request: the engine frees it at its next step.
         if (stops.stopped()) engine_.Cancel(*id);

@@ -101,4 +101,27 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
   return cand[keep - 1].second;
 }
 
+void ComputeLogprobs(std::span<const float> logits, int32_t token, int top, TokenLogprobs& out) {
+  const int64_t n = static_cast<int64_t>(logits.size());
+  float mx = -INFINITY;
+  for (float l : logits) mx = std::max(mx, l);
+  double sum = 0.0;
+  for (float l : logits) sum += std::exp(static_cast<double>(l) - mx);
+  const double lse = static_cast<double>(mx) + std::log(sum);
+  out.logprob = token >= 0 && token < n ? static_cast<float>(logits[token] - lse) : -INFINITY;
+  out.top.clear();
+  const int64_t k = std::clamp<int64_t>(top, 0, n);
+  if (k == 0) return;
+  // The k best by (logit descending, id ascending), kept sorted in a small array.
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = logits[i];
+    if (static_cast<int64_t>(out.top.size()) == k && !(l > logits[out.top.back().first])) continue;
+    auto at = std::upper_bound(out.top.begin(), out.top.end(), l,
+                               [&](float v, const auto& e) { return v > logits[e.first]; });
+    out.top.insert(at, {static_cast<int32_t>(i), 0.0f});
+    if (static_cast<int64_t>(out.top.size()) > k) out.top.pop_back();
+  }
+  for (auto& [id, lp] : out.top) lp = static_cast<float>(logits[id] - lse);
+}
+
 }  // namespace infinigen

@@ -37,4 +37,14 @@ struct SamplingScratch {
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
                     std::span<const int32_t> history, uint64_t position, SamplingScratch& scratch);
 
+// Log-probabilities under the model's own distribution: the log-softmax of `logits` [vocab]
+// as the model produced them, before temperature, penalties and truncation (what vLLM reports
+// by default), of `token`, and of the `top` most likely tokens, most likely first (ties: the
+// lower id first). The normalizer is summed in double precision.
+struct TokenLogprobs {
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // (token id, log-probability)
+};
+void ComputeLogprobs(std::span<const float> logits, int32_t token, int top, TokenLogprobs& out);
+
 }  // namespace infinigen

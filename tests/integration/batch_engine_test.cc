@@ -267,6 +267,60 @@ TEST_F(Engine, AResumedRequestContinuesAsTheOriginal) {
   EXPECT_EQ(rest.tokens, std::vector<int32_t>(whole.begin() + sent, whole.end()));
 }
 
+// Logprobs: with each generated token, its log-probability and the top alternatives under the
+// model's logits (before sampling changes them), against a double log-softmax of the logits a
+// plain forward pass over the same tokens gives; greedy picks the most likely one.
+TEST_F(Engine, LogprobsAreThoseOfTheModelsLogits) {
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
+  BatchEngine engine(*l_.model, cache, EngineConfig{});
+  for (float temperature : {0.0f, 0.9f}) {
+    const auto prompt = RandomTokens(13, vocab_, 51);
+    EngineRequest r;
+    r.prompt = prompt;
+    r.options.max_new_tokens = 6;
+    r.options.ignore_eos = true;
+    r.options.sampling.temperature = temperature;
+    r.options.sampling.seed = 5;
+    r.options.logprobs = 3;
+    std::vector<EngineEvent> events;
+    absl::Notification done;
+    ASSERT_TRUE(engine
+                    .Submit(std::move(r),
+                            [&](const EngineEvent& e) {
+                              if (e.token >= 0) events.push_back(e);
+                              if (e.done) done.Notify();
+                            })
+                    .ok());
+    ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    ASSERT_EQ(events.size(), 6u);
+    std::vector<int32_t> all = prompt;
+    for (const EngineEvent& e : events) all.push_back(e.token);
+    const std::vector<float> logits = testing::ChunkedLogits(*l_.model, all, 64);
+    for (size_t j = 0; j < events.size(); ++j) {
+      const EngineEvent& e = events[j];
+      ASSERT_TRUE(e.has_logprobs);
+      const float* row = logits.data() + (prompt.size() - 1 + j) * vocab_;
+      double mx = -1e300, sum = 0.0;
+      for (int64_t v = 0; v < vocab_; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+      for (int64_t v = 0; v < vocab_; ++v) sum += std::exp(row[v] - mx);
+      auto lp = [&](int32_t id) { return row[id] - mx - std::log(sum); };
+      EXPECT_NEAR(e.logprobs.logprob, lp(e.token), 1e-4) << "token " << j;
+      ASSERT_EQ(e.logprobs.top.size(), 3u);
+      for (int t = 0; t < 3; ++t) {
+        EXPECT_NEAR(e.logprobs.top[t].second, lp(e.logprobs.top[t].first), 1e-4);
+        if (t > 0) EXPECT_GE(e.logprobs.top[t - 1].second, e.logprobs.top[t].second);
+      }
+      if (temperature == 0.0f) EXPECT_EQ(e.logprobs.top[0].first, e.token);
+    }
+  }
+  EngineRequest bad;
+  bad.prompt = {1, 2, 3};
+  bad.options.logprobs = 21;
+  auto refused = engine.Submit(std::move(bad), [](const EngineEvent&) {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("sampling.logprobs"), std::string::npos);
+}
+
 // Isolation: a batch of 8 decodes over the KV store (in-process, rows read in place or copied);
 // the store loses one sequence after its third token (closed behind the worker's back, as when
 // its lease lapses). That request ends with ABORTED naming the KV cache; the other seven produce

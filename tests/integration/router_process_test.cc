@@ -602,6 +602,34 @@ TEST_F(RouterProcess, AConversationsSecondTurnReusesItsKv) {
   EXPECT_EQ(two.tokens, cold.tokens);
 }
 
+// sampling.logprobs reaches the client through the router: one entry per token, with the
+// asked number of alternatives, the greedy token the most likely; out of range is refused.
+TEST_F(RouterProcess, LogprobsComeWithEachToken) {
+  v1::GenerateRequest r = Request(RandomTokens(10, kVocab, 93), 8);
+  r.mutable_sampling()->set_logprobs(2);
+  grpc::ClientContext c;
+  auto reader = stub_->Generate(&c, r);
+  v1::GenerateResponse m;
+  int tokens = 0;
+  while (reader->Read(&m)) {
+    ASSERT_EQ(m.logprobs_size(), m.token_ids_size());
+    for (int i = 0; i < m.token_ids_size(); ++i) {
+      ASSERT_EQ(m.logprobs(i).top_size(), 2);
+      EXPECT_EQ(m.logprobs(i).top(0).token_id(), m.token_ids(i));
+      EXPECT_FLOAT_EQ(m.logprobs(i).top(0).logprob(), m.logprobs(i).logprob());
+      EXPECT_LE(m.logprobs(i).logprob(), 0.0f);
+      ++tokens;
+    }
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(tokens, 8);
+  r.mutable_sampling()->set_logprobs(21);
+  const StreamResult bad = Stream(*stub_, r);
+  EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.status.error_message().find("sampling.logprobs"), std::string::npos)
+      << bad.status.error_message();
+}
+
 // A CA and one certificate (for `san`) that every service serves and presents as a client.
 std::string MakeCertificates(const std::string& name = "tls",
                              const std::string& san = "IP:127.0.0.1,DNS:localhost") {

@@ -136,3 +136,43 @@ TEST(Sampling, ValidateNamesTheBadField) {
 
 }  // namespace
 }  // namespace infinigen
+
+namespace infinigen {
+namespace {
+
+// Log-probabilities against a plainly written double-precision log-softmax and a full sort:
+// the chosen token's, and the top n in order, ties to the lower id; large logits do not
+// overflow.
+TEST(Logprobs, MatchADoubleLogSoftmaxAndItsOrder) {
+  std::vector<float> logits(1000);
+  uint64_t state = 12345;
+  for (float& l : logits) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    l = static_cast<float>(static_cast<int64_t>(state >> 40) % 2000) / 100.0f + 50.0f;
+  }
+  logits[17] = logits[400] = 80.0f;  // a tie for the best
+  double sum = 0.0, mx = -1e300;
+  for (float l : logits) mx = std::max(mx, static_cast<double>(l));
+  for (float l : logits) sum += std::exp(static_cast<double>(l) - mx);
+  auto reference = [&](int32_t id) { return static_cast<double>(logits[id]) - mx - std::log(sum); };
+  std::vector<int32_t> order(logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  TokenLogprobs got;
+  ComputeLogprobs(logits, 321, 5, got);
+  EXPECT_NEAR(got.logprob, reference(321), 1e-5);
+  ASSERT_EQ(got.top.size(), 5u);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(got.top[i].first, order[i]) << i;
+    EXPECT_NEAR(got.top[i].second, reference(order[i]), 1e-5) << i;
+  }
+  EXPECT_EQ(got.top[0].first, 17);
+  EXPECT_EQ(got.top[1].first, 400);
+  ComputeLogprobs(logits, 17, 0, got);
+  EXPECT_TRUE(got.top.empty());
+  EXPECT_NEAR(got.logprob, reference(17), 1e-5);
+}
+
+}  // namespace
+}  // namespace infinigen
