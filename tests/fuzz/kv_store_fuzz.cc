@@ -39,7 +39,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<uint64_t> opened;
   while (in.remaining_bytes() > 0) {
     const uint64_t seq = in.ConsumeIntegralInRange<uint64_t>(0, 5);
-    switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+    switch (in.ConsumeIntegralInRange<int>(0, 6)) {
       case 0: {  // Open
         infinigen::SequenceSpec spec;
         spec.num_layers = in.ConsumeIntegralInRange<int>(-1, 6);
@@ -99,6 +99,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const int layer = in.ConsumeIntegralInRange<int>(-1, 7);
         (void)store.Length(seq, layer);
         (void)store.Blocks(seq, layer);
+        break;
+      }
+      case 5: {  // Attach: another id, a spec that may not match, any length
+        infinigen::SequenceSpec spec;
+        const auto had = store.Spec(seq);
+        if (had.ok() && in.ConsumeBool()) spec = *had;
+        spec.num_layers =
+            in.ConsumeBool() ? spec.num_layers : in.ConsumeIntegralInRange<int>(-1, 6);
+        spec.owner = "fuzz-2";
+        const uint64_t to = in.ConsumeIntegralInRange<uint64_t>(0, 5);
+        if (store.Attach(seq, to, spec, in.ConsumeIntegralInRange<int64_t>(-2, 120), now).ok()) {
+          opened.push_back(to);
+        }
         break;
       }
       default:
