@@ -305,6 +305,7 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
         out.set_finish_reason(m.finish_reason());
         *out.mutable_usage() = m.usage();
         *out.mutable_timings() = m.timings();
+        if (m.has_stop()) *out.mutable_stop() = m.stop();
         out.set_failovers(failovers);
         out.set_resumes(resumes);
         out.set_seed(wr.sampling().seed());

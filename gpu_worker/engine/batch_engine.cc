@@ -1,6 +1,7 @@
 #include "gpu_worker/engine/batch_engine.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -53,6 +54,13 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
         return absl::InvalidArgumentError(absl::StrCat(
             "token id ", id, " is outside the model's vocabulary [0, ", c.vocab_size, ")"));
       }
+    }
+  }
+  for (const auto& [id, bias] : request.options.logit_bias) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias: token id ", id,
+                                                     " is outside the model's vocabulary [0, ",
+                                                     c.vocab_size, ")"));
     }
   }
   const int64_t resumed = static_cast<int64_t>(request.resume_tokens.size());
@@ -117,6 +125,7 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
   EngineEvent e;
   e.done = true;
   e.finish_reason = reason;
+  e.stop_token = reason == FinishReason::kStop ? a.stop_token : -1;
   e.status = std::move(status);
   RequestUsage& u = e.usage;
   u.prompt_tokens = static_cast<int64_t>(a.request.prompt.size());
@@ -399,6 +408,13 @@ bool BatchEngine::Step() {
     std::span<float> row(logits_.data() + i * vocab, static_cast<size_t>(vocab));
     const int logprobs = a.request.options.logprobs;
     if (logprobs >= 0) raw_row_.assign(row.begin(), row.end());  // sampling changes `row`
+    for (const auto& [id, bias] : a.request.options.logit_bias) row[id] += bias;
+    const int64_t produced = static_cast<int64_t>(a.history.size() - a.request.prompt.size());
+    if (produced < a.request.options.min_tokens) {  // nothing may end it yet
+      for (int32_t stop : a.stops) {
+        if (stop >= 0 && stop < vocab) row[stop] = -INFINITY;
+      }
+    }
     const int32_t token = SampleToken(row, a.request.options.sampling, a.history,
                                       static_cast<uint64_t>(a.history.size()), scratch_);
     const absl::Time now = absl::Now();
@@ -419,6 +435,7 @@ bool BatchEngine::Step() {
     }
     a.sink(e);
     if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
+      a.stop_token = token;
       Finish(a, FinishReason::kStop, absl::OkStatus());
     } else if (static_cast<int64_t>(a.history.size()) >= a.max_total) {
       Finish(a, FinishReason::kLength, absl::OkStatus());

@@ -91,8 +91,9 @@ struct EngineEvent {
   TokenLogprobs logprobs;
   bool done = false;
   FinishReason finish_reason = FinishReason::kLength;
-  absl::Status status;  // when done: OK, or why the request failed
-  RequestUsage usage;   // when done
+  int32_t stop_token = -1;  // when done with kStop: the EOS or stop token that ended it
+  absl::Status status;      // when done: OK, or why the request failed
+  RequestUsage usage;       // when done
 };
 using EventSink = std::function<void(const EngineEvent&)>;
 
@@ -134,11 +135,12 @@ class BatchEngine {
     EventSink sink;
     std::vector<int32_t> history;  // prompt, resumed and generated tokens
     std::vector<int32_t> stops;
-    int64_t prompt_len = 0;  // prompt + resumed tokens: what prefill covers
-    int64_t prefilled = 0;   // tokens of history in the cache
-    int64_t generated = 0;   // tokens sampled here (resumed ones not included)
-    int64_t max_total = 0;   // history length at which the length limit ends the request
-    int64_t cached = 0;      // tokens of history taken over from another worker's KV
+    int64_t prompt_len = 0;   // prompt + resumed tokens: what prefill covers
+    int64_t prefilled = 0;    // tokens of history in the cache
+    int64_t generated = 0;    // tokens sampled here (resumed ones not included)
+    int64_t max_total = 0;    // history length at which the length limit ends the request
+    int64_t cached = 0;       // tokens of history taken over from another worker's KV
+    int32_t stop_token = -1;  // the token that ended it (kStop)
     bool attached = false;
     bool opened = false;
     size_t device_bytes = 0;  // reserved against config_.device_memory_bytes while running

@@ -120,6 +120,9 @@ absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateReques
     }
   }
   o.ignore_eos = stop.ignore_eos();
+  o.min_tokens = stop.min_tokens();
+  for (const auto& [id, bias] : s.logit_bias()) o.logit_bias.emplace_back(id, bias);
+  std::sort(o.logit_bias.begin(), o.logit_bias.end());  // map order is unspecified
   if (stop.stop_strings_size() > 0 && tokenizer_ == nullptr) {
     return absl::FailedPreconditionError(
         "stopping.stop_strings: this worker's model has no tokenizer files to match text against");
@@ -195,7 +198,8 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
 
   std::optional<IncrementalDecoder> decoder;
   StopStringFilter stops(std::vector<std::string>(request->stopping().stop_strings().begin(),
-                                                  request->stopping().stop_strings().end()));
+                                                  request->stopping().stop_strings().end()),
+                         request->stopping().include_stop_str_in_output());
   if (tokenizer_ != nullptr) {
     decoder.emplace(*tokenizer_, request->skip_special_tokens());
     // The text of resumed tokens was sent by the worker before, except what its stop-string
@@ -251,6 +255,11 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       }
       last.set_finish_reason(stops.stopped() ? infinigen::v1::FINISH_REASON_STOP
                                              : ToProto(e.finish_reason));
+      if (stops.stopped()) {
+        last.mutable_stop()->set_stop_string(stops.matched());
+      } else if (e.finish_reason == FinishReason::kStop && e.stop_token >= 0) {
+        last.mutable_stop()->set_token_id(e.stop_token);
+      }
       auto* usage = last.mutable_usage();
       usage->set_prompt_tokens(static_cast<int32_t>(u.prompt_tokens));
       usage->set_generated_tokens(static_cast<int32_t>(u.generated_tokens));

@@ -6,17 +6,24 @@
 
 namespace infinigen {
 
-StopStringFilter::StopStringFilter(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+StopStringFilter::StopStringFilter(std::vector<std::string> stops, bool include_stop)
+    : stops_(std::move(stops)), include_stop_(include_stop) {}
 
 std::string StopStringFilter::Add(absl::string_view delta) {
   if (stopped_) return "";
   held_.append(delta.data(), delta.size());
   if (stops_.empty()) return std::exchange(held_, std::string());
   size_t first = std::string::npos;
-  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  for (const std::string& s : stops_) {
+    const size_t at = held_.find(s);
+    if (at < first) {
+      first = at;
+      matched_ = s;
+    }
+  }
   if (first != std::string::npos) {
     stopped_ = true;
-    std::string out = held_.substr(0, first);
+    std::string out = held_.substr(0, include_stop_ ? first + matched_.size() : first);
     held_.clear();
     return out;
   }

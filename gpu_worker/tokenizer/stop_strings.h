@@ -17,19 +17,26 @@ class StopStringFilter {
   static constexpr int kMaxStops = 8;
   static constexpr size_t kMaxStopBytes = 256;
 
-  explicit StopStringFilter(std::vector<std::string> stops);
+  // `include_stop`: the text sent ends with the stop string that ended it (OpenAI's
+  // include_stop_str_in_output); else it ends before it.
+  explicit StopStringFilter(std::vector<std::string> stops, bool include_stop = false);
 
   // The text that can be sent now. Once a stop string is complete, returns the text before it
-  // and stopped() turns true; later deltas return nothing.
+  // (and the stop string, with include_stop) and stopped() turns true; later deltas return
+  // nothing. The stop string found earliest in the text wins (the first listed on a tie).
   std::string Add(absl::string_view delta);
   // The held-back text at the end of generation (nothing after a stop).
   std::string Finish();
   bool stopped() const { return stopped_; }
+  // The stop string that ended the text ("" while none has).
+  const std::string& matched() const { return matched_; }
   bool empty() const { return stops_.empty(); }
 
  private:
   std::vector<std::string> stops_;
   std::string held_;
+  std::string matched_;
+  bool include_stop_ = false;
   bool stopped_ = false;
 };
 

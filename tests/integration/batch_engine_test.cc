@@ -321,6 +321,59 @@ TEST_F(Engine, LogprobsAreThoseOfTheModelsLogits) {
   EXPECT_NE(refused.status().message().find("sampling.logprobs"), std::string::npos);
 }
 
+// min_tokens, logit_bias and the stop token: a stop token that greedy decoding would emit first
+// ends the request at once and is reported; with min_tokens it cannot end it before then;
+// a +100 bias forces a token, a -100 bias bans one.
+TEST_F(Engine, MinTokensLogitBiasAndTheStopToken) {
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
+  BatchEngine engine(*l_.model, cache, EngineConfig{});
+  const auto prompt = RandomTokens(11, vocab_, 61);
+  GenerateOptions greedy;
+  greedy.max_new_tokens = 8;
+  greedy.ignore_eos = true;
+  greedy.sampling.temperature = 0.0f;
+  const int32_t first = Alone(prompt, greedy).at(0);
+  auto run = [&](const GenerateOptions& o) {
+    EngineRequest r;
+    r.prompt = prompt;
+    r.options = o;
+    // Shared with the sink: the engine thread still holds the collector's lock when it notifies.
+    auto c = std::make_shared<Collector>();
+    EXPECT_TRUE(
+        engine.Submit(std::move(r), [c, sink = c->Sink()](const EngineEvent& e) { sink(e); }).ok());
+    EXPECT_TRUE(c->done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    absl::MutexLock l(&c->mu);
+    return std::make_pair(c->tokens, c->last);
+  };
+  GenerateOptions o = greedy;
+  o.stop_token_ids = {first};
+  auto [stopped, end] = run(o);
+  EXPECT_EQ(stopped, std::vector<int32_t>{first});
+  EXPECT_EQ(end.finish_reason, FinishReason::kStop);
+  EXPECT_EQ(end.stop_token, first);
+  o.min_tokens = 4;
+  auto [held, held_end] = run(o);
+  ASSERT_GE(held.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NE(held[i], first) << "token " << i;
+  if (held_end.finish_reason == FinishReason::kStop) EXPECT_EQ(held.back(), first);
+  GenerateOptions biased = greedy;
+  biased.logit_bias = {{7, 100.0f}};
+  EXPECT_EQ(run(biased).first, std::vector<int32_t>(8, 7));
+  biased.logit_bias = {{first, -100.0f}};
+  EXPECT_NE(run(biased).first.at(0), first);
+  biased.logit_bias = {{first, 101.0f}};
+  EngineRequest bad;
+  bad.prompt = prompt;
+  bad.options = biased;
+  EXPECT_EQ(engine.Submit(std::move(bad), [](const EngineEvent&) {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  biased.logit_bias = {{static_cast<int32_t>(vocab_), 1.0f}};
+  bad.prompt = prompt;
+  bad.options = biased;
+  EXPECT_EQ(engine.Submit(std::move(bad), [](const EngineEvent&) {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // Isolation: a batch of 8 decodes over the KV store (in-process, rows read in place or copied);
 // the store loses one sequence after its third token (closed behind the worker's back, as when
 // its lease lapses). That request ends with ABORTED naming the KV cache; the other seven produce

@@ -630,6 +630,29 @@ TEST_F(RouterProcess, LogprobsComeWithEachToken) {
       << bad.status.error_message();
 }
 
+// The last message names what ended a STOP: the stop token; min_tokens keeps it from ending
+// the stream earlier.
+TEST_F(RouterProcess, TheStopReasonNamesTheTokenAndMinTokensHoldsIt) {
+  const auto prompt = RandomTokens(12, kVocab, 94);
+  const StreamResult free_run = Stream(*stub_, Request(prompt, 6));
+  ASSERT_TRUE(free_run.status.ok());
+  const int32_t first = free_run.tokens.at(0);
+  v1::GenerateRequest r = Request(prompt, 6);
+  r.mutable_stopping()->add_stop_token_ids(first);
+  const StreamResult stopped = Stream(*stub_, r);
+  ASSERT_TRUE(stopped.status.ok()) << stopped.status.error_message();
+  EXPECT_EQ(stopped.tokens, std::vector<int32_t>{first});
+  EXPECT_EQ(stopped.last.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(stopped.last.stop().token_id(), first);
+  r.mutable_stopping()->set_min_tokens(3);
+  const StreamResult held = Stream(*stub_, r);
+  ASSERT_TRUE(held.status.ok()) << held.status.error_message();
+  ASSERT_GE(held.tokens.size(), 3u);
+  EXPECT_NE(held.tokens[0], first);
+  r.mutable_stopping()->set_min_tokens(7);  // more than max_new_tokens
+  EXPECT_EQ(Stream(*stub_, r).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
 // A CA and one certificate (for `san`) that every service serves and presents as a client.
 std::string MakeCertificates(const std::string& name = "tls",
                              const std::string& san = "IP:127.0.0.1,DNS:localhost") {

@@ -51,6 +51,20 @@ TEST(StopStrings, EarliestOfSeveralWins) {
             std::make_pair(std::string("hel"), true));
 }
 
+TEST(StopStrings, SaysWhichStopMatchedAndCanIncludeIt) {
+  StopStringFilter f({"world", "lo w"});
+  EXPECT_EQ(f.matched(), "");
+  EXPECT_EQ(f.Add("hel"), "he");  // "l" might begin "lo w"
+  EXPECT_EQ(f.Add("lo world"), "l");
+  EXPECT_EQ(f.matched(), "lo w");
+  StopStringFilter with({"\n\n", "END"}, /*include_stop=*/true);
+  EXPECT_EQ(with.Add("one\n"), "one");
+  EXPECT_EQ(with.Add("\nrest"), "\n\n");
+  EXPECT_TRUE(with.stopped());
+  EXPECT_EQ(with.matched(), "\n\n");
+  EXPECT_EQ(with.Finish(), "");
+}
+
 TEST(StopStrings, AnySplitGivesTheSameResultAsWholeText) {
   std::mt19937 rng(3);
   const std::string text = "one two three. four five\n\nsix seven eight nine ten";
