@@ -9,12 +9,16 @@
 # kill to the next token, detection included), the prompt tokens the surviving worker
 # prefilled, and the ratio replay / resume of the gap.
 #
-# usage: scripts/bench/resume_vs_replay.sh [prompt_tokens="1024 4096 8000"] [transport=shm]
+# POLICY=infinigen runs the workers with InfiniGen (the sidecar next to the model; a resume then
+# also rebuilds the partial key cache from the stored keys).
+#
+# usage: [POLICY=full] scripts/bench/resume_vs_replay.sh [prompt_tokens="1024 4096 8000"] [transport=shm]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL="$(scripts/setup.sh)"
 PROMPTS="${1:-1024 4096 8000}" TRANSPORT="${2:-shm}"
 BIN=build/bin
+POLICY="${POLICY:-full}"
 LOGS="$(mktemp -d)"
 PIDS=()
 cleanup() {
@@ -45,7 +49,7 @@ run_case() {  # prompt tokens, resume (true|false): prints "gap_ms prefilled_by_
   for i in 0 1; do
     local wp=$([[ $i == 0 ]] && echo "$w0" || echo "$w1") mp=$([[ $i == 0 ]] && echo "$m0" || echo "$m1")
     $BIN/infinigen-worker --model "$MODEL" --listen "127.0.0.1:$wp" --metrics_port "$mp" \
-      --cpu_weights q8 --cpu_kv bf16 --threads 1 --policy full --kv_transport "$TRANSPORT" \
+      --cpu_weights q8 --cpu_kv bf16 --threads 1 --policy "$POLICY" --kv_transport "$TRANSPORT" \
       --kv_store "127.0.0.1:$sp" --prefill_budget 1024 > "$LOGS/w$i.log" 2>&1 &
     PIDS+=($!)
     wpids+=($!)
