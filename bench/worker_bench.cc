@@ -152,6 +152,29 @@ CaseResult RunLocal(BatchEngine& engine, int streams, int64_t vocab, int64_t pro
   return r;
 }
 
+// One line, "profile | label | streams | ...": the decode-only steps of a case (engine counters
+// after minus before), per step in ms, and the backend's copies and waits per layer.
+void PrintProfile(const std::string& label, int streams, const StepProfile& a,
+                  const StepProfile& b) {
+  const double steps = static_cast<double>(b.steps - a.steps);
+  const double layers = static_cast<double>(b.layers - a.layers);
+  if (steps <= 0) return;
+  auto ms = [&](double StepProfile::*phase) { return 1e3 * (b.*phase - a.*phase) / steps; };
+  const BackendCounters c = b.backend - a.backend;
+  const double phases = ms(&StepProfile::speculate) + ms(&StepProfile::preselect) +
+                        ms(&StepProfile::prefetch) + ms(&StepProfile::append) +
+                        ms(&StepProfile::select) + ms(&StepProfile::fetch) +
+                        ms(&StepProfile::attend);
+  std::printf(
+      "profile | %s | %d | %.0f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | "
+      "%.1f | %.1f | %.1f | %.1f |\n",
+      label.c_str(), streams, steps, ms(&StepProfile::total), ms(&StepProfile::speculate),
+      ms(&StepProfile::preselect), ms(&StepProfile::prefetch), ms(&StepProfile::append),
+      ms(&StepProfile::select), ms(&StepProfile::fetch), ms(&StepProfile::attend),
+      ms(&StepProfile::total) - phases, c.synchronizations / layers, c.copies_to_host / layers,
+      c.copies_to_device / layers, c.allocations / steps);
+}
+
 }  // namespace
 
 // Partial channels of a random-weight model: the first 13 RoPE pairs (26 channels) of every KV
@@ -354,8 +377,10 @@ int main(int argc, char** argv) {
     RunLocal(*engine, 1, vocab, 16, 4, make_policy);
   }
   for (int n : streams) {
+    const StepProfile before = engine ? engine->Stats().decode_profile : StepProfile();
     CaseResult r = stub ? RunRemote(*stub, n, vocab, prompt, new_tokens, policy)
                         : RunLocal(*engine, n, vocab, prompt, new_tokens, make_policy);
+    if (engine) PrintProfile(label, n, before, engine->Stats().decode_profile);
     std::printf("| %s | %d | %.1f | %.2f | %.2f | %d |\n", label.c_str(), n,
                 static_cast<double>(r.tokens) / r.seconds, 1e3 * Percentile(r.gaps, 0.5),
                 1e3 * Percentile(r.gaps, 0.99), r.errors);

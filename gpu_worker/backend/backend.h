@@ -7,6 +7,7 @@
 // operation, so a decode step allocates nothing once its workspace exists.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -98,9 +99,39 @@ struct Weight {
   const void* data() const { return buffer ? buffer->data() : nullptr; }
 };
 
+// What a backend was asked to do that costs more than launching work: allocations, copies between
+// host and backend memory, and waits for the device (a copy to the host waits too). A decode step
+// on a GPU should do none of them once its workspaces exist (docs/cuda.md).
+struct BackendCounters {
+  int64_t allocations = 0;
+  int64_t copies_to_device = 0;
+  int64_t copies_to_host = 0;
+  int64_t synchronizations = 0;
+
+  BackendCounters operator-(const BackendCounters& o) const {
+    return {allocations - o.allocations, copies_to_device - o.copies_to_device,
+            copies_to_host - o.copies_to_host, synchronizations - o.synchronizations};
+  }
+  BackendCounters& operator+=(const BackendCounters& o) {
+    allocations += o.allocations;
+    copies_to_device += o.copies_to_device;
+    copies_to_host += o.copies_to_host;
+    synchronizations += o.synchronizations;
+    return *this;
+  }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
+
+  // Counts since the backend was made (any thread's calls).
+  BackendCounters counters() const {
+    return {allocations_.load(std::memory_order_relaxed),
+            copies_to_device_.load(std::memory_order_relaxed),
+            copies_to_host_.load(std::memory_order_relaxed),
+            synchronizations_.load(std::memory_order_relaxed)};
+  }
 
   virtual std::string Name() const = 0;
   // The dtype of activations (and of MatViews the model allocates for them).
@@ -175,6 +206,16 @@ class Backend {
   virtual absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                        int64_t num_rows, const AttentionShape& shape, MatView out,
                                        float* weights_out = nullptr) = 0;
+
+ protected:
+  void CountAllocation() { allocations_.fetch_add(1, std::memory_order_relaxed); }
+  void CountCopyToDevice() { copies_to_device_.fetch_add(1, std::memory_order_relaxed); }
+  void CountCopyToHost() { copies_to_host_.fetch_add(1, std::memory_order_relaxed); }
+  void CountSynchronization() { synchronizations_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int64_t> allocations_{0}, copies_to_device_{0}, copies_to_host_{0},
+      synchronizations_{0};
 };
 
 }  // namespace infinigen

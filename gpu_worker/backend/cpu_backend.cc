@@ -72,6 +72,7 @@ size_t CpuBackend::FreeMemory() const {
 }
 
 absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t bytes) {
+  CountAllocation();
   const size_t rounded = (std::max<size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
   void* p = std::aligned_alloc(kAlignment, rounded);
   if (p == nullptr) {
@@ -82,11 +83,13 @@ absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t bytes) {
 }
 
 absl::Status CpuBackend::CopyToDevice(const void* host, void* device, size_t bytes) {
+  CountCopyToDevice();
   std::memcpy(device, host, bytes);
   return absl::OkStatus();
 }
 
 absl::Status CpuBackend::CopyToHost(const void* device, void* host, size_t bytes) {
+  CountCopyToHost();
   std::memcpy(host, device, bytes);
   return absl::OkStatus();
 }

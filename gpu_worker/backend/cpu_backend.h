@@ -35,7 +35,10 @@ class CpuBackend : public Backend {
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
   absl::Status CopyToHost(const void* device, void* host, size_t bytes) override;
-  absl::Status Synchronize() override { return absl::OkStatus(); }
+  absl::Status Synchronize() override {
+    CountSynchronization();
+    return absl::OkStatus();
+  }
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
 

@@ -145,6 +145,7 @@ size_t CudaBackend::FreeMemory() const {
 }
 
 absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
+  CountAllocation();
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
   if (err != cudaSuccess) {
@@ -158,6 +159,7 @@ absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
 
 absl::Status CudaBackend::CopyToDevice(const void* host, void* device, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
+  CountCopyToDevice();
   // From pageable memory the runtime stages the source before returning, so `host` may be
   // reused at once.
   return Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, S(stream_)),
@@ -166,12 +168,15 @@ absl::Status CudaBackend::CopyToDevice(const void* host, void* device, size_t by
 
 absl::Status CudaBackend::CopyToHost(const void* device, void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
+  CountCopyToHost();
+  CountSynchronization();
   IG_RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, S(stream_)),
                            "copy to host"));
   return Check(cudaStreamSynchronize(S(stream_)), "copy to host");
 }
 
 absl::Status CudaBackend::Synchronize() {
+  CountSynchronization();
   return Check(cudaStreamSynchronize(S(stream_)), "synchronize");
 }
 

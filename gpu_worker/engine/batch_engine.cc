@@ -448,6 +448,7 @@ bool BatchEngine::Step() {
   stats_.last_batch_sequences = static_cast<int64_t>(batch.size());
   stats_.prefetch_hits = step_.prefetch_hits();
   stats_.prefetch_misses = step_.prefetch_misses();
+  stats_.decode_profile = step_.profile();
   return true;
 }
 

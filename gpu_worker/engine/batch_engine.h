@@ -113,6 +113,7 @@ struct EngineStats {
   // those that fetched again (DecodeStep::prefetch_hits).
   int64_t prefetch_hits = 0;
   int64_t prefetch_misses = 0;
+  StepProfile decode_profile;  // where decode-only steps spent their time (DecodeStep::profile)
 };
 
 class BatchEngine {

@@ -1,14 +1,42 @@
 #include "gpu_worker/engine/decode_step.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace infinigen {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Adds the time of its scope to *seconds (when not null).
+class ScopedTiming {
+ public:
+  explicit ScopedTiming(double* seconds) : seconds_(seconds) {
+    if (seconds_ != nullptr) t0_ = Clock::now();
+  }
+  ~ScopedTiming() {
+    if (seconds_ != nullptr) *seconds_ += Since(t0_);
+  }
+  ScopedTiming(const ScopedTiming&) = delete;
+  ScopedTiming& operator=(const ScopedTiming&) = delete;
+
+ private:
+  double* seconds_;
+  Clock::time_point t0_;
+};
+
+}  // namespace
 
 DecodeStep::DecodeStep(Model& model, KvCache& cache) : model_(model), cache_(cache) {
   // The one place that asks what kind of cache this is.
@@ -153,12 +181,23 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
 
 absl::Status DecodeStep::Forward(std::span<const ForwardChunk> batch, std::span<float> logits) {
   completed_ = false;
+  const Clock::time_point t0 = Clock::now();
+  const BackendCounters counters0 = model_.backend().counters();
+  profiling_ = !batch.empty() && std::all_of(batch.begin(), batch.end(), [](const ForwardChunk& c) {
+    return c.tokens.size() == 1;
+  });
   IG_RETURN_IF_ERROR(Plan(batch));
   // Layer 0's rows start moving before the embedding; every later layer's during the one
   // before it.
   if (streamed_ != nullptr && num_tokens_ > 0) IG_RETURN_IF_ERROR(Prefetch(0));
   IG_RETURN_IF_ERROR(model_.Forward(model_chunks_, *this, logits));
   completed_ = true;
+  if (profiling_) {
+    profile_.steps += 1;
+    profile_.layers += model_.config().num_layers;
+    profile_.total += Since(t0);
+    profile_.backend += model_.backend().counters() - counters0;
+  }
   for (const absl::Status& st : chunk_status_) IG_RETURN_IF_ERROR(st);
   return absl::OkStatus();
 }
@@ -240,6 +279,7 @@ absl::Status DecodeStep::BeforeLayer(int layer, MatView attention_input, MatView
     speculate = spec_rows_[b] >= 0 && batch_[b].policy->SpeculatesFor(layer + 1);
   }
   if (speculate) {
+    ScopedTiming timing(Timing(&StepProfile::speculate));
     IG_RETURN_IF_ERROR(Speculate(layer + 1, attention_input, residual));
     spec_layer_[(layer + 1) % 2] = layer + 1;
   }
@@ -259,6 +299,7 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
   const int64_t kv_heads = model_.config().num_kv_heads;
   // The speculated queries of the layer, for policies that preselect from them.
   const bool preselect = !cache.addresses_only();
+  std::optional<ScopedTiming> timing(Timing(&StepProfile::preselect));
   HostRows spec_q;
   const bool speculated = spec_layer_[next_layer % 2] == next_layer;
   if (speculated && preselect) {
@@ -300,6 +341,7 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
       return absl::OkStatus();
     });
   }
+  timing.emplace(Timing(&StepProfile::prefetch));  // ends after the submission below
   // The batch's prefetches of this layer travel together.
   cache.BeginPrefetches();
   absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
@@ -343,6 +385,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   const bool any_policy = std::any_of(batch.begin(), batch.end(),
                                       [](const ForwardChunk& chunk) { return chunk.policy; });
   HostRows host_q, host_k, spec_q;
+  std::optional<ScopedTiming> timing(Timing(&StepProfile::select));
   if (any_policy) {
     IG_ASSIGN_OR_RETURN(host_q, ToHost(q, host_q_));
     IG_ASSIGN_OR_RETURN(host_k, ToHost(k, host_k_));
@@ -352,6 +395,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   }
 
   // Pass 1: store every chunk's K/V (in order: cache calls).
+  timing.emplace(Timing(&StepProfile::append));
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
@@ -380,6 +424,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   }
 
   // The policies see the keys and choose the rows of each decode token, sequences in parallel.
+  timing.emplace(Timing(&StepProfile::select));
   ForEachPolicy([&](size_t b) -> absl::Status {
     const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
@@ -414,6 +459,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   // A streamed cache starts fetching what the prefetch during the previous layer did not
   // bring, so that the fetches of later sequences overlap the attention of earlier ones in
   // pass 2.
+  timing.emplace(Timing(&StepProfile::prefetch));
   for (size_t b = 0; b < batch.size() && streamed_ != nullptr; ++b) {
     const ForwardChunk& chunk = batch[b];
     const Selection& selection = selections_[b];
@@ -437,7 +483,13 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     if (!st.ok()) FailKv(b, layer, st);
   }
 
-  // Pass 2: attention of every chunk over its rows.
+  // Pass 2: attention of every chunk over its rows (the fetches in it timed apart).
+  timing.reset();
+  const double fetch_before = profile_.fetch;
+  const Clock::time_point pass2 = Clock::now();
+  absl::Cleanup attend_time = [&] {
+    if (profiling_) profile_.attend += Since(pass2) - (profile_.fetch - fetch_before);
+  };
   const AttentionShape shape{static_cast<int>(c.num_heads), static_cast<int>(c.num_kv_heads),
                              static_cast<int>(c.head_dim),
                              1.0f / std::sqrt(static_cast<float>(c.head_dim))};
@@ -477,7 +529,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       // The rows prefetched during the previous layer, packed [num_kv_heads, count], then one
       // row per head for the current token, which this step computed itself.
       const Prefetched& pre = prefetched_[layer % 2][b];
-      absl::StatusOr<KvLayerView> fetched = streamed_->Fetch(chunk.seq, layer);
+      absl::StatusOr<KvLayerView> fetched = TimedFetch(chunk.seq, layer);
       if (!fetched.ok()) {
         FailKv(b, layer, fetched.status());
         continue;
@@ -517,7 +569,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
           static_cast<int64_t>(pre.map.size()) / kv_heads, selection, out.Rows(row, 1)));
     } else if (streamed_ != nullptr) {
       // The rows fetched in pass 1 (all of them, or the selection), packed in selection order.
-      absl::StatusOr<KvLayerView> fetched = streamed_->Fetch(chunk.seq, layer);
+      absl::StatusOr<KvLayerView> fetched = TimedFetch(chunk.seq, layer);
       if (!fetched.ok()) {
         FailKv(b, layer, fetched.status());
         continue;
@@ -550,6 +602,11 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<KvLayerView> DecodeStep::TimedFetch(SequenceId seq, int layer) {
+  ScopedTiming timing(Timing(&StepProfile::fetch));
+  return streamed_->Fetch(seq, layer);
 }
 
 bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,

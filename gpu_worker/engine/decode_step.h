@@ -32,6 +32,24 @@
 
 namespace infinigen {
 
+// Where the host time of decode-only steps went (steps whose every chunk is one decode token;
+// prefills are not counted). On a GPU the host runs ahead of the device except where it waits (a
+// copy to the host, a synchronize, a fetch), so a phase is its host work plus the waits in it,
+// and what the phases leave of `total` is the model's own layers (their launches on a GPU).
+struct StepProfile {
+  int64_t steps = 0;
+  int64_t layers = 0;       // layers those steps ran (steps x the model's layers)
+  double total = 0;         // seconds in Forward
+  double speculate = 0;     // the next layer's partial queries
+  double preselect = 0;     // the policies' guesses of the next layer's rows (and their copies)
+  double prefetch = 0;      // handing rows to the cache to move (and refetching misses)
+  double append = 0;        // storing the new tokens' K/V
+  double select = 0;        // the policies' exact selection (and the copies they read)
+  double fetch = 0;         // waiting for the fetched rows and placing them
+  double attend = 0;        // decode attention over them
+  BackendCounters backend;  // allocations, copies and synchronizations during those steps
+};
+
 struct ForwardChunk {
   SequenceId seq = 0;
   int64_t start = 0;                // tokens of `seq` already in the cache (= first position)
@@ -79,6 +97,8 @@ class DecodeStep final : private LayerAttention {
   // (hits), and those that had to fetch again (misses). Streamed caches only.
   int64_t prefetch_hits() const { return prefetch_hits_; }
   int64_t prefetch_misses() const { return prefetch_misses_; }
+  // Since the step was made.
+  const StepProfile& profile() const { return profile_; }
 
  private:
   // LayerAttention.
@@ -111,6 +131,8 @@ class DecodeStep final : private LayerAttention {
   // Whether every row of `selection` (chunk b's, at the layer prefetched for it) is among the
   // prefetched candidates or is the current token (a selection of all rows: whether every row
   // was prefetched); fills the chunk's row map if so.
+  // streamed_->Fetch, timed as the fetch phase.
+  absl::StatusOr<KvLayerView> TimedFetch(SequenceId seq, int layer);
   bool MapPrefetched(size_t b, int layer, const Selection& selection, const int32_t* current_slots);
   struct Prefetched;
   bool Miss(Prefetched& pre);
@@ -122,6 +144,8 @@ class DecodeStep final : private LayerAttention {
   template <typename Work>
   void ForEachPolicy(const Work& work);
   bool Failed(size_t b) const { return !chunk_status_[b].ok(); }
+  // The phase of profile_ to add a scope's time to; null when this step is not profiled.
+  double* Timing(double StepProfile::*phase) { return profiling_ ? &(profile_.*phase) : nullptr; }
   // Chunk b fails with `status` (its first failure is kept).
   void Fail(size_t b, absl::Status status);
   // Chunk b fails because the cache could not store or read its rows at `layer` (NOT_FOUND
@@ -186,6 +210,8 @@ class DecodeStep final : private LayerAttention {
   std::vector<absl::Status> chunk_status_;  // per chunk of the current batch
   bool completed_ = false;
   int64_t prefetch_hits_ = 0, prefetch_misses_ = 0;
+  StepProfile profile_;
+  bool profiling_ = false;        // the current batch is decode tokens only
   bool speculating_ = false;      // some chunk of the current batch speculates
   int spec_layer_[2] = {-1, -1};  // the layer whose partial queries spec_q_[parity] holds
 };

@@ -2,6 +2,7 @@
 # Packs GPU binaries built on this machine for a GPU machine that cannot build them (no gRPC,
 # absl or GoogleTest there): copies them to OUT/bin and every shared library they need, except
 # glibc, the C++ runtime and CUDA's own (the GPU machine has newer ones), to OUT/lib.
+# Writes OUT.tgz too: carry that (scripts/gpu/run.sh unpacks it; the folder is over the limit).
 #   scripts/gpu/pack.sh OUT BINARY...
 set -euo pipefail
 out=$1
@@ -19,3 +20,5 @@ for bin in "$@"; do
   done
 done
 du -sh "$out"
+tar -czf "$out.tgz" "$out"
+ls -la "$out.tgz"

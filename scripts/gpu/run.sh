@@ -1,43 +1,65 @@
 #!/usr/bin/env bash
-# The GPU job, one command on a GPU machine: builds the GPU targets (unless BIN names a folder
-# that has them, e.g. one packed by scripts/gpu/pack.sh: the served-path benchmark needs gRPC,
-# which GPU machines here lack, so pack it: scripts/gpu/pack.sh .gpu build/bin/worker_bench
-# build/bin/cuda_*_test build/bin/gpu_decode_bench), runs the gpu tests, the served decode path
+# The GPU job, one command on a GPU machine: the gpu tests, the served decode path
 # (scripts/gpu/served_decode.sh: the product's engine over the KV store, random
-# Llama-3.1-8B-shaped weights), the standalone kernel pipeline (gpu_decode_bench, a component
-# benchmark) and the transformers peer, and prints the served table last. Results under OUT.
-#   scripts/gpu/run.sh [gpu_decode_bench flags...]
-# SERVED="contexts|batches|new_tokens" picks the served cases (default "8192 32768|1 8 16|16").
+# Llama-3.1-8B-shaped weights) and the transformers peer; the served table prints last. Results
+# under OUT. GPU machines here have no gRPC, absl or GoogleTest, so build here and pack:
+#   scripts/gpu/pack.sh .gpu   (writes .gpu.tgz; carry it: the script unpacks it)
+# or point BIN at a folder with the binaries; with neither it builds what it can (no services).
+#   scripts/gpu/run.sh
+# BUDGET (s, default 540) bounds the whole job: served cases that would start later are skipped.
+# CASES (default "8192:1 32768:1 8192:8 8192:16 32768:8 32768:16") and NEW (16) pick the served
+# runs (MODES its modes, see served_decode.sh); HF_SHAPES those of the peer ("none": no peer);
+# COMPONENT=1 also runs gpu_decode_bench (a component pipeline,
+# not the product).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-BIN=${BIN:-build/bin}
+start=$(date +%s)
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-if [ ! -x "$BIN/gpu_decode_bench" ]; then
+if [ -f .gpu.tgz ]; then
+  mkdir -p /tmp/gpu && tar -xzf .gpu.tgz -C /tmp/gpu
+  BIN=/tmp/gpu/.gpu/bin
+  export LD_LIBRARY_PATH=/tmp/gpu/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+fi
+BIN=${BIN:-build/bin}
+if [ ! -x "$BIN/cuda_model_test" ]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DINFINIGEN_WITH_SERVICES=OFF &&
     cmake --build build --target cuda_backend_test cuda_kernels_test cuda_model_test \
       gpu_decode_bench || exit 1
 fi
-nvidia-smi -L | tee "$OUT/device.txt"
+# Tests find fixtures and sibling binaries through these (their compiled-in paths are this
+# machine's only when they were built here).
+export INFINIGEN_SOURCE_DIR=$PWD INFINIGEN_BINARY_DIR=$(dirname "$BIN")
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 status=0
-for t in cuda_backend_test cuda_kernels_test cuda_model_test; do
-  "$BIN/$t" --gtest_brief=1 2>&1 | tee -a "$OUT/tests.log" | tail -3 || status=1
+for t in cuda_backend_test cuda_kernels_test cuda_model_test worker_gpu_test; do
+  [ -x "$BIN/$t" ] || continue
+  echo "== $t" >> "$OUT/tests.log"
+  timeout 120 "$BIN/$t" --gtest_brief=1 >> "$OUT/tests.log" 2>&1 || status=1
 done
+reserve=90  # seconds kept for the peer
+[ "${HF_SHAPES:-}" = none ] && reserve=15
 if [ -x "$BIN/worker_bench" ]; then
-  IFS='|' read -r contexts batches new <<< "${SERVED:-8192 32768|1 8 16|16}"
-  BIN=$BIN scripts/gpu/served_decode.sh "$contexts" "$batches" "$new" 2>&1 |
-    tee "$OUT/served.md" || status=1
+  DEADLINE=$((start + ${BUDGET:-540} - reserve)) CASE_TIMEOUT=${CASE_TIMEOUT:-150} \
+    CASES=${CASES:-8192:1 32768:1 8192:8 8192:16 32768:8 32768:16} BIN=$BIN \
+    PROFILE_OUT=$OUT/profile.md \
+    scripts/gpu/served_decode.sh "" "" "${NEW:-16}" 2>&1 | tee "$OUT/served.md" || status=1
 else
   echo "no $BIN/worker_bench: the served path was not measured (pack it, see above)" |
     tee "$OUT/served.md"
 fi
-"$BIN/gpu_decode_bench" "$@" 2>&1 | tee "$OUT/bench.md" || status=1
-python3 scripts/gpu/hf_peer.py 2>&1 | grep -v Warning | tee "$OUT/hf.md" || status=1
+if [ "${COMPONENT:-0}" = 1 ]; then
+  timeout 120 "$BIN/gpu_decode_bench" 2>&1 | tee "$OUT/bench.md" || status=1
+fi
+left=$((start + ${BUDGET:-540} - $(date +%s) - 10))
+if [ "$left" -gt 30 ] && [ "${HF_SHAPES:-}" != none ]; then
+  timeout "$left" env PYTHONUNBUFFERED=1 python3 scripts/gpu/hf_peer.py \
+    --shapes "${HF_SHAPES:-8192x1,32768x1,8192x8}" 2>&1 | grep -v Warning | tee "$OUT/hf.md"
+fi
 echo
-grep -E "PASSED|FAILED" "$OUT/tests.log"
-grep -E "^device|^gather" "$OUT/bench.md"
-sed -n '/^| context/,$p' "$OUT/bench.md"
-sed -n '/^Hugging Face/,$p' "$OUT/hf.md"
+cat "$OUT/device.txt"
+grep -E "^\[  (PASSED|FAILED) |^== |tests, listed below" "$OUT/tests.log"
+sed -n '/^Hugging Face/,$p' "$OUT/hf.md" 2>/dev/null
 echo "served decode path (worker engine + KV store, random Llama-3.1-8B weights):"
 cat "$OUT/served.md"
 exit $status

@@ -6,6 +6,14 @@
 # all K/V resident on the GPU, per context and batch. One markdown table, last.
 #   BIN=build/bin scripts/gpu/served_decode.sh [contexts="8192 32768"] [batches="1 8 16"]
 #       [new_tokens=16] [config=scripts/gpu/llama31_8b.json]
+# CASES="8192:1 32768:1 ..." runs those context:batch pairs in that order instead of every pair;
+# DEADLINE (epoch seconds) skips the cases that would start after it and stops one at it; CASE_TIMEOUT (s) bounds one
+# worker_bench run; KV_MB sets the store's host RAM (default: the case's K/V at Llama-3.1-8B's
+# 128 KiB per token, plus a quarter). MODES (default "infinigen infinigen-dg full full-dg
+# resident"): -dg = the GPU reads the rows from the store's registered memory (--kv-device-gather)
+# instead of the store copying them into staging that is then copied to the device. A second
+# table says where each case's decode steps spent their host time (DecodeStep's profile); its
+# rows are also appended to PROFILE_OUT as each case ends.
 # CPU check of the same path (tiny shape): DEVICE=cpu scripts/gpu/served_decode.sh "200" "1 2" 4
 #   tests/fixtures/hf/llama31_gqa/config.json
 set -uo pipefail
@@ -13,22 +21,55 @@ cd "$(dirname "$0")/../.."
 BIN=${BIN:-build/bin}
 DEVICE=${DEVICE:-cuda}
 CONTEXTS=${1:-8192 32768} BATCHES=${2:-1 8 16} NEW=${3:-16} CONFIG=${4:-scripts/gpu/llama31_8b.json}
-KV_MB=${KV_MB:-98304}  # host RAM for the store: 16 x 32K tokens of Llama-3.1-8B is 64 GiB
+if [ -z "${CASES:-}" ]; then
+  CASES=""
+  for ctx in $CONTEXTS; do for batch in $BATCHES; do CASES+="$ctx:$batch "; done; done
+fi
+profiles=()
 echo "| context | batch | mode | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
 echo "|---:|---:|---|---:|---:|---:|---:|"
-for ctx in $CONTEXTS; do
-  for batch in $BATCHES; do
-    for mode in infinigen full resident; do
-      case $mode in
-        infinigen) flags=(--kv store --policy infinigen) ;;
-        full) flags=(--kv store --policy full) ;;
-        resident) flags=(--kv resident --policy full) ;;
-      esac
-      row=$("$BIN/worker_bench" --random "$CONFIG" --device "$DEVICE" --streams "$batch" \
-        --prompt-tokens "$ctx" --new-tokens "$NEW" --prefill-budget "$ctx" \
-        --kv-capacity-mb "$KV_MB" --label "$mode" "${flags[@]}" 2>&1 | grep '^|' | tail -1)
-      # "| label | streams | tok/s | p50 | p99 | errors |" -> with the context in front
-      echo "| $ctx | ${row#| }" | sed "s/| $mode | $batch |/| $batch | $mode |/"
-    done
+for c in $CASES; do
+  ctx=${c%:*} batch=${c#*:}
+  kv_mb=${KV_MB:-$((ctx * batch / 8 * 5 / 4 + 1024))}
+  for mode in ${MODES:-infinigen infinigen-dg full full-dg resident}; do
+    limit=${CASE_TIMEOUT:-600}
+    if [ -n "${DEADLINE:-}" ]; then  # a case may not run past the deadline either
+      left=$((DEADLINE - $(date +%s)))
+      if [ "$left" -le 5 ]; then
+        echo "| $ctx | $batch | $mode | skipped: out of time | | | |"
+        continue
+      fi
+      [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    case $mode in
+      infinigen) flags=(--kv store --policy infinigen) ;;
+      infinigen-dg) flags=(--kv store --policy infinigen --kv-device-gather true) ;;
+      full) flags=(--kv store --policy full) ;;
+      full-dg) flags=(--kv store --policy full --kv-device-gather true) ;;
+      resident) flags=(--kv resident --policy full) ;;
+      *) echo "unknown mode $mode" >&2; exit 2 ;;
+    esac
+    out=$(timeout "$limit" "$BIN/worker_bench" --random "$CONFIG" --device "$DEVICE" \
+      --streams "$batch" --prompt-tokens "$ctx" --new-tokens "$NEW" --prefill-budget "$ctx" \
+      --kv-capacity-mb "$kv_mb" --label "$mode" "${flags[@]}" 2>&1)
+    rc=$?
+    row=$(grep '^|' <<< "$out" | tail -1)
+    prof=$(grep '^profile |' <<< "$out" | tail -1)
+    if [ -n "$prof" ]; then
+      profiles+=("| $ctx ${prof#profile }")
+      # as it comes too, so that a run cut short keeps what it measured
+      [ -n "${PROFILE_OUT:-}" ] && echo "| $ctx ${prof#profile }" >> "$PROFILE_OUT"
+    fi
+    if [ -z "$row" ]; then
+      echo "| $ctx | $batch | $mode | failed (rc $rc): $(tail -1 <<< "$out" | tr '|' '/') | | | |"
+      continue
+    fi
+    # "| label | streams | tok/s | p50 | p99 | errors |" -> with the context in front
+    echo "| $ctx | ${row#| }" | sed "s/| $mode | $batch |/| $batch | $mode |/"
   done
 done
+echo
+echo "Decode steps' host time per step (ms) and backend calls per layer (syncs, copies) or step (allocations):"
+echo "| context | mode | batch | steps | step | speculate | preselect | prefetch | append | select | fetch | attend | rest (layers) | syncs/layer | to host/layer | to device/layer | allocs/step |"
+echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+for p in "${profiles[@]}"; do echo "$p"; done

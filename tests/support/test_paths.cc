@@ -6,17 +6,27 @@
 #include "common/npy.h"
 
 namespace infinigen::testing {
+namespace {
+
+// The checkout and build folders compiled in, unless the environment names others (test binaries
+// packed here and run on a GPU machine, where the checkout lies elsewhere: scripts/gpu/run.sh).
+std::string Dir(const char* variable, const char* built_in) {
+  const char* p = std::getenv(variable);
+  return p != nullptr && *p ? p : built_in;
+}
+
+}  // namespace
 
 std::string FixturePath(const std::string& relative) {
-  return std::string(INFINIGEN_SOURCE_DIR) + "/tests/fixtures/" + relative;
+  return Dir("INFINIGEN_SOURCE_DIR", INFINIGEN_SOURCE_DIR) + "/tests/fixtures/" + relative;
 }
 
 std::string SharedTestdataPath(const std::string& relative) {
-  return std::string(INFINIGEN_SOURCE_DIR) + "/../shared/testdata/" + relative;
+  return Dir("INFINIGEN_SOURCE_DIR", INFINIGEN_SOURCE_DIR) + "/../shared/testdata/" + relative;
 }
 
 std::string BinaryPath(const std::string& name) {
-  return std::string(INFINIGEN_BINARY_DIR) + "/bin/" + name;
+  return Dir("INFINIGEN_BINARY_DIR", INFINIGEN_BINARY_DIR) + "/bin/" + name;
 }
 
 std::string SmolLm2Path() {
