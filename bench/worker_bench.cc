@@ -12,9 +12,10 @@
 // Llama config, e.g. scripts/gpu/llama31_8b.json; InfiniGen gets a sidecar of 26 channels as
 // whole RoPE pairs), on the GPU (--device cuda [--cuda-dtype bf16]), over the KV store as the
 // worker and `infinigen serve` run it (--kv store: StoreKvCache over an in-process store of
-// --kv-capacity-mb; --kv-device-gather: rows read by the GPU from the store's memory) instead of
-// the resident cache (--kv resident, the all-on-device baseline); --prefill-budget sets the
-// engine's prompt tokens per step (a whole long prompt in one step: its K/V are not read back).
+// --kv-capacity-mb; --kv-device-gather true|false: the GPU reads the rows from the store's
+// memory, the default, or the store copies them into staging) instead of the resident cache
+// (--kv resident, the all-on-device baseline); --prefill-budget sets the engine's prompt tokens
+// per step (a whole long prompt in one step: its K/V are not read back).
 // Each case starts `streams` requests at once (random prompt ids, greedy, EOS ignored) and
 // waits for all; tokens/s = generated tokens / wall time of the case; TPOT = the gaps between
 // consecutive tokens of a stream after its first, over all streams (p50, p99). One markdown row
@@ -217,7 +218,7 @@ int main(int argc, char** argv) {
   std::string target, local, random, streams_list = "1,4,16", policy, label, cpu_weights = "q8";
   std::string device = "cpu", cuda_dtype = "bf16", kv = "resident", cpu_kv = "f32";
   int64_t prompt = 128, new_tokens = 64, threads = 0, kv_capacity_mb = 4096, prefill_budget = 256;
-  bool kv_device_gather = false;
+  bool kv_device_gather = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--target")

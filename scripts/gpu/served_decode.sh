@@ -9,9 +9,10 @@
 # CASES="8192:1 32768:1 ..." runs those context:batch pairs in that order instead of every pair;
 # DEADLINE (epoch seconds) skips the cases that would start after it and stops one at it; CASE_TIMEOUT (s) bounds one
 # worker_bench run; KV_MB sets the store's host RAM (default: the case's K/V at Llama-3.1-8B's
-# 128 KiB per token, plus a quarter). MODES (default "infinigen infinigen-dg full full-dg
-# resident"): -dg = the GPU reads the rows from the store's registered memory (--kv-device-gather)
-# instead of the store copying them into staging that is then copied to the device. A second
+# 128 KiB per token, plus a quarter). MODES (default "infinigen full resident"; also
+# infinigen-copy, full-copy): over the store the GPU reads the rows from its registered memory
+# (--kv-device-gather, the worker's default); -copy = the store copies them into staging that is
+# then copied to the device (what a remote transport does). A second
 # table says where each case's decode steps spent their host time (DecodeStep's profile); its
 # rows are also appended to PROFILE_OUT as each case ends.
 # CPU check of the same path (tiny shape): DEVICE=cpu scripts/gpu/served_decode.sh "200" "1 2" 4
@@ -31,7 +32,7 @@ echo "|---:|---:|---|---:|---:|---:|---:|"
 for c in $CASES; do
   ctx=${c%:*} batch=${c#*:}
   kv_mb=${KV_MB:-$((ctx * batch / 8 * 5 / 4 + 1024))}
-  for mode in ${MODES:-infinigen infinigen-dg full full-dg resident}; do
+  for mode in ${MODES:-infinigen full resident}; do
     limit=${CASE_TIMEOUT:-600}
     if [ -n "${DEADLINE:-}" ]; then  # a case may not run past the deadline either
       left=$((DEADLINE - $(date +%s)))
@@ -43,9 +44,9 @@ for c in $CASES; do
     fi
     case $mode in
       infinigen) flags=(--kv store --policy infinigen) ;;
-      infinigen-dg) flags=(--kv store --policy infinigen --kv-device-gather true) ;;
+      infinigen-copy) flags=(--kv store --policy infinigen --kv-device-gather false) ;;
       full) flags=(--kv store --policy full) ;;
-      full-dg) flags=(--kv store --policy full --kv-device-gather true) ;;
+      full-copy) flags=(--kv store --policy full --kv-device-gather false) ;;
       resident) flags=(--kv resident --policy full) ;;
       *) echo "unknown mode $mode" >&2; exit 2 ;;
     esac
