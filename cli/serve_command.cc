@@ -59,6 +59,9 @@ int RunServe(int argc, char** argv) {
   flags.String("tls-key", &router.tls.key, "the private key of --tls-cert (PEM)");
   flags.String("tls-client-ca", &router.tls.ca, "require client certificates signed by this CA");
   flags.Int("metrics-port", &metrics_port, "router metrics (Prometheus) on this port (0: off)");
+  flags.String("http-listen", &router.http_listen,
+               "also serve the OpenAI-compatible HTTP API (/v1/completions, "
+               "/v1/chat/completions, /v1/models, /health) on this host:port (empty: off)");
   flags.Int("worker-metrics-port", &worker_metrics_port,
             "worker metrics (Prometheus) on this port (0: off)");
   flags.Int("drain-seconds", &drain_seconds, "how long shutdown lets running requests finish");
@@ -111,7 +114,9 @@ int RunServe(int argc, char** argv) {
   auto server = RouterServer::Start(router);
   if (!server.ok()) return ReportError("serve", server.status());
   std::cout << "infinigen serve: serving " << (*runtime)->description() << " on port "
-            << (*server)->port() << std::endl;
+            << (*server)->port();
+  if ((*server)->http_port() > 0) std::cout << ", HTTP on port " << (*server)->http_port();
+  std::cout << std::endl;
 
   WaitForShutdownSignal();
   std::cout << "infinigen serve: draining" << std::endl;

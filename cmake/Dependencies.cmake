@@ -67,6 +67,8 @@ if(INFINIGEN_WITH_SERVICES)
     set(INFINIGEN_HAVE_SERVICES ON)
     # Metrics: prometheus-cpp's core (registry, text format); common/metrics serves them.
     find_package(prometheus-cpp CONFIG REQUIRED)
+    # The OpenAI-compatible HTTP front door (openai/): Boost.Beast and Asio, header-only.
+    find_package(Boost 1.74 REQUIRED)
   endif()
 endif()
 

@@ -42,6 +42,10 @@ ABSL_FLAG(int64_t, stall_timeout_ms, 30000,
           "a stream that has sent tokens and then nothing for max(this, 20 x its mean time per "
           "token) moves to another worker, even if its worker answers health checks");
 ABSL_FLAG(int32_t, metrics_port, 0, "Prometheus metrics on this HTTP port (0: off)");
+ABSL_FLAG(std::string, http_listen, "",
+          "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+          "/v1/models, /health) on this host:port too (empty: off)");
+ABSL_FLAG(int32_t, http_max_connections, 256, "HTTP connections held at once (more: 503)");
 ABSL_FLAG(int64_t, drain_seconds, 30, "how long shutdown lets streams in progress finish");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
 
@@ -63,6 +67,8 @@ int main(int argc, char** argv) {
                 absl::GetFlag(FLAGS_tls_client_ca)};
   config.api_keys_file = absl::GetFlag(FLAGS_api_keys_file);
   config.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  config.http_listen = absl::GetFlag(FLAGS_http_listen);
+  config.http.max_connections = absl::GetFlag(FLAGS_http_max_connections);
   RouterOptions& o = config.options;
   o.max_streams = absl::GetFlag(FLAGS_max_streams);
   o.max_queued = absl::GetFlag(FLAGS_max_queued);
@@ -96,7 +102,9 @@ int main(int argc, char** argv) {
   }
   std::cout << "infinigen-router: serving on port " << (*server)->port() << ", "
             << (*server)->available_workers() << " of " << config.pool.targets.size()
-            << " worker targets available" << std::endl;
+            << " worker targets available";
+  if ((*server)->http_port() > 0) std::cout << "; HTTP on port " << (*server)->http_port();
+  std::cout << std::endl;
 
   WaitForShutdownSignal();
   std::cout << "infinigen-router: draining" << std::endl;

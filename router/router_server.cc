@@ -44,6 +44,14 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
   SetHealth(*r->server_, {v1::Generation::service_full_name()}, true);
+  if (!config.http_listen.empty()) {
+    // In-process: the same service, keys and limits, without TLS or a port in between.
+    config.http.listen = config.http_listen;
+    config.http.max_body_bytes = static_cast<size_t>(4 * config.options.max_request_bytes);
+    IG_ASSIGN_OR_RETURN(r->http_,
+                        openai::HttpFrontDoor::Start(
+                            config.http, r->server_->InProcessChannel(grpc::ChannelArguments())));
+  }
   return r;
 }
 
@@ -62,6 +70,7 @@ void RouterServer::Drain(absl::Duration timeout) {
 
 void RouterServer::Shutdown(absl::Duration grace) {
   if (server_ == nullptr) return;
+  if (http_ != nullptr) http_->Shutdown();  // its calls are the server's: end them first
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
   server_.reset();

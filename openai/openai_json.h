@@ -1,0 +1,96 @@
+// The OpenAI-compatible API's JSON (docs/api.md, "OpenAI-compatible HTTP"): a completion or chat
+// completion request translated into an infinigen.v1 GenerateRequest, and the GenerateResponses
+// of its stream back into OpenAI's objects, streamed (server-sent event chunks) or whole. What
+// the API has and we do not (n > 1, echo, penalties, tools) is refused by name, never ignored.
+// No I/O: the HTTP front door (openai/http_front_door.h) does that.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "infinigen/v1/generation.pb.h"
+#include "nlohmann/json.hpp"
+
+namespace infinigen::openai {
+
+enum class Endpoint { kCompletions, kChatCompletions };
+
+// An error as OpenAI's clients expect it: an HTTP status and {"error": {...}}.
+struct ApiError {
+  ApiError() = default;
+  ApiError(int status, std::string text, std::string error_type = "invalid_request_error",
+           std::string field = "", std::string error_code = "")
+      : http_status(status),
+        message(std::move(text)),
+        type(std::move(error_type)),
+        param(std::move(field)),
+        code(std::move(error_code)) {}
+
+  int http_status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;            // the request field at fault; empty: null
+  std::string code;             // empty: null
+  int retry_after_seconds = 0;  // sent as Retry-After when > 0 (429, 503)
+};
+std::string ErrorJson(const ApiError& error);
+
+struct ParsedRequest {
+  v1::GenerateRequest request;
+  std::string model;  // as the client named it (empty: the served one)
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  // Log probabilities to return: completions' `logprobs` (alternatives per token) or chat's
+  // `logprobs: true` with `top_logprobs`; -1: none.
+  int top_logprobs = -1;
+};
+
+// Parses `body` as a request of `endpoint`. False with `error` (400, naming the field) when it is
+// not one, or asks for something this server does not do.
+bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out, ApiError& error);
+
+// A token's text for logprobs (the model's decoding of that one id).
+using TokenText = std::function<std::string(int32_t)>;
+
+// Turns one request's GenerateResponses into OpenAI's objects.
+class ResponseBuilder {
+ public:
+  ResponseBuilder(Endpoint endpoint, std::string id, int64_t created, std::string model,
+                  int top_logprobs, TokenText token_text);
+
+  // Stream: the server-sent event payloads (JSON) for one GenerateResponse, in order (chat's
+  // first chunk carries the assistant role). The last message's finish reason ends the choice.
+  std::vector<std::string> Chunks(const v1::GenerateResponse& response);
+  // Stream with include_usage: the last chunk (no choices, the usage).
+  std::string UsageChunk() const;
+  // Whole: after every message was given to Add, the one response object.
+  void Add(const v1::GenerateResponse& response);
+  std::string Whole() const;
+
+ private:
+  // The choice's logprobs entries for the tokens of `response` (appended to `into`).
+  void AddLogprobs(const v1::GenerateResponse& response, nlohmann::json& into);
+  nlohmann::json Object(const char* object) const;
+  nlohmann::json UsageJson() const;
+  static const char* FinishReason(v1::FinishReason reason);
+
+  Endpoint endpoint_;
+  std::string id_;
+  int64_t created_;
+  std::string model_;
+  int top_logprobs_;
+  TokenText token_text_;
+  bool role_sent_ = false;
+  int64_t text_offset_ = 0;  // completions' logprobs.text_offset of the next token
+  // Whole: the choice so far.
+  std::string text_;
+  nlohmann::json logprobs_;
+  std::string finish_reason_;  // empty: not finished
+  v1::Usage usage_;
+  bool has_usage_ = false;
+};
+
+}  // namespace infinigen::openai

@@ -1,0 +1,303 @@
+// The OpenAI-compatible HTTP front door of a real `infinigen serve` process (the tiny Llama
+// fixture, prompts as token ids): what HTTP answers equals what the gRPC API answers for the same
+// request, streamed and whole; errors carry OpenAI's codes; a client that hangs up ends its
+// generation. The official openai client's test is tests/integration/openai_client_test.py.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include "infinigen/v1/generation.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/process.h"
+#include "tests/support/test_paths.h"
+#include "tests/support/token_request.h"
+
+namespace infinigen {
+namespace {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using nlohmann::json;
+using testing::FreePort;
+using testing::ServerProcess;
+
+const char* kModel = "hf/llama31_gqa";
+
+struct Reply {
+  int status = 0;
+  std::string body;
+  std::string retry_after;
+  std::string content_type;
+  json Json() const { return json::parse(body, nullptr, false); }
+};
+
+Reply Call(int port, http::verb method, const std::string& target, const std::string& body,
+           const std::string& authorization = "") {
+  net::io_context io;
+  tcp::socket socket(io);
+  beast::error_code ec;
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port), ec);
+  if (ec) return {};
+  http::request<http::string_body> req{method, target, 11};
+  req.set(http::field::host, "127.0.0.1");
+  req.set(http::field::content_type, "application/json");
+  if (!authorization.empty()) req.set(http::field::authorization, authorization);
+  req.body() = body;
+  req.prepare_payload();
+  http::write(socket, req, ec);  // a server may answer (413) and stop reading before the end
+  beast::flat_buffer buffer;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(64 << 20);
+  http::read(socket, buffer, parser, ec);
+  if (ec) return {};
+  const auto& res = parser.get();
+  Reply r;
+  r.status = res.result_int();
+  r.body = res.body();
+  r.retry_after = std::string(res[http::field::retry_after]);
+  r.content_type = std::string(res[http::field::content_type]);
+  return r;
+}
+
+Reply Post(int port, const std::string& target, const json& body,
+           const std::string& authorization = "") {
+  return Call(port, http::verb::post, target, body.dump(), authorization);
+}
+
+// The JSON payloads of a server-sent event stream ("data: ..." lines), [DONE] included as a
+// string.
+std::vector<json> Events(const std::string& body) {
+  std::vector<json> out;
+  size_t at = 0;
+  while ((at = body.find("data: ", at)) != std::string::npos) {
+    const size_t end = body.find("\n\n", at);
+    const std::string data = body.substr(at + 6, end - at - 6);
+    out.push_back(data == "[DONE]" ? json("[DONE]") : json::parse(data, nullptr, false));
+    at = end;
+  }
+  return out;
+}
+
+struct GrpcResult {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  v1::GenerateResponse last;
+};
+
+GrpcResult Grpc(int port, const v1::GenerateRequest& request) {
+  auto stub = v1::Generation::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, request);
+  GrpcResult r;
+  v1::GenerateResponse m;
+  while (reader->Read(&m)) {
+    for (int32_t t : m.token_ids()) r.tokens.push_back(t);
+    for (const v1::Logprobs& lp : m.logprobs()) r.logprobs.push_back(lp.logprob());
+    r.last = m;
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  return r;
+}
+
+class OpenAiHttp : public ::testing::Test {
+ protected:
+  // `infinigen serve` of the tiny fixture, or of `model`.
+  void Start(std::vector<std::string> extra = {}, std::string model = "") {
+    if (model.empty()) model = testing::FixturePath(kModel);
+    grpc_port_ = FreePort();
+    http_port_ = FreePort();
+    std::vector<std::string> args = {
+        "serve", "--model=" + model, "--listen=127.0.0.1:" + std::to_string(grpc_port_),
+        "--http-listen=127.0.0.1:" + std::to_string(http_port_), "--threads=1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    serve_ = std::make_unique<ServerProcess>("infinigen", args, grpc_port_);
+    ASSERT_TRUE(serve_->running()) << "see " << serve_->log_path();
+  }
+  int grpc_port_ = 0, http_port_ = 0;
+  std::unique_ptr<ServerProcess> serve_;
+};
+
+TEST_F(OpenAiHttp, CompletionsEqualTheGrpcApiWholeAndStreamed) {
+  Start();
+  const std::vector<int32_t> prompt = {1, 5, 9, 2, 7};
+  v1::GenerateRequest g;
+  testing::FillTokenRequest(g, prompt, 12, 0.0f, 0);
+  g.mutable_sampling()->set_logprobs(3);
+  const GrpcResult want = Grpc(grpc_port_, g);
+  ASSERT_EQ(want.tokens.size(), 12u);
+
+  const json request = {{"prompt", prompt},
+                        {"max_tokens", 12},
+                        {"temperature", 0},
+                        {"logprobs", 3},
+                        {"model", "llama31_gqa"}};
+  const Reply whole = Post(http_port_, "/v1/completions", request);
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  EXPECT_EQ(whole.content_type, "application/json");
+  const json w = whole.Json();
+  EXPECT_EQ(w["object"], "text_completion");
+  EXPECT_EQ(w["model"], "llama31_gqa");
+  const json& choice = w["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "length");
+  ASSERT_EQ(choice["logprobs"]["token_logprobs"].size(), 12u);
+  for (size_t i = 0; i < 12; ++i) {
+    EXPECT_FLOAT_EQ(choice["logprobs"]["token_logprobs"][i].get<float>(), want.logprobs[i]) << i;
+    EXPECT_EQ(choice["logprobs"]["top_logprobs"][i].size(), 3u) << i;
+  }
+  EXPECT_EQ(w["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(w["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(w["usage"]["total_tokens"], 17);
+  EXPECT_EQ(w["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+  json streamed = request;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  const Reply s = Post(http_port_, "/v1/completions", streamed);
+  ASSERT_EQ(s.status, 200) << s.body;
+  EXPECT_EQ(s.content_type, "text/event-stream");
+  const std::vector<json> events = Events(s.body);
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::vector<float> logprobs;
+  std::string finish;
+  for (size_t i = 0; i + 2 < events.size(); ++i) {
+    const json& c = events[i]["choices"][0];
+    EXPECT_EQ(events[i]["id"], events[0]["id"]);
+    if (c["logprobs"].is_object()) {
+      for (const json& lp : c["logprobs"]["token_logprobs"]) logprobs.push_back(lp.get<float>());
+    }
+    if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+  }
+  EXPECT_EQ(finish, "length");
+  ASSERT_EQ(logprobs.size(), 12u);
+  for (size_t i = 0; i < 12; ++i) EXPECT_FLOAT_EQ(logprobs[i], want.logprobs[i]) << i;
+  const json& usage = events[events.size() - 2];
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 12);
+}
+
+TEST_F(OpenAiHttp, ModelsHealthAndErrorsInOpenAisShape) {
+  Start();
+  const Reply health = Call(http_port_, http::verb::get, "/health", "");
+  EXPECT_EQ(health.status, 200) << health.body;
+  const Reply models = Call(http_port_, http::verb::get, "/v1/models", "");
+  ASSERT_EQ(models.status, 200);
+  EXPECT_EQ(models.Json()["data"][0]["id"], "llama31_gqa");
+
+  auto expect_error = [&](const Reply& r, int status, const std::string& param) {
+    EXPECT_EQ(r.status, status) << r.body;
+    const json j = r.Json();
+    ASSERT_TRUE(j.contains("error")) << r.body;
+    EXPECT_FALSE(j["error"]["message"].get<std::string>().empty());
+    if (!param.empty()) {
+      EXPECT_EQ(j["error"]["param"], param) << r.body;
+    }
+  };
+  expect_error(Call(http_port_, http::verb::post, "/v1/completions", "{not json"), 400, "");
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"n", 2}}), 400, "n");
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"presence_penalty", 1}}),
+               400, "presence_penalty");
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"temperature", 7}}), 400,
+               "temperature");
+  expect_error(Post(http_port_, "/v1/completions", {{"max_tokens", 3}}), 400, "prompt");
+  expect_error(Post(http_port_, "/v1/chat/completions", {{"messages", json::array()}}), 400,
+               "messages");
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"model", "gpt-4"}}), 404,
+               "model");
+  // Refused by the gRPC API behind it, with its message (a token id outside the vocabulary).
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 999999}}}), 400, "");
+  // The fixture has no tokenizer: text prompts are the gRPC API's INVALID_ARGUMENT.
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", "hello"}}), 400, "");
+  expect_error(Call(http_port_, http::verb::get, "/v1/nothing", ""), 404, "");
+  expect_error(Call(http_port_, http::verb::get, "/v1/completions", ""), 405, "");
+  // Larger than 4x the gRPC request limit (the default 1 MiB): 413 before any parsing.
+  expect_error(Call(http_port_, http::verb::post, "/v1/completions", std::string(5 << 20, ' ')),
+               413, "");
+  // The server still serves.
+  EXPECT_EQ(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}}).status,
+            200);
+}
+
+// SmolLM2 (scripts/setup.sh fetches it): slow enough on a CPU that a long generation is still
+// running when the test acts on it.
+TEST_F(OpenAiHttp, KeysAndAFullServerAnswer401And429WithRetryAfter) {
+  const std::string smollm2 = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(smollm2, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  const std::string keys = ::testing::TempDir() + "/openai_http_keys.txt";
+  std::ofstream(keys) << "sk-test-one\n";
+  Start({"--api-keys-file=" + keys, "--max-streams=1", "--max-queued=0"}, smollm2);
+  const json request = {{"prompt", {1, 2, 3}}, {"max_tokens", 4}};
+  const Reply none = Post(http_port_, "/v1/completions", request);
+  EXPECT_EQ(none.status, 401) << none.body;
+  EXPECT_EQ(none.Json()["error"]["type"], "authentication_error");
+  EXPECT_EQ(Post(http_port_, "/v1/completions", request, "Bearer sk-wrong").status, 401);
+  EXPECT_EQ(Post(http_port_, "/v1/completions", request, "bearer sk-test-one").status, 200);
+  // One long stream (seconds) holds the only slot; the next request is 429 with Retry-After.
+  Reply held;
+  std::thread holder([&] {
+    held = Post(http_port_, "/v1/completions",
+                {{"prompt", {1, 2, 3}}, {"max_tokens", 120}, {"ignore_eos", true}},
+                "Bearer sk-test-one");
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const Reply busy = Post(http_port_, "/v1/completions", request, "Bearer sk-test-one");
+  holder.join();
+  EXPECT_EQ(held.status, 200) << held.body;
+  EXPECT_EQ(busy.status, 429) << busy.body;
+  EXPECT_FALSE(busy.retry_after.empty());
+  EXPECT_EQ(busy.Json()["error"]["type"], "rate_limit_error");
+}
+
+TEST_F(OpenAiHttp, AClientThatHangsUpEndsItsGeneration) {
+  const std::string smollm2 = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(smollm2, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  Start({}, smollm2);
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(grpc_port_),
+                                                          grpc::InsecureChannelCredentials()));
+  auto streams = [&] {
+    grpc::ClientContext ctx;
+    v1::ModelInfo info;
+    EXPECT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+    return info.streams();
+  };
+  for (bool stream : {true, false}) {
+    net::io_context io;
+    tcp::socket socket(io);
+    socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), http_port_));
+    http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+    req.set(http::field::host, "127.0.0.1");
+    // Seconds of generation on this CPU: it runs until cancelled.
+    req.body() =
+        json{{"prompt", {1, 2, 3}}, {"max_tokens", 1000}, {"ignore_eos", true}, {"stream", stream}}
+            .dump();
+    req.prepare_payload();
+    http::write(socket, req);
+    int running = 0;
+    for (int i = 0; i < 500 && running == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      running = streams();
+    }
+    ASSERT_EQ(running, 1) << "stream " << stream;
+    socket.close();
+    // 1000 tokens take tens of seconds here; a cancelled one ends within a step or two.
+    for (int i = 0; i < 300 && running != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      running = streams();
+    }
+    EXPECT_EQ(running, 0) << "the generation of a client that left still runs (stream " << stream
+                          << ")";
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
