@@ -18,7 +18,7 @@ BUILD_PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libabsl-dev libopenblas-openmp-dev nlohmann-json3-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libucx-dev prometheus-cpp-dev
+  libucx-dev prometheus-cpp-dev libboost-dev
 )
 scripts/install_packages.sh "${BUILD_PACKAGES[@]}"
 
