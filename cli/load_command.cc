@@ -1,11 +1,14 @@
 // infinigen load: a bounded load generator. N concurrent streams each send Generate requests
 // back to back for T seconds (requests under way at the end finish), then it reports requests/s,
 // tokens/s, time to first token and time between tokens (p50/p99, as the client sees them) and
-// errors by status code. --api worker drives a worker's own API, to compare against the router.
+// errors by status code. --api worker drives a worker's own API, to compare against the router;
+// --api openai the OpenAI-compatible HTTP front door (--server is then its host:port), streamed
+// completions, to compare HTTP against gRPC.
 #include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -15,6 +18,8 @@
 #include "absl/time/clock.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "cli/load_samples.h"
+#include "cli/openai_load.h"
 #include "cli/server_connection.h"
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
@@ -22,21 +27,6 @@
 
 namespace infinigen::cli {
 namespace {
-
-struct LoadSpec {
-  int64_t prompt_tokens = 32, max_tokens = 32, vocab = 0;
-  double temperature = 0.0;
-  double timeout_seconds = 120;  // a request still running this long after the end fails
-  std::string text;
-  absl::Time end;
-};
-
-struct Samples {
-  std::mutex mu;
-  int64_t ok = 0, tokens = 0;
-  std::map<std::string, int64_t> errors;
-  std::vector<double> ttft, gaps;  // seconds
-};
 
 double Percentile(std::vector<double>& v, double p) {
   if (v.empty()) return 0.0;
@@ -91,88 +81,31 @@ void Drive(Stub& stub, const ConnectionFlags& connection, const LoadSpec& spec, 
       ++errors[absl::StrCat(s.error_code(), " ", s.error_message().substr(0, 80))];
     }
   }
-  std::lock_guard<std::mutex> l(out.mu);
-  out.ok += ok;
-  out.tokens += tokens;
-  for (const auto& [k, v] : errors) out.errors[k] += v;
-  out.ttft.insert(out.ttft.end(), ttft.begin(), ttft.end());
-  out.gaps.insert(out.gaps.end(), gaps.begin(), gaps.end());
+  out.Merge(ok, tokens, errors, ttft, gaps);
 }
 
-}  // namespace
+struct Finished {
+  std::unique_ptr<Samples> samples = std::make_unique<Samples>();
+  double elapsed = 0;
+};
 
-int RunLoad(int argc, char** argv) {
-  ConnectionFlags connection;
-  LoadSpec spec;
-  int64_t streams = 16, max_errors = -1;
-  double seconds = 20;
-  std::string api = "public", json_path;
-  FlagSet flags("load", "[--server HOST:PORT] --streams N --seconds T",
-                "Drives N concurrent streams of Generate requests for T seconds and reports "
-                "requests/s, tokens/s, time to first token, time between tokens and errors.");
-  connection.Register(flags);
-  flags.Int("streams", &streams, "concurrent streams");
-  flags.Float("seconds", &seconds, "how long new requests are started");
-  flags.Int("prompt-tokens", &spec.prompt_tokens, "random prompt tokens per request");
-  flags.String("text", &spec.text, "send this prompt text instead of random token ids");
-  flags.Int("max-tokens", &spec.max_tokens, "tokens generated per request (EOS ignored)");
-  flags.Float("temperature", &spec.temperature, "sampling temperature (0 = greedy)");
-  flags.Float("timeout", &spec.timeout_seconds,
-              "seconds after the end that a request may still run (its deadline)");
-  flags.String("api", &api, "public (router, serve) or worker (a worker directly)");
-  flags.String("json", &json_path, "also write the results as JSON to this file");
-  flags.Int("max-errors", &max_errors, "exit 1 when more requests than this fail (-1: never)");
-  auto parsed = flags.Parse(argc, argv);
-  if (!parsed.ok()) return ReportError("load", parsed.status());
-  if (!*parsed) return 0;
-  if (streams < 1 || seconds <= 0 || spec.max_tokens < 1 || spec.prompt_tokens < 1) {
-    return ReportError("load", absl::InvalidArgumentError(
-                                   "--streams, --seconds, --max-tokens and --prompt-tokens must "
-                                   "be positive"));
-  }
-  if (api != "public" && api != "worker") {
-    return ReportError("load", absl::InvalidArgumentError("--api must be public or worker"));
-  }
-  auto channel = connection.Connect();
-  if (!channel.ok()) return ReportError("load", channel.status());
-  auto pub = v1::Generation::NewStub(*channel);
-  auto wrk = worker::v1::Worker::NewStub(*channel);
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    connection.Authorize(ctx);
-    grpc::Status s;
-    if (api == "public") {
-      v1::ModelInfo m;
-      s = pub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &m);
-      spec.vocab = m.vocab_size();
-    } else {
-      worker::v1::InfoResponse m;
-      s = wrk->Info(&ctx, worker::v1::InfoRequest(), &m);
-      spec.vocab = m.vocab_size();
-    }
-    if (!s.ok()) {
-      return ReportError("load", absl::UnavailableError("model info: " + s.error_message()));
-    }
-  }
-
-  Samples samples;
+// Runs `streams` threads of drive(i, samples) from now for `seconds` (spec.end is set).
+template <typename DriveFn>
+Finished RunStreams(int64_t streams, double seconds, LoadSpec& spec, const DriveFn& drive) {
+  Finished f;
   const absl::Time start = absl::Now();
   spec.end = start + absl::Seconds(seconds);
   std::vector<std::thread> threads;
-  for (int i = 0; i < streams; ++i) {
-    threads.emplace_back([&, i] {
-      if (api == "public") {
-        Drive<v1::Generation::Stub, v1::GenerateRequest, v1::GenerateResponse>(*pub, connection,
-                                                                               spec, i, samples);
-      } else {
-        Drive<worker::v1::Worker::Stub, worker::v1::GenerateRequest, worker::v1::GenerateResponse>(
-            *wrk, connection, spec, i, samples);
-      }
-    });
-  }
+  for (int i = 0; i < streams; ++i) threads.emplace_back([&, i] { drive(i, *f.samples); });
   for (auto& t : threads) t.join();
-  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  f.elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  return f;
+}
+
+// Prints (and writes to json_path) what the streams measured; the exit code.
+int Report(Finished f, int64_t streams, const std::string& json_path, int64_t max_errors) {
+  Samples& samples = *f.samples;
+  const double elapsed = f.elapsed;
   int64_t errors = 0;
   for (const auto& [k, v] : samples.errors) errors += v;
 
@@ -203,6 +136,90 @@ int RunLoad(int argc, char** argv) {
   for (const auto& [k, v] : samples.errors) std::cout << "  error " << k << ": " << v << "\n";
   if (!json_path.empty()) std::ofstream(json_path) << j.dump(2) << "\n";
   return max_errors >= 0 && errors > max_errors ? 1 : 0;
+}
+
+}  // namespace
+
+int RunLoad(int argc, char** argv) {
+  ConnectionFlags connection;
+  LoadSpec spec;
+  int64_t streams = 16, max_errors = -1;
+  double seconds = 20;
+  std::string api = "public", json_path;
+  FlagSet flags("load", "[--server HOST:PORT] --streams N --seconds T",
+                "Drives N concurrent streams of Generate requests for T seconds and reports "
+                "requests/s, tokens/s, time to first token, time between tokens and errors.");
+  connection.Register(flags);
+  flags.Int("streams", &streams, "concurrent streams");
+  flags.Float("seconds", &seconds, "how long new requests are started");
+  flags.Int("prompt-tokens", &spec.prompt_tokens, "random prompt tokens per request");
+  flags.String("text", &spec.text, "send this prompt text instead of random token ids");
+  flags.Int("max-tokens", &spec.max_tokens, "tokens generated per request (EOS ignored)");
+  flags.Float("temperature", &spec.temperature, "sampling temperature (0 = greedy)");
+  flags.Float("timeout", &spec.timeout_seconds,
+              "seconds after the end that a request may still run (its deadline)");
+  flags.String("api", &api,
+               "public (router, serve), worker (a worker directly) or openai (the HTTP front "
+               "door at --server)");
+  flags.String("json", &json_path, "also write the results as JSON to this file");
+  flags.Int("max-errors", &max_errors, "exit 1 when more requests than this fail (-1: never)");
+  auto parsed = flags.Parse(argc, argv);
+  if (!parsed.ok()) return ReportError("load", parsed.status());
+  if (!*parsed) return 0;
+  if (streams < 1 || seconds <= 0 || spec.max_tokens < 1 || spec.prompt_tokens < 1) {
+    return ReportError("load", absl::InvalidArgumentError(
+                                   "--streams, --seconds, --max-tokens and --prompt-tokens must "
+                                   "be positive"));
+  }
+  if (api != "public" && api != "worker" && api != "openai") {
+    return ReportError("load",
+                       absl::InvalidArgumentError("--api must be public, worker or openai"));
+  }
+  if (api == "openai") {
+    if (spec.text.empty() && spec.vocab <= 0) {
+      spec.vocab = 32;  // random ids below any vocabulary's size: HTTP has no model info here
+    }
+    return Report(RunStreams(streams, seconds, spec,
+                             [&](int i, Samples& samples) {
+                               DriveOpenAi(connection.server, connection.api_key, spec, i, samples);
+                             }),
+                  streams, json_path, max_errors);
+  }
+  auto channel = connection.Connect();
+  if (!channel.ok()) return ReportError("load", channel.status());
+  auto pub = v1::Generation::NewStub(*channel);
+  auto wrk = worker::v1::Worker::NewStub(*channel);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    connection.Authorize(ctx);
+    grpc::Status s;
+    if (api == "public") {
+      v1::ModelInfo m;
+      s = pub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &m);
+      spec.vocab = m.vocab_size();
+    } else {
+      worker::v1::InfoResponse m;
+      s = wrk->Info(&ctx, worker::v1::InfoRequest(), &m);
+      spec.vocab = m.vocab_size();
+    }
+    if (!s.ok()) {
+      return ReportError("load", absl::UnavailableError("model info: " + s.error_message()));
+    }
+  }
+
+  return Report(
+      RunStreams(streams, seconds, spec,
+                 [&](int i, Samples& samples) {
+                   if (api == "public") {
+                     Drive<v1::Generation::Stub, v1::GenerateRequest, v1::GenerateResponse>(
+                         *pub, connection, spec, i, samples);
+                   } else {
+                     Drive<worker::v1::Worker::Stub, worker::v1::GenerateRequest,
+                           worker::v1::GenerateResponse>(*wrk, connection, spec, i, samples);
+                   }
+                 }),
+      streams, json_path, max_errors);
 }
 
 }  // namespace infinigen::cli

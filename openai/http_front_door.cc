@@ -1,7 +1,9 @@
 #include "openai/http_front_door.h"
 
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/write.hpp>
@@ -94,28 +96,36 @@ std::string RandomHex(int bytes) {
 }
 
 // Cancels `ctx` when the client hangs up (the connection's read side closes) while a
-// generation runs, checked every 50 ms on its own thread.
+// generation runs, watched by poll() on its own thread; ending the watch wakes it at once (an
+// eventfd), so the connection's next request does not wait for it.
 class HangupWatch {
  public:
-  HangupWatch(int fd, grpc::ClientContext& ctx)
-      : thread_([this, fd, &ctx] {
-          while (!stop_.load()) {
-            pollfd p{fd, POLLRDHUP, 0};
-            const int n = ::poll(&p, 1, 50);
-            if (n > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
-              gone_.store(true);
-              ctx.TryCancel();
-              return;
-            }
-          }
-        }) {}
+  HangupWatch(int fd, grpc::ClientContext& ctx) : wake_(::eventfd(0, EFD_CLOEXEC)) {
+    thread_ = std::thread([this, fd, &ctx] {
+      pollfd p[2] = {{fd, POLLRDHUP, 0}, {wake_, POLLIN, 0}};
+      while (!stop_.load()) {
+        const int n = ::poll(p, wake_ >= 0 ? 2 : 1, 50);
+        if (n > 0 && (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+          gone_.store(true);
+          ctx.TryCancel();
+          return;
+        }
+      }
+    });
+  }
   ~HangupWatch() {
     stop_.store(true);
+    if (wake_ >= 0) {
+      const uint64_t one = 1;
+      (void)!::write(wake_, &one, sizeof(one));
+    }
     thread_.join();
+    if (wake_ >= 0) ::close(wake_);
   }
   bool gone() const { return gone_.load(); }
 
  private:
+  const int wake_;
   std::atomic<bool> stop_{false}, gone_{false};
   std::thread thread_;
 };

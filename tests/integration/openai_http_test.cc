@@ -299,5 +299,23 @@ TEST_F(OpenAiHttp, AClientThatHangsUpEndsItsGeneration) {
   }
 }
 
+// `infinigen load --api openai`: 16 streams of streamed completions over keep-alive connections
+// for 10 s, zero errors, every token counted.
+TEST_F(OpenAiHttp, BoundedLoadOverHttpHasNoErrors) {
+  Start();
+  const std::string out = ::testing::TempDir() + "/openai_load.json";
+  const std::string cmd = testing::BinaryPath("infinigen") +
+                          " load --api openai --server 127.0.0.1:" + std::to_string(http_port_) +
+                          " --streams 16 --seconds 10 --max-tokens 16 --temperature 0.7 --json " +
+                          out + " > " + out + ".log 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(out);
+  const json j = json::parse(in, nullptr, false);
+  ASSERT_FALSE(j.is_discarded());
+  EXPECT_EQ(j["errors"].get<int>(), 0) << j.dump();
+  EXPECT_GT(j["requests_ok"].get<int>(), 16) << j.dump();
+  EXPECT_EQ(j["tokens"].get<int>(), 16 * j["requests_ok"].get<int>()) << j.dump();
+}
+
 }  // namespace
 }  // namespace infinigen
