@@ -146,7 +146,9 @@ class Backend {
   virtual bool host_accessible() const { return false; }
 
   virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) = 0;
+  // Enqueues the copy; `host` may be reused when it returns.
   virtual absl::Status CopyToDevice(const void* host, void* device, size_t bytes) = 0;
+  // Returns when the bytes are on the host (it waits for the work before it: a synchronization).
   virtual absl::Status CopyToHost(const void* device, void* host, size_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;
 

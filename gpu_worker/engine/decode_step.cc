@@ -98,17 +98,40 @@ void DecodeStep::ForEachPolicy(const Work& work) {
   }
 }
 
-absl::StatusOr<DecodeStep::HostRows> DecodeStep::ToHost(MatView m, std::vector<float>& host) {
+absl::Status DecodeStep::ToHost(std::span<const MatView> views, std::span<HostRows*> out,
+                                std::vector<float>& host) {
   Backend& backend = model_.backend();
-  if (backend.host_accessible()) return HostRows{m.As<const float>(), m.stride};
-  const size_t count = static_cast<size_t>(m.rows * m.cols);
+  if (backend.host_accessible()) {
+    for (size_t i = 0; i < views.size(); ++i)
+      *out[i] = {views[i].As<const float>(), views[i].stride};
+    return absl::OkStatus();
+  }
+  size_t count = 0;
+  for (const MatView& m : views) count += static_cast<size_t>(m.rows * m.cols);
   IG_RETURN_IF_ERROR(EnsureBuffer(mirror_, count * sizeof(float)));
-  const MatView staging{mirror_->data(), DType::kF32, m.rows, m.cols, m.cols};
-  IG_RETURN_IF_ERROR(backend.Copy(m, staging));  // converts the activations' type
+  // Converted (the activations' type to float32) and packed one after another on the device,
+  // then one copy: one wait for all of them.
+  float* staging = static_cast<float*>(mirror_->data());
+  size_t at = 0;
+  for (const MatView& m : views) {
+    IG_RETURN_IF_ERROR(backend.Copy(m, MatView{staging + at, DType::kF32, m.rows, m.cols, m.cols}));
+    at += static_cast<size_t>(m.rows * m.cols);
+  }
   host.resize(count);
-  IG_RETURN_IF_ERROR(backend.CopyToHost(staging.data, host.data(), count * sizeof(float)));
-  IG_RETURN_IF_ERROR(backend.Synchronize());
-  return HostRows{host.data(), m.cols};
+  IG_RETURN_IF_ERROR(backend.CopyToHost(staging, host.data(), count * sizeof(float)));
+  at = 0;
+  for (size_t i = 0; i < views.size(); ++i) {
+    *out[i] = {host.data() + at, views[i].cols};
+    at += static_cast<size_t>(views[i].rows * views[i].cols);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeStep::HostRows> DecodeStep::ToHost(MatView m, std::vector<float>& host) {
+  HostRows rows;
+  HostRows* out[] = {&rows};
+  IG_RETURN_IF_ERROR(ToHost({&m, 1}, out, host));
+  return rows;
 }
 
 absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
@@ -386,12 +409,11 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
                                       [](const ForwardChunk& chunk) { return chunk.policy; });
   HostRows host_q, host_k, spec_q;
   std::optional<ScopedTiming> timing(Timing(&StepProfile::select));
-  if (any_policy) {
-    IG_ASSIGN_OR_RETURN(host_q, ToHost(q, host_q_));
-    IG_ASSIGN_OR_RETURN(host_k, ToHost(k, host_k_));
-    if (spec_layer_[layer % 2] == layer) {
-      IG_ASSIGN_OR_RETURN(spec_q, ToHost(SpeculatedRows(layer), host_spec_q_));
-    }
+  if (any_policy) {  // one copy (one wait) for all three
+    const bool speculated = spec_layer_[layer % 2] == layer;
+    const MatView views[] = {q, k, speculated ? SpeculatedRows(layer) : MatView()};
+    HostRows* out[] = {&host_q, &host_k, &spec_q};
+    IG_RETURN_IF_ERROR(ToHost({views, speculated ? 3u : 2u}, {out, speculated ? 3u : 2u}, host_q_));
   }
 
   // Pass 1: store every chunk's K/V (in order: cache calls).

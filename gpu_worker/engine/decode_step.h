@@ -128,6 +128,9 @@ class DecodeStep final : private LayerAttention {
   // `m` itself where the backend's memory is host floats; else a float32 copy of it in `host`
   // (converted on the device, then copied out; waits for the backend).
   absl::StatusOr<HostRows> ToHost(MatView m, std::vector<float>& host);
+  // The same for several views at once: one copy and one wait for all of them.
+  absl::Status ToHost(std::span<const MatView> views, std::span<HostRows*> out,
+                      std::vector<float>& host);
   // Whether every row of `selection` (chunk b's, at the layer prefetched for it) is among the
   // prefetched candidates or is the current token (a selection of all rows: whether every row
   // was prefetched); fills the chunk's row map if so.

@@ -1,5 +1,6 @@
 #include "gpu_worker/kv/store_kv_cache.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -141,8 +142,23 @@ absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatV
   const int64_t n = k.rows;
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
   std::vector<uint8_t> hk(n * row), hv(n * row);
-  IG_RETURN_IF_ERROR(RowsToHost(k, hk.data()));
-  IG_RETURN_IF_ERROR(RowsToHost(v, hv.data()));
+  if (!host_access_ && n <= kPackedAppendRows) {
+    // Decode tokens on a device: K and V packed there, one copy out (one wait, not two).
+    if (pack_ == nullptr || pack_->size() < 2 * n * row) {
+      IG_ASSIGN_OR_RETURN(pack_, backend_.Allocate(std::max<size_t>(2 * n * row, 64 * row)));
+    }
+    uint8_t* p = static_cast<uint8_t*>(pack_->data());
+    const int64_t cols = k.cols;
+    IG_RETURN_IF_ERROR(backend_.Copy(k, MatView{p, shape_.dtype, n, cols, cols}));
+    IG_RETURN_IF_ERROR(backend_.Copy(v, MatView{p + n * row, shape_.dtype, n, cols, cols}));
+    both_.resize(2 * n * row);
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(p, both_.data(), 2 * n * row));
+    std::copy_n(both_.data(), n * row, hk.data());
+    std::copy_n(both_.data() + n * row, n * row, hv.data());
+  } else {
+    IG_RETURN_IF_ERROR(RowsToHost(k, hk.data()));
+    IG_RETURN_IF_ERROR(RowsToHost(v, hv.data()));
+  }
   client_.AppendAsync(StoreId(seq), layer, start, n, std::move(hk), std::move(hv));
   if (slots_out != nullptr) {
     for (int64_t r = 0; r < n; ++r) {

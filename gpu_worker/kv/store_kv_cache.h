@@ -140,6 +140,9 @@ class StoreKvCache final : public StreamedKvCache {
   bool deferring_ = false;  // between BeginPrefetches and SubmitPrefetches
   std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held
   std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
+  // Appends of at most this many tokens (decode steps) copy K and V out together.
+  static constexpr int64_t kPackedAppendRows = 16;
+  std::vector<uint8_t> both_;  // their host copy
 };
 
 }  // namespace infinigen

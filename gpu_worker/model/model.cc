@@ -149,9 +149,8 @@ absl::Status Model::Logits(std::span<const ModelChunk> batch, int64_t n, std::sp
   // Logits are float32 whatever the activations are (the backend's Linear widens).
   MatView logits{ws_.logits->data(), DType::kF32, rows, c.vocab_size, c.vocab_size};
   IG_RETURN_IF_ERROR(backend_.Linear(head_in, weights_.output(), nullptr, logits, false));
-  IG_RETURN_IF_ERROR(
-      backend_.CopyToHost(logits.data, out.data(), static_cast<size_t>(rows * c.vocab_size) * 4));
-  return backend_.Synchronize();
+  // CopyToHost waits for the step: no separate synchronize.
+  return backend_.CopyToHost(logits.data, out.data(), static_cast<size_t>(rows * c.vocab_size) * 4);
 }
 
 absl::Status Model::Forward(std::span<const ModelChunk> batch, LayerAttention& attention,

@@ -114,6 +114,7 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
     if (policies[i] != nullptr) policies[i]->Release(i + 1);
   }
   run.prefetch_hits = step.prefetch_hits();
+  run.profile = step.profile();
   run.prefetch_misses = step.prefetch_misses();
   return run;
 }

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "gpu_worker/backend/cpu_backend.h"
-#include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
 
 namespace infinigen::testing {
@@ -35,9 +35,10 @@ std::vector<int32_t> GreedyTokens(Model& model, const std::vector<int32_t>& prom
 float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b);
 
 struct DecodeRun {
-  std::vector<std::vector<int32_t>> tokens;  // per sequence
-  std::vector<float> logits;                 // every step's logits, all sequences
+  std::vector<std::vector<int32_t>> tokens;        // per sequence
+  std::vector<float> logits;                       // every step's logits, all sequences
   int64_t prefetch_hits = 0, prefetch_misses = 0;  // DecodeStep's
+  StepProfile profile;                             // of its decode-only steps
 };
 
 // Greedy decode of `prompts` as sequences 1, 2, ... of `cache`, one batch per step, with
