@@ -390,7 +390,10 @@ class HttpFrontDoor::Impl {
                                     {"created", started_},
                                     {"owned_by", "infinigen"},
                                     {"max_model_len", info.max_context_tokens()}}}}};
-    return WriteJson(socket, req.version(), 200, body.dump(), req.keep_alive());
+    // A checkpoint's name may hold any bytes: invalid UTF-8 becomes U+FFFD, never an exception.
+    return WriteJson(socket, req.version(), 200,
+                     body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                     req.keep_alive());
   }
 
   // A token's text (the model's decoding of that id alone), for logprobs.

@@ -7,7 +7,8 @@
 # calls with arbitrary arguments) and the UCX gather request codec (a parse must re-encode to
 # the same bytes), and the tokenizer file loaders (tokenizer.json, tokenizer.model, vocab.json +
 # merges.txt; seeded with small tokenizers cut from the real ones) and chat template rendering of
-# arbitrary conversations. Any crash, sanitizer report, leak or timeout fails the run.
+# arbitrary conversations, and the OpenAI-compatible API's request bodies and response JSON. Any
+# crash, sanitizer report, leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -147,3 +148,14 @@ run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096
 INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_files_fuzz "$FILE_SECONDS" \
   build-fuzz/corpus-tokenizer-files -max_len=65536
 run chat_template_fuzz "$FILE_SECONDS" build-fuzz/corpus-chat -max_len=4096
+# The OpenAI-compatible API's bodies: seeded with requests as clients send them (endpoint byte
+# first), with the API's field names as a dictionary.
+mkdir -p build-fuzz/corpus-openai
+printf '\x00{"model":"m","prompt":"Hi","max_tokens":5,"logprobs":2,"stop":["a"],"logit_bias":{"5":1.5},"stream":true,"stream_options":{"include_usage":true}}' \
+  > build-fuzz/corpus-openai/completion
+printf '\x00{"prompt":[[1,2,3]],"seed":-5,"temperature":0.5,"top_k":4,"min_tokens":2,"ignore_eos":true}' \
+  > build-fuzz/corpus-openai/ids
+printf '\x01{"messages":[{"role":"developer","content":[{"type":"text","text":"x"}]},{"role":"user","content":"y"}],"logprobs":true,"top_logprobs":3,"max_completion_tokens":9,"n":1}' \
+  > build-fuzz/corpus-openai/chat
+run openai_request_fuzz "$FILE_SECONDS" build-fuzz/corpus-openai -max_len=4096 \
+  -dict=tests/fuzz/openai.dict
