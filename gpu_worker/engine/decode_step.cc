@@ -56,8 +56,11 @@ int64_t DecodeStep::NumLogitRows(std::span<const ForwardChunk> batch) {
 
 absl::Status DecodeStep::EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes) {
   if (b != nullptr && b->size() >= bytes) return absl::OkStatus();
+  // Geometric growth: buffers sized by a sequence's length (row maps, weights) grow a row per
+  // step, and an allocation per step would be a device allocation (and wait) per step.
+  const size_t grown = b != nullptr ? std::max(bytes, b->size() + b->size() / 2) : bytes;
   b.reset();
-  IG_ASSIGN_OR_RETURN(b, model_.backend().Allocate(std::max<size_t>(bytes, 64)));
+  IG_ASSIGN_OR_RETURN(b, model_.backend().Allocate(std::max<size_t>(grown, 64)));
   return absl::OkStatus();
 }
 

@@ -64,7 +64,25 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   IG_RETURN_IF_ERROR(client_.Open(StoreId(seq), Spec()));
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, 0);
+  TakeSpareStaging(s);
   return absl::OkStatus();
+}
+
+void StoreKvCache::TakeSpareStaging(Sequence& s) {
+  for (Pending& p : s.pending) {
+    if (spare_staging_.empty()) return;
+    p.staging = std::move(spare_staging_.back());
+    spare_staging_.pop_back();
+  }
+}
+
+void StoreKvCache::KeepSpareStaging(Sequence& s) {
+  for (Pending& p : s.pending) {
+    DropTicket(p);  // nothing writes into it any more
+    if (p.staging.capacity == 0 && p.staging.k_rows.capacity() == 0) continue;
+    if (spare_staging_.size() >= kSpareStagings) return;
+    spare_staging_.push_back(std::move(p.staging));
+  }
 }
 
 absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length) {
@@ -76,12 +94,13 @@ absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int6
   if (home > options_.id_base) {
     auto own = sequences_.find(home - options_.id_base);
     if (own != sequences_.end()) {
-      for (Pending& p : own->second.pending) DropTicket(p);
+      KeepSpareStaging(own->second);
       sequences_.erase(own);
     }
   }
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, kept);
+  TakeSpareStaging(s);
   return kept;
 }
 
@@ -98,7 +117,7 @@ void StoreKvCache::DropTicket(Pending& p) {
 void StoreKvCache::Close(SequenceId seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return;
-  for (Pending& p : it->second.pending) DropTicket(p);
+  KeepSpareStaging(it->second);
   sequences_.erase(it);
   // Failures are the store's to clean up: the lease frees what a Close could not.
   client_.Close(StoreId(seq)).IgnoreError();

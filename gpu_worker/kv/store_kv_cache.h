@@ -108,6 +108,12 @@ class StoreKvCache final : public StreamedKvCache {
   };
 
   absl::StatusOr<Sequence*> Find(SequenceId seq);
+  // A new sequence's two stagings come from those ended sequences left (so that a decode step
+  // of a batch that grows allocates nothing once the batch has been that large); an ended
+  // sequence's go back, up to kSpareStagings.
+  void TakeSpareStaging(Sequence& s);
+  void KeepSpareStaging(Sequence& s);
+  static constexpr size_t kSpareStagings = 32;
   SequenceSpec Spec() const;  // how this cache's sequences are stored
   absl::Status EnsureStaging(Staging& s, size_t bytes);
   // Starts gathering `count` slots per head into the sequence's staging (`in_place`: their
@@ -139,6 +145,7 @@ class StoreKvCache final : public StreamedKvCache {
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   bool deferring_ = false;  // between BeginPrefetches and SubmitPrefetches
   std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held
+  std::vector<Staging> spare_staging_;
   std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
   // Appends of at most this many tokens (decode steps) copy K and V out together.
   static constexpr int64_t kPackedAppendRows = 16;
