@@ -24,6 +24,7 @@ int RunServe(int argc, char** argv) {
   int64_t max_running = 16, max_queued_worker = 64, prefill_budget = 256, dense_layers = 2;
   int64_t max_streams = 256, max_queued = 1024, max_new_tokens_limit = 4096, metrics_port = 0;
   int64_t worker_metrics_port = 0, drain_seconds = 10, default_max_new_tokens = 256;
+  int64_t http_idle_timeout = 60;
   FlagSet flags("serve", "--model PATH [--listen 127.0.0.1:50051]",
                 "Serves the public API (infinigen.v1.Generation) with the router, a worker and "
                 "the KV store in this process. Stop with Ctrl-C or SIGTERM (running requests "
@@ -62,6 +63,8 @@ int RunServe(int argc, char** argv) {
   flags.String("http-listen", &router.http_listen,
                "also serve the OpenAI-compatible HTTP API (/v1/completions, "
                "/v1/chat/completions, /v1/models, /health) on this host:port (empty: off)");
+  flags.Int("http-idle-timeout-seconds", &http_idle_timeout,
+            "close an HTTP connection that sends no whole request for this long");
   flags.Int("worker-metrics-port", &worker_metrics_port,
             "worker metrics (Prometheus) on this port (0: off)");
   flags.Int("drain-seconds", &drain_seconds, "how long shutdown lets running requests finish");
@@ -87,6 +90,7 @@ int RunServe(int argc, char** argv) {
   router.options.max_streams = static_cast<int>(max_streams);
   router.options.max_queued = static_cast<int>(max_queued);
   router.metrics_port = static_cast<int>(metrics_port);
+  router.http.idle_timeout = absl::Seconds(http_idle_timeout);
   if (auto st = worker.Validate(); !st.ok()) return ReportError("serve", st);
   if (auto st = router.options.Validate(); !st.ok()) return ReportError("serve", st);
 

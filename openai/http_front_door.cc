@@ -186,8 +186,28 @@ class HttpFrontDoor::Impl {
     int fd = -1;
     grpc::ClientContext* call = nullptr;  // the generation in progress, if any (mu_)
     std::atomic<bool> done{false};
+    // While it waits for a request: since when (steady clock, ms); 0 while answering one.
+    std::atomic<int64_t> waiting_since_ms{0};
     std::thread thread;
   };
+
+  static int64_t NowMs() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  // Closes the connections that have waited for a request longer than idle_timeout (their
+  // threads' reads then fail and they end).
+  void CloseIdle() {
+    const int64_t limit = absl::ToInt64Milliseconds(config_.idle_timeout);
+    const int64_t now = NowMs();
+    absl::MutexLock l(&mu_);
+    for (Connection& c : connections_) {
+      const int64_t since = c.waiting_since_ms.load();
+      if (since != 0 && now - since > limit) ::shutdown(c.fd, SHUT_RDWR);
+    }
+  }
 
   void AcceptLoop() {
     const int fd = acceptor_.native_handle();
@@ -195,6 +215,7 @@ class HttpFrontDoor::Impl {
       pollfd p{fd, POLLIN, 0};
       if (::poll(&p, 1, 200) <= 0) {
         Reap(/*all=*/false);
+        CloseIdle();
         continue;
       }
       beast::error_code ec;
@@ -216,6 +237,7 @@ class HttpFrontDoor::Impl {
       }
       Connection& c = connections_.emplace_back();
       c.fd = socket.native_handle();
+      c.waiting_since_ms.store(NowMs());
       c.thread = std::thread([this, &c, s = std::move(socket)]() mutable {
         Serve(s, c);
         c.done.store(true);
@@ -250,7 +272,9 @@ class HttpFrontDoor::Impl {
       parser.body_limit(config_.max_body_bytes);
       parser.header_limit(64 * 1024);
       beast::error_code ec;
+      c.waiting_since_ms.store(NowMs());
       http::read(socket, buffer, parser, ec);
+      c.waiting_since_ms.store(0);
       if (ec == http::error::end_of_stream || ec == net::error::eof ||
           ec == net::error::connection_reset || stopping_.load()) {
         break;

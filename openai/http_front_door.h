@@ -6,7 +6,8 @@
 // API's, not a second copy of them. A client that disconnects cancels its generation.
 //
 // One thread per connection (keep-alive: requests one after another), at most max_connections
-// (more are answered 503 and closed).
+// (more are answered 503 and closed); a connection that sends no whole request within
+// idle_timeout is closed.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -19,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace infinigen::openai {
 
@@ -26,6 +28,9 @@ struct HttpFrontDoorConfig {
   std::string listen = "127.0.0.1:8000";  // host:port (port 0: any free one)
   int max_connections = 256;
   size_t max_body_bytes = 4 << 20;  // larger requests: 413
+  // A connection that has not sent a whole request this long after the last answer (or its
+  // opening) is closed: idle keep-alive connections and slow senders do not hold threads.
+  absl::Duration idle_timeout = absl::Seconds(60);
 };
 
 class HttpFrontDoor {

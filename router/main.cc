@@ -46,6 +46,8 @@ ABSL_FLAG(std::string, http_listen, "",
           "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
           "/v1/models, /health) on this host:port too (empty: off)");
 ABSL_FLAG(int32_t, http_max_connections, 256, "HTTP connections held at once (more: 503)");
+ABSL_FLAG(int32_t, http_idle_timeout_seconds, 60,
+          "close an HTTP connection that sends no whole request for this long");
 ABSL_FLAG(int64_t, drain_seconds, 30, "how long shutdown lets streams in progress finish");
 ABSL_FLAG(bool, check_flags, false, "validate the flags and exit (for deployment checks)");
 
@@ -69,6 +71,7 @@ int main(int argc, char** argv) {
   config.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   config.http_listen = absl::GetFlag(FLAGS_http_listen);
   config.http.max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  config.http.idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_http_idle_timeout_seconds));
   RouterOptions& o = config.options;
   o.max_streams = absl::GetFlag(FLAGS_max_streams);
   o.max_queued = absl::GetFlag(FLAGS_max_queued);

@@ -4,9 +4,12 @@
 // generation. The official openai client's test is tests/integration/openai_client_test.py.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <chrono>
@@ -297,6 +300,35 @@ TEST_F(OpenAiHttp, AClientThatHangsUpEndsItsGeneration) {
     EXPECT_EQ(running, 0) << "the generation of a client that left still runs (stream " << stream
                           << ")";
   }
+}
+
+// A connection that sends no whole request (idle keep-alive, or a slow sender) is closed after
+// --http-idle-timeout-seconds: it cannot hold one of the connection threads forever.
+TEST_F(OpenAiHttp, IdleAndSlowConnectionsAreClosed) {
+  Start({"--http-idle-timeout-seconds=1"});
+  net::io_context io;
+  tcp::socket idle(io), slow(io);
+  idle.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), http_port_));
+  slow.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), http_port_));
+  net::write(slow, net::buffer(std::string("POST /v1/completions HTTP/1.1\r\nHost: x\r\n")));
+  for (tcp::socket* s : {&idle, &slow}) {
+    // The server closes it: a read returns end of file (or a reset) within a few seconds.
+    pollfd p{s->native_handle(), POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 10000), 1) << "the server kept the connection open";
+    char c;
+    EXPECT_LE(::recv(s->native_handle(), &c, 1, 0), 0);
+  }
+  // A connection in use is not cut: a request after 0.5 s of idleness is answered.
+  tcp::socket fresh(io);
+  fresh.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), http_port_));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  http::request<http::string_body> req{http::verb::get, "/health", 11};
+  req.set(http::field::host, "127.0.0.1");
+  http::write(fresh, req);
+  beast::flat_buffer buffer;
+  http::response<http::string_body> res;
+  http::read(fresh, buffer, res);
+  EXPECT_EQ(res.result_int(), 200);
 }
 
 // `infinigen load --api openai`: 16 streams of streamed completions over keep-alive connections
