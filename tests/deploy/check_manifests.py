@@ -39,7 +39,7 @@ IMAGE_BINARY = {"infinigen-router": "infinigen-router", "infinigen-worker": "inf
                 "infinigen-kvstore": "infinigen-kvstore"}
 DOCKERFILES = {"infinigen-router": "router/Dockerfile", "infinigen-worker": "gpu_worker/Dockerfile",
                "infinigen-kvstore": "kv_store/Dockerfile"}
-PORT_FLAGS = ("listen", "metrics_port", "ucx_port")
+PORT_FLAGS = ("listen", "http_listen", "metrics_port", "ucx_port")
 
 
 def reexec_in_venv():
