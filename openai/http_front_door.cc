@@ -12,7 +12,9 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <functional>
 #include <list>
+#include <mutex>
 #include <random>
 
 #include "absl/cleanup/cleanup.h"
@@ -100,14 +102,14 @@ std::string RandomHex(int bytes) {
 // eventfd), so the connection's next request does not wait for it.
 class HangupWatch {
  public:
-  HangupWatch(int fd, grpc::ClientContext& ctx) : wake_(::eventfd(0, EFD_CLOEXEC)) {
-    thread_ = std::thread([this, fd, &ctx] {
+  HangupWatch(int fd, std::function<void()> cancel) : wake_(::eventfd(0, EFD_CLOEXEC)) {
+    thread_ = std::thread([this, fd, cancel = std::move(cancel)] {
       pollfd p[2] = {{fd, POLLRDHUP, 0}, {wake_, POLLIN, 0}};
       while (!stop_.load()) {
         const int n = ::poll(p, wake_ >= 0 ? 2 : 1, 50);
         if (n > 0 && (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
           gone_.store(true);
-          ctx.TryCancel();
+          cancel();
           return;
         }
       }
@@ -174,7 +176,7 @@ class HttpFrontDoor::Impl {
     {
       absl::MutexLock l(&mu_);
       for (Connection& c : connections_) {
-        if (c.call != nullptr) c.call->TryCancel();
+        for (grpc::ClientContext* call : c.calls) call->TryCancel();
         ::shutdown(c.fd, SHUT_RDWR);
       }
     }
@@ -184,7 +186,7 @@ class HttpFrontDoor::Impl {
  private:
   struct Connection {
     int fd = -1;
-    grpc::ClientContext* call = nullptr;  // the generation in progress, if any (mu_)
+    std::vector<grpc::ClientContext*> calls;  // the generation in progress, if any (mu_)
     std::atomic<bool> done{false};
     // While it waits for a request: since when (steady clock, ms); 0 while answering one.
     std::atomic<int64_t> waiting_since_ms{0};
@@ -460,38 +462,95 @@ class HttpFrontDoor::Impl {
     const std::string model = info.model().empty() ? parsed.model : info.model();
     const std::string id =
         absl::StrCat(endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-", RandomHex(12));
-    parsed.request.set_request_id(id);
-    ResponseBuilder builder(endpoint, id, static_cast<int64_t>(std::time(nullptr)), model,
-                            parsed.top_logprobs,
-                            [this, &req](int32_t token) { return TokenText(req, token); });
-
-    grpc::ClientContext ctx;
-    Authorize(req, ctx);
+    const int n = parsed.n;
+    ResponseBuilder builder(
+        endpoint, id, static_cast<int64_t>(std::time(nullptr)), model, parsed.top_logprobs,
+        [this, &req](int32_t token) { return TokenText(req, token); }, n);
+    // n > 1: n calls of the gRPC API, choice i with seed + i when a seed was given (each draws
+    // its own otherwise); they do not share their prefill yet.
+    std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+    std::vector<v1::GenerateRequest> requests(static_cast<size_t>(n), parsed.request);
+    for (int i = 0; i < n; ++i) {
+      contexts.push_back(std::make_unique<grpc::ClientContext>());
+      Authorize(req, *contexts.back());
+      v1::GenerateRequest& r = requests[static_cast<size_t>(i)];
+      r.set_request_id(n == 1 ? id : absl::StrCat(id, "-", i));
+      if (n > 1 && r.sampling().has_seed()) {
+        r.mutable_sampling()->set_seed(r.sampling().seed() + static_cast<uint64_t>(i));
+      }
+    }
+    auto cancel_all = [&contexts] {
+      for (auto& ctx : contexts) ctx->TryCancel();
+    };
     {
       absl::MutexLock l(&mu_);
-      c.call = &ctx;
+      for (auto& ctx : contexts) c.calls.push_back(ctx.get());
     }
     absl::Cleanup forget = [this, &c] {
       absl::MutexLock l(&mu_);
-      c.call = nullptr;
+      c.calls.clear();
     };
-    if (stopping_.load()) ctx.TryCancel();
-    HangupWatch watch(c.fd, ctx);
-    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
-        stub_->Generate(&ctx, parsed.request);
-    v1::GenerateResponse message;
+    if (stopping_.load()) cancel_all();
+    HangupWatch watch(c.fd, cancel_all);
+    std::vector<std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>>> readers;
+    for (int i = 0; i < n; ++i) {
+      readers.push_back(stub_->Generate(contexts[static_cast<size_t>(i)].get(),
+                                        requests[static_cast<size_t>(i)]));
+    }
+    std::vector<grpc::Status> statuses(static_cast<size_t>(n));
+    // Each choice's stream on its own thread (choice 0 on this one); `each(i, message)` per
+    // message, then its status.
+    auto drain = [&](auto each, const std::vector<v1::GenerateResponse>* first) {
+      auto run = [&](int i) {
+        v1::GenerateResponse m;
+        if (first != nullptr) each(i, (*first)[static_cast<size_t>(i)]);
+        while (readers[static_cast<size_t>(i)]->Read(&m)) each(i, m);
+        statuses[static_cast<size_t>(i)] = readers[static_cast<size_t>(i)]->Finish();
+        if (!statuses[static_cast<size_t>(i)].ok()) cancel_all();
+      };
+      std::vector<std::thread> threads;
+      for (int i = 1; i < n; ++i) threads.emplace_back(run, i);
+      run(0);
+      for (std::thread& t : threads) t.join();
+    };
+    auto failed = [&]() -> const grpc::Status* {
+      for (const grpc::Status& st : statuses) {
+        if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) return &st;
+      }
+      for (const grpc::Status& st : statuses) {
+        if (!st.ok()) return &st;
+      }
+      return nullptr;
+    };
+    auto error_of = [&](const grpc::Status& st) {
+      const size_t i = static_cast<size_t>(&st - statuses.data());
+      return FromGrpc(st, *contexts[i]);
+    };
     if (!parsed.stream) {
-      while (reader->Read(&message)) builder.Add(message);
-      const grpc::Status st = reader->Finish();
+      drain([&](int i, const v1::GenerateResponse& m) { builder.Add(i, m); }, nullptr);
       if (watch.gone()) return false;
-      if (!st.ok()) return WriteError(socket, req.version(), FromGrpc(st, ctx), keep);
+      if (const grpc::Status* st = failed()) {
+        return WriteError(socket, req.version(), error_of(*st), keep);
+      }
       return WriteJson(socket, req.version(), 200, builder.Whole(), keep);
     }
-    // Stream: a request the server refuses is an HTTP error, not an event stream.
-    if (!reader->Read(&message)) {
-      const grpc::Status st = reader->Finish();
+    // Stream: a request the server refuses is an HTTP error, not an event stream, so every
+    // choice's first message (or failure) comes before the header.
+    std::vector<v1::GenerateResponse> first(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      if (readers[static_cast<size_t>(i)]->Read(&first[static_cast<size_t>(i)])) continue;
+      statuses[static_cast<size_t>(i)] = readers[static_cast<size_t>(i)]->Finish();
+      if (statuses[static_cast<size_t>(i)].ok()) continue;  // an empty stream: nothing to send
+      cancel_all();
+      for (int j = 0; j < n; ++j) {
+        if (j == i) continue;
+        v1::GenerateResponse m;
+        while (readers[static_cast<size_t>(j)]->Read(&m)) {
+        }
+        readers[static_cast<size_t>(j)]->Finish().ok();
+      }
       if (watch.gone()) return false;
-      if (!st.ok()) return WriteError(socket, req.version(), FromGrpc(st, ctx), keep);
+      return WriteError(socket, req.version(), error_of(statuses[static_cast<size_t>(i)]), keep);
     }
     http::response<http::empty_body> head{http::status::ok, req.version()};
     head.set(http::field::content_type, "text/event-stream");
@@ -501,18 +560,21 @@ class HttpFrontDoor::Impl {
     http::response_serializer<http::empty_body> serializer{head};
     beast::error_code ec;
     http::write_header(socket, serializer, ec);
+    std::mutex write_mu;  // the choices' threads write events in turn
     auto event = [&](const std::string& data) {
+      std::lock_guard<std::mutex> l(write_mu);
       if (ec) return;
       const std::string line = absl::StrCat("data: ", data, "\n\n");
       net::write(socket, http::make_chunk(net::buffer(line)), ec);
-      if (ec) ctx.TryCancel();  // the client is gone: stop generating for it
+      if (ec) cancel_all();  // the client is gone: stop generating for it
     };
-    do {
-      for (const std::string& chunk : builder.Chunks(message)) event(chunk);
-    } while (!ec && reader->Read(&message));
-    const grpc::Status st = reader->Finish();
-    if (!st.ok()) {
-      event(ErrorJson(FromGrpc(st, ctx)));
+    drain(
+        [&](int i, const v1::GenerateResponse& m) {
+          for (const std::string& chunk : builder.Chunks(i, m)) event(chunk);
+        },
+        &first);
+    if (const grpc::Status* st = failed()) {
+      event(ErrorJson(error_of(*st)));
     } else if (parsed.include_usage) {
       event(builder.UsageChunk());
     }

@@ -178,9 +178,10 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
       !r.Bool("skip_special_tokens", skip_special)) {
     return false;
   }
-  if (n.has_value() && *n > 1) {
-    return r.Fail("n", "n > 1 is not supported yet: send n requests (each reports its seed)");
+  if (n.has_value() && *n > kMaxChoices) {
+    return r.Fail("n", absl::StrCat("`n` may be at most ", kMaxChoices));
   }
+  out.n = static_cast<int>(n.value_or(1));
   if (!r.Unsupported("best_of", 1, "") || !r.Unsupported("presence_penalty", 0, "") ||
       !r.Unsupported("frequency_penalty", 0, " (repetition_penalty is)") ||
       !r.Unsupported("echo", false, "") || !r.Unsupported("suffix", "", "") ||
@@ -298,20 +299,23 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
 }
 
 ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id, int64_t created,
-                                 std::string model, int top_logprobs, TokenText token_text)
+                                 std::string model, int top_logprobs, TokenText token_text, int n)
     : endpoint_(endpoint),
       id_(std::move(id)),
       created_(created),
       model_(std::move(model)),
       top_logprobs_(top_logprobs),
-      token_text_(std::move(token_text)) {
-  if (top_logprobs_ >= 0) {
-    logprobs_ = endpoint_ == Endpoint::kCompletions ? json{{"tokens", json::array()},
-                                                           {"token_logprobs", json::array()},
-                                                           {"top_logprobs", json::array()},
-                                                           {"text_offset", json::array()}}
-                                                    : json{{"content", json::array()}};
-  }
+      token_text_(std::move(token_text)),
+      choices_(static_cast<size_t>(std::max(n, 1))) {
+  for (Choice& c : choices_) c.logprobs = EmptyLogprobs();
+}
+
+json ResponseBuilder::EmptyLogprobs() const {
+  return endpoint_ == Endpoint::kCompletions ? json{{"tokens", json::array()},
+                                                    {"token_logprobs", json::array()},
+                                                    {"top_logprobs", json::array()},
+                                                    {"text_offset", json::array()}}
+                                             : json{{"content", json::array()}};
 }
 
 const char* ResponseBuilder::FinishReason(v1::FinishReason reason) {
@@ -332,11 +336,14 @@ json ResponseBuilder::Object(const char* object) const {
 }
 
 json ResponseBuilder::UsageJson() const {
-  const int64_t prompt = usage_.prompt_tokens(), completion = usage_.generated_tokens();
+  const v1::Usage& first = choices_[0].usage;
+  const int64_t prompt = first.prompt_tokens();
+  int64_t completion = 0;
+  for (const Choice& c : choices_) completion += c.usage.generated_tokens();
   return json{{"prompt_tokens", prompt},
               {"completion_tokens", completion},
               {"total_tokens", prompt + completion},
-              {"prompt_tokens_details", {{"cached_tokens", usage_.cached_tokens()}}}};
+              {"prompt_tokens_details", {{"cached_tokens", first.cached_tokens()}}}};
 }
 
 namespace {
@@ -347,9 +354,12 @@ json Bytes(const std::string& s) {
   return out;
 }
 
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 }  // namespace
 
-void ResponseBuilder::AddLogprobs(const v1::GenerateResponse& response, json& into) {
+void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& response,
+                                  json& into) {
   const int n = std::min(response.token_ids_size(), response.logprobs_size());
   for (int i = 0; i < n; ++i) {
     const v1::Logprobs& lp = response.logprobs(i);
@@ -360,8 +370,8 @@ void ResponseBuilder::AddLogprobs(const v1::GenerateResponse& response, json& in
       into["tokens"].push_back(token);
       into["token_logprobs"].push_back(lp.logprob());
       into["top_logprobs"].push_back(std::move(top));
-      into["text_offset"].push_back(text_offset_);
-      text_offset_ += static_cast<int64_t>(token.size());
+      into["text_offset"].push_back(choice.text_offset);
+      choice.text_offset += static_cast<int64_t>(token.size());
     } else {
       json top = json::array();
       for (const v1::TokenLogprob& t : lp.top()) {
@@ -376,45 +386,38 @@ void ResponseBuilder::AddLogprobs(const v1::GenerateResponse& response, json& in
   }
 }
 
-std::vector<std::string> ResponseBuilder::Chunks(const v1::GenerateResponse& response) {
+std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateResponse& response) {
   std::vector<std::string> out;
+  Choice& c = choices_.at(static_cast<size_t>(index));
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
-  if (response.has_usage()) {
-    usage_ = response.usage();
-    has_usage_ = true;
-  }
+  if (response.has_usage()) c.usage = response.usage();
   const char* finish = FinishReason(response.finish_reason());
-  auto dump = [](const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); };
-  if (chat && !role_sent_) {
-    role_sent_ = true;
+  if (chat && !c.role_sent) {
+    c.role_sent = true;
     json chunk = Object("chat.completion.chunk");
-    chunk["choices"] = json::array({{{"index", 0},
+    chunk["choices"] = json::array({{{"index", index},
                                      {"delta", {{"role", "assistant"}, {"content", ""}}},
                                      {"logprobs", nullptr},
                                      {"finish_reason", nullptr}}});
-    out.push_back(dump(chunk));
+    out.push_back(Dump(chunk));
   }
   if (response.text().empty() && response.token_ids_size() == 0 && finish == nullptr) return out;
-  json choice = {{"index", 0}, {"finish_reason", finish ? json(finish) : json()}};
+  json choice = {{"index", index}, {"finish_reason", finish ? json(finish) : json()}};
   if (chat) {
     choice["delta"] = response.text().empty() ? json::object() : json{{"content", response.text()}};
   } else {
     choice["text"] = response.text();
   }
   if (top_logprobs_ >= 0 && response.logprobs_size() > 0) {
-    json lp = chat ? json{{"content", json::array()}}
-                   : json{{"tokens", json::array()},
-                          {"token_logprobs", json::array()},
-                          {"top_logprobs", json::array()},
-                          {"text_offset", json::array()}};
-    AddLogprobs(response, lp);
+    json lp = EmptyLogprobs();
+    AddLogprobs(c, response, lp);
     choice["logprobs"] = std::move(lp);
   } else {
     choice["logprobs"] = nullptr;
   }
   json chunk = Object(chat ? "chat.completion.chunk" : "text_completion");
   chunk["choices"] = json::array({std::move(choice)});
-  out.push_back(dump(chunk));
+  out.push_back(Dump(chunk));
   return out;
 }
 
@@ -423,33 +426,36 @@ std::string ResponseBuilder::UsageChunk() const {
       Object(endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk" : "text_completion");
   chunk["choices"] = json::array();
   chunk["usage"] = UsageJson();
-  return chunk.dump(-1, ' ', false, json::error_handler_t::replace);
+  return Dump(chunk);
 }
 
-void ResponseBuilder::Add(const v1::GenerateResponse& response) {
-  text_ += response.text();
-  if (top_logprobs_ >= 0) AddLogprobs(response, logprobs_);
-  if (const char* finish = FinishReason(response.finish_reason())) finish_reason_ = finish;
-  if (response.has_usage()) {
-    usage_ = response.usage();
-    has_usage_ = true;
-  }
+void ResponseBuilder::Add(int index, const v1::GenerateResponse& response) {
+  Choice& c = choices_.at(static_cast<size_t>(index));
+  c.text += response.text();
+  if (top_logprobs_ >= 0) AddLogprobs(c, response, c.logprobs);
+  if (const char* finish = FinishReason(response.finish_reason())) c.finish_reason = finish;
+  if (response.has_usage()) c.usage = response.usage();
 }
 
 std::string ResponseBuilder::Whole() const {
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
-  json choice = {{"index", 0},
-                 {"finish_reason", finish_reason_.empty() ? json() : json(finish_reason_)},
-                 {"logprobs", top_logprobs_ >= 0 ? logprobs_ : json()}};
-  if (chat) {
-    choice["message"] = {{"role", "assistant"}, {"content", text_}};
-  } else {
-    choice["text"] = text_;
+  json choices = json::array();
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    const Choice& c = choices_[i];
+    json choice = {{"index", i},
+                   {"finish_reason", c.finish_reason.empty() ? json() : json(c.finish_reason)},
+                   {"logprobs", top_logprobs_ >= 0 ? c.logprobs : json()}};
+    if (chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+    } else {
+      choice["text"] = c.text;
+    }
+    choices.push_back(std::move(choice));
   }
   json whole = Object(chat ? "chat.completion" : "text_completion");
-  whole["choices"] = json::array({std::move(choice)});
+  whole["choices"] = std::move(choices);
   whole["usage"] = UsageJson();
-  return whole.dump(-1, ' ', false, json::error_handler_t::replace);
+  return Dump(whole);
 }
 
 }  // namespace infinigen::openai

@@ -1,7 +1,7 @@
 // The OpenAI-compatible API's JSON (docs/api.md, "OpenAI-compatible HTTP"): a completion or chat
 // completion request translated into an infinigen.v1 GenerateRequest, and the GenerateResponses
 // of its stream back into OpenAI's objects, streamed (server-sent event chunks) or whole. What
-// the API has and we do not (n > 1, echo, penalties, tools) is refused by name, never ignored.
+// the API has and we do not (echo, penalties, tools) is refused by name, never ignored.
 // No I/O: the HTTP front door (openai/http_front_door.h) does that.
 #pragma once
 
@@ -17,6 +17,9 @@
 namespace infinigen::openai {
 
 enum class Endpoint { kCompletions, kChatCompletions };
+
+// The most choices (`n`) one request may ask for.
+inline constexpr int kMaxChoices = 16;
 
 // An error as OpenAI's clients expect it: an HTTP status and {"error": {...}}.
 struct ApiError {
@@ -43,6 +46,7 @@ struct ParsedRequest {
   std::string model;  // as the client named it (empty: the served one)
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  int n = 1;                   // choices (each its own call of the gRPC API)
   // Log probabilities to return: completions' `logprobs` (alternatives per token) or chat's
   // `logprobs: true` with `top_logprobs`; -1: none.
   int top_logprobs = -1;
@@ -55,25 +59,42 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
 // A token's text for logprobs (the model's decoding of that one id).
 using TokenText = std::function<std::string(int32_t)>;
 
-// Turns one request's GenerateResponses into OpenAI's objects.
+// Turns one request's GenerateResponses into OpenAI's objects: `n` choices, each fed by its own
+// stream of GenerateResponses. Calls for different choices may come from different threads;
+// UsageChunk and Whole only after every choice's last message.
 class ResponseBuilder {
  public:
   ResponseBuilder(Endpoint endpoint, std::string id, int64_t created, std::string model,
-                  int top_logprobs, TokenText token_text);
+                  int top_logprobs, TokenText token_text, int n = 1);
 
-  // Stream: the server-sent event payloads (JSON) for one GenerateResponse, in order (chat's
-  // first chunk carries the assistant role). The last message's finish reason ends the choice.
-  std::vector<std::string> Chunks(const v1::GenerateResponse& response);
-  // Stream with include_usage: the last chunk (no choices, the usage).
+  // Stream: the server-sent event payloads (JSON) for one GenerateResponse of choice `index`, in
+  // order (chat's first chunk of a choice carries the assistant role). The last message's
+  // finish reason ends the choice.
+  std::vector<std::string> Chunks(int index, const v1::GenerateResponse& response);
+  std::vector<std::string> Chunks(const v1::GenerateResponse& response) {
+    return Chunks(0, response);
+  }
+  // Stream with include_usage: the last chunk (no choices, the usage of all of them).
   std::string UsageChunk() const;
   // Whole: after every message was given to Add, the one response object.
-  void Add(const v1::GenerateResponse& response);
+  void Add(int index, const v1::GenerateResponse& response);
+  void Add(const v1::GenerateResponse& response) { Add(0, response); }
   std::string Whole() const;
 
  private:
+  struct Choice {
+    bool role_sent = false;
+    int64_t text_offset = 0;    // completions' logprobs.text_offset of the next token
+    std::string text;           // whole: the text so far
+    nlohmann::json logprobs;    // whole: the entries so far
+    std::string finish_reason;  // empty: not finished
+    v1::Usage usage;
+  };
   // The choice's logprobs entries for the tokens of `response` (appended to `into`).
-  void AddLogprobs(const v1::GenerateResponse& response, nlohmann::json& into);
+  void AddLogprobs(Choice& choice, const v1::GenerateResponse& response, nlohmann::json& into);
+  nlohmann::json EmptyLogprobs() const;
   nlohmann::json Object(const char* object) const;
+  // Prompt tokens once (every choice has the same prompt), generated tokens of all choices.
   nlohmann::json UsageJson() const;
   static const char* FinishReason(v1::FinishReason reason);
 
@@ -83,14 +104,7 @@ class ResponseBuilder {
   std::string model_;
   int top_logprobs_;
   TokenText token_text_;
-  bool role_sent_ = false;
-  int64_t text_offset_ = 0;  // completions' logprobs.text_offset of the next token
-  // Whole: the choice so far.
-  std::string text_;
-  nlohmann::json logprobs_;
-  std::string finish_reason_;  // empty: not finished
-  v1::Usage usage_;
-  bool has_usage_ = false;
+  std::vector<Choice> choices_;
 };
 
 }  // namespace infinigen::openai

@@ -15,13 +15,16 @@ namespace {
 
 using infinigen::openai::Endpoint;
 
-bool IsJson(const std::string& s) { return !nlohmann::json::parse(s, nullptr, false).is_discarded(); }
+bool IsJson(const std::string& s) {
+  return !nlohmann::json::parse(s, nullptr, false).is_discarded();
+}
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
-  const Endpoint endpoint = (data[0] & 1) != 0 ? Endpoint::kChatCompletions : Endpoint::kCompletions;
+  const Endpoint endpoint =
+      (data[0] & 1) != 0 ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
   infinigen::openai::ParsedRequest parsed;
   infinigen::openai::ApiError error;

@@ -2,8 +2,8 @@
 """The official `openai` Python client (PyPI; scripts/setup.sh installs it into the project's
 venv) against a real `infinigen serve --http-listen` of SmolLM2-135M-Instruct: chat and text
 completions, whole and streamed (the streamed deltas equal the whole answer), usage with cached
-tokens, logprobs, stop strings, a seed that reproduces a sampled answer, the model list, and the
-errors the client raises for 400, 401 and 404.
+tokens, logprobs, stop strings, a seed that reproduces a sampled answer, n = 3 choices, the model
+list, and the errors the client raises for 400, 401 and 404.
 
 Usage: openai_client_test.py --bin-dir build/bin. Exit 77 (skipped) without the model.
 """
@@ -130,6 +130,13 @@ def main():
                    .choices[0].message.content for _ in range(2)]
         assert sampled[0] == sampled[1], sampled
 
+        three = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                               temperature=1.0, seed=7, n=3)
+        assert [c.index for c in three.choices] == [0, 1, 2], three
+        assert three.choices[0].message.content == sampled[0], "choice 0 has the request's seed"
+        assert len({c.message.content for c in three.choices}) > 1, three
+        assert 3 <= three.usage.completion_tokens <= 3 * 16, three.usage
+
         def expect(error, call):
             try:
                 call()
@@ -139,7 +146,7 @@ def main():
             raise AssertionError(f"expected {error.__name__}")
 
         expect(openai.BadRequestError, lambda: client.chat.completions.create(
-            model=model, messages=messages, n=2))
+            model=model, messages=messages, n=17))
         expect(openai.BadRequestError, lambda: client.chat.completions.create(
             model=model, messages=[{"role": "wizard", "content": "hi"}]))
         expect(openai.NotFoundError, lambda: client.chat.completions.create(

@@ -189,6 +189,55 @@ TEST_F(OpenAiHttp, CompletionsEqualTheGrpcApiWholeAndStreamed) {
   EXPECT_EQ(usage["usage"]["completion_tokens"], 12);
 }
 
+// n choices are n calls of the gRPC API, choice i sampled with the request's seed + i: each
+// equals the gRPC API's answer for that seed, whole and streamed.
+TEST_F(OpenAiHttp, NChoicesEqualGrpcRequestsWithConsecutiveSeeds) {
+  Start();
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
+  std::vector<std::vector<float>> want;
+  for (uint64_t seed : {40, 41, 42}) {
+    v1::GenerateRequest g;
+    testing::FillTokenRequest(g, prompt, 8, 1.0f, seed);
+    g.mutable_sampling()->set_logprobs(0);
+    want.push_back(Grpc(grpc_port_, g).logprobs);
+  }
+  ASSERT_NE(want[0], want[1]) << "different seeds should sample differently";
+  // As FillTokenRequest: top-k 30, EOS ignored.
+  const json request = {{"prompt", prompt}, {"max_tokens", 8},    {"temperature", 1.0},
+                        {"top_k", 30},      {"ignore_eos", true}, {"seed", 40},
+                        {"n", 3},           {"logprobs", 0}};
+  const Reply whole = Post(http_port_, "/v1/completions", request);
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  const json w = whole.Json();
+  ASSERT_EQ(w["choices"].size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(w["choices"][i]["index"], i);
+    EXPECT_EQ(w["choices"][i]["logprobs"]["token_logprobs"].get<std::vector<float>>(), want[i]);
+  }
+  EXPECT_EQ(w["usage"]["completion_tokens"], 24);
+  EXPECT_EQ(w["usage"]["prompt_tokens"], 5);
+
+  json streamed = request;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  const Reply s = Post(http_port_, "/v1/completions", streamed);
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::vector<std::vector<float>> got(3);
+  const std::vector<json> events = Events(s.body);
+  for (const json& e : events) {
+    if (!e.is_object() || e["choices"].empty()) continue;
+    const json& c = e["choices"][0];
+    if (c["logprobs"].is_object()) {
+      for (const json& lp : c["logprobs"]["token_logprobs"]) {
+        got[c["index"].get<size_t>()].push_back(lp.get<float>());
+      }
+    }
+  }
+  EXPECT_EQ(got, want);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events[events.size() - 2]["usage"]["completion_tokens"], 24);
+}
+
 TEST_F(OpenAiHttp, ModelsHealthAndErrorsInOpenAisShape) {
   Start();
   const Reply health = Call(http_port_, http::verb::get, "/health", "");
@@ -207,7 +256,7 @@ TEST_F(OpenAiHttp, ModelsHealthAndErrorsInOpenAisShape) {
     }
   };
   expect_error(Call(http_port_, http::verb::post, "/v1/completions", "{not json"), 400, "");
-  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"n", 2}}), 400, "n");
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"n", 17}}), 400, "n");
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"presence_penalty", 1}}),
                400, "presence_penalty");
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"temperature", 7}}), 400,
