@@ -27,7 +27,7 @@ struct WorkerConfig {
   TlsFiles kv_store_tls;            // the store's control plane
   int64_t kv_capacity_mb = 1024;    // in-process store
   int32_t kv_append_linger_ms = 5;  // KvClientConfig::append_linger
-  bool kv_device_gather = true;    // StoreKvCacheOptions::device_reads_mapped_rows
+  bool kv_device_gather = true;     // StoreKvCacheOptions::device_reads_mapped_rows
   std::string owner = "worker";     // lease holder name at the store
   std::string policy = "auto";      // auto, full, infinigen, window
   double budget = 0.2;
