@@ -37,6 +37,7 @@
 #include "absl/synchronization/notification.h"
 #include "cli/loaded_model.h"
 #include "gpu_worker/engine/batch_engine.h"
+#include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/kv/store_kv_cache.h"
 #include "gpu_worker/service/worker_runtime.h"
@@ -283,6 +284,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<BatchEngine> engine;
   std::unique_ptr<InfinigenSidecar> sidecar;
+  std::shared_ptr<const PartialSkewOnBackend> skew_on_backend;
   PolicyFactory make_policy;
   int64_t vocab = 0;
   if (!target.empty()) {
@@ -362,9 +364,15 @@ int main(int argc, char** argv) {
       }
     }
     const SelectionConfig selection = defaults.Selection(sidecar != nullptr);
+    // As the worker: InfiniGen chooses rows in the GPU's memory (worker_runtime.cc).
+    if (sidecar != nullptr && !loaded.backend->host_accessible()) {
+      auto skew = UploadPartialSkew(*sidecar, *loaded.backend);
+      if (!skew.ok()) return fail(skew.status());
+      skew_on_backend = *skew;
+    }
     make_policy = [&, selection]() -> absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> {
       if (selection.policy == PolicyKind::kFull) return std::unique_ptr<KvSelectionPolicy>();
-      return MakeSelectionPolicy(selection, loaded.model->config(), sidecar.get());
+      return MakeSelectionPolicy(selection, loaded.model->config(), sidecar.get(), skew_on_backend);
     };
     EngineConfig ec;
     ec.max_running = 64;

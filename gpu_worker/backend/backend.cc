@@ -36,4 +36,13 @@ absl::StatusOr<Weight> Backend::UploadRandomWeight(int64_t rows, int64_t cols, u
   return UploadWeight(host.data(), rows, cols);
 }
 
+absl::Status Backend::AppendPartialKeys(MatView, const float*, const PartialKeysShape&, void*,
+                                        int64_t) {
+  return absl::UnimplementedError(absl::StrCat("backend ", Name(), " keeps no partial keys"));
+}
+
+absl::Status Backend::ChooseRows(const RowChoiceRequest&, void*) {
+  return absl::UnimplementedError(absl::StrCat("backend ", Name(), " does not choose rows"));
+}
+
 }  // namespace infinigen

@@ -121,6 +121,39 @@ struct BackendCounters {
   }
 };
 
+// InfiniGen's partial key cache of one (sequence, layer) in backend memory: bfloat16,
+// channel-major per KV head (channel c of head g, row j at (g * partial_dim + c) * capacity +
+// j), so that scoring reads each channel of consecutive rows contiguously. Bytes():
+// num_kv_heads * partial_dim * capacity * 2.
+struct PartialKeysShape {
+  int num_kv_heads = 0, head_dim = 0, partial_dim = 0;
+  int64_t capacity = 0;
+  size_t Bytes() const {
+    return static_cast<size_t>(num_kv_heads) * partial_dim * static_cast<size_t>(capacity) * 2;
+  }
+};
+
+// One decode token's choice of rows over a partial key cache (INFINIGEN.md, decode steps 2-5;
+// kernels/cpu/selection.h ChooseRows is the reference): scores of the speculated partial query
+// against rows [0, rows), k = the mean over heads of the rows within alpha of the head's best,
+// clamped to [min(k_min, k_max), k_max] (plus the prefetch margin with `margin`, at most rows),
+// and per KV head the top k rows by group attention mass (row rows - 1, the current token,
+// always with `force_last`), ascending.
+struct RowChoiceRequest {
+  MatView q_partial;  // [1, num_heads * partial_dim], after RoPE and the skew
+  const void* keys = nullptr;
+  PartialKeysShape keys_shape;
+  int num_heads = 0;
+  float scale = 1.0f, alpha = 10.0f;
+  int64_t rows = 0, k_min = 1, k_max = 1;
+  bool margin = false, force_last = false;
+  // Outputs in backend memory: rows of KV head g at indices + g * index_capacity (capacity >=
+  // k_max, plus the margin with `margin`), and k in *count.
+  int32_t* indices = nullptr;
+  int64_t index_capacity = 0;
+  int32_t* count = nullptr;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -208,6 +241,19 @@ class Backend {
   virtual absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                        int64_t num_rows, const AttentionShape& shape, MatView out,
                                        float* weights_out = nullptr) = 0;
+
+  // InfiniGen on the backend (PartialKeysShape, RowChoiceRequest). Projects rows of `k` ([rows,
+  // num_kv_heads * head_dim] after RoPE) through `skew` (float32 [num_kv_heads, head_dim,
+  // partial_dim] in backend memory) into rows first_row .. of the partial key cache `keys`.
+  virtual absl::Status AppendPartialKeys(MatView k, const float* skew,
+                                         const PartialKeysShape& shape, void* keys,
+                                         int64_t first_row);
+  // Backend memory ChooseRows needs for a request over `rows` rows.
+  virtual size_t ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const {
+    return 0;
+  }
+  // Launches the choice; nothing waits for it (the indices and count are read where they lie).
+  virtual absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace);
 
  protected:
   void CountAllocation() { allocations_.fetch_add(1, std::memory_order_relaxed); }

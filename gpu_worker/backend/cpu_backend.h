@@ -62,6 +62,10 @@ class CpuBackend : public Backend {
   absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                int64_t num_rows, const AttentionShape& shape, MatView out,
                                float* weights_out = nullptr) override;
+  // InfiniGen's choice (cpu_row_choice.cc): the host policy's arithmetic (kernels/cpu/selection.h).
+  absl::Status AppendPartialKeys(MatView k, const float* skew, const PartialKeysShape& shape,
+                                 void* keys, int64_t first_row) override;
+  absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
 
  private:
   CpuBackendOptions options_;

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -121,6 +122,10 @@ CudaBackend::CudaBackend(const CudaBackendOptions& options, std::unique_ptr<Hand
 
 CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(S(stream_));
+  for (PinnedHalf& h : pinned_) {
+    if (h.host != nullptr) cudaFreeHost(h.host);
+    if (h.copied != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(h.copied));
+  }
   for (const HostRegion& r : host_regions_) cudaHostUnregister(const_cast<char*>(r.host));
   cudaGetLastError();  // a region unmapped before us fails to unregister: nothing to do
   row_table_device_.reset();
@@ -157,12 +162,57 @@ absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
   return std::make_unique<DeviceBuffer>(p, bytes);
 }
 
+namespace {
+constexpr size_t kPinnedHalfBytes = size_t{32} << 20;
+}  // namespace
+
+char* CudaBackend::StageForDevice(size_t bytes) {
+  bytes = (bytes + 255) & ~size_t{255};
+  if (bytes > kPinnedHalfBytes || pinned_failed_) return nullptr;
+  if (pinned_[0].host == nullptr) {
+    for (PinnedHalf& h : pinned_) {
+      cudaEvent_t e = nullptr;
+      if (cudaHostAlloc(reinterpret_cast<void**>(&h.host), kPinnedHalfBytes,
+                        cudaHostAllocDefault) != cudaSuccess ||
+          cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        pinned_failed_ = true;  // pageable copies, as before
+        return nullptr;
+      }
+      h.copied = e;
+    }
+  }
+  PinnedHalf* h = &pinned_[pinned_at_];
+  if (h->used + bytes > kPinnedHalfBytes) {  // this half is full: the other one, once free
+    cudaEventRecord(static_cast<cudaEvent_t>(h->copied), S(stream_));
+    h->pending = true;
+    pinned_at_ ^= 1;
+    h = &pinned_[pinned_at_];
+    if (h->pending && cudaEventQuery(static_cast<cudaEvent_t>(h->copied)) != cudaSuccess) {
+      cudaGetLastError();
+      CountSynchronization();
+      cudaEventSynchronize(static_cast<cudaEvent_t>(h->copied));
+    }
+    h->pending = false;
+    h->used = 0;
+  }
+  char* at = h->host + h->used;
+  h->used += bytes;
+  return at;
+}
+
 absl::Status CudaBackend::CopyToDevice(const void* host, void* device, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   CountCopyToDevice();
-  // From pageable memory the runtime stages the source before returning, so `host` may be
-  // reused at once.
-  return Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, S(stream_)),
+  // Through pinned staging where it fits (see PinnedHalf), so that the copy is queued and the
+  // host goes on; from pageable memory otherwise (the runtime stages the source before
+  // returning, so `host` may be reused at once either way).
+  const void* from = host;
+  if (char* staged = StageForDevice(bytes); staged != nullptr) {
+    std::memcpy(staged, host, bytes);
+    from = staged;
+  }
+  return Check(cudaMemcpyAsync(device, from, bytes, cudaMemcpyHostToDevice, S(stream_)),
                "copy to device");
 }
 
@@ -348,6 +398,85 @@ absl::Status CudaBackend::ProjectHeads(MatView x, int num_heads, int num_kv_head
   p.out_head_stride = partial_dim;
   if (x.rows == 0) return absl::OkStatus();
   return Check(cuda::RunPartialProjection(p, S(stream_)), "ProjectHeads");
+}
+
+absl::Status CudaBackend::AppendPartialKeys(MatView k, const float* skew,
+                                            const PartialKeysShape& shape, void* keys,
+                                            int64_t first_row) {
+  if (first_row < 0 || first_row + k.rows > shape.capacity ||
+      k.cols != static_cast<int64_t>(shape.num_kv_heads) * shape.head_dim) {
+    return absl::InvalidArgumentError("cuda backend: AppendPartialKeys shapes do not match");
+  }
+  cuda::PartialProjection p;
+  p.x_type = ToElem(k.dtype);
+  p.x = k.data;
+  p.x_seq_stride = k.stride;
+  p.batch = static_cast<int>(k.rows);
+  p.num_heads = p.num_kv_heads = shape.num_kv_heads;
+  p.head_dim = shape.head_dim;
+  p.partial_dim = shape.partial_dim;
+  p.skew = skew;
+  p.out_type = cuda::Elem::kBF16;  // channel-major per head (PartialKeysShape)
+  p.out = static_cast<uint16_t*>(keys) + first_row;
+  p.out_seq_stride = 1;
+  p.out_head_stride = static_cast<int64_t>(shape.partial_dim) * shape.capacity;
+  p.out_channel_stride = shape.capacity;
+  if (k.rows == 0) return absl::OkStatus();
+  return Check(cuda::RunPartialProjection(p, S(stream_)), "AppendPartialKeys");
+}
+
+namespace {
+constexpr int kMaxChoicePartialDim = 256;  // the f32 copy of the query in the workspace
+}  // namespace
+
+size_t CudaBackend::ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const {
+  cuda::Speculation s;
+  s.num_heads = num_heads;
+  s.num_kv_heads = num_kv_heads;
+  s.max_rows = static_cast<int32_t>(rows);
+  return cuda::SpeculationWorkspaceBytes(s) +
+         static_cast<size_t>(num_heads) * kMaxChoicePartialDim * sizeof(float);
+}
+
+absl::Status CudaBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
+  const PartialKeysShape& shape = r.keys_shape;
+  if (r.rows <= 0 || r.rows > shape.capacity || r.rows >= (int64_t{1} << 31) ||
+      shape.partial_dim > kMaxChoicePartialDim ||
+      r.q_partial.cols != static_cast<int64_t>(r.num_heads) * shape.partial_dim) {
+    return absl::InvalidArgumentError("cuda backend: ChooseRows shapes do not match");
+  }
+  cuda::Speculation s;
+  s.batch = 1;
+  s.num_heads = r.num_heads;
+  s.num_kv_heads = shape.num_kv_heads;
+  s.partial_dim = shape.partial_dim;
+  s.scale = r.scale;
+  s.key_type = cuda::Elem::kBF16;
+  s.keys = r.keys;
+  s.key_head_stride = static_cast<int64_t>(shape.partial_dim) * shape.capacity;
+  s.key_row_stride = 1;
+  s.key_channel_stride = shape.capacity;
+  s.max_rows = static_cast<int32_t>(r.rows);
+  s.alpha = r.alpha;
+  s.k_min = static_cast<int32_t>(r.k_min);
+  s.k_max = r.k_max;
+  s.margin = r.margin;
+  s.force_last = r.force_last;
+  s.indices = r.indices;
+  s.index_capacity = r.index_capacity;
+  s.counts = r.count;
+  s.workspace = workspace;
+  // The query as float32, after the speculation's own workspace.
+  float* q =
+      reinterpret_cast<float*>(static_cast<char*>(workspace) + cuda::SpeculationWorkspaceBytes(s));
+  const MatView q32{q, DType::kF32, 1, r.q_partial.cols, r.q_partial.cols};
+  if (r.q_partial.dtype == DType::kF32) {
+    s.q_partial = r.q_partial.As<const float>();
+  } else {
+    IG_RETURN_IF_ERROR(Copy(r.q_partial.Rows(0, 1), q32));
+    s.q_partial = q;
+  }
+  return Check(cuda::RunSpeculation(s, S(stream_)), "ChooseRows");
 }
 
 absl::Status CudaBackend::SwiGlu(MatView gate, MatView up, MatView out) {

@@ -60,6 +60,10 @@ class CudaBackend final : public Backend {
   absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                int64_t num_rows, const AttentionShape& shape, MatView out,
                                float* weights_out = nullptr) override;
+  absl::Status AppendPartialKeys(MatView k, const float* skew, const PartialKeysShape& shape,
+                                 void* keys, int64_t first_row) override;
+  size_t ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const override;
+  absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
 
   // The stream every operation runs on (a cudaStream_t), for code that adds its own kernels.
   void* stream() const { return stream_; }
@@ -81,6 +85,24 @@ class CudaBackend final : public Backend {
   std::vector<HostRegion> host_regions_;
   std::vector<const void*> row_table_;  // GatherRows' device addresses, staged here
   std::unique_ptr<Buffer> row_table_device_;
+  // Pinned staging of copies to the device. From pageable memory a copy is staged by the
+  // driver in buffers of its own, and once those are full the host waits for the stream (what
+  // the copies queued before it must wait for): each layer's row tables and indices would
+  // wait for the layer before. Two halves in turn: one fills while the copies of the other
+  // run; a half is reused once an event says the copies that read it ran (a wait only when
+  // the GPU is a whole half behind, counted as a synchronization).
+  struct PinnedHalf {
+    char* host = nullptr;
+    size_t used = 0;
+    void* copied = nullptr;  // cudaEvent_t recorded after the last copy from this half
+    bool pending = false;
+  };
+  // Room for `bytes` of pinned memory no queued copy still reads; null when the request is too
+  // large (or pinned memory cannot be had): the caller copies from pageable memory.
+  char* StageForDevice(size_t bytes);
+  PinnedHalf pinned_[2];
+  int pinned_at_ = 0;
+  bool pinned_failed_ = false;
 };
 
 }  // namespace infinigen

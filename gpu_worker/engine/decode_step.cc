@@ -101,6 +101,69 @@ void DecodeStep::ForEachPolicy(const Work& work) {
   }
 }
 
+template <typename Out>
+absl::Status DecodeStep::ChooseOnBackend(int layer, bool prefetch, const Out& out) {
+  if (backend_chunks_.empty()) return absl::OkStatus();
+  Backend& backend = model_.backend();
+  const int64_t kv_heads = model_.config().num_kv_heads;
+  const size_t n = batch_.size();
+  choice_at_.resize(n);
+  choice_capacity_.resize(n);
+  choice_result_.resize(n);
+  int64_t total = 0;
+  for (size_t b : backend_chunks_) {
+    const int64_t stored = prefetch ? choice_rows_[b] : choice_rows_[b] - 1;
+    choice_capacity_[b] = batch_[b].policy->BackendChoiceCapacity(stored);
+    choice_at_[b] = total;
+    total += 1 + kv_heads * choice_capacity_[b];
+  }
+  IG_RETURN_IF_ERROR(EnsureBuffer(choices_, static_cast<size_t>(total) * sizeof(int32_t)));
+  int32_t* device = static_cast<int32_t*>(choices_->data());
+  const bool speculated = spec_layer_[layer % 2] == layer;
+  bool launched = false;
+  for (size_t b : backend_chunks_) {
+    BackendChoice c;
+    c.seq = batch_[b].seq;
+    c.layer = layer;
+    c.rows = choice_rows_[b];
+    c.prefetch = prefetch;
+    if (speculated && spec_rows_[b] >= 0)
+      c.speculated_q = SpeculatedRows(layer).Rows(spec_rows_[b], 1);
+    c.count = device + choice_at_[b];
+    c.indices = c.count + 1;
+    c.index_capacity = choice_capacity_[b];
+    absl::StatusOr<BackendChoiceResult> result = batch_[b].policy->ChooseOnBackend(c);
+    choice_result_[b] = result.ok() ? *result : BackendChoiceResult::kNone;
+    if (!result.ok()) Fail(b, result.status());
+    launched = launched || choice_result_[b] == BackendChoiceResult::kLaunched;
+  }
+  if (launched) {  // one copy (one wait) for every chunk's choice
+    host_choices_.resize(static_cast<size_t>(total));
+    IG_RETURN_IF_ERROR(backend.CopyToHost(device, host_choices_.data(), total * sizeof(int32_t)));
+  }
+  for (size_t b : backend_chunks_) {
+    Selection& selection = out(b);
+    if (choice_result_[b] != BackendChoiceResult::kLaunched) {
+      selection.all = true;
+      continue;
+    }
+    const int32_t* host = host_choices_.data() + choice_at_[b];
+    const int64_t count = host[0];
+    if (count <= 0 || count > choice_capacity_[b]) {
+      Fail(b, absl::InternalError(absl::StrCat("policy ", batch_[b].policy->Name(), " chose ",
+                                               count, " rows of ", choice_rows_[b])));
+      continue;
+    }
+    selection.all = false;
+    selection.count = count;
+    selection.indices.resize(static_cast<size_t>(kv_heads * count));
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      std::copy_n(host + 1 + g * choice_capacity_[b], count, selection.indices.begin() + g * count);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DecodeStep::ToHost(std::span<const MatView> views, std::span<HostRows*> out,
                                 std::vector<float>& host) {
   Backend& backend = model_.backend();
@@ -185,6 +248,7 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
   // Per-chunk state only grows: a slot's vectors keep their capacity for the next batch.
   if (selections_.size() < batch.size()) selections_.resize(batch.size());
   if (chunks_.size() < batch.size()) chunks_.resize(batch.size());
+  choice_rows_.resize(batch.size());
   spec_layer_[0] = spec_layer_[1] = -1;
   for (auto& per_chunk : prefetched_) {
     if (per_chunk.size() < batch.size()) per_chunk.resize(batch.size());
@@ -253,6 +317,10 @@ absl::Status DecodeStep::Restore(SequenceId seq, KvSelectionPolicy& policy, int6
     }
     for (int64_t g = 0; g < kv_heads; ++g) {  // head-major rows to token-major floats
       IG_RETURN_IF_ERROR(backend.Copy(kv->k.Head(g, 0, length, d), keys.Cols(g * d, d)));
+    }
+    if (policy.chooses_on_backend()) {
+      IG_RETURN_IF_ERROR(policy.OnBackendKeys(seq, layer, keys, 0));
+      continue;
     }
     IG_ASSIGN_OR_RETURN(HostRows host_k, ToHost(keys, host_k_));
     LayerKeys lk;
@@ -328,7 +396,11 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
   std::optional<ScopedTiming> timing(Timing(&StepProfile::preselect));
   HostRows spec_q;
   const bool speculated = spec_layer_[next_layer % 2] == next_layer;
-  if (speculated && preselect) {
+  bool host_speculation = false;  // a policy choosing on the host reads the speculation
+  for (size_t b = 0; b < batch_.size() && speculated; ++b) {
+    host_speculation = host_speculation || (spec_rows_[b] >= 0 && !ChoosesOnBackend(b));
+  }
+  if (host_speculation && preselect) {
     IG_ASSIGN_OR_RETURN(spec_q, ToHost(SpeculatedRows(next_layer), host_spec_q_));
   }
   // Which decode chunks fetch, and how many rows they have stored (in order: cache calls).
@@ -353,7 +425,7 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
   if (preselect) {
     ForEachPolicy([&](size_t b) {
       ChunkWork& w = chunks_[b];
-      if (!w.fetch) return absl::OkStatus();
+      if (!w.fetch || ChoosesOnBackend(b)) return absl::OkStatus();
       KvSelectionPolicy* policy = batch_[b].policy;
       SelectRequest request;
       request.seq = batch_[b].seq;
@@ -366,6 +438,20 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
       w.fetch = policy->Preselect(request, w.candidates);  // false: no guess, nothing fetched
       return absl::OkStatus();
     });
+    // And the policies that choose in backend memory, in one wait for all of them.
+    backend_chunks_.clear();
+    for (size_t b = 0; b < batch_.size(); ++b) {
+      if (chunks_[b].fetch && !Failed(b) && ChoosesOnBackend(b)) {
+        backend_chunks_.push_back(b);
+        choice_rows_[b] = chunks_[b].stored;
+      }
+    }
+    IG_RETURN_IF_ERROR(ChooseOnBackend(next_layer, /*prefetch=*/true, [&](size_t b) -> Selection& {
+      return chunks_[b].candidates;
+    }));
+    for (size_t b : backend_chunks_) {
+      if (choice_result_[b] == BackendChoiceResult::kNone) chunks_[b].fetch = false;
+    }
   }
   timing.emplace(Timing(&StepProfile::prefetch));  // ends after the submission below
   // The batch's prefetches of this layer travel together.
@@ -408,11 +494,13 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   // Policies run on the host: they read this layer's queries and keys (and the speculated
   // queries) as host floats, copied out of the backend's memory where the host cannot read it.
   const bool host_memory = backend.host_accessible();
-  const bool any_policy = std::any_of(batch.begin(), batch.end(),
-                                      [](const ForwardChunk& chunk) { return chunk.policy; });
+  bool host_policy = false;  // a policy choosing on the host reads them
+  for (size_t b = 0; b < batch.size(); ++b) {
+    host_policy = host_policy || (batch[b].policy != nullptr && !ChoosesOnBackend(b));
+  }
   HostRows host_q, host_k, spec_q;
   std::optional<ScopedTiming> timing(Timing(&StepProfile::select));
-  if (any_policy) {  // one copy (one wait) for all three
+  if (host_policy) {  // one copy (one wait) for all three
     const bool speculated = spec_layer_[layer % 2] == layer;
     const MatView views[] = {q, k, speculated ? SpeculatedRows(layer) : MatView()};
     HostRows* out[] = {&host_q, &host_k, &spec_q};
@@ -451,6 +539,7 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   // The policies see the keys and choose the rows of each decode token, sequences in parallel.
   timing.emplace(Timing(&StepProfile::select));
   ForEachPolicy([&](size_t b) -> absl::Status {
+    if (ChoosesOnBackend(b)) return absl::OkStatus();  // below
     const ForwardChunk& chunk = batch[b];
     const int64_t len = static_cast<int64_t>(chunk.tokens.size());
     KvSelectionPolicy* policy = chunk.policy;
@@ -480,6 +569,34 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     }
     return absl::OkStatus();
   });
+  // The policies that choose in backend memory: the new keys (every chunk), then the choices of
+  // the decode tokens, in one wait for all of them.
+  backend_chunks_.clear();
+  for (size_t b = 0; b < batch.size(); ++b) {
+    if (Failed(b) || !ChoosesOnBackend(b)) continue;
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    const int32_t* slots = host_slots_.data() + rows_[b] * kv_heads;
+    bool positions = true;  // the partial keys are kept by position
+    for (int64_t i = 0; i < len * kv_heads && positions; ++i) {
+      positions = slots[i] == chunk.start + i / kv_heads;
+    }
+    absl::Status st =
+        positions
+            ? chunk.policy->OnBackendKeys(chunk.seq, layer, k.Rows(rows_[b], len), chunk.start)
+            : absl::FailedPreconditionError(absl::StrCat(
+                  "policy ", chunk.policy->Name(),
+                  " chooses on the backend and needs a KV cache whose slots are positions"));
+    if (!st.ok()) {
+      Fail(b, std::move(st));
+      continue;
+    }
+    if (len != 1) continue;
+    backend_chunks_.push_back(b);
+    choice_rows_[b] = chunks_[b].kv.num_slots;
+  }
+  IG_RETURN_IF_ERROR(ChooseOnBackend(layer, /*prefetch=*/false,
+                                     [&](size_t b) -> Selection& { return selections_[b]; }));
 
   // A streamed cache starts fetching what the prefetch during the previous layer did not
   // bring, so that the fetches of later sequences overlap the attention of earlier ones in
@@ -660,6 +777,10 @@ bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
   for (int64_t g = 0; g < kv_heads; ++g) {
     const int32_t* begin = pre.slots.data() + g * pre.count;
     const int32_t* end = begin + pre.count;
+    // Both lists ascend (the policies choose in slot order): one walk forward through the
+    // candidates, not a search per row (at 32K tokens that search was milliseconds per layer).
+    // A selection out of order finds nothing behind the walk and fetches again.
+    const int32_t* it = begin;
     for (int64_t j = 0; j < count; ++j) {
       const int32_t slot = selection.indices[g * count + j];
       int32_t at;
@@ -669,7 +790,7 @@ bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
         if (slot < 0 || slot >= pre.count) return Miss(pre);
         at = slot;
       } else {
-        const int32_t* it = std::lower_bound(begin, end, slot);
+        while (it != end && *it < slot) ++it;
         if (it == end || *it != slot) return Miss(pre);
         at = static_cast<int32_t>(it - begin);
       }

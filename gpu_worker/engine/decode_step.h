@@ -146,6 +146,14 @@ class DecodeStep final : private LayerAttention {
   // the heap every layer.)
   template <typename Work>
   void ForEachPolicy(const Work& work);
+  // The choices of `layer` made in backend memory for backend_chunks_ (policies that
+  // chooses_on_backend(); choice_rows_[b] rows each): launched one after another, read back in
+  // one copy (one wait), written to out(b) (a Selection&); choice_result_[b] says what each did.
+  template <typename Out>
+  absl::Status ChooseOnBackend(int layer, bool prefetch, const Out& out);
+  bool ChoosesOnBackend(size_t b) const {
+    return batch_[b].policy != nullptr && batch_[b].policy->chooses_on_backend();
+  }
   bool Failed(size_t b) const { return !chunk_status_[b].ok(); }
   // The phase of profile_ to add a scope's time to; null when this step is not profiled.
   double* Timing(double StepProfile::*phase) { return profiling_ ? &(profile_.*phase) : nullptr; }
@@ -208,6 +216,13 @@ class DecodeStep final : private LayerAttention {
     Selection candidates;
   };
   std::vector<ChunkWork> chunks_;
+  // Choices made in backend memory: per chunk, its count then its indices ([1 + kv_heads x
+  // capacity] int32 at choice_at_[b] of choices_), read back into host_choices_ in one copy.
+  std::unique_ptr<Buffer> choices_;
+  std::vector<int32_t> host_choices_;
+  std::vector<size_t> backend_chunks_;
+  std::vector<int64_t> choice_rows_, choice_at_, choice_capacity_;
+  std::vector<BackendChoiceResult> choice_result_;
   std::vector<size_t> policy_chunks_;
   std::vector<absl::Status> statuses_;
   std::vector<absl::Status> chunk_status_;  // per chunk of the current batch

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "gpu_worker/infinigen/selection_util.h"
+#include "kernels/cpu/selection.h"
 
 namespace infinigen {
 namespace {
@@ -18,7 +19,7 @@ namespace {
 constexpr int64_t kParallelRows = 1 << 16;
 constexpr int64_t kParallelScores = 1 << 13;
 // Rows scored together per query head (accumulators on the stack).
-constexpr int64_t kRowBlock = 256;
+constexpr int64_t kRowBlock = cpu::kScoreBlock;
 // Rows per chunk of the partial key cache: a growing sequence adds chunks and never copies
 // what it has (a copy of every layer's partial keys used to stall the first decode step).
 constexpr int64_t kChunkRows = 1024;
@@ -90,8 +91,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       float partial[kMaxPartialDim];
       for (int g = 0; g < kv_heads; ++g) {
         const int32_t slot = keys.slots[t * kv_heads + g];
-        Project(keys.k + t * keys.k_stride + g * d, skew + static_cast<size_t>(g) * d * p, d, p,
-                partial);
+        cpu::ProjectPartial(keys.k + t * keys.k_stride + g * d,
+                            skew + static_cast<size_t>(g) * d * p, d, p, partial);
         for (int c = 0; c < p; ++c) *cache.Rows(slot, g, c, p) = FloatToBf16(partial[c]);
       }
     }
@@ -159,7 +160,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   // Rows prefetched beyond the alpha count of the stored rows: one for the count the current
   // token may add, and a share for rows whose rank changes once the current token joins the
   // softmax of each head (measured: docs/accuracy.md, "Rows moved").
-  static int64_t PrefetchMargin(int64_t counted) { return 1 + std::max<int64_t>(2, counted / 16); }
+  static int64_t PrefetchMargin(int64_t counted) { return cpu::PrefetchMargin(counted); }
   // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) of rows [0, n) into
   // scores_ (`partial`: `query` is q~ = q_h · A_g[:, P] already, [heads, p]; else the whole
   // query, projected here); returns k: the mean over heads of the rows within alpha of the head's
@@ -181,8 +182,9 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     const float* skew = partial_skew_[r.layer].data();
     q_partial_.resize(static_cast<size_t>(heads) * p);
     for (int h = 0; h < heads && !partial; ++h) {
-      Project(query + static_cast<size_t>(h) * d, skew + static_cast<size_t>(h / group) * d * p, d,
-              p, q_partial_.data() + static_cast<size_t>(h) * p);
+      cpu::ProjectPartial(query + static_cast<size_t>(h) * d,
+                          skew + static_cast<size_t>(h / group) * d * p, d, p,
+                          q_partial_.data() + static_cast<size_t>(h) * p);
     }
     if (partial) std::copy_n(query, q_partial_.size(), q_partial_.begin());
     Prescored& pre = prescored_[r.layer % 2];
@@ -210,34 +212,15 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       const int64_t j0 = std::max(reuse, b * kRowBlock);
       const int64_t rows = std::min(n, (b + 1) * kRowBlock) - j0;
       for (int h = g * group; h < (g + 1) * group; ++h) {
-        const float* q_partial = q_partial_.data() + static_cast<size_t>(h) * p;
-        float acc[kRowBlock] = {};
-        for (int c = 0; c < p; ++c) {
-          const float qc = q_partial[c];
-          const uint16_t* kc = cache.Rows(j0, g, c, p);
-#pragma omp simd
-          for (int64_t i = 0; i < rows; ++i) {
-            acc[i] += qc * std::bit_cast<float>(static_cast<uint32_t>(kc[i]) << 16);
-          }
-        }
-        float* s = scores_.data() + static_cast<size_t>(h) * n + j0;
-#pragma omp simd
-        for (int64_t i = 0; i < rows; ++i) s[i] = acc[i] * scale;
+        // Channel c of this block's rows at Rows(j0, g, c, p): kChunkRows apart.
+        cpu::ScorePartialBlock(q_partial_.data() + static_cast<size_t>(h) * p,
+                               cache.Rows(j0, g, 0, p), kChunkRows, rows, p, scale,
+                               scores_.data() + static_cast<size_t>(h) * n + j0);
       }
     }
     for (int h = 0; h < heads; ++h) {
-      const float* s = scores_.data() + static_cast<size_t>(h) * n;
-      float best = -INFINITY;
-#pragma omp simd reduction(max : best)
-      for (int64_t j = 0; j < n; ++j) best = s[j] > best ? s[j] : best;
-      const float threshold = best - margin;
-      int64_t count = 0;
-#pragma omp simd reduction(+ : count)
-      for (int64_t j = 0; j < n; ++j) count += s[j] > threshold;
-      head_counts_[h] = count;
+      head_counts_[h] = cpu::AlphaCount(scores_.data() + static_cast<size_t>(h) * n, n, margin);
     }
-    double count_sum = 0;
-    for (int64_t c : head_counts_) count_sum += static_cast<double>(c);
     if (keep) {
       pre.seq = r.seq;  // field by field: the vectors keep their capacity
       pre.layer = r.layer;
@@ -247,8 +230,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     } else {
       pre.layer = -1;
     }
-    const int64_t k_min = std::max(config_.min_tokens, config_.min_budget_tokens);
-    return std::clamp<int64_t>(std::llround(count_sum / heads), std::min(k_min, k_max), k_max);
+    return cpu::BudgetFromCounts(head_counts_,
+                                 std::max(config_.min_tokens, config_.min_budget_tokens), k_max);
   }
 
   // The top k rows per KV head by the group's predicted attention mass (from scores_), the
@@ -295,16 +278,6 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     }
   }
 
-  // out[c] = Σ_i x[i] · a[i, c] for a: [d, p].
-  static void Project(const float* x, const float* a, int d, int p, float* out) {
-    std::fill(out, out + p, 0.0f);
-    for (int i = 0; i < d; ++i) {
-      const float xi = x[i];
-      const float* row = a + static_cast<size_t>(i) * p;
-      for (int c = 0; c < p; ++c) out[c] += xi * row[c];
-    }
-  }
-
   // Optional attention sinks and recent window (default off, as in the paper).
   void AddAlwaysKept(const SelectRequest& r, int g, int64_t n, std::vector<int32_t>& forced) const {
     if (config_.sink_tokens == 0 && config_.recent_tokens == 0) return;
@@ -339,7 +312,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeInfinigenPolicy(
-    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar& sidecar) {
+    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar& sidecar,
+    std::shared_ptr<const PartialSkewOnBackend> skew) {
   if (sidecar.num_layers != model.num_layers || sidecar.num_kv_heads != model.num_kv_heads ||
       sidecar.head_dim != model.head_dim) {
     return absl::FailedPreconditionError("the InfiniGen sidecar does not match the model's shape");
@@ -349,6 +323,13 @@ absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeInfinigenPolicy(
     return absl::FailedPreconditionError(
         absl::StrCat("the InfiniGen sidecar's partial dimension ", sidecar.partial_dim,
                      " is outside [1, ", std::min<int64_t>(model.head_dim, kMaxPartialDim), "]"));
+  }
+  if (ChoosesOnBackend(config, skew.get())) {
+    if (skew->partial_dim != sidecar.partial_dim ||
+        skew->layers.size() != size_t(model.num_layers)) {
+      return absl::FailedPreconditionError("the skew on the backend is not this sidecar's");
+    }
+    return MakeInfinigenBackendPolicy(config, model, std::move(skew));
   }
   return std::unique_ptr<KvSelectionPolicy>(new InfinigenPolicy(config, model, sidecar));
 }

@@ -346,7 +346,8 @@ absl::StatusOr<SelectionConfig> ApplyOverrides(const SelectionConfig& defaults,
 }
 
 absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(
-    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar* sidecar) {
+    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar* sidecar,
+    std::shared_ptr<const PartialSkewOnBackend> skew) {
   IG_RETURN_IF_ERROR(config.Validate());
   switch (config.policy) {
     case PolicyKind::kFull:
@@ -367,7 +368,7 @@ absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(
     return absl::FailedPreconditionError(
         "the infinigen policy needs the model's sidecar: run `infinigen prepare --model ...`");
   }
-  return MakeInfinigenPolicy(config, model, *sidecar);
+  return MakeInfinigenPolicy(config, model, *sidecar, std::move(skew));
 }
 
 }  // namespace infinigen

@@ -70,8 +70,12 @@ absl::StatusOr<SelectionConfig> ApplyOverrides(const SelectionConfig& defaults,
                                                const SelectionOverrides& overrides,
                                                const SelectionLimits& limits);
 
-// The policy `config.policy` for a model. InfiniGen needs its prepared sidecar.
+struct PartialSkewOnBackend;
+// The policy `config.policy` for a model. InfiniGen needs its prepared sidecar; given its skew in
+// the model's backend's memory (UploadPartialSkew), it chooses rows there where the host cannot
+// read that memory (a GPU: MakeInfinigenPolicy).
 absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeSelectionPolicy(
-    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar* sidecar);
+    const SelectionConfig& config, const ModelConfig& model, const InfinigenSidecar* sidecar,
+    std::shared_ptr<const PartialSkewOnBackend> skew = nullptr);
 
 }  // namespace infinigen

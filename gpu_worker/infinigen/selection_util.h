@@ -1,5 +1,5 @@
 // Pieces shared by the selection policies: which token sits in which slot, per-KV-head top-k
-// without a full sort, and the group aggregation of GQA.
+// without a full sort, and the group aggregation of GQA (the last two from kernels/cpu/).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "gpu_worker/kv/kv_selection.h"
+#include "kernels/cpu/selection.h"
 
 namespace infinigen {
 
@@ -26,21 +27,12 @@ class SlotPositions {
   absl::flat_hash_map<SequenceId, std::vector<std::vector<std::vector<int64_t>>>> seqs_;
 };
 
-// Chooses min(k, n) slots of one KV head: every slot in `forced` first, then the highest
-// `scores[slot]` among the other slots in [0, n), ties to the lower slot (NaN ranks lowest).
-// Writes them in ascending slot order to `out` and returns how many. One nth_element over the
-// scores and a pass in slot order: no sort. Safe to call from several threads at once.
-int64_t TopK(const float* scores, int64_t n, int64_t k, std::span<const int32_t> forced,
-             int32_t* out);
-// The same, appended to `out`.
+// Top-k per KV head and the GQA attention mass (kernels/cpu/selection.h).
+using cpu::GroupAttentionMass;
+using cpu::TopK;
+// cpu::TopK, appended to `out`.
 void TopK(const float* scores, int64_t n, int64_t k, const std::vector<int32_t>& forced,
           std::vector<int32_t>& out);
-
-// For GQA: per KV head, the sum over its query heads of softmax(scores[h]) (the predicted
-// attention mass). scores: [num_heads, n]; out: [num_kv_heads, n]. Several threads (OpenMP)
-// for large n; the exponentials are within 2 ulp of std::exp.
-void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
-                        std::vector<float>& out);
 
 // Exact attention logits q_h · k_j * scale of every head over rows [0, n) of the layer.
 // q: [num_heads * head_dim]; out: [num_heads, n].

@@ -6,6 +6,7 @@
 //
 // Policies run on the host: the pointers below are host memory, float32 (the CPU backend's
 // activations, or copies of them that the model makes on a backend the host cannot read).
+// InfiniGen on a backend the host cannot read chooses in its memory instead (BackendChoice).
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "gpu_worker/kv/kv_cache.h"
 
 namespace infinigen {
@@ -52,6 +54,26 @@ struct SelectRequest {
   // the policy speculates this layer; else null.
   const float* speculated_q = nullptr;
 };
+
+// A choice made in backend memory (a policy that chooses_on_backend()): what DecodeStep asks.
+struct BackendChoice {
+  SequenceId seq = 0;
+  int layer = 0;
+  // The rows to choose among: the stored ones, for the prefetch during the previous layer
+  // (`prefetch`: the candidates, with the margin), or those and the current token last (the
+  // layer's own choice, which always keeps the current token).
+  int64_t rows = 0;
+  bool prefetch = false;
+  MatView speculated_q;  // [1, num_heads * partial_dim] in backend memory; null data: none
+  // Outputs in backend memory: the rows of KV head g at indices + g * index_capacity
+  // (BackendChoiceCapacity(rows) of them at most), ascending, and their number in *count.
+  int32_t* indices = nullptr;
+  int64_t index_capacity = 0;
+  int32_t* count = nullptr;
+};
+// What ChooseOnBackend did: nothing (no guess: nothing to prefetch), every row (no launch), or
+// launched a choice whose outputs are in backend memory.
+enum class BackendChoiceResult { kNone, kAll, kLaunched };
 
 // Which attention input the speculation for layer i starts from (INFINIGEN.md, decode step 1).
 enum class SpeculationInput {
@@ -98,6 +120,21 @@ class KvSelectionPolicy {
   // (all valid slots when the selection was `all`).
   virtual void OnAttentionWeights(SequenceId seq, int layer, const Selection& selection,
                                   const float* weights, int64_t rows) {}
+  // Choosing in backend memory (InfiniGen on a GPU): the policy keeps what it scores there
+  // (partial keys) and chooses rows there, so that the host reads back only the chosen rows.
+  // DecodeStep then calls OnBackendKeys and ChooseOnBackend instead of OnKeys, Preselect and
+  // Select. Only over caches whose slots are positions (each new row in the next slot).
+  virtual bool chooses_on_backend() const { return false; }
+  // The most rows per KV head a choice over `rows` rows takes (its index capacity).
+  virtual int64_t BackendChoiceCapacity(int64_t rows) const { return rows; }
+  // Keys (after RoPE, backend memory, [count, num_kv_heads * head_dim]) of positions
+  // first_position .. of `layer`.
+  virtual absl::Status OnBackendKeys(SequenceId seq, int layer, MatView k, int64_t first_position) {
+    return absl::UnimplementedError("this policy does not choose on the backend");
+  }
+  virtual absl::StatusOr<BackendChoiceResult> ChooseOnBackend(const BackendChoice& choice) {
+    return absl::UnimplementedError("this policy does not choose on the backend");
+  }
   // The sequence is finished; drop its state.
   virtual void Release(SequenceId seq) {}
 };

@@ -138,6 +138,10 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   options.max_new_tokens_limit = config.max_new_tokens_limit;
   options.max_prompt_tokens = config.max_prompt_tokens;
   options.engine = engine_config;
+  if (w->sidecar_ && !w->loaded_.backend->host_accessible()) {
+    IG_ASSIGN_OR_RETURN(options.skew_on_backend,
+                        UploadPartialSkew(*w->sidecar_, *w->loaded_.backend));
+  }
   w->service_ = std::make_unique<WorkerService>(*w->engine_, model, w->tokenizer_.get(),
                                                 w->sidecar_.get(), options);
   w->description_ = absl::StrCat(

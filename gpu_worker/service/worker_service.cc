@@ -154,7 +154,7 @@ absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> WorkerService::Policy(
     return absl::InvalidArgumentError(
         "selection.policy: infinigen needs a sidecar, and this worker was started without one");
   }
-  return MakeSelectionPolicy(config, model_.config(), sidecar_);
+  return MakeSelectionPolicy(config, model_.config(), sidecar_, options_.skew_on_backend);
 }
 
 grpc::Status WorkerService::Generate(grpc::ServerContext* context,

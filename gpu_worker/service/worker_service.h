@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gpu_worker/engine/batch_engine.h"
+#include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
 #include "gpu_worker/tokenizer/tokenizer.h"
@@ -30,6 +31,9 @@ struct WorkerServiceOptions {
   int32_t max_new_tokens_limit = 4096;
   int64_t max_prompt_tokens = 0;  // 0: the model's context
   EngineConfig engine;            // as the engine was built (for Info)
+  // InfiniGen's skew in the model's backend's memory, where the host cannot read it (a GPU):
+  // the policies choose rows there (UploadPartialSkew).
+  std::shared_ptr<const PartialSkewOnBackend> skew_on_backend;
 };
 
 // Latency observers for the metrics endpoint (optional).

@@ -124,7 +124,9 @@ struct PartialProjection {
   const float* skew = nullptr;
   Elem out_type = Elem::kF32;
   void* out = nullptr;
-  int64_t out_seq_stride = 0, out_head_stride = 0;
+  // Channel c of (row b, head h) at out + b * out_seq_stride + h * out_head_stride + c *
+  // out_channel_stride.
+  int64_t out_seq_stride = 0, out_head_stride = 0, out_channel_stride = 1;
 };
 cudaError_t RunPartialProjection(const PartialProjection& p, cudaStream_t stream);
 
@@ -134,18 +136,24 @@ struct Speculation {
   int batch = 1, num_heads = 0, num_kv_heads = 0, partial_dim = 0;
   float scale = 1.0f;
   const float* q_partial = nullptr;  // [batch, num_heads, partial_dim]
-  // Partial keys of sequence b, KV head g, row j at keys + b * key_seq_stride + g *
-  // key_head_stride + j * partial_dim (key_type).
+  // Partial keys of sequence b, KV head g, row j, channel c at keys + b * key_seq_stride + g *
+  // key_head_stride + j * key_row_stride + c * key_channel_stride (key_type); a row stride of
+  // 0 means partial_dim (rows of contiguous channels).
   Elem key_type = Elem::kBF16;
   const void* keys = nullptr;
-  int64_t key_seq_stride = 0, key_head_stride = 0;
-  const int32_t* num_rows = nullptr;  // [batch] stored rows per sequence
+  int64_t key_seq_stride = 0, key_head_stride = 0, key_row_stride = 0, key_channel_stride = 1;
+  const int32_t* num_rows = nullptr;  // [batch] stored rows per sequence (null: max_rows each)
   int32_t max_rows = 0;               // bound of num_rows (sizes the launch)
   // Budget: k = clamp(round(mean over heads of #{s > max - alpha}), min(k_min, k_max), k_max)
   // with k_max = max(1, floor(budget_fraction * n)) (and never above n).
+  // k_max > 0 replaces the fraction's bound (min(k_max, n)). `margin` adds the prefetch margin
+  // 1 + max(2, k / 16) to k (at most n); `force_last` always chooses row n - 1 (the current
+  // token). The count rounds half away from zero, as the host's does.
   float alpha = 4.0f;
   float budget_fraction = 0.2f;
   int32_t k_min = 0;
+  int64_t k_max = 0;
+  bool margin = false, force_last = false;
   // Outputs: the chosen rows of (b, g), ascending, at indices + (b * num_kv_heads + g) *
   // index_capacity; counts[b] = k of sequence b. index_capacity >= budget of max_rows.
   int32_t* indices = nullptr;

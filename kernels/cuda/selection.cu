@@ -27,7 +27,9 @@ __global__ void PartialProjectionKernel(PartialProjection p) {
   for (int c = threadIdx.x; c < p.partial_dim; c += blockDim.x) {
     float sum = 0.0f;
     for (int i = 0; i < p.head_dim; ++i) sum += Load(x + i) * a[i * p.partial_dim + c];
-    Store(static_cast<To*>(p.out) + b * p.out_seq_stride + h * p.out_head_stride + c, sum);
+    Store(static_cast<To*>(p.out) + b * p.out_seq_stride + h * p.out_head_stride +
+              c * p.out_channel_stride,
+          sum);
   }
 }
 
@@ -48,6 +50,10 @@ SpecLayout Layout(const Speculation& s) {
   return l;
 }
 
+__device__ __forceinline__ int64_t NumRows(const Speculation& s, int b) {
+  return s.num_rows != nullptr ? s.num_rows[b] : s.max_rows;
+}
+
 template <typename Tk>
 __global__ void ScoreKernel(Speculation s, SpecLayout l) {
   __shared__ float qs[kMaxGroup * kMaxPartialDim];
@@ -57,14 +63,15 @@ __global__ void ScoreKernel(Speculation s, SpecLayout l) {
     qs[t] = s.q_partial[(static_cast<int64_t>(b) * s.num_heads + g * group) * p + t];
   }
   __syncthreads();
-  const int64_t n = s.num_rows[b];
+  const int64_t n = NumRows(s, b);
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= n) return;
-  const Tk* key =
-      static_cast<const Tk*>(s.keys) + b * s.key_seq_stride + g * s.key_head_stride + j * p;
+  const int64_t row_stride = s.key_row_stride != 0 ? s.key_row_stride : p;
+  const Tk* key = static_cast<const Tk*>(s.keys) + b * s.key_seq_stride + g * s.key_head_stride +
+                  j * row_stride;
   float dots[kMaxGroup] = {};
   for (int c = 0; c < p; ++c) {
-    const float kc = Load(key + c);
+    const float kc = Load(key + c * s.key_channel_stride);
 #pragma unroll
     for (int x = 0; x < kMaxGroup; ++x) {
       if (x < group) dots[x] += qs[x * p + c] * kc;
@@ -80,7 +87,7 @@ __global__ void ScoreKernel(Speculation s, SpecLayout l) {
 __global__ void StatsKernel(Speculation s, SpecLayout l) {
   __shared__ float shared[32];
   const int h = blockIdx.x, b = blockIdx.y;
-  const int64_t n = s.num_rows[b];
+  const int64_t n = NumRows(s, b);
   const float* sc = l.scores + (static_cast<int64_t>(b) * s.num_heads + h) * s.max_rows;
   float best = -FLT_MAX;
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) best = fmaxf(best, sc[j]);
@@ -101,7 +108,7 @@ __global__ void StatsKernel(Speculation s, SpecLayout l) {
 __global__ void MassKernel(Speculation s, SpecLayout l) {
   const int g = blockIdx.y, b = blockIdx.z, group = s.num_heads / s.num_kv_heads;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= s.num_rows[b]) return;
+  if (j >= NumRows(s, b)) return;
   float mass = 0.0f;
   for (int x = 0; x < group; ++x) {
     const int64_t hb = static_cast<int64_t>(b) * s.num_heads + g * group + x;
@@ -118,16 +125,22 @@ __device__ int64_t MaxBudget(float fraction, int64_t n) {
 
 __global__ void ChooseKernel(Speculation s, SpecLayout l) {
   const int g = blockIdx.x, b = blockIdx.y;
-  const int64_t n = s.num_rows[b];
-  const int64_t k_max = MaxBudget(s.budget_fraction, n);
+  const int64_t n = NumRows(s, b);
+  const int64_t k_max = s.k_max > 0 ? Min64(s.k_max, n) : MaxBudget(s.budget_fraction, n);
   float count_sum = 0.0f;
   for (int h = 0; h < s.num_heads; ++h) {
     count_sum += l.stats[(static_cast<int64_t>(b) * s.num_heads + h) * 3 + 2];
   }
   const int64_t lo = Min64(s.k_min, k_max);
-  const int64_t k = n == 0 ? 0 : Max64(lo, Min64(k_max, llrintf(count_sum / s.num_heads)));
+  int64_t k = n == 0 ? 0 : Max64(lo, Min64(k_max, llroundf(count_sum / s.num_heads)));
+  if (s.margin) k = Min64(n, k + 1 + Max64(2, k / 16));
   if (g == 0 && threadIdx.x == 0) s.counts[b] = static_cast<int32_t>(k);
-  BlockTopK(l.mass + (static_cast<int64_t>(b) * s.num_kv_heads + g) * s.max_rows, n, k,
+  float* mass = l.mass + (static_cast<int64_t>(b) * s.num_kv_heads + g) * s.max_rows;
+  if (s.force_last && n > 0) {  // the current token outranks every stored row
+    if (threadIdx.x == 0) mass[n - 1] = FLT_MAX;
+    __syncthreads();
+  }
+  BlockTopK(mass, n, k,
             s.indices + (static_cast<int64_t>(b) * s.num_kv_heads + g) * s.index_capacity);
 }
 
@@ -157,6 +170,14 @@ int64_t SpeculationMaxBudget(float budget_fraction, int64_t n) {
   return std::max<int64_t>(1, std::min<int64_t>(n, k));
 }
 
+// The most rows RunSpeculation may choose per KV head.
+int64_t SpeculationIndexBound(const Speculation& s) {
+  int64_t k = s.k_max > 0 ? std::min<int64_t>(s.k_max, s.max_rows)
+                          : SpeculationMaxBudget(s.budget_fraction, s.max_rows);
+  if (s.margin) k = std::min<int64_t>(s.max_rows, k + 1 + std::max<int64_t>(2, k / 16));
+  return k;
+}
+
 size_t SpeculationWorkspaceBytes(const Speculation& s) {
   return (static_cast<size_t>(s.batch) * (s.num_heads + s.num_kv_heads) * s.max_rows +
           static_cast<size_t>(s.batch) * s.num_heads * 3) *
@@ -167,7 +188,7 @@ cudaError_t RunSpeculation(const Speculation& s, cudaStream_t stream) {
   if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads != 0 ||
       s.num_heads / s.num_kv_heads > kMaxGroup || s.partial_dim <= 0 ||
       s.partial_dim > kMaxPartialDim || s.workspace == nullptr || s.max_rows <= 0 ||
-      s.index_capacity < SpeculationMaxBudget(s.budget_fraction, s.max_rows)) {
+      s.index_capacity < SpeculationIndexBound(s)) {
     return cudaErrorInvalidValue;
   }
   const SpecLayout l = Layout(s);

@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "common/dtype.h"
 #include "gpu_worker/backend/cpu_backend.h"
 #include "kernels/cuda/device.h"
 
@@ -290,6 +291,106 @@ TEST_P(CudaBackendOps, DecodeAttentionOverListedRowsWithWeights) {
     ExpectNear(Down(out), Round(want));
     ASSERT_TRUE(gpu_->CopyToHost((*weights)->data(), got_w.data(), got_w.size() * 4).ok());
     ExpectNear(got_w, want_w);
+  }
+}
+
+// InfiniGen's partial keys (appended in two pieces, the second at an offset) and the choice of
+// rows over them, against CpuBackend's (the host policy's arithmetic). Both choose over the same
+// keys (the CPU's, uploaded), so only the scores' summation and the exponentials differ: the
+// counts agree within one (a score at the alpha boundary) and nearly every row is the same.
+TEST_P(CudaBackendOps, PartialKeysAndTheChoiceOfRowsMatchTheCpu) {
+  struct Case {
+    int heads, kv_heads, head_dim, partial_dim;
+    int64_t rows;
+  };
+  for (Case c : {Case{32, 8, 128, 26, 3000}, Case{9, 3, 64, 17, 777}, Case{4, 4, 40, 9, 300}}) {
+    SCOPED_TRACE(testing::Message() << c.heads << " heads, " << c.rows << " rows");
+    const int64_t width = int64_t{c.kv_heads} * c.head_dim, n = c.rows;
+    const PartialKeysShape shape{c.kv_heads, c.head_dim, c.partial_dim, n + 5};
+    auto k = Random(n * width);
+    std::normal_distribution<float> normal(0.0f, 0.3f);
+    std::vector<float> skew(static_cast<size_t>(c.kv_heads) * c.head_dim * c.partial_dim);
+    for (float& x : skew) x = normal(rng_);
+    std::vector<uint16_t> cpu_keys(shape.Bytes() / 2);
+    MatView k_cpu = HostMat(k, n, width);
+    ASSERT_TRUE(
+        cpu_.AppendPartialKeys(k_cpu.Rows(0, n - 1), skew.data(), shape, cpu_keys.data(), 0).ok());
+    ASSERT_TRUE(
+        cpu_.AppendPartialKeys(k_cpu.Rows(n - 1, 1), skew.data(), shape, cpu_keys.data(), n - 1)
+            .ok());
+    MatView k_gpu = Up(k, n, width);
+    auto gpu_keys = gpu_->Allocate(shape.Bytes());
+    ASSERT_TRUE(gpu_keys.ok());
+    const float* skew_gpu = UpRaw(skew);
+    ASSERT_TRUE(
+        gpu_->AppendPartialKeys(k_gpu.Rows(0, n - 1), skew_gpu, shape, (*gpu_keys)->data(), 0)
+            .ok());
+    ASSERT_TRUE(
+        gpu_->AppendPartialKeys(k_gpu.Rows(n - 1, 1), skew_gpu, shape, (*gpu_keys)->data(), n - 1)
+            .ok());
+    std::vector<uint16_t> got_keys(cpu_keys.size());
+    ASSERT_TRUE(gpu_->CopyToHost((*gpu_keys)->data(), got_keys.data(), shape.Bytes()).ok());
+    float worst = 0.0f;
+    for (int64_t ch = 0; ch < int64_t{c.kv_heads} * c.partial_dim; ++ch) {
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t at = static_cast<size_t>(ch * shape.capacity + j);
+        const float want = Bf16ToFloat(cpu_keys[at]), got = Bf16ToFloat(got_keys[at]);
+        worst = std::max(worst, std::abs(got - want) / (1.0f + std::abs(want)));
+      }
+    }
+    EXPECT_LE(worst, 1.6e-2f) << "partial keys";
+
+    const uint16_t* keys_for_both = UpRaw(cpu_keys);
+    auto q = Random(static_cast<size_t>(c.heads) * c.partial_dim, 3.0f);
+    for (const bool prefetch : {true, false}) {
+      SCOPED_TRACE(prefetch ? "prefetch" : "the layer's own choice");
+      const int64_t k_max = (n + 4) / 5, capacity = std::min(n, k_max + 1 + k_max / 16 + 2);
+      RowChoiceRequest r;
+      r.keys_shape = shape;
+      r.num_heads = c.heads;
+      r.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+      r.alpha = 2.0f;
+      r.rows = n;
+      r.k_min = 1;
+      r.k_max = k_max;
+      r.margin = prefetch;
+      r.force_last = !prefetch;
+      r.index_capacity = capacity;
+      std::vector<int32_t> want(static_cast<size_t>(c.kv_heads * capacity)), got(want.size());
+      int32_t want_count = 0, got_count = 0;
+      RowChoiceRequest on_cpu = r;
+      on_cpu.q_partial = HostMat(q, 1, static_cast<int64_t>(q.size()));
+      on_cpu.keys = cpu_keys.data();
+      on_cpu.indices = want.data();
+      on_cpu.count = &want_count;
+      ASSERT_TRUE(cpu_.ChooseRows(on_cpu, nullptr).ok());
+      RowChoiceRequest on_gpu = r;
+      on_gpu.q_partial = Up(q, 1, static_cast<int64_t>(q.size()));
+      on_gpu.keys = keys_for_both;
+      on_gpu.indices = UpRaw(got);
+      on_gpu.count = UpRaw(std::vector<int32_t>{0});
+      auto workspace = gpu_->Allocate(gpu_->ChooseRowsWorkspaceBytes(c.heads, c.kv_heads, n));
+      ASSERT_TRUE(workspace.ok());
+      ASSERT_TRUE(gpu_->ChooseRows(on_gpu, (*workspace)->data()).ok());
+      ASSERT_TRUE(gpu_->CopyToHost(on_gpu.count, &got_count, sizeof(int32_t)).ok());
+      ASSERT_TRUE(gpu_->CopyToHost(on_gpu.indices, got.data(), got.size() * 4).ok());
+      EXPECT_LE(std::abs(got_count - want_count), 1);
+      ASSERT_GT(got_count, 0);
+      ASSERT_LE(got_count, capacity);
+      const int64_t common_count = std::min(got_count, want_count);
+      int64_t shared = 0, total = 0;
+      for (int g = 0; g < c.kv_heads; ++g) {
+        const int32_t* w = want.data() + g * capacity;
+        const int32_t* h = got.data() + g * capacity;
+        EXPECT_TRUE(std::is_sorted(h, h + got_count));
+        if (!prefetch) EXPECT_EQ(h[got_count - 1], n - 1) << "the current token";
+        for (int64_t j = 0; j < common_count; ++j) {
+          shared += std::binary_search(w, w + want_count, h[j]);
+        }
+        total += common_count;
+      }
+      EXPECT_GE(static_cast<double>(shared), 0.97 * static_cast<double>(total));
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 #include "gpu_worker/backend/cuda_backend.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
+#include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
@@ -169,12 +170,16 @@ TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
   ASSERT_TRUE(sidecar.ok()) << sidecar.status();
   ASSERT_TRUE(AttachSidecar(*cpu.model, *cpu.ckpt, *sidecar).ok());
   ASSERT_TRUE(AttachSidecar(*g.model, *g.ckpt, *sidecar).ok());
-  auto policy = [&](const std::string& name) {
+  // InfiniGen also as the worker runs it on a GPU: choosing rows in the GPU's memory.
+  auto skew = UploadPartialSkew(*sidecar, *g.backend);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  auto policy = [&](const std::string& name,
+                    std::shared_ptr<const PartialSkewOnBackend> on_gpu = nullptr) {
     SelectionConfig config;
     config.policy = ParsePolicyKind(name).value();
     config.dense_layers = 1;  // the fixtures have 2 layers: make layer 1 sparse
     config.budget_fraction = 0.3;
-    auto p = MakeSelectionPolicy(config, cpu.model->config(), &*sidecar);
+    auto p = MakeSelectionPolicy(config, cpu.model->config(), &*sidecar, std::move(on_gpu));
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? std::move(*p) : nullptr;
   };
@@ -195,6 +200,12 @@ TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
       auto c = policy(name), d = policy(name);
       const auto got = testing::Decode(*g.model, *cache, {c.get(), d.get()}, prompts, 12, 1000);
       EXPECT_EQ(got.tokens, want.tokens) << (cache == &resident ? "resident" : "over the store");
+      if (name != "infinigen") continue;
+      auto e = policy(name, *skew), f = policy(name, *skew);
+      ASSERT_TRUE(e->chooses_on_backend());
+      const auto chosen = testing::Decode(*g.model, *cache, {e.get(), f.get()}, prompts, 12, 1000);
+      EXPECT_EQ(chosen.tokens, want.tokens)
+          << "chosen on the GPU, " << (cache == &resident ? "resident" : "over the store");
     }
   }
 }

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
@@ -63,12 +64,13 @@ class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>
     ASSERT_TRUE(AttachSidecar(*l_.model, *l_.ckpt, sidecar_).ok());
   }
 
-  std::unique_ptr<KvSelectionPolicy> Policy(const std::string& name) {
+  std::unique_ptr<KvSelectionPolicy> Policy(
+      const std::string& name, std::shared_ptr<const PartialSkewOnBackend> skew = nullptr) {
     SelectionConfig config;
     config.policy = ParsePolicyKind(name).value();
     config.dense_layers = 1;  // the fixtures have 2 layers: make layer 1 sparse
     config.budget_fraction = 0.3;
-    auto p = MakeSelectionPolicy(config, l_.model->config(), &sidecar_);
+    auto p = MakeSelectionPolicy(config, l_.model->config(), &sidecar_, std::move(skew));
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? std::move(*p) : nullptr;
   }
@@ -357,6 +359,50 @@ TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
   auto st = DecodeStep(on_device, device_resident).Forward({&c, 1}, logits);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_NE(st.message().find("in host memory"), std::string::npos) << st;
+}
+
+// InfiniGen choosing in the memory of a backend the host cannot read (what it does on a GPU):
+// its partial keys live there and Backend::ChooseRows picks the rows, of which the host reads
+// back only the chosen indices (no query, key or speculated query is copied out). The CPU
+// backend's ChooseRows is the host policy's arithmetic, so the tokens and logits equal the host
+// policy's bit for bit, over the device's resident cache and over the store.
+TEST_P(StoreCache, InfinigenChoosesRowsOnABackendTheHostCannotRead) {
+  DeviceLikeCpuBackend device;
+  auto loaded = Model::Load(*l_.ckpt, device);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  Model& on_device = **loaded;
+  ASSERT_TRUE(AttachSidecar(on_device, *l_.ckpt, sidecar_).ok());
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const auto prompts = Prompts(2);
+  auto a = Policy("infinigen"), b = Policy("infinigen");
+  ASSERT_FALSE(a->chooses_on_backend());
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+  const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 10, 1000);
+  BackendKvCache device_resident(device, on_device.kv_shape());
+  StoreKvCacheOptions options;
+  options.read_in_place = std::get<1>(GetParam());
+  options.device_reads_mapped_rows = true;
+  StoreKvCache device_store(device, on_device.kv_shape(), *client_, options);
+  for (KvCache* cache : std::vector<KvCache*>{&device_resident, &device_store}) {
+    SCOPED_TRACE(cache == &device_resident ? "resident on the device" : "over the store");
+    auto c = Policy("infinigen", *skew), d = Policy("infinigen", *skew);
+    ASSERT_TRUE(c->chooses_on_backend());
+    const int64_t sparse_before = device.sparse_choices();
+    const DecodeRun got = Decode(on_device, *cache, {c.get(), d.get()}, prompts, 10, 1000);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
+    EXPECT_GT(device.sparse_choices(), sparse_before);  // it chose, not every row
+    // Waits per decode layer of this batch of 2 (2 layers): the choices of the layer (one copy
+    // for both sequences), the logits once per step (0.5); over the store also the prefetch's
+    // choices (1) and each sequence's new K/V rows (2). What the host policies wait for is
+    // bounded the same way in HostPoliciesRunOnABackendTheHostCannotRead; the difference is
+    // what crosses: indices, not the layer's activations.
+    ASSERT_GT(got.profile.layers, 0);
+    const double syncs = static_cast<double>(got.profile.backend.synchronizations) /
+                         static_cast<double>(got.profile.layers);
+    EXPECT_LE(syncs, cache == &device_store ? 4.0 : 1.5);
+  }
 }
 
 TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {

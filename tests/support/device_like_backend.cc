@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/status_macros.h"
+
 namespace infinigen::testing {
 
 // A CpuBackend buffer that leaves the live set when freed.
@@ -57,6 +59,16 @@ absl::Status DeviceLikeCpuBackend::GatherRows(const void* const* rows, int64_t n
     std::memcpy(static_cast<char*>(dst) + i * row_bytes, p, row_bytes);
   }
   rows_gathered_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLikeCpuBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
+  for (const void* p : {static_cast<const void*>(r.q_partial.data), r.keys,
+                        static_cast<const void*>(r.indices), static_cast<const void*>(r.count)}) {
+    if (!Owns(p)) return absl::InvalidArgumentError("ChooseRows: memory outside the backend's");
+  }
+  IG_RETURN_IF_ERROR(CpuBackend::ChooseRows(r, workspace));
+  if (*r.count < r.rows) ++sparse_choices_;
   return absl::OkStatus();
 }
 

@@ -23,10 +23,14 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
   absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
+  // CpuBackend's, counting the choices that took fewer rows than they chose among; the keys,
+  // query and outputs must be this backend's memory.
+  absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
 
   // Whether p lies in a live buffer from Allocate().
   bool Owns(const void* p) const;
   int64_t rows_gathered() const { return rows_gathered_; }
+  int64_t sparse_choices() const { return sparse_choices_; }
 
  private:
   class Tracked;
@@ -34,6 +38,7 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   std::map<const char*, size_t> live_;  // start -> bytes
   std::vector<std::pair<const char*, size_t>> registered_;
   int64_t rows_gathered_ = 0;
+  int64_t sparse_choices_ = 0;
 };
 
 }  // namespace infinigen::testing
