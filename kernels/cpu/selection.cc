@@ -186,9 +186,12 @@ int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* k
   const int p = c.partial_dim;
   const int64_t n = c.rows;
   if (n <= 0) return 0;
+  // Scratch of the calling thread; the parallel loops below reach it through plain pointers (a
+  // thread_local named inside them would be each worker thread's own, empty, vector).
   thread_local std::vector<float> scores, mass;
   thread_local std::vector<int64_t> counts;
   scores.resize(static_cast<size_t>(heads) * n);
+  float* const score_rows = scores.data();
   const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
 #pragma omp parallel for schedule(static) if (heads * n >= kParallelScores)
   for (int64_t t = 0; t < blocks * kv_heads; ++t) {
@@ -198,7 +201,7 @@ int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* k
     const uint16_t* head_keys = keys + static_cast<size_t>(g) * p * c.capacity + j0;
     for (int h = g * group; h < (g + 1) * group; ++h) {
       ScorePartialBlock(q_partial + static_cast<size_t>(h) * p, head_keys, c.capacity, rows, p,
-                        c.scale, scores.data() + static_cast<size_t>(h) * n + j0);
+                        c.scale, score_rows + static_cast<size_t>(h) * n + j0);
     }
   }
   counts.resize(static_cast<size_t>(heads));
@@ -209,11 +212,12 @@ int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* k
   if (c.margin) k = std::min(n, k + PrefetchMargin(k));
   k = std::min({k, n, index_capacity});
   GroupAttentionMass(scores.data(), heads, kv_heads, n, mass);
+  const float* const mass_rows = mass.data();
   const int32_t last = static_cast<int32_t>(n - 1);
   const std::span<const int32_t> forced(&last, c.force_last ? 1 : 0);
 #pragma omp parallel for schedule(static) if (kv_heads * n >= kParallelWork)
   for (int g = 0; g < kv_heads; ++g) {
-    TopK(mass.data() + static_cast<size_t>(g) * n, n, k, forced,
+    TopK(mass_rows + static_cast<size_t>(g) * n, n, k, forced,
          indices + static_cast<size_t>(g) * index_capacity);
   }
   return k;

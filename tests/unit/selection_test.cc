@@ -10,6 +10,7 @@
 #include <random>
 #include <tuple>
 
+#include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/selection_util.h"
@@ -332,6 +333,128 @@ TEST(InfinigenPolicy, KeysAcrossChunkBoundariesAreScoredWhereTheyWereStored) {
   std::sort(want1.begin(), want1.end());
   EXPECT_EQ(std::vector<int32_t>(sel.indices.begin(), sel.indices.begin() + 7), want0);
   EXPECT_EQ(std::vector<int32_t>(sel.indices.begin() + 7, sel.indices.end()), want1);
+}
+
+// What InfiniGen asks of a backend the host cannot read (Backend::AppendPartialKeys and
+// ChooseRows), done by CpuBackend, chooses the host policy's rows exactly: the prefetch's
+// candidates over the stored rows (with the margin) and the layer's own choice with the current
+// token, at Llama-3.1-8B's attention shape over 3000 rows appended in uneven pieces (the host
+// cache's 1024-row chunks are crossed; the backend's cache is one block). The CUDA kernels are
+// held to CpuBackend's choice in cuda_backend_test.
+TEST(InfinigenPolicy, TheCpuBackendsChoiceIsTheHostPolicys) {
+  constexpr int kHeads = 32, kKvHeads = 8, kDim = 128, kPartial = 26;
+  constexpr int64_t n = 3000;
+  ModelConfig model;
+  model.num_layers = 2;
+  model.num_heads = kHeads;
+  model.num_kv_heads = kKvHeads;
+  model.head_dim = kDim;
+  InfinigenSidecar sidecar;
+  sidecar.num_layers = 2;
+  sidecar.num_kv_heads = kKvHeads;
+  sidecar.head_dim = kDim;
+  sidecar.partial_dim = kPartial;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int l = 0; l < 2; ++l) {
+    std::vector<float> skew(static_cast<size_t>(kKvHeads) * kDim * kDim);
+    for (float& x : skew) x = normal(rng) * 0.1f;
+    sidecar.skew.push_back(std::move(skew));
+    std::vector<int32_t> channels;
+    for (int g = 0; g < kKvHeads; ++g) {
+      for (int c = 0; c < kPartial; ++c) channels.push_back((c * 5 + g) % kDim);
+    }
+    sidecar.channels.push_back(std::move(channels));
+  }
+  SelectionConfig config;
+  config.policy = PolicyKind::kInfinigen;
+  config.dense_layers = 1;
+  config.alpha = 4.0;
+  config.budget_fraction = 0.2;
+  auto policy = MakeSelectionPolicy(config, model, &sidecar);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  const int64_t width = kKvHeads * kDim;
+  std::vector<float> keys((n + 1) * width), q(kHeads * kPartial);
+  for (float& x : keys) x = normal(rng);
+  for (float& x : q) x = normal(rng) * 3.0f;
+  std::vector<int32_t> slots((n + 1) * kKvHeads);
+  for (int64_t t = 0; t <= n; ++t) {
+    std::fill_n(slots.begin() + t * kKvHeads, kKvHeads, static_cast<int32_t>(t));
+  }
+  CpuBackend cpu;
+  const PartialKeysShape shape{kKvHeads, kDim, kPartial, n + 7};
+  std::vector<uint16_t> backend_keys(shape.Bytes() / 2);
+  const std::vector<float> skew = sidecar.PartialSkew(1);
+  int64_t stored = 0;
+  auto append = [&](int64_t count) {
+    LayerKeys k;
+    k.seq = 1;
+    k.layer = 1;
+    k.start = stored;
+    k.count = count;
+    k.k = keys.data() + stored * width;
+    k.k_stride = width;
+    k.slots = slots.data() + stored * kKvHeads;
+    ASSERT_TRUE((*policy)->OnKeys(k).ok());
+    const MatView rows{keys.data() + stored * width, DType::kF32, count, width, width};
+    ASSERT_TRUE(cpu.AppendPartialKeys(rows, skew.data(), shape, backend_keys.data(), stored).ok());
+    stored += count;
+  };
+  for (int64_t piece : {700, 400, 1, 1000, 899}) append(piece);
+  ASSERT_EQ(stored, n);
+  auto choose = [&](int64_t rows, bool prefetch, Selection& out) {
+    const int64_t k_max = config.Budget(prefetch ? rows + 1 : rows);
+    const int64_t capacity = std::min(rows, k_max + 3 + k_max / 16);
+    std::vector<int32_t> indices(kKvHeads * capacity);
+    int32_t count = 0;
+    RowChoiceRequest r;
+    r.q_partial = {q.data(), DType::kF32, 1, kHeads * kPartial, kHeads * kPartial};
+    r.keys = backend_keys.data();
+    r.keys_shape = shape;
+    r.num_heads = kHeads;
+    r.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+    r.alpha = static_cast<float>(config.alpha);
+    r.rows = rows;
+    r.k_min = 1;
+    r.k_max = k_max;
+    r.margin = prefetch;
+    r.force_last = !prefetch;
+    r.indices = indices.data();
+    r.index_capacity = capacity;
+    r.count = &count;
+    ASSERT_TRUE(cpu.ChooseRows(r, nullptr).ok());
+    out.all = false;
+    out.count = count;
+    out.indices.clear();
+    for (int g = 0; g < kKvHeads; ++g) {
+      out.indices.insert(out.indices.end(), indices.begin() + g * capacity,
+                         indices.begin() + g * capacity + count);
+    }
+  };
+  SelectRequest r;
+  r.seq = 1;
+  r.layer = 1;
+  r.position = n;
+  r.kv.num_slots = n;
+  r.speculated_q = q.data();
+  Selection host, backend;
+  ASSERT_TRUE((*policy)->Preselect(r, host));
+  choose(n, /*prefetch=*/true, backend);
+  ASSERT_FALSE(host.all);
+  EXPECT_LT(host.count, n / 4);
+  EXPECT_EQ(backend.count, host.count);
+  EXPECT_EQ(backend.indices, host.indices);
+
+  append(1);  // the current token
+  const int32_t current[kKvHeads] = {n, n, n, n, n, n, n, n};
+  r.current_slots = current;
+  r.kv.num_slots = n + 1;
+  r.q = q.data();  // unused: the speculated query decides
+  ASSERT_TRUE((*policy)->Select(r, host).ok());
+  choose(n + 1, /*prefetch=*/false, backend);
+  ASSERT_FALSE(host.all);
+  EXPECT_EQ(backend.count, host.count);
+  EXPECT_EQ(backend.indices, host.indices);
 }
 
 TEST(InfinigenPolicy, NeedsItsSidecar) {
