@@ -48,6 +48,8 @@ class InfinigenBackendPolicy final : public KvSelectionPolicy {
                              int64_t first_position) override {
     if (layer < config_.dense_layers || k.rows == 0) return absl::OkStatus();
     IG_ASSIGN_OR_RETURN(Keys * keys, KeysFor(seq, layer, first_position + k.rows));
+    // The choices' workspace for the whole sequence, now (a prefill), not in a decode step.
+    IG_RETURN_IF_ERROR(EnsureWorkspace(keys->capacity));
     return backend_.AppendPartialKeys(k, static_cast<const float*>(skew_->layers[layer]->data()),
                                       Shape(keys->capacity), keys->buffer->data(), first_position);
   }
@@ -69,13 +71,7 @@ class InfinigenBackendPolicy final : public KvSelectionPolicy {
     }
     IG_ASSIGN_OR_RETURN(Keys * keys, KeysFor(c.seq, c.layer, n));
     const int heads = static_cast<int>(model_.num_heads);
-    const int kv_heads = static_cast<int>(model_.num_kv_heads);
-    const size_t bytes = backend_.ChooseRowsWorkspaceBytes(heads, kv_heads, n);
-    if (bytes > 0 && (workspace_ == nullptr || workspace_->size() < bytes)) {
-      const size_t grown = workspace_ ? std::max(bytes, workspace_->size() * 3 / 2) : bytes;
-      workspace_.reset();
-      IG_ASSIGN_OR_RETURN(workspace_, backend_.Allocate(grown));
-    }
+    IG_RETURN_IF_ERROR(EnsureWorkspace(n));
     RowChoiceRequest r;
     r.q_partial = c.speculated_q;
     r.keys = keys->buffer->data();
@@ -109,6 +105,19 @@ class InfinigenBackendPolicy final : public KvSelectionPolicy {
     int64_t capacity = 0;  // Open's
     std::vector<Keys> layers;
   };
+
+  // Room in workspace_ for a choice over `rows` rows (grows by half at least).
+  absl::Status EnsureWorkspace(int64_t rows) {
+    const size_t bytes = backend_.ChooseRowsWorkspaceBytes(
+        static_cast<int>(model_.num_heads), static_cast<int>(model_.num_kv_heads), rows);
+    if (bytes == 0 || (workspace_ != nullptr && workspace_->size() >= bytes)) {
+      return absl::OkStatus();
+    }
+    const size_t grown = workspace_ ? std::max(bytes, workspace_->size() * 3 / 2) : bytes;
+    workspace_.reset();
+    IG_ASSIGN_OR_RETURN(workspace_, backend_.Allocate(grown));
+    return absl::OkStatus();
+  }
 
   PartialKeysShape Shape(int64_t capacity) const {
     return {static_cast<int>(model_.num_kv_heads), static_cast<int>(model_.head_dim), partial_dim_,

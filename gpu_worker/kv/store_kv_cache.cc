@@ -65,6 +65,20 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, 0);
   TakeSpareStaging(s);
+  return SizeStaging(s, capacity_tokens);
+}
+
+absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
+  // The most one read of a layer moves: every row (a dense layer, a full fetch) and the current
+  // token's, so that no decode step allocates (or, on a GPU, waits for a free).
+  const size_t entries = static_cast<size_t>(shape_.num_kv_heads) * (capacity_tokens + 1);
+  for (Pending& p : s.pending) {
+    if (device_gathers_ || in_place_) {
+      p.staging.k_rows.reserve(entries);
+      p.staging.v_rows.reserve(entries);
+    }
+    if (!in_place_) IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
+  }
   return absl::OkStatus();
 }
 
@@ -101,6 +115,7 @@ absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int6
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, kept);
   TakeSpareStaging(s);
+  IG_RETURN_IF_ERROR(SizeStaging(s, std::max(max_length, kept)));
   return kept;
 }
 

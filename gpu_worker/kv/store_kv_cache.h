@@ -113,6 +113,9 @@ class StoreKvCache final : public StreamedKvCache {
   // sequence's go back, up to kSpareStagings.
   void TakeSpareStaging(Sequence& s);
   void KeepSpareStaging(Sequence& s);
+  // Sizes a sequence's staging (both layers in flight) for a read of all its rows at its
+  // capacity, when it is opened: decode steps then allocate none.
+  absl::Status SizeStaging(Sequence& s, int64_t capacity_tokens);
   static constexpr size_t kSpareStagings = 32;
   SequenceSpec Spec() const;  // how this cache's sequences are stored
   absl::Status EnsureStaging(Staging& s, size_t bytes);

@@ -108,11 +108,12 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   EngineConfig engine_config = config.engine;
   {
     // Admission by device memory: what a running sequence keeps on the device per token of its
-    // length: InfiniGen's partial keys of every sparse layer, and the two staging buffers of
-    // fetched rows (K and V, a budget's share of the rows, two layers in flight).
+    // length: InfiniGen's partial keys of every sparse layer, and the staging of fetched rows
+    // (K and V, two layers in flight), sized when the sequence opens for a read of every row
+    // (the dense layers read them all; StoreKvCache::SizeStaging).
     const ModelConfig& c = model.config();
     const size_t row = static_cast<size_t>(c.num_kv_heads) * c.head_dim * DTypeSize(shape.dtype);
-    size_t per_token = static_cast<size_t>(2 * 2 * row * std::max(0.05, selection.budget_fraction));
+    size_t per_token = 2 * 2 * row;
     if (w->sidecar_) {
       per_token +=
           static_cast<size_t>(std::max<int64_t>(0, c.num_layers - selection.dense_layers)) *

@@ -4,18 +4,29 @@
 // this process, counted while a step runs) nor the backend (Allocate) is asked for memory once
 // the same pattern has run before with other sequences. Sequences are opened (cache and policy
 // state sized for their whole length) between steps, as the engine admits them.
+// Three setups: the CPU backend over its resident cache; the CPU backend over the KV store
+// (in-process); and a backend the host cannot read (a GPU's path, on the CPU) over the store,
+// InfiniGen choosing rows there. Over the store only the backend's allocations are held to
+// zero: the store path still builds per-layer host vectors (the gather's slot lists and
+// tickets), counted and reported.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <iostream>
 #include <new>
 
 #include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+#include "kv_store/client/kv_store_client.h"
+#include "kv_store/kv_store.h"
+#include "tests/support/device_like_backend.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
@@ -43,16 +54,6 @@ void operator delete[](void* p, size_t) noexcept { std::free(p); }
 namespace infinigen {
 namespace {
 
-// A CPU backend that counts its allocations.
-class CountingBackend final : public CpuBackend {
- public:
-  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override {
-    ++allocations;
-    return CpuBackend::Allocate(bytes);
-  }
-  int64_t allocations = 0;
-};
-
 struct Running {
   SequenceId seq;
   std::vector<int32_t> tokens;
@@ -60,10 +61,18 @@ struct Running {
   std::unique_ptr<KvSelectionPolicy> policy;
 };
 
-TEST(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
+enum class Path { kResident, kStore, kDeviceStore };
+
+class DecodeStepAllocations : public ::testing::TestWithParam<Path> {};
+
+TEST_P(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
   auto ckpt = Checkpoint::Open(testing::FixturePath("hf/llama31_gqa"));
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  CountingBackend backend;
+  const Path setup = GetParam();
+  std::unique_ptr<CpuBackend> owned = setup == Path::kDeviceStore
+                                          ? std::make_unique<testing::DeviceLikeCpuBackend>()
+                                          : std::make_unique<CpuBackend>();
+  CpuBackend& backend = *owned;
   auto model = Model::Load(**ckpt, backend);
   ASSERT_TRUE(model.ok()) << model.status();
   Model& m = **model;
@@ -74,8 +83,37 @@ TEST(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
       PrepareInfinigen(m, **ckpt, testing::RandomTokens(96, m.config().vocab_size, 5), po);
   ASSERT_TRUE(sidecar.ok()) << sidecar.status();
   ASSERT_TRUE(AttachSidecar(m, **ckpt, *sidecar).ok());
-  BackendKvCache cache(backend, m.kv_shape());
+  std::shared_ptr<const PartialSkewOnBackend> skew;
+  if (setup == Path::kDeviceStore) {
+    auto uploaded = UploadPartialSkew(*sidecar, backend);
+    ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+    skew = *uploaded;
+  }
+  std::unique_ptr<KvStore> store;
+  std::unique_ptr<KvStoreClient> client;
+  std::unique_ptr<KvCache> owned_cache;
+  if (setup == Path::kResident) {
+    owned_cache = std::make_unique<BackendKvCache>(backend, m.kv_shape());
+  } else {
+    KvStoreConfig sc;
+    sc.capacity_bytes = 64 << 20;
+    sc.shared_memory = false;
+    auto created = KvStore::Create(sc);
+    ASSERT_TRUE(created.ok()) << created.status();
+    store = std::move(*created);
+    KvClientConfig cc;
+    cc.transport = KvClientConfig::Transport::kInProcess;
+    cc.store = store.get();
+    auto made = MakeKvStoreClient(cc);
+    ASSERT_TRUE(made.ok()) << made.status();
+    client = std::move(*made);
+    StoreKvCacheOptions options;
+    options.device_reads_mapped_rows = true;
+    owned_cache = std::make_unique<StoreKvCache>(backend, m.kv_shape(), *client, options);
+  }
+  KvCache& cache = *owned_cache;
   DecodeStep step(m, cache);
+  int64_t store_host_allocations = 0;
   const int64_t vocab = m.config().vocab_size;
   std::vector<float> logits;
 
@@ -94,7 +132,7 @@ TEST(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
         config.dense_layers = 1;
         config.budget_fraction = 0.3;
         if (t / 4 != 3) {
-          auto p = MakeSelectionPolicy(config, m.config(), &*sidecar);
+          auto p = MakeSelectionPolicy(config, m.config(), &*sidecar, skew);
           ASSERT_TRUE(p.ok()) << p.status();
           r.policy = std::move(*p);
         }
@@ -115,16 +153,21 @@ TEST(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
       }
       if (batch.empty()) break;
       logits.resize(8 * vocab);
-      const int64_t host_before = host_allocations.load(), backend_before = backend.allocations;
+      const int64_t host_before = host_allocations.load(),
+                    backend_before = backend.counters().allocations;
       counting = count;
       const absl::Status st = step.Forward(batch, logits);
       counting = false;
       ASSERT_TRUE(st.ok()) << st;
       ++decode_steps;
-      if (count) {
+      if (count && setup == Path::kResident) {
         EXPECT_EQ(host_allocations.load() - host_before, 0)
             << "host allocations in decode step " << t << " (batch of " << batch.size() << ")";
-        EXPECT_EQ(backend.allocations - backend_before, 0)
+      } else if (count) {
+        store_host_allocations += host_allocations.load() - host_before;
+      }
+      if (count) {
+        EXPECT_EQ(backend.counters().allocations - backend_before, 0)
             << "backend allocations in decode step " << t << " (batch of " << batch.size() << ")";
       }
       for (size_t b = 0; b < running.size(); ++b) {
@@ -149,7 +192,19 @@ TEST(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
   };
   round(100, false);  // warm-up: workspaces and scratch reach their sizes
   round(200, true);
+  if (setup != Path::kResident) {
+    std::cout << "host allocations over the store's 32 decode steps: " << store_host_allocations
+              << "\n";
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(Setups, DecodeStepAllocations,
+                         ::testing::Values(Path::kResident, Path::kStore, Path::kDeviceStore),
+                         [](const ::testing::TestParamInfo<Path>& info) {
+                           return std::string(info.param == Path::kResident ? "CpuResident"
+                                              : info.param == Path::kStore  ? "CpuOverTheStore"
+                                                                            : "DeviceOverTheStore");
+                         });
 
 }  // namespace
 }  // namespace infinigen

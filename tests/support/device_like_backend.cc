@@ -67,6 +67,11 @@ absl::Status DeviceLikeCpuBackend::ChooseRows(const RowChoiceRequest& r, void* w
                         static_cast<const void*>(r.indices), static_cast<const void*>(r.count)}) {
     if (!Owns(p)) return absl::InvalidArgumentError("ChooseRows: memory outside the backend's");
   }
+  const size_t need = ChooseRowsWorkspaceBytes(r.num_heads, r.keys_shape.num_kv_heads, r.rows);
+  if (!Owns(workspace) || !Owns(static_cast<const char*>(workspace) + need - 1)) {
+    return absl::InvalidArgumentError(
+        "ChooseRows: the workspace is not the backend's or too small");
+  }
   IG_RETURN_IF_ERROR(CpuBackend::ChooseRows(r, workspace));
   if (*r.count < r.rows) ++sparse_choices_;
   return absl::OkStatus();

@@ -26,6 +26,10 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   // CpuBackend's, counting the choices that took fewer rows than they chose among; the keys,
   // query and outputs must be this backend's memory.
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
+  // As a GPU's: scores and mass of every row (CpuBackend needs none), which ChooseRows checks.
+  size_t ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const override {
+    return static_cast<size_t>(num_heads + num_kv_heads) * static_cast<size_t>(rows) * 4;
+  }
 
   // Whether p lies in a live buffer from Allocate().
   bool Owns(const void* p) const;
