@@ -282,7 +282,11 @@ absl::Status CudaBackend::GatherRows(const void* const* rows, int64_t n, size_t 
   }
   const size_t table_bytes = static_cast<size_t>(n) * sizeof(void*);
   if (row_table_device_ == nullptr || row_table_device_->size() < table_bytes) {
-    IG_ASSIGN_OR_RETURN(row_table_device_, Allocate(std::max(table_bytes, size_t{4096})));
+    // By half again at least: a sequence's tables grow a row per step, and an allocation (and
+    // the free's wait) per step is what a decode step must not do.
+    const size_t grown = row_table_device_ ? row_table_device_->size() * 3 / 2 : 0;
+    row_table_device_.reset();
+    IG_ASSIGN_OR_RETURN(row_table_device_, Allocate(std::max({table_bytes, grown, size_t{4096}})));
   }
   IG_RETURN_IF_ERROR(CopyToDevice(row_table_.data(), row_table_device_->data(), table_bytes));
   return Check(cuda::GatherRowTable(static_cast<const void* const*>(row_table_device_->data()), n,
@@ -376,12 +380,10 @@ absl::Status CudaBackend::Rope(MatView x, int num_heads, int head_dim, int rotar
       "Rope");
 }
 
-absl::Status CudaBackend::ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
-                                       const float* skew, int partial_dim, MatView out) {
-  if (out.rows != x.rows || x.cols != static_cast<int64_t>(num_heads) * head_dim ||
-      out.cols != static_cast<int64_t>(num_heads) * partial_dim) {
-    return absl::InvalidArgumentError("cuda backend: ProjectHeads shapes do not match");
-  }
+namespace {
+// The heads of x's rows through the skew's partial channels (the output is the caller's).
+cuda::PartialProjection Projection(const MatView& x, int num_heads, int num_kv_heads, int head_dim,
+                                   const float* skew, int partial_dim) {
   cuda::PartialProjection p;
   p.x_type = ToElem(x.dtype);
   p.x = x.data;
@@ -392,6 +394,17 @@ absl::Status CudaBackend::ProjectHeads(MatView x, int num_heads, int num_kv_head
   p.head_dim = head_dim;
   p.partial_dim = partial_dim;
   p.skew = skew;
+  return p;
+}
+}  // namespace
+
+absl::Status CudaBackend::ProjectHeads(MatView x, int num_heads, int num_kv_heads, int head_dim,
+                                       const float* skew, int partial_dim, MatView out) {
+  if (out.rows != x.rows || x.cols != static_cast<int64_t>(num_heads) * head_dim ||
+      out.cols != static_cast<int64_t>(num_heads) * partial_dim) {
+    return absl::InvalidArgumentError("cuda backend: ProjectHeads shapes do not match");
+  }
+  cuda::PartialProjection p = Projection(x, num_heads, num_kv_heads, head_dim, skew, partial_dim);
   p.out_type = ToElem(out.dtype);
   p.out = out.data;
   p.out_seq_stride = out.stride;
@@ -407,15 +420,8 @@ absl::Status CudaBackend::AppendPartialKeys(MatView k, const float* skew,
       k.cols != static_cast<int64_t>(shape.num_kv_heads) * shape.head_dim) {
     return absl::InvalidArgumentError("cuda backend: AppendPartialKeys shapes do not match");
   }
-  cuda::PartialProjection p;
-  p.x_type = ToElem(k.dtype);
-  p.x = k.data;
-  p.x_seq_stride = k.stride;
-  p.batch = static_cast<int>(k.rows);
-  p.num_heads = p.num_kv_heads = shape.num_kv_heads;
-  p.head_dim = shape.head_dim;
-  p.partial_dim = shape.partial_dim;
-  p.skew = skew;
+  cuda::PartialProjection p = Projection(k, shape.num_kv_heads, shape.num_kv_heads, shape.head_dim,
+                                         skew, shape.partial_dim);
   p.out_type = cuda::Elem::kBF16;  // channel-major per head (PartialKeysShape)
   p.out = static_cast<uint16_t*>(keys) + first_row;
   p.out_seq_stride = 1;
@@ -509,8 +515,11 @@ absl::Status CudaBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t
 absl::Status CudaBackend::EnsureWorkspace(size_t bytes) {
   if (workspace_ != nullptr && workspace_->size() >= bytes) return absl::OkStatus();
   IG_RETURN_IF_ERROR(Synchronize());  // the old workspace may still be in use
+  // By half again at least: the decode attention's partials grow with the rows attended, a row
+  // per step (an exact fit reallocated, and waited, every step).
+  const size_t grown = workspace_ ? workspace_->size() * 3 / 2 : 0;
   workspace_.reset();
-  IG_ASSIGN_OR_RETURN(workspace_, Allocate(bytes));
+  IG_ASSIGN_OR_RETURN(workspace_, Allocate(std::max(bytes, grown)));
   return absl::OkStatus();
 }
 

@@ -26,6 +26,7 @@
 #include "kernels/cuda/device.h"
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/fixture_model.h"
+#include "tests/support/in_process_store.h"
 #include "tests/support/test_paths.h"
 
 namespace infinigen {
@@ -63,27 +64,7 @@ float MaxAbs(const std::vector<float>& a) {
   return m;
 }
 
-// A KV store in this process and its in-process client (null after recording a failure).
-struct InProcessStore {
-  InProcessStore() {
-    KvStoreConfig sc;
-    sc.capacity_bytes = 64 << 20;
-    sc.huge_pages = false;
-    auto s = KvStore::Create(sc);
-    EXPECT_TRUE(s.ok()) << s.status();
-    if (!s.ok()) return;
-    store = std::move(*s);
-    KvClientConfig cc;
-    cc.transport = KvClientConfig::Transport::kInProcess;
-    cc.store = store.get();
-    cc.renew_every = absl::ZeroDuration();
-    auto c = MakeKvStoreClient(cc);
-    EXPECT_TRUE(c.ok()) << c.status();
-    if (c.ok()) client = std::move(*c);
-  }
-  std::unique_ptr<KvStore> store;
-  std::unique_ptr<KvStoreClient> client;
-};
+using testing::InProcessStore;
 
 class CudaModel : public ::testing::TestWithParam<std::string> {
  protected:

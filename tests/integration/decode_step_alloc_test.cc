@@ -24,10 +24,9 @@
 #include "gpu_worker/infinigen/sidecar.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/kv/store_kv_cache.h"
-#include "kv_store/client/kv_store_client.h"
-#include "kv_store/kv_store.h"
 #include "tests/support/device_like_backend.h"
 #include "tests/support/fixture_model.h"
+#include "tests/support/in_process_store.h"
 #include "tests/support/test_paths.h"
 
 namespace {
@@ -89,27 +88,16 @@ TEST_P(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
     ASSERT_TRUE(uploaded.ok()) << uploaded.status();
     skew = *uploaded;
   }
-  std::unique_ptr<KvStore> store;
-  std::unique_ptr<KvStoreClient> client;
+  std::unique_ptr<testing::InProcessStore> store;
   std::unique_ptr<KvCache> owned_cache;
   if (setup == Path::kResident) {
     owned_cache = std::make_unique<BackendKvCache>(backend, m.kv_shape());
   } else {
-    KvStoreConfig sc;
-    sc.capacity_bytes = 64 << 20;
-    sc.shared_memory = false;
-    auto created = KvStore::Create(sc);
-    ASSERT_TRUE(created.ok()) << created.status();
-    store = std::move(*created);
-    KvClientConfig cc;
-    cc.transport = KvClientConfig::Transport::kInProcess;
-    cc.store = store.get();
-    auto made = MakeKvStoreClient(cc);
-    ASSERT_TRUE(made.ok()) << made.status();
-    client = std::move(*made);
+    store = std::make_unique<testing::InProcessStore>();
+    ASSERT_NE(store->client, nullptr);
     StoreKvCacheOptions options;
     options.device_reads_mapped_rows = true;
-    owned_cache = std::make_unique<StoreKvCache>(backend, m.kv_shape(), *client, options);
+    owned_cache = std::make_unique<StoreKvCache>(backend, m.kv_shape(), *store->client, options);
   }
   KvCache& cache = *owned_cache;
   DecodeStep step(m, cache);

@@ -74,6 +74,22 @@ class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? std::move(*p) : nullptr;
   }
+  // The fixture's model on a backend the host cannot read, the sidecar attached (null after
+  // recording a failure); and a store cache's options there (the GPU reads the store's rows).
+  std::unique_ptr<Model> OnDevice(DeviceLikeCpuBackend& device) {
+    auto loaded = Model::Load(*l_.ckpt, device);
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+    if (!loaded.ok()) return nullptr;
+    const absl::Status attached = AttachSidecar(**loaded, *l_.ckpt, sidecar_);
+    EXPECT_TRUE(attached.ok()) << attached;
+    return attached.ok() ? std::move(*loaded) : nullptr;
+  }
+  StoreKvCacheOptions DeviceStoreOptions() const {
+    StoreKvCacheOptions options;
+    options.read_in_place = std::get<1>(GetParam());
+    options.device_reads_mapped_rows = true;
+    return options;
+  }
   std::vector<std::vector<int32_t>> Prompts(size_t n) {
     std::vector<std::vector<int32_t>> p;
     for (size_t i = 0; i < n; ++i) {
@@ -312,10 +328,9 @@ class HostPointerCheck final : public KvSelectionPolicy {
 // pointer. Policies that read stored K rows themselves are refused, naming what would work.
 TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
   DeviceLikeCpuBackend device;
-  auto loaded = Model::Load(*l_.ckpt, device);
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
-  Model& on_device = **loaded;
-  ASSERT_TRUE(AttachSidecar(on_device, *l_.ckpt, sidecar_).ok());
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  Model& on_device = *loaded;
   const auto prompts = Prompts(2);
   for (const std::string name : {"infinigen", "window"}) {
     SCOPED_TRACE(name);
@@ -323,10 +338,7 @@ TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
     BackendKvCache resident(*l_.backend, l_.model->kv_shape());
     const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 10, 1000);
     BackendKvCache device_resident(device, on_device.kv_shape());
-    StoreKvCacheOptions options;
-    options.read_in_place = std::get<1>(GetParam());
-    options.device_reads_mapped_rows = true;
-    StoreKvCache device_store(device, on_device.kv_shape(), *client_, options);
+    StoreKvCache device_store(device, on_device.kv_shape(), *client_, DeviceStoreOptions());
     for (KvCache* cache : std::vector<KvCache*>{&device_resident, &device_store}) {
       SCOPED_TRACE(cache == &device_resident ? "resident on the device" : "over the store");
       auto c = Policy(name), d = Policy(name);
@@ -368,10 +380,9 @@ TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
 // policy's bit for bit, over the device's resident cache and over the store.
 TEST_P(StoreCache, InfinigenChoosesRowsOnABackendTheHostCannotRead) {
   DeviceLikeCpuBackend device;
-  auto loaded = Model::Load(*l_.ckpt, device);
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
-  Model& on_device = **loaded;
-  ASSERT_TRUE(AttachSidecar(on_device, *l_.ckpt, sidecar_).ok());
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  Model& on_device = *loaded;
   auto skew = UploadPartialSkew(sidecar_, device);
   ASSERT_TRUE(skew.ok()) << skew.status();
   const auto prompts = Prompts(2);
@@ -380,10 +391,7 @@ TEST_P(StoreCache, InfinigenChoosesRowsOnABackendTheHostCannotRead) {
   BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 10, 1000);
   BackendKvCache device_resident(device, on_device.kv_shape());
-  StoreKvCacheOptions options;
-  options.read_in_place = std::get<1>(GetParam());
-  options.device_reads_mapped_rows = true;
-  StoreKvCache device_store(device, on_device.kv_shape(), *client_, options);
+  StoreKvCache device_store(device, on_device.kv_shape(), *client_, DeviceStoreOptions());
   for (KvCache* cache : std::vector<KvCache*>{&device_resident, &device_store}) {
     SCOPED_TRACE(cache == &device_resident ? "resident on the device" : "over the store");
     auto c = Policy("infinigen", *skew), d = Policy("infinigen", *skew);
