@@ -169,12 +169,12 @@ void PrintProfile(const std::string& label, int streams, const StepProfile& a,
                         ms(&StepProfile::attend);
   std::printf(
       "profile | %s | %d | %.0f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | "
-      "%.1f | %.1f | %.1f | %.1f |\n",
+      "%.2f | %.1f | %.1f | %.1f | %.1f |\n",
       label.c_str(), streams, steps, ms(&StepProfile::total), ms(&StepProfile::speculate),
       ms(&StepProfile::preselect), ms(&StepProfile::prefetch), ms(&StepProfile::append),
-      ms(&StepProfile::select), ms(&StepProfile::fetch), ms(&StepProfile::attend),
-      ms(&StepProfile::total) - phases, c.synchronizations / layers, c.copies_to_host / layers,
-      c.copies_to_device / layers, c.allocations / steps);
+      ms(&StepProfile::select), ms(&StepProfile::fetch), ms(&StepProfile::fetch_wait),
+      ms(&StepProfile::attend), ms(&StepProfile::total) - phases, c.synchronizations / layers,
+      c.copies_to_host / layers, c.copies_to_device / layers, c.allocations / steps);
 }
 
 }  // namespace

@@ -748,7 +748,11 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
 
 absl::StatusOr<KvLayerView> DecodeStep::TimedFetch(SequenceId seq, int layer) {
   ScopedTiming timing(Timing(&StepProfile::fetch));
-  return streamed_->Fetch(seq, layer);
+  if (!profiling_) return streamed_->Fetch(seq, layer);
+  const double waited = cache_.Counters(seq).wait_seconds;
+  absl::StatusOr<KvLayerView> fetched = streamed_->Fetch(seq, layer);
+  profile_.fetch_wait += cache_.Counters(seq).wait_seconds - waited;
+  return fetched;
 }
 
 bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,

@@ -46,6 +46,7 @@ struct StepProfile {
   double append = 0;        // storing the new tokens' K/V
   double select = 0;        // the policies' exact selection (and the copies they read)
   double fetch = 0;         // waiting for the fetched rows and placing them
+  double fetch_wait = 0;    // of which waiting for the transport (the cache's wait_seconds)
   double attend = 0;        // decode attention over them
   BackendCounters backend;  // allocations, copies and synchronizations during those steps
 };
