@@ -7,7 +7,8 @@
 # calls with arbitrary arguments) and the UCX gather request codec (a parse must re-encode to
 # the same bytes), and the tokenizer file loaders (tokenizer.json, tokenizer.model, vocab.json +
 # merges.txt; seeded with small tokenizers cut from the real ones) and chat template rendering of
-# arbitrary conversations, and the OpenAI-compatible API's request bodies and response JSON. Any
+# arbitrary conversations, the InfiniGen sidecar reader (seeded with valid sidecars written
+# here), and the OpenAI-compatible API's request bodies and response JSON. Any
 # crash, sanitizer report, leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
@@ -118,6 +119,27 @@ def gather_item(seq, layer, count, slots):
 for i, items in enumerate([[], [(1, 0, 2, [0, 1, 2, 3])], [(7, 3, 0, []), (2, 1, 1, [5, 9])]]):
     with open(f"build-fuzz/corpus-gather-wire/request-{i}", "wb") as f:
         f.write(struct.pack("<I", len(items)) + b"".join(gather_item(*it) for it in items))
+# Valid InfiniGen sidecars of sidecar_fuzz.cc's model (2 layers, 2 KV heads of 8 channels): a
+# skewed one (4 channels) and a RoPE-pair one (channels 0, 1 and their partners 4, 5).
+os.makedirs("build-fuzz/corpus-sidecar", exist_ok=True)
+def sidecar(skewed, channels):
+    meta = {"format": "infinigen-sidecar", "version": "1", "ratio": "0.5", "partial_dim": "4",
+            "skewed": "true" if skewed else "false", "rope_pairs": "false" if skewed else "true",
+            "channel_rule": "sum", "model_fingerprint": "fuzz-model", "calibration_hash": "0",
+            "calibration_tokens": "96", "num_layers": "2", "num_kv_heads": "2", "head_dim": "8"}
+    header, data = {"__metadata__": meta}, b""
+    for l in range(2):
+        skew = [1.0 if i == j else 0.0 for g in range(2) for i in range(8) for j in range(8)]
+        for name, shape, values in ((f"layers.{l}.skew", [2, 8, 8], skew),
+                                    (f"layers.{l}.channels", [2, 4], [float(c) for c in channels * 2])):
+            blob = struct.pack(f"<{len(values)}f", *values)
+            header[name] = {"dtype": "F32", "shape": shape,
+                            "data_offsets": [len(data), len(data) + len(blob)]}
+            data += blob
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+open("build-fuzz/corpus-sidecar/skewed.safetensors", "wb").write(sidecar(True, [3, 0, 7, 5]))
+open("build-fuzz/corpus-sidecar/rope-pairs.safetensors", "wb").write(sidecar(False, [0, 1, 4, 5]))
 for path in sorted(glob.glob("tests/fixtures/*/*.npy") + glob.glob("tests/fixtures/hf/*/*.npy")):
     if os.path.getsize(path) <= 65536:
         shutil.copy(path, "build-fuzz/corpus-npy/" + path.replace("/", "_"))
@@ -145,6 +167,7 @@ run safetensors_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors -max_len=6553
 run npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096
 run kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
 run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096
+run sidecar_fuzz "$FILE_SECONDS" build-fuzz/corpus-sidecar -max_len=8192
 INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_files_fuzz "$FILE_SECONDS" \
   build-fuzz/corpus-tokenizer-files -max_len=65536
 run chat_template_fuzz "$FILE_SECONDS" build-fuzz/corpus-chat -max_len=4096

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/model/checkpoint.h"
+#include "gpu_worker/model/rope_pairs.h"
 
 namespace infinigen {
 
@@ -33,14 +34,6 @@ struct PartialChannels {
   std::vector<std::vector<float>> partial_skew;  // [layer] -> [num_kv_heads, head_dim, partial_dim]
   std::vector<std::vector<int32_t>> channels;    // [layer] -> [num_kv_heads, partial_dim]
 };
-
-// Whether `channels` ([num_kv_heads, p]) of every head are whole RoPE pairs in the order
-// kRopePairs computes them: the first members of p/2 pairs, then their partners in the same
-// order. rotary_dim must be the whole head.
-bool IsRopePairOrder(const std::vector<int32_t>& channels, int num_kv_heads, int partial_dim,
-                     int head_dim, int rotary_dim, cpu::RopeLayout layout);
-// The partner channel RoPE rotates `c` with (c < rotary_dim).
-int RopePartner(int c, int rotary_dim, cpu::RopeLayout layout);
 
 class Speculation {
  public:
