@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "common/grpc/utf8_fields.h"
 #include "router/public_status.h"
+#include "router/request_validation.h"
 #include "router/router_metrics.h"
 
 namespace infinigen {
@@ -20,7 +21,6 @@ namespace {
 namespace wv1 = worker::v1;
 using grpc::StatusCode;
 
-constexpr size_t kMaxIdBytes = 256;
 constexpr absl::Duration kUnaryTimeout = absl::Seconds(10);
 
 // Failures of one worker that another may not have: try elsewhere. Anything else (bad input,
@@ -138,58 +138,10 @@ grpc::Status RouterService::Authenticate(const grpc::ServerContext& context) con
 }
 
 grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
-  const size_t bytes = r.ByteSizeLong();
-  if (static_cast<int64_t>(bytes) > options_.max_request_bytes) {
-    return grpc::Status(StatusCode::INVALID_ARGUMENT, absl::StrCat("the request has ", bytes,
-                                                                   " bytes; the limit "
-                                                                   "(max_request_bytes) is ",
-                                                                   options_.max_request_bytes));
-  }
-  switch (r.input_case()) {
-    case v1::GenerateRequest::kText:
-      if (r.text().empty()) return {StatusCode::INVALID_ARGUMENT, "text: the prompt is empty"};
-      break;
-    case v1::GenerateRequest::kTokenIds:
-      if (r.token_ids().ids().empty()) {
-        return {StatusCode::INVALID_ARGUMENT, "token_ids: the prompt is empty"};
-      }
-      if (r.token_ids().ids_size() > options_.max_prompt_tokens) {
-        return grpc::Status(
-            StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("token_ids: the prompt has ", r.token_ids().ids_size(),
-                         " tokens; the limit (max_prompt_tokens) is ", options_.max_prompt_tokens));
-      }
-      break;
-    case v1::GenerateRequest::kMessages:
-      if (r.messages().messages().empty()) {
-        return {StatusCode::INVALID_ARGUMENT, "messages: the list is empty"};
-      }
-      for (int i = 0; i < r.messages().messages_size(); ++i) {
-        const std::string& role = r.messages().messages(i).role();
-        if (role != "system" && role != "user" && role != "assistant") {
-          return grpc::Status(StatusCode::INVALID_ARGUMENT,
-                              absl::StrCat("messages[", i, "].role is '", role,
-                                           "'; the accepted roles are system, user and assistant"));
-        }
-      }
-      break;
-    default:
-      return {StatusCode::INVALID_ARGUMENT, "input: give one of text, token_ids or messages"};
-  }
-  if (r.stopping().has_max_new_tokens() &&
-      (r.stopping().max_new_tokens() < 1 ||
-       r.stopping().max_new_tokens() > options_.max_new_tokens_limit)) {
-    return grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("stopping.max_new_tokens is ", r.stopping().max_new_tokens(),
-                                     "; it must be in [1, ", options_.max_new_tokens_limit,
-                                     "] (max_new_tokens_limit)"));
-  }
-  if (r.request_id().size() > kMaxIdBytes || r.session_id().size() > kMaxIdBytes) {
-    return grpc::Status(
-        StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("request_id and session_id may have at most ", kMaxIdBytes, " bytes"));
-  }
-  return grpc::Status::OK;
+  const absl::Status st = ValidateGenerateRequest(
+      r, {options_.max_request_bytes, options_.max_prompt_tokens, options_.max_new_tokens_limit});
+  return st.ok() ? grpc::Status::OK
+                 : grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(st.message()));
 }
 
 grpc::Status RouterService::Generate(grpc::ServerContext* context,
@@ -197,7 +149,7 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
                                      grpc::ServerWriter<v1::GenerateResponse>* writer) {
   const absl::Time start = absl::Now();
   const std::string request_id =
-      request->request_id().empty() || request->request_id().size() > kMaxIdBytes
+      request->request_id().empty() || request->request_id().size() > kMaxRequestIdBytes
           ? NewRequestId()
           : request->request_id();
   RelayStats stats;

@@ -8,7 +8,8 @@
 # the same bytes), and the tokenizer file loaders (tokenizer.json, tokenizer.model, vocab.json +
 # merges.txt; seeded with small tokenizers cut from the real ones) and chat template rendering of
 # arbitrary conversations, the InfiniGen sidecar reader (seeded with valid sidecars written
-# here), and the OpenAI-compatible API's request bodies and response JSON. Any
+# here), the public GenerateRequest as bytes through the router's checks, and the
+# OpenAI-compatible API's request bodies and response JSON. Any
 # crash, sanitizer report, leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
@@ -140,6 +141,30 @@ def sidecar(skewed, channels):
     return struct.pack("<Q", len(h)) + h + data
 open("build-fuzz/corpus-sidecar/skewed.safetensors", "wb").write(sidecar(True, [3, 0, 7, 5]))
 open("build-fuzz/corpus-sidecar/rope-pairs.safetensors", "wb").write(sidecar(False, [0, 1, 4, 5]))
+# Public GenerateRequests on the wire (generation.proto): text, token ids, chat messages (one
+# with invalid UTF-8 in a content), with request ids, stopping and selection fields.
+os.makedirs("build-fuzz/corpus-generate", exist_ok=True)
+def varint(v):
+    out = b""
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out += bytes([b | (0x80 if v else 0)])
+        if not v:
+            return out
+def field(number, payload):  # length-delimited
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+def int_field(number, value):
+    return varint(number << 3) + varint(value)
+def chat(*pairs):
+    return b"".join(field(1, field(1, r) + field(2, c)) for r, c in pairs)
+stopping = field(6, int_field(1, 16) + field(2, varint(2) + varint(7)))
+for i, req in enumerate([
+        field(1, b"req-1") + field(2, "Hello, caf\u00e9".encode()) + stopping,
+        field(3, field(1, b"".join(varint(t) for t in (1, 15043, 29892, 3186)))),
+        field(4, chat((b"system", b"Be brief."), (b"user", b"Hi")))
+        + field(7, field(1, b"infinigen")) + field(10, b"session-9"),
+        field(4, chat((b"user", b"bad \xff\xfe bytes")))]):
+    open(f"build-fuzz/corpus-generate/request-{i}", "wb").write(req)
 for path in sorted(glob.glob("tests/fixtures/*/*.npy") + glob.glob("tests/fixtures/hf/*/*.npy")):
     if os.path.getsize(path) <= 65536:
         shutil.copy(path, "build-fuzz/corpus-npy/" + path.replace("/", "_"))
@@ -168,6 +193,7 @@ run npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096
 run kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
 run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096
 run sidecar_fuzz "$FILE_SECONDS" build-fuzz/corpus-sidecar -max_len=8192
+run generate_request_fuzz "$FILE_SECONDS" build-fuzz/corpus-generate -max_len=4096
 INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_files_fuzz "$FILE_SECONDS" \
   build-fuzz/corpus-tokenizer-files -max_len=65536
 run chat_template_fuzz "$FILE_SECONDS" build-fuzz/corpus-chat -max_len=4096

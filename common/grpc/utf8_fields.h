@@ -12,17 +12,9 @@
 #include <string>
 #include <string_view>
 
+#include "common/grpc/utf8_scan.h"
+
 namespace infinigen {
-
-// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF:
-// what protobuf accepts in a string field).
-bool IsValidUtf8(std::string_view s);
-
-// The path of the first string field of `bytes` (a serialized `type`, read by its descriptor,
-// nested messages included) that holds invalid UTF-8, with indices for repeated fields; empty
-// when every string is valid, or when the bytes are not a well-formed message (the normal parse
-// then reports that).
-std::string FirstInvalidUtf8Field(const google::protobuf::Descriptor& type, std::string_view bytes);
 
 // A method handler that checks a request's strings before `inner` deserializes it.
 class Utf8CheckedHandler final : public grpc::internal::MethodHandler {
