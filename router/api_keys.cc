@@ -41,14 +41,16 @@ absl::StatusOr<ApiKeys> ApiKeys::Load(const std::string& path) {
   return ApiKeys(std::move(keys));
 }
 
-bool ApiKeys::Accepts(absl::string_view authorization) const {
+int ApiKeys::Find(absl::string_view authorization) const {
   // The scheme is case-insensitive (RFC 9110, section 11.1): "bearer", "BEARER" work too.
   constexpr absl::string_view kBearer = "Bearer ";
-  if (!absl::StartsWithIgnoreCase(authorization, kBearer)) return false;
+  if (!absl::StartsWithIgnoreCase(authorization, kBearer)) return -1;
   const absl::string_view given = authorization.substr(kBearer.size());
-  bool ok = false;
-  for (const std::string& key : keys_) ok |= ConstantTimeEquals(given, key);  // no early exit
-  return ok;
+  int found = -1;
+  for (size_t i = 0; i < keys_.size(); ++i) {  // no early exit
+    if (ConstantTimeEquals(given, keys_[i])) found = static_cast<int>(i);
+  }
+  return found;
 }
 
 }  // namespace infinigen

@@ -18,7 +18,9 @@ class ApiKeys {
   explicit ApiKeys(std::vector<std::string> keys) : keys_(std::move(keys)) {}
 
   // Whether `authorization` (the header's value) is "Bearer " and one of the keys.
-  bool Accepts(absl::string_view authorization) const;
+  bool Accepts(absl::string_view authorization) const { return Find(authorization) >= 0; }
+  // Which key it is (its index in the file's order), or -1; every key is compared in full.
+  int Find(absl::string_view authorization) const;
   size_t size() const { return keys_.size(); }
 
  private:

@@ -25,6 +25,13 @@ ABSL_FLAG(std::string, tls_client_ca, "", "require client certificates signed by
 ABSL_FLAG(std::string, api_keys_file, "",
           "file with one API key per line; clients send `authorization: Bearer <key>` "
           "(empty: no authentication)");
+ABSL_FLAG(int, max_streams_per_key, 0,
+          "with --api_keys_file: requests of one key in flight at most (0: no limit)");
+ABSL_FLAG(double, requests_per_second_per_key, 0,
+          "with --api_keys_file: new requests per second of one key, on average (0: no limit)");
+ABSL_FLAG(int, request_burst_per_key, 0,
+          "with --requests_per_second_per_key: the burst a key may send at once (0: one "
+          "second's worth)");
 ABSL_FLAG(int32_t, max_streams, 256, "requests relayed to workers at once");
 ABSL_FLAG(int32_t, max_queued, 1024, "requests waiting for a slot before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a request may ask");
@@ -75,6 +82,9 @@ int main(int argc, char** argv) {
   RouterOptions& o = config.options;
   o.max_streams = absl::GetFlag(FLAGS_max_streams);
   o.max_queued = absl::GetFlag(FLAGS_max_queued);
+  o.key_limits.max_streams = absl::GetFlag(FLAGS_max_streams_per_key);
+  o.key_limits.requests_per_second = absl::GetFlag(FLAGS_requests_per_second_per_key);
+  o.key_limits.burst = absl::GetFlag(FLAGS_request_burst_per_key);
   o.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens_limit);
   o.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   o.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);

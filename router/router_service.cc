@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/distributions.h"
@@ -82,6 +83,7 @@ absl::Status RouterOptions::Validate() const {
     return absl::InvalidArgumentError("--max_request_bytes must be >= 1024");
   }
   if (max_attempts < 1) return absl::InvalidArgumentError("--max_attempts must be >= 1");
+  if (absl::Status st = key_limits.Validate(); !st.ok()) return st;
   return stall.Validate();
 }
 
@@ -90,6 +92,9 @@ RouterService::RouterService(WorkerPool& pool, const RouterOptions& options)
       options_(options),
       admission_(options.max_streams, options.max_queued),
       watchdog_(options.stall) {
+  if (options.api_keys != nullptr && options.key_limits.any()) {
+    key_limits_ = std::make_unique<KeyLimits>(options.key_limits, options.api_keys->size());
+  }
   // Generate and Tokenize check their requests' strings first: invalid UTF-8 is answered
   // INVALID_ARGUMENT naming the field, not INTERNAL with no message (common/grpc/utf8_fields.h).
   // The generated methods are withdrawn (marked generic: no handler) and registered again,
@@ -124,12 +129,17 @@ RouterService::RouterService(WorkerPool& pool, const RouterOptions& options)
               this))));
 }
 
-grpc::Status RouterService::Authenticate(const grpc::ServerContext& context) const {
+grpc::Status RouterService::Authenticate(const grpc::ServerContext& context, int* key) const {
+  if (key != nullptr) *key = -1;
   if (options_.api_keys == nullptr) return grpc::Status::OK;
   const auto& md = context.client_metadata();
   auto it = md.find("authorization");
-  if (it != md.end() &&
-      options_.api_keys->Accepts(absl::string_view(it->second.data(), it->second.size()))) {
+  const int found =
+      it == md.end()
+          ? -1
+          : options_.api_keys->Find(absl::string_view(it->second.data(), it->second.size()));
+  if (found >= 0) {
+    if (key != nullptr) *key = found;
     return grpc::Status::OK;
   }
   return grpc::Status(StatusCode::UNAUTHENTICATED,
@@ -153,8 +163,22 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
           ? NewRequestId()
           : request->request_id();
   RelayStats stats;
-  grpc::Status s = Authenticate(*context);
+  int key = -1;
+  grpc::Status s = Authenticate(*context, &key);
   if (s.ok()) s = Validate(*request);
+  std::optional<KeyLimitsLease> key_lease;  // this key's share, held while the request runs
+  if (s.ok() && key_limits_ != nullptr && key >= 0) {
+    absl::Duration retry_after;
+    const absl::Status entered =
+        key_limits_->Enter(static_cast<size_t>(key), absl::Now(), &retry_after);
+    if (entered.ok()) {
+      key_lease.emplace(key_limits_.get(), static_cast<size_t>(key));
+    } else {
+      context->AddTrailingMetadata("grpc-retry-pushback-ms",
+                                   absl::StrCat(absl::ToInt64Milliseconds(retry_after) + 1));
+      s = grpc::Status(static_cast<StatusCode>(entered.code()), std::string(entered.message()));
+    }
+  }
   if (s.ok()) {
     const absl::Status admitted = admission_.Enter(absl::FromChrono(context->deadline()),
                                                    [context] { return context->IsCancelled(); });

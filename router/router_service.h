@@ -13,6 +13,7 @@
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "router/admission.h"
 #include "router/api_keys.h"
+#include "router/key_limits.h"
 #include "router/stall_watchdog.h"
 #include "router/worker_pool.h"
 
@@ -35,6 +36,7 @@ struct RouterOptions {
   // recompute); false: the next worker always replays (recomputes) the prompt and tokens sent.
   bool resume_from_store = true;
   const ApiKeys* api_keys = nullptr;  // null: no authentication
+  KeyLimitsConfig key_limits;         // per API key (with api_keys only)
 
   absl::Status Validate() const;
 };
@@ -55,7 +57,8 @@ class RouterService final : public v1::Generation::Service {
   void SetMetrics(RouterMetrics* metrics) { metrics_ = metrics; }
 
  private:
-  grpc::Status Authenticate(const grpc::ServerContext& context) const;
+  // OK (and the key's index in *key, -1 without keys) or UNAUTHENTICATED.
+  grpc::Status Authenticate(const grpc::ServerContext& context, int* key = nullptr) const;
   grpc::Status Validate(const v1::GenerateRequest& request) const;
   // What a relayed stream did, for its log line.
   struct RelayStats {
@@ -70,6 +73,7 @@ class RouterService final : public v1::Generation::Service {
   WorkerPool& pool_;
   const RouterOptions options_;
   Admission admission_;
+  std::unique_ptr<KeyLimits> key_limits_;  // with api_keys and a per-key limit
   StallWatchdog watchdog_;
   RouterMetrics* metrics_ = nullptr;
 };

@@ -492,6 +492,56 @@ TEST_F(RouterProcess, ApiKeys) {
   EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 3)).status.ok());
 }
 
+// Per-key limits (router/key_limits.h): a key with a stream in flight at
+// --max_streams_per_key=1 is refused a second one while another key is served; a key past its
+// rate (--requests_per_second_per_key, bursts of --request_burst_per_key) is refused
+// RESOURCE_EXHAUSTED naming the limit, with the wait in grpc-retry-pushback-ms.
+TEST_F(RouterProcess, PerKeyLimits) {
+  const std::string keys = ::testing::TempDir() + "/router_limited_keys.txt";
+  std::ofstream(keys) << "key-one\nkey-two\n";
+  const int port = FreePort();
+  auto router =
+      StartRouter(port, {"--api_keys_file=" + keys, "--max_streams_per_key=1",
+                         "--requests_per_second_per_key=0.05", "--request_burst_per_key=2"});
+  ASSERT_TRUE(router->running());
+  auto stub = PublicStub(port);
+  WaitForWorkers(*stub, 2, "key-two");
+  auto context = [](grpc::ClientContext& c, const std::string& key) {
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    c.AddMetadata("authorization", "Bearer " + key);
+  };
+  grpc::Status second_same, other_key;
+  grpc::ClientContext first_context;
+  context(first_context, "key-one");
+  const StreamResult first = Stream(*stub, Request({1, 2, 3}, 40), &first_context, [&](int n) {
+    if (n != 1) return;
+    grpc::ClientContext a, b;
+    context(a, "key-one");
+    second_same = Stream(*stub, Request({4, 5, 6}, 3), &a).status;
+    context(b, "key-two");
+    other_key = Stream(*stub, Request({4, 5, 6}, 3), &b).status;
+  });
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(second_same.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << second_same.error_message();
+  EXPECT_NE(second_same.error_message().find("max_streams_per_key"), std::string::npos);
+  EXPECT_TRUE(other_key.ok()) << other_key.error_message();
+  // key-one has used 1 of its burst of 2 (the refused request took none); one more passes, the
+  // next is refused for its rate (one request per 20 s).
+  grpc::ClientContext third_context, fourth_context;
+  context(third_context, "key-one");
+  EXPECT_TRUE(Stream(*stub, Request({1, 2, 3}, 2), &third_context).status.ok());
+  context(fourth_context, "key-one");
+  const grpc::Status fourth = Stream(*stub, Request({1, 2, 3}, 2), &fourth_context).status;
+  EXPECT_EQ(fourth.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << fourth.error_message();
+  EXPECT_NE(fourth.error_message().find("requests_per_second_per_key"), std::string::npos)
+      << fourth.error_message();
+  const auto& trailers = fourth_context.GetServerTrailingMetadata();
+  auto pushback = trailers.find("grpc-retry-pushback-ms");
+  ASSERT_NE(pushback, trailers.end());
+  EXPECT_GT(std::stoi(std::string(pushback->second.data(), pushback->second.size())), 1000);
+}
+
 TEST_F(RouterProcess, AFullQueueIsResourceExhaustedAndDeadlinesAreHonoured) {
   const int port = FreePort();
   auto router = StartRouter(port, {"--max_streams=1", "--max_queued=1"});
