@@ -44,6 +44,8 @@ int RunServe(int argc, char** argv) {
   flags.Int("kv-capacity-mb", &worker.kv_capacity_mb, "host memory for K/V, in MiB");
   flags.Int("max-running", &max_running, "sequences in the worker's batch at once");
   flags.Int("max-queued-worker", &max_queued_worker, "requests waiting for a batch slot");
+  flags.Int("max-queued-prompt-tokens", &worker.engine.max_queued_prompt_tokens,
+            "prompt tokens of the waiting requests at most (0: no limit)");
   flags.Int("prefill-budget", &prefill_budget, "prompt tokens a step may add beside its decodes");
   flags.Int("default-max-new-tokens", &default_max_new_tokens,
             "max_new_tokens of requests that give none");

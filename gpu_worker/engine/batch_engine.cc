@@ -20,6 +20,10 @@ absl::Status EngineConfig::Validate() const {
   if (max_queued < 0) {
     return absl::InvalidArgumentError(absl::StrCat("max_queued must be >= 0, got ", max_queued));
   }
+  if (max_queued_prompt_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_prompt_tokens must be >= 0, got ", max_queued_prompt_tokens));
+  }
   if (max_sessions < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_sessions must be >= 0, got ", max_sessions));
@@ -103,9 +107,17 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
                                                      " requests run and ", config_.max_queued,
                                                      " wait; retry later or on another worker"));
   }
+  if (config_.max_queued_prompt_tokens > 0 && !queue_.empty() &&
+      queued_prompt_tokens_ + a->prompt_len > config_.max_queued_prompt_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the worker's queue holds ", queued_prompt_tokens_, " prompt tokens and this request has ",
+        a->prompt_len, "; the limit (max_queued_prompt_tokens) is ",
+        config_.max_queued_prompt_tokens, "; retry later or on another worker"));
+  }
   ++outstanding_;
   a->id = next_id_++;
   const uint64_t id = a->id;
+  queued_prompt_tokens_ += a->prompt_len;
   queue_.push_back(std::move(a));
   stats_.queued = static_cast<int64_t>(queue_.size());
   return id;
@@ -187,7 +199,10 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
     if (absl::IsResourceExhausted(st) && !running_.empty()) {
       // Not now: wait for running sequences to free memory, keeping the order.
       absl::MutexLock l(&mu_);
-      for (size_t j = incoming.size(); j > i; --j) queue_.push_front(std::move(incoming[j - 1]));
+      for (size_t j = incoming.size(); j > i; --j) {
+        queued_prompt_tokens_ += incoming[j - 1]->prompt_len;
+        queue_.push_front(std::move(incoming[j - 1]));
+      }
       incoming.resize(i);
       return;
     }
@@ -306,6 +321,7 @@ void BatchEngine::Loop() {
       const absl::Time now = absl::Now();
       for (auto it = queue_.begin(); it != queue_.end();) {
         if (cancelled.contains((*it)->id) || now > (*it)->request.deadline) {
+          queued_prompt_tokens_ -= (*it)->prompt_len;
           dropped.push_back(std::move(*it));
           it = queue_.erase(it);
         } else {
@@ -314,6 +330,7 @@ void BatchEngine::Loop() {
       }
       while (!queue_.empty() &&
              static_cast<int64_t>(running_.size() + incoming.size()) < config_.max_running) {
+        queued_prompt_tokens_ -= queue_.front()->prompt_len;
         incoming.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }
@@ -350,6 +367,7 @@ void BatchEngine::Loop() {
   {
     absl::MutexLock l(&mu_);
     queued.swap(queue_);
+    queued_prompt_tokens_ = 0;
   }
   for (auto& a : running_) {
     Finish(*a, FinishReason::kCancelled, absl::AbortedError("the worker is shutting down"));

@@ -34,6 +34,9 @@ namespace infinigen {
 struct EngineConfig {
   int max_running = 16;  // sequences in the batch at once
   int max_queued = 64;   // admitted requests waiting for a batch slot; more: RESOURCE_EXHAUSTED
+  // Prompt tokens of the requests waiting at most (what their prefills will cost): a request
+  // that would pass it is refused RESOURCE_EXHAUSTED, unless nothing waits. 0: no limit.
+  int64_t max_queued_prompt_tokens = 0;
   int64_t prefill_budget_tokens = 256;  // prompt tokens a step may carry beside its decodes
   // Admission by device memory: each running sequence holds about device_bytes_per_token x
   // (prompt + max_new_tokens) of the backend's memory (InfiniGen partial key caches, staging,
@@ -174,6 +177,7 @@ class BatchEngine {
 
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Active>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_prompt_tokens_ ABSL_GUARDED_BY(mu_) = 0;  // of the requests in queue_
   absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -54,6 +54,8 @@ ABSL_FLAG(double, alpha, 10.0, "default InfiniGen logit margin");
 ABSL_FLAG(int32_t, dense_layers, 2, "leading layers that always attend densely");
 ABSL_FLAG(int32_t, max_running, 16, "sequences in the batch at once");
 ABSL_FLAG(int32_t, max_queued, 64, "requests waiting for a slot before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queued_prompt_tokens, 0,
+          "prompt tokens of the waiting requests at most; more: RESOURCE_EXHAUSTED (0: no limit)");
 ABSL_FLAG(int32_t, max_sessions, 64,
           "conversations (session_id) whose KV stays in the store between requests, so the next "
           "turn prefills only its new tokens (0: none; least recently used closed first)");
@@ -135,6 +137,7 @@ int main(int argc, char** argv) {
   config.dense_layers = absl::GetFlag(FLAGS_dense_layers);
   config.engine.max_running = absl::GetFlag(FLAGS_max_running);
   config.engine.max_queued = absl::GetFlag(FLAGS_max_queued);
+  config.engine.max_queued_prompt_tokens = absl::GetFlag(FLAGS_max_queued_prompt_tokens);
   config.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   config.engine.session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   config.engine.prefill_budget_tokens = absl::GetFlag(FLAGS_prefill_budget);

@@ -152,6 +152,49 @@ TEST_F(Engine, CancelAndDeadlineFreeTheSequence) {
   EXPECT_EQ(cache.bytes_reserved(), 0u);
 }
 
+// The queue's prompt tokens are capped (what waiting prefills will cost, not only how many
+// wait): with one request running, requests queue while their prompts fit
+// max_queued_prompt_tokens, the next is refused naming the limit, and one that fits still
+// queues; all admitted ones finish.
+TEST_F(Engine, QueuedPromptTokensAreCapped) {
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
+  EngineConfig config;
+  config.max_running = 1;
+  config.max_queued = 10;
+  config.max_queued_prompt_tokens = 20;
+  BatchEngine engine(*l_.model, cache, config);
+  std::vector<Collector> c(4);
+  auto submit = [&](int i, int prompt, int new_tokens) {
+    EngineRequest r;
+    r.prompt = RandomTokens(prompt, vocab_, 40 + i);
+    r.options.max_new_tokens = new_tokens;
+    r.options.ignore_eos = true;
+    Collector* ci = &c[i];
+    return engine.Submit(std::move(r), [ci](const EngineEvent& e) {
+      ci->Sink()(e);
+      absl::SleepFor(absl::Milliseconds(2));
+    });
+  };
+  ASSERT_TRUE(submit(0, 4, 120).ok());  // runs, and keeps the one slot for a while
+  for (int i = 0; i < 500; ++i) {
+    const EngineStats s = engine.Stats();
+    if (s.running == 1 && s.queued == 0) break;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_TRUE(submit(1, 12, 2).ok());                      // 12 waiting
+  const absl::Status refused = submit(2, 12, 2).status();  // 24 > 20
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("max_queued_prompt_tokens"), std::string::npos) << refused;
+  ASSERT_TRUE(submit(3, 8, 2).ok());  // 20: fits
+  for (int i : {0, 1, 3}) {
+    ASSERT_TRUE(c[i].done.WaitForNotificationWithTimeout(absl::Seconds(60))) << i;
+    EXPECT_TRUE(c[i].last.status.ok()) << i << ": " << c[i].last.status;
+  }
+  EngineConfig bad;
+  bad.max_queued_prompt_tokens = -1;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(Engine, BadRequestsAndAFullQueueAreRefused) {
   BackendKvCache cache(*l_.backend, l_.model->kv_shape());
   EngineConfig config;
