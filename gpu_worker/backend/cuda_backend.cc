@@ -420,15 +420,21 @@ absl::Status CudaBackend::AppendPartialKeys(MatView k, const float* skew,
       k.cols != static_cast<int64_t>(shape.num_kv_heads) * shape.head_dim) {
     return absl::InvalidArgumentError("cuda backend: AppendPartialKeys shapes do not match");
   }
-  cuda::PartialProjection p = Projection(k, shape.num_kv_heads, shape.num_kv_heads, shape.head_dim,
-                                         skew, shape.partial_dim);
-  p.out_type = cuda::Elem::kBF16;  // channel-major per head (PartialKeysShape)
-  p.out = static_cast<uint16_t*>(keys) + first_row;
-  p.out_seq_stride = 1;
-  p.out_head_stride = static_cast<int64_t>(shape.partial_dim) * shape.capacity;
-  p.out_channel_stride = shape.capacity;
-  if (k.rows == 0) return absl::OkStatus();
-  return Check(cuda::RunPartialProjection(p, S(stream_)), "AppendPartialKeys");
+  // In pieces of at most 65535 rows (a launch's grid rows): a restored sequence's whole length
+  // arrives at once.
+  constexpr int64_t kMaxRows = 65535;
+  for (int64_t r0 = 0; r0 < k.rows; r0 += kMaxRows) {
+    const MatView piece = k.Rows(r0, std::min(kMaxRows, k.rows - r0));
+    cuda::PartialProjection p = Projection(piece, shape.num_kv_heads, shape.num_kv_heads,
+                                           shape.head_dim, skew, shape.partial_dim);
+    p.out_type = cuda::Elem::kBF16;  // channel-major per head (PartialKeysShape)
+    p.out = static_cast<uint16_t*>(keys) + first_row + r0;
+    p.out_seq_stride = 1;
+    p.out_head_stride = static_cast<int64_t>(shape.partial_dim) * shape.capacity;
+    p.out_channel_stride = shape.capacity;
+    IG_RETURN_IF_ERROR(Check(cuda::RunPartialProjection(p, S(stream_)), "AppendPartialKeys"));
+  }
+  return absl::OkStatus();
 }
 
 namespace {
