@@ -18,18 +18,9 @@
 #include "gpu_worker/model/gguf.h"
 #include "gpu_worker/model/safetensors.h"
 #include "gpu_worker/model/stored_tensor.h"
+#include "tests/fuzz/fuzz_input_file.h"
 
 namespace {
-
-// The input as a file (the readers take paths; tmpfs keeps it in memory).
-const std::string& WriteInput(const uint8_t* data, size_t size) {
-  static const std::string path = "/dev/shm/infinigen_fuzz_" + std::to_string(getpid());
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) __builtin_trap();
-  if (size > 0 && std::fwrite(data, 1, size, f) != size) __builtin_trap();
-  std::fclose(f);
-  return path;
-}
 
 // Every tensor inside the file, its byte count what its type and shape need; small ones decoded.
 void CheckTensors(const infinigen::MappedFile& file,
@@ -53,7 +44,7 @@ void CheckTensors(const infinigen::MappedFile& file,
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string& path = WriteInput(data, size);
+  const std::string& path = WriteFuzzInputFile(data, size);
 #if INFINIGEN_FUZZ_FORMAT == 1  // GGUF
   auto file = infinigen::MappedFile::Open(path);
   if (!file.ok()) return 0;

@@ -11,17 +11,9 @@
 #include <string>
 
 #include "gpu_worker/infinigen/sidecar_file.h"
+#include "tests/fuzz/fuzz_input_file.h"
 
 namespace {
-
-const std::string& WriteInput(const uint8_t* data, size_t size) {
-  static const std::string path = "/dev/shm/infinigen_sidecar_fuzz_" + std::to_string(getpid());
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) __builtin_trap();
-  if (size > 0 && std::fwrite(data, 1, size, f) != size) __builtin_trap();
-  std::fclose(f);
-  return path;
-}
 
 infinigen::ModelConfig SmallModel() {
   infinigen::ModelConfig c;
@@ -38,7 +30,7 @@ infinigen::ModelConfig SmallModel() {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const infinigen::ModelConfig model = SmallModel();
-  const std::string& path = WriteInput(data, size);
+  const std::string& path = WriteFuzzInputFile(data, size);
   auto file = infinigen::MappedFile::Open(path);
   if (!file.ok()) return 0;
   auto s = infinigen::ParseSidecar(*file, path, "fuzz-model", model, "model");
