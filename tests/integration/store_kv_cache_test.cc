@@ -389,7 +389,9 @@ TEST_P(StoreCache, InfinigenChoosesRowsOnABackendTheHostCannotRead) {
   auto a = Policy("infinigen"), b = Policy("infinigen");
   ASSERT_FALSE(a->chooses_on_backend());
   BackendKvCache resident(*l_.backend, l_.model->kv_shape());
-  const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 10, 1000);
+  // Prompts prefilled in chunks of 8: the store path reads every stored row back for each
+  // chunk (ReadAll, gathered by the device where it reads the store's memory).
+  const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 10, 8);
   BackendKvCache device_resident(device, on_device.kv_shape());
   StoreKvCache device_store(device, on_device.kv_shape(), *client_, DeviceStoreOptions());
   for (KvCache* cache : std::vector<KvCache*>{&device_resident, &device_store}) {
@@ -397,10 +399,14 @@ TEST_P(StoreCache, InfinigenChoosesRowsOnABackendTheHostCannotRead) {
     auto c = Policy("infinigen", *skew), d = Policy("infinigen", *skew);
     ASSERT_TRUE(c->chooses_on_backend());
     const int64_t sparse_before = device.sparse_choices();
-    const DecodeRun got = Decode(on_device, *cache, {c.get(), d.get()}, prompts, 10, 1000);
+    const int64_t gathered_before = device.rows_gathered();
+    const DecodeRun got = Decode(on_device, *cache, {c.get(), d.get()}, prompts, 10, 8);
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.logits, want.logits);
     EXPECT_GT(device.sparse_choices(), sparse_before);  // it chose, not every row
+    if (cache == &device_store && std::get<1>(GetParam())) {
+      EXPECT_GT(device.rows_gathered(), gathered_before) << "the device gathers the store's rows";
+    }
     // Waits per decode layer of this batch of 2 (2 layers): the choices of the layer (one copy
     // for both sequences), the logits once per step (0.5); over the store also the prefetch's
     // choices (1) and each sequence's new K/V rows (2). What the host policies wait for is
