@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <iostream>
@@ -152,7 +153,18 @@ TEST_F(WorkerProcess, WorkerAndStoreMetricsCountWhatWasServed) {
   const StreamResult r = StreamWorker(*stub_, TokenRequest(prompt, 12, 0.0f, 0));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
 
-  const testing::HttpReply worker = testing::HttpGet(worker_metrics_port_, "/metrics");
+  // The last message can reach the client before the worker has counted the request (its
+  // engine finishes the bookkeeping after sending): scrape until it has, for up to 10 s.
+  testing::HttpReply worker;
+  for (int i = 0; i < 200; ++i) {
+    worker = testing::HttpGet(worker_metrics_port_, "/metrics");
+    if (worker.code == 200 &&
+        testing::MetricValue(worker.body, "infinigen_worker_requests_finished_total") >= 1 &&
+        testing::MetricValue(worker.body, "infinigen_worker_running_requests") == 0) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   ASSERT_EQ(worker.code, 200);
   auto value = [&](const char* metric) { return testing::MetricValue(worker.body, metric); };
   EXPECT_EQ(value("infinigen_worker_generated_tokens_total"), 12);
