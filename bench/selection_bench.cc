@@ -4,6 +4,9 @@
 // prefetch's Preselect over the n stored rows (speculated scores, budget, group attention mass,
 // top-k plus a margin), the new token's partial key (OnKeys), and the layer's Select over n + 1
 // rows (reusing the preselect's scores). Budget 20%, alpha 10, random keys and queries.
+// BM_SelectInPlace: what the CPU engine runs per sparse layer when it reads the K/V in place
+// (resident, or an in-process store): the layer's Select alone over n + 1 rows (no prefetch, so
+// nothing to reuse), at SmolLM2-135M's shape (9 query heads, 3 KV heads of 64, d' = 26).
 //
 // usage: selection_bench [--benchmark_repetitions=3 ...]
 #include <benchmark/benchmark.h>
@@ -18,7 +21,11 @@
 namespace infinigen {
 namespace {
 
-constexpr int kHeads = 32, kKvHeads = 8, kDim = 128;
+struct Shape {
+  int heads, kv_heads, dim;
+};
+constexpr Shape kLlama8B{32, 8, 128};
+constexpr Shape kSmolLm2{9, 3, 64};
 
 struct Setup {
   ModelConfig model;
@@ -28,7 +35,8 @@ struct Setup {
   std::vector<float> key;
   std::vector<int32_t> slots;
 
-  explicit Setup(int64_t n) {
+  Setup(int64_t n, Shape shape) {
+    const int kHeads = shape.heads, kKvHeads = shape.kv_heads, kDim = shape.dim;
     std::mt19937 rng(1);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     model.num_layers = 2;
@@ -79,7 +87,8 @@ struct Setup {
 
 void BM_InfinigenLayer(benchmark::State& state) {
   const int64_t n = state.range(0);
-  Setup s(n);
+  Setup s(n, kLlama8B);
+  const int kKvHeads = kLlama8B.kv_heads, kDim = kLlama8B.dim;
   Selection candidates, selection;
   int64_t rows = 0;
   for (auto _ : state) {
@@ -113,6 +122,39 @@ void BM_InfinigenLayer(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(n) * state.iterations(), benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_InfinigenLayer)->Arg(2048)->Arg(8192)->Arg(32768)->Unit(benchmark::kMicrosecond);
+
+void BM_SelectInPlace(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  Setup s(n, kSmolLm2);
+  const int kKvHeads = kSmolLm2.kv_heads, kDim = kSmolLm2.dim;
+  LayerKeys k;
+  k.seq = 1;
+  k.layer = 1;
+  k.start = n;
+  k.count = 1;
+  k.k = s.key.data();
+  k.k_stride = kKvHeads * kDim;
+  k.slots = s.slots.data();
+  (void)s.policy->OnKeys(k);
+  Selection selection;
+  int64_t rows = 0;
+  for (auto _ : state) {
+    SelectRequest r;
+    r.seq = 1;
+    r.layer = 1;
+    r.position = n;
+    r.kv.num_slots = n + 1;
+    r.speculated_q = s.q.data();
+    r.current_slots = s.slots.data();
+    r.q = s.q.data();
+    (void)s.policy->Select(r, selection);
+    rows += selection.all ? n + 1 : selection.count;
+    benchmark::DoNotOptimize(selection.indices.data());
+  }
+  state.counters["rows_selected"] =
+      benchmark::Counter(static_cast<double>(rows) / state.iterations());
+}
+BENCHMARK(BM_SelectInPlace)->Arg(4096)->Arg(8192)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace infinigen

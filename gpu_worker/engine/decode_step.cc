@@ -94,8 +94,14 @@ void DecodeStep::ForEachPolicy(const Work& work) {
     }
   }
   statuses_.assign(static_cast<size_t>(m), absl::OkStatus());
-#pragma omp parallel for schedule(dynamic, 1) if (distinct)
-  for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
+  if (distinct) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
+  } else {
+    // Not in a parallel region, not even an inactive one: a policy's own parallel loops would
+    // then be nested teams, which libgomp starts on new threads every time (a clone per layer).
+    for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
+  }
   for (int64_t i = 0; i < m; ++i) {
     if (!statuses_[i].ok()) Fail(policy_chunks_[i], std::move(statuses_[i]));
   }
@@ -417,7 +423,10 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
       continue;
     }
     w.stored = *stored;
-    w.fetch = w.stored > 0;
+    // Where the cache answers addresses in place, a sequence whose policy chooses on the host
+    // asks for exactly its selection at the layer (below in Attend): the addresses of every
+    // stored row, looked up there, cost more than its choice saves (3 ns a row, every layer).
+    w.fetch = w.stored > 0 && (preselect || batch_[b].policy == nullptr || ChoosesOnBackend(b));
   }
   // The policies' guesses, sequences in parallel. Every row without a policy, and where a
   // prefetch answers addresses (they cost nothing, so the exact selection made at the layer is

@@ -14,9 +14,8 @@
 namespace infinigen {
 namespace {
 
-// Work (heads x rows) below which a layer's choice stays on the calling thread, and (smaller)
-// below which its scoring does: a 4K-token sequence of a 9-head model scores on every core.
-constexpr int64_t kParallelRows = 1 << 16;
+// Work (heads x rows) below which a layer's choice stays on the calling thread: a 1K-token
+// sequence of a 9-head model chooses on every core.
 constexpr int64_t kParallelScores = 1 << 13;
 // Rows scored together per query head (accumulators on the stack).
 constexpr int64_t kRowBlock = cpu::kScoreBlock;
@@ -24,6 +23,7 @@ constexpr int64_t kRowBlock = cpu::kScoreBlock;
 // what it has (a copy of every layer's partial keys used to stall the first decode step).
 constexpr int64_t kChunkRows = 1024;
 static_assert(kChunkRows % kRowBlock == 0, "a block of scored rows lies in one chunk");
+static_assert(kChunkRows % cpu::kScoreLanes == 0, "a group of lanes lies in one chunk");
 // The widest partial key: d' = ceil(ratio x head_dim) with head_dim <= 256.
 constexpr int kMaxPartialDim = 256;
 
@@ -63,6 +63,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     for (auto& f : forced_) f.reserve(rows + 1);
     q_partial_.reserve(static_cast<size_t>(model_.num_heads) * partial_dim_);
     head_counts_.reserve(static_cast<size_t>(model_.num_heads));
+    maxes_.reserve(static_cast<size_t>(model_.num_heads));
+    inv_sums_.reserve(static_cast<size_t>(model_.num_heads));
     for (Prescored& p : prescored_) {
       p.q_partial.reserve(static_cast<size_t>(model_.num_heads) * partial_dim_);
     }
@@ -111,12 +113,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     if (query == nullptr) {
       return absl::InternalError("infinigen: the model did not provide a speculated query");
     }
-    const int64_t k = Score(r, query, /*partial=*/!actual, n, k_max, /*keep=*/false);
-    if (k >= n) {
-      out.all = true;
-      return absl::OkStatus();
-    }
-    Choose(r, n, k, /*with_current=*/true, out);
+    Rank(r, query, /*partial=*/!actual, n, k_max, /*prefetch=*/false, out);
     return absl::OkStatus();
   }
 
@@ -141,13 +138,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       out.all = true;
       return true;
     }
-    const int64_t counted = Score(r, r.speculated_q, /*partial=*/true, n, k_max, /*keep=*/true);
-    const int64_t k = std::min(n, counted + PrefetchMargin(counted));
-    if (k >= n) {
-      out.all = true;
-      return true;
-    }
-    Choose(r, n, k, /*with_current=*/false, out);
+    Rank(r, r.speculated_q, /*partial=*/true, n, k_max, /*prefetch=*/true, out);
     return true;
   }
 
@@ -161,15 +152,20 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   // token may add, and a share for rows whose rank changes once the current token joins the
   // softmax of each head (measured: docs/accuracy.md, "Rows moved").
   static int64_t PrefetchMargin(int64_t counted) { return cpu::PrefetchMargin(counted); }
-  // Speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) of rows [0, n) into
-  // scores_ (`partial`: `query` is q~ = q_h · A_g[:, P] already, [heads, p]; else the whole
-  // query, projected here); returns k: the mean over heads of the rows within alpha of the head's
-  // best, clamped to [max(min_tokens, min_budget_tokens), k_max]. `keep`: remember the scores, so
-  // that the layer's own Select (the same query, one more row) scores only the new rows; the
-  // reused scores are the same floats it would compute (each row's dot product is summed in
-  // channel order, whichever block of rows it is scored in). KV heads in parallel.
-  int64_t Score(const SelectRequest& r, const float* query, bool partial, int64_t n, int64_t k_max,
-                bool keep) {
+  // InfiniGen's choice over rows [0, n), in one parallel region (its phases are the worksharing
+  // loops of kernels/cpu/selection.h):
+  // - speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) into scores_
+  //   (`partial`: `query` is q~ = q_h · A_g[:, P] already, [heads, p]; else the whole query,
+  //   projected here);
+  // - k: the mean over heads of the rows within alpha of the head's best, clamped to
+  //   [max(min_tokens, min_budget_tokens), k_max]; for a `prefetch` plus PrefetchMargin;
+  // - per KV head the top k rows by the group's predicted attention mass, the current token
+  //   (unless `prefetch`) and the always-kept rows first; every row (out.all) when k >= n.
+  // A `prefetch` keeps its scores, so that the layer's own Select (the same query, one more row)
+  // scores only the new rows; the reused scores are the same floats it would compute (each
+  // row's dot product is summed in channel order, whichever block of rows it is scored in).
+  void Rank(const SelectRequest& r, const float* query, bool partial, int64_t n, int64_t k_max,
+            bool prefetch, Selection& out) {
     const int heads = static_cast<int>(model_.num_heads);
     const int kv_heads = static_cast<int>(model_.num_kv_heads);
     const int group = heads / kv_heads;
@@ -193,80 +189,80 @@ class InfinigenPolicy final : public KvSelectionPolicy {
             ? pre.n
             : 0;
     scores_.resize(static_cast<size_t>(heads) * n);
-    head_counts_.assign(heads, 0);
-    const float margin = static_cast<float>(config_.alpha);
+    mass_.resize(static_cast<size_t>(kv_heads) * n);
+    head_counts_.resize(heads);
+    inv_sums_.resize(heads);
+    maxes_.resize(heads);
     for (int h = 0; h < heads; ++h) {
       std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse,
                   scores_.data() + static_cast<size_t>(h) * n);
     }
-    // Blocks of rows of every KV head in parallel (a few KV heads would leave cores idle), each
-    // row's score summed in channel order whichever block it falls in.
-    // Blocks aligned to kRowBlock (so that none crosses a chunk of the partial key cache), the
-    // first one starting at `reuse`.
-    const int64_t first_block = reuse / kRowBlock;
-    const int64_t blocks = n > reuse ? (n + kRowBlock - 1) / kRowBlock - first_block : 0;
-#pragma omp parallel for schedule(static) if (heads * (n - reuse) >= kParallelScores)
-    for (int64_t t = 0; t < blocks * kv_heads; ++t) {
-      const int g = static_cast<int>(t % kv_heads);
-      const int64_t b = first_block + t / kv_heads;
-      const int64_t j0 = std::max(reuse, b * kRowBlock);
-      const int64_t rows = std::min(n, (b + 1) * kRowBlock) - j0;
-      for (int h = g * group; h < (g + 1) * group; ++h) {
-        // Channel c of this block's rows at Rows(j0, g, c, p): kChunkRows apart.
-        cpu::ScorePartialBlock(q_partial_.data() + static_cast<size_t>(h) * p,
-                               cache.Rows(j0, g, 0, p), kChunkRows, rows, p, scale,
-                               scores_.data() + static_cast<size_t>(h) * n + j0);
-      }
-    }
-    for (int h = 0; h < heads; ++h) {
-      head_counts_[h] = cpu::AlphaCount(scores_.data() + static_cast<size_t>(h) * n, n, margin);
-    }
-    if (keep) {
-      pre.seq = r.seq;  // field by field: the vectors keep their capacity
-      pre.layer = r.layer;
-      pre.n = n;
-      pre.q_partial.assign(q_partial_.begin(), q_partial_.end());
-      pre.scores.assign(scores_.begin(), scores_.end());
-    } else {
-      pre.layer = -1;
-    }
-    return cpu::BudgetFromCounts(head_counts_,
-                                 std::max(config_.min_tokens, config_.min_budget_tokens), k_max);
-  }
-
-  // The top k rows per KV head by the group's predicted attention mass (from scores_), the
-  // current token (when asked) and the always-kept rows first. KV heads in parallel.
-  void Choose(const SelectRequest& r, int64_t n, int64_t k, bool with_current, Selection& out) {
-    const int heads = static_cast<int>(model_.num_heads);
-    const int kv_heads = static_cast<int>(model_.num_kv_heads);
-    GroupAttentionMass(scores_.data(), heads, kv_heads, n, mass_);
     forced_.resize(kv_heads);
     for (int g = 0; g < kv_heads; ++g) {
       forced_[g].clear();
-      if (with_current) forced_[g].push_back(r.current_slots[g]);
+      if (!prefetch) forced_[g].push_back(r.current_slots[g]);
       AddAlwaysKept(r, g, n, forced_[g]);
     }
+    // The region's threads reach the members through plain pointers.
+    float *const scores = scores_.data(), *const mass = mass_.data();
+    float *const maxes = maxes_.data(), *const inv_sums = inv_sums_.data();
+    int64_t* const counts = head_counts_.data();
+    const float* const q_partial = q_partial_.data();
+    const std::vector<int32_t>* const forced = forced_.data();
+    // Tiled (kScoreBlock-aligned blocks never cross a chunk).
+    const auto keys_at = [&cache, p](int64_t j0, int g) {
+      return cpu::PartialKeyLayout{cache.Rows(j0, g, 0, p), cpu::kScoreLanes, p * cpu::kScoreLanes};
+    };
+    const int64_t k_min = std::max(config_.min_tokens, config_.min_budget_tokens);
+    const float alpha = static_cast<float>(config_.alpha);
+    int64_t k = 0;
     out.all = false;
-    out.count = k;
-    out.indices.resize(static_cast<size_t>(kv_heads) * k);
-#pragma omp parallel for schedule(static) if (kv_heads * n >= kParallelRows)
-    for (int g = 0; g < kv_heads; ++g) {
-      TopK(mass_.data() + static_cast<size_t>(g) * n, n, k, forced_[g],
-           out.indices.data() + static_cast<size_t>(g) * k);
+#pragma omp parallel if (heads * n >= kParallelScores)
+    {
+      cpu::ScorePhase(q_partial, heads, kv_heads, p, scale, reuse, n, keys_at, scores);
+      cpu::HeadSoftmaxPhase(scores, heads, n, alpha, maxes, inv_sums, counts);
+#pragma omp single
+      {
+        k = cpu::BudgetFromCounts({counts, static_cast<size_t>(heads)}, k_min, k_max);
+        if (prefetch) k = std::min(n, k + PrefetchMargin(k));
+        if (prefetch) {
+          pre.seq = r.seq;  // field by field: the vectors keep their capacity
+          pre.layer = r.layer;
+          pre.n = n;
+          pre.q_partial.assign(q_partial_.begin(), q_partial_.end());
+          pre.scores.assign(scores_.begin(), scores_.end());
+        } else {
+          pre.layer = -1;
+        }
+        if (k >= n) {
+          out.all = true;
+        } else {
+          out.count = k;
+          out.indices.resize(static_cast<size_t>(kv_heads) * k);
+        }
+      }
+      if (k < n) {
+        cpu::GroupMassPhase(scores, maxes, inv_sums, heads, kv_heads, n, mass);
+        cpu::TopKPhase(mass, kv_heads, n, k, forced, out.indices.data(), k);
+      }
     }
   }
 
-  // Partial keys of one (sequence, layer) in chunks of kChunkRows rows, each channel-major:
-  // [kv_heads][p][kChunkRows], so that scoring a block of rows reads each channel contiguously
-  // (vectorized over the rows). bfloat16: scoring every stored row is bound by reading them, and
-  // half the bytes measured the same selections (docs/accuracy.md).
+  // Partial keys of one (sequence, layer) in chunks of kChunkRows rows, each tiled per KV head:
+  // [kv_heads][kChunkRows / kScoreLanes][p][kScoreLanes], so that scoring a group of rows reads
+  // one run of memory (a channel-major chunk, each channel kChunkRows apart, had each group of
+  // rows touch p lines 2 KiB apart: they conflict in the L1 and defeat the prefetcher).
+  // bfloat16: scoring every stored row is bound by reading them, and half the bytes measured
+  // the same selections (docs/accuracy.md).
   struct PartialKeys {
     std::vector<std::unique_ptr<uint16_t[]>> chunks;
     int64_t capacity() const { return static_cast<int64_t>(chunks.size()) * kChunkRows; }
-    // Channel c of KV head g from row `row` to the end of its chunk.
+    // Channel c of KV head g at row `row`.
     uint16_t* Rows(int64_t row, int g, int c, int p) {
+      const int64_t in_chunk = row % kChunkRows;
       return chunks[static_cast<size_t>(row / kChunkRows)].get() +
-             (static_cast<size_t>(g) * p + c) * kChunkRows + row % kChunkRows;
+             static_cast<size_t>(g) * p * kChunkRows +
+             (in_chunk / cpu::kScoreLanes * p + c) * cpu::kScoreLanes + in_chunk % cpu::kScoreLanes;
     }
   };
   // Room for `slots` rows; new rows are zeros (uninitialized with `zero` false).
@@ -295,9 +291,9 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   std::vector<std::vector<float>> partial_skew_;  // [layer] -> [kv_heads, d, p]
   absl::flat_hash_map<SequenceId, std::vector<PartialKeys>> partial_;  // seq -> [layer]
   SlotPositions positions_;
-  std::vector<float> scores_, mass_, q_partial_;
+  std::vector<float> scores_, mass_, maxes_, inv_sums_, q_partial_;
   std::vector<int64_t> head_counts_;
-  std::vector<std::vector<int32_t>> forced_;  // per KV head, for Choose
+  std::vector<std::vector<int32_t>> forced_;  // per KV head, for Rank
   // The scores a Preselect computed for layer `layer` ([heads, n]), per layer parity (the
   // next layer's Preselect may come before this layer's Select).
   struct Prescored {

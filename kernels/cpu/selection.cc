@@ -109,38 +109,101 @@ int64_t TopK(const float* scores, int64_t n, int64_t k, std::span<const int32_t>
   return num_forced + static_cast<int64_t>(taken.size());
 }
 
-void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
-                        std::vector<float>& out) {
-  out.assign(static_cast<size_t>(num_kv_heads) * n, 0.0f);
-  const int group = num_heads / num_kv_heads;
-#pragma omp parallel for schedule(static) if (num_heads * n >= kParallelWork)
-  for (int g = 0; g < num_kv_heads; ++g) {
-    thread_local std::vector<float> exps;
-    exps.resize(static_cast<size_t>(n));
-    float* __restrict e = exps.data();
-    float* __restrict o = out.data() + static_cast<size_t>(g) * n;
-    for (int h = g * group; h < (g + 1) * group; ++h) {
-      const float* __restrict s = scores + static_cast<size_t>(h) * n;
-      float mx = -INFINITY;
+// e^(s[j] - mx) for j < rows <= kScoreBlock into e (clamped at e^-87: 1.6e-38).
+inline void ExpsOfBlock(const float* __restrict s, int64_t rows, float mx, float* __restrict e) {
+#pragma omp simd
+  for (int64_t j = 0; j < rows; ++j) e[j] = std::max(s[j] - mx, -87.0f);
+#pragma omp simd
+  for (int64_t j = 0; j < rows; ++j) e[j] = ExpNonPositive(e[j]);
+}
+
+void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float alpha, float* max,
+                      float* inv_sum, int64_t* counts) {
+#pragma omp for schedule(static)
+  for (int h = 0; h < num_heads; ++h) {
+    const float* __restrict s = scores + static_cast<size_t>(h) * n;
+    float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+    for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+    const float threshold = mx - alpha;
+    int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+    for (int64_t j = 0; j < n; ++j) count += s[j] > threshold;
+    counts[h] = count;
+    max[h] = mx;
+    // Blocks of rows, each summed in lanes, the blocks in order: within ~1e-6 of a double sum.
+    float e[kScoreBlock];
+    float sum = 0;
+    for (int64_t j0 = 0; j0 < n; j0 += kScoreBlock) {
+      const int64_t rows = std::min(kScoreBlock, n - j0);
+      ExpsOfBlock(s + j0, rows, mx, e);
+      float block = 0;
+#pragma omp simd reduction(+ : block)
+      for (int64_t j = 0; j < rows; ++j) block += e[j];
+      sum += block;
+    }
+    inv_sum[h] = 1.0f / sum;
+  }
+}
+
+void GroupMassPhase(const float* scores, const float* max, const float* inv_sum, int num_heads,
+                    int num_kv_heads, int64_t n, float* mass) {
+  const int group = num_heads / num_kv_heads;
+  const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
+    const int g = static_cast<int>(t % num_kv_heads);
+    const int64_t j0 = t / num_kv_heads * kScoreBlock;
+    const int64_t rows = std::min(n, j0 + kScoreBlock) - j0;
+    float* __restrict o = mass + static_cast<size_t>(g) * n + j0;
+    float e[kScoreBlock];
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) e[j] = std::max(s[j] - mx, -87.0f);  // e^-87: 1.6e-38
+    for (int64_t j = 0; j < rows; ++j) o[j] = 0.0f;
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+      ExpsOfBlock(scores + static_cast<size_t>(h) * n + j0, rows, max[h], e);
+      const float inv = inv_sum[h];
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) e[j] = ExpNonPositive(e[j]);
-      float sum = 0;  // lanes summed apart, then together: within ~1e-6 of a double sum here
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) sum += e[j];
-      const float inv = 1.0f / sum;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) o[j] += e[j] * inv;
+      for (int64_t j = 0; j < rows; ++j) o[j] += e[j] * inv;
     }
   }
 }
 
-void ScorePartialBlock(const float* q, const uint16_t* keys, int64_t channel_stride, int64_t rows,
-                       int partial_dim, float scale, float* out) {
-  float acc[kScoreBlock] = {};
+void TopKPhase(const float* mass, int num_kv_heads, int64_t n, int64_t k,
+               const std::vector<int32_t>* forced, int32_t* out, int64_t out_stride) {
+#pragma omp for schedule(static)
+  for (int g = 0; g < num_kv_heads; ++g) {
+    TopK(mass + static_cast<size_t>(g) * n, n, k, forced[g], out + g * out_stride);
+  }
+}
+
+void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
+                        std::vector<float>& out) {
+  out.resize(static_cast<size_t>(num_kv_heads) * n);
+  // Scratch of the calling thread, shared with the region's threads through plain pointers.
+  thread_local std::vector<float> max, inv_sum;
+  thread_local std::vector<int64_t> counts;
+  max.resize(static_cast<size_t>(num_heads));
+  inv_sum.resize(static_cast<size_t>(num_heads));
+  counts.resize(static_cast<size_t>(num_heads));
+  float *const mx = max.data(), *const inv = inv_sum.data();
+  int64_t* const c = counts.data();
+  float* const mass = out.data();
+#pragma omp parallel if (num_heads * n >= kParallelWork)
+  {
+    HeadSoftmaxPhase(scores, num_heads, n, 0.0f, mx, inv, c);
+    GroupMassPhase(scores, mx, inv, num_heads, num_kv_heads, n, mass);
+  }
+}
+
+namespace {
+
+constexpr int64_t kLanes = kScoreLanes;
+static_assert(kScoreBlock % kLanes == 0);
+
+// Rows [0, rows) of one group of lanes, rows <= kLanes.
+inline void ScoreTail(const float* q, const uint16_t* keys, int64_t channel_stride, int64_t rows,
+                      int partial_dim, float scale, float* out) {
+  float acc[kLanes] = {};
   for (int c = 0; c < partial_dim; ++c) {
     const float qc = q[c];
     const uint16_t* kc = keys + c * channel_stride;
@@ -149,8 +212,91 @@ void ScorePartialBlock(const float* q, const uint16_t* keys, int64_t channel_str
       acc[i] += qc * std::bit_cast<float>(static_cast<uint32_t>(kc[i]) << 16);
     }
   }
-#pragma omp simd
   for (int64_t i = 0; i < rows; ++i) out[i] = acc[i] * scale;
+}
+
+// Vectors of the compiler (GCC and Clang): the sums of 16 rows of up to 4 heads stay in eight
+// registers across the channels, and each key is loaded once for all of them (an accumulator
+// array went through memory for each channel, and each head loaded the keys again).
+typedef float F8 __attribute__((vector_size(32)));
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
+
+inline F8 Bf16x8(const uint16_t* p) {
+  U16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32x8 w = __builtin_convertvector(h, U32x8) << 16;
+  F8 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// 16 rows of kHeads heads (queries q + i * partial_dim, outputs out + i * out_stride).
+template <int kHeads>
+inline void ScoreLanes(const float* q, const uint16_t* keys, int64_t channel_stride,
+                       int partial_dim, float scale, float* out, int64_t out_stride) {
+  F8 a[kHeads][2] = {};
+  for (int c = 0; c < partial_dim; ++c) {
+    const uint16_t* kc = keys + c * channel_stride;
+    const F8 k0 = Bf16x8(kc), k1 = Bf16x8(kc + 8);
+    for (int i = 0; i < kHeads; ++i) {
+      const F8 qc = Splat(q[i * partial_dim + c]);
+      a[i][0] += qc * k0;
+      a[i][1] += qc * k1;
+    }
+  }
+  const F8 sc = Splat(scale);
+  for (int i = 0; i < kHeads; ++i) {
+    const F8 lo = a[i][0] * sc, hi = a[i][1] * sc;
+    std::memcpy(out + i * out_stride, &lo, sizeof(lo));
+    std::memcpy(out + i * out_stride + 8, &hi, sizeof(hi));
+  }
+}
+
+}  // namespace
+
+void ScorePartialBlockHeads(const float* q, int heads, const PartialKeyLayout& keys, int64_t lane0,
+                            int64_t rows, int partial_dim, float scale, float* out,
+                            int64_t out_stride) {
+  // Each row's sum is summed in channel order (a multiply, then an add), so it is the same
+  // float whichever block, group of lanes or set of heads it is scored with.
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    const int m = std::min(4, heads - h0);
+    const float* qh = q + static_cast<size_t>(h0) * partial_dim;
+    float* oh = out + h0 * out_stride;
+    const uint16_t* group = keys.rows;
+    int64_t i = 0;    // rows done
+    if (lane0 > 0) {  // the rest of a group begun before
+      const int64_t head_rows = std::min(rows, kLanes - lane0);
+      for (int h = 0; h < m; ++h) {
+        ScoreTail(qh + h * partial_dim, group, keys.channel_stride, head_rows, partial_dim, scale,
+                  oh + h * out_stride);
+      }
+      i = head_rows;
+      group += keys.group_stride - lane0;
+    }
+    for (; i + kLanes <= rows; i += kLanes, group += keys.group_stride) {
+      switch (m) {
+        case 4:
+          ScoreLanes<4>(qh, group, keys.channel_stride, partial_dim, scale, oh + i, out_stride);
+          break;
+        case 3:
+          ScoreLanes<3>(qh, group, keys.channel_stride, partial_dim, scale, oh + i, out_stride);
+          break;
+        case 2:
+          ScoreLanes<2>(qh, group, keys.channel_stride, partial_dim, scale, oh + i, out_stride);
+          break;
+        default:
+          ScoreLanes<1>(qh, group, keys.channel_stride, partial_dim, scale, oh + i, out_stride);
+      }
+    }
+    for (int h = 0; h < m && i < rows; ++h) {
+      ScoreTail(qh + h * partial_dim, group, keys.channel_stride, rows - i, partial_dim, scale,
+                oh + h * out_stride + i);
+    }
+  }
 }
 
 void ProjectPartial(const float* x, const float* a, int d, int p, float* out) {
@@ -182,43 +328,43 @@ int64_t BudgetFromCounts(std::span<const int64_t> head_counts, int64_t k_min, in
 
 int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* keys,
                    int32_t* indices, int64_t index_capacity) {
-  const int heads = c.num_heads, kv_heads = c.num_kv_heads, group = heads / kv_heads;
+  const int heads = c.num_heads, kv_heads = c.num_kv_heads;
   const int p = c.partial_dim;
   const int64_t n = c.rows;
   if (n <= 0) return 0;
-  // Scratch of the calling thread; the parallel loops below reach it through plain pointers (a
-  // thread_local named inside them would be each worker thread's own, empty, vector).
-  thread_local std::vector<float> scores, mass;
+  // Scratch of the calling thread; the region's threads reach it through plain pointers (a
+  // thread_local named inside the region would be each worker thread's own, empty, vector).
+  thread_local std::vector<float> scores, mass, max, inv_sum;
   thread_local std::vector<int64_t> counts;
+  thread_local std::vector<std::vector<int32_t>> forced;
   scores.resize(static_cast<size_t>(heads) * n);
-  float* const score_rows = scores.data();
-  const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
-#pragma omp parallel for schedule(static) if (heads * n >= kParallelScores)
-  for (int64_t t = 0; t < blocks * kv_heads; ++t) {
-    const int g = static_cast<int>(t % kv_heads);
-    const int64_t j0 = (t / kv_heads) * kScoreBlock;
-    const int64_t rows = std::min(n, j0 + kScoreBlock) - j0;
-    const uint16_t* head_keys = keys + static_cast<size_t>(g) * p * c.capacity + j0;
-    for (int h = g * group; h < (g + 1) * group; ++h) {
-      ScorePartialBlock(q_partial + static_cast<size_t>(h) * p, head_keys, c.capacity, rows, p,
-                        c.scale, score_rows + static_cast<size_t>(h) * n + j0);
-    }
-  }
+  max.resize(static_cast<size_t>(heads));
+  mass.resize(static_cast<size_t>(kv_heads) * n);
+  inv_sum.resize(static_cast<size_t>(heads));
   counts.resize(static_cast<size_t>(heads));
-  for (int h = 0; h < heads; ++h) {
-    counts[h] = AlphaCount(scores.data() + static_cast<size_t>(h) * n, n, c.alpha);
-  }
-  int64_t k = BudgetFromCounts(counts, c.k_min, c.k_max);
-  if (c.margin) k = std::min(n, k + PrefetchMargin(k));
-  k = std::min({k, n, index_capacity});
-  GroupAttentionMass(scores.data(), heads, kv_heads, n, mass);
-  const float* const mass_rows = mass.data();
-  const int32_t last = static_cast<int32_t>(n - 1);
-  const std::span<const int32_t> forced(&last, c.force_last ? 1 : 0);
-#pragma omp parallel for schedule(static) if (kv_heads * n >= kParallelWork)
-  for (int g = 0; g < kv_heads; ++g) {
-    TopK(mass_rows + static_cast<size_t>(g) * n, n, k, forced,
-         indices + static_cast<size_t>(g) * index_capacity);
+  forced.resize(static_cast<size_t>(kv_heads));
+  for (auto& f : forced) f.assign(c.force_last ? 1 : 0, static_cast<int32_t>(n - 1));
+  float *const s = scores.data(), *const m = mass.data();
+  float *const mx = max.data(), *const inv = inv_sum.data();
+  int64_t* const count = counts.data();
+  const std::vector<int32_t>* const f = forced.data();
+  const auto keys_at = [&](int64_t j0, int g) {  // channel-major: groups of lanes kLanes apart
+    return PartialKeyLayout{keys + static_cast<size_t>(g) * p * c.capacity + j0, c.capacity,
+                            kLanes};
+  };
+  int64_t k = 0;
+#pragma omp parallel if (heads * n >= kParallelScores)
+  {
+    ScorePhase(q_partial, heads, kv_heads, p, c.scale, 0, n, keys_at, s);
+    HeadSoftmaxPhase(s, heads, n, c.alpha, mx, inv, count);
+#pragma omp single
+    {
+      k = BudgetFromCounts({count, static_cast<size_t>(heads)}, c.k_min, c.k_max);
+      if (c.margin) k = std::min(n, k + PrefetchMargin(k));
+      k = std::min({k, n, index_capacity});
+    }
+    GroupMassPhase(s, mx, inv, heads, kv_heads, n, m);
+    TopKPhase(m, kv_heads, n, k, f, indices, index_capacity);
   }
   return k;
 }

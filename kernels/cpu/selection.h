@@ -14,11 +14,28 @@ namespace infinigen::cpu {
 // Rows scored together per query head (accumulators on the stack).
 constexpr int64_t kScoreBlock = 256;
 
-// out[i] = scale * sum over c of q[c] * key_c[i] for i < rows (<= kScoreBlock), summed in
-// channel order whatever the block: keys are bfloat16, channel-major (channel c of the block's
-// rows at keys + c * channel_stride).
-void ScorePartialBlock(const float* q, const uint16_t* keys, int64_t channel_stride, int64_t rows,
-                       int partial_dim, float scale, float* out);
+// Rows scored together in registers: a group of lanes.
+constexpr int64_t kScoreLanes = 16;
+
+// Where bfloat16 partial keys lie: row i (counted from `rows`, whose position within its group
+// of kScoreLanes rows is the caller's lane0), channel c at
+//   rows + ((lane0 + i) / kScoreLanes) * group_stride + ((lane0 + i) % kScoreLanes) - lane0
+//        + c * channel_stride.
+// Channel-major keys [p][capacity]: channel_stride = capacity, group_stride = kScoreLanes.
+// Tiled keys [groups][p][kScoreLanes] (a group's channels in one run of memory, streamed from
+// DRAM in order): channel_stride = kScoreLanes, group_stride = p * kScoreLanes.
+struct PartialKeyLayout {
+  const uint16_t* rows = nullptr;
+  int64_t channel_stride = 0;
+  int64_t group_stride = 0;
+};
+
+// out[h * out_stride + i] = scale * sum over c of q[h, c] * key_c[i] for i < rows and the
+// `heads` query heads sharing the keys (a GQA group; q [heads, partial_dim]), each key read
+// once for all of them. Each row's sum is summed in channel order whatever the block.
+void ScorePartialBlockHeads(const float* q, int heads, const PartialKeyLayout& keys, int64_t lane0,
+                            int64_t rows, int partial_dim, float scale, float* out,
+                            int64_t out_stride);
 
 // out[c] = sum over i of x[i] * a[i, c] for a: [d, p] (float32, summed in i order): a key or
 // query head through the skew's partial channels.
@@ -48,6 +65,46 @@ int64_t TopK(const float* scores, int64_t n, int64_t k, std::span<const int32_t>
 // for large n; the exponentials are within 2 ulp of std::exp.
 void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
                         std::vector<float>& out);
+
+// The phases of one choice as worksharing loops (orphaned `omp for`): called by every thread of
+// the caller's `omp parallel` region they split its work among them (one fork per choice, not
+// one per phase); outside a region they run on the calling thread. Either way the results are
+// the same floats, and the same as AlphaCount and GroupAttentionMass compute.
+//
+// Scores of rows [first, n) of every query head into scores [num_heads, n], in blocks of
+// kScoreBlock rows aligned to multiples of kScoreBlock: keys_at(j0, g) is the PartialKeyLayout
+// of KV head g from row j0 (a block never crosses a boundary the caller's layout has at
+// multiples of kScoreBlock).
+template <typename KeysAt>
+void ScorePhase(const float* q_partial, int num_heads, int num_kv_heads, int partial_dim,
+                float scale, int64_t first, int64_t n, const KeysAt& keys_at, float* scores) {
+  const int group = num_heads / num_kv_heads;
+  const int64_t first_block = first / kScoreBlock;
+  const int64_t blocks = n > first ? (n + kScoreBlock - 1) / kScoreBlock - first_block : 0;
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
+    const int g = static_cast<int>(t % num_kv_heads);
+    const int64_t b = first_block + t / num_kv_heads;
+    const int64_t j0 = first > b * kScoreBlock ? first : b * kScoreBlock;
+    const int64_t rows = (n < (b + 1) * kScoreBlock ? n : (b + 1) * kScoreBlock) - j0;
+    ScorePartialBlockHeads(q_partial + static_cast<size_t>(g) * group * partial_dim, group,
+                           keys_at(j0, g), j0 % kScoreLanes, rows, partial_dim, scale,
+                           scores + static_cast<size_t>(g) * group * n + j0, n);
+  }
+}
+// Per query head h of scores [num_heads, n], heads in parallel: counts[h] = AlphaCount of its
+// row, its maximum max[h], and inv_sum[h] = 1 / sum over j of e^(s[h, j] - max[h]).
+void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float alpha, float* max,
+                      float* inv_sum, int64_t* counts);
+// mass [num_kv_heads, n]: per KV head the sum, over its query heads in order, of
+// e^(s[h, j] - max[h]) * inv_sum[h]; rows in parallel. (The exponentials are computed again
+// here rather than kept: storing heads x n of them cost more than computing them twice.)
+void GroupMassPhase(const float* scores, const float* max, const float* inv_sum, int num_heads,
+                    int num_kv_heads, int64_t n, float* mass);
+// TopK of every KV head's row of mass [num_kv_heads, n] (forced[g] first) to
+// out + g * out_stride, KV heads in parallel.
+void TopKPhase(const float* mass, int num_kv_heads, int64_t n, int64_t k,
+               const std::vector<int32_t>* forced, int32_t* out, int64_t out_stride);
 
 // One sequence's choice over n rows of partial keys stored channel-major per KV head (channel
 // c of head g, row j at keys[(g * partial_dim + c) * capacity + j]): the speculated scores of
