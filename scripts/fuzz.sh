@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the fuzz targets with clang (libFuzzer + ASan + UBSan, which aborts on any report) into
 # build-fuzz/ and runs each for a bounded time: the tokenizers (seeded with the tokenizer fixture
-# strings) for SECONDS; for SECONDS / 2 each the GGUF, safetensors and .npy readers (seeded with
-# real files: the fixtures' shards and arrays, the head of the SmolLM2 GGUF, and a tiny GGUF
-# written here), the KV store's request validation (programs of Open / Append / Gather / Close
+# strings) for SECONDS; for SECONDS / 2 each the GGUF, safetensors (and sharded-index) and .npy
+# readers (seeded with real files: the fixtures' shards, index and arrays, the head of the
+# SmolLM2 GGUF, and a tiny GGUF written here), the KV store's request validation (programs of Open / Append / Gather / Close
 # calls with arbitrary arguments) and the UCX gather request codec (a parse must re-encode to
 # the same bytes), and the tokenizer file loaders (tokenizer.json, tokenizer.model, vocab.json +
 # merges.txt; seeded with small tokenizers cut from the real ones) and chat template rendering of
@@ -189,6 +189,14 @@ INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_fuzz "$SECOND
   build-fuzz/corpus -max_len=4096
 run gguf_fuzz "$FILE_SECONDS" build-fuzz/corpus-gguf -max_len=65536
 run safetensors_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors -max_len=65536
+# A sharded checkpoint's index: the fixtures' real one and small variants.
+mkdir -p build-fuzz/corpus-safetensors-index
+cp tests/fixtures/hf/llama2_mha/model.safetensors.index.json build-fuzz/corpus-safetensors-index/real.json
+printf '{"metadata":{"total_size":8},"weight_map":{"a":"m-1.safetensors","b":"m-2.safetensors"}}' \
+  > build-fuzz/corpus-safetensors-index/two.json
+printf '{"weight_map":{"a":"../x","b":3,"c":"","d":"m\\u0000/y"}}' \
+  > build-fuzz/corpus-safetensors-index/bad.json
+run safetensors_index_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors-index -max_len=65536
 run npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096
 run kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
 run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -11,7 +10,6 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "gpu_worker/model/safetensors.h"
-#include "nlohmann/json.hpp"
 
 namespace infinigen {
 namespace {
@@ -54,23 +52,8 @@ absl::Status Checkpoint::OpenHfFolder(const std::string& dir) {
   std::error_code ec;
   if (fs::exists(index, ec)) {
     IG_ASSIGN_OR_RETURN(std::string text, ReadText(index.string()));
-    auto j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(index.string(), ": no \"weight_map\" object"));
-    }
-    std::set<std::string> names;
-    for (auto& [tensor, file] : j["weight_map"].items()) {
-      if (!file.is_string()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(index.string(), ": weight_map entry ", tensor, " is not a file name"));
-      }
-      const std::string f = file.get<std::string>();
-      if (f.find('/') != std::string::npos || f == "..") {
-        return absl::InvalidArgumentError(
-            absl::StrCat(index.string(), ": shard name ", f, " must be a file in the folder"));
-      }
-      names.insert(f);
-    }
+    IG_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                        ParseSafetensorsIndex(text, index.string()));
     for (const auto& n : names) shards.push_back((fs::path(dir) / n).string());
   } else if (fs::exists(single, ec)) {
     shards.push_back(single.string());

@@ -5,7 +5,9 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <set>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
@@ -146,6 +148,35 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
     return absl::PermissionDeniedError(absl::StrCat(path, ": cannot rename ", tmp, " into place"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> ParseSafetensorsIndex(absl::string_view text,
+                                                               absl::string_view where) {
+  const auto j =
+      nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") ||
+      !j["weight_map"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": no \"weight_map\" object"));
+  }
+  std::set<std::string> names;
+  for (const auto& [tensor, file] : j["weight_map"].items()) {
+    if (!file.is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": weight_map entry ", tensor, " is not a file name"));
+    }
+    const std::string& f = file.get_ref<const std::string&>();
+    if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos ||
+        f.find('\0') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": shard name ", absl::CEscape(f),
+                                                     " of ", tensor,
+                                                     " must be a file in the folder"));
+    }
+    names.insert(f);
+  }
+  if (names.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the weight_map names no shard"));
+  }
+  return std::vector<std::string>(names.begin(), names.end());
 }
 
 }  // namespace infinigen

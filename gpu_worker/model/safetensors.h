@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/mapped_file.h"
 #include "gpu_worker/model/stored_tensor.h"
 
@@ -17,6 +19,13 @@ namespace infinigen {
 // (may be null) receives the string entries of the header's "__metadata__".
 absl::Status ParseSafetensors(const MappedFile& file, std::vector<StoredTensor>& out,
                               std::map<std::string, std::string>* metadata = nullptr);
+
+// The shard files a sharded checkpoint's model.safetensors.index.json (`text`, read from
+// `where`) names in its "weight_map": sorted, each once, each a plain file name in the index's
+// folder (not empty, no '/', not "." or "..", no NUL byte). INVALID_ARGUMENT naming `where` and
+// the entry for anything else, or for an index that names no shard.
+absl::StatusOr<std::vector<std::string>> ParseSafetensorsIndex(absl::string_view text,
+                                                               absl::string_view where);
 
 // A float32 tensor to write, row-major.
 struct SafetensorsEntry {

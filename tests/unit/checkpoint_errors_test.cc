@@ -10,6 +10,7 @@
 #include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
+#include "gpu_worker/model/safetensors.h"
 #include "tests/support/gguf_writer.h"
 #include "tests/support/test_paths.h"
 
@@ -148,6 +149,34 @@ TEST_F(CheckpointErrors, ShardIndexMustNameFilesInTheFolder) {
       << R"({"weight_map": {"model.norm.weight": "../../etc/passwd"}})";
   ExpectError(Checkpoint::Open(dir_.string()).status(), absl::StatusCode::kInvalidArgument,
               {"shard name", "../../etc/passwd"});
+}
+
+// The index's own parse: every malformed shard list is an error naming the index and the
+// entry; a valid one lists each shard once, sorted.
+TEST(SafetensorsIndex, NamesEachShardOnceOrSaysWhatIsWrong) {
+  auto ok = ParseSafetensorsIndex(
+      R"({"metadata": {}, "weight_map": {"a": "m-2.safetensors", "b": "m-1.safetensors",
+          "c": "m-2.safetensors"}})",
+      "idx.json");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(*ok, (std::vector<std::string>{"m-1.safetensors", "m-2.safetensors"}));
+  for (const auto& [text, want] : std::vector<std::pair<std::string, std::string>>{
+           {"not json", "no \"weight_map\" object"},
+           {"[1, 2]", "no \"weight_map\" object"},
+           {R"({"weight_map": []})", "no \"weight_map\" object"},
+           {R"({"weight_map": {}})", "names no shard"},
+           {R"({"weight_map": {"w": 3}})", "entry w is not a file name"},
+           {R"({"weight_map": {"w": ""}})", "shard name  of w"},
+           {R"({"weight_map": {"w": "."}})", "shard name . of w"},
+           {R"({"weight_map": {"w": "sub/m.safetensors"}})", "shard name sub/m.safetensors"},
+           {R"({"weight_map": {"w": "m\u0000/x"}})", "shard name m\\000/x"}}) {
+    auto got = ParseSafetensorsIndex(text, "idx.json");
+    ASSERT_FALSE(got.ok()) << text;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    const std::string message(got.status().message());
+    EXPECT_NE(message.find("idx.json"), std::string::npos) << message;
+    EXPECT_NE(message.find(want), std::string::npos) << message << " lacks: " << want;
+  }
 }
 
 // A minimal valid llama GGUF: one layer, hidden 32 (one Q8_0 block per row), vocab 3.
