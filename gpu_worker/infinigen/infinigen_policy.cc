@@ -62,7 +62,10 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     forced_.resize(model_.num_kv_heads);
     for (auto& f : forced_) f.reserve(rows + 1);
     q_partial_.reserve(static_cast<size_t>(model_.num_heads) * partial_dim_);
-    head_counts_.reserve(static_cast<size_t>(model_.num_heads));
+    const size_t blocks = static_cast<size_t>((rows + cpu::kScoreBlock - 1) / cpu::kScoreBlock);
+    block_max_.reserve(static_cast<size_t>(model_.num_heads) * blocks);
+    block_sum_.reserve(static_cast<size_t>(model_.num_heads) * blocks);
+    block_counts_.reserve(static_cast<size_t>(model_.num_heads) * blocks);
     maxes_.reserve(static_cast<size_t>(model_.num_heads));
     inv_sums_.reserve(static_cast<size_t>(model_.num_heads));
     for (Prescored& p : prescored_) {
@@ -190,9 +193,12 @@ class InfinigenPolicy final : public KvSelectionPolicy {
             : 0;
     scores_.resize(static_cast<size_t>(heads) * n);
     mass_.resize(static_cast<size_t>(kv_heads) * n);
-    head_counts_.resize(heads);
     inv_sums_.resize(heads);
     maxes_.resize(heads);
+    const int64_t blocks = (n + cpu::kScoreBlock - 1) / cpu::kScoreBlock;
+    block_max_.resize(static_cast<size_t>(heads * blocks));
+    block_sum_.resize(block_max_.size());
+    block_counts_.resize(block_max_.size());
     for (int h = 0; h < heads; ++h) {
       std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse,
                   scores_.data() + static_cast<size_t>(h) * n);
@@ -206,7 +212,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     // The region's threads reach the members through plain pointers.
     float *const scores = scores_.data(), *const mass = mass_.data();
     float *const maxes = maxes_.data(), *const inv_sums = inv_sums_.data();
-    int64_t* const counts = head_counts_.data();
+    float *const block_max = block_max_.data(), *const block_sum = block_sum_.data();
+    int64_t* const block_counts = block_counts_.data();
     const float* const q_partial = q_partial_.data();
     const std::vector<int32_t>* const forced = forced_.data();
     // Tiled (kScoreBlock-aligned blocks never cross a chunk).
@@ -219,11 +226,16 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     out.all = false;
 #pragma omp parallel if (heads * n >= kParallelScores)
     {
-      cpu::ScorePhase(q_partial, heads, kv_heads, p, scale, reuse, n, keys_at, scores);
-      cpu::HeadSoftmaxPhase(scores, heads, n, alpha, maxes, inv_sums, counts);
+      cpu::ScorePhase(q_partial, heads, kv_heads, p, scale, reuse, n, keys_at, scores, block_max,
+                      block_sum);
+#pragma omp single
+      cpu::CombineBlockSoftmax(heads, blocks, block_max, block_sum, maxes, inv_sums);
+      // The group mass (of every row: a choice of all rows is rare at any length that matters),
+      // counting each head's rows within alpha on the way.
+      cpu::GroupMassPhase(scores, maxes, inv_sums, heads, kv_heads, n, mass, alpha, block_counts);
 #pragma omp single
       {
-        k = cpu::BudgetFromCounts({counts, static_cast<size_t>(heads)}, k_min, k_max);
+        k = cpu::BudgetFromCounts(cpu::HeadCounts(heads, blocks, block_counts), k_min, k_max);
         if (prefetch) k = std::min(n, k + PrefetchMargin(k));
         if (prefetch) {
           pre.seq = r.seq;  // field by field: the vectors keep their capacity
@@ -241,10 +253,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
           out.indices.resize(static_cast<size_t>(kv_heads) * k);
         }
       }
-      if (k < n) {
-        cpu::GroupMassPhase(scores, maxes, inv_sums, heads, kv_heads, n, mass);
-        cpu::TopKPhase(mass, kv_heads, n, k, forced, out.indices.data(), k);
-      }
+      if (k < n) cpu::TopKPhase(mass, kv_heads, n, k, forced, out.indices.data(), k);
     }
   }
 
@@ -292,7 +301,9 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   absl::flat_hash_map<SequenceId, std::vector<PartialKeys>> partial_;  // seq -> [layer]
   SlotPositions positions_;
   std::vector<float> scores_, mass_, maxes_, inv_sums_, q_partial_;
-  std::vector<int64_t> head_counts_;
+  // Per (head, block of kScoreBlock rows): max, sum of exponentials, rows within alpha.
+  std::vector<float> block_max_, block_sum_;
+  std::vector<int64_t> block_counts_;
   std::vector<std::vector<int32_t>> forced_;  // per KV head, for Rank
   // The scores a Preselect computed for layer `layer` ([heads, n]), per layer parity (the
   // next layer's Preselect may come before this layer's Select).

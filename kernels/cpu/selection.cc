@@ -146,24 +146,59 @@ void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float alpha
   }
 }
 
+void BlockSoftmax(const float* s, int64_t rows, float* max, float* sum) {
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < rows; ++j) mx = s[j] > mx ? s[j] : mx;
+  float e[kScoreBlock];
+  ExpsOfBlock(s, rows, mx, e);
+  float total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < rows; ++j) total += e[j];
+  *max = mx;
+  *sum = total;
+}
+
+void CombineBlockSoftmax(int num_heads, int64_t blocks, const float* block_max,
+                         const float* block_sum, float* max, float* inv_sum) {
+  for (int h = 0; h < num_heads; ++h) {
+    const float* m = block_max + h * blocks;
+    const float* s = block_sum + h * blocks;
+    const float mx = *std::max_element(m, m + blocks);
+    float sum = 0;  // the blocks in order: within ~1e-6 of a double sum
+    for (int64_t b = 0; b < blocks; ++b) sum += s[b] * ExpNonPositive(std::max(m[b] - mx, -87.0f));
+    max[h] = mx;
+    inv_sum[h] = 1.0f / sum;
+  }
+}
+
 void GroupMassPhase(const float* scores, const float* max, const float* inv_sum, int num_heads,
-                    int num_kv_heads, int64_t n, float* mass) {
+                    int num_kv_heads, int64_t n, float* mass, float alpha, int64_t* block_counts) {
   const int group = num_heads / num_kv_heads;
   const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
     const int g = static_cast<int>(t % num_kv_heads);
-    const int64_t j0 = t / num_kv_heads * kScoreBlock;
+    const int64_t b = t / num_kv_heads;
+    const int64_t j0 = b * kScoreBlock;
     const int64_t rows = std::min(n, j0 + kScoreBlock) - j0;
     float* __restrict o = mass + static_cast<size_t>(g) * n + j0;
     float e[kScoreBlock];
 #pragma omp simd
     for (int64_t j = 0; j < rows; ++j) o[j] = 0.0f;
     for (int h = g * group; h < (g + 1) * group; ++h) {
-      ExpsOfBlock(scores + static_cast<size_t>(h) * n + j0, rows, max[h], e);
+      const float* s = scores + static_cast<size_t>(h) * n + j0;
+      ExpsOfBlock(s, rows, max[h], e);
       const float inv = inv_sum[h];
 #pragma omp simd
       for (int64_t j = 0; j < rows; ++j) o[j] += e[j] * inv;
+      if (block_counts != nullptr) {
+        const float threshold = max[h] - alpha;
+        int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+        for (int64_t j = 0; j < rows; ++j) count += s[j] > threshold;
+        block_counts[h * blocks + b] = count;
+      }
     }
   }
 }
@@ -332,21 +367,25 @@ int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* k
   const int p = c.partial_dim;
   const int64_t n = c.rows;
   if (n <= 0) return 0;
+  const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
   // Scratch of the calling thread; the region's threads reach it through plain pointers (a
   // thread_local named inside the region would be each worker thread's own, empty, vector).
-  thread_local std::vector<float> scores, mass, max, inv_sum;
-  thread_local std::vector<int64_t> counts;
+  thread_local std::vector<float> scores, mass, max, inv_sum, block_max, block_sum;
+  thread_local std::vector<int64_t> block_counts;
   thread_local std::vector<std::vector<int32_t>> forced;
   scores.resize(static_cast<size_t>(heads) * n);
   max.resize(static_cast<size_t>(heads));
   mass.resize(static_cast<size_t>(kv_heads) * n);
   inv_sum.resize(static_cast<size_t>(heads));
-  counts.resize(static_cast<size_t>(heads));
+  block_max.resize(static_cast<size_t>(heads * blocks));
+  block_sum.resize(block_max.size());
+  block_counts.resize(block_max.size());
   forced.resize(static_cast<size_t>(kv_heads));
   for (auto& f : forced) f.assign(c.force_last ? 1 : 0, static_cast<int32_t>(n - 1));
   float *const s = scores.data(), *const m = mass.data();
   float *const mx = max.data(), *const inv = inv_sum.data();
-  int64_t* const count = counts.data();
+  float *const bmax = block_max.data(), *const bsum = block_sum.data();
+  int64_t* const bcount = block_counts.data();
   const std::vector<int32_t>* const f = forced.data();
   const auto keys_at = [&](int64_t j0, int g) {  // channel-major: groups of lanes kLanes apart
     return PartialKeyLayout{keys + static_cast<size_t>(g) * p * c.capacity + j0, c.capacity,
@@ -355,18 +394,28 @@ int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* k
   int64_t k = 0;
 #pragma omp parallel if (heads * n >= kParallelScores)
   {
-    ScorePhase(q_partial, heads, kv_heads, p, c.scale, 0, n, keys_at, s);
-    HeadSoftmaxPhase(s, heads, n, c.alpha, mx, inv, count);
+    ScorePhase(q_partial, heads, kv_heads, p, c.scale, 0, n, keys_at, s, bmax, bsum);
+#pragma omp single
+    CombineBlockSoftmax(heads, blocks, bmax, bsum, mx, inv);
+    GroupMassPhase(s, mx, inv, heads, kv_heads, n, m, c.alpha, bcount);
 #pragma omp single
     {
-      k = BudgetFromCounts({count, static_cast<size_t>(heads)}, c.k_min, c.k_max);
+      k = BudgetFromCounts(HeadCounts(heads, blocks, bcount), c.k_min, c.k_max);
       if (c.margin) k = std::min(n, k + PrefetchMargin(k));
       k = std::min({k, n, index_capacity});
     }
-    GroupMassPhase(s, mx, inv, heads, kv_heads, n, m);
     TopKPhase(m, kv_heads, n, k, f, indices, index_capacity);
   }
   return k;
+}
+
+std::span<const int64_t> HeadCounts(int num_heads, int64_t blocks, int64_t* block_counts) {
+  for (int h = 0; h < num_heads; ++h) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < blocks; ++b) total += block_counts[h * blocks + b];
+    block_counts[h] = total;  // h <= h * blocks: read before written
+  }
+  return {block_counts, static_cast<size_t>(num_heads)};
 }
 
 }  // namespace infinigen::cpu

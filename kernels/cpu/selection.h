@@ -48,6 +48,10 @@ int64_t AlphaCount(const float* s, int64_t n, float alpha);
 // [min(k_min, k_max), k_max].
 int64_t BudgetFromCounts(std::span<const int64_t> head_counts, int64_t k_min, int64_t k_max);
 
+// Per head the sum of its blocks' alpha counts (GroupMassPhase's block_counts [num_heads,
+// blocks]), written over the first num_heads entries, which it returns.
+std::span<const int64_t> HeadCounts(int num_heads, int64_t blocks, int64_t* block_counts);
+
 // Rows prefetched beyond a counted budget k: one for the count the current token may add, and
 // a share for rows whose rank changes once it joins each head's softmax (docs/accuracy.md,
 // "Rows moved").
@@ -74,33 +78,52 @@ void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, in
 // Scores of rows [first, n) of every query head into scores [num_heads, n], in blocks of
 // kScoreBlock rows aligned to multiples of kScoreBlock: keys_at(j0, g) is the PartialKeyLayout
 // of KV head g from row j0 (a block never crosses a boundary the caller's layout has at
-// multiples of kScoreBlock).
+// multiples of kScoreBlock). Then, for every block b of rows [0, n) (the rows before `first`
+// hold scores already) and head h, while they are in cache: block_max[h * blocks + b] and
+// block_sum[h * blocks + b] = sum over the block's rows of e^(s - block max) (BlockSoftmax;
+// CombineBlockSoftmax makes the heads' softmax from them). blocks = ceil(n / kScoreBlock).
+//
+// The rows' max and sum of e^(s - max) (rows <= kScoreBlock).
+void BlockSoftmax(const float* s, int64_t rows, float* max, float* sum);
 template <typename KeysAt>
 void ScorePhase(const float* q_partial, int num_heads, int num_kv_heads, int partial_dim,
-                float scale, int64_t first, int64_t n, const KeysAt& keys_at, float* scores) {
+                float scale, int64_t first, int64_t n, const KeysAt& keys_at, float* scores,
+                float* block_max, float* block_sum) {
   const int group = num_heads / num_kv_heads;
-  const int64_t first_block = first / kScoreBlock;
-  const int64_t blocks = n > first ? (n + kScoreBlock - 1) / kScoreBlock - first_block : 0;
+  const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
     const int g = static_cast<int>(t % num_kv_heads);
-    const int64_t b = first_block + t / num_kv_heads;
-    const int64_t j0 = first > b * kScoreBlock ? first : b * kScoreBlock;
-    const int64_t rows = (n < (b + 1) * kScoreBlock ? n : (b + 1) * kScoreBlock) - j0;
-    ScorePartialBlockHeads(q_partial + static_cast<size_t>(g) * group * partial_dim, group,
-                           keys_at(j0, g), j0 % kScoreLanes, rows, partial_dim, scale,
-                           scores + static_cast<size_t>(g) * group * n + j0, n);
+    const int64_t b = t / num_kv_heads;
+    const int64_t b0 = b * kScoreBlock, b1 = n < b0 + kScoreBlock ? n : b0 + kScoreBlock;
+    const int64_t j0 = first > b0 ? first : b0;
+    if (j0 < b1) {
+      ScorePartialBlockHeads(q_partial + static_cast<size_t>(g) * group * partial_dim, group,
+                             keys_at(j0, g), j0 % kScoreLanes, b1 - j0, partial_dim, scale,
+                             scores + static_cast<size_t>(g) * group * n + j0, n);
+    }
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+      BlockSoftmax(scores + static_cast<size_t>(h) * n + b0, b1 - b0, block_max + h * blocks + b,
+                   block_sum + h * blocks + b);
+    }
   }
 }
+// Per head h (on the calling thread: inside a region, call it in `omp single`): max[h] over its
+// blocks, and inv_sum[h] = 1 / sum over blocks of block_sum * e^(block_max - max[h]).
+void CombineBlockSoftmax(int num_heads, int64_t blocks, const float* block_max,
+                         const float* block_sum, float* max, float* inv_sum);
 // Per query head h of scores [num_heads, n], heads in parallel: counts[h] = AlphaCount of its
 // row, its maximum max[h], and inv_sum[h] = 1 / sum over j of e^(s[h, j] - max[h]).
 void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float alpha, float* max,
                       float* inv_sum, int64_t* counts);
 // mass [num_kv_heads, n]: per KV head the sum, over its query heads in order, of
 // e^(s[h, j] - max[h]) * inv_sum[h]; rows in parallel. (The exponentials are computed again
-// here rather than kept: storing heads x n of them cost more than computing them twice.)
+// here rather than kept: storing heads x n of them cost more than computing them twice.) With
+// block_counts ([num_heads, blocks] as ScorePhase's), also each block's rows within alpha of
+// max[h] (AlphaCount's, summed by the caller over the blocks).
 void GroupMassPhase(const float* scores, const float* max, const float* inv_sum, int num_heads,
-                    int num_kv_heads, int64_t n, float* mass);
+                    int num_kv_heads, int64_t n, float* mass, float alpha = 0.0f,
+                    int64_t* block_counts = nullptr);
 // TopK of every KV head's row of mass [num_kv_heads, n] (forced[g] first) to
 // out + g * out_stride, KV heads in parallel.
 void TopKPhase(const float* mass, int num_kv_heads, int64_t n, int64_t k,
