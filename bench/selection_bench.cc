@@ -85,34 +85,44 @@ struct Setup {
   }
 };
 
+// The decode token's key at slot n (OnKeys), as a decode step stores it before its Select.
+void StoreCurrentKey(Setup& s, int64_t n, Shape shape) {
+  LayerKeys k;
+  k.seq = 1;
+  k.layer = 1;
+  k.start = n;
+  k.count = 1;
+  k.k = s.key.data();
+  k.k_stride = shape.kv_heads * shape.dim;
+  k.slots = s.slots.data();
+  (void)s.policy->OnKeys(k);
+}
+
+// The layer's Select of the decode token at position n: n + 1 rows with its own.
+SelectRequest LayerRequest(const Setup& s, int64_t n) {
+  SelectRequest r;
+  r.seq = 1;
+  r.layer = 1;
+  r.position = n;
+  r.kv.num_slots = n + 1;
+  r.speculated_q = s.q.data();
+  r.current_slots = s.slots.data();
+  r.q = s.q.data();
+  return r;
+}
+
 void BM_InfinigenLayer(benchmark::State& state) {
   const int64_t n = state.range(0);
   Setup s(n, kLlama8B);
-  const int kKvHeads = kLlama8B.kv_heads, kDim = kLlama8B.dim;
   Selection candidates, selection;
   int64_t rows = 0;
   for (auto _ : state) {
-    SelectRequest pre;
-    pre.seq = 1;
-    pre.layer = 1;
-    pre.position = n;
+    SelectRequest pre = LayerRequest(s, n);  // the prefetch: the n stored rows only
     pre.kv.num_slots = n;
-    pre.speculated_q = s.q.data();
+    pre.current_slots = nullptr;
     benchmark::DoNotOptimize(s.policy->Preselect(pre, candidates));
-    LayerKeys k;
-    k.seq = 1;
-    k.layer = 1;
-    k.start = n;
-    k.count = 1;
-    k.k = s.key.data();
-    k.k_stride = kKvHeads * kDim;
-    k.slots = s.slots.data();
-    (void)s.policy->OnKeys(k);
-    SelectRequest r = pre;
-    r.current_slots = s.slots.data();
-    r.kv.num_slots = n + 1;
-    r.q = s.q.data();
-    (void)s.policy->Select(r, selection);
+    StoreCurrentKey(s, n, kLlama8B);
+    (void)s.policy->Select(LayerRequest(s, n), selection);
     rows += selection.all ? n + 1 : selection.count;
     benchmark::DoNotOptimize(selection.indices.data());
   }
@@ -126,28 +136,11 @@ BENCHMARK(BM_InfinigenLayer)->Arg(2048)->Arg(8192)->Arg(32768)->Unit(benchmark::
 void BM_SelectInPlace(benchmark::State& state) {
   const int64_t n = state.range(0);
   Setup s(n, kSmolLm2);
-  const int kKvHeads = kSmolLm2.kv_heads, kDim = kSmolLm2.dim;
-  LayerKeys k;
-  k.seq = 1;
-  k.layer = 1;
-  k.start = n;
-  k.count = 1;
-  k.k = s.key.data();
-  k.k_stride = kKvHeads * kDim;
-  k.slots = s.slots.data();
-  (void)s.policy->OnKeys(k);
+  StoreCurrentKey(s, n, kSmolLm2);
   Selection selection;
   int64_t rows = 0;
   for (auto _ : state) {
-    SelectRequest r;
-    r.seq = 1;
-    r.layer = 1;
-    r.position = n;
-    r.kv.num_slots = n + 1;
-    r.speculated_q = s.q.data();
-    r.current_slots = s.slots.data();
-    r.q = s.q.data();
-    (void)s.policy->Select(r, selection);
+    (void)s.policy->Select(LayerRequest(s, n), selection);
     rows += selection.all ? n + 1 : selection.count;
     benchmark::DoNotOptimize(selection.indices.data());
   }

@@ -117,19 +117,13 @@ inline void ExpsOfBlock(const float* __restrict s, int64_t rows, float mx, float
   for (int64_t j = 0; j < rows; ++j) e[j] = ExpNonPositive(e[j]);
 }
 
-void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float alpha, float* max,
-                      float* inv_sum, int64_t* counts) {
+void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float* max, float* inv_sum) {
 #pragma omp for schedule(static)
   for (int h = 0; h < num_heads; ++h) {
     const float* __restrict s = scores + static_cast<size_t>(h) * n;
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-    const float threshold = mx - alpha;
-    int64_t count = 0;
-#pragma omp simd reduction(+ : count)
-    for (int64_t j = 0; j < n; ++j) count += s[j] > threshold;
-    counts[h] = count;
     max[h] = mx;
     // Blocks of rows, each summed in lanes, the blocks in order: within ~1e-6 of a double sum.
     float e[kScoreBlock];
@@ -216,16 +210,13 @@ void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, in
   out.resize(static_cast<size_t>(num_kv_heads) * n);
   // Scratch of the calling thread, shared with the region's threads through plain pointers.
   thread_local std::vector<float> max, inv_sum;
-  thread_local std::vector<int64_t> counts;
   max.resize(static_cast<size_t>(num_heads));
   inv_sum.resize(static_cast<size_t>(num_heads));
-  counts.resize(static_cast<size_t>(num_heads));
   float *const mx = max.data(), *const inv = inv_sum.data();
-  int64_t* const c = counts.data();
   float* const mass = out.data();
 #pragma omp parallel if (num_heads * n >= kParallelWork)
   {
-    HeadSoftmaxPhase(scores, num_heads, n, 0.0f, mx, inv, c);
+    HeadSoftmaxPhase(scores, num_heads, n, mx, inv);
     GroupMassPhase(scores, mx, inv, num_heads, num_kv_heads, n, mass);
   }
 }

@@ -73,7 +73,8 @@ void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, in
 // The phases of one choice as worksharing loops (orphaned `omp for`): called by every thread of
 // the caller's `omp parallel` region they split its work among them (one fork per choice, not
 // one per phase); outside a region they run on the calling thread. Either way the results are
-// the same floats, and the same as AlphaCount and GroupAttentionMass compute.
+// the same floats. The alpha counts are AlphaCount's; the mass (its softmax sums combined from
+// blocks) equals GroupAttentionMass's up to rounding.
 //
 // Scores of rows [first, n) of every query head into scores [num_heads, n], in blocks of
 // kScoreBlock rows aligned to multiples of kScoreBlock: keys_at(j0, g) is the PartialKeyLayout
@@ -112,10 +113,10 @@ void ScorePhase(const float* q_partial, int num_heads, int num_kv_heads, int par
 // blocks, and inv_sum[h] = 1 / sum over blocks of block_sum * e^(block_max - max[h]).
 void CombineBlockSoftmax(int num_heads, int64_t blocks, const float* block_max,
                          const float* block_sum, float* max, float* inv_sum);
-// Per query head h of scores [num_heads, n], heads in parallel: counts[h] = AlphaCount of its
-// row, its maximum max[h], and inv_sum[h] = 1 / sum over j of e^(s[h, j] - max[h]).
-void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float alpha, float* max,
-                      float* inv_sum, int64_t* counts);
+// Per query head h of scores [num_heads, n], heads in parallel: its maximum max[h] and
+// inv_sum[h] = 1 / sum over j of e^(s[h, j] - max[h]) (GroupAttentionMass's softmax; a choice
+// takes them from ScorePhase's blocks instead).
+void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float* max, float* inv_sum);
 // mass [num_kv_heads, n]: per KV head the sum, over its query heads in order, of
 // e^(s[h, j] - max[h]) * inv_sum[h]; rows in parallel. (The exponentials are computed again
 // here rather than kept: storing heads x n of them cost more than computing them twice.) With
