@@ -428,9 +428,8 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
     // stored row, looked up there, cost more than its choice saves (3 ns a row, every layer).
     w.fetch = w.stored > 0 && (preselect || batch_[b].policy == nullptr || ChoosesOnBackend(b));
   }
-  // The policies' guesses, sequences in parallel. Every row without a policy, and where a
-  // prefetch answers addresses (they cost nothing, so the exact selection made at the layer is
-  // looked up among all of them).
+  // The policies' guesses, sequences in parallel (every row without a policy). Where a prefetch
+  // answers addresses, host policies guess nothing: they choose at the layer (above).
   if (preselect) {
     ForEachPolicy([&](size_t b) {
       ChunkWork& w = chunks_[b];

@@ -14,9 +14,6 @@
 namespace infinigen {
 namespace {
 
-// Work (heads x rows) below which a layer's choice stays on the calling thread: a 1K-token
-// sequence of a 9-head model chooses on every core.
-constexpr int64_t kParallelScores = 1 << 13;
 // Rows scored together per query head (accumulators on the stack).
 constexpr int64_t kRowBlock = cpu::kScoreBlock;
 // Rows per chunk of the partial key cache: a growing sequence adds chunks and never copies
@@ -56,18 +53,12 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       Reserve(layers[l], capacity_tokens, /*zero=*/false);
     }
     const size_t rows = static_cast<size_t>(capacity_tokens);
-    scores_.reserve(static_cast<size_t>(model_.num_heads) * rows);
-    mass_.reserve(static_cast<size_t>(model_.num_kv_heads) * rows);
+    scratch_.Reserve(static_cast<int>(model_.num_heads), static_cast<int>(model_.num_kv_heads),
+                     capacity_tokens);
     for (Prescored& p : prescored_) p.scores.reserve(static_cast<size_t>(model_.num_heads) * rows);
     forced_.resize(model_.num_kv_heads);
     for (auto& f : forced_) f.reserve(rows + 1);
     q_partial_.reserve(static_cast<size_t>(model_.num_heads) * partial_dim_);
-    const size_t blocks = static_cast<size_t>((rows + cpu::kScoreBlock - 1) / cpu::kScoreBlock);
-    block_max_.reserve(static_cast<size_t>(model_.num_heads) * blocks);
-    block_sum_.reserve(static_cast<size_t>(model_.num_heads) * blocks);
-    block_counts_.reserve(static_cast<size_t>(model_.num_heads) * blocks);
-    maxes_.reserve(static_cast<size_t>(model_.num_heads));
-    inv_sums_.reserve(static_cast<size_t>(model_.num_heads));
     for (Prescored& p : prescored_) {
       p.q_partial.reserve(static_cast<size_t>(model_.num_heads) * partial_dim_);
     }
@@ -157,7 +148,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   static int64_t PrefetchMargin(int64_t counted) { return cpu::PrefetchMargin(counted); }
   // InfiniGen's choice over rows [0, n), in one parallel region (its phases are the worksharing
   // loops of kernels/cpu/selection.h):
-  // - speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) into scores_
+  // - speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) into scratch_.scores
   //   (`partial`: `query` is q~ = q_h · A_g[:, P] already, [heads, p]; else the whole query,
   //   projected here);
   // - k: the mean over heads of the rows within alpha of the head's best, clamped to
@@ -191,17 +182,10 @@ class InfinigenPolicy final : public KvSelectionPolicy {
         pre.seq == r.seq && pre.layer == r.layer && pre.n <= n && pre.q_partial == q_partial_
             ? pre.n
             : 0;
-    scores_.resize(static_cast<size_t>(heads) * n);
-    mass_.resize(static_cast<size_t>(kv_heads) * n);
-    inv_sums_.resize(heads);
-    maxes_.resize(heads);
-    const int64_t blocks = (n + cpu::kScoreBlock - 1) / cpu::kScoreBlock;
-    block_max_.resize(static_cast<size_t>(heads * blocks));
-    block_sum_.resize(block_max_.size());
-    block_counts_.resize(block_max_.size());
+    scratch_.Size(heads, kv_heads, n);
     for (int h = 0; h < heads; ++h) {
       std::copy_n(pre.scores.data() + static_cast<size_t>(h) * reuse, reuse,
-                  scores_.data() + static_cast<size_t>(h) * n);
+                  scratch_.scores.data() + static_cast<size_t>(h) * n);
     }
     forced_.resize(kv_heads);
     for (int g = 0; g < kv_heads; ++g) {
@@ -209,52 +193,36 @@ class InfinigenPolicy final : public KvSelectionPolicy {
       if (!prefetch) forced_[g].push_back(r.current_slots[g]);
       AddAlwaysKept(r, g, n, forced_[g]);
     }
-    // The region's threads reach the members through plain pointers.
-    float *const scores = scores_.data(), *const mass = mass_.data();
-    float *const maxes = maxes_.data(), *const inv_sums = inv_sums_.data();
-    float *const block_max = block_max_.data(), *const block_sum = block_sum_.data();
-    int64_t* const block_counts = block_counts_.data();
-    const float* const q_partial = q_partial_.data();
-    const std::vector<int32_t>* const forced = forced_.data();
     // Tiled (kScoreBlock-aligned blocks never cross a chunk).
     const auto keys_at = [&cache, p](int64_t j0, int g) {
       return cpu::PartialKeyLayout{cache.Rows(j0, g, 0, p), cpu::kScoreLanes, p * cpu::kScoreLanes};
     };
-    const int64_t k_min = std::max(config_.min_tokens, config_.min_budget_tokens);
-    const float alpha = static_cast<float>(config_.alpha);
-    int64_t k = 0;
-    out.all = false;
-#pragma omp parallel if (heads * n >= kParallelScores)
-    {
-      cpu::ScorePhase(q_partial, heads, kv_heads, p, scale, reuse, n, keys_at, scores, block_max,
-                      block_sum);
-#pragma omp single
-      cpu::CombineBlockSoftmax(heads, blocks, block_max, block_sum, maxes, inv_sums);
-      // The group mass (of every row: a choice of all rows is rare at any length that matters),
-      // counting each head's rows within alpha on the way.
-      cpu::GroupMassPhase(scores, maxes, inv_sums, heads, kv_heads, n, mass, alpha, block_counts);
-#pragma omp single
-      {
-        k = cpu::BudgetFromCounts(cpu::HeadCounts(heads, blocks, block_counts), k_min, k_max);
-        if (prefetch) k = std::min(n, k + PrefetchMargin(k));
-        if (prefetch) {
-          pre.seq = r.seq;  // field by field: the vectors keep their capacity
-          pre.layer = r.layer;
-          pre.n = n;
-          pre.q_partial.assign(q_partial_.begin(), q_partial_.end());
-          pre.scores.assign(scores_.begin(), scores_.end());
-        } else {
-          pre.layer = -1;
-        }
-        if (k >= n) {
-          out.all = true;
-        } else {
-          out.count = k;
-          out.indices.resize(static_cast<size_t>(kv_heads) * k);
-        }
+    cpu::RowChoice c;
+    c.num_heads = heads;
+    c.num_kv_heads = kv_heads;
+    c.partial_dim = p;
+    c.scale = scale;
+    c.alpha = static_cast<float>(config_.alpha);
+    c.rows = n;
+    c.k_min = std::max(config_.min_tokens, config_.min_budget_tokens);
+    c.k_max = k_max;
+    cpu::Choose(c, q_partial_.data(), reuse, keys_at, forced_.data(), scratch_, [&](int64_t k) {
+      if (prefetch) k = std::min(n, k + PrefetchMargin(k));
+      if (prefetch) {
+        pre.seq = r.seq;  // field by field: the vectors keep their capacity
+        pre.layer = r.layer;
+        pre.n = n;
+        pre.q_partial.assign(q_partial_.begin(), q_partial_.end());
+        pre.scores.assign(scratch_.scores.begin(), scratch_.scores.end());
+      } else {
+        pre.layer = -1;
       }
-      if (k < n) cpu::TopKPhase(mass, kv_heads, n, k, forced, out.indices.data(), k);
-    }
+      out.all = k >= n;
+      if (out.all) return cpu::ChoiceTarget{};
+      out.count = k;
+      out.indices.resize(static_cast<size_t>(kv_heads) * k);
+      return cpu::ChoiceTarget{k, out.indices.data(), k};
+    });
   }
 
   // Partial keys of one (sequence, layer) in chunks of kChunkRows rows, each tiled per KV head:
@@ -300,10 +268,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   std::vector<std::vector<float>> partial_skew_;  // [layer] -> [kv_heads, d, p]
   absl::flat_hash_map<SequenceId, std::vector<PartialKeys>> partial_;  // seq -> [layer]
   SlotPositions positions_;
-  std::vector<float> scores_, mass_, maxes_, inv_sums_, q_partial_;
-  // Per (head, block of kScoreBlock rows): max, sum of exponentials, rows within alpha.
-  std::vector<float> block_max_, block_sum_;
-  std::vector<int64_t> block_counts_;
+  cpu::ChoiceScratch scratch_;
+  std::vector<float> q_partial_;
   std::vector<std::vector<int32_t>> forced_;  // per KV head, for Rank
   // The scores a Preselect computed for layer `layer` ([heads, n]), per layer parity (the
   // next layer's Preselect may come before this layer's Select).

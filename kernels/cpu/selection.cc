@@ -9,10 +9,8 @@
 namespace infinigen::cpu {
 namespace {
 
-// Rows times heads below which the selection helpers stay on the calling thread, and (smaller)
-// below which the scoring does.
+// Rows times heads below which the group mass stays on the calling thread.
 constexpr int64_t kParallelWork = 1 << 16;
-constexpr int64_t kParallelScores = 1 << 13;
 
 // e^x for x in [-87, 0], within 2 ulp of std::exp, branch-free so that loops over it
 // vectorize: x = m ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (error
@@ -117,29 +115,6 @@ inline void ExpsOfBlock(const float* __restrict s, int64_t rows, float mx, float
   for (int64_t j = 0; j < rows; ++j) e[j] = ExpNonPositive(e[j]);
 }
 
-void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float* max, float* inv_sum) {
-#pragma omp for schedule(static)
-  for (int h = 0; h < num_heads; ++h) {
-    const float* __restrict s = scores + static_cast<size_t>(h) * n;
-    float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-    max[h] = mx;
-    // Blocks of rows, each summed in lanes, the blocks in order: within ~1e-6 of a double sum.
-    float e[kScoreBlock];
-    float sum = 0;
-    for (int64_t j0 = 0; j0 < n; j0 += kScoreBlock) {
-      const int64_t rows = std::min(kScoreBlock, n - j0);
-      ExpsOfBlock(s + j0, rows, mx, e);
-      float block = 0;
-#pragma omp simd reduction(+ : block)
-      for (int64_t j = 0; j < rows; ++j) block += e[j];
-      sum += block;
-    }
-    inv_sum[h] = 1.0f / sum;
-  }
-}
-
 void BlockSoftmax(const float* s, int64_t rows, float* max, float* sum) {
   float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
@@ -208,15 +183,26 @@ void TopKPhase(const float* mass, int num_kv_heads, int64_t n, int64_t k,
 void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
                         std::vector<float>& out) {
   out.resize(static_cast<size_t>(num_kv_heads) * n);
+  const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
   // Scratch of the calling thread, shared with the region's threads through plain pointers.
-  thread_local std::vector<float> max, inv_sum;
+  thread_local std::vector<float> max, inv_sum, block_max, block_sum;
   max.resize(static_cast<size_t>(num_heads));
   inv_sum.resize(static_cast<size_t>(num_heads));
+  block_max.resize(static_cast<size_t>(num_heads * blocks));
+  block_sum.resize(block_max.size());
   float *const mx = max.data(), *const inv = inv_sum.data();
+  float *const bmax = block_max.data(), *const bsum = block_sum.data();
   float* const mass = out.data();
 #pragma omp parallel if (num_heads * n >= kParallelWork)
   {
-    HeadSoftmaxPhase(scores, num_heads, n, mx, inv);
+    // The softmax from blocks of rows, as a choice makes it (Choose).
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_heads * blocks; ++t) {
+      const int64_t h = t / blocks, b = t % blocks, b0 = b * kScoreBlock;
+      BlockSoftmax(scores + h * n + b0, std::min(n, b0 + kScoreBlock) - b0, bmax + t, bsum + t);
+    }
+#pragma omp single
+    CombineBlockSoftmax(num_heads, blocks, bmax, bsum, mx, inv);
     GroupMassPhase(scores, mx, inv, num_heads, num_kv_heads, n, mass);
   }
 }
@@ -352,51 +338,51 @@ int64_t BudgetFromCounts(std::span<const int64_t> head_counts, int64_t k_min, in
   return std::clamp<int64_t>(std::llround(mean), std::min(k_min, k_max), k_max);
 }
 
+namespace {
+
+// Calls f(vector, its size for a choice over n rows) on every buffer of `s`.
+template <typename F>
+void ForEachBuffer(ChoiceScratch& s, int num_heads, int num_kv_heads, int64_t n, const F& f) {
+  const size_t rows = static_cast<size_t>(n), heads = static_cast<size_t>(num_heads);
+  const size_t blocks = static_cast<size_t>((n + kScoreBlock - 1) / kScoreBlock);
+  f(s.scores, heads * rows);
+  f(s.mass, static_cast<size_t>(num_kv_heads) * rows);
+  f(s.max, heads);
+  f(s.inv_sum, heads);
+  f(s.block_max, heads * blocks);
+  f(s.block_sum, heads * blocks);
+  f(s.block_counts, heads * blocks);
+}
+
+}  // namespace
+
+void ChoiceScratch::Reserve(int num_heads, int num_kv_heads, int64_t n) {
+  ForEachBuffer(*this, num_heads, num_kv_heads, n, [](auto& v, size_t size) { v.reserve(size); });
+}
+
+void ChoiceScratch::Size(int num_heads, int num_kv_heads, int64_t n) {
+  ForEachBuffer(*this, num_heads, num_kv_heads, n, [](auto& v, size_t size) { v.resize(size); });
+}
+
 int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* keys,
                    int32_t* indices, int64_t index_capacity) {
-  const int heads = c.num_heads, kv_heads = c.num_kv_heads;
-  const int p = c.partial_dim;
   const int64_t n = c.rows;
   if (n <= 0) return 0;
-  const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
-  // Scratch of the calling thread; the region's threads reach it through plain pointers (a
-  // thread_local named inside the region would be each worker thread's own, empty, vector).
-  thread_local std::vector<float> scores, mass, max, inv_sum, block_max, block_sum;
-  thread_local std::vector<int64_t> block_counts;
+  thread_local ChoiceScratch scratch;
   thread_local std::vector<std::vector<int32_t>> forced;
-  scores.resize(static_cast<size_t>(heads) * n);
-  max.resize(static_cast<size_t>(heads));
-  mass.resize(static_cast<size_t>(kv_heads) * n);
-  inv_sum.resize(static_cast<size_t>(heads));
-  block_max.resize(static_cast<size_t>(heads * blocks));
-  block_sum.resize(block_max.size());
-  block_counts.resize(block_max.size());
-  forced.resize(static_cast<size_t>(kv_heads));
+  scratch.Size(c.num_heads, c.num_kv_heads, n);
+  forced.resize(static_cast<size_t>(c.num_kv_heads));
   for (auto& f : forced) f.assign(c.force_last ? 1 : 0, static_cast<int32_t>(n - 1));
-  float *const s = scores.data(), *const m = mass.data();
-  float *const mx = max.data(), *const inv = inv_sum.data();
-  float *const bmax = block_max.data(), *const bsum = block_sum.data();
-  int64_t* const bcount = block_counts.data();
-  const std::vector<int32_t>* const f = forced.data();
   const auto keys_at = [&](int64_t j0, int g) {  // channel-major: groups of lanes kLanes apart
-    return PartialKeyLayout{keys + static_cast<size_t>(g) * p * c.capacity + j0, c.capacity,
-                            kLanes};
+    return PartialKeyLayout{keys + static_cast<size_t>(g) * c.partial_dim * c.capacity + j0,
+                            c.capacity, kLanes};
   };
   int64_t k = 0;
-#pragma omp parallel if (heads * n >= kParallelScores)
-  {
-    ScorePhase(q_partial, heads, kv_heads, p, c.scale, 0, n, keys_at, s, bmax, bsum);
-#pragma omp single
-    CombineBlockSoftmax(heads, blocks, bmax, bsum, mx, inv);
-    GroupMassPhase(s, mx, inv, heads, kv_heads, n, m, c.alpha, bcount);
-#pragma omp single
-    {
-      k = BudgetFromCounts(HeadCounts(heads, blocks, bcount), c.k_min, c.k_max);
-      if (c.margin) k = std::min(n, k + PrefetchMargin(k));
-      k = std::min({k, n, index_capacity});
-    }
-    TopKPhase(m, kv_heads, n, k, f, indices, index_capacity);
-  }
+  Choose(c, q_partial, 0, keys_at, forced.data(), scratch, [&](int64_t counted) {
+    k = c.margin ? std::min(n, counted + PrefetchMargin(counted)) : counted;
+    k = std::min({k, n, index_capacity});
+    return ChoiceTarget{k, indices, index_capacity};
+  });
   return k;
 }
 

@@ -70,11 +70,13 @@ int64_t TopK(const float* scores, int64_t n, int64_t k, std::span<const int32_t>
 void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
                         std::vector<float>& out);
 
+// The rows' max and sum of e^(s - max) (rows <= kScoreBlock).
+void BlockSoftmax(const float* s, int64_t rows, float* max, float* sum);
+
 // The phases of one choice as worksharing loops (orphaned `omp for`): called by every thread of
 // the caller's `omp parallel` region they split its work among them (one fork per choice, not
 // one per phase); outside a region they run on the calling thread. Either way the results are
-// the same floats. The alpha counts are AlphaCount's; the mass (its softmax sums combined from
-// blocks) equals GroupAttentionMass's up to rounding.
+// the same floats, and the same as AlphaCount and GroupAttentionMass compute. Choose runs them.
 //
 // Scores of rows [first, n) of every query head into scores [num_heads, n], in blocks of
 // kScoreBlock rows aligned to multiples of kScoreBlock: keys_at(j0, g) is the PartialKeyLayout
@@ -83,9 +85,6 @@ void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, in
 // hold scores already) and head h, while they are in cache: block_max[h * blocks + b] and
 // block_sum[h * blocks + b] = sum over the block's rows of e^(s - block max) (BlockSoftmax;
 // CombineBlockSoftmax makes the heads' softmax from them). blocks = ceil(n / kScoreBlock).
-//
-// The rows' max and sum of e^(s - max) (rows <= kScoreBlock).
-void BlockSoftmax(const float* s, int64_t rows, float* max, float* sum);
 template <typename KeysAt>
 void ScorePhase(const float* q_partial, int num_heads, int num_kv_heads, int partial_dim,
                 float scale, int64_t first, int64_t n, const KeysAt& keys_at, float* scores,
@@ -113,10 +112,6 @@ void ScorePhase(const float* q_partial, int num_heads, int num_kv_heads, int par
 // blocks, and inv_sum[h] = 1 / sum over blocks of block_sum * e^(block_max - max[h]).
 void CombineBlockSoftmax(int num_heads, int64_t blocks, const float* block_max,
                          const float* block_sum, float* max, float* inv_sum);
-// Per query head h of scores [num_heads, n], heads in parallel: its maximum max[h] and
-// inv_sum[h] = 1 / sum over j of e^(s[h, j] - max[h]) (GroupAttentionMass's softmax; a choice
-// takes them from ScorePhase's blocks instead).
-void HeadSoftmaxPhase(const float* scores, int num_heads, int64_t n, float* max, float* inv_sum);
 // mass [num_kv_heads, n]: per KV head the sum, over its query heads in order, of
 // e^(s[h, j] - max[h]) * inv_sum[h]; rows in parallel. (The exponentials are computed again
 // here rather than kept: storing heads x n of them cost more than computing them twice.) With
@@ -144,5 +139,60 @@ struct RowChoice {
 };
 int64_t ChooseRows(const RowChoice& c, const float* q_partial, const uint16_t* keys,
                    int32_t* indices, int64_t index_capacity);
+
+// Work (heads x rows) from which a choice runs on every thread: a 1K-token sequence of a 9-head
+// model does.
+constexpr int64_t kParallelChoice = 1 << 13;
+
+// What one choice over n rows needs besides its inputs; the caller's, so that it keeps its
+// capacity from step to step (Reserve once, Size per choice).
+struct ChoiceScratch {
+  std::vector<float> scores, mass, max, inv_sum, block_max, block_sum;
+  std::vector<int64_t> block_counts;
+  void Reserve(int num_heads, int num_kv_heads, int64_t n);
+  void Size(int num_heads, int num_kv_heads, int64_t n);
+};
+// Where and how many rows a choice writes: per KV head g, k rows at indices + g * stride; none
+// (every row, or no choice) when indices is null.
+struct ChoiceTarget {
+  int64_t k = 0;
+  int32_t* indices = nullptr;
+  int64_t stride = 0;
+};
+
+// One choice over c.rows = n rows (c.capacity, c.margin and c.force_last are the caller's to
+// apply), its phases in one parallel region: scores of rows [first, n) into s.scores (the rows
+// before `first` hold scores already: Size first, then copy them), the heads' softmax from the
+// blocks, the group mass with the alpha counts, then on_budget(k) on one thread with k =
+// BudgetFromCounts(...) (it returns the ChoiceTarget), then the top k rows of each KV head by
+// mass (forced[g] first).
+template <typename KeysAt, typename OnBudget>
+void Choose(const RowChoice& c, const float* q_partial, int64_t first, const KeysAt& keys_at,
+            const std::vector<int32_t>* forced, ChoiceScratch& s, const OnBudget& on_budget) {
+  const int heads = c.num_heads, kv_heads = c.num_kv_heads;
+  const int64_t n = c.rows;
+  const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
+  // The region's threads reach the scratch through plain pointers.
+  float *const scores = s.scores.data(), *const mass = s.mass.data();
+  float *const max = s.max.data(), *const inv_sum = s.inv_sum.data();
+  float *const block_max = s.block_max.data(), *const block_sum = s.block_sum.data();
+  int64_t* const block_counts = s.block_counts.data();
+  ChoiceTarget target;
+#pragma omp parallel if (heads * n >= kParallelChoice)
+  {
+    ScorePhase(q_partial, heads, kv_heads, c.partial_dim, c.scale, first, n, keys_at, scores,
+               block_max, block_sum);
+#pragma omp single
+    CombineBlockSoftmax(heads, blocks, block_max, block_sum, max, inv_sum);
+    // The group mass of every row (a choice of all rows is rare at any length that matters),
+    // counting each head's rows within alpha on the way.
+    GroupMassPhase(scores, max, inv_sum, heads, kv_heads, n, mass, c.alpha, block_counts);
+#pragma omp single
+    target = on_budget(BudgetFromCounts(HeadCounts(heads, blocks, block_counts), c.k_min, c.k_max));
+    if (target.indices != nullptr) {
+      TopKPhase(mass, kv_heads, n, target.k, forced, target.indices, target.stride);
+    }
+  }
+}
 
 }  // namespace infinigen::cpu
