@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <optional>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/random/distributions.h"
 #include "absl/random/random.h"
 #include "absl/status/status.h"
@@ -12,7 +11,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/grpc/utf8_fields.h"
+#include "router/pool_workers.h"
 #include "router/public_status.h"
+#include "router/relay.h"
+#include "router/relay_driver.h"
 #include "router/request_validation.h"
 #include "router/router_metrics.h"
 
@@ -23,21 +25,6 @@ namespace wv1 = worker::v1;
 using grpc::StatusCode;
 
 constexpr absl::Duration kUnaryTimeout = absl::Seconds(10);
-
-// Failures of one worker that another may not have: try elsewhere. Anything else (bad input,
-// deadline, cancellation) is the request's own and goes back to the client as it is.
-bool Retriable(const grpc::Status& s) {
-  switch (s.error_code()) {
-    case StatusCode::UNAVAILABLE:
-    case StatusCode::RESOURCE_EXHAUSTED:
-    case StatusCode::ABORTED:
-    case StatusCode::INTERNAL:
-    case StatusCode::UNKNOWN:
-      return true;
-    default:
-      return false;
-  }
-}
 
 wv1::GenerateRequest ToWorker(const v1::GenerateRequest& r, int64_t max_prompt_tokens) {
   wv1::GenerateRequest w;
@@ -189,7 +176,7 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
       s = grpc::Status(static_cast<StatusCode>(admitted.code()), std::string(admitted.message()));
     } else {
       AdmissionSlot slot(&admission_);
-      s = Relay(context, *request, request_id, writer, stats);
+      s = RelayStream(context, *request, request_id, writer, stats);
     }
   }
   if (metrics_ != nullptr) metrics_->RequestDone(s.error_code());
@@ -205,10 +192,28 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
   return ForClients(s);  // the log line above keeps the internal addresses
 }
 
-grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
-                                  const std::string& request_id,
-                                  grpc::ServerWriter<v1::GenerateResponse>* writer,
-                                  RelayStats& stats) {
+namespace {
+
+// The public call as the relay writes to it.
+class ServerClientStream final : public ClientStream {
+ public:
+  ServerClientStream(grpc::ServerContext& context, grpc::ServerWriter<v1::GenerateResponse>& writer)
+      : context_(context), writer_(writer) {}
+  bool Write(const v1::GenerateResponse& message) override { return writer_.Write(message); }
+  bool Cancelled() override { return context_.IsCancelled(); }
+
+ private:
+  grpc::ServerContext& context_;
+  grpc::ServerWriter<v1::GenerateResponse>& writer_;
+};
+
+}  // namespace
+
+grpc::Status RouterService::RelayStream(grpc::ServerContext* context,
+                                        const v1::GenerateRequest& request,
+                                        const std::string& request_id,
+                                        grpc::ServerWriter<v1::GenerateResponse>* writer,
+                                        RelayStats& stats) {
   wv1::GenerateRequest wr = ToWorker(request, options_.max_prompt_tokens);
   // A request without a seed gets its own (a fixed default would make every "random" request
   // of a prompt the same); every worker of the stream, after a failover too, uses it.
@@ -219,128 +224,23 @@ grpc::Status RouterService::Relay(grpc::ServerContext* context, const v1::Genera
   wr.set_request_id(request_id);
   const int64_t budget =
       request.stopping().has_max_new_tokens() ? request.stopping().max_new_tokens() : 256;
-  const absl::Time start = absl::Now();
-  std::vector<int32_t> sent;
-  bool first_sent = false;
-  int failovers = 0, resumes = 0;
-  // Where the stream's KV lives in the KV store (the last worker's first message says): a
-  // failover hands it to the next worker, which takes the rows over instead of recomputing.
-  uint64_t home = 0;
-  absl::Cleanup record = [&] {
-    stats.tokens = static_cast<int64_t>(sent.size());
-    stats.failovers = failovers;
-    stats.resumes = resumes;
-  };
-  int failed_calls = 0;
-  std::vector<std::shared_ptr<PooledWorker>> failed, full;  // in this request
-  grpc::Status last(StatusCode::UNAVAILABLE, "no worker is available");
-  absl::Time resume_deadline = absl::InfiniteFuture();
-  for (;;) {
-    std::vector<const PooledWorker*> exclude;
-    for (const auto& w : failed) exclude.push_back(w.get());
-    for (const auto& w : full) exclude.push_back(w.get());
-    std::shared_ptr<PooledWorker> worker = pool_.Pick(request.session_id(), exclude);
-    if (worker == nullptr) {
-      // Every worker failed or is full. A stream already under way waits for room (it cannot be
-      // handed back); a request that has not started is refused so the client can back off.
-      const bool wait = !sent.empty() && !full.empty() && absl::Now() < resume_deadline &&
-                        absl::Now() < absl::FromChrono(context->deadline());
-      if (!wait) break;
-      absl::SleepFor(absl::Milliseconds(100));
-      if (context->IsCancelled()) return {StatusCode::CANCELLED, "the client cancelled"};
-      full.clear();
-      continue;
-    }
-    wr.clear_resume_token_ids();
-    for (int32_t t : sent) wr.add_resume_token_ids(t);
-    wr.set_resume_store_sequence_id(sent.empty() || !options_.resume_from_store ? 0 : home);
-    // The worker call inherits the client's deadline and cancellation.
-    std::unique_ptr<grpc::ClientContext> call = grpc::ClientContext::FromServerContext(*context);
-    int64_t expected = std::max<int64_t>(1, budget - static_cast<int64_t>(sent.size()));
-    worker->AddOutstanding(expected);
-    auto reader = worker->stub().Generate(call.get(), wr);
-    auto watch = std::make_unique<StallWatchdog::Watch>(watchdog_, *call, *worker);
-    wv1::GenerateResponse m;
-    bool client_gone = false;
-    bool first_message = true;
-    while (reader->Read(&m)) {
-      watch->Progress();
-      if (m.store_sequence_id() != 0) {
-        if (first_message && m.attached()) {
-          ++resumes;
-          if (metrics_ != nullptr) metrics_->Resume();
-        }
-        home = m.store_sequence_id();
-      }
-      first_message = false;
-      v1::GenerateResponse out;
-      out.mutable_token_ids()->Swap(m.mutable_token_ids());
-      out.mutable_logprobs()->Swap(m.mutable_logprobs());
-      out.set_text(std::move(*m.mutable_text()));
-      if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-        out.set_finish_reason(m.finish_reason());
-        *out.mutable_usage() = m.usage();
-        *out.mutable_timings() = m.timings();
-        if (m.has_stop()) *out.mutable_stop() = m.stop();
-        out.set_failovers(failovers);
-        out.set_resumes(resumes);
-        out.set_seed(wr.sampling().seed());
-      }
-      if (!first_sent) {
-        out.set_request_id(request_id);
-        if (metrics_ != nullptr && out.token_ids_size() > 0) {
-          metrics_->FirstToken(absl::ToDoubleSeconds(absl::Now() - start));
-        }
-      }
-      const int n = out.token_ids_size();
-      sent.insert(sent.end(), out.token_ids().begin(), out.token_ids().end());
-      worker->AddOutstanding(-std::min<int64_t>(n, expected));
-      expected -= std::min<int64_t>(n, expected);
-      if (metrics_ != nullptr) metrics_->Tokens(n);
-      if (!writer->Write(out)) {
-        call->TryCancel();
-        client_gone = true;
-        break;
-      }
-      first_sent = true;
-    }
-    grpc::Status s = reader->Finish();
-    const bool stalled = watch->stalled();
-    watch.reset();
-    worker->AddOutstanding(-expected);
-    if (client_gone || context->IsCancelled()) {
-      return {StatusCode::CANCELLED, "the client cancelled"};
-    }
-    if (stalled) {  // the watchdog cancelled it: the worker is frozen or unreachable
-      s = grpc::Status(StatusCode::UNAVAILABLE, "a worker stopped sending (frozen or unreachable)");
-      std::fprintf(stderr, "request %s: worker %s stalled after %zu tokens; moving the stream\n",
-                   request_id.c_str(), worker->address().c_str(), sent.size());
-    }
-    if (s.ok() || !Retriable(s)) return s;
-    last = s;
-    if (s.error_code() == StatusCode::RESOURCE_EXHAUSTED) {
-      full.push_back(worker);
-    } else {
-      pool_.ReportFailure(*worker);
-      failed.push_back(worker);
-      if (++failed_calls >= options_.max_attempts) break;
-    }
-    if (!sent.empty()) {
-      ++failovers;
-      if (metrics_ != nullptr) metrics_->Failover();
-      resume_deadline = std::min(resume_deadline, absl::Now() + options_.resume_wait);
-    }
+  RelayRules rules;
+  rules.max_attempts = options_.max_attempts;
+  rules.resume_wait = options_.resume_wait;
+  rules.resume_from_store = options_.resume_from_store;
+  Relay relay(rules, std::move(wr), budget, absl::FromChrono(context->deadline()));
+  PoolWorkers workers(pool_, watchdog_, *context);
+  ServerClientStream client(*context, *writer);
+  const RelayAction end =
+      RunRelay(relay, workers, client, request.session_id(), metrics_, request_id);
+  stats.tokens = static_cast<int64_t>(relay.sent().size());
+  stats.failovers = relay.failovers();
+  stats.resumes = relay.resumes();
+  if (end.retry_pushback_ms > 0) {
+    context->AddTrailingMetadata("grpc-retry-pushback-ms", absl::StrCat(end.retry_pushback_ms));
   }
-  if (last.error_code() == StatusCode::RESOURCE_EXHAUSTED && sent.empty()) {
-    context->AddTrailingMetadata("grpc-retry-pushback-ms", "200");
-    return {StatusCode::RESOURCE_EXHAUSTED, "every worker is full; retry after a short wait"};
-  }
-  return grpc::Status(
-      StatusCode::UNAVAILABLE,
-      absl::StrCat("no worker could serve the request",
-                   sent.empty() ? "" : absl::StrCat(" after ", sent.size(), " tokens were sent"),
-                   " (", failed.size() + full.size(), " tried; last error: ", last.error_message(),
-                   ")"));
+  return grpc::Status(static_cast<StatusCode>(end.status.code()),
+                      std::string(end.status.message()));
 }
 
 grpc::Status RouterService::Tokenize(grpc::ServerContext* context,
@@ -364,7 +264,9 @@ grpc::Status RouterService::Tokenize(grpc::ServerContext* context,
       call->set_deadline(absl::ToChronoTime(absl::Now() + kUnaryTimeout));
     }
     last = worker->stub().Tokenize(call.get(), *request, response);
-    if (last.ok() || !Retriable(last)) return ForClients(last);
+    if (last.ok() || !RetriableOnAnotherWorker(static_cast<absl::StatusCode>(last.error_code()))) {
+      return ForClients(last);
+    }
     tried.push_back(worker);
   }
   std::fprintf(stderr, "tokenize: no worker could serve it: %s\n", last.error_message().c_str());

@@ -2,9 +2,10 @@
 // the router's limits, admits (bounded streams and queue), places each request on a worker and
 // relays its stream. A worker that fails before the first token is replaced transparently; one
 // that dies mid-stream, or stops sending (frozen: StallWatchdog), is replaced by another that
-// resumes from the prompt plus the tokens already sent (same seed, so the same continuation),
-// with no token repeated or lost. GetModelInfo answers from the pool's state, never waiting on
-// a worker.
+// takes the stream's KV over from the store, or else recomputes the prompt plus the tokens
+// already sent (same seed, so the same continuation), with no token repeated or lost; the rules
+// are router/relay.h's, run over the pool by router/relay_driver.h. GetModelInfo answers from the
+// pool's state, never waiting on a worker.
 #pragma once
 
 #include <memory>
@@ -66,9 +67,9 @@ class RouterService final : public v1::Generation::Service {
     int failovers = 0;
     int resumes = 0;  // failovers that took the KV over from the store
   };
-  grpc::Status Relay(grpc::ServerContext* context, const v1::GenerateRequest& request,
-                     const std::string& request_id,
-                     grpc::ServerWriter<v1::GenerateResponse>* writer, RelayStats& stats);
+  grpc::Status RelayStream(grpc::ServerContext* context, const v1::GenerateRequest& request,
+                           const std::string& request_id,
+                           grpc::ServerWriter<v1::GenerateResponse>* writer, RelayStats& stats);
 
   WorkerPool& pool_;
   const RouterOptions options_;
