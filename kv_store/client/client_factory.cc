@@ -1,4 +1,5 @@
-// Picks a KvStoreClient transport. The gRPC-based ones exist only in builds with the services.
+// Picks a KvStoreClient transport: the one place that knows which this build has (the remote
+// ones only with the services, UCX only with libucx).
 #include "absl/strings/str_cat.h"
 #include "kv_store/client/transports.h"
 
@@ -17,12 +18,22 @@ absl::StatusOr<std::unique_ptr<KvStoreClient>> MakeKvStoreClient(const KvClientC
   switch (config.transport) {
     case KvClientConfig::Transport::kInProcess:
       return MakeInProcessClient(config);
+#if INFINIGEN_HAVE_GRPC_TRANSPORT
+    case KvClientConfig::Transport::kGrpc:
+      return MakeRemoteClient(config, MakeGrpcDataPlane);
+    case KvClientConfig::Transport::kShm:
+      return MakeRemoteClient(config, MakeShmDataPlane);
+    case KvClientConfig::Transport::kUcx:
+#if INFINIGEN_HAVE_UCX
+      return MakeRemoteClient(config, MakeUcxDataPlane);
+#else
+      return absl::UnimplementedError(
+          "this build has no UCX (install libucx-dev and build again, or use --kv_transport grpc)");
+#endif
+#else
     case KvClientConfig::Transport::kGrpc:
     case KvClientConfig::Transport::kShm:
     case KvClientConfig::Transport::kUcx:
-#if INFINIGEN_HAVE_GRPC_TRANSPORT
-      return MakeGrpcClient(config);
-#else
       return absl::UnimplementedError("this build has no gRPC (INFINIGEN_WITH_SERVICES=OFF)");
 #endif
   }

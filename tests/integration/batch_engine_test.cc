@@ -2,16 +2,21 @@
 // (different prompts, lengths and sampling) produces exactly the tokens it produces alone with
 // the one-sequence Generate(); cancellation and deadlines end a request and free its cache
 // sequence; a full queue and bad requests are refused with the right codes; a resumed request
-// continues as the original would have; over the KV store, a sequence the store loses mid-stream
-// fails alone (ABORTED, which the router retries) while the rest of its batch goes on unchanged.
+// continues as the original would have; over the KV store, a sequence the store loses mid-stream,
+// or whose gathers or appends fail (FaultyKvClient), fails alone while the rest of its batch goes
+// on unchanged.
 #include "gpu_worker/engine/batch_engine.h"
 
 #include <gtest/gtest.h>
+
+#include <atomic>
+#include <functional>
 
 #include "absl/synchronization/notification.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/kv/store_kv_cache.h"
 #include "kv_store/client/kv_store_client.h"
+#include "tests/support/faulty_kv_client.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
@@ -39,7 +44,7 @@ struct Collector {
 };
 
 class Engine : public ::testing::Test {
- protected:
+ public:
   void SetUp() override {
     l_ = testing::LoadModel(testing::FixturePath("hf/llama31_gqa"));
     ASSERT_NE(l_.model, nullptr);
@@ -417,11 +422,15 @@ TEST_F(Engine, MinTokensLogitBiasAndTheStopToken) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// Isolation: a batch of 8 decodes over the KV store (in-process, rows read in place or copied);
-// the store loses one sequence after its third token (closed behind the worker's back, as when
-// its lease lapses). That request ends with ABORTED naming the KV cache; the other seven produce
+// Isolation: a batch of 8 decodes over the KV store (in-process, rows read in place or copied,
+// through FaultyKvClient); after the third token of request kLost, `inject` makes the store fail
+// that request's sequence (by its store id). That request ends with the fault's code (`want`),
+// naming the KV cache, after a prefix of the tokens it produces alone; the other seven produce
 // exactly the tokens they produce alone, and every store sequence is closed at the end.
-TEST_F(Engine, ASequenceLostInTheStoreFailsAloneNotItsBatch) {
+void ExpectAFaultFailsItsSequenceAlone(
+    Engine& t, const testing::LoadedModel& l, int64_t vocab,
+    const std::function<void(KvStore&, testing::FaultyKvClient&, StoreSequenceId)>& inject,
+    absl::StatusCode want, bool through_faulty = true) {
   for (bool in_place : {true, false}) {
     SCOPED_TRACE(in_place ? "rows read in place" : "rows copied");
     KvStoreConfig sc;
@@ -434,10 +443,11 @@ TEST_F(Engine, ASequenceLostInTheStoreFailsAloneNotItsBatch) {
     cc.store = store->get();
     auto client = MakeKvStoreClient(cc);
     ASSERT_TRUE(client.ok()) << client.status();
+    testing::FaultyKvClient faulty(**client);
     StoreKvCacheOptions options;
     options.id_base = 5000;
     options.read_in_place = in_place;
-    StoreKvCache cache(*l_.backend, l_.model->kv_shape(), **client, options);
+    StoreKvCache cache(*l.backend, l.model->kv_shape(), faulty, options);
     EngineConfig config;
     config.max_running = 8;
     constexpr int kRequests = 8, kLost = 3;
@@ -445,22 +455,21 @@ TEST_F(Engine, ASequenceLostInTheStoreFailsAloneNotItsBatch) {
     std::vector<Collector> got(kRequests);
     absl::Notification submitted;
     std::atomic<uint64_t> lost_id{0};
-    absl::Status closed = absl::UnknownError("not closed");
     {
-      BatchEngine engine(*l_.model, cache, config);
+      BatchEngine engine(*l.model, cache, config);
       for (int i = 0; i < kRequests; ++i) {
-        prompts.push_back(RandomTokens(6 + 5 * i, vocab_, 60 + i));
+        prompts.push_back(RandomTokens(6 + 5 * i, vocab, 60 + i));
         EngineRequest r;
         r.prompt = prompts[i];
-        r.options = Options(i);
+        r.options = t.Options(i);
         EventSink sink = got[i].Sink();
         if (i == kLost) {  // on the engine thread, between two steps
           sink = [&, inner = std::move(sink)](const EngineEvent& e) {
             inner(e);
-            absl::MutexLock l(&got[kLost].mu);
+            absl::MutexLock lock(&got[kLost].mu);
             if (got[kLost].tokens.size() == 3 && !e.done) {
               submitted.WaitForNotification();
-              closed = (*store)->Close(cache.StoreId(lost_id.load()));
+              inject(**store, faulty, cache.StoreId(lost_id.load()));
             }
           };
         }
@@ -473,9 +482,10 @@ TEST_F(Engine, ASequenceLostInTheStoreFailsAloneNotItsBatch) {
         ASSERT_TRUE(got[i].done.WaitForNotificationWithTimeout(absl::Seconds(60)));
       }
     }
-    ASSERT_TRUE(closed.ok()) << closed;
-    const std::vector<int32_t> lost_alone = Alone(prompts[kLost], Options(kLost));
-    EXPECT_EQ(got[kLost].last.status.code(), absl::StatusCode::kAborted) << got[kLost].last.status;
+    if (through_faulty) EXPECT_GT(faulty.injected(), 0) << "the fault was never hit";
+    faulty.Heal();
+    const std::vector<int32_t> lost_alone = t.Alone(prompts[kLost], t.Options(kLost));
+    EXPECT_EQ(got[kLost].last.status.code(), want) << got[kLost].last.status;
     EXPECT_NE(got[kLost].last.status.message().find("KV cache"), std::string::npos)
         << got[kLost].last.status;
     ASSERT_GE(got[kLost].tokens.size(), 3u);
@@ -484,10 +494,45 @@ TEST_F(Engine, ASequenceLostInTheStoreFailsAloneNotItsBatch) {
     for (int i = 0; i < kRequests; ++i) {
       if (i == kLost) continue;
       EXPECT_TRUE(got[i].last.status.ok()) << "request " << i << ": " << got[i].last.status;
-      EXPECT_EQ(got[i].tokens, Alone(prompts[i], Options(i))) << "request " << i;
+      EXPECT_EQ(got[i].tokens, t.Alone(prompts[i], t.Options(i))) << "request " << i;
     }
     EXPECT_EQ((*store)->Stats().sequences, 0);
   }
+}
+
+// The store loses the sequence (closed behind the worker's back, as when its lease lapses):
+// ABORTED, which the router resumes or replays.
+TEST_F(Engine, ASequenceLostInTheStoreFailsAloneNotItsBatch) {
+  ExpectAFaultFailsItsSequenceAlone(
+      *this, l_, vocab_,
+      [](KvStore& store, testing::FaultyKvClient&, StoreSequenceId id) {
+        ASSERT_TRUE(store.Close(id).ok());
+      },
+      absl::StatusCode::kAborted, /*through_faulty=*/false);
+}
+
+// Its gathers fail (one layer's gather carries every sequence of the batch: the batch's gather
+// fails as a whole, and each sequence's rows are then gathered alone).
+TEST_F(Engine, ASequenceWhoseGathersFailFailsAloneNotItsBatch) {
+  ExpectAFaultFailsItsSequenceAlone(
+      *this, l_, vocab_,
+      [](KvStore&, testing::FaultyKvClient& faulty, StoreSequenceId id) {
+        faulty.Fail(testing::FaultyKvClient::Op::kGather, id,
+                    absl::InternalError("injected gather failure"));
+      },
+      absl::StatusCode::kInternal);
+}
+
+// Its appends fail (write-behind: the failure shows when its missing rows are gathered, with
+// the append's code and message).
+TEST_F(Engine, ASequenceWhoseAppendsFailFailsAloneNotItsBatch) {
+  ExpectAFaultFailsItsSequenceAlone(
+      *this, l_, vocab_,
+      [](KvStore&, testing::FaultyKvClient& faulty, StoreSequenceId id) {
+        faulty.Fail(testing::FaultyKvClient::Op::kAppend, id,
+                    absl::ResourceExhaustedError("injected: the store is full"));
+      },
+      absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace

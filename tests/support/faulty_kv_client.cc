@@ -1,0 +1,133 @@
+#include "tests/support/faulty_kv_client.h"
+
+#include <utility>
+
+#include "absl/synchronization/notification.h"
+
+namespace infinigen::testing {
+namespace {
+
+class DoneTicket final : public GatherTicket {
+ public:
+  explicit DoneTicket(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait(absl::Time) override { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+// Never finishes: every Wait lasts until its deadline.
+class StalledTicket final : public GatherTicket {
+ public:
+  absl::Status Wait(absl::Time deadline) override {
+    never_.WaitForNotificationWithDeadline(deadline);
+    return absl::DeadlineExceededError("the KV store did not answer the gather in time");
+  }
+
+ private:
+  absl::Notification never_;
+};
+
+// The real gather, its error explained by the appends this decorator dropped.
+class ExplainedTicket final : public GatherTicket {
+ public:
+  ExplainedTicket(std::unique_ptr<GatherTicket> inner, const AppendFailures& failures,
+                  std::vector<ClientGatherItem> items)
+      : inner_(std::move(inner)), failures_(failures), items_(std::move(items)) {}
+  absl::Status Wait(absl::Time deadline) override {
+    return failures_.Explain(inner_->Wait(deadline), items_);
+  }
+
+ private:
+  std::unique_ptr<GatherTicket> inner_;
+  const AppendFailures& failures_;
+  std::vector<ClientGatherItem> items_;
+};
+
+}  // namespace
+
+void FaultyKvClient::Fail(Op op, StoreSequenceId seq, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  faults_[{static_cast<int>(op), seq}] = std::move(status);
+}
+
+void FaultyKvClient::Stall(StoreSequenceId seq) {
+  absl::MutexLock lock(&mu_);
+  stalled_.insert(seq);
+}
+
+void FaultyKvClient::Heal() {
+  absl::MutexLock lock(&mu_);
+  faults_.clear();
+  stalled_.clear();
+}
+
+int64_t FaultyKvClient::injected() const {
+  absl::MutexLock lock(&mu_);
+  return injected_;
+}
+
+absl::Status FaultyKvClient::Fault(Op op, StoreSequenceId seq) {
+  absl::MutexLock lock(&mu_);
+  auto it = faults_.find({static_cast<int>(op), seq});
+  if (it == faults_.end()) return absl::OkStatus();
+  ++injected_;
+  return it->second;
+}
+
+absl::Status FaultyKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec) {
+  if (absl::Status st = Fault(Op::kOpen, seq); !st.ok()) return st;
+  absl::Status st = inner_.Open(seq, spec);
+  if (st.ok()) append_failures_.Forget(seq);
+  return st;
+}
+
+absl::Status FaultyKvClient::Close(StoreSequenceId seq) {
+  if (absl::Status st = Fault(Op::kClose, seq); !st.ok()) return st;
+  append_failures_.Forget(seq);
+  return inner_.Close(seq);
+}
+
+absl::StatusOr<int64_t> FaultyKvClient::Attach(StoreSequenceId from, StoreSequenceId to,
+                                               const SequenceSpec& spec, int64_t max_length) {
+  if (absl::Status st = Fault(Op::kAttach, to); !st.ok()) return st;
+  absl::StatusOr<int64_t> kept = inner_.Attach(from, to, spec, max_length);
+  if (kept.ok()) append_failures_.Forget(to);
+  return kept;
+}
+
+void FaultyKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                                 std::vector<uint8_t> k, std::vector<uint8_t> v) {
+  if (absl::Status st = Fault(Op::kAppend, seq); !st.ok()) {
+    append_failures_.Record(seq, layer, st);
+    absl::MutexLock lock(&mu_);
+    if (append_error_.ok()) append_error_ = st;
+    return;
+  }
+  inner_.AppendAsync(seq, layer, start, n, std::move(k), std::move(v));
+}
+
+absl::Status FaultyKvClient::Flush(absl::Time deadline) {
+  absl::Status inner = inner_.Flush(deadline);
+  absl::MutexLock lock(&mu_);
+  absl::Status mine = std::exchange(append_error_, absl::OkStatus());
+  return mine.ok() ? inner : mine;
+}
+
+std::unique_ptr<GatherTicket> FaultyKvClient::GatherAsync(std::vector<ClientGatherItem> items) {
+  for (const ClientGatherItem& it : items) {
+    if (absl::Status st = Fault(Op::kGather, it.seq); !st.ok()) {
+      return std::make_unique<DoneTicket>(st);
+    }
+    absl::MutexLock lock(&mu_);
+    if (stalled_.contains(it.seq)) {
+      ++injected_;
+      return std::make_unique<StalledTicket>();
+    }
+  }
+  std::vector<ClientGatherItem> copy = items;  // for the explanation (the inner takes them)
+  return std::make_unique<ExplainedTicket>(inner_.GatherAsync(std::move(items)), append_failures_,
+                                           std::move(copy));
+}
+
+}  // namespace infinigen::testing
