@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -30,11 +31,11 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-static bool PortOpen(int port) {
+static bool PortOpen(const std::string& host, int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
   addr.sin_port = htons(static_cast<uint16_t>(port));
   const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   ::close(fd);
@@ -43,8 +44,13 @@ static bool PortOpen(int port) {
 
 ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string> args, int port,
                              const std::string& ready)
+    : ServerProcess(binary, std::move(args), port, Placement{}, ready) {}
+
+ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string> args, int port,
+                             const Placement& where, const std::string& ready)
     : port_(port) {
-  log_ = ::testing::TempDir() + "/" + binary + "_" + std::to_string(port) + ".log";
+  log_ = ::testing::TempDir() + "/" + binary + "_" +
+         (where.netns.empty() ? "" : where.netns + "_") + std::to_string(port) + ".log";
   const std::string path = BinaryPath(binary);
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(path.c_str()));
@@ -55,10 +61,20 @@ ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string>
     const int out = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(out, 1);
     ::dup2(out, 2);
+    for (const auto& [name, value] : where.env) ::setenv(name.c_str(), value.c_str(), 1);
+    if (!where.netns.empty()) {
+      // `ip netns exec` also mounts the namespace's own /sys, where UCX looks for devices.
+      std::vector<char*> wrapped = {const_cast<char*>("ip"), const_cast<char*>("netns"),
+                                    const_cast<char*>("exec"),
+                                    const_cast<char*>(where.netns.c_str())};
+      wrapped.insert(wrapped.end(), argv.begin(), argv.end());
+      ::execvp("ip", wrapped.data());
+      ::_exit(127);
+    }
     ::execv(path.c_str(), argv.data());
     ::_exit(127);
   }
-  for (int i = 0; i < 200 && !(PortOpen(port) && Logged(ready)); ++i) {
+  for (int i = 0; i < 200 && !(PortOpen(where.host, port) && Logged(ready)); ++i) {
     int status;
     if (::waitpid(pid_, &status, WNOHANG) == pid_) {
       pid_ = -1;
