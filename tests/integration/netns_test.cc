@@ -220,9 +220,9 @@ TEST_F(Netns, TheStoresLinkCutMidStreamAndRestored) {
     }
   }
   std::printf(
-      "store link cut for 4 s: %d of %zu streams completed, the others failed cleanly; "
-      "a new request succeeded %.2f s after the link came back\n",
-      completed, got.size(), absl::ToDoubleSeconds(back));
+      "store link cut for 4 s: %d of %zu streams completed (%d failovers, %d resumed), the "
+      "others failed cleanly; a new request succeeded %.2f s after the link came back\n",
+      completed, got.size(), failovers, resumes, absl::ToDoubleSeconds(back));
   EXPECT_LT(back, absl::Seconds(5)) << "new requests kept failing after the link came back";
   const StreamResult after = Stream(requests[0]);
   ASSERT_TRUE(after.status.ok()) << after.status.error_message();
