@@ -88,10 +88,9 @@ int64_t Relay::expected_tokens() const {
 
 RelayAction Relay::Picked(absl::string_view worker, absl::Time now) {
   if (worker.empty()) {
-    // Every worker failed or is full. A stream under way waits for room (it cannot be handed
+    // Every worker failed or is full. A stream under way waits for a worker (it cannot be handed
     // back); a request that has not started is refused so that the client can back off.
-    const bool wait =
-        !sent_.empty() && !full_.empty() && now < resume_deadline_ && now < client_deadline_;
+    const bool wait = !sent_.empty() && now < resume_deadline_ && now < client_deadline_;
     if (!wait) return Fail();
     RelayAction a;
     a.kind = RelayAction::Kind::kWait;
@@ -100,6 +99,7 @@ RelayAction Relay::Picked(absl::string_view worker, absl::Time now) {
   }
   current_ = std::string(worker);
   first_message_ = true;
+  ++calls_;
   request_.clear_resume_token_ids();
   for (int32_t t : sent_) request_.add_resume_token_ids(t);
   request_.set_resume_store_sequence_id(sent_.empty() || !rules_.resume_from_store ? 0 : home_);
@@ -112,7 +112,11 @@ RelayAction Relay::Picked(absl::string_view worker, absl::Time now) {
 }
 
 RelayAction Relay::Waited() {
-  full_.clear();  // full workers may have room now
+  // Full workers may have room now, and failed ones may be back: placement offers a failed
+  // worker again once the pool's health checks find it serving (a worker restarted, a link to
+  // the store restored). max_attempts still bounds the failed calls.
+  full_.clear();
+  failed_.clear();
   return RelayAction{};
 }
 
@@ -195,8 +199,8 @@ RelayAction Relay::Fail() const {
   }
   a.status = absl::UnavailableError(absl::StrCat(
       "no worker could serve the request",
-      sent_.empty() ? "" : absl::StrCat(" after ", sent_.size(), " tokens were sent"), " (",
-      failed_.size() + full_.size(), " tried; last error: ", last_.message(), ")"));
+      sent_.empty() ? "" : absl::StrCat(" after ", sent_.size(), " tokens were sent"), " (", calls_,
+      calls_ == 1 ? " worker call" : " worker calls", "; last error: ", last_.message(), ")"));
   return a;
 }
 

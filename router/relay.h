@@ -18,9 +18,11 @@
 //     continuation) and, with `resume_from_store`, the stream's store sequence to attach to.
 //   - When every worker failed or is full: a request that sent nothing fails at once
 //     (RESOURCE_EXHAUSTED with a pushback when they were full, so the client backs off); a
-//     stream under way polls for room until `resume_wait` after its first failover or the
-//     client's deadline. A failover is a stream under way leaving its worker (a full worker
-//     that refuses to take it over is not one).
+//     stream under way polls for a worker until `resume_wait` after its first failover or the
+//     client's deadline, and after each poll the workers that failed or were full may be tried
+//     again, once placement offers them (a restarted worker, a link to the store restored). A
+//     failover is a stream under way leaving its worker (a full worker that refuses to take it
+//     over is not one).
 #pragma once
 
 #include <cstdint>
@@ -39,7 +41,7 @@ struct RelayRules {
   int max_attempts = 4;  // worker calls that may fail (full workers do not count)
   absl::Duration resume_wait = absl::Seconds(10);
   bool resume_from_store = true;
-  absl::Duration poll = absl::Milliseconds(100);  // between picks while every worker is full
+  absl::Duration poll = absl::Milliseconds(100);  // between picks while no worker is available
 };
 
 // What the driver does next.
@@ -115,7 +117,8 @@ class Relay {
   uint64_t home_ = 0;          // the stream's store sequence, as its last worker said
   int failovers_ = 0;
   int resumes_ = 0;
-  int failed_calls_ = 0;
+  int calls_ = 0;         // worker calls made
+  int failed_calls_ = 0;  // of them, failed as a dead worker fails (not full)
   std::vector<std::string> failed_, full_;
   absl::Status last_ = absl::UnavailableError("no worker is available");
   absl::Time resume_deadline_ = absl::InfiniteFuture();

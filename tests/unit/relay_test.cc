@@ -228,9 +228,10 @@ TEST(RelayTimeline, EveryWorkerFullBeforeAnyTokenIsRefusedWithAPushback) {
                   });
 }
 
-TEST(RelayTimeline, AStreamUnderWayWaitsForRoomUntilTheResumeWait) {
+TEST(RelayTimeline, AStreamUnderWayWaitsForAWorkerUntilTheResumeWait) {
   RelayRules rules;
   rules.resume_wait = absl::Seconds(10);
+  rules.max_attempts = 8;
   RunTimeline(
       rules,
       {
@@ -242,31 +243,49 @@ TEST(RelayTimeline, AStreamUnderWayWaitsForRoomUntilTheResumeWait) {
           {"w2", Picked("w2", 1), "call w2 (resume 3 tokens, store 7)"},
           {"w2 is full: not a failover", Ended(absl::ResourceExhaustedError("full"), 1),
            "pick [excluding w1,w2]"},
-          {"none has room", NoWorker(1), "wait 100ms"},
-          {"full ones may have room now", Waited(), "pick [excluding w1]"},
-          {"w2 again at 10.9 s", Picked("w2", 10.9), "call w2 (resume 3 tokens, store 7)"},
-          {"still full", Ended(absl::ResourceExhaustedError("full"), 10.9),
-           "pick [excluding w1,w2]"},
-          {"none has room", NoWorker(10.9), "wait 100ms"},
-          {"", Waited(), "pick [excluding w1]"},
-          {"only a failed one left (no full one to wait for)", NoWorker(10.95),
-           "finish UNAVAILABLE: no worker could serve the request after 3 tokens were sent (1 "
-           "tried; last error: full)"},
-      });
-  RunTimeline(
-      rules,
-      {
-          {"start", Start(), "pick"},
-          {"placed on w1", Picked("w1"), "call w1"},
-          {"three tokens", Got({1, 2, 3}, 7), "forward 3 tokens (id, first)"},
-          {"w1 dies at 1 s", Ended(absl::UnavailableError("gone"), 1),
+          {"none available", NoWorker(1), "wait 100ms"},
+          {"failed and full ones may be back", Waited(), "pick"},
+          {"w1 is back at 2 s", Picked("w1", 2), "call w1 (resume 3 tokens, store 7)"},
+          {"and fails again at 3 s", Ended(absl::UnavailableError("store unreachable"), 3),
            "pick (w1 failed, failover) [excluding w1]"},
-          {"w2", Picked("w2", 1), "call w2 (resume 3 tokens, store 7)"},
-          {"w2 is full", Ended(absl::ResourceExhaustedError("full"), 11), "pick [excluding w1,w2]"},
-          {"none at 11 s: the resume wait is over", NoWorker(11),
-           "finish UNAVAILABLE: no worker could serve the request after 3 tokens were sent (2 "
-           "tried; last error: full)"},
+          {"none at 10.9 s", NoWorker(10.9), "wait 100ms"},
+          {"", Waited(), "pick"},
+          {"none at 11 s: the resume wait (from the first failover) is over", NoWorker(11),
+           "finish UNAVAILABLE: no worker could serve the request after 3 tokens were sent (3 "
+           "worker calls; last error: store unreachable)"},
       });
+}
+
+TEST(RelayTimeline, AStreamWhoseWorkersAllFailedResumesOnOneThatCameBack) {
+  RunTimeline({}, {
+                      {"start", Start(), "pick"},
+                      {"placed on w1", Picked("w1"), "call w1"},
+                      {"two tokens", Got({1, 2}, 4), "forward 2 tokens (id, first)"},
+                      {"w1 fails", Ended(absl::UnavailableError("x"), 1),
+                       "pick (w1 failed, failover) [excluding w1]"},
+                      {"the only worker", NoWorker(1), "wait 100ms"},
+                      {"", Waited(), "pick"},
+                      {"restarted", Picked("w1", 1.5), "call w1 (resume 2 tokens, store 4)"},
+                      {"it took the KV over", Got({3}, 4, true), "forward 1 token (resumed)"},
+                  });
+}
+
+TEST(RelayTimeline, MaxAttemptsBoundsTheCallsOfAStreamThatKeepsFailingWorkers) {
+  RelayRules rules;
+  rules.max_attempts = 2;
+  RunTimeline(rules, {
+                         {"start", Start(), "pick"},
+                         {"placed on w1", Picked("w1"), "call w1"},
+                         {"a token", Got({1}), "forward 1 token (id, first)"},
+                         {"w1 fails", Ended(absl::InternalError("crash"), 1),
+                          "pick (w1 failed, failover) [excluding w1]"},
+                         {"no other", NoWorker(1), "wait 100ms"},
+                         {"", Waited(), "pick"},
+                         {"w1 again", Picked("w1", 2), "call w1 (resume 1 token)"},
+                         {"fails again: the last attempt", Ended(absl::InternalError("crash"), 2),
+                          "finish UNAVAILABLE: no worker could serve the request after 1 tokens "
+                          "were sent (2 worker calls; last error: crash) (w1 failed)"},
+                     });
 }
 
 TEST(RelayTimeline, AStreamWaitsNoLongerThanTheClientsDeadline) {
@@ -279,7 +298,7 @@ TEST(RelayTimeline, AStreamWaitsNoLongerThanTheClientsDeadline) {
           {"w1 is full?!", Ended(absl::ResourceExhaustedError("full"), 1), "pick [excluding w1]"},
           {"none at 2 s, the deadline", NoWorker(2),
            "finish UNAVAILABLE: no worker could serve the request after 1 tokens were "
-           "sent (1 tried; last error: full)"},
+           "sent (1 worker call; last error: full)"},
       },
       /*client_deadline_s=*/2);
 }
@@ -294,14 +313,14 @@ TEST(RelayTimeline, GivesUpAfterMaxAttemptsFailedCalls) {
                  {"w1 dies", Ended(absl::UnavailableError("a")), "pick (w1 failed) [excluding w1]"},
                  {"w2", Picked("w2"), "call w2"},
                  {"w2 dies: the last attempt", Ended(absl::UnknownError("b")),
-                  "finish UNAVAILABLE: no worker could serve the request (2 tried; last error: "
-                  "b) (w2 failed)"},
+                  "finish UNAVAILABLE: no worker could serve the request (2 worker calls; last "
+                  "error: b) (w2 failed)"},
              });
   RunTimeline({}, {
                       {"start", Start(), "pick"},
                       {"no worker at all", NoWorker(),
-                       "finish UNAVAILABLE: no worker could serve the request (0 tried; last "
-                       "error: no worker is available)"},
+                       "finish UNAVAILABLE: no worker could serve the request (0 worker calls; "
+                       "last error: no worker is available)"},
                   });
 }
 
