@@ -3,7 +3,9 @@
 // tokens/s, time to first token and time between tokens (p50/p99, as the client sees them) and
 // errors by status code. --api worker drives a worker's own API, to compare against the router;
 // --api openai the OpenAI-compatible HTTP front door (--server is then its host:port), streamed
-// completions, to compare HTTP against gRPC.
+// completions, to compare HTTP against gRPC. With the mix flags, some requests are cancelled,
+// run out of time or are malformed on purpose; their failures are counted apart from errors
+// (the soak, scripts/soak.sh).
 #include <algorithm>
 #include <fstream>
 #include <iostream>
@@ -35,6 +37,19 @@ double Percentile(std::vector<double>& v, double p) {
   return v[i];
 }
 
+// What a request of the mix is, and the failure it is meant to end with.
+enum class Kind { kNormal, kCancelled, kDeadline, kMalformed };
+
+Kind PickKind(const LoadSpec& spec, std::mt19937_64& rng) {
+  const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+  if (u < spec.cancel_fraction) return Kind::kCancelled;
+  if (u < spec.cancel_fraction + spec.deadline_fraction) return Kind::kDeadline;
+  if (u < spec.cancel_fraction + spec.deadline_fraction + spec.malformed_fraction) {
+    return Kind::kMalformed;
+  }
+  return Kind::kNormal;
+}
+
 // One stream: requests back to back until spec.end. Works for both APIs' request types.
 template <typename Stub, typename Request, typename Response>
 void Drive(Stub& stub, const ConnectionFlags& connection, const LoadSpec& spec, int stream,
@@ -42,8 +57,9 @@ void Drive(Stub& stub, const ConnectionFlags& connection, const LoadSpec& spec, 
   std::mt19937_64 rng(static_cast<uint64_t>(stream) * 7919 + 1);
   std::vector<double> ttft, gaps;
   int64_t ok = 0, tokens = 0;
-  std::map<std::string, int64_t> errors;
+  std::map<std::string, int64_t> errors, expected;
   while (absl::Now() < spec.end) {
+    const Kind kind = PickKind(spec, rng);
     Request r;
     if (!spec.text.empty()) {
       r.set_text(spec.text);
@@ -52,13 +68,23 @@ void Drive(Stub& stub, const ConnectionFlags& connection, const LoadSpec& spec, 
         r.mutable_token_ids()->add_ids(static_cast<int32_t>(1 + rng() % (spec.vocab - 1)));
       }
     }
+    if (kind == Kind::kMalformed) {  // one id outside the vocabulary
+      r.clear_text();
+      r.mutable_token_ids()->add_ids(static_cast<int32_t>(spec.vocab + 1 + rng() % 1000));
+    }
     r.mutable_sampling()->set_temperature(static_cast<float>(spec.temperature));
     r.mutable_sampling()->set_seed(rng());
     r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(spec.max_tokens));
     r.mutable_stopping()->set_ignore_eos(true);
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(spec.end + absl::Seconds(spec.timeout_seconds)));
+    absl::Time deadline = spec.end + absl::Seconds(spec.timeout_seconds);
+    if (kind == Kind::kDeadline) {  // 10-200 ms: shorter than most generations
+      deadline = absl::Now() + absl::Milliseconds(10 + static_cast<int64_t>(rng() % 190));
+    }
+    ctx.set_deadline(absl::ToChronoTime(deadline));
     connection.Authorize(ctx);
+    const int64_t cancel_after =
+        kind == Kind::kCancelled ? 1 + static_cast<int64_t>(rng() % spec.max_tokens) : -1;
     const absl::Time start = absl::Now();
     absl::Time prev = start;
     bool first = true;
@@ -72,16 +98,25 @@ void Drive(Stub& stub, const ConnectionFlags& connection, const LoadSpec& spec, 
       first = false;
       prev = now;
       n += m.token_ids_size();
+      if (cancel_after > 0 && n >= cancel_after) ctx.TryCancel();
     }
     const grpc::Status s = reader->Finish();
-    if (s.ok()) {
+    static constexpr grpc::StatusCode kMeant[] = {grpc::StatusCode::OK, grpc::StatusCode::CANCELLED,
+                                                  grpc::StatusCode::DEADLINE_EXCEEDED,
+                                                  grpc::StatusCode::INVALID_ARGUMENT};
+    static constexpr const char* kName[] = {"normal", "cancelled", "deadline", "malformed"};
+    const int k = static_cast<int>(kind);
+    if (s.ok() && kind != Kind::kMalformed) {  // a cancel or deadline may come too late
       ++ok;
       tokens += n;
+    } else if (kind != Kind::kNormal && s.error_code() == kMeant[k]) {
+      ++expected[absl::StrCat(kName[k], " ", s.error_code())];
     } else {
-      ++errors[absl::StrCat(s.error_code(), " ", s.error_message().substr(0, 80))];
+      ++errors[absl::StrCat(kind == Kind::kNormal ? "" : absl::StrCat(kName[k], " request: "),
+                            s.error_code(), " ", s.error_message().substr(0, 80))];
     }
   }
-  out.Merge(ok, tokens, errors, ttft, gaps);
+  out.Merge(ok, tokens, errors, ttft, gaps, expected);
 }
 
 struct Finished {
@@ -126,6 +161,7 @@ int Report(Finished f, int64_t streams, const std::string& json_path, int64_t ma
                               ? 0.0
                               : 1e3 * *std::max_element(samples.gaps.begin(), samples.gaps.end());
   for (const auto& [k, v] : samples.errors) j["error_codes"][k] = v;
+  for (const auto& [k, v] : samples.expected) j["expected_failures"][k] = v;
   std::cout << absl::StrFormat(
       "load: %d streams, %.1f s: %d requests ok (%.2f/s), %d tokens (%.1f/s), %d errors\n"
       "  time to first token p50 %.2f ms, p99 %.2f ms; between tokens p50 %.2f ms, p99 %.2f ms\n",
@@ -134,6 +170,9 @@ int Report(Finished f, int64_t streams, const std::string& json_path, int64_t ma
       j["ttft_p99_ms"].get<double>(), j["token_gap_p50_ms"].get<double>(),
       j["token_gap_p99_ms"].get<double>());
   for (const auto& [k, v] : samples.errors) std::cout << "  error " << k << ": " << v << "\n";
+  for (const auto& [k, v] : samples.expected) {
+    std::cout << "  expected failure (the mix) " << k << ": " << v << "\n";
+  }
   if (!json_path.empty()) std::ofstream(json_path) << j.dump(2) << "\n";
   return max_errors >= 0 && errors > max_errors ? 1 : 0;
 }
@@ -162,7 +201,15 @@ int RunLoad(int argc, char** argv) {
                "public (router, serve), worker (a worker directly) or openai (the HTTP front "
                "door at --server)");
   flags.String("json", &json_path, "also write the results as JSON to this file");
-  flags.Int("max-errors", &max_errors, "exit 1 when more requests than this fail (-1: never)");
+  flags.Int("max-errors", &max_errors,
+            "exit 1 when more requests than this fail unexpectedly (-1: never)");
+  flags.Float("cancel-fraction", &spec.cancel_fraction,
+              "fraction of requests cancelled by the client after a few tokens");
+  flags.Float("deadline-fraction", &spec.deadline_fraction,
+              "fraction of requests with a 10-200 ms deadline (DEADLINE_EXCEEDED expected)");
+  flags.Float("malformed-fraction", &spec.malformed_fraction,
+              "fraction of requests with a token id outside the vocabulary (INVALID_ARGUMENT "
+              "expected)");
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("load", parsed.status());
   if (!*parsed) return 0;
@@ -170,6 +217,17 @@ int RunLoad(int argc, char** argv) {
     return ReportError("load", absl::InvalidArgumentError(
                                    "--streams, --seconds, --max-tokens and --prompt-tokens must "
                                    "be positive"));
+  }
+  const double mix = spec.cancel_fraction + spec.deadline_fraction + spec.malformed_fraction;
+  if (spec.cancel_fraction < 0 || spec.deadline_fraction < 0 || spec.malformed_fraction < 0 ||
+      mix > 1) {
+    return ReportError("load", absl::InvalidArgumentError(
+                                   "--cancel-fraction, --deadline-fraction and "
+                                   "--malformed-fraction must be >= 0 and sum to at most 1"));
+  }
+  if (mix > 0 && api == "openai") {
+    return ReportError(
+        "load", absl::InvalidArgumentError("the mix (--*-fraction) drives the gRPC APIs only"));
   }
   if (api != "public" && api != "worker" && api != "openai") {
     return ReportError("load",
