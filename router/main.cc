@@ -38,6 +38,9 @@ ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a reques
 ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "the most prompt tokens a request may have");
 ABSL_FLAG(int64_t, max_request_bytes, 1 << 20, "the largest request message, in bytes");
 ABSL_FLAG(int32_t, max_attempts, 4, "worker failures one request may go through");
+ABSL_FLAG(int64_t, resume_wait_ms, 10000,
+          "how long a stream under way waits for a worker when none is available (counted from "
+          "its first failover)");
 ABSL_FLAG(int64_t, health_interval_ms, 1000, "how often workers' health is checked");
 ABSL_FLAG(bool, resume_from_store, true,
           "on failover the next worker takes the stream's KV over from the KV store instead of "
@@ -90,6 +93,7 @@ int main(int argc, char** argv) {
   o.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   o.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   o.resume_from_store = absl::GetFlag(FLAGS_resume_from_store);
+  o.resume_wait = absl::Milliseconds(absl::GetFlag(FLAGS_resume_wait_ms));
   o.stall.when_down = absl::Milliseconds(absl::GetFlag(FLAGS_stall_when_down_ms));
   o.stall.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_stall_timeout_ms));
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty())) {

@@ -70,6 +70,9 @@ absl::Status RouterOptions::Validate() const {
     return absl::InvalidArgumentError("--max_request_bytes must be >= 1024");
   }
   if (max_attempts < 1) return absl::InvalidArgumentError("--max_attempts must be >= 1");
+  if (resume_wait < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--resume_wait_ms must be >= 0");
+  }
   if (absl::Status st = key_limits.Validate(); !st.ok()) return st;
   return stall.Validate();
 }

@@ -29,7 +29,8 @@ struct RouterOptions {
   int64_t max_prompt_tokens = 32768;
   int64_t max_request_bytes = 1 << 20;
   int max_attempts = 4;  // worker calls per request that may fail (first try included)
-  // How long a stream whose worker died waits for a worker with room to resume it.
+  // How long a stream whose worker died waits for a worker to resume it when none is available
+  // (from its first failover).
   absl::Duration resume_wait = absl::Seconds(10);
   // When a stream whose worker sends nothing is moved to another one (router/stall_watchdog.h).
   StallRules stall;

@@ -36,7 +36,11 @@ absl::Status EngineConfig::Validate() const {
 }
 
 BatchEngine::BatchEngine(Model& model, KvCache& cache, const EngineConfig& config)
-    : model_(model), cache_(cache), config_(config), step_(model, cache) {
+    : model_(model),
+      cache_(cache),
+      config_(config),
+      step_(model, cache),
+      sessions_(cache, config.max_sessions, config.session_ttl) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -150,12 +154,9 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
                       !a.request.session_id.empty() && config_.max_sessions > 0 &&
                       cache_.Home(a.id) != 0;
     if (keep) {  // the conversation's next request continues from this KV
-      CloseSession(a.request.session_id);
-      Session& s = sessions_[a.request.session_id];
-      s.seq = a.id;
-      s.tokens.assign(a.history.begin(), a.history.begin() + a.prefilled);
-      s.last_used = absl::Now();
-      ExpireSessions();
+      sessions_.Keep(a.request.session_id, a.id,
+                     std::vector<int32_t>(a.history.begin(), a.history.begin() + a.prefilled),
+                     absl::Now());
     } else {
       cache_.Close(a.id);
     }
@@ -232,16 +233,14 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
   int64_t keep = a.prompt_len - 1;
   SequenceId parked = 0;  // the session's sequence, closed unless taken over
   if (home == 0 && !a.request.session_id.empty()) {
-    auto it = sessions_.find(a.request.session_id);
-    if (it != sessions_.end()) {
-      const std::vector<int32_t>& had = it->second.tokens;
-      const int64_t n = std::min<int64_t>(static_cast<int64_t>(had.size()), keep);
+    SessionTable::Kept had = sessions_.Take(a.request.session_id);
+    if (had.seq != 0) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(had.tokens.size()), keep);
       int64_t common = 0;
-      while (common < n && had[common] == a.history[common]) ++common;
-      parked = it->second.seq;
+      while (common < n && had.tokens[common] == a.history[common]) ++common;
+      parked = had.seq;
       keep = common;
       if (keep > 0) home = cache_.Home(parked);
-      sessions_.erase(it);
     }
   }
   // Idle sessions give way to the room this sequence will fill (the store allocates as rows
@@ -249,8 +248,7 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
   if (!sessions_.empty()) {
     const int64_t tokens = home != 0 ? a.max_total - keep : a.max_total;
     for (absl::StatusOr<bool> room = cache_.HasRoomFor(tokens);
-         room.ok() && !*room && !sessions_.empty(); room = cache_.HasRoomFor(tokens)) {
-      CloseSession(LeastRecentSession());
+         room.ok() && !*room && sessions_.CloseLeastRecent(); room = cache_.HasRoomFor(tokens)) {
     }
   }
   absl::Status st;
@@ -265,38 +263,11 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
       home = 0;  // gone (its lease lapsed, another store): compute it
     }
     st = cache_.Open(a.id, a.max_total);
-    if (!absl::IsResourceExhausted(st) || sessions_.empty()) break;
     // Full: the least recently used idle session makes room, never a running sequence.
-    CloseSession(LeastRecentSession());
+    if (!absl::IsResourceExhausted(st) || !sessions_.CloseLeastRecent()) break;
   }
   if (parked != 0) cache_.Close(parked);
   return st;
-}
-
-void BatchEngine::CloseSession(const std::string& id) {
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) return;
-  cache_.Close(it->second.seq);
-  sessions_.erase(it);
-}
-
-void BatchEngine::ExpireSessions() {
-  const absl::Time now = absl::Now();
-  std::vector<std::string> expired;
-  for (const auto& [id, s] : sessions_) {
-    if (now - s.last_used >= config_.session_ttl) expired.push_back(id);
-  }
-  for (const std::string& id : expired) CloseSession(id);
-  while (static_cast<int>(sessions_.size()) > config_.max_sessions) {
-    CloseSession(LeastRecentSession());
-  }
-}
-
-std::string BatchEngine::LeastRecentSession() const {
-  auto lru = std::min_element(sessions_.begin(), sessions_.end(), [](const auto& x, const auto& y) {
-    return x.second.last_used < y.second.last_used;
-  });
-  return lru == sessions_.end() ? std::string() : lru->first;
 }
 
 void BatchEngine::Loop() {
@@ -311,9 +282,8 @@ void BatchEngine::Loop() {
       if (sessions_.empty()) {
         mu_.Await(absl::Condition(&ready));
       } else {  // wake up now and then to close sessions past their TTL
-        mu_.AwaitWithTimeout(
-            absl::Condition(&ready),
-            std::clamp(config_.session_ttl, absl::Milliseconds(10), absl::Seconds(1)));
+        mu_.AwaitWithTimeout(absl::Condition(&ready),
+                             std::clamp(sessions_.ttl(), absl::Milliseconds(10), absl::Seconds(1)));
       }
       if (stopping_) break;
       cancelled.swap(cancelled_);
@@ -354,7 +324,7 @@ void BatchEngine::Loop() {
       }
     }
     std::erase_if(running_, [](const auto& a) { return !a->sink; });
-    if (!sessions_.empty()) ExpireSessions();
+    if (!sessions_.empty()) sessions_.Expire(absl::Now());
     Admit(incoming);
     Step();
     std::erase_if(running_, [](const auto& a) { return !a->sink; });
@@ -376,7 +346,7 @@ void BatchEngine::Loop() {
     Finish(*a, FinishReason::kCancelled, absl::AbortedError("the worker is shutting down"));
   }
   running_.clear();
-  while (!sessions_.empty()) CloseSession(sessions_.begin()->first);
+  sessions_.CloseAll();
 }
 
 bool BatchEngine::Step() {

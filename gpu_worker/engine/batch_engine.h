@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
+#include "gpu_worker/engine/session_table.h"
 #include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/model/model.h"
 
@@ -158,16 +159,6 @@ class BatchEngine {
   // where it can (setting a.prefilled, a.cached), else opens it empty; closes least recently
   // used sessions while the cache is full.
   absl::Status OpenSequence(Active& a);
-  // A session kept after its request: its sequence stays open in the cache.
-  struct Session {
-    SequenceId seq = 0;
-    std::vector<int32_t> tokens;  // whose K/V the cache holds, in order
-    absl::Time last_used;
-  };
-  void CloseSession(const std::string& id);
-  std::string LeastRecentSession() const;  // "" when none
-  // Closes sessions past their TTL, then the least recently used beyond max_sessions.
-  void ExpireSessions();
   bool Step();  // false when there was nothing to run
   void Finish(Active& a, FinishReason reason, absl::Status status);
 
@@ -190,7 +181,7 @@ class BatchEngine {
   std::vector<float> logits_;
   std::vector<float> raw_row_;  // a token's logits before sampling changes them (logprobs)
   size_t device_bytes_reserved_ = 0;
-  absl::flat_hash_map<std::string, Session> sessions_;
+  SessionTable sessions_;
   SamplingScratch scratch_;
   std::thread thread_;
 };
