@@ -14,15 +14,6 @@
 namespace infinigen {
 namespace {
 
-class DoneTicket final : public GatherTicket {
- public:
-  explicit DoneTicket(absl::Status status) : status_(std::move(status)) {}
-  absl::Status Wait(absl::Time) override { return status_; }
-
- private:
-  absl::Status status_;
-};
-
 class InProcessClient final : public KvStoreClient {
  public:
   explicit InProcessClient(const KvClientConfig& config) : config_(config), store_(*config.store) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -41,6 +42,17 @@ class GatherTicket {
   // The gather's result; DEADLINE_EXCEEDED if `deadline` passes first (the copy may still land
   // later, so the buffers must stay alive until the ticket is destroyed).
   virtual absl::Status Wait(absl::Time deadline) = 0;
+};
+
+// A ticket whose gather is over before GatherAsync returns (a transport that gathers on the
+// caller's thread, or a gather refused before it started).
+class DoneTicket final : public GatherTicket {
+ public:
+  explicit DoneTicket(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait(absl::Time) override { return status_; }
+
+ private:
+  absl::Status status_;
 };
 
 class KvStoreClient {

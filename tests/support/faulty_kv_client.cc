@@ -7,15 +7,6 @@
 namespace infinigen::testing {
 namespace {
 
-class DoneTicket final : public GatherTicket {
- public:
-  explicit DoneTicket(absl::Status status) : status_(std::move(status)) {}
-  absl::Status Wait(absl::Time) override { return status_; }
-
- private:
-  absl::Status status_;
-};
-
 // Never finishes: every Wait lasts until its deadline.
 class StalledTicket final : public GatherTicket {
  public:
