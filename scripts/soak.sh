@@ -32,7 +32,7 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-port() { echo $((20000 + RANDOM % 20000)); }
+port() { echo $((20000 + RANDOM % 12000)); }  # below the ephemeral range
 wait_for() {  # log file, pattern
   for _ in $(seq 1 600); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
   echo "timed out waiting for '$2' in $1" >&2; cat "$1" >&2; exit 1

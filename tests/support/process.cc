@@ -8,9 +8,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
+#include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -18,17 +22,37 @@
 
 namespace infinigen::testing {
 
+// A port no server of this machine listens on, outside the kernel's ephemeral range: a port from
+// that range (what binding port 0 hands out) can be taken by any outgoing connection between the
+// test picking it and its server binding it, and was (a router's metrics port, "Address already
+// in use", in a CI run with tests in parallel). Random below the range, checked free on every
+// interface, never the same twice in one test process.
 int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  static std::mutex mu;
+  static std::set<int> given;
+  static std::mt19937 rng(
+      static_cast<unsigned>(::getpid()) * 2654435761u ^
+      static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  const int first = 10000, last = std::max(first + 1000, low) - 1;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = first + static_cast<int>(rng() % static_cast<unsigned>(last - first + 1));
+    if (given.count(port) != 0) continue;
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    if (free) {
+      given.insert(port);
+      return port;
+    }
+  }
+  std::abort();  // no free port in 1000 tries: the machine is out of ports
 }
 
 static bool PortOpen(const std::string& host, int port) {
