@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -260,7 +261,13 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
         a.prefilled = a.cached = *kept;
         return absl::OkStatus();  // the session's sequence is now a's
       }
-      home = 0;  // gone (its lease lapsed, another store): compute it
+      // Gone (its lease lapsed, another store) or unreachable: compute it. Said in the log, as
+      // the stream's resume becomes a replay.
+      std::fprintf(stderr, "engine: request %llu: stored KV %llu not taken over (%s); %s\n",
+                   static_cast<unsigned long long>(a.id), static_cast<unsigned long long>(home),
+                   std::string(kept.status().ToString()).c_str(),
+                   a.request.attach_home != 0 ? "replaying the stream" : "prefilling the prompt");
+      home = 0;
     }
     st = cache_.Open(a.id, a.max_total);
     // Full: the least recently used idle session makes room, never a running sequence.
