@@ -393,11 +393,25 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
   return absl::OkStatus();
 }
 
+absl::Status KvStore::Release(StoreSequenceId seq, absl::Time now) {
+  std::shared_ptr<Sequence> s = Find(seq);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  absl::MutexLock seq_lock(&s->mu);
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || it->second != s) {
+    return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  }
+  s->spec.owner.clear();  // no owner renews it
+  s->lease_end = now + config_.lease;
+  return absl::OkStatus();
+}
+
 int64_t KvStore::Renew(const std::string& owner, absl::Time now) {
   absl::MutexLock lock(&mu_);
   int64_t held = 0;
   for (auto& [id, s] : sequences_) {
-    if (s->spec.owner == owner) {
+    if (!owner.empty() && s->spec.owner == owner) {
       s->lease_end = now + config_.lease;
       ++held;
     }

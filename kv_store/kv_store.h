@@ -137,6 +137,10 @@ class KvStore {
   // `pieces_left` > 0 says more pieces of the same client gather follow (a transport streaming
   // it): the gather is counted once, with its last piece.
   absl::Status Gather(std::span<const GatherItem> items, int pieces_left = 0);
+  // Gives `seq` up without freeing it: it belongs to no owner from now on and lives until its
+  // lease ends (`lease` from now), for another worker to Attach (a stream whose worker failed it
+  // for want of its KV, which the router moves). NOT_FOUND when unknown.
+  absl::Status Release(StoreSequenceId seq, absl::Time now);
   // Extends the lease of every sequence of `owner`; returns how many it holds.
   int64_t Renew(const std::string& owner, absl::Time now);
   // Frees sequences whose lease ended; returns how many.

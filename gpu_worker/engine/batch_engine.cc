@@ -154,10 +154,17 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
     const bool keep = e.status.ok() && reason != FinishReason::kCancelled &&
                       !a.request.session_id.empty() && config_.max_sessions > 0 &&
                       cache_.Home(a.id) != 0;
+    // A request that failed the way the router continues elsewhere (the KV cache lost or could
+    // not reach rows: ABORTED, UNAVAILABLE; the worker shutting down) leaves its stored KV for
+    // the next worker to take over instead of deleting it.
+    const bool resumable =
+        (absl::IsAborted(e.status) || absl::IsUnavailable(e.status)) && cache_.Home(a.id) != 0;
     if (keep) {  // the conversation's next request continues from this KV
       sessions_.Keep(a.request.session_id, a.id,
                      std::vector<int32_t>(a.history.begin(), a.history.begin() + a.prefilled),
                      absl::Now());
+    } else if (resumable) {
+      cache_.Release(a.id);
     } else {
       cache_.Close(a.id);
     }

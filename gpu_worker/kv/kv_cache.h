@@ -62,6 +62,10 @@ class KvCache {
   virtual absl::Status Open(SequenceId seq, int64_t capacity_tokens) = 0;
   // Frees `seq`; unknown ids are ignored.
   virtual void Close(SequenceId seq) = 0;
+  // Lets `seq` go here but keeps its stored KV, unowned, for another worker to take over (its
+  // request failed in a way the router continues elsewhere); caches without a shared home just
+  // close it.
+  virtual void Release(SequenceId seq) { Close(seq); }
   // Tokens stored for `seq` in every layer.
   virtual absl::StatusOr<int64_t> Length(SequenceId seq) const = 0;
 

@@ -138,6 +138,15 @@ void StoreKvCache::Close(SequenceId seq) {
   client_.Close(StoreId(seq)).IgnoreError();
 }
 
+void StoreKvCache::Release(SequenceId seq) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return;
+  KeepSpareStaging(it->second);
+  sequences_.erase(it);
+  // A failed Release is retried by the client; the lease frees what nobody takes over.
+  client_.Release(StoreId(seq)).IgnoreError();
+}
+
 absl::StatusOr<bool> StoreKvCache::HasRoomFor(int64_t tokens) {
   IG_ASSIGN_OR_RETURN(const KvStoreStats stats, client_.Stats());
   const int64_t row = static_cast<int64_t>(RowBytes());

@@ -54,6 +54,7 @@ class StoreKvCache final : public StreamedKvCache {
 
   absl::Status Open(SequenceId seq, int64_t capacity_tokens) override;
   void Close(SequenceId seq) override;
+  void Release(SequenceId seq) override;
   absl::StatusOr<int64_t> Length(SequenceId seq) const override;
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                       int32_t* slots_out = nullptr) override;

@@ -140,6 +140,15 @@ absl::Status KvControlPlane::Close(StoreSequenceId seq) {
   return FromGrpcStatus(stub_->Close(&ctx, req, &resp));
 }
 
+absl::Status KvControlPlane::Release(StoreSequenceId seq) {
+  pb::ReleaseRequest req;
+  req.set_sequence_id(seq);
+  pb::ReleaseResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(ctx, config_.call_timeout);
+  return FromGrpcStatus(stub_->Release(&ctx, req, &resp));
+}
+
 absl::Status KvControlPlane::Append(const StoreAppend& a) {
   pb::AppendRequest req;
   ToProto(a, &req);

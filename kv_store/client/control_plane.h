@@ -70,6 +70,7 @@ class KvControlPlane {
   absl::StatusOr<Attached> Attach(StoreSequenceId from, StoreSequenceId to,
                                   const SequenceSpec& spec, int64_t max_length);
   absl::Status Close(StoreSequenceId seq);
+  absl::Status Release(StoreSequenceId seq);
   absl::Status Append(const StoreAppend& a);
   // One call for several appends; the store applies each on its own: each one's status.
   std::vector<absl::Status> AppendBatch(const std::vector<StoreAppend>& appends);

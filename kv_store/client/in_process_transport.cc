@@ -50,6 +50,10 @@ class InProcessClient final : public KvStoreClient {
     append_failures_.Forget(seq);
     return store_.Close(seq);
   }
+  absl::Status Release(StoreSequenceId seq) override {
+    append_failures_.Forget(seq);
+    return store_.Release(seq, absl::Now());
+  }
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
                    std::vector<uint8_t> v) override {
     absl::Status st = k.size() == v.size()

@@ -63,6 +63,11 @@ class KvStoreClient {
   // Synchronous control calls (they also wait for queued appends).
   virtual absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) = 0;
   virtual absl::Status Close(StoreSequenceId seq) = 0;
+  // Gives `seq` up without freeing it (after the appends queued before): no owner renews it, and
+  // it lives until its lease ends for another worker to Attach (KvStore::Release). A Release
+  // that fails (the store unreachable) is retried in the background until it goes through or
+  // finds the sequence gone.
+  virtual absl::Status Release(StoreSequenceId seq) = 0;
   // Takes over sequence `from` (another worker's) as `to`, stored as `spec` describes (owner
   // empty: this client's); returns the tokens kept. See KvStore::Attach.
   virtual absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to,

@@ -150,6 +150,14 @@ void QueuedKvClient::NoteClose(StoreSequenceId seq, const absl::Status& closed) 
   }
 }
 
+void QueuedKvClient::NoteRelease(StoreSequenceId seq, const absl::Status& released) {
+  if (released.ok() || absl::IsNotFound(released)) {
+    unreleased_.erase(seq);
+  } else {
+    unreleased_.insert(seq);
+  }
+}
+
 void QueuedKvClient::RenewLoop() {
   while (!stop_renew_.WaitForNotificationWithTimeout(config_.renew_every)) {
     // Renewal failures are not fatal: the next one may get through before the lease ends.
@@ -157,6 +165,8 @@ void QueuedKvClient::RenewLoop() {
         [this] {
           const std::vector<StoreSequenceId> retry(unclosed_.begin(), unclosed_.end());
           for (StoreSequenceId seq : retry) NoteClose(seq, DoClose(seq));
+          const std::vector<StoreSequenceId> give_up(unreleased_.begin(), unreleased_.end());
+          for (StoreSequenceId seq : give_up) NoteRelease(seq, DoRelease(seq));
           return DoRenew();
         },
         absl::Now() + config_.call_timeout)
@@ -205,6 +215,7 @@ absl::Status QueuedKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec)
         absl::Status st = DoOpen(seq, s);
         if (st.ok()) {
           unclosed_.erase(seq);  // opened anew: wanted
+          unreleased_.erase(seq);
           append_failures_.Forget(seq);
         }
         return st;
@@ -228,6 +239,7 @@ absl::StatusOr<int64_t> QueuedKvClient::Attach(StoreSequenceId from, StoreSequen
         if (!kept.ok()) return kept.status();
         *length = *kept;
         unclosed_.erase(to);
+        unreleased_.erase(to);
         append_failures_.Forget(to);
         return absl::OkStatus();
       },
@@ -238,6 +250,22 @@ absl::StatusOr<int64_t> QueuedKvClient::Attach(StoreSequenceId from, StoreSequen
       });
   if (!st.ok()) return st;
   return *length;
+}
+
+absl::Status QueuedKvClient::Release(StoreSequenceId seq) {
+  absl::Status st = RunSync(
+      [this, seq] {
+        absl::Status released = DoRelease(seq);
+        NoteRelease(seq, released);
+        return released;
+      },
+      absl::Now() + 4 * config_.call_timeout,
+      // Still tried after the caller gave up waiting: retried until it goes through.
+      [this, seq](const absl::Status& released) { NoteRelease(seq, released); });
+  append_failures_.Forget(seq);
+  absl::MutexLock lock(&mu_);
+  last_append_.erase(seq);
+  return st;
 }
 
 absl::Status QueuedKvClient::Close(StoreSequenceId seq) {

@@ -1,8 +1,9 @@
 // The machinery every KvStoreClient transport shares: write-behind appends on their own thread
 // (in order among themselves), a work queue on another thread for gathers and synchronous calls,
 // the first append error kept for Flush and each sequence's first one for its gathers' errors
-// (AppendFailures), and a lease-renewal thread, which also retries the Close of sequences whose
-// Close failed (the lease it renews would otherwise keep them for the client's whole life). A
+// (AppendFailures), and a lease-renewal thread, which also retries the Close (or Release) of
+// sequences whose Close (Release) failed (the lease it renews would otherwise keep them for the
+// client's whole life). A
 // gather waits only for the appends to the (sequence, layer) pairs it reads that were queued before
 // it, so a prefetch of rows stored in earlier steps never waits behind this step's appends;
 // synchronous calls wait for every append queued before them. Appends linger (config.append_linger)
@@ -33,6 +34,7 @@ class QueuedKvClient : public KvStoreClient {
 
   absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) final;
   absl::Status Close(StoreSequenceId seq) final;
+  absl::Status Release(StoreSequenceId seq) final;
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length) final;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
@@ -50,6 +52,7 @@ class QueuedKvClient : public KvStoreClient {
 
   virtual absl::Status DoOpen(StoreSequenceId seq, const SequenceSpec& spec) = 0;
   virtual absl::Status DoClose(StoreSequenceId seq) = 0;
+  virtual absl::Status DoRelease(StoreSequenceId seq) = 0;
   virtual absl::StatusOr<int64_t> DoAttach(StoreSequenceId from, StoreSequenceId to,
                                            const SequenceSpec& spec, int64_t max_length) = 0;
   virtual absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
@@ -84,6 +87,8 @@ class QueuedKvClient : public KvStoreClient {
                        std::function<void(const absl::Status&)> if_abandoned = nullptr);
   // Queue thread: remembers `seq` for a retried Close unless `closed` says it is gone.
   void NoteClose(StoreSequenceId seq, const absl::Status& closed);
+  // Queue thread: remembers `seq` for a retried Release unless `released` says it is done.
+  void NoteRelease(StoreSequenceId seq, const absl::Status& released);
   void Enqueue(uint64_t after_append, std::function<void()> fn);
   void QueueLoop();
   void AppendLoop();
@@ -105,6 +110,8 @@ class QueuedKvClient : public KvStoreClient {
   // Sequences whose Close failed (or whose Open the caller gave up on after it went through):
   // closed again before each renewal. Read and written on the queue thread only.
   absl::flat_hash_set<StoreSequenceId> unclosed_;
+  // Sequences whose Release failed: released again before each renewal. Queue thread only.
+  absl::flat_hash_set<StoreSequenceId> unreleased_;
   std::thread queue_thread_;
   std::thread append_thread_;
   std::thread renew_thread_;

@@ -57,6 +57,12 @@ class RemoteKvClient final : public QueuedKvClient {
     return control_->Close(seq);
   }
 
+  absl::Status DoRelease(StoreSequenceId seq) override {
+    specs_.erase(seq);
+    data_->Closed(seq);
+    return control_->Release(seq);
+  }
+
   absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                         const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) override {
     const absl::Status st = control_->Append({seq, layer, start, n, &k, &v});

@@ -179,6 +179,11 @@ grpc::Status KvStoreService::Close(grpc::ServerContext*, const CloseRequest* req
   return ToGrpcStatus(store_.Close(req->sequence_id()));
 }
 
+grpc::Status KvStoreService::Release(grpc::ServerContext*, const ReleaseRequest* req,
+                                     ReleaseResponse*) {
+  return ToGrpcStatus(store_.Release(req->sequence_id(), clock_()));
+}
+
 grpc::Status KvStoreService::Renew(grpc::ServerContext*, const RenewRequest* req,
                                    RenewResponse* resp) {
   resp->set_sequences(store_.Renew(req->owner(), clock_()));

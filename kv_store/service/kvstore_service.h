@@ -32,6 +32,8 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
                       kvstore::v1::AttachResponse*) override;
   grpc::Status Close(grpc::ServerContext*, const kvstore::v1::CloseRequest*,
                      kvstore::v1::CloseResponse*) override;
+  grpc::Status Release(grpc::ServerContext*, const kvstore::v1::ReleaseRequest*,
+                       kvstore::v1::ReleaseResponse*) override;
   grpc::Status Renew(grpc::ServerContext*, const kvstore::v1::RenewRequest*,
                      kvstore::v1::RenewResponse*) override;
   grpc::Status Stats(grpc::ServerContext*, const kvstore::v1::StatsRequest*,

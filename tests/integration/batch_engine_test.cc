@@ -535,5 +535,66 @@ TEST_F(Engine, ASequenceWhoseAppendsFailFailsAloneNotItsBatch) {
       absl::StatusCode::kResourceExhausted);
 }
 
+// A request whose KV the store cannot serve for a while (UNAVAILABLE: a link down) fails, but
+// its stored KV is released, not deleted: another worker can take it over (the router resumes
+// the stream) until its lease ends. A request that fails on its own (INTERNAL) deletes it.
+TEST_F(Engine, AStreamFailedForWantOfItsStoreLeavesItsKvForTheNextWorker) {
+  for (absl::StatusCode fault : {absl::StatusCode::kUnavailable, absl::StatusCode::kInternal}) {
+    SCOPED_TRACE(absl::StatusCodeToString(fault));
+    KvStoreConfig sc;
+    sc.capacity_bytes = 64 << 20;
+    sc.shared_memory = false;
+    auto store = KvStore::Create(sc);
+    ASSERT_TRUE(store.ok()) << store.status();
+    KvClientConfig cc;
+    cc.transport = KvClientConfig::Transport::kInProcess;
+    cc.store = store->get();
+    auto client = MakeKvStoreClient(cc);
+    ASSERT_TRUE(client.ok()) << client.status();
+    testing::FaultyKvClient faulty(**client);
+    StoreKvCacheOptions options;
+    options.id_base = 7000;
+    StoreKvCache cache(*l_.backend, l_.model->kv_shape(), faulty, options);
+    const std::vector<int32_t> prompt = RandomTokens(9, vocab_, 91);
+    Collector got;
+    std::atomic<uint64_t> id{0};
+    absl::Notification submitted;
+    StoreSequenceId home = 0;
+    {
+      BatchEngine engine(*l_.model, cache, EngineConfig());
+      EngineRequest r;
+      r.prompt = prompt;
+      r.options = Options(0);
+      EventSink sink = [&, inner = got.Sink()](const EngineEvent& e) {
+        inner(e);
+        absl::MutexLock lock(&got.mu);
+        if (got.tokens.size() == 3 && !e.done) {
+          submitted.WaitForNotification();
+          home = cache.StoreId(id.load());
+          faulty.Fail(testing::FaultyKvClient::Op::kGather, home,
+                      absl::Status(fault, "injected: the store cannot be reached"));
+        }
+      };
+      auto submitted_id = engine.Submit(std::move(r), sink);
+      ASSERT_TRUE(submitted_id.ok()) << submitted_id.status();
+      id = *submitted_id;
+      submitted.Notify();
+      ASSERT_TRUE(got.done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    }
+    EXPECT_EQ(got.last.status.code(), fault) << got.last.status;
+    if (fault == absl::StatusCode::kInternal) {
+      EXPECT_EQ((*store)->Stats().sequences, 0) << "a request's own failure frees its KV";
+      continue;
+    }
+    ASSERT_EQ((*store)->Stats().sequences, 1) << "the released sequence waits for a new owner";
+    EXPECT_EQ((*store)->Renew(cc.owner, absl::Now()), 0) << "no longer this worker's";
+    SequenceSpec spec = *(*store)->Spec(home);
+    spec.owner = "worker-b";
+    auto kept = (*store)->Attach(home, home + 1, spec, 1 << 20, absl::Now());
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    EXPECT_GE(*kept, static_cast<int64_t>(prompt.size())) << "the prompt's rows are there";
+  }
+}
+
 }  // namespace
 }  // namespace infinigen

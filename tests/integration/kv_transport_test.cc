@@ -169,6 +169,29 @@ TEST_P(KvTransport, AttachHandsTheRowsToAnotherClient) {
   EXPECT_TRUE((*b)->Close(2).ok());
 }
 
+// Release gives a sequence up after the appends queued before it: the releasing client can no
+// longer touch it and its renewals no longer hold it, while another client takes it over whole.
+TEST_P(KvTransport, ReleaseLeavesTheRowsForAnotherClient) {
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    client_->AppendAsync(1, layer, 0, 30, TokenRows(0, 30, 0), TokenRows(0, 30, 1));
+  }
+  ASSERT_TRUE(client_->Release(1).ok());
+  EXPECT_EQ(client_->Release(9).code(), absl::StatusCode::kNotFound);
+  KvClientConfig other = config_;
+  other.owner = "test-worker-2";
+  auto b = MakeKvStoreClient(other);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto kept = (*b)->Attach(1, 2, Spec(), /*max_length=*/100);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, 30) << "the appends queued before the release are in";
+  std::vector<int32_t> slots = {29, 0};  // [2 heads, 1]
+  std::vector<uint8_t> k(2 * 32), v(2 * 32);
+  ASSERT_TRUE((*b)->GatherAsync({{2, 1, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
+  EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(29, 1, 0).data(), 32));
+  EXPECT_TRUE((*b)->Close(2).ok());
+}
+
 // In place: transports that map the store's memory (in-process, shm) answer each row's address,
 // and the bytes there are the rows, once every append queued before the gather has landed; the
 // transports that copy refuse such a gather with a clear error.

@@ -79,6 +79,12 @@ absl::Status FaultyKvClient::Close(StoreSequenceId seq) {
   return inner_.Close(seq);
 }
 
+absl::Status FaultyKvClient::Release(StoreSequenceId seq) {
+  if (absl::Status st = Fault(Op::kRelease, seq); !st.ok()) return st;
+  append_failures_.Forget(seq);
+  return inner_.Release(seq);
+}
+
 absl::StatusOr<int64_t> FaultyKvClient::Attach(StoreSequenceId from, StoreSequenceId to,
                                                const SequenceSpec& spec, int64_t max_length) {
   if (absl::Status st = Fault(Op::kAttach, to); !st.ok()) return st;

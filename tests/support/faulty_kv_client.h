@@ -24,7 +24,7 @@ class FaultyKvClient final : public KvStoreClient {
  public:
   explicit FaultyKvClient(KvStoreClient& inner) : inner_(inner) {}
 
-  enum class Op { kOpen, kAttach, kClose, kAppend, kGather };
+  enum class Op { kOpen, kAttach, kClose, kRelease, kAppend, kGather };
   // From now on, `op` calls that touch store sequence `seq` fail with `status`.
   void Fail(Op op, StoreSequenceId seq, absl::Status status);
   // From now on, gathers that touch `seq` do not finish before their deadline.
@@ -35,6 +35,7 @@ class FaultyKvClient final : public KvStoreClient {
   std::string transport() const override { return inner_.transport(); }
   absl::Status Open(StoreSequenceId seq, const SequenceSpec& spec) override;
   absl::Status Close(StoreSequenceId seq) override;
+  absl::Status Release(StoreSequenceId seq) override;
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length) override;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,

@@ -392,6 +392,36 @@ TEST(KvStore, LeasesFreeSequencesOfOwnersThatStopped) {
   EXPECT_EQ(store->Stats().leases_expired, 1);
 }
 
+// A released sequence (its worker failed the stream, which the router moves) keeps its rows but
+// no owner renews it: another worker can take it over until its lease ends, then it is freed.
+TEST(KvStore, AReleasedSequenceWaitsOneLeaseForANewOwner) {
+  auto store = MakeStore();
+  const SequenceSpec s = Spec();  // owner worker-a
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  ASSERT_TRUE(store->Open(2, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 12);
+  AppendRows(*store, 1, s, 1, 0, 12);
+  AppendRows(*store, 2, s, 0, 0, 12);
+  AppendRows(*store, 2, s, 1, 0, 12);
+  ASSERT_TRUE(store->Release(1, kT0 + absl::Seconds(10)).ok());
+  ASSERT_TRUE(store->Release(2, kT0 + absl::Seconds(10)).ok());
+  EXPECT_EQ(store->Release(7, kT0).code(), absl::StatusCode::kNotFound);
+  // Its owner's renewals no longer hold them (and an empty owner renews nothing).
+  EXPECT_EQ(store->Renew("worker-a", kT0 + absl::Seconds(20)), 0);
+  EXPECT_EQ(store->Renew("", kT0 + absl::Seconds(20)), 0);
+  EXPECT_EQ(store->ReapExpired(kT0 + absl::Seconds(39)), 0) << "the lease runs from the release";
+  // A new owner takes sequence 1 over with its rows; sequence 2, left alone, is freed.
+  SequenceSpec b = s;
+  b.owner = "worker-b";
+  auto kept = store->Attach(1, 3, b, 100, kT0 + absl::Seconds(39));
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, 12);
+  EXPECT_EQ(store->ReapExpired(kT0 + absl::Seconds(41)), 1);
+  EXPECT_EQ(store->Length(2, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Renew("worker-b", kT0 + absl::Seconds(41)), 1);
+  EXPECT_EQ(*store->Length(3, 0), 12);
+}
+
 // A worker continuing another's stream takes its sequence over under a new id: layers are cut
 // to what all of them hold (and to max_length), the rows kept are the same bytes, the new owner
 // appends on, and the old id is gone: the old owner's late appends and closes are refused.
