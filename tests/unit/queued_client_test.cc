@@ -1,7 +1,8 @@
 // The queue machinery every remote KV transport shares, against a fake transport: a batch's
 // failed append fails the later appends of its sequence and no other; a Close that failed is
 // retried before each lease renewal (the renewal would otherwise keep the sequence for the
-// client's whole life); an Open that went through after its caller gave up is closed.
+// client's whole life), and so is a Release; an Open that went through after its caller gave up
+// is closed.
 #include "kv_store/client/queued_client.h"
 
 #include <gtest/gtest.h>
@@ -20,9 +21,12 @@ class FakeTransport final : public QueuedKvClient {
 
   std::atomic<int> close_failures_left{0};
   std::atomic<int> closes{0}, renewals{0};
+  std::atomic<int> release_failures_left{0};
+  std::atomic<int> releases{0};
   std::atomic<int> open_delay_ms{0};
   absl::Mutex mu;
   std::vector<StoreSequenceId> closed ABSL_GUARDED_BY(mu);
+  std::vector<StoreSequenceId> released ABSL_GUARDED_BY(mu);
   std::vector<std::pair<StoreSequenceId, int64_t>> applied ABSL_GUARDED_BY(mu);
   StoreSequenceId failing_seq = 0;
 
@@ -46,6 +50,16 @@ class FakeTransport final : public QueuedKvClient {
     }
     absl::MutexLock lock(&mu);
     closed.push_back(seq);
+    return absl::OkStatus();
+  }
+  absl::Status DoRelease(StoreSequenceId seq) override {
+    ++releases;
+    if (release_failures_left.load() > 0) {
+      --release_failures_left;
+      return absl::UnavailableError("store unreachable");
+    }
+    absl::MutexLock lock(&mu);
+    released.push_back(seq);
     return absl::OkStatus();
   }
   absl::Status DoAppend(StoreSequenceId seq, int, int64_t start, int64_t,
@@ -105,6 +119,27 @@ TEST(QueuedClient, AFailedCloseIsRetriedBeforeRenewals) {
   EXPECT_EQ(t.closed, std::vector<StoreSequenceId>{7});
   EXPECT_EQ(t.closes.load(), 3);  // the Close, a failed retry, the retry that went through
   EXPECT_GE(t.renewals.load(), 2);
+}
+
+// Likewise a Release (a failed stream's sequence left for the next worker): retried until it
+// goes through, never turned into a Close.
+TEST(QueuedClient, AFailedReleaseIsRetriedBeforeRenewals) {
+  FakeTransport t(Config(absl::Milliseconds(10)));
+  ASSERT_TRUE(t.Open(8, SequenceSpec{}).ok());
+  t.release_failures_left = 2;
+  EXPECT_EQ(t.Release(8).code(), absl::StatusCode::kUnavailable);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  for (;;) {
+    {
+      absl::MutexLock lock(&t.mu);
+      if (!t.released.empty() || absl::Now() > deadline) break;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::MutexLock lock(&t.mu);
+  EXPECT_EQ(t.released, std::vector<StoreSequenceId>{8});
+  EXPECT_EQ(t.releases.load(), 3);  // the Release, a failed retry, the retry that went through
+  EXPECT_TRUE(t.closed.empty());
 }
 
 TEST(QueuedClient, AnOpenItsCallerGaveUpOnIsClosed) {
