@@ -73,6 +73,7 @@ std::unique_ptr<WorkerCall> PoolWorkers::Call(absl::string_view worker,
                                               const wv1::GenerateRequest& request,
                                               int64_t expected_tokens) {
   auto it = picked_.find(worker);
+  if (it == picked_.end()) return nullptr;  // not a worker Pick returned: a driver bug
   return std::make_unique<PoolWorkerCall>(it->second, watchdog_, context_, request,
                                           expected_tokens);
 }

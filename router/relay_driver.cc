@@ -34,6 +34,11 @@ RelayAction RunRelay(Relay& relay, WorkerClient& workers, ClientStream& client,
       case RelayAction::Kind::kCall: {
         std::unique_ptr<WorkerCall> call =
             workers.Call(a.worker, relay.request(), relay.expected_tokens());
+        if (call == nullptr) {
+          a = relay.Ended(absl::InternalError("the worker could not be called"), false,
+                          absl::Now());
+          break;
+        }
         worker::v1::GenerateResponse m;
         bool gone = false;
         while (call->Read(&m)) {

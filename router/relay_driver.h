@@ -36,8 +36,8 @@ class WorkerClient {
   // An available worker not in `excluded` (placement's rule), by name; "" when there is none.
   virtual std::string Pick(absl::string_view session_id,
                            const std::vector<std::string>& excluded) = 0;
-  // Starts a call to a worker Pick returned; `expected_tokens` is the load it adds to the worker
-  // until the call ends.
+  // Starts a call to a worker Pick returned (null for any other: the call fails as INTERNAL);
+  // `expected_tokens` is the load it adds to the worker until the call ends.
   virtual std::unique_ptr<WorkerCall> Call(absl::string_view worker,
                                            const worker::v1::GenerateRequest& request,
                                            int64_t expected_tokens) = 0;

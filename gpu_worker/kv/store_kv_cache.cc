@@ -129,22 +129,22 @@ void StoreKvCache::DropTicket(Pending& p) {
   p.layer = -1;
 }
 
-void StoreKvCache::Close(SequenceId seq) {
+bool StoreKvCache::Forget(SequenceId seq) {
   auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return;
+  if (it == sequences_.end()) return false;
   KeepSpareStaging(it->second);
   sequences_.erase(it);
+  return true;
+}
+
+void StoreKvCache::Close(SequenceId seq) {
   // Failures are the store's to clean up: the lease frees what a Close could not.
-  client_.Close(StoreId(seq)).IgnoreError();
+  if (Forget(seq)) client_.Close(StoreId(seq)).IgnoreError();
 }
 
 void StoreKvCache::Release(SequenceId seq) {
-  auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return;
-  KeepSpareStaging(it->second);
-  sequences_.erase(it);
   // A failed Release is retried by the client; the lease frees what nobody takes over.
-  client_.Release(StoreId(seq)).IgnoreError();
+  if (Forget(seq)) client_.Release(StoreId(seq)).IgnoreError();
 }
 
 absl::StatusOr<bool> StoreKvCache::HasRoomFor(int64_t tokens) {

@@ -117,6 +117,8 @@ class StoreKvCache final : public StreamedKvCache {
   // Sizes a sequence's staging (both layers in flight) for a read of all its rows at its
   // capacity, when it is opened: decode steps then allocate none.
   absl::Status SizeStaging(Sequence& s, int64_t capacity_tokens);
+  // Drops `seq`'s state here (its staging kept for reuse); false when unknown.
+  bool Forget(SequenceId seq);
   static constexpr size_t kSpareStagings = 32;
   SequenceSpec Spec() const;  // how this cache's sequences are stored
   absl::Status EnsureStaging(Staging& s, size_t bytes);
