@@ -15,6 +15,15 @@ if(INFINIGEN_SANITIZE)
   add_link_options(-fsanitize=address,undefined)
 endif()
 
+if(INFINIGEN_SANITIZE_THREAD)
+  if(INFINIGEN_SANITIZE)
+    message(FATAL_ERROR "INFINIGEN_SANITIZE and INFINIGEN_SANITIZE_THREAD exclude each other")
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=thread>
+                      $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer>)
+  add_link_options(-fsanitize=thread)
+endif()
+
 function(infinigen_set_flags target)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wno-sign-compare

@@ -1,24 +1,102 @@
 #!/usr/bin/env bash
-# The concurrency-heavy suites under AddressSanitizer + UndefinedBehaviorSanitizer (a separate
-# build, build-asan/: g++ -fsanitize=address,undefined, no CUDA, no benchmarks): the batch engine,
-# the store cache over the KV store, the KV transports (in-process, gRPC, shm, UCX) and the HTTP
-# front door against a sanitized `infinigen serve` (its processes are sanitized too). Any report
-# (a memory error, undefined behavior, a leak at exit) fails the run. ~13 minutes to build on 2
-# cores, a minute to run.
-# usage: scripts/sanitize.sh
+# The concurrency-heavy suites under the sanitizers; any report fails the run.
+#
+# address: AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/: g++
+#   -fsanitize=address,undefined, no CUDA, no benchmarks): the batch engine, the store cache over
+#   the KV store, the KV transports (in-process, gRPC, shm, UCX) and the HTTP front door against a
+#   sanitized `infinigen serve` (its processes are sanitized too). ~13 minutes to build on 2
+#   cores, a minute to run.
+# thread: ThreadSanitizer (build-tsan/): the batch engine, the engine's attach path, the store
+#   cache, the KV client queue, the KV transports (gRPC, shm, UCX), the router's relay and pool,
+#   and the router and worker process tests (their servers, `infinigen serve` included, are TSan
+#   builds too; a report in a server's log fails the test that ran it). abseil's
+#   synchronization and status libraries are rebuilt with -fsanitize=thread from Debian's own
+#   source of the installed version (same ABI, same SONAME, loaded first through
+#   LD_LIBRARY_PATH) so that TSan sees every absl::Mutex and Status refcount, ours and gRPC's;
+#   gRPC itself stays uninstrumented (scripts/tsan_suppressions.txt says what that hides).
+#   OpenMP kernels run on one thread (libgomp is not instrumented either: its barriers would
+#   look like races); UCX's memory hooks are off (they call into TSan from exiting threads).
+#   ~6 minutes to build on 2 cores (abseil: one), 2 to run.
+# usage: scripts/sanitize.sh [address|thread]...   (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TARGETS=(batch_engine_test store_kv_cache_test kv_transport_test openai_http_test)
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINFINIGEN_SANITIZE=ON \
-  -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build-asan --target "${TARGETS[@]}" infinigen >/dev/null
-export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1
-export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-for t in "${TARGETS[@]}"; do
-  if ! build-asan/bin/"$t" --gtest_brief=1 > "build-asan/$t.log" 2>&1; then
-    tail -n 60 "build-asan/$t.log"
-    echo "sanitize: $t FAILED (log: build-asan/$t.log)" >&2
-    exit 1
-  fi
-  echo "sanitize: $t: $(grep -o '[0-9]* tests\?' "build-asan/$t.log" | tail -1) passed, no report"
+
+run_suites() {  # build dir, targets...
+  local dir="$1"; shift
+  for t in "$@"; do
+    if ! "$dir/bin/$t" --gtest_brief=1 > "$dir/$t.log" 2>&1; then
+      tail -n 80 "$dir/$t.log"
+      echo "sanitize: $t FAILED (log: $dir/$t.log)" >&2
+      exit 1
+    fi
+    echo "sanitize: $t: $(grep -o '[0-9]* tests\?' "$dir/$t.log" | tail -1) passed, no report"
+  done
+}
+
+address() {
+  local targets=(batch_engine_test store_kv_cache_test kv_transport_test openai_http_test)
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINFINIGEN_SANITIZE=ON \
+    -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF >/dev/null
+  cmake --build build-asan --target "${targets[@]}" infinigen >/dev/null
+  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    run_suites build-asan "${targets[@]}"
+}
+
+# abseil's synchronization and status libraries (and what they use) built with -fsanitize=thread from Debian's source of the installed
+# libabsl (checked against the .dsc's SHA-256 sums) into build-tsan/absl/lib.
+tsan_abseil() {
+  local lib=build-tsan/absl/lib version upstream src pool
+  version="$(dpkg-query -W -f='${Version}\n' 'libabsl2*' | head -n 1)"
+  [[ -f "$lib/.version" && "$(cat "$lib/.version")" == "$version" ]] && return 0
+  upstream="${version%-*}"
+  src=build-tsan/absl/src
+  rm -rf build-tsan/absl && mkdir -p "$src"
+  for pool in http://deb.debian.org/debian/pool/main/a/abseil \
+              http://security.debian.org/debian-security/pool/updates/main/a/abseil; do
+    curl -fsSL -o "$src/abseil.dsc" "$pool/abseil_${version}.dsc" || continue
+    curl -fsSL -o "$src/abseil_${upstream}.orig.tar.gz" "$pool/abseil_${upstream}.orig.tar.gz"
+    curl -fsSL -o "$src/abseil_${version}.debian.tar.xz" "$pool/abseil_${version}.debian.tar.xz"
+    break
+  done
+  [[ -s "$src/abseil.dsc" ]] || { echo "sanitize: no Debian source for abseil $version" >&2; exit 1; }
+  (cd "$src" && sed -n '/^Checksums-Sha256:/,/^[^ ]/p' abseil.dsc | grep '^ ' |
+     awk '{print $1 "  " $3}' | sha256sum -c --quiet -)
+  tar -xzf "$src/abseil_${upstream}.orig.tar.gz" -C "$src"
+  local tree="$src/abseil-${upstream}"
+  tar -xJf "$src/abseil_${version}.debian.tar.xz" -C "$tree"
+  while read -r p; do
+    [[ -z "$p" || "$p" == \#* ]] || patch -s -p1 -d "$tree" < "$tree/debian/patches/$p"
+  done < "$tree/debian/patches/series"
+  cmake -S "$tree" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON -DCMAKE_CXX_FLAGS=-fsanitize=thread \
+    -DCMAKE_C_FLAGS=-fsanitize=thread -DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread >/dev/null
+  ninja -C "$src/build" synchronization status >/dev/null
+  mkdir -p "$lib"
+  find "$src/build" -name 'libabsl_*.so.*' -exec cp -P {} "$lib/" \;
+  echo "$version" > "$lib/.version"
+}
+
+thread() {
+  local targets=(queued_client_test router_test store_kv_cache_test batch_engine_test
+                 engine_attach_test kv_transport_test router_process_test worker_process_test)
+  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DINFINIGEN_SANITIZE_THREAD=ON -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF \
+    >/dev/null
+  tsan_abseil
+  cmake --build build-tsan --target "${targets[@]}" infinigen infinigen-router infinigen-worker \
+    infinigen-kvstore >/dev/null
+  LD_LIBRARY_PATH="$PWD/build-tsan/absl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    OMP_NUM_THREADS=1 UCX_MEM_EVENTS=no \
+    TSAN_OPTIONS="suppressions=$PWD/scripts/tsan_suppressions.txt second_deadlock_stack=1 exitcode=66" \
+    run_suites build-tsan "${targets[@]}"
+}
+
+modes=("$@")
+[[ ${#modes[@]} -gt 0 ]] || modes=(address thread)
+for m in "${modes[@]}"; do
+  case "$m" in
+    address) address ;;
+    thread) thread ;;
+    *) echo "usage: scripts/sanitize.sh [address|thread]..." >&2; exit 2 ;;
+  esac
 done

@@ -33,12 +33,13 @@ struct Collector {
   absl::Notification done;
   EventSink Sink() {
     return [this](const EngineEvent& e) {
-      absl::MutexLock l(&mu);
-      if (e.token >= 0) tokens.push_back(e.token);
-      if (e.done) {
-        last = e;
-        done.Notify();
+      {
+        absl::MutexLock l(&mu);
+        if (e.token >= 0) tokens.push_back(e.token);
+        if (e.done) last = e;
       }
+      // Outside the lock: the waiter may destroy this Collector (and mu) once notified.
+      if (e.done) done.Notify();
     };
   }
 };

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "gtest/gtest.h"
 #include "tests/support/test_paths.h"
 
 namespace infinigen::testing {
@@ -108,7 +109,15 @@ ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string>
   }
 }
 
-ServerProcess::~ServerProcess() { Kill(); }
+ServerProcess::~ServerProcess() {
+  Kill();
+  // A sanitized build's server reports to its log and goes on (or exits); either way the test
+  // that ran it fails, naming the log.
+  for (const char* report : {"WARNING: ThreadSanitizer:", "ERROR: AddressSanitizer:",
+                             "ERROR: LeakSanitizer:", ": runtime error: "}) {
+    if (Logged(report)) ADD_FAILURE() << "a sanitizer report (" << report << ") in " << log_;
+  }
+}
 
 bool ServerProcess::Logged(const std::string& text) const {
   std::ifstream in(log_);
