@@ -42,8 +42,8 @@ address() {
     run_suites build-asan "${targets[@]}"
 }
 
-# abseil's synchronization and status libraries (and what they use) built with -fsanitize=thread from Debian's source of the installed
-# libabsl (checked against the .dsc's SHA-256 sums) into build-tsan/absl/lib.
+# abseil's synchronization and status libraries (and what they use) built with
+# -fsanitize=thread from Debian's source of the installed libabsl (checked against the .dsc's SHA-256 sums) into build-tsan/absl/lib.
 tsan_abseil() {
   local lib=build-tsan/absl/lib version upstream src pool
   version="$(dpkg-query -W -f='${Version}\n' 'libabsl2*' | head -n 1)"
@@ -58,7 +58,10 @@ tsan_abseil() {
     curl -fsSL -o "$src/abseil_${version}.debian.tar.xz" "$pool/abseil_${version}.debian.tar.xz"
     break
   done
-  [[ -s "$src/abseil.dsc" ]] || { echo "sanitize: no Debian source for abseil $version" >&2; exit 1; }
+  if [[ ! -s "$src/abseil.dsc" ]]; then
+    echo "sanitize: no Debian source for abseil $version" >&2
+    exit 1
+  fi
   (cd "$src" && sed -n '/^Checksums-Sha256:/,/^[^ ]/p' abseil.dsc | grep '^ ' |
      awk '{print $1 "  " $3}' | sha256sum -c --quiet -)
   tar -xzf "$src/abseil_${upstream}.orig.tar.gz" -C "$src"
@@ -87,7 +90,7 @@ thread() {
     infinigen-kvstore >/dev/null
   LD_LIBRARY_PATH="$PWD/build-tsan/absl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     OMP_NUM_THREADS=1 UCX_MEM_EVENTS=no \
-    TSAN_OPTIONS="suppressions=$PWD/scripts/tsan_suppressions.txt second_deadlock_stack=1 exitcode=66" \
+    TSAN_OPTIONS="suppressions=$PWD/scripts/tsan_suppressions.txt second_deadlock_stack=1" \
     run_suites build-tsan "${targets[@]}"
 }
 
