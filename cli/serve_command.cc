@@ -58,7 +58,8 @@ int RunServe(int argc, char** argv) {
   flags.Int("max-queued", &max_queued, "requests waiting for a slot before RESOURCE_EXHAUSTED");
   flags.String("api-keys-file", &router.api_keys_file,
                "file with one API key per line (clients send `authorization: Bearer <key>`)");
-  flags.String("tls-cert", &router.tls.cert, "serve TLS with this certificate chain (PEM)");
+  flags.String("tls-cert", &router.tls.cert,
+               "serve TLS (gRPC, and --http-listen) with this certificate chain (PEM)");
   flags.String("tls-key", &router.tls.key, "the private key of --tls-cert (PEM)");
   flags.String("tls-client-ca", &router.tls.ca, "require client certificates signed by this CA");
   flags.Int("metrics-port", &metrics_port, "router metrics (Prometheus) on this port (0: off)");
@@ -121,7 +122,10 @@ int RunServe(int argc, char** argv) {
   if (!server.ok()) return ReportError("serve", server.status());
   std::cout << "infinigen serve: serving " << (*runtime)->description() << " on port "
             << (*server)->port();
-  if ((*server)->http_port() > 0) std::cout << ", HTTP on port " << (*server)->http_port();
+  if ((*server)->http_port() > 0) {
+    std::cout << ", HTTP" << (router.tls.cert.empty() ? "" : "S") << " on port "
+              << (*server)->http_port();
+  }
   std::cout << std::endl;
 
   WaitForShutdownSignal();

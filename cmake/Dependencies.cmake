@@ -69,6 +69,8 @@ if(INFINIGEN_WITH_SERVICES)
     find_package(prometheus-cpp CONFIG REQUIRED)
     # The OpenAI-compatible HTTP front door (openai/): Boost.Beast and Asio, header-only.
     find_package(Boost 1.74 REQUIRED)
+    # ... and TLS on its port (Asio's ssl over OpenSSL, the library gRPC already uses).
+    find_package(OpenSSL REQUIRED)
   endif()
 endif()
 

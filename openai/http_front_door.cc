@@ -5,35 +5,32 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/write.hpp>
-#include <boost/beast/core.hpp>
+#include <atomic>
 #include <boost/beast/http.hpp>
 #include <chrono>
 #include <cmath>
 #include <ctime>
 #include <functional>
-#include <list>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <thread>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/v1/generation.grpc.pb.h"
+#include "openai/http_server.h"
 #include "openai/openai_json.h"
 
 namespace infinigen::openai {
 namespace {
 
-namespace beast = boost::beast;
-namespace http = beast::http;
-namespace net = boost::asio;
-using tcp = net::ip::tcp;
-using Request = http::request<http::string_body>;
+namespace http = boost::beast::http;
 
 // The HTTP status of a gRPC failure, as OpenAI's clients read them (they retry 429 and 5xx).
 ApiError FromGrpc(const grpc::Status& st, const grpc::ClientContext& ctx) {
@@ -142,235 +139,53 @@ class HttpFrontDoor::Impl {
         health_(grpc::health::v1::Health::NewStub(channel)),
         started_(static_cast<int64_t>(std::time(nullptr))) {}
 
-  absl::StatusOr<int> Listen() {
-    std::vector<std::string> parts = absl::StrSplit(config_.listen, absl::MaxSplits(':', 1));
-    int port = 0;
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], &port) || port < 0 || port > 65535) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--http_listen must be host:port, not '", config_.listen, "'"));
-    }
-    beast::error_code ec;
-    const auto address =
-        net::ip::make_address(parts[0] == "localhost" ? "127.0.0.1" : parts[0], ec);
-    if (ec) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--http_listen: '", parts[0], "' is not an IP address: ", ec.message()));
-    }
-    const tcp::endpoint endpoint(address, static_cast<uint16_t>(port));
-    acceptor_.open(endpoint.protocol(), ec);
-    if (!ec) acceptor_.set_option(net::socket_base::reuse_address(true), ec);
-    if (!ec) acceptor_.bind(endpoint, ec);
-    if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
-    if (!ec) acceptor_.non_blocking(true, ec);
-    if (ec) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen for HTTP on ", config_.listen, ": ", ec.message()));
-    }
-    accept_thread_ = std::thread([this] { AcceptLoop(); });
-    return acceptor_.local_endpoint().port();
+  absl::Status Start() {
+    IG_ASSIGN_OR_RETURN(
+        server_, HttpServer::Start(config_, [this](const HttpRequest& req, HttpConnection& conn) {
+          return Handle(req, conn);
+        }));
+    return absl::OkStatus();
   }
 
+  int port() const { return server_->port(); }
   void Shutdown() {
-    if (stopping_.exchange(true)) return;
-    if (accept_thread_.joinable()) accept_thread_.join();
-    {
-      absl::MutexLock l(&mu_);
-      for (Connection& c : connections_) {
-        for (grpc::ClientContext* call : c.calls) call->TryCancel();
-        ::shutdown(c.fd, SHUT_RDWR);
-      }
-    }
-    Reap(/*all=*/true);
+    if (server_ != nullptr) server_->Shutdown();
   }
 
  private:
-  struct Connection {
-    int fd = -1;
-    std::vector<grpc::ClientContext*> calls;  // the generation in progress, if any (mu_)
-    std::atomic<bool> done{false};
-    // While it waits for a request: since when (steady clock, ms); 0 while answering one.
-    std::atomic<int64_t> waiting_since_ms{0};
-    std::thread thread;
-  };
-
-  static int64_t NowMs() {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-
-  // Closes the connections that have waited for a request longer than idle_timeout (their
-  // threads' reads then fail and they end).
-  void CloseIdle() {
-    const int64_t limit = absl::ToInt64Milliseconds(config_.idle_timeout);
-    const int64_t now = NowMs();
-    absl::MutexLock l(&mu_);
-    for (Connection& c : connections_) {
-      const int64_t since = c.waiting_since_ms.load();
-      if (since != 0 && now - since > limit) ::shutdown(c.fd, SHUT_RDWR);
-    }
-  }
-
-  void AcceptLoop() {
-    const int fd = acceptor_.native_handle();
-    while (!stopping_.load()) {
-      pollfd p{fd, POLLIN, 0};
-      if (::poll(&p, 1, 200) <= 0) {
-        Reap(/*all=*/false);
-        CloseIdle();
-        continue;
-      }
-      beast::error_code ec;
-      tcp::socket socket(io_);
-      acceptor_.accept(socket, ec);
-      if (ec) continue;
-      socket.non_blocking(false, ec);
-      socket.set_option(tcp::no_delay(true), ec);
-      Reap(/*all=*/false);
-      absl::MutexLock l(&mu_);
-      if (static_cast<int>(connections_.size()) >= config_.max_connections) {
-        ApiError e{503,
-                   absl::StrCat("this server holds its limit of ", config_.max_connections,
-                                " HTTP connections; retry shortly"),
-                   "service_unavailable"};
-        e.retry_after_seconds = 1;
-        WriteError(socket, 11, e, /*keep_alive=*/false);
-        continue;
-      }
-      Connection& c = connections_.emplace_back();
-      c.fd = socket.native_handle();
-      c.waiting_since_ms.store(NowMs());
-      c.thread = std::thread([this, &c, s = std::move(socket)]() mutable {
-        Serve(s, c);
-        c.done.store(true);
-      });
-    }
-    beast::error_code ec;
-    acceptor_.close(ec);
-  }
-
-  // Joins the threads of connections that ended (all of them, waiting, when `all`).
-  void Reap(bool all) {
-    std::list<Connection> ended;
-    {
-      absl::MutexLock l(&mu_);
-      for (auto it = connections_.begin(); it != connections_.end();) {
-        if (all || it->done.load()) {
-          auto next = std::next(it);
-          ended.splice(ended.end(), connections_, it);
-          it = next;
-        } else {
-          ++it;
-        }
-      }
-    }
-    for (Connection& c : ended) c.thread.join();
-  }
-
-  void Serve(tcp::socket& socket, Connection& c) {
-    beast::flat_buffer buffer;
-    while (!stopping_.load()) {
-      http::request_parser<http::string_body> parser;
-      parser.body_limit(config_.max_body_bytes);
-      parser.header_limit(64 * 1024);
-      beast::error_code ec;
-      c.waiting_since_ms.store(NowMs());
-      http::read(socket, buffer, parser, ec);
-      c.waiting_since_ms.store(0);
-      if (ec == http::error::end_of_stream || ec == net::error::eof ||
-          ec == net::error::connection_reset || stopping_.load()) {
-        break;
-      }
-      if (ec == http::error::body_limit) {
-        WriteError(socket, 11,
-                   {413, absl::StrCat("the request body is larger than this server's limit of ",
-                                      config_.max_body_bytes, " bytes")},
-                   false);
-        Drain(socket);
-        break;
-      }
-      if (ec) {
-        WriteError(socket, 11, {400, absl::StrCat("malformed HTTP request: ", ec.message())},
-                   false);
-        break;
-      }
-      const Request& req = parser.get();
-      if (!Handle(req, socket, c) || !req.keep_alive()) break;
-    }
-    beast::error_code ec;
-    socket.shutdown(tcp::socket::shutdown_both, ec);
-    socket.close(ec);
-  }
-
-  // After an answer sent before the request was read to its end (413): stops sending and reads
-  // what the client still sends (for up to 2 s), so that closing does not reset the connection
-  // before the client has read the answer.
-  static void Drain(tcp::socket& socket) {
-    beast::error_code ec;
-    socket.shutdown(tcp::socket::shutdown_send, ec);
-    const int fd = socket.native_handle();
-    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    char sink[1 << 16];
-    while (std::chrono::steady_clock::now() < end) {
-      pollfd p{fd, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      if (::recv(fd, sink, sizeof(sink), 0) <= 0) return;
-    }
-  }
-
   // Answers one request; false when the connection must close.
-  bool Handle(const Request& req, tcp::socket& socket, Connection& c) {
+  bool Handle(const HttpRequest& req, HttpConnection& conn) {
     std::string path(req.target());
     if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
     const bool keep = req.keep_alive();
     auto method = [&](http::verb want) {
       if (req.method() == want) return true;
-      WriteError(socket, req.version(),
+      WriteError(conn, req.version(),
                  {405, absl::StrCat(path, " takes ", std::string(http::to_string(want)))}, keep);
       return false;
     };
-    if (path == "/health") return !method(http::verb::get) ? keep : Health(req, socket);
-    if (path == "/v1/models") return !method(http::verb::get) ? keep : Models(req, socket);
+    if (path == "/health") return !method(http::verb::get) ? keep : Health(req, conn);
+    if (path == "/v1/models") return !method(http::verb::get) ? keep : Models(req, conn);
     if (path == "/v1/completions") {
-      return !method(http::verb::post) ? keep : Generate(Endpoint::kCompletions, req, socket, c);
+      return !method(http::verb::post) ? keep : Generate(Endpoint::kCompletions, req, conn);
     }
     if (path == "/v1/chat/completions") {
-      return !method(http::verb::post) ? keep
-                                       : Generate(Endpoint::kChatCompletions, req, socket, c);
+      return !method(http::verb::post) ? keep : Generate(Endpoint::kChatCompletions, req, conn);
     }
     ApiError e{404,
                absl::StrCat("no route ", path,
                             "; this server has /v1/completions, /v1/chat/completions, "
                             "/v1/models and /health"),
                "not_found_error"};
-    return WriteError(socket, req.version(), e, keep);
+    return WriteError(conn, req.version(), e, keep);
   }
 
-  static void Authorize(const Request& req, grpc::ClientContext& ctx) {
+  static void Authorize(const HttpRequest& req, grpc::ClientContext& ctx) {
     auto it = req.find(http::field::authorization);
     if (it != req.end()) ctx.AddMetadata("authorization", std::string(it->value()));
   }
 
-  static bool WriteJson(tcp::socket& socket, unsigned version, int status, const std::string& body,
-                        bool keep_alive, int retry_after = 0) {
-    http::response<http::string_body> res{static_cast<http::status>(status), version};
-    res.set(http::field::content_type, "application/json");
-    if (retry_after > 0) res.set(http::field::retry_after, std::to_string(retry_after));
-    res.keep_alive(keep_alive);
-    res.body() = body;
-    res.prepare_payload();
-    beast::error_code ec;
-    http::write(socket, res, ec);
-    return !ec && keep_alive;
-  }
-
-  static bool WriteError(tcp::socket& socket, unsigned version, const ApiError& e,
-                         bool keep_alive) {
-    return WriteJson(socket, version, e.http_status, ErrorJson(e), keep_alive,
-                     e.retry_after_seconds);
-  }
-
-  bool Health(const Request& req, tcp::socket& socket) {
+  bool Health(const HttpRequest& req, HttpConnection& conn) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     grpc::health::v1::HealthCheckRequest check;
@@ -379,13 +194,13 @@ class HttpFrontDoor::Impl {
     const grpc::Status st = health_->Check(&ctx, check, &answer);
     const bool serving =
         st.ok() && answer.status() == grpc::health::v1::HealthCheckResponse::SERVING;
-    return WriteJson(socket, req.version(), serving ? 200 : 503,
+    return WriteJson(conn, req.version(), serving ? 200 : 503,
                      serving ? R"({"status":"ok"})" : R"({"status":"unavailable"})",
                      req.keep_alive(), serving ? 0 : 1);
   }
 
   // The served model's name and context (cached after the first answer).
-  grpc::Status Info(const Request& req, v1::ModelInfo& out) {
+  grpc::Status Info(const HttpRequest& req, v1::ModelInfo& out) {
     {
       absl::MutexLock l(&mu_);
       if (info_.has_value()) {
@@ -404,11 +219,11 @@ class HttpFrontDoor::Impl {
     return st;
   }
 
-  bool Models(const Request& req, tcp::socket& socket) {
+  bool Models(const HttpRequest& req, HttpConnection& conn) {
     v1::ModelInfo info;
     grpc::ClientContext ctx;  // only for FromGrpc's metadata
     const grpc::Status st = Info(req, info);
-    if (!st.ok()) return WriteError(socket, req.version(), FromGrpc(st, ctx), req.keep_alive());
+    if (!st.ok()) return WriteError(conn, req.version(), FromGrpc(st, ctx), req.keep_alive());
     const nlohmann::json body = {{"object", "list"},
                                  {"data",
                                   {{{"id", info.model()},
@@ -417,13 +232,13 @@ class HttpFrontDoor::Impl {
                                     {"owned_by", "infinigen"},
                                     {"max_model_len", info.max_context_tokens()}}}}};
     // A checkpoint's name may hold any bytes: invalid UTF-8 becomes U+FFFD, never an exception.
-    return WriteJson(socket, req.version(), 200,
+    return WriteJson(conn, req.version(), 200,
                      body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
                      req.keep_alive());
   }
 
   // A token's text (the model's decoding of that id alone), for logprobs.
-  std::string TokenText(const Request& req, int32_t id) {
+  std::string TokenText(const HttpRequest& req, int32_t id) {
     {
       absl::MutexLock l(&mu_);
       if (auto it = token_texts_.find(id); it != token_texts_.end()) return it->second;
@@ -441,16 +256,16 @@ class HttpFrontDoor::Impl {
     return answer.text();
   }
 
-  bool Generate(Endpoint endpoint, const Request& req, tcp::socket& socket, Connection& c) {
+  bool Generate(Endpoint endpoint, const HttpRequest& req, HttpConnection& conn) {
     const bool keep = req.keep_alive();
     ParsedRequest parsed;
     ApiError error;
     if (!ParseRequest(endpoint, req.body(), parsed, error)) {
-      return WriteError(socket, req.version(), error, keep);
+      return WriteError(conn, req.version(), error, keep);
     }
     v1::ModelInfo info;
     if (Info(req, info).ok() && !parsed.model.empty() && parsed.model != info.model()) {
-      return WriteError(socket, req.version(),
+      return WriteError(conn, req.version(),
                         {404,
                          absl::StrCat("the model '", parsed.model,
                                       "' does not exist here; this "
@@ -482,16 +297,9 @@ class HttpFrontDoor::Impl {
     auto cancel_all = [&contexts] {
       for (auto& ctx : contexts) ctx->TryCancel();
     };
-    {
-      absl::MutexLock l(&mu_);
-      for (auto& ctx : contexts) c.calls.push_back(ctx.get());
-    }
-    absl::Cleanup forget = [this, &c] {
-      absl::MutexLock l(&mu_);
-      c.calls.clear();
-    };
-    if (stopping_.load()) cancel_all();
-    HangupWatch watch(c.fd, cancel_all);
+    conn.OnShutdown(cancel_all);
+    absl::Cleanup forget = [&conn] { conn.OnShutdown(nullptr); };
+    HangupWatch watch(conn.fd(), cancel_all);
     std::vector<std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>>> readers;
     for (int i = 0; i < n; ++i) {
       readers.push_back(stub_->Generate(contexts[static_cast<size_t>(i)].get(),
@@ -530,9 +338,9 @@ class HttpFrontDoor::Impl {
       drain([&](int i, const v1::GenerateResponse& m) { builder.Add(i, m); }, nullptr);
       if (watch.gone()) return false;
       if (const grpc::Status* st = failed()) {
-        return WriteError(socket, req.version(), error_of(*st), keep);
+        return WriteError(conn, req.version(), error_of(*st), keep);
       }
-      return WriteJson(socket, req.version(), 200, builder.Whole(), keep);
+      return WriteJson(conn, req.version(), 200, builder.Whole(), keep);
     }
     // Stream: a request the server refuses is an HTTP error, not an event stream, so every
     // choice's first message (or failure) comes before the header.
@@ -550,23 +358,19 @@ class HttpFrontDoor::Impl {
         readers[static_cast<size_t>(j)]->Finish().ok();
       }
       if (watch.gone()) return false;
-      return WriteError(socket, req.version(), error_of(statuses[static_cast<size_t>(i)]), keep);
+      return WriteError(conn, req.version(), error_of(statuses[static_cast<size_t>(i)]), keep);
     }
-    http::response<http::empty_body> head{http::status::ok, req.version()};
+    HttpStreamHead head{http::status::ok, req.version()};
     head.set(http::field::content_type, "text/event-stream");
     head.set(http::field::cache_control, "no-cache");
     head.keep_alive(keep);
-    head.chunked(true);
-    http::response_serializer<http::empty_body> serializer{head};
-    beast::error_code ec;
-    http::write_header(socket, serializer, ec);
+    bool written = conn.WriteHead(head);
     std::mutex write_mu;  // the choices' threads write events in turn
     auto event = [&](const std::string& data) {
       std::lock_guard<std::mutex> l(write_mu);
-      if (ec) return;
-      const std::string line = absl::StrCat("data: ", data, "\n\n");
-      net::write(socket, http::make_chunk(net::buffer(line)), ec);
-      if (ec) cancel_all();  // the client is gone: stop generating for it
+      if (!written) return;
+      written = conn.WriteChunk(absl::StrCat("data: ", data, "\n\n"));
+      if (!written) cancel_all();  // the client is gone: stop generating for it
     };
     drain(
         [&](int i, const v1::GenerateResponse& m) {
@@ -579,20 +383,16 @@ class HttpFrontDoor::Impl {
       event(builder.UsageChunk());
     }
     event("[DONE]");
-    if (!ec) net::write(socket, http::make_chunk_last(), ec);
-    return !ec && !watch.gone() && keep;
+    if (written) written = conn.WriteLastChunk();
+    return written && !watch.gone() && keep;
   }
 
   HttpFrontDoorConfig config_;
   std::unique_ptr<v1::Generation::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   const int64_t started_;
-  net::io_context io_;
-  tcp::acceptor acceptor_{io_};
-  std::thread accept_thread_;
-  std::atomic<bool> stopping_{false};
-  absl::Mutex mu_;
-  std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<HttpServer> server_;
+  absl::Mutex mu_;  // the caches below
   std::optional<v1::ModelInfo> info_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int32_t, std::string> token_texts_ ABSL_GUARDED_BY(mu_);
 };
@@ -603,10 +403,9 @@ absl::StatusOr<std::unique_ptr<HttpFrontDoor>> HttpFrontDoor::Start(
     return absl::InvalidArgumentError("the HTTP front door needs max_connections >= 1");
   }
   auto impl = std::make_unique<Impl>(config, std::move(channel));
-  absl::StatusOr<int> port = impl->Listen();
-  if (!port.ok()) return port.status();
+  IG_RETURN_IF_ERROR(impl->Start());
   std::unique_ptr<HttpFrontDoor> door(new HttpFrontDoor(std::move(impl)));
-  door->port_ = *port;
+  door->port_ = door->impl_->port();
   return door;
 }
 

@@ -19,7 +19,8 @@ ABSL_FLAG(std::string, workers, "",
           "(a Kubernetes headless service)");
 ABSL_FLAG(std::string, worker_tls_ca, "",
           "reach workers over TLS, trusting this CA (presents --tls_cert when set: mTLS)");
-ABSL_FLAG(std::string, tls_cert, "", "serve TLS with this certificate chain (PEM)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "serve TLS (gRPC, and --http_listen) with this certificate chain (PEM)");
 ABSL_FLAG(std::string, tls_key, "", "the private key of --tls_cert (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "", "require client certificates signed by this CA");
 ABSL_FLAG(std::string, api_keys_file, "",
@@ -120,7 +121,10 @@ int main(int argc, char** argv) {
   std::cout << "infinigen-router: serving on port " << (*server)->port() << ", "
             << (*server)->available_workers() << " of " << config.pool.targets.size()
             << " worker targets available";
-  if ((*server)->http_port() > 0) std::cout << "; HTTP on port " << (*server)->http_port();
+  if ((*server)->http_port() > 0) {
+    std::cout << "; HTTP" << (config.tls.cert.empty() ? "" : "S") << " on port "
+              << (*server)->http_port();
+  }
   std::cout << std::endl;
 
   WaitForShutdownSignal();

@@ -45,9 +45,11 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
   }
   SetHealth(*r->server_, {v1::Generation::service_full_name()}, true);
   if (!config.http_listen.empty()) {
-    // In-process: the same service, keys and limits, without TLS or a port in between.
+    // In-process: the same service, keys and limits, without TLS or a port in between. The
+    // HTTP port serves TLS with the gRPC port's certificate (and client CA).
     config.http.listen = config.http_listen;
     config.http.max_body_bytes = static_cast<size_t>(4 * config.options.max_request_bytes);
+    config.http.tls = config.tls;
     IG_ASSIGN_OR_RETURN(r->http_,
                         openai::HttpFrontDoor::Start(
                             config.http, r->server_->InProcessChannel(grpc::ChannelArguments())));

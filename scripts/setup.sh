@@ -15,7 +15,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libucx-dev ucx-utils prometheus-cpp-dev clang-format clang-14 libclang-rt-14-dev libboost-dev
-  curl patch xz-utils
+  libssl-dev curl patch xz-utils
 )
 
 "$(dirname "$0")/install_packages.sh" "${PACKAGES[@]}"

@@ -9,6 +9,7 @@
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -18,6 +19,7 @@
 
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/certificates.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
 #include "tests/support/token_request.h"
@@ -43,13 +45,12 @@ struct Reply {
   json Json() const { return json::parse(body, nullptr, false); }
 };
 
-Reply Call(int port, http::verb method, const std::string& target, const std::string& body,
-           const std::string& authorization = "") {
-  net::io_context io;
-  tcp::socket socket(io);
+// One request on a connection of its own (`stream`: connected, and past its TLS handshake when
+// it has one); status 0 when no answer came.
+template <class Stream>
+Reply Exchange(Stream& socket, http::verb method, const std::string& target,
+               const std::string& body, const std::string& authorization) {
   beast::error_code ec;
-  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port), ec);
-  if (ec) return {};
   http::request<http::string_body> req{method, target, 11};
   req.set(http::field::host, "127.0.0.1");
   req.set(http::field::content_type, "application/json");
@@ -69,6 +70,33 @@ Reply Call(int port, http::verb method, const std::string& target, const std::st
   r.retry_after = std::string(res[http::field::retry_after]);
   r.content_type = std::string(res[http::field::content_type]);
   return r;
+}
+
+Reply Call(int port, http::verb method, const std::string& target, const std::string& body,
+           const std::string& authorization = "") {
+  net::io_context io;
+  tcp::socket socket(io);
+  beast::error_code ec;
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port), ec);
+  if (ec) return {};
+  return Exchange(socket, method, target, body, authorization);
+}
+
+// Over TLS, trusting only the CA in `ca_file` and checking that the server is "localhost".
+Reply CallTls(int port, const std::string& ca_file, http::verb method, const std::string& target,
+              const std::string& body) {
+  net::io_context io;
+  net::ssl::context tls(net::ssl::context::tls_client);
+  beast::error_code ec;
+  tls.load_verify_file(ca_file, ec);
+  if (ec) return {};
+  tls.set_verify_mode(net::ssl::verify_peer);
+  tls.set_verify_callback(net::ssl::host_name_verification("localhost"));
+  net::ssl::stream<tcp::socket> stream(io, tls);
+  stream.next_layer().connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port), ec);
+  if (!ec) stream.handshake(net::ssl::stream_base::client, ec);
+  if (ec) return {};
+  return Exchange(stream, method, target, body, "");
 }
 
 Reply Post(int port, const std::string& target, const json& body,
@@ -191,6 +219,41 @@ TEST_F(OpenAiHttp, CompletionsEqualTheGrpcApiWholeAndStreamed) {
 
 // n choices are n calls of the gRPC API, choice i sampled with the request's seed + i: each
 // equals the gRPC API's answer for that seed, whole and streamed.
+// With --tls-cert / --tls-key, the HTTP port speaks TLS with the gRPC port's certificate: whole
+// and streamed answers come over it; plaintext and clients that do not trust the CA get none.
+TEST_F(OpenAiHttp, TheHttpPortServesTlsWithTheGrpcPortsCertificate) {
+  const std::string dir = testing::MakeCertificates("http_tls");
+  const std::string other = testing::MakeCertificates("http_tls_other");
+  Start({"--tls-cert=" + dir + "/service.pem", "--tls-key=" + dir + "/service.key"});
+  json request = {{"prompt", {1, 2, 3, 4}}, {"max_tokens", 4}, {"temperature", 0}};
+  const Reply whole =
+      CallTls(http_port_, dir + "/ca.pem", http::verb::post, "/v1/completions", request.dump());
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  EXPECT_EQ(whole.Json()["usage"]["completion_tokens"], 4) << whole.body;
+  request["stream"] = true;
+  const Reply streamed =
+      CallTls(http_port_, dir + "/ca.pem", http::verb::post, "/v1/completions", request.dump());
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  EXPECT_EQ(streamed.content_type, "text/event-stream");
+  const std::vector<json> events = Events(streamed.body);
+  ASSERT_GE(events.size(), 2u) << streamed.body;
+  EXPECT_EQ(events.back(), json("[DONE]"));
+  std::string text;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json& e = events[i];
+    if (e.is_object() && e.contains("choices") && !e.at("choices").empty()) {
+      text += e.at("choices").at(0).value("text", "");
+    }
+  }
+  EXPECT_EQ(text, whole.Json()["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(CallTls(http_port_, dir + "/ca.pem", http::verb::get, "/health", "").status, 200);
+  // Plaintext HTTP on the TLS port, and a client trusting another CA: no answer.
+  EXPECT_EQ(Post(http_port_, "/v1/completions", request).status, 0);
+  EXPECT_EQ(CallTls(http_port_, other + "/ca.pem", http::verb::get, "/health", "").status, 0);
+  // The server is still there for a client that does it right.
+  EXPECT_EQ(CallTls(http_port_, dir + "/ca.pem", http::verb::get, "/health", "").status, 200);
+}
+
 TEST_F(OpenAiHttp, NChoicesEqualGrpcRequestsWithConsecutiveSeeds) {
   Start();
   const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};

@@ -20,6 +20,7 @@
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/certificates.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/http_get.h"
 #include "tests/support/process.h"
@@ -31,7 +32,9 @@ namespace {
 
 namespace wv1 = worker::v1;
 using testing::FreePort;
+using testing::MakeCertificates;
 using testing::RandomTokens;
+using testing::ReadFile;
 using testing::ServerProcess;
 
 const char* kModel = "hf/llama31_gqa";
@@ -701,30 +704,6 @@ TEST_F(RouterProcess, TheStopReasonNamesTheTokenAndMinTokensHoldsIt) {
   EXPECT_NE(held.tokens[0], first);
   r.mutable_stopping()->set_min_tokens(7);  // more than max_new_tokens
   EXPECT_EQ(Stream(*stub_, r).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-}
-
-// A CA and one certificate (for `san`) that every service serves and presents as a client.
-std::string MakeCertificates(const std::string& name = "tls",
-                             const std::string& san = "IP:127.0.0.1,DNS:localhost") {
-  const std::string dir = ::testing::TempDir() + "/" + name;
-  const std::string cmd =
-      "set -e; mkdir -p " + dir + "; cd " + dir +
-      "; openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 "
-      "-subj /CN=test-ca 2>/dev/null"
-      "; openssl req -newkey rsa:2048 -nodes -keyout service.key -out service.csr "
-      "-subj /CN=localhost 2>/dev/null"
-      "; printf 'subjectAltName=" +
-      san +
-      "\\n' > ext.cnf"
-      "; openssl x509 -req -in service.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
-      "-out service.pem -days 1 -extfile ext.cnf 2>/dev/null";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  return dir;
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 // Streams 5 tokens once the router has found its worker (health checks take a moment): the
