@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The outside peer of bench/gpu_decode_bench: Hugging Face transformers `generate` at the same
-Llama-3.1-8B shape (random bf16 weights from the config: no weights can be downloaded), all K/V on
+"""The outside peer of the served decode path (scripts/gpu/served_decode.sh, worker_bench):
+Hugging Face transformers `generate` at the same Llama-3.1-8B shape (random bf16 weights from the config: no weights can be downloaded), all K/V on
 the GPU (transformers' default cache), sdpa attention. Decode tokens/s = batch x new tokens /
 (time of generate(1 + new) - time of generate(1)), i.e. without the prefill.
 

@@ -8,9 +8,7 @@
 #   scripts/gpu/run.sh
 # BUDGET (s, default 540) bounds the whole job: served cases that would start later are skipped.
 # CASES (default "8192:1 32768:1 8192:8 8192:16 32768:8 32768:16") and NEW (16) pick the served
-# runs (MODES its modes, see served_decode.sh); HF_SHAPES those of the peer ("none": no peer);
-# COMPONENT=1 also runs gpu_decode_bench (a component pipeline,
-# not the product).
+# runs (MODES its modes, see served_decode.sh); HF_SHAPES those of the peer ("none": no peer).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
@@ -24,8 +22,7 @@ fi
 BIN=${BIN:-build/bin}
 if [ ! -x "$BIN/cuda_model_test" ]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DINFINIGEN_WITH_SERVICES=OFF &&
-    cmake --build build --target cuda_backend_test cuda_kernels_test cuda_model_test \
-      gpu_decode_bench || exit 1
+    cmake --build build --target cuda_backend_test cuda_kernels_test cuda_model_test || exit 1
 fi
 # Tests find fixtures and sibling binaries through these (their compiled-in paths are this
 # machine's only when they were built here).
@@ -47,9 +44,6 @@ if [ -x "$BIN/worker_bench" ]; then
 else
   echo "no $BIN/worker_bench: the served path was not measured (pack it, see above)" |
     tee "$OUT/served.md"
-fi
-if [ "${COMPONENT:-0}" = 1 ]; then
-  timeout 120 "$BIN/gpu_decode_bench" 2>&1 | tee "$OUT/bench.md" || status=1
 fi
 left=$((start + ${BUDGET:-540} - $(date +%s) - 10))
 if [ "$left" -gt 30 ] && [ "${HF_SHAPES:-}" != none ]; then
