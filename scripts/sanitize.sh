@@ -2,10 +2,10 @@
 # The concurrency-heavy suites under the sanitizers; any report fails the run.
 #
 # address: AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/: g++
-#   -fsanitize=address,undefined, no CUDA, no benchmarks): the batch engine, the store cache over
-#   the KV store, the KV transports (in-process, gRPC, shm, UCX) and the HTTP front door against a
-#   sanitized `infinigen serve` (its processes are sanitized too). ~13 minutes to build on 2
-#   cores, a minute to run.
+#   -fsanitize=address,undefined, no CUDA, no benchmarks): every unit suite (CTest label unit),
+#   the batch engine, the store cache over the KV store, the KV transports (in-process, gRPC,
+#   shm, UCX) and the HTTP front door against a sanitized `infinigen serve` (its processes are
+#   sanitized too). ~18 minutes to build on 2 cores, a minute to run.
 # thread: ThreadSanitizer (build-tsan/): the batch engine, the engine's attach path, the store
 #   cache, the KV client queue, the KV transports (gRPC, shm, UCX), the router's relay and pool,
 #   and the router and worker process tests (their servers, `infinigen serve` included, are TSan
@@ -34,7 +34,11 @@ run_suites() {  # build dir, targets...
 }
 
 address() {
-  local targets=(batch_engine_test store_kv_cache_test kv_transport_test openai_http_test)
+  # Every unit suite, then the concurrency-heavy integration suites.
+  local targets=(common_test cpu_kernels_test checkpoint_test proto_test key_limits_test
+                 utf8_fields_test ghz_config_test metrics_exposer_test tokenizer_test
+                 selection_test kv_store_test queued_client_test router_test
+                 batch_engine_test store_kv_cache_test kv_transport_test openai_http_test)
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINFINIGEN_SANITIZE=ON \
     -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF >/dev/null
   cmake --build build-asan --target "${targets[@]}" infinigen >/dev/null
