@@ -76,8 +76,10 @@ tsan_abseil() {
   done < "$tree/debian/patches/series"
   cmake -S "$tree" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON -DCMAKE_CXX_FLAGS=-fsanitize=thread \
-    -DCMAKE_C_FLAGS=-fsanitize=thread -DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread >/dev/null
-  ninja -C "$src/build" synchronization status >/dev/null
+    -DCMAKE_C_FLAGS=-fsanitize=thread -DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread \
+    >"$src/build.log" 2>&1 || { tail -n 40 "$src/build.log"; exit 1; }
+  ninja -C "$src/build" synchronization status >>"$src/build.log" 2>&1 ||
+    { tail -n 40 "$src/build.log"; exit 1; }
   mkdir -p "$lib"
   find "$src/build" -name 'libabsl_*.so.*' -exec cp -P {} "$lib/" \;
   echo "$version" > "$lib/.version"
