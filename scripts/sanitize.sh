@@ -47,7 +47,8 @@ address() {
 }
 
 # abseil's synchronization and status libraries (and what they use) built with
-# -fsanitize=thread from Debian's source of the installed libabsl (checked against the .dsc's SHA-256 sums) into build-tsan/absl/lib.
+# -fsanitize=thread from Debian's source of the installed libabsl (checked against the .dsc's
+# SHA-256 sums) into build-tsan/absl/lib.
 tsan_abseil() {
   local lib=build-tsan/absl/lib version upstream src pool
   version="$(dpkg-query -W -f='${Version}\n' 'libabsl2*' | head -n 1)"
