@@ -42,6 +42,7 @@ int RunEval(int argc, char** argv) {
   int64_t context = 2048, eval_tokens = 256, windows = 1, generate = 0, dense_layers = 2, sink = 0,
           recent = 0;
   double kv_pool = 0.0;
+  bool through_store = false;
   bool no_recall = false;
   BackendFlags backend_flags;
   FlagSet flags("eval", "--model PATH --corpus FILE [flags]",
@@ -69,6 +70,8 @@ int RunEval(int argc, char** argv) {
                "actual (layer i's own query: an analysis upper bound)");
   flags.Float("kv-pool", &kv_pool, "KV pool capacity as a fraction of each sequence (0 = none)");
   flags.String("eviction", &eviction, "KV pool eviction: counter, fifo, lru");
+  flags.Bool("kv-store", &through_store,
+             "decode over a KV store in this process, as the worker does (StoreKvCache)");
   flags.Bool("no-recall", &no_recall, "skip the attention-mass recall measurement (faster)");
   flags.String("json", &json_out, "also write the results to this JSON file");
   backend_flags.Register(flags);
@@ -92,6 +95,7 @@ int RunEval(int argc, char** argv) {
   options.generate_tokens = generate;
   options.passkey_depths = *depth_list;
   options.measure_recall = !no_recall;
+  options.through_store = through_store;
   if (kv_pool > 0) {
     auto ev = ParseEvictionPolicy(eviction);
     if (!ev.ok()) return fail(ev.status());
@@ -215,6 +219,7 @@ int RunEval(int argc, char** argv) {
                           {"sink_tokens", sink},
                           {"recent_tokens", recent},
                           {"kv_pool", kv_pool},
+                          {"kv_store", through_store},
                           {"method",
                            "each window prefilled densely up to its last eval_tokens "
                            "tokens, which are decoded one at a time with the policy"},

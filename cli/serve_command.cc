@@ -42,6 +42,13 @@ int RunServe(int argc, char** argv) {
   flags.Float("alpha", &worker.alpha, "default InfiniGen logit margin");
   flags.Int("dense-layers", &dense_layers, "leading layers that always attend densely");
   flags.Int("kv-capacity-mb", &worker.kv_capacity_mb, "host memory for K/V, in MiB");
+  flags.Float("kv-pool", &worker.kv_pool,
+              "KV pool: a sequence keeps at most this fraction of its prompt + max new tokens; "
+              "decode tokens past it evict its least useful ones (0: no pool)");
+  flags.Int("kv-pool-tokens", &worker.kv_pool_tokens,
+            "KV pool: a share of this many tokens per sequence instead");
+  flags.String("kv-pool-eviction", &worker.kv_pool_eviction,
+               "KV pool eviction: counter, fifo, lru");
   flags.Int("max-running", &max_running, "sequences in the worker's batch at once");
   flags.Int("max-queued-worker", &max_queued_worker, "requests waiting for a batch slot");
   flags.Int("max-queued-prompt-tokens", &worker.engine.max_queued_prompt_tokens,

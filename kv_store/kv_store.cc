@@ -188,8 +188,37 @@ absl::Status KvStore::CloseIf(StoreSequenceId seq, const std::shared_ptr<Sequenc
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> KvStore::RowsAfter(const Layer& l, const SequenceSpec& spec, int64_t n,
+                                           std::span<const int32_t> at_slots) {
+  if (spec.capacity_tokens == 0) {
+    return absl::InvalidArgumentError(
+        "slots were given for the rows of a sequence without a KV pool capacity: its rows are "
+        "placed by position");
+  }
+  if (!CountMatches(n, spec.num_kv_heads, at_slots.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(at_slots.size(), " slots given for ", n,
+                                                   " tokens x ", spec.num_kv_heads, " KV heads"));
+  }
+  int64_t rows = l.rows;
+  for (int g = 0; g < spec.num_kv_heads; ++g) {
+    int64_t used = l.heads[g].slots.size();  // a slot may extend the head's slots by one
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t slot = at_slots[t * spec.num_kv_heads + g];
+      if (slot < 0 || slot >= spec.capacity_tokens || slot > used) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("slot ", slot, " of KV head ", g, " is outside the ", used,
+                         " slots in use + 1 (of ", spec.capacity_tokens, ")"));
+      }
+      if (slot == used) ++used;
+    }
+    rows = std::max(rows, used);
+  }
+  return rows;
+}
+
 absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                             const uint8_t* k, const uint8_t* v, size_t bytes, int32_t* slots_out) {
+                             const uint8_t* k, const uint8_t* v, size_t bytes, int32_t* slots_out,
+                             std::span<const int32_t> at_slots) {
   std::shared_ptr<Sequence> s = Find(seq);
   if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   const SequenceSpec& spec = s->spec;
@@ -220,7 +249,10 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
   }
   // Plan: the blocks the new rows need, for every head, taken all at once or not at all.
   const int64_t per_block = static_cast<int64_t>(arena_->block_bytes()) / row_bytes;
-  const int64_t new_rows = pooled ? std::min(l.rows + n, spec.capacity_tokens) : l.rows + n;
+  int64_t new_rows = pooled ? std::min(l.rows + n, spec.capacity_tokens) : l.rows + n;
+  if (!at_slots.empty()) {
+    IG_ASSIGN_OR_RETURN(new_rows, RowsAfter(l, spec, n, at_slots));
+  }
   const int64_t blocks_needed =
       (new_rows + per_block - 1) / per_block - static_cast<int64_t>(l.heads[0].k_blocks.size());
   if (blocks_needed > 0) {
@@ -246,7 +278,10 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
     for (int g = 0; g < spec.num_kv_heads; ++g) {
       HeadRows& h = l.heads[g];
       int64_t slot = l.rows + t;
-      if (pooled) {
+      if (!at_slots.empty()) {
+        slot = at_slots[t * spec.num_kv_heads + g];
+        evictions += h.slots.PlaceAt(static_cast<int32_t>(slot), start + t, s->step);
+      } else if (pooled) {
         bool evicted;
         slot = h.slots.Place(start + t, s->step, spec.eviction, &evicted);
         evictions += evicted;

@@ -130,9 +130,14 @@ class KvStore {
   // Stores rows [start, start + n) of `layer`: k and v are [n, num_kv_heads, head_dim] in the
   // sequence's dtype (`bytes` each). `slots_out` ([n, num_kv_heads], may be null) gets the slots.
   // Appends must be in order (start = the layer's length). RESOURCE_EXHAUSTED when the store is
-  // full leaves every sequence (this one included) as it was.
+  // full leaves every sequence (this one included) as it was. In a KV pool sequence `at_slots`
+  // ([n, num_kv_heads], or empty) says which slot each row takes, the choice of a worker that
+  // keeps the partial keys of the same slots (it mirrors the slot tables); each slot below the
+  // capacity and at most one past the head's slots in use (INVALID_ARGUMENT otherwise, and for
+  // slots given to a sequence without a capacity). Empty: the store evicts by `spec.eviction`.
   absl::Status Append(StoreSequenceId seq, int layer, int64_t start, int64_t n, const uint8_t* k,
-                      const uint8_t* v, size_t bytes, int32_t* slots_out = nullptr);
+                      const uint8_t* v, size_t bytes, int32_t* slots_out = nullptr,
+                      std::span<const int32_t> at_slots = {});
   // Copies the items' rows. Validates everything before copying anything.
   // `pieces_left` > 0 says more pieces of the same client gather follow (a transport streaming
   // it): the gather is counted once, with its last piece.
@@ -173,6 +178,9 @@ class KvStore {
   };
 
   explicit KvStore(const KvStoreConfig& config) : config_(config) {}
+  // The layer's rows once `at_slots` (Append) are stored; INVALID_ARGUMENT for a bad slot.
+  static absl::StatusOr<int64_t> RowsAfter(const Layer& l, const SequenceSpec& spec, int64_t n,
+                                           std::span<const int32_t> at_slots);
   std::shared_ptr<Sequence> Find(StoreSequenceId seq) const ABSL_LOCKS_EXCLUDED(mu_);
   uint8_t* Row(const std::vector<int32_t>& blocks, int64_t slot, int64_t row_bytes) const;
   void FreeSequence(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -48,6 +48,15 @@ int32_t SlotTable::Place(int64_t position, int64_t step, EvictionPolicy policy, 
   return slot;
 }
 
+bool SlotTable::PlaceAt(int32_t slot, int64_t position, int64_t step) {
+  const bool evicted = slot < size_;
+  if (!evicted) size_ = slot + 1;
+  position_[slot] = position;
+  fetches_[slot] = 0;
+  last_use_[slot] = step;
+  return evicted;
+}
+
 void SlotTable::Fetched(int32_t slot, int64_t step) {
   if (slot < 0 || slot >= size_) return;
   ++fetches_[slot];

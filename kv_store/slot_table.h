@@ -27,6 +27,10 @@ class SlotTable {
 
   // The slot for a new token: the next free one, else the victim `policy` picks.
   int32_t Place(int64_t position, int64_t step, EvictionPolicy policy, bool* evicted);
+  // Puts the token at `position` in `slot` (a choice made elsewhere, e.g. by the worker that
+  // mirrors this table): `slot` < capacity() and at most size() (no holes). True when it
+  // overwrote a token.
+  bool PlaceAt(int32_t slot, int64_t position, int64_t step);
   void Fetched(int32_t slot, int64_t step);
   int64_t Position(int32_t slot) const { return position_[slot]; }
   const std::vector<int64_t>& positions() const { return position_; }

@@ -774,12 +774,14 @@ bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
   };
   if (selection.all) {
     if (!pre.dense) return Miss(pre);
-    // Every stored row in slot order, then the current token (its slot is the next one).
-    const int64_t rows = pre.count + 1;
+    // Every stored row in slot order, and the current token: in the next slot, or (a full KV
+    // pool; every head is as full) in the slot it took from a token it evicted.
+    const bool next_slot = current_slots[0] >= pre.count;
+    const int64_t rows = next_slot ? pre.count + 1 : pre.count;
     pre.map.resize(static_cast<size_t>(kv_heads * rows));
     for (int64_t g = 0; g < kv_heads; ++g) {
       std::iota(pre.map.begin() + g * rows, pre.map.begin() + g * rows + pre.count, 0);
-      pre.map[g * rows + pre.count] = current(g);
+      pre.map[g * rows + (next_slot ? pre.count : current_slots[g])] = current(g);
     }
     ++prefetch_hits_;
     return true;

@@ -9,14 +9,49 @@
 #include "common/status_macros.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+#include "kv_store/client/transports.h"
+#include "kv_store/kv_store.h"
 
 namespace infinigen {
 namespace {
 
-std::unique_ptr<KvCache> MakeCache(Model& model, const EvalOptions& o) {
-  if (o.use_kv_pool)
-    return std::make_unique<KvPoolCache>(model.backend(), model.kv_shape(), o.kv_pool);
-  return std::make_unique<BackendKvCache>(model.backend(), model.kv_shape());
+// The cache a measurement decodes with, and the store it lives in (through_store).
+struct EvalCache {
+  std::unique_ptr<KvStore> store;
+  std::unique_ptr<KvStoreClient> client;
+  std::unique_ptr<KvCache> cache;  // destroyed first: it uses the client, which uses the store
+  KvCache& operator*() { return *cache; }
+};
+
+absl::StatusOr<EvalCache> MakeCache(Model& model, const EvalOptions& o) {
+  EvalCache c;
+  if (o.through_store) {
+    const KvCacheShape shape = model.kv_shape();
+    KvStoreConfig sc;
+    // Room for every sequence one measurement keeps open (one at a time) at its full length.
+    sc.capacity_bytes = static_cast<size_t>(2 * int64_t{shape.num_layers} * shape.num_kv_heads *
+                                            shape.head_dim * DTypeSize(shape.dtype)) *
+                            static_cast<size_t>(o.context + 64) +
+                        (size_t{64} << 20);
+    sc.max_row_bytes = std::max<int64_t>(sc.max_row_bytes, shape.head_dim * 4);
+    sc.shared_memory = false;
+    sc.huge_pages = false;
+    IG_ASSIGN_OR_RETURN(c.store, KvStore::Create(sc));
+    KvClientConfig cc;
+    cc.transport = KvClientConfig::Transport::kInProcess;
+    cc.store = c.store.get();
+    cc.renew_every = absl::ZeroDuration();
+    IG_ASSIGN_OR_RETURN(c.client, MakeInProcessClient(cc));
+    StoreKvCacheOptions options;
+    if (o.use_kv_pool) options.pool = o.kv_pool;
+    c.cache = std::make_unique<StoreKvCache>(model.backend(), shape, *c.client, options);
+  } else if (o.use_kv_pool) {
+    c.cache = std::make_unique<KvPoolCache>(model.backend(), model.kv_shape(), o.kv_pool);
+  } else {
+    c.cache = std::make_unique<BackendKvCache>(model.backend(), model.kv_shape());
+  }
+  return c;
 }
 
 int32_t Argmax(const std::vector<float>& logits) {
@@ -98,7 +133,7 @@ absl::Status CheckWindows(std::span<const int32_t> corpus, const EvalOptions& o)
 absl::StatusOr<std::vector<int32_t>> DenseGreedy(Model& model, std::span<const int32_t> corpus,
                                                  const EvalOptions& o) {
   IG_RETURN_IF_ERROR(CheckWindows(corpus, o));
-  auto cache = MakeCache(model, o);
+  IG_ASSIGN_OR_RETURN(EvalCache cache, MakeCache(model, o));
   return Greedy(model, *cache, nullptr, 1, corpus.subspan(0, o.context - o.generate_tokens),
                 o.generate_tokens, o.prefill_chunk);
 }
@@ -118,7 +153,7 @@ absl::StatusOr<EvalResult> Evaluate(Model& model, std::span<const int32_t> corpu
         std::make_unique<MeteredPolicy>(*policy, model.config(), dense_layers, o.measure_recall);
   }
   KvSelectionPolicy* active = metered.get();
-  auto cache = MakeCache(model, o);
+  IG_ASSIGN_OR_RETURN(EvalCache cache, MakeCache(model, o));
 
   // Perplexity over the windows' tails.
   double nll = 0;

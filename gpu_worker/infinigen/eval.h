@@ -32,6 +32,9 @@ struct EvalOptions {
   bool measure_recall = true;
   bool use_kv_pool = false;  // decode with a KV pool (eviction) instead of a resident cache
   KvPoolConfig kv_pool;
+  // The K/V in a KV store in this process, read as the worker reads them (StoreKvCache: the
+  // cross-layer prefetch, the KV pool's slots sent with the appends), instead of resident.
+  bool through_store = false;
   int64_t prefill_chunk = 512;
 };
 

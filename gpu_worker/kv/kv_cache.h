@@ -42,6 +42,7 @@ struct FetchCounters {
   int64_t bytes_full = 0;
   int64_t fetches = 0;
   double wait_seconds = 0;  // time steps waited for prefetched rows
+  int64_t evictions = 0;    // tokens a KV pool evicted to make room for later ones
 };
 
 struct KvLayerView {

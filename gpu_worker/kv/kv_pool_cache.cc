@@ -17,18 +17,15 @@ absl::Status KvPoolCache::Open(SequenceId seq, int64_t capacity_tokens) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
   }
   Sequence s;
-  s.capacity = config_.capacity_tokens > 0
-                   ? config_.capacity_tokens
-                   : static_cast<int64_t>(std::ceil(config_.capacity_fraction * capacity_tokens));
-  s.capacity = std::max<int64_t>(s.capacity, 1);
+  s.capacity = config_.CapacityFor(capacity_tokens);
+  s.slots = std::make_unique<PooledSlots>(shape_.num_layers, shape_.num_kv_heads, s.capacity,
+                                          config_.eviction);
   const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * s.capacity * shape_.head_dim *
                        DTypeSize(shape_.dtype);
   s.layers.resize(shape_.num_layers);
   for (Layer& l : s.layers) {
     IG_ASSIGN_OR_RETURN(l.k, backend_.Allocate(bytes));
     IG_ASSIGN_OR_RETURN(l.v, backend_.Allocate(bytes));
-    l.heads.resize(shape_.num_kv_heads);
-    for (SlotTable& h : l.heads) h.Resize(s.capacity);
   }
   sequences_.emplace(seq, std::move(s));
   return absl::OkStatus();
@@ -61,27 +58,22 @@ absl::Status KvPoolCache::Append(SequenceId seq, int layer, int64_t start, MatVi
     return absl::InvalidArgumentError(absl::StrCat("the KV pool appends in order: token ", start,
                                                    " arrived after ", l.length, " tokens"));
   }
-  if (n > 1 && l.heads[0].size() + n > s.capacity) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("prefill of ", n, " tokens does not fit the sequence's KV pool capacity of ",
-                     s.capacity, " tokens (", l.heads[0].size(), " stored)"));
-  }
-  if (layer == 0) ++s.step;
+  std::vector<int32_t> slots(static_cast<size_t>(n * shape_.num_kv_heads));
+  IG_ASSIGN_OR_RETURN(const int64_t evicted, s.slots->Place(layer, start, n, slots.data()));
+  if (layer == 0) evictions_ += evicted;
   const int d = shape_.head_dim;
   for (int64_t t = 0; t < n; ++t) {
     for (int g = 0; g < shape_.num_kv_heads; ++g) {
-      bool evicted;
-      const int32_t slot = l.heads[g].Place(start + t, s.step, config_.eviction, &evicted);
-      evictions_ += evicted;
+      const int32_t slot = slots[t * shape_.num_kv_heads + g];
       IG_RETURN_IF_ERROR(
           backend_.Copy(k.Rows(t, 1).Cols(g * d, d),
                         shape_.HeadMajor(l.k->data(), s.capacity).Head(g, slot, 1, d)));
       IG_RETURN_IF_ERROR(
           backend_.Copy(v.Rows(t, 1).Cols(g * d, d),
                         shape_.HeadMajor(l.v->data(), s.capacity).Head(g, slot, 1, d)));
-      if (slots_out != nullptr) slots_out[t * shape_.num_kv_heads + g] = slot;
     }
   }
+  if (slots_out != nullptr) std::copy(slots.begin(), slots.end(), slots_out);
   l.length = start + n;
   return absl::OkStatus();
 }
@@ -95,7 +87,7 @@ absl::StatusOr<KvLayerView> KvPoolCache::Read(SequenceId seq, int layer) {
   }
   Layer& l = s.layers[layer];
   return KvLayerView{shape_.HeadMajor(l.k->data(), s.capacity),
-                     shape_.HeadMajor(l.v->data(), s.capacity), l.heads[0].size()};
+                     shape_.HeadMajor(l.v->data(), s.capacity), s.slots->rows(layer)};
 }
 
 void KvPoolCache::RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {
@@ -103,14 +95,11 @@ void KvPoolCache::RecordFetch(SequenceId seq, int layer, const int32_t* slots, i
   if (it == sequences_.end() || layer < 0 || layer >= shape_.num_layers || slots == nullptr) {
     return;
   }
-  Layer& l = it->second.layers[layer];
-  for (int g = 0; g < shape_.num_kv_heads; ++g) {
-    for (int64_t j = 0; j < count; ++j) l.heads[g].Fetched(slots[g * count + j], it->second.step);
-  }
+  it->second.slots->Fetched(layer, slots, count);
 }
 
 const std::vector<int64_t>& KvPoolCache::SlotPositions(SequenceId seq, int layer, int head) const {
-  return sequences_.at(seq).layers.at(layer).heads.at(head).positions();
+  return sequences_.at(seq).slots->positions(layer, head);
 }
 
 }  // namespace infinigen

@@ -10,17 +10,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "gpu_worker/kv/kv_cache.h"
-#include "kv_store/slot_table.h"
+#include "gpu_worker/kv/kv_pool.h"
 
 namespace infinigen {
-
-struct KvPoolConfig {
-  // Capacity of a sequence: capacity_tokens when > 0, else ceil(capacity_fraction x the
-  // capacity given to Open (its prompt plus most new tokens)).
-  double capacity_fraction = 1.0;
-  int64_t capacity_tokens = 0;
-  EvictionPolicy eviction = EvictionPolicy::kCounter;
-};
 
 class KvPoolCache final : public ResidentKvCache {
  public:
@@ -37,18 +29,17 @@ class KvPoolCache final : public ResidentKvCache {
   // Position of the token in each slot of one head (tests and metrics).
   const std::vector<int64_t>& SlotPositions(SequenceId seq, int layer, int head) const;
   int64_t capacity(SequenceId seq) const;
-  int64_t evictions() const { return evictions_; }
+  int64_t evictions() const { return evictions_; }  // tokens (layer 0, every head)
 
  private:
   struct Layer {
     std::unique_ptr<Buffer> k, v;  // [num_kv_heads, capacity, head_dim]
     int64_t length = 0;            // tokens appended
-    std::vector<SlotTable> heads;  // equal sizes: every head gets every token
   };
   struct Sequence {
     int64_t capacity = 0;
-    int64_t step = 0;
     std::vector<Layer> layers;
+    std::unique_ptr<PooledSlots> slots;
   };
 
   Backend& backend_;

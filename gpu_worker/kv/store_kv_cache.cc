@@ -61,9 +61,20 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   if (sequences_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
   }
-  IG_RETURN_IF_ERROR(client_.Open(StoreId(seq), Spec()));
+  SequenceSpec spec = Spec();
+  std::unique_ptr<PooledSlots> pool;
+  if (options_.pool) {
+    const int64_t share = options_.pool->CapacityFor(capacity_tokens);
+    pool = std::make_unique<PooledSlots>(shape_.num_layers, shape_.num_kv_heads, share,
+                                         options_.pool->eviction);
+    // Room in the store for every slot this cache may choose: its share, or a longer prompt.
+    spec.capacity_tokens = std::max(share, capacity_tokens);
+    spec.eviction = options_.pool->eviction;
+  }
+  IG_RETURN_IF_ERROR(client_.Open(StoreId(seq), spec));
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, 0);
+  s.pool = std::move(pool);
   TakeSpareStaging(s);
   return SizeStaging(s, capacity_tokens);
 }
@@ -102,6 +113,10 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
 absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length) {
   if (sequences_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
+  }
+  if (options_.pool) {
+    return absl::FailedPreconditionError(
+        "a KV pool sequence cannot be attached: its slots are not positions");
   }
   IG_ASSIGN_OR_RETURN(const int64_t kept, client_.Attach(home, StoreId(seq), Spec(), max_length));
   // One of this cache's own sequences (a conversation's next request): its old id is gone.
@@ -168,7 +183,7 @@ absl::StatusOr<int64_t> StoreKvCache::NumSlots(SequenceId seq, int layer) {
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
-  return s->length[layer];
+  return s->Rows(layer);
 }
 
 absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
@@ -202,14 +217,23 @@ absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatV
     IG_RETURN_IF_ERROR(RowsToHost(k, hk.data()));
     IG_RETURN_IF_ERROR(RowsToHost(v, hv.data()));
   }
-  client_.AppendAsync(StoreId(seq), layer, start, n, std::move(hk), std::move(hv));
-  if (slots_out != nullptr) {
+  std::vector<int32_t> slots;
+  if (s->pool != nullptr) {
+    // A prompt chunk past the share grows it (prefill attends by position); decode tokens evict.
+    if (n > 1 && !s->pool->Fits(layer, n)) s->pool->Grow(s->pool->rows(layer) + n);
+    slots.resize(static_cast<size_t>(n * shape_.num_kv_heads));
+    IG_ASSIGN_OR_RETURN(const int64_t evicted, s->pool->Place(layer, start, n, slots.data()));
+    if (layer == 0) s->counters.evictions += evicted;
+    if (slots_out != nullptr) std::copy(slots.begin(), slots.end(), slots_out);
+  } else if (slots_out != nullptr) {
     for (int64_t r = 0; r < n; ++r) {
       for (int g = 0; g < shape_.num_kv_heads; ++g) {
         slots_out[r * shape_.num_kv_heads + g] = static_cast<int32_t>(start + r);
       }
     }
   }
+  client_.AppendAsync(StoreId(seq), layer, start, n, std::move(hk), std::move(hv),
+                      std::move(slots));
   s->length[layer] = start + n;
   return absl::OkStatus();
 }
@@ -281,7 +305,7 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   p.count = count;
   p.in_place = in_place;
   if (!in_place || !host_access_) s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
-  s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.length[layer] *
+  s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.Rows(layer) *
                            static_cast<int64_t>(RowBytes());
   s.counters.fetches += 1;
   return absl::OkStatus();
@@ -392,7 +416,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadAll(SequenceId seq, int layer) {
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
-  const int64_t n = s->length[layer];
+  const int64_t n = s->Rows(layer);
   std::vector<int32_t> slots(static_cast<size_t>(shape_.num_kv_heads * n));
   for (int g = 0; g < shape_.num_kv_heads; ++g) {
     for (int64_t j = 0; j < n; ++j) slots[g * n + j] = static_cast<int32_t>(j);
@@ -422,9 +446,11 @@ absl::StatusOr<KvLayerView> StoreKvCache::Fetch(SequenceId seq, int layer) {
   return FinishGather(*s, layer);
 }
 
-void StoreKvCache::RecordFetch(SequenceId seq, int layer, const int32_t*, int64_t count) {
+void StoreKvCache::RecordFetch(SequenceId seq, int layer, const int32_t* slots, int64_t count) {
   auto it = sequences_.find(seq);
-  if (it == sequences_.end() || layer < 0) return;
+  if (it == sequences_.end() || layer < 0 || layer >= shape_.num_layers) return;
+  // A KV pool's eviction statistics (a dense read, slots null, favours no row).
+  if (it->second.pool != nullptr && slots != nullptr) it->second.pool->Fetched(layer, slots, count);
   const Pending& p = it->second.pending[layer % 2];
   if (p.layer != layer || !p.in_place || !host_access_) return;
   it->second.counters.bytes_fetched +=

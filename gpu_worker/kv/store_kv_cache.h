@@ -14,11 +14,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "gpu_worker/kv/kv_cache.h"
+#include "gpu_worker/kv/kv_pool.h"
 #include "kv_store/client/kv_store_client.h"
 
 namespace infinigen {
@@ -44,6 +46,13 @@ struct StoreKvCacheOptions {
   // faster there for a full fetch at 8K tokens (docs/cuda.md); without registration (a transport
   // that maps nothing: grpc, ucx) prefetches copy.
   bool device_reads_mapped_rows = true;
+  // A KV pool (INFINIGEN.md): each sequence keeps at most its share of tokens per (layer, KV
+  // head) in the store, and a decode token past it evicts one of its own (counter, fifo, lru)
+  // instead of growing. This cache chooses the slots (kv_pool.h) and sends them with the
+  // appends, so that a policy's partial keys, kept by slot, stay aligned with the store's rows.
+  // A prompt longer than its share is kept whole. Pooled sequences cannot be attached (their
+  // slots are not positions): a stream whose worker fails is replayed.
+  std::optional<KvPoolConfig> pool;
 };
 
 class StoreKvCache final : public StreamedKvCache {
@@ -106,6 +115,9 @@ class StoreKvCache final : public StreamedKvCache {
     std::vector<int64_t> length;  // per layer
     Pending pending[2];
     FetchCounters counters;
+    std::unique_ptr<PooledSlots> pool;  // with options.pool: where each token is stored
+    // Slots stored in `layer`: its length, or in a KV pool the slots in use.
+    int64_t Rows(int layer) const { return pool ? pool->rows(layer) : length[layer]; }
   };
 
   absl::StatusOr<Sequence*> Find(SequenceId seq);

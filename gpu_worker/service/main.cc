@@ -44,6 +44,12 @@ ABSL_FLAG(bool, kv_device_gather, true,
           "--device cuda over in-process or shm: register the store's memory with the GPU and "
           "gather prefetched rows there by address (false: the store copies them into staging "
           "that is then copied to the GPU; 6.5x slower measured on an H200, docs/cuda.md)");
+ABSL_FLAG(double, kv_pool, 0.0,
+          "KV pool: a sequence keeps at most this fraction of its prompt + max new tokens in the "
+          "store; decode tokens past it evict its least useful ones (0: no pool; a longer prompt "
+          "is kept whole)");
+ABSL_FLAG(int64_t, kv_pool_tokens, 0, "KV pool: a share of this many tokens per sequence instead");
+ABSL_FLAG(std::string, kv_pool_eviction, "counter", "KV pool eviction: counter, fifo, lru");
 ABSL_FLAG(std::string, policy, "auto",
           "default KV selection: auto (infinigen with a sidecar, else full), full, infinigen, "
           "window");
@@ -120,6 +126,9 @@ int main(int argc, char** argv) {
   config.kv_capacity_mb = absl::GetFlag(FLAGS_kv_capacity_mb);
   config.kv_append_linger_ms = absl::GetFlag(FLAGS_kv_append_linger_ms);
   config.kv_device_gather = absl::GetFlag(FLAGS_kv_device_gather);
+  config.kv_pool = absl::GetFlag(FLAGS_kv_pool);
+  config.kv_pool_tokens = absl::GetFlag(FLAGS_kv_pool_tokens);
+  config.kv_pool_eviction = absl::GetFlag(FLAGS_kv_pool_eviction);
   {
     // The store's lease holder: unique per process even across pods, where pid and --listen
     // are often the same (pid 1, 0.0.0.0:port): a shared name would let one pod's renewals keep

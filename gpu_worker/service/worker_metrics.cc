@@ -45,6 +45,10 @@ class EngineCollectable final : public prometheus::Collectable {
         MetricFamilyOf("infinigen_worker_kv_bytes_full_fetch_total",
                        "K/V bytes a full fetch would have read (finished requests)",
                        MetricType::Counter, s.bytes_full),
+        MetricFamilyOf("infinigen_worker_kv_pool_evictions_total",
+                       "Tokens the KV pool evicted to keep sequences within their share "
+                       "(finished requests)",
+                       MetricType::Counter, s.kv_pool_evictions),
         MetricFamilyOf("infinigen_worker_prefetch_hits_total",
                        "Decode steps whose selected rows had been prefetched during the previous "
                        "layer",

@@ -24,6 +24,15 @@ absl::Status WorkerConfig::Validate() const {
     return absl::InvalidArgumentError("--kv_append_linger_ms must be in [0, 1000]");
   }
   if (device_memory_mb < 0) return absl::InvalidArgumentError("--device_memory_mb must be >= 0");
+  if (!(kv_pool >= 0.0 && kv_pool <= 1.0)) {
+    return absl::InvalidArgumentError(
+        "--kv_pool must be in [0, 1]: a sequence's share of its length kept in the store (0: "
+        "no KV pool)");
+  }
+  if (kv_pool_tokens < 0) return absl::InvalidArgumentError("--kv_pool_tokens must be >= 0");
+  if (auto e = ParseEvictionPolicy(kv_pool_eviction); !e.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_pool_eviction: ", e.status().message()));
+  }
   if (max_new_tokens_limit < 1) {
     return absl::InvalidArgumentError("--max_new_tokens_limit must be >= 1");
   }
@@ -103,6 +112,13 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   cache_options.owner = client_config.owner;
   cache_options.id_base = std::random_device{}() * (uint64_t{1} << 32);
   cache_options.device_reads_mapped_rows = config.kv_device_gather;
+  if (config.kv_pool > 0 || config.kv_pool_tokens > 0) {
+    KvPoolConfig pool;
+    pool.capacity_fraction = config.kv_pool > 0 ? config.kv_pool : 1.0;
+    pool.capacity_tokens = config.kv_pool_tokens;
+    pool.eviction = *ParseEvictionPolicy(config.kv_pool_eviction);
+    cache_options.pool = pool;
+  }
   Model& model = *w->loaded_.model;
   const KvCacheShape shape = model.kv_shape();
   EngineConfig engine_config = config.engine;
@@ -139,15 +155,25 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   options.max_new_tokens_limit = config.max_new_tokens_limit;
   options.max_prompt_tokens = config.max_prompt_tokens;
   options.engine = engine_config;
-  if (w->sidecar_ && !w->loaded_.backend->host_accessible()) {
+  // InfiniGen chooses on a GPU where it keeps the partial keys by position; a KV pool keeps
+  // them by slot, which the host-side policy does (the documented slow path: copies and waits).
+  if (w->sidecar_ && !w->loaded_.backend->host_accessible() && !cache_options.pool) {
     IG_ASSIGN_OR_RETURN(options.skew_on_backend,
                         UploadPartialSkew(*w->sidecar_, *w->loaded_.backend));
   }
   w->service_ = std::make_unique<WorkerService>(*w->engine_, model, w->tokenizer_.get(),
                                                 w->sidecar_.get(), options);
+  std::string pool;
+  if (cache_options.pool) {
+    pool =
+        absl::StrCat(", KV pool of ",
+                     config.kv_pool_tokens > 0 ? absl::StrCat(config.kv_pool_tokens, " tokens")
+                                               : absl::StrCat(config.kv_pool, " of each sequence"),
+                     " evicting by ", config.kv_pool_eviction);
+  }
   w->description_ = absl::StrCat(
       options.model_name, " (policy ", PolicyKindName(selection.policy), ", KV store ",
-      in_process ? "in this process" : config.kv_transport + " at " + config.kv_store, ")");
+      in_process ? "in this process" : config.kv_transport + " at " + config.kv_store, pool, ")");
   return w;
 }
 

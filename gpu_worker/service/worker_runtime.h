@@ -28,8 +28,13 @@ struct WorkerConfig {
   int64_t kv_capacity_mb = 1024;    // in-process store
   int32_t kv_append_linger_ms = 5;  // KvClientConfig::append_linger
   bool kv_device_gather = true;     // StoreKvCacheOptions::device_reads_mapped_rows
-  std::string owner = "worker";     // lease holder name at the store
-  std::string policy = "auto";      // auto, full, infinigen, window
+  // The KV pool (StoreKvCacheOptions::pool): a sequence's share of tokens in the store,
+  // kv_pool_tokens when > 0, else kv_pool x (prompt + max new tokens); both 0: no pool.
+  double kv_pool = 0.0;
+  int64_t kv_pool_tokens = 0;
+  std::string kv_pool_eviction = "counter";  // counter, fifo, lru
+  std::string owner = "worker";              // lease holder name at the store
+  std::string policy = "auto";               // auto, full, infinigen, window
   double budget = 0.2;
   int64_t min_budget_tokens = 256;  // shorter sequences attend densely
   double alpha = 10.0;

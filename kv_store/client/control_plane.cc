@@ -55,6 +55,7 @@ void ToProto(const StoreAppend& a, pb::AppendRequest* r) {
   r->set_num_tokens(a.n);
   r->set_k(a.k->data(), a.k->size());
   r->set_v(a.v->data(), a.v->size());
+  if (a.slots != nullptr) r->mutable_slots()->Add(a.slots->begin(), a.slots->end());
 }
 
 }  // namespace

@@ -51,6 +51,7 @@ struct StoreAppend {
   int64_t start, n;
   const std::vector<uint8_t>* k;
   const std::vector<uint8_t>* v;
+  const std::vector<int32_t>* slots = nullptr;  // a KV pool's slots (KvStore::Append), or none
 };
 
 class KvControlPlane {

@@ -54,11 +54,12 @@ class InProcessClient final : public KvStoreClient {
     append_failures_.Forget(seq);
     return store_.Release(seq, absl::Now());
   }
+  using KvStoreClient::AppendAsync;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
-                   std::vector<uint8_t> v) override {
-    absl::Status st = k.size() == v.size()
-                          ? store_.Append(seq, layer, start, n, k.data(), v.data(), k.size())
-                          : absl::InvalidArgumentError("k and v differ in size");
+                   std::vector<uint8_t> v, std::vector<int32_t> slots) override {
+    absl::Status st = k.size() == v.size() ? store_.Append(seq, layer, start, n, k.data(), v.data(),
+                                                           k.size(), nullptr, slots)
+                                           : absl::InvalidArgumentError("k and v differ in size");
     if (st.ok()) return;
     append_failures_.Record(seq, layer, st);
     absl::MutexLock lock(&mu_);

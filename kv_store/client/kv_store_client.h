@@ -72,9 +72,16 @@ class KvStoreClient {
   // empty: this client's); returns the tokens kept. See KvStore::Attach.
   virtual absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to,
                                          const SequenceSpec& spec, int64_t max_length) = 0;
-  // Queues rows [start, start + n) of `layer` (k, v: [n, num_kv_heads, head_dim]).
+  // Queues rows [start, start + n) of `layer` (k, v: [n, num_kv_heads, head_dim]). In a KV pool
+  // sequence `slots` ([n, num_kv_heads]) says where each row goes (KvStore::Append's at_slots);
+  // empty: the store places them.
   virtual void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                           std::vector<uint8_t> k, std::vector<uint8_t> v) = 0;
+                           std::vector<uint8_t> k, std::vector<uint8_t> v,
+                           std::vector<int32_t> slots) = 0;
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
+                   std::vector<uint8_t> v) {
+    AppendAsync(seq, layer, start, n, std::move(k), std::move(v), {});
+  }
   // Waits for queued appends; returns the first append error since the last Flush.
   virtual absl::Status Flush(absl::Time deadline) = 0;
   virtual std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) = 0;

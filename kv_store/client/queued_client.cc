@@ -136,7 +136,7 @@ std::vector<absl::Status> QueuedKvClient::DoAppendBatch(const std::vector<Append
                        " failed: ", statuses[it->second].message())));
       continue;
     }
-    statuses.push_back(DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v));
+    statuses.push_back(DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v, j.slots));
     if (!statuses.back().ok()) failed.emplace(j.seq, i);
   }
   return statuses;
@@ -283,14 +283,16 @@ absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
 }
 
 void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                                 std::vector<uint8_t> k, std::vector<uint8_t> v) {
+                                 std::vector<uint8_t> k, std::vector<uint8_t> v,
+                                 std::vector<int32_t> slots) {
   absl::MutexLock lock(&mu_);
   const uint64_t number = ++appends_queued_;
   auto& last = last_append_[seq];
   if (layer >= 0 && static_cast<size_t>(layer) >= last.size()) last.resize(layer + 1, 0);
   if (layer >= 0) last[layer] = number;
   append_bytes_queued_ += k.size() + v.size();
-  appends_.push_back({seq, layer, start, n, std::move(k), std::move(v), absl::Now()});
+  appends_.push_back(
+      {seq, layer, start, n, std::move(k), std::move(v), absl::Now(), std::move(slots)});
 }
 
 absl::Status QueuedKvClient::Flush(absl::Time deadline) {

@@ -37,8 +37,9 @@ class QueuedKvClient : public KvStoreClient {
   absl::Status Release(StoreSequenceId seq) final;
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length) final;
+  using KvStoreClient::AppendAsync;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
-                   std::vector<uint8_t> v) final;
+                   std::vector<uint8_t> v, std::vector<int32_t> slots) final;
   absl::Status Flush(absl::Time deadline) final;
   std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) final;
   absl::StatusOr<KvStoreStats> Stats() final;
@@ -56,7 +57,8 @@ class QueuedKvClient : public KvStoreClient {
   virtual absl::StatusOr<int64_t> DoAttach(StoreSequenceId from, StoreSequenceId to,
                                            const SequenceSpec& spec, int64_t max_length) = 0;
   virtual absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                                const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) = 0;
+                                const std::vector<uint8_t>& k, const std::vector<uint8_t>& v,
+                                const std::vector<int32_t>& slots) = 0;
   // The appends that piled up while the previous ones ran, in order; returns each one's status.
   // A failed append fails the later appends of its sequence (not tried: they could not be in
   // order) and no other. The default sends them one by one.
@@ -66,6 +68,7 @@ class QueuedKvClient : public KvStoreClient {
     int64_t start, n;
     std::vector<uint8_t> k, v;
     absl::Time queued_at;
+    std::vector<int32_t> slots;  // a KV pool's (AppendAsync)
   };
   virtual std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs);
   virtual absl::Status DoGather(const std::vector<ClientGatherItem>& items) = 0;

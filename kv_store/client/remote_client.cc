@@ -64,8 +64,9 @@ class RemoteKvClient final : public QueuedKvClient {
   }
 
   absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                        const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) override {
-    const absl::Status st = control_->Append({seq, layer, start, n, &k, &v});
+                        const std::vector<uint8_t>& k, const std::vector<uint8_t>& v,
+                        const std::vector<int32_t>& slots) override {
+    const absl::Status st = control_->Append({seq, layer, start, n, &k, &v, &slots});
     data_->Appended(seq, layer, st.ok() ? start + n : KvDataPlane::kAppendFailed);
     return st;
   }
@@ -74,11 +75,13 @@ class RemoteKvClient final : public QueuedKvClient {
   std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs) override {
     if (jobs.size() == 1) {
       const AppendJob& j = jobs[0];
-      return {DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v)};
+      return {DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v, j.slots)};
     }
     std::vector<StoreAppend> appends;
     appends.reserve(jobs.size());
-    for (const AppendJob& j : jobs) appends.push_back({j.seq, j.layer, j.start, j.n, &j.k, &j.v});
+    for (const AppendJob& j : jobs) {
+      appends.push_back({j.seq, j.layer, j.start, j.n, &j.k, &j.v, &j.slots});
+    }
     std::vector<absl::Status> statuses = control_->AppendBatch(appends);
     for (size_t i = 0; i < jobs.size(); ++i) {
       data_->Appended(jobs[i].seq, jobs[i].layer,

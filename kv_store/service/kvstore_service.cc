@@ -91,7 +91,8 @@ grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* r
   absl::Status st = store_.Append(
       req->sequence_id(), static_cast<int>(req->layer()), req->start(), req->num_tokens(),
       reinterpret_cast<const uint8_t*>(req->k().data()),
-      reinterpret_cast<const uint8_t*>(req->v().data()), req->k().size(), slots.data());
+      reinterpret_cast<const uint8_t*>(req->v().data()), req->k().size(), slots.data(),
+      std::span<const int32_t>(req->slots().data(), req->slots().size()));
   if (!st.ok()) return ToGrpcStatus(st);
   resp->mutable_slots()->Add(slots.begin(), slots.end());
   return grpc::Status::OK;

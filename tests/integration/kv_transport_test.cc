@@ -137,6 +137,35 @@ TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
   EXPECT_TRUE(client_->Close(1).ok());
 }
 
+// A KV pool sequence's rows go to the slots the client (the worker) chose, over every
+// transport; a slot the store cannot take fails the append, which the next Flush reports.
+TEST_P(KvTransport, PooledAppendsLandInTheSlotsGiven) {
+  SequenceSpec spec = Spec();
+  spec.capacity_tokens = 4;
+  ASSERT_TRUE(client_->Open(1, spec).ok());
+  client_->AppendAsync(1, 0, 0, 4, TokenRows(0, 4, 0), TokenRows(0, 4, 1));
+  client_->AppendAsync(1, 0, 4, 1, TokenRows(4, 1, 0), TokenRows(4, 1, 1), {1, 3});
+  client_->AppendAsync(1, 0, 5, 1, TokenRows(5, 1, 0), TokenRows(5, 1, 1), {0, 1});
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  const std::vector<int32_t> slots = {0, 1, 2, 3, 0, 1, 2, 3};
+  const std::vector<int32_t> tokens = {5, 4, 2, 3, 0, 5, 2, 4};  // [head][slot]
+  std::vector<uint8_t> k(8 * 32), v(8 * 32);
+  auto ticket = client_->GatherAsync({{1, 0, 4, slots, k.data(), v.data()}});
+  ASSERT_TRUE(ticket->Wait(Soon()).ok());
+  for (int g = 0; g < 2; ++g) {
+    for (int j = 0; j < 4; ++j) {
+      const int32_t t = tokens[g * 4 + j];
+      const auto want_k = TokenRows(t, 1, 0), want_v = TokenRows(t, 1, 1);
+      EXPECT_EQ(0, std::memcmp(k.data() + (g * 4 + j) * 32, want_k.data() + g * 32, 32)) << t;
+      EXPECT_EQ(0, std::memcmp(v.data() + (g * 4 + j) * 32, want_v.data() + g * 32, 32)) << t;
+    }
+  }
+  client_->AppendAsync(1, 0, 6, 1, TokenRows(6, 1, 0), TokenRows(6, 1, 1), {4, 0});
+  const absl::Status st = client_->Flush(Soon());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_TRUE(client_->Close(1).ok());
+}
+
 // Attach over every transport: another client (another worker) takes a sequence over under its
 // own id and gathers the rows the first one appended (shm: through its own block tables); the
 // first client's late appends to the old id fail, and the old id cannot be attached twice.

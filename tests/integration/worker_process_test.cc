@@ -20,6 +20,7 @@
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/sidecar.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/kv_pool_cache.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
@@ -183,6 +184,48 @@ TEST_F(WorkerProcess, WorkerAndStoreMetricsCountWhatWasServed) {
   EXPECT_GT(testing::MetricValue(store.body, "infinigen_kvstore_gathered_bytes_total"), 0);
   EXPECT_EQ(testing::MetricValue(store.body, "infinigen_kvstore_sequences"), 0)
       << "the finished request's sequence is closed";
+}
+
+// A worker whose sequences keep a share of 40 tokens in the store (FIFO eviction, over gRPC:
+// the slots travel with the appends) streams what the local engine over its own resident KV
+// pool of 40 tokens streams, and counts the evictions.
+TEST_F(WorkerProcess, AKvPoolKeepsEachSequenceWithinItsShare) {
+  const int port = FreePort(), metrics_port = FreePort();
+  ServerProcess pooled("infinigen-worker",
+                       {"--model=" + testing::FixturePath(kModel), "--sidecar=" + *sidecar_path_,
+                        "--listen=127.0.0.1:" + std::to_string(port), "--kv_transport=grpc",
+                        "--kv_store=127.0.0.1:" + std::to_string(store_port_), "--policy=full",
+                        "--threads=1", "--kv_pool_tokens=40", "--kv_pool_eviction=fifo",
+                        "--metrics_port=" + std::to_string(metrics_port)},
+                       port);
+  ASSERT_TRUE(pooled.running());
+  auto stub = wv1::Worker::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  const auto prompt = RandomTokens(30, vocab(), 6);
+  const StreamResult r = StreamWorker(*stub, TokenRequest(prompt, 40, 0.0f, 0));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+
+  KvPoolConfig config;
+  config.capacity_tokens = 40;
+  config.eviction = EvictionPolicy::kFifo;
+  KvPoolCache pool(*model_->backend, model_->model->kv_shape(), config);
+  GenerateOptions o;
+  o.max_new_tokens = 40;
+  o.ignore_eos = true;
+  o.sampling.temperature = 0.0f;
+  auto local = Generate(*model_->model, pool, 1, prompt, o);
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(r.tokens, local->tokens);
+  EXPECT_GT(pool.evictions(), 0);
+
+  testing::HttpReply metrics;
+  for (int i = 0; i < 200; ++i) {  // counted just after the last message is sent
+    metrics = testing::HttpGet(metrics_port, "/metrics");
+    if (testing::MetricValue(metrics.body, "infinigen_worker_requests_finished_total") >= 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(testing::MetricValue(metrics.body, "infinigen_worker_kv_pool_evictions_total"),
+            pool.evictions());
 }
 
 TEST_F(WorkerProcess, InfinigenRunsAndFetchesLess) {

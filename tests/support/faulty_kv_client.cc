@@ -94,14 +94,15 @@ absl::StatusOr<int64_t> FaultyKvClient::Attach(StoreSequenceId from, StoreSequen
 }
 
 void FaultyKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                                 std::vector<uint8_t> k, std::vector<uint8_t> v) {
+                                 std::vector<uint8_t> k, std::vector<uint8_t> v,
+                                 std::vector<int32_t> slots) {
   if (absl::Status st = Fault(Op::kAppend, seq); !st.ok()) {
     append_failures_.Record(seq, layer, st);
     absl::MutexLock lock(&mu_);
     if (append_error_.ok()) append_error_ = st;
     return;
   }
-  inner_.AppendAsync(seq, layer, start, n, std::move(k), std::move(v));
+  inner_.AppendAsync(seq, layer, start, n, std::move(k), std::move(v), std::move(slots));
 }
 
 absl::Status FaultyKvClient::Flush(absl::Time deadline) {

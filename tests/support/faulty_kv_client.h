@@ -38,8 +38,9 @@ class FaultyKvClient final : public KvStoreClient {
   absl::Status Release(StoreSequenceId seq) override;
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length) override;
+  using KvStoreClient::AppendAsync;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
-                   std::vector<uint8_t> v) override;
+                   std::vector<uint8_t> v, std::vector<int32_t> slots) override;
   absl::Status Flush(absl::Time deadline) override;
   std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) override;
   bool reads_in_place() const override { return inner_.reads_in_place(); }

@@ -375,6 +375,51 @@ TEST(KvStore, KvPoolEvictsByPolicy) {
   EXPECT_EQ(store->Stats().evictions, 3);
 }
 
+TEST(KvStore, KvPoolRowsGoToTheSlotsTheWorkerChose) {
+  auto store = MakeStore();
+  SequenceSpec s = Spec(1, 2, 8, DType::kF32);
+  s.capacity_tokens = 6;
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  auto append = [&](int64_t t, int64_t n, std::vector<int32_t> at) {
+    auto k = Rows(s, t, n, 0), v = Rows(s, t, n, 1);
+    return store->Append(1, 0, t, n, k.data(), v.data(), k.size(), nullptr, at);
+  };
+  // A prompt of 3 in slots 0-2, then token 3 into the free slot 3 of head 0 and over token 1 in
+  // head 1 (a head's slots in use may be extended by one), token 4 over tokens 0 and 2.
+  ASSERT_TRUE(append(0, 3, {0, 0, 1, 1, 2, 2}).ok());
+  ASSERT_TRUE(append(3, 1, {3, 1}).ok());
+  ASSERT_TRUE(append(4, 1, {0, 2}).ok());
+  // Head 0 holds tokens 4, 1, 2, 3; head 1 holds 0, 3, 4 (3 slots in use, the layer 4 rows).
+  const std::vector<int32_t> want = {4, 1, 2, 3, 0, 3, 4, 0};
+  std::vector<uint8_t> k(8 * s.row_bytes()), v(k.size());
+  const std::vector<int32_t> slots = {0, 1, 2, 3, 0, 1, 2, 3};
+  GatherItem item{1, 0, 4, slots, k.data(), v.data()};
+  ASSERT_TRUE(store->Gather({&item, 1}).ok());
+  for (int g = 0; g < 2; ++g) {
+    for (int j = 0; j < (g == 0 ? 4 : 3); ++j) {
+      const size_t off = (g * 4 + j) * s.row_bytes();
+      EXPECT_EQ(std::vector<uint8_t>(k.begin() + off, k.begin() + off + s.row_bytes()),
+                Expected(s, want[g * 4 + j], g, 0))
+          << "head " << g << " slot " << j;
+    }
+  }
+  EXPECT_EQ(store->Stats().evictions, 1);  // 3 rows overwritten in 2 heads: counted in tokens
+  // Refused, and nothing stored: a slot past the capacity, a hole (head 1 uses 3 slots: 4 would
+  // leave slot 3 empty), a count that does not match, slots for a sequence without a capacity.
+  for (const std::vector<int32_t>& bad :
+       std::vector<std::vector<int32_t>>{{6, 0}, {0, 4}, {-1, 0}, {0}, {0, 1, 2}}) {
+    const absl::Status st = append(5, 1, bad);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  }
+  EXPECT_EQ(*store->Length(1, 0), 5);
+  ASSERT_TRUE(store->Open(2, Spec(1, 2, 8, DType::kF32), kT0).ok());
+  auto k2 = Rows(s, 0, 1, 0), v2 = Rows(s, 0, 1, 1);
+  const std::vector<int32_t> at = {0, 0};
+  const absl::Status st = store->Append(2, 0, 0, 1, k2.data(), v2.data(), k2.size(), nullptr, at);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("without a KV pool"), std::string::npos) << st;
+}
+
 TEST(KvStore, LeasesFreeSequencesOfOwnersThatStopped) {
   auto store = MakeStore();
   SequenceSpec a = Spec(), b = Spec();

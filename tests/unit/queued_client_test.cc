@@ -63,7 +63,8 @@ class FakeTransport final : public QueuedKvClient {
     return absl::OkStatus();
   }
   absl::Status DoAppend(StoreSequenceId seq, int, int64_t start, int64_t,
-                        const std::vector<uint8_t>&, const std::vector<uint8_t>&) override {
+                        const std::vector<uint8_t>&, const std::vector<uint8_t>&,
+                        const std::vector<int32_t>&) override {
     if (seq == failing_seq) return absl::ResourceExhaustedError("store full");
     absl::MutexLock lock(&mu);
     applied.emplace_back(seq, start);
