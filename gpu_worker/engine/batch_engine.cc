@@ -269,8 +269,17 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
         a.prefilled = a.cached = *kept;
         return absl::OkStatus();  // the session's sequence is now a's
       }
-      // Gone (its lease lapsed, another store) or unreachable: compute it. Said in the log, as
-      // the stream's resume becomes a replay.
+      // A resumed stream whose stored KV exists but could not be taken over now (the store
+      // unreachable, slow): fail the call, so that the router tries the resume again (on this
+      // worker or another) instead of recomputing what the store still holds.
+      if (a.request.attach_home != 0 && !absl::IsNotFound(kept.status()) &&
+          !absl::IsFailedPrecondition(kept.status()) && !absl::IsInvalidArgument(kept.status())) {
+        return absl::UnavailableError(absl::StrCat("the stored KV of the resumed stream could not ",
+                                                   "be taken over (", kept.status().message(),
+                                                   "): retry the resume"));
+      }
+      // Gone (its lease lapsed, another store) or not resumable here (another shape, a KV
+      // pool's): compute it. Said in the log, as the stream's resume becomes a replay.
       std::fprintf(stderr, "engine: request %llu: stored KV %llu not taken over (%s); %s\n",
                    static_cast<unsigned long long>(a.id), static_cast<unsigned long long>(home),
                    std::string(kept.status().ToString()).c_str(),

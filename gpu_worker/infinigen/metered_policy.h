@@ -41,7 +41,9 @@ class MeteredPolicy final : public KvSelectionPolicy {
   SpeculationInput speculation_input() const override { return inner_.speculation_input(); }
   bool SpeculatesFor(int layer) const override { return inner_.SpeculatesFor(layer); }
   bool wants_attention_weights() const override { return inner_.wants_attention_weights(); }
-  bool needs_resident_kv() const override { return true; }  // the recall reads every row
+  bool needs_resident_kv() const override {  // the recall reads every row
+    return measure_recall_ || inner_.needs_resident_kv();
+  }
   bool Preselect(const SelectRequest& request, Selection& out) override {
     return inner_.Preselect(request, out);
   }

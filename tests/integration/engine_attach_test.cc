@@ -16,6 +16,7 @@
 #include "gpu_worker/infinigen/sidecar.h"
 #include "gpu_worker/kv/store_kv_cache.h"
 #include "kv_store/client/kv_store_client.h"
+#include "tests/support/faulty_kv_client.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/test_paths.h"
 
@@ -203,6 +204,54 @@ TEST_P(Attach, RowsThatAreGoneAreReplayed) {
   EXPECT_EQ(replayed.tokens.size(), whole.tokens.size() - 5);
   EXPECT_FALSE(replayed.last.usage.attached);
   EXPECT_EQ(replayed.last.usage.cached_tokens, 0);
+}
+
+// The stored KV exists but the store does not answer the takeover (UNAVAILABLE): the call fails
+// UNAVAILABLE for the router to try the resume again, instead of recomputing the stream; the
+// next try, with the store back, takes the rows over.
+TEST_P(Attach, ATakeoverTheStoreCannotAnswerNowFailsForTheRouterToRetry) {
+  const auto prompt = RandomTokens(30, l_.model->config().vocab_size, 23);
+  Worker a = MakeWorker("worker-a", 2 << 20);
+  EngineRequest first;
+  first.prompt = prompt;
+  first.options = Options(false);
+  first.options.max_new_tokens = 6;
+  first.policy = Policy();
+  first.session_id = "kept";  // its KV stays in the store when it ends
+  BatchEngine engine_a(*l_.model, *a.cache, EngineConfig{});
+  const Outcome kept = RunOn(engine_a, std::move(first));
+  ASSERT_TRUE(kept.last.status.ok()) << kept.last.status;
+  ASSERT_NE(kept.home, 0u);
+
+  Worker b = MakeWorker("worker-b", 3 << 20);
+  testing::FaultyKvClient faulty(*b.client);
+  faulty.Fail(testing::FaultyKvClient::Op::kAttach, kept.home,
+              absl::UnavailableError("the store is not reachable"));
+  StoreKvCacheOptions options;
+  options.id_base = 3 << 20;
+  options.owner = "worker-b";
+  StoreKvCache cache(*l_.backend, l_.model->kv_shape(), faulty, options);
+  BatchEngine engine_b(*l_.model, cache, EngineConfig{});
+  auto resume = [&] {
+    EngineRequest r;
+    r.prompt = prompt;
+    r.resume_tokens = kept.tokens;
+    r.attach_home = kept.home;
+    r.options = Options(false);
+    r.options.max_new_tokens = 10;
+    r.policy = Policy();
+    return r;
+  };
+  const Outcome refused = RunOn(engine_b, resume());
+  EXPECT_EQ(refused.last.status.code(), absl::StatusCode::kUnavailable) << refused.last.status;
+  EXPECT_NE(refused.last.status.message().find("retry the resume"), std::string::npos)
+      << refused.last.status;
+  EXPECT_TRUE(refused.tokens.empty());
+  faulty.Heal();
+  const Outcome resumed = RunOn(engine_b, resume());
+  ASSERT_TRUE(resumed.last.status.ok()) << resumed.last.status;
+  EXPECT_TRUE(resumed.last.usage.attached);
+  EXPECT_EQ(resumed.tokens.size(), 4u);  // 10 in all, 6 of them resumed
 }
 
 // A conversation: the second request of a session, whose prompt is the first's prompt and

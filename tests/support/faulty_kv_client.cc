@@ -87,6 +87,7 @@ absl::Status FaultyKvClient::Release(StoreSequenceId seq) {
 
 absl::StatusOr<int64_t> FaultyKvClient::Attach(StoreSequenceId from, StoreSequenceId to,
                                                const SequenceSpec& spec, int64_t max_length) {
+  if (absl::Status st = Fault(Op::kAttach, from); !st.ok()) return st;  // both ids are touched
   if (absl::Status st = Fault(Op::kAttach, to); !st.ok()) return st;
   absl::StatusOr<int64_t> kept = inner_.Attach(from, to, spec, max_length);
   if (kept.ok()) append_failures_.Forget(to);
