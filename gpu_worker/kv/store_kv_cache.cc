@@ -35,6 +35,7 @@ StoreKvCache::~StoreKvCache() {
   std::vector<SequenceId> open;
   for (const auto& [seq, s] : sequences_) open.push_back(seq);
   for (SequenceId seq : open) Close(seq);
+  ReapAbandoned(/*wait=*/true);
 }
 
 size_t StoreKvCache::RowBytes() const {
@@ -274,26 +275,15 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   Pending& p = s.pending[layer % 2];
   DropTicket(p);
   const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
-  ClientGatherItem item;
-  item.seq = StoreId(seq);
-  item.layer = layer;
-  item.count = count;
-  item.slots = std::move(slots);
-  if (in_place) {
-    const size_t entries = static_cast<size_t>(shape_.num_kv_heads * (count + extra_rows));
-    p.staging.k_rows.resize(entries);
-    p.staging.v_rows.resize(entries);
-    item.k_rows = p.staging.k_rows.data();
-    item.v_rows = p.staging.v_rows.data();
-  } else {
-    IG_RETURN_IF_ERROR(EnsureStaging(
-        p.staging, static_cast<size_t>(shape_.num_kv_heads) * (count + extra_rows) * RowBytes()));
-    item.k_out =
-        host_access_ ? static_cast<uint8_t*>(p.staging.k->data()) : p.staging.host_k.data();
-    item.v_out =
-        host_access_ ? static_cast<uint8_t*>(p.staging.v->data()) : p.staging.host_v.data();
-  }
-  p.item = std::move(item);
+  p.item = ClientGatherItem();
+  p.item.seq = StoreId(seq);
+  p.item.layer = layer;
+  p.item.count = count;
+  p.item.slots = std::move(slots);
+  p.count = count;
+  p.extra_rows = extra_rows;
+  p.in_place = in_place;
+  IG_RETURN_IF_ERROR(BindStaging(p));
   if (deferring_) {
     p.deferred = true;
     deferred_.emplace_back(seq, layer % 2);
@@ -302,12 +292,26 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
     p.shared = false;
   }
   p.layer = layer;
-  p.count = count;
-  p.in_place = in_place;
   if (!in_place || !host_access_) s.counters.bytes_fetched += static_cast<int64_t>(2 * bytes);
   s.counters.bytes_full += 2 * static_cast<int64_t>(shape_.num_kv_heads) * s.Rows(layer) *
                            static_cast<int64_t>(RowBytes());
   s.counters.fetches += 1;
+  return absl::OkStatus();
+}
+
+absl::Status StoreKvCache::BindStaging(Pending& p) {
+  ClientGatherItem& item = p.item;
+  const size_t entries = static_cast<size_t>(shape_.num_kv_heads * (p.count + p.extra_rows));
+  if (p.in_place) {
+    p.staging.k_rows.resize(entries);
+    p.staging.v_rows.resize(entries);
+    item.k_rows = p.staging.k_rows.data();
+    item.v_rows = p.staging.v_rows.data();
+    return absl::OkStatus();
+  }
+  IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
+  item.k_out = host_access_ ? static_cast<uint8_t*>(p.staging.k->data()) : p.staging.host_k.data();
+  item.v_out = host_access_ ? static_cast<uint8_t*>(p.staging.v->data()) : p.staging.host_v.data();
   return absl::OkStatus();
 }
 
@@ -399,16 +403,44 @@ void StoreKvCache::SubmitPrefetches() {
 
 absl::Status StoreKvCache::WaitGather(Sequence& s, Pending& p) {
   const auto t0 = std::chrono::steady_clock::now();
+  ReapAbandoned(/*wait=*/false);
   absl::Status st = p.ticket->Wait(absl::Now() + options_.fetch_timeout);
-  // A gather of several sequences failed (and is over: not a deadline): this one's alone may not.
-  if (!st.ok() && p.shared && !absl::IsDeadlineExceeded(st)) {
-    p.ticket = client_.GatherAsync({p.item});
-    p.shared = false;
+  // A gather of several sequences failed: this one's alone may not. If it is over, into the
+  // same staging; if it did not finish in time (one of its sequences may be what is slow, or
+  // the store), every sequence of it gathers alone again at once, into new staging.
+  if (!st.ok() && p.shared) {
+    if (absl::IsDeadlineExceeded(st)) {
+      RegatherAlone(std::shared_ptr<GatherTicket>(p.ticket));
+    } else {
+      p.ticket = client_.GatherAsync({p.item});
+      p.shared = false;
+    }
     st = p.ticket->Wait(absl::Now() + options_.fetch_timeout);
   }
   s.counters.wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+void StoreKvCache::RegatherAlone(const std::shared_ptr<GatherTicket>& late) {
+  for (auto& [seq, s] : sequences_) {
+    for (Pending& q : s.pending) {
+      if (q.ticket != late) continue;
+      abandoned_.push_back({std::move(q.staging), late});
+      q.staging = Staging();
+      absl::Status bound = BindStaging(q);
+      q.ticket = bound.ok() ? std::shared_ptr<GatherTicket>(client_.GatherAsync({q.item}))
+                            : std::make_shared<DoneTicket>(std::move(bound));
+      q.shared = false;
+    }
+  }
+}
+
+void StoreKvCache::ReapAbandoned(bool wait) {
+  std::erase_if(abandoned_, [wait](Abandoned& a) {
+    if (wait) a.ticket->Wait(absl::InfiniteFuture()).IgnoreError();
+    return a.ticket->Done();
+  });
 }
 
 absl::StatusOr<KvLayerView> StoreKvCache::ReadAll(SequenceId seq, int layer) {

@@ -109,7 +109,13 @@ class StoreKvCache final : public StreamedKvCache {
     bool shared = false;                   // its ticket carries other sequences' items too
     int layer = -1;
     int64_t count = 0;
+    int64_t extra_rows = 0;  // rows per head left free after the gathered ones
     bool in_place = false;
+  };
+  // Staging a gather that did not finish in time may still write into: kept until it ends.
+  struct Abandoned {
+    Staging staging;
+    std::shared_ptr<GatherTicket> ticket;
   };
   struct Sequence {
     std::vector<int64_t> length;  // per layer
@@ -143,8 +149,16 @@ class StoreKvCache final : public StreamedKvCache {
   static void DropTicket(Pending& p);
   // A GPU backend's in-place prefetch: the rows at p's addresses into p's device staging.
   absl::Status GatherOnDevice(Pending& p);
-  // Waits for p's gather; retries it alone if a gather it shared failed.
+  // Waits for p's gather; retries it alone if a gather it shared failed or did not finish in
+  // time (then every sequence of that gather retries alone, at once: RegatherAlone).
   absl::Status WaitGather(Sequence& s, Pending& p);
+  // The gathers of every sequence that shared `late` again, each alone and into new staging
+  // (the late transfer may still write into the old: abandoned_).
+  void RegatherAlone(const std::shared_ptr<GatherTicket>& late);
+  // Points p.item at p's staging, sized for it.
+  absl::Status BindStaging(Pending& p);
+  void ReapAbandoned(bool wait);
+  std::vector<Abandoned> abandoned_;
   size_t RowBytes() const;
   // Copies the rows of `m` (backend memory, possibly strided) packed to host memory `out`.
   absl::Status RowsToHost(MatView m, uint8_t* out);

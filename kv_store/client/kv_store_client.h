@@ -42,6 +42,8 @@ class GatherTicket {
   // The gather's result; DEADLINE_EXCEEDED if `deadline` passes first (the copy may still land
   // later, so the buffers must stay alive until the ticket is destroyed).
   virtual absl::Status Wait(absl::Time deadline) = 0;
+  // Whether the gather is over (its buffers no longer written), without waiting.
+  virtual bool Done() = 0;
 };
 
 // A ticket whose gather is over before GatherAsync returns (a transport that gathers on the
@@ -50,6 +52,7 @@ class DoneTicket final : public GatherTicket {
  public:
   explicit DoneTicket(absl::Status status) : status_(std::move(status)) {}
   absl::Status Wait(absl::Time) override { return status_; }
+  bool Done() override { return true; }
 
  private:
   absl::Status status_;

@@ -26,6 +26,7 @@ class QueuedTicket final : public GatherTicket {
     }
     return state_->status;
   }
+  bool Done() override { return state_->done.HasBeenNotified(); }
 
  private:
   std::shared_ptr<TicketState> state_;

@@ -431,7 +431,8 @@ TEST_F(Engine, MinTokensLogitBiasAndTheStopToken) {
 void ExpectAFaultFailsItsSequenceAlone(
     Engine& t, const testing::LoadedModel& l, int64_t vocab,
     const std::function<void(KvStore&, testing::FaultyKvClient&, StoreSequenceId)>& inject,
-    absl::StatusCode want, bool through_faulty = true) {
+    absl::StatusCode want, bool through_faulty = true,
+    absl::Duration fetch_timeout = absl::Seconds(5), int64_t left_in_store = 0) {
   for (bool in_place : {true, false}) {
     SCOPED_TRACE(in_place ? "rows read in place" : "rows copied");
     KvStoreConfig sc;
@@ -448,6 +449,7 @@ void ExpectAFaultFailsItsSequenceAlone(
     StoreKvCacheOptions options;
     options.id_base = 5000;
     options.read_in_place = in_place;
+    options.fetch_timeout = fetch_timeout;
     StoreKvCache cache(*l.backend, l.model->kv_shape(), faulty, options);
     EngineConfig config;
     config.max_running = 8;
@@ -497,7 +499,7 @@ void ExpectAFaultFailsItsSequenceAlone(
       EXPECT_TRUE(got[i].last.status.ok()) << "request " << i << ": " << got[i].last.status;
       EXPECT_EQ(got[i].tokens, t.Alone(prompts[i], t.Options(i))) << "request " << i;
     }
-    EXPECT_EQ((*store)->Stats().sequences, 0);
+    EXPECT_EQ((*store)->Stats().sequences, left_in_store);
   }
 }
 
@@ -522,6 +524,20 @@ TEST_F(Engine, ASequenceWhoseGathersFailFailsAloneNotItsBatch) {
                     absl::InternalError("injected gather failure"));
       },
       absl::StatusCode::kInternal);
+}
+
+// Its gathers stall (the store does not answer them within the fetch timeout). The batch's
+// gather of a layer then times out as a whole: every sequence of it gathers again alone, at
+// once, and only the stalled one times out again: ABORTED, for the router to resume elsewhere
+// (its store sequence is released, not closed).
+TEST_F(Engine, ASequenceWhoseGathersStallFailsAloneNotItsBatch) {
+  ExpectAFaultFailsItsSequenceAlone(
+      *this, l_, vocab_,
+      [](KvStore&, testing::FaultyKvClient& faulty, StoreSequenceId id) {
+        faulty.Stall(id, absl::Seconds(1));
+      },
+      absl::StatusCode::kAborted, /*through_faulty=*/true, absl::Milliseconds(300),
+      /*left_in_store=*/1);  // released, its rows intact, for the next worker to take over
 }
 
 // Its appends fail (write-behind: the failure shows when its missing rows are gathered, with

@@ -1,5 +1,6 @@
 #include "tests/support/faulty_kv_client.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/synchronization/notification.h"
@@ -7,15 +8,19 @@
 namespace infinigen::testing {
 namespace {
 
-// Never finishes: every Wait lasts until its deadline.
+// A gather the store does not answer for `stall`; then it fails as the transport's own
+// deadline would fail it (every Wait with an earlier deadline lasts until that deadline).
 class StalledTicket final : public GatherTicket {
  public:
+  explicit StalledTicket(absl::Duration stall) : end_(absl::Now() + stall) {}
   absl::Status Wait(absl::Time deadline) override {
-    never_.WaitForNotificationWithDeadline(deadline);
+    never_.WaitForNotificationWithDeadline(std::min(deadline, end_));
     return absl::DeadlineExceededError("the KV store did not answer the gather in time");
   }
+  bool Done() override { return absl::Now() >= end_; }
 
  private:
+  const absl::Time end_;
   absl::Notification never_;
 };
 
@@ -28,6 +33,7 @@ class ExplainedTicket final : public GatherTicket {
   absl::Status Wait(absl::Time deadline) override {
     return failures_.Explain(inner_->Wait(deadline), items_);
   }
+  bool Done() override { return inner_->Done(); }
 
  private:
   std::unique_ptr<GatherTicket> inner_;
@@ -42,9 +48,9 @@ void FaultyKvClient::Fail(Op op, StoreSequenceId seq, absl::Status status) {
   faults_[{static_cast<int>(op), seq}] = std::move(status);
 }
 
-void FaultyKvClient::Stall(StoreSequenceId seq) {
+void FaultyKvClient::Stall(StoreSequenceId seq, absl::Duration stall) {
   absl::MutexLock lock(&mu_);
-  stalled_.insert(seq);
+  stalled_[seq] = stall;
 }
 
 void FaultyKvClient::Heal() {
@@ -119,9 +125,9 @@ std::unique_ptr<GatherTicket> FaultyKvClient::GatherAsync(std::vector<ClientGath
       return std::make_unique<DoneTicket>(st);
     }
     absl::MutexLock lock(&mu_);
-    if (stalled_.contains(it.seq)) {
+    if (auto stalled = stalled_.find(it.seq); stalled != stalled_.end()) {
       ++injected_;
-      return std::make_unique<StalledTicket>();
+      return std::make_unique<StalledTicket>(stalled->second);
     }
   }
   std::vector<ClientGatherItem> copy = items;  // for the explanation (the inner takes them)

@@ -13,8 +13,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kv_store/client/append_failures.h"
 #include "kv_store/client/kv_store_client.h"
 
@@ -27,8 +27,9 @@ class FaultyKvClient final : public KvStoreClient {
   enum class Op { kOpen, kAttach, kClose, kRelease, kAppend, kGather };
   // From now on, `op` calls that touch store sequence `seq` fail with `status`.
   void Fail(Op op, StoreSequenceId seq, absl::Status status);
-  // From now on, gathers that touch `seq` do not finish before their deadline.
-  void Stall(StoreSequenceId seq);
+  // From now on, gathers that touch `seq` get no answer for `stall` (a Wait with an earlier
+  // deadline reaches it), then fail DEADLINE_EXCEEDED, as a transport's own deadline would.
+  void Stall(StoreSequenceId seq, absl::Duration stall = absl::Seconds(2));
   void Heal();               // no more faults from now on
   int64_t injected() const;  // calls that failed or stalled by a fault so far
 
@@ -54,7 +55,7 @@ class FaultyKvClient final : public KvStoreClient {
   KvStoreClient& inner_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::pair<int, StoreSequenceId>, absl::Status> faults_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<StoreSequenceId> stalled_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<StoreSequenceId, absl::Duration> stalled_ ABSL_GUARDED_BY(mu_);
   int64_t injected_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status append_error_ ABSL_GUARDED_BY(mu_);  // the first dropped append since Flush
   AppendFailures append_failures_;
