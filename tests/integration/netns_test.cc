@@ -1,8 +1,9 @@
 // The services on separate addresses with real links between them: the KV store, two workers and
 // the router each in its own network namespace on a bridge (tests/support/netns.h), the workers
-// reaching the store over UCX on their veth link (not loopback; gRPC where the build has no UCX).
-// kill -9 of a worker mid-stream: every stream completes with exactly the tokens of its
-// uninterrupted run, continued from its stored KV. The store's link cut mid-stream for 4 s and
+// reaching the store over UCX on their veth link (not loopback; gRPC where the build has no UCX)
+// with f32 weights, or through its shared memory (its control calls over the link) with q8.
+// kill -9 or SIGSTOP of a worker mid-stream: every stream completes with exactly the tokens of
+// its uninterrupted run, continued from its stored KV. The store's link cut mid-stream for 4 s and
 // restored: every stream ends (none hangs), with exactly its tokens or with UNAVAILABLE / ABORTED
 // after a prefix of them (never a wrong token), and new requests succeed again within 5 s of the
 // link coming back. Skipped with a message where namespaces cannot be made (not root, no iproute2).
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <csignal>
 #include <thread>
 
 #include "absl/time/clock.h"
@@ -39,17 +41,26 @@ struct StreamResult {
   grpc::Status status;
 };
 
-class Netns : public ::testing::Test {
+// How the workers reach the store and store their weights.
+struct Variant {
+  std::string transport;  // "remote": UCX where the build has it, else gRPC; or "shm"
+  std::string weights;    // --cpu_weights
+};
+
+class Netns : public ::testing::TestWithParam<Variant> {
  protected:
   void SetUp() override {
     auto lab = NetnsLab::Create(4);
     if (!lab.ok()) GTEST_SKIP() << "cannot make network namespaces: " << lab.status();
     lab_ = std::move(*lab);
 #if INFINIGEN_TEST_HAVE_UCX
-    const std::string transport = "ucx";
+    const std::string remote = "ucx";
 #else
-    const std::string transport = "grpc";
+    const std::string remote = "grpc";
 #endif
+    // shm: the rows through the store's shared memory (one host, namespaces share /dev/shm),
+    // the control calls over the store's link.
+    const std::string transport = GetParam().transport == "shm" ? "shm" : remote;
     // UCX over the namespace's own link, TCP (veth has no RDMA).
     const std::vector<std::pair<std::string, std::string>> ucx_env = {
         {"UCX_NET_DEVICES", NetnsLab::kDevice}, {"UCX_TLS", "tcp"}};
@@ -63,11 +74,11 @@ class Netns : public ::testing::Test {
       const Namespace ns = w == 0 ? kWorkerA : kWorkerB;
       workers_[w] = std::make_unique<ServerProcess>(
           "infinigen-worker",
-          std::vector<std::string>{"--model=" + testing::FixturePath("hf/llama31_gqa"),
-                                   "--listen=" + At(ns, kWorkerPort), "--policy=full",
-                                   "--threads=1", "--max_running=16", "--drain_seconds=5",
-                                   "--kv_transport=" + transport,
-                                   "--kv_store=" + At(kStore, kStorePort)},
+          std::vector<std::string>{
+              "--model=" + testing::FixturePath("hf/llama31_gqa"),
+              "--listen=" + At(ns, kWorkerPort), "--policy=full", "--threads=1", "--max_running=16",
+              "--drain_seconds=5", "--cpu_weights=" + GetParam().weights,
+              "--kv_transport=" + transport, "--kv_store=" + At(kStore, kStorePort)},
           kWorkerPort, Where(ns, ucx_env));
       ASSERT_TRUE(workers_[w]->running()) << workers_[w]->log_path();
     }
@@ -161,7 +172,7 @@ class Netns : public ::testing::Test {
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
 
-TEST_F(Netns, AKilledWorkersStreamsResumeFromTheStoreOnTheOther) {
+TEST_P(Netns, AKilledWorkersStreamsResumeFromTheStoreOnTheOther) {
   std::vector<v1::GenerateRequest> requests;
   std::vector<std::vector<int32_t>> want;
   Prepare(8, 220, requests, want);
@@ -177,9 +188,29 @@ TEST_F(Netns, AKilledWorkersStreamsResumeFromTheStoreOnTheOther) {
   EXPECT_EQ(resumed, moved) << "every moved stream continued from its stored KV";
 }
 
+// SIGSTOP of a worker mid-stream (frozen, not dead: its links stay up, its TCP connections open):
+// the router finds its streams silent and moves them; the other worker takes their KV over from
+// the store across the links, and every stream completes with exactly its tokens.
+TEST_P(Netns, AFrozenWorkersStreamsResumeFromTheStoreOnTheOther) {
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  Prepare(8, 220, requests, want);
+  const std::vector<StreamResult> got = StreamAll(requests, [&] { workers_[0]->Signal(SIGSTOP); });
+  workers_[0]->Signal(SIGCONT);
+  int moved = 0, resumed = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
+    moved += got[i].last.failovers();
+    resumed += got[i].last.resumes();
+  }
+  EXPECT_GT(moved, 0) << "some streams ran on the frozen worker";
+  EXPECT_EQ(resumed, moved) << "every moved stream continued from its stored KV";
+}
+
 // The link is down for 4 s, twice the workers' KV call timeout: calls to the store fail while
 // it is down, and reconnect once it is back.
-TEST_F(Netns, TheStoresLinkCutMidStreamAndRestored) {
+TEST_P(Netns, TheStoresLinkCutMidStreamAndRestored) {
   std::vector<v1::GenerateRequest> requests;
   std::vector<std::vector<int32_t>> want;
   Prepare(8, 220, requests, want);
@@ -228,6 +259,12 @@ TEST_F(Netns, TheStoresLinkCutMidStreamAndRestored) {
   ASSERT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_EQ(after.tokens, want[0]);
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, Netns,
+                         ::testing::Values(Variant{"remote", "f32"}, Variant{"shm", "q8"}),
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           return info.param.transport + "_" + info.param.weights;
+                         });
 
 }  // namespace
 }  // namespace infinigen
