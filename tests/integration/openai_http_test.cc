@@ -83,13 +83,19 @@ Reply Call(int port, http::verb method, const std::string& target, const std::st
 }
 
 // Over TLS, trusting only the CA in `ca_file` and checking that the server is "localhost".
+// `client_cert` (a folder of MakeCertificates, or empty): present its service.pem/.key.
 Reply CallTls(int port, const std::string& ca_file, http::verb method, const std::string& target,
-              const std::string& body) {
+              const std::string& body, const std::string& client_cert = "") {
   net::io_context io;
   net::ssl::context tls(net::ssl::context::tls_client);
   beast::error_code ec;
   tls.load_verify_file(ca_file, ec);
   if (ec) return {};
+  if (!client_cert.empty()) {
+    tls.use_certificate_chain_file(client_cert + "/service.pem", ec);
+    if (!ec) tls.use_private_key_file(client_cert + "/service.key", net::ssl::context::pem, ec);
+    if (ec) return {};
+  }
   tls.set_verify_mode(net::ssl::verify_peer);
   tls.set_verify_callback(net::ssl::host_name_verification("localhost"));
   net::ssl::stream<tcp::socket> stream(io, tls);
@@ -252,6 +258,25 @@ TEST_F(OpenAiHttp, TheHttpPortServesTlsWithTheGrpcPortsCertificate) {
   EXPECT_EQ(CallTls(http_port_, other + "/ca.pem", http::verb::get, "/health", "").status, 0);
   // The server is still there for a client that does it right.
   EXPECT_EQ(CallTls(http_port_, dir + "/ca.pem", http::verb::get, "/health", "").status, 200);
+}
+
+// --tls-client-ca: the HTTP port, like the gRPC port, answers only clients whose certificate
+// that CA signed (mTLS); one without a certificate or with another CA's gets no answer.
+TEST_F(OpenAiHttp, TheHttpPortRequiresClientCertificatesWithTlsClientCa) {
+  const std::string dir = testing::MakeCertificates("http_mtls");
+  const std::string other = testing::MakeCertificates("http_mtls_other");
+  Start({"--tls-cert=" + dir + "/service.pem", "--tls-key=" + dir + "/service.key",
+         "--tls-client-ca=" + dir + "/ca.pem"});
+  const std::string ca = dir + "/ca.pem";
+  const json request = {{"prompt", {1, 2, 3, 4}}, {"max_tokens", 3}, {"temperature", 0}};
+  const Reply ok =
+      CallTls(http_port_, ca, http::verb::post, "/v1/completions", request.dump(), dir);
+  ASSERT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(ok.Json()["usage"]["completion_tokens"], 3) << ok.body;
+  EXPECT_EQ(CallTls(http_port_, ca, http::verb::get, "/health", "").status, 0) << "no certificate";
+  EXPECT_EQ(CallTls(http_port_, ca, http::verb::get, "/health", "", other).status, 0)
+      << "a certificate of another CA";
+  EXPECT_EQ(CallTls(http_port_, ca, http::verb::get, "/health", "", dir).status, 200);
 }
 
 TEST_F(OpenAiHttp, NChoicesEqualGrpcRequestsWithConsecutiveSeeds) {
