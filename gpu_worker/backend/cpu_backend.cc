@@ -60,6 +60,17 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options) : options_(options) {
   }
 }
 
+void CpuBackend::BindThread() {
+  if (options_.num_threads > 0) omp_set_num_threads(options_.num_threads);
+}
+
+void CpuBackend::ReleaseThreads() {
+  // libgomp counts the threads of every team; with more than there are cores it spins only ~1000
+  // times before a thread sleeps, so a team left idle by the building thread made every region
+  // of the engine's team wake a sleeping thread (futex) instead of one still spinning.
+  omp_pause_resource_all(omp_pause_hard);
+}
+
 std::string CpuBackend::Name() const {
   return absl::StrCat("cpu-", WeightFormatName(options_.weight_format),
                       options_.kv_dtype == DType::kF32 ? "" : " (bf16 K/V)");

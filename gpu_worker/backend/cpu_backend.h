@@ -31,6 +31,8 @@ class CpuBackend : public Backend {
   DType kv_dtype() const override { return options_.kv_dtype; }
   size_t FreeMemory() const override;
   bool host_accessible() const override { return true; }
+  void BindThread() override;
+  void ReleaseThreads() override;
 
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
