@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <functional>
 #include <thread>
 
 #include "absl/time/clock.h"
@@ -167,45 +168,39 @@ class Netns : public ::testing::TestWithParam<Variant> {
     }
   }
 
+  // 8 streams; `fault` hits worker A once they run: every stream completes with exactly the
+  // tokens of its uninterrupted run, and every stream that moved continued from its stored KV.
+  void ExpectEveryStreamExactAndResumed(const std::function<void()>& fault) {
+    std::vector<v1::GenerateRequest> requests;
+    std::vector<std::vector<int32_t>> want;
+    Prepare(8, 220, requests, want);
+    const std::vector<StreamResult> got = StreamAll(requests, fault);
+    int moved = 0, resumed = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
+      EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
+      moved += got[i].last.failovers();
+      resumed += got[i].last.resumes();
+    }
+    EXPECT_GT(moved, 0) << "some streams ran on the worker that failed";
+    EXPECT_EQ(resumed, moved) << "every moved stream continued from its stored KV";
+  }
+
   std::unique_ptr<NetnsLab> lab_;
   std::unique_ptr<ServerProcess> store_, router_, workers_[2];
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
 
 TEST_P(Netns, AKilledWorkersStreamsResumeFromTheStoreOnTheOther) {
-  std::vector<v1::GenerateRequest> requests;
-  std::vector<std::vector<int32_t>> want;
-  Prepare(8, 220, requests, want);
-  const std::vector<StreamResult> got = StreamAll(requests, [&] { workers_[0]->Kill(); });
-  int moved = 0, resumed = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
-    moved += got[i].last.failovers();
-    resumed += got[i].last.resumes();
-  }
-  EXPECT_GT(moved, 0) << "some streams ran on the killed worker";
-  EXPECT_EQ(resumed, moved) << "every moved stream continued from its stored KV";
+  ExpectEveryStreamExactAndResumed([&] { workers_[0]->Kill(); });
 }
 
 // SIGSTOP of a worker mid-stream (frozen, not dead: its links stay up, its TCP connections open):
 // the router finds its streams silent and moves them; the other worker takes their KV over from
 // the store across the links, and every stream completes with exactly its tokens.
 TEST_P(Netns, AFrozenWorkersStreamsResumeFromTheStoreOnTheOther) {
-  std::vector<v1::GenerateRequest> requests;
-  std::vector<std::vector<int32_t>> want;
-  Prepare(8, 220, requests, want);
-  const std::vector<StreamResult> got = StreamAll(requests, [&] { workers_[0]->Signal(SIGSTOP); });
+  ExpectEveryStreamExactAndResumed([&] { workers_[0]->Signal(SIGSTOP); });
   workers_[0]->Signal(SIGCONT);
-  int moved = 0, resumed = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i << " lost, repeated or changed tokens";
-    moved += got[i].last.failovers();
-    resumed += got[i].last.resumes();
-  }
-  EXPECT_GT(moved, 0) << "some streams ran on the frozen worker";
-  EXPECT_EQ(resumed, moved) << "every moved stream continued from its stored KV";
 }
 
 // The link is down for 4 s, twice the workers' KV call timeout: calls to the store fail while
