@@ -91,7 +91,7 @@ TEST(QueuedClient, AFailedAppendFailsTheLaterAppendsOfItsSequenceOnly) {
   t.failing_seq = 1;
   std::vector<FakeTransport::AppendJob> jobs;
   for (auto [seq, start] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{1, 1}, std::pair{2, 1}}) {
-    jobs.push_back({static_cast<StoreSequenceId>(seq), 0, start, 1, {}, {}, absl::Now()});
+    jobs.push_back({static_cast<StoreSequenceId>(seq), 0, start, 1, {}, {}, absl::Now(), {}});
   }
   const std::vector<absl::Status> st = t.DoAppendBatch(jobs);
   ASSERT_EQ(st.size(), 4u);
