@@ -83,14 +83,16 @@ PY
 fi
 # kubernetes-validate (PyPI: Kubernetes' JSON schemas, offline) for the deployment check,
 # tests/deploy/check_manifests.py, in the same venv.
-if ! "$CACHE/venv/bin/python" -c "import kubernetes_validate" 2>/dev/null; then
+# -I: the checks must not find this repository's own folders (openai/ is the HTTP front door's
+# source, which a plain `import openai` run from here takes for the package).
+if ! "$CACHE/venv/bin/python" -I -c "import kubernetes_validate" 2>/dev/null; then
   if [ ! -x "$CACHE/venv/bin/pip" ]; then
     python3 -m venv "$CACHE/venv" >&2
   fi
   echo "setup: installing kubernetes-validate 1.37.0 from PyPI" >&2
   "$CACHE/venv/bin/pip" install --quiet kubernetes-validate==1.37.0 >&2
 fi
-if ! "$CACHE/venv/bin/python" -c "import openai" 2>/dev/null; then
+if ! "$CACHE/venv/bin/python" -I -c "import openai" 2>/dev/null; then
   echo "setup: installing openai 3.57.0 (the official client) from PyPI" >&2
   "$CACHE/venv/bin/pip" install --quiet openai==3.57.0 >&2
 fi
