@@ -47,9 +47,7 @@ class MeteredPolicy final : public KvSelectionPolicy {
   bool Preselect(const SelectRequest& request, Selection& out) override {
     return inner_.Preselect(request, out);
   }
-  void Open(SequenceId seq, int64_t capacity_tokens) override {
-    inner_.Open(seq, capacity_tokens);
-  }
+  void Open(SequenceId seq, int64_t capacity_tokens) override { inner_.Open(seq, capacity_tokens); }
   absl::Status OnKeys(const LayerKeys& keys) override { return inner_.OnKeys(keys); }
   absl::Status Select(const SelectRequest& request, Selection& out) override;
   void OnAttentionWeights(SequenceId seq, int layer, const Selection& selection,
