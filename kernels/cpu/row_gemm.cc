@@ -9,22 +9,23 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/packed_gemm.h"
 
 namespace infinigen::cpu {
 namespace {
 
-// Tile of the register kernel: kRows rows of x times kCols rows of w, two 8-lane accumulators
-// per output element (12 of the 16 ymm registers).
-constexpr int64_t kRows = 2;
-constexpr int64_t kCols = 3;
-// Output columns per parallel task (w rows kept hot in L2 while every x row passes).
+// Output columns per parallel task (w rows kept hot in L2 while every x row passes); a multiple
+// of every kernel's tile width.
 constexpr int64_t kColBlock = 48;
 // x rows per pass over a column block (x rows kept in L2).
 constexpr int64_t kRowBlock = 64;
 // How far ahead of use a GEMV asks for weight bytes (its single pass runs row after row, so
 // this reaches into the next rows), as the packed GEMVs do.
 constexpr int64_t kPrefetchBytes = 2048;
+
+// Functions that use AVX-512 instructions; called only where ActiveIsa() says the CPU has them.
+#define IG_AVX512 __attribute__((target("avx512f")))
 
 // The one reduction every element goes through: lanes summed as ((0+4)+(2+6))+((1+5)+(3+7)).
 inline float Reduce(__m256 v) {
@@ -45,12 +46,19 @@ inline void WidenBf16(const uint16_t* in, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
 }
 
+// 16 bfloat16 values widened exactly to float32.
+IG_AVX512 inline __m512 WidenBf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Weight rows as a tile reads them: row c of the accessor, 8 values at column i (a multiple of
 // 8), widened exactly to float32, so every format goes through the same products.
 struct F32Rows {
   const float* w;
   int64_t ld;
   __m256 Load8(int64_t c, int64_t i) const { return _mm256_loadu_ps(w + c * ld + i); }
+  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const { return _mm512_loadu_ps(w + c * ld + i); }
   float At(int64_t c, int64_t i) const { return w[c * ld + i]; }
   const void* Address(int64_t c, int64_t i) const { return w + c * ld + i; }
   F32Rows From(int64_t j) const { return {w + j * ld, ld}; }
@@ -62,6 +70,7 @@ struct Bf16Rows {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * ld + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const { return WidenBf16x16(w + c * ld + i); }
   float At(int64_t c, int64_t i) const { return Bf16ToFloat(w[c * ld + i]); }
   const void* Address(int64_t c, int64_t i) const { return w + c * ld + i; }
   Bf16Rows From(int64_t j) const { return {w + j * ld, ld}; }
@@ -71,6 +80,7 @@ struct Bf16Rows {
 struct TableRows {
   const float* const* rows;
   __m256 Load8(int64_t c, int64_t i) const { return _mm256_loadu_ps(rows[c] + i); }
+  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const { return _mm512_loadu_ps(rows[c] + i); }
   float At(int64_t c, int64_t i) const { return rows[c][i]; }
   const void* Address(int64_t c, int64_t i) const { return rows[c] + i; }
   TableRows From(int64_t j) const { return {rows + j}; }
@@ -82,6 +92,7 @@ struct Bf16TableRows {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c] + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const { return WidenBf16x16(rows[c] + i); }
   float At(int64_t c, int64_t i) const { return Bf16ToFloat(rows[c][i]); }
   const void* Address(int64_t c, int64_t i) const { return rows[c] + i; }
   Bf16TableRows From(int64_t j) const { return {rows + j}; }
@@ -97,13 +108,21 @@ struct Q8Rows {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
                          _mm256_set1_ps(scales[c * (ld / kQ8Block) + i / kQ8Block]));
   }
+  // 16 values at i (a multiple of 16) lie in one 32-value block: one scale.
+  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + c * ld + i));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                         _mm512_set1_ps(scales[c * (ld / kQ8Block) + i / kQ8Block]));
+  }
   float At(int64_t c, int64_t i) const {
     return static_cast<float>(qs[c * ld + i]) * scales[c * (ld / kQ8Block) + i / kQ8Block];
   }
   const void* Address(int64_t c, int64_t i) const { return qs + c * ld + i; }
   Q8Rows From(int64_t j) const { return {qs + j * ld, scales + j * (ld / kQ8Block), ld}; }
   void Widen(int64_t c, float* out, int64_t k) const {
-    for (int64_t i = 0; i < k; ++i) out[i] = At(c, i);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
+    for (; i < k; ++i) out[i] = At(c, i);
   }
 };
 
@@ -166,6 +185,97 @@ void AnyTile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int
   return Tile<1, 1>(x, ldx, w, y, ldy, k, prefetch);
 }
 
+// Tile's products and order with 16-lane registers: lanes 0-7 of an accumulator are Tile's
+// accumulator 0 (the 8-element blocks at multiples of 16), lanes 8-15 its accumulator 1 (the
+// blocks after them), so each lane does the FMAs Tile's lane does, in the same order; a last odd
+// block goes into lanes 0-7 alone, and the halves are added as Tile adds its two accumulators.
+// One register per output element leaves room for a 4 x 4 tile in the 32 registers.
+// GCC 12's AVX-512 headers build some results from _mm512_undefined_* values, which it then
+// reports as uninitialized where they are inlined (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <int64_t R, int64_t C, typename A>
+IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t k,
+                      bool prefetch) {
+  __m512 acc[R][C];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  const int64_t k8 = k / 8 * 8;
+  int64_t i = 0;
+  for (; i + 16 <= k8; i += 16) {
+    if (prefetch) {
+      for (int64_t c = 0; c < C; ++c) {
+        _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
+      }
+    }
+    __m512 wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = w.Load16(c, i);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * ldx + i);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  if (i < k8) {
+    __m512 wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = _mm512_zextps256_ps512(w.Load8(c, i));
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_zextps256_ps512(_mm256_loadu_ps(x + r * ldx + i));
+      for (int64_t c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_mask3_fmadd_ps(xv, wv[c], acc[r][c], 0x00FF);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+      const float s = Reduce(_mm256_add_ps(lo, hi));
+      y[r * ldy + c] += Tail(s, x + r * ldx, w, c, k8, k);
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
+template <int64_t R, typename A>
+IG_AVX512 void AnyTile16Cols(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
+                             int64_t cols, int64_t k, bool prefetch) {
+  if (cols == 4) return Tile16<R, 4>(x, ldx, w, y, ldy, k, prefetch);
+  if (cols == 3) return Tile16<R, 3>(x, ldx, w, y, ldy, k, prefetch);
+  if (cols == 2) return Tile16<R, 2>(x, ldx, w, y, ldy, k, prefetch);
+  return Tile16<R, 1>(x, ldx, w, y, ldy, k, prefetch);
+}
+
+template <typename A>
+IG_AVX512 void AnyTile16(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
+                         int64_t rows, int64_t cols, int64_t k, bool prefetch) {
+  if (rows == 4) return AnyTile16Cols<4>(x, ldx, w, y, ldy, cols, k, prefetch);
+  if (rows == 3) return AnyTile16Cols<3>(x, ldx, w, y, ldy, cols, k, prefetch);
+  if (rows == 2) return AnyTile16Cols<2>(x, ldx, w, y, ldy, cols, k, prefetch);
+  return AnyTile16Cols<1>(x, ldx, w, y, ldy, cols, k, prefetch);
+}
+
+// The register kernels, by instruction set: tile shape (x rows by weight rows), weight rows per
+// tile of a GEMV (one pass over the weights), and the tile function.
+struct Avx2Kernel {
+  static constexpr int64_t kRows = 2, kCols = 3, kGemvCols = 1;  // 12 of 16 ymm accumulators
+  template <typename A>
+  static void Run(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t rows,
+                  int64_t cols, int64_t k, bool prefetch) {
+    AnyTile(x, ldx, w, y, ldy, rows, cols, k, prefetch);
+  }
+};
+struct Avx512Kernel {
+  static constexpr int64_t kRows = 4, kCols = 4, kGemvCols = 4;  // 16 of 32 zmm accumulators
+  template <typename A>
+  static void Run(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t rows,
+                  int64_t cols, int64_t k, bool prefetch) {
+    AnyTile16(x, ldx, w, y, ldy, rows, cols, k, prefetch);
+  }
+};
+
 void InitOutput(const float* bias, float* y, int64_t ldy, int64_t m, int64_t n, bool accumulate) {
   for (int64_t r = 0; r < m; ++r) {
     float* yr = y + r * ldy;
@@ -184,12 +294,12 @@ void InitOutput(const float* bias, float* y, int64_t ldy, int64_t m, int64_t n, 
 // `cols` columns of y (starting at y) for every row, from the accessor's weight rows. Several
 // rows of a packed format read each tile's weight rows widened once per block of x rows (the
 // same floats Load8 makes, so the same products).
-template <typename A>
+template <typename K, typename A>
 void ColumnBlock(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t m,
                  int64_t cols, int64_t k) {
   // A GEMV makes one pass over the weights: row after row, asking for them ahead.
   const bool gemv = m == 1;
-  const int64_t step = gemv ? 1 : kCols;
+  const int64_t step = gemv ? K::kGemvCols : K::kCols;
   thread_local std::vector<float> panel;
   for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
     const int64_t i1 = std::min(m, i0 + kRowBlock);
@@ -197,20 +307,31 @@ void ColumnBlock(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
       const int64_t width = std::min(step, cols - j);
       if constexpr (!std::is_same_v<A, F32Rows> && !std::is_same_v<A, TableRows>) {
         if (!gemv) {
-          panel.resize(static_cast<size_t>(kCols * k));
+          panel.resize(static_cast<size_t>(K::kCols * k));
           for (int64_t c = 0; c < width; ++c) w.Widen(j + c, panel.data() + c * k, k);
-          for (int64_t i = i0; i < i1; i += kRows) {
-            AnyTile(x + i * ldx, ldx, F32Rows{panel.data(), k}, y + i * ldy + j, ldy,
-                    std::min(kRows, i1 - i), width, k, false);
+          for (int64_t i = i0; i < i1; i += K::kRows) {
+            K::Run(x + i * ldx, ldx, F32Rows{panel.data(), k}, y + i * ldy + j, ldy,
+                   std::min(K::kRows, i1 - i), width, k, false);
           }
           continue;
         }
       }
-      for (int64_t i = i0; i < i1; i += kRows) {
-        AnyTile(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, std::min(kRows, i1 - i), width,
-                k, gemv);
+      for (int64_t i = i0; i < i1; i += K::kRows) {
+        K::Run(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, std::min(K::kRows, i1 - i), width,
+               k, gemv);
       }
     }
+  }
+}
+
+template <typename K, typename A>
+void GemmWith(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t m, int64_t n,
+              int64_t k) {
+  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static) if (m * n * k > (1 << 16))
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j0 = b * kColBlock;
+    ColumnBlock<K>(x, ldx, w.From(j0), y + j0, ldy, m, std::min(kColBlock, n - j0), k);
   }
 }
 
@@ -219,11 +340,10 @@ void Gemm(const float* x, int64_t ldx, const A& w, const float* bias, float* y, 
           int64_t m, int64_t n, int64_t k, bool accumulate) {
   if (m <= 0 || n <= 0) return;
   InitOutput(bias, y, ldy, m, n, accumulate);
-  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static) if (m * n * k > (1 << 16))
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t j0 = b * kColBlock;
-    ColumnBlock(x, ldx, w.From(j0), y + j0, ldy, m, std::min(kColBlock, n - j0), k);
+  if (ActiveIsa() == Isa::kAvx512) {
+    GemmWith<Avx512Kernel>(x, ldx, w, y, ldy, m, n, k);
+  } else {
+    GemmWith<Avx2Kernel>(x, ldx, w, y, ldy, m, n, k);
   }
 }
 

@@ -54,21 +54,19 @@ class RouterSmolLm2 : public ::testing::Test {
       worker_ports[w] = FreePort();
       workers_[w] = std::make_unique<ServerProcess>(
           "infinigen-worker",
-          std::vector<std::string>{"--model=" + testing::SmolLm2Path(),
-                                   "--listen=" + Addr(worker_ports[w]), "--policy=full",
-                                   "--threads=1", "--max_running=16", "--cpu_weights=q8",
-                                   "--cpu_kv=bf16", "--kv_transport=shm",
-                                   "--kv_store=" + Addr(store_port)},
+          std::vector<std::string>{
+              "--model=" + testing::SmolLm2Path(), "--listen=" + Addr(worker_ports[w]),
+              "--policy=full", "--threads=1", "--max_running=16", "--cpu_weights=q8",
+              "--cpu_kv=bf16", "--kv_transport=shm", "--kv_store=" + Addr(store_port)},
           worker_ports[w]);
       ASSERT_TRUE(workers_[w]->running()) << workers_[w]->log_path();
     }
     const int router_port = FreePort();
     router_ = std::make_unique<ServerProcess>(
         "infinigen-router",
-        std::vector<std::string>{
-            "--listen=" + Addr(router_port),
-            "--workers=" + Addr(worker_ports[0]) + "," + Addr(worker_ports[1]),
-            "--health_interval_ms=200"},
+        std::vector<std::string>{"--listen=" + Addr(router_port),
+                                 "--workers=" + Addr(worker_ports[0]) + "," + Addr(worker_ports[1]),
+                                 "--health_interval_ms=200"},
         router_port);
     ASSERT_TRUE(router_->running()) << router_->log_path();
     stub_ = v1::Generation::NewStub(

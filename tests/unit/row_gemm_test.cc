@@ -1,0 +1,175 @@
+// The batch-invariant GEMMs (kernels/cpu/row_gemm.h): each weight format against a
+// double-precision product of the same (rounded) weights on odd sizes (rows and columns not
+// multiples of any tile, k with tails); every row equal bit for bit to that row multiplied alone;
+// and the AVX-512 kernels equal to the AVX2 kernels bit for bit (each ISA forced in turn; that
+// part is skipped with a message where the CPU has no AVX-512).
+#include "kernels/cpu/row_gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/isa.h"
+
+namespace infinigen::cpu {
+namespace {
+
+struct Case {
+  int64_t m, n, k;
+};
+
+// One weight matrix [n, k] in every format, with the floats each format's kernel multiplies.
+struct Weights {
+  Weights(int64_t n, int64_t k, unsigned seed) : n(n), k(k) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> d;
+    f32.resize(n * k);
+    for (auto& v : f32) v = d(rng);
+    bf16.resize(n * k);
+    for (int64_t i = 0; i < n * k; ++i) bf16[i] = FloatToBf16(f32[i]);
+    if (k % kQ8Block == 0) {
+      q8_qs.resize(n * k);
+      q8_scales.resize(n * k / kQ8Block);
+      QuantizeQ8(f32.data(), n, k, q8_qs.data(), q8_scales.data());
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      f32_rows.push_back(f32.data() + j * k);
+      bf16_rows.push_back(bf16.data() + j * k);
+    }
+  }
+  int64_t n, k;
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  std::vector<int8_t> q8_qs;
+  std::vector<float> q8_scales;
+  std::vector<const float*> f32_rows;
+  std::vector<const uint16_t*> bf16_rows;
+};
+
+enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8 };
+const Format kFormats[] = {Format::kF32, Format::kBf16, Format::kF32Table, Format::kBf16Table,
+                           Format::kQ8};
+
+// y[m, n] (+)= x · wᵀ + bias in `format`.
+void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, const float* bias,
+              float* y, int64_t ldy, int64_t m, bool accumulate) {
+  const int64_t n = w.n, k = w.k;
+  switch (format) {
+    case Format::kF32:
+      return GemmRowsF32(x, ldx, w.f32.data(), k, bias, y, ldy, m, n, k, accumulate);
+    case Format::kBf16:
+      return GemmRowsBf16(x, ldx, w.bf16.data(), bias, y, ldy, m, n, k, accumulate);
+    case Format::kF32Table:
+      return GemmRowsF32Table(x, ldx, w.f32_rows.data(), bias, y, ldy, m, n, k, accumulate);
+    case Format::kBf16Table:
+      return GemmRowsBf16Table(x, ldx, w.bf16_rows.data(), bias, y, ldy, m, n, k, accumulate);
+    case Format::kQ8:
+      return GemmRowsQ8(x, ldx, {w.q8_qs.data(), w.q8_scales.data(), n, k}, bias, y, ldy, m,
+                        accumulate);
+  }
+}
+
+// The float the format's kernel multiplies for weight (j, p).
+double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
+  switch (format) {
+    case Format::kBf16:
+    case Format::kBf16Table:
+      return Bf16ToFloat(w.bf16[j * w.k + p]);
+    case Format::kQ8:
+      return static_cast<double>(static_cast<float>(w.q8_qs[j * w.k + p]) *
+                                 w.q8_scales[j * (w.k / kQ8Block) + p / kQ8Block]);
+    default:
+      return w.f32[j * w.k + p];
+  }
+}
+
+bool Applies(Format format, const Weights& w) { return format != Format::kQ8 || !w.q8_qs.empty(); }
+
+class RowGemm : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const auto [m, n, k] = GetParam();
+    std::mt19937 rng(static_cast<unsigned>(m * 131 + n * 7 + k));
+    std::normal_distribution<float> d;
+    ldx = k + 5;
+    ldy = n + 3;
+    x.resize(m * ldx);
+    for (auto& v : x) v = d(rng);
+    bias.resize(n);
+    for (auto& v : bias) v = d(rng);
+    weights = std::make_unique<Weights>(n, k, static_cast<unsigned>(n + k));
+  }
+  void TearDown() override { CapIsaForTesting(Isa::kAvx512); }  // back to what the CPU has
+
+  std::vector<float> Run(Format format, int64_t rows, const float* from) {
+    std::vector<float> y(rows * ldy, 0.25f);
+    Multiply(format, *weights, from, ldx, bias.data(), y.data(), ldy, rows, /*accumulate=*/true);
+    return y;
+  }
+
+  int64_t ldx = 0, ldy = 0;
+  std::vector<float> x, bias;
+  std::unique_ptr<Weights> weights;
+};
+
+TEST_P(RowGemm, EachFormatMatchesADoubleProductOfItsWeights) {
+  const auto [m, n, k] = GetParam();
+  for (Format format : kFormats) {
+    if (!Applies(format, *weights)) continue;
+    const std::vector<float> y = Run(format, m, x.data());
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0.25 + bias[j];
+        for (int64_t p = 0; p < k; ++p)
+          s += double(x[i * ldx + p]) * WeightValue(format, *weights, j, p);
+        ASSERT_NEAR(y[i * ldy + j], s, 1e-4 * (1 + std::abs(s)))
+            << "format " << static_cast<int>(format) << " at " << i << "," << j;
+      }
+    }
+  }
+}
+
+TEST_P(RowGemm, EveryRowEqualsItselfMultipliedAlone) {
+  const auto [m, n, k] = GetParam();
+  for (Format format : kFormats) {
+    if (!Applies(format, *weights)) continue;
+    const std::vector<float> all = Run(format, m, x.data());
+    for (int64_t i = 0; i < m; ++i) {
+      const std::vector<float> alone = Run(format, 1, x.data() + i * ldx);
+      ASSERT_EQ(std::memcmp(alone.data(), all.data() + i * ldy, n * sizeof(float)), 0)
+          << "format " << static_cast<int>(format) << ", row " << i << " of " << m;
+    }
+  }
+}
+
+TEST_P(RowGemm, Avx512KernelsEqualAvx2KernelsBitForBit) {
+  if (!CpuHasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512: only the AVX2 kernels run here";
+  CapIsaForTesting(Isa::kAvx512);
+  if (ActiveIsa() != Isa::kAvx512) GTEST_SKIP() << "INFINIGEN_CPU_ISA=avx2 caps this run";
+  const auto [m, n, k] = GetParam();
+  for (Format format : kFormats) {
+    if (!Applies(format, *weights)) continue;
+    CapIsaForTesting(Isa::kAvx2);
+    ASSERT_EQ(ActiveIsa(), Isa::kAvx2);
+    const std::vector<float> avx2 = Run(format, m, x.data());
+    CapIsaForTesting(Isa::kAvx512);
+    ASSERT_EQ(ActiveIsa(), Isa::kAvx512);
+    const std::vector<float> avx512 = Run(format, m, x.data());
+    ASSERT_EQ(std::memcmp(avx2.data(), avx512.data(), avx2.size() * sizeof(float)), 0)
+        << "format " << static_cast<int>(format);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(OddSizes, RowGemm,
+                         ::testing::Values(Case{1, 1, 7}, Case{1, 5, 8}, Case{1, 50, 40},
+                                           Case{1, 97, 576}, Case{2, 49, 24}, Case{3, 13, 64},
+                                           Case{5, 50, 96}, Case{7, 101, 67}, Case{70, 53, 160},
+                                           Case{130, 9, 32}));
+
+}  // namespace
+}  // namespace infinigen::cpu
