@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/row_gemm.h"
 
@@ -38,6 +39,77 @@ inline __m256 Load8(const uint16_t* p) {
 }
 inline float At(const float* p, int i) { return p[i]; }
 inline float At(const uint16_t* p, int i) { return Bf16ToFloat(p[i]); }
+
+// exp(x) for x <= 0, 8 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial for e^r, times 2^n; within 2 ulp of the exact value). Below -87.3 it gives the
+// smallest normal float (1.2e-38), not 0. Each lane depends only on its own input, so a score's
+// probability is the same number wherever it sits in a chunk.
+inline __m256 ExpNonPositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n from the exponent bits: n in [-126, 0] here, a normal float.
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// p[j] = s[j] * scale for j < n; returns their maximum (-inf when n is 0). A maximum is the
+// same whatever order the values are compared in.
+inline float ScaleAndMax(const float* s, float scale, float* p, int64_t n) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), sv);
+    _mm256_storeu_ps(p + j, x);
+    mv = _mm256_max_ps(mv, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float m = -INFINITY;
+  for (float l : lanes) m = std::max(m, l);
+  for (; j < n; ++j) m = std::max(m, p[j] = s[j] * scale);
+  return m;
+}
+
+// p[j] = exp(p[j] - m) for j < n (every p[j] <= m), and their sum in double: lane l of two
+// 4-lane accumulators takes j = 8t + l (l < 4 into the first), the accumulators are added
+// lane-wise and their lanes summed in order; the last n % 8 go through the same exp (padded)
+// and into the total in j order. The same numbers for the same scores whatever the caller.
+inline double ExpAndSum(float* p, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    _mm256_storeu_ps(p + j, e);
+    acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(acc0, acc1));
+  double sum = ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3];
+  if (j < n) {
+    alignas(32) float tail[8];
+    for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? p[j + t] : m;
+    _mm256_store_ps(tail, ExpNonPositive8(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
+    for (int64_t t = 0; j + t < n; ++t) {
+      p[j + t] = tail[t];
+      sum += tail[t];
+    }
+  }
+  return sum;
+}
 
 }  // namespace
 
@@ -118,11 +190,60 @@ void WeightedRowsTile(const float* const* ps, const T* const* rows, int64_t n, i
   }
 }
 
-// The weighted rows of several outputs that see the same n rows, three at a time.
+// GCC 12's AVX-512 headers build some results from _mm512_undefined_* values, which it then
+// reports as uninitialized where they are inlined (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// 16 elements of a K/V row as float32, as two Load8 make them.
+__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// WeightedRowsTile with 16-lane registers: every element is the same FMA chain over j (lanes do
+// not meet), so the same numbers; the columns past the last 32 are left to WeightedRowsTile.
+template <int R, typename T>
+__attribute__((target("avx512f"))) int WeightedRowsTile16(const float* const* ps,
+                                                          const T* const* rows, int64_t n,
+                                                          int width, float* const* outs) {
+  int d0 = 0;
+  for (; d0 + 32 <= width; d0 += 32) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = rows[j] + d0;
+      const __m512 v0 = Load16(v), v1 = Load16(v + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pj = _mm512_set1_ps(ps[r][j]);
+        acc[r][0] = _mm512_fmadd_ps(pj, v0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(pj, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(outs[r] + d0, acc[r][0]);
+      _mm512_storeu_ps(outs[r] + d0 + 16, acc[r][1]);
+    }
+  }
+  return d0;
+}
+#pragma GCC diagnostic pop
+
+// The weighted rows of several outputs that see the same n rows, up to six (AVX-512) or three
+// at a time.
 template <typename T>
 void WeightedRows(const float* const* ps, int count, const T* const* rows, int64_t n, int width,
                   float* const* outs) {
   int r = 0;
+  if (ActiveIsa() == Isa::kAvx512 && width % 32 == 0) {
+    for (; r + 6 <= count; r += 6) WeightedRowsTile16<6>(ps + r, rows, n, width, outs + r);
+    for (; r + 3 <= count; r += 3) WeightedRowsTile16<3>(ps + r, rows, n, width, outs + r);
+    for (; r < count; ++r) WeightedRowsTile16<1>(ps + r, rows, n, width, outs + r);
+    return;
+  }
   for (; r + 3 <= count; r += 3) WeightedRowsTile<3>(ps + r, rows, n, width, outs + r);
   if (count - r == 2) WeightedRowsTile<2>(ps + r, rows, n, width, outs + r);
   if (count - r == 1) WeightedRowsTile<1>(ps + r, rows, n, width, outs + r);
@@ -189,12 +310,12 @@ __attribute__((noinline)) void ChunkPartials(const float* q0, int64_t q_stride, 
     for (int hh = 0; hh < group; ++hh) {
       const ChunkPartial& cp = partials[i * group + hh];
       const float* s = scores.data() + (static_cast<int64_t>(i) * group + hh) * kDecodeChunk;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < seen; ++j) m = std::max(m, cp.p[j] = s[j] * scale);
+      const float m = ScaleAndMax(s, scale, cp.p, seen);
       double sum = 0.0;
-      for (int64_t j = 0; j < seen; ++j) {
-        cp.p[j] = m == -INFINITY ? 0.0f : std::exp(cp.p[j] - m);
-        sum += cp.p[j];
+      if (m == -INFINITY) {
+        std::fill(cp.p, cp.p + seen, 0.0f);
+      } else {
+        sum = ExpAndSum(cp.p, seen, m);
       }
       *cp.max = m;
       *cp.sum = static_cast<float>(sum);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
 
 namespace infinigen::cpu {
@@ -241,6 +242,30 @@ TEST(CpuKernels, CausalRowsEqualDecodeOfEachRowBitForBit) {
       }
     }
   }
+}
+
+// The attention of prefill rows (and so of decode, which computes each row alike) gives the same
+// bits with the AVX-512 kernels as with the AVX2 ones.
+TEST(CpuKernels, AttentionIsTheSameOnEveryIsa) {
+  if (!CpuHasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512: only the AVX2 kernels run here";
+  CapIsaForTesting(Isa::kAvx512);
+  if (ActiveIsa() != Isa::kAvx512) GTEST_SKIP() << "INFINIGEN_CPU_ISA=avx2 caps this run";
+  std::mt19937 rng(11);
+  const int heads = 9, kv_heads = 3, d = 64;
+  const int64_t cap = 700, row_stride = d, head_stride = cap * row_stride, num_q = 37;
+  const int64_t q_start = 600, q_stride = heads * d;
+  auto k = Random(kv_heads * head_stride, rng), v = Random(kv_heads * head_stride, rng);
+  auto q = Random(num_q * q_stride, rng, 2.0f);
+  std::vector<float> out[2];
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
+    CapIsaForTesting(isa);
+    auto& o = out[isa == Isa::kAvx512];
+    o.resize(num_q * heads * d);
+    AttentionCausalRows(q.data(), q_stride, num_q, q_start, {k.data(), head_stride, row_stride},
+                        {v.data(), head_stride, row_stride}, heads, kv_heads, d, 0.125f, o.data(),
+                        heads * d);
+  }
+  EXPECT_EQ(out[0], out[1]);
 }
 
 // The counter-hash fill behind random benchmark weights: in range, the same for the same seed,
