@@ -16,17 +16,19 @@ const char* WeightFormatName(WeightFormat f) {
       return "bf16";
     case WeightFormat::kQ8:
       return "q8";
+    case WeightFormat::kQ4_1:
+      return "q4_1";
   }
   return "?";
 }
 
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name) {
-  for (WeightFormat f :
-       {WeightFormat::kF32, WeightFormat::kF16, WeightFormat::kBF16, WeightFormat::kQ8}) {
+  for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kF16, WeightFormat::kBF16,
+                         WeightFormat::kQ8, WeightFormat::kQ4_1}) {
     if (name == WeightFormatName(f)) return f;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown weight format '", name, "': expected f32, f16, bf16 or q8"));
+      absl::StrCat("unknown weight format '", name, "': expected f32, f16, bf16, q8 or q4_1"));
 }
 
 absl::StatusOr<Weight> Backend::UploadRandomWeight(int64_t rows, int64_t cols, uint64_t seed,

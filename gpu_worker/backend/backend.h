@@ -83,8 +83,13 @@ enum class WeightFormat : uint8_t {
   kF16,
   kBF16,
   kQ8,  // int8 with one float32 scale per 32 weights of a row (kernels/cpu/packed_gemm.h)
+  // GGUF's Q4_1 (kernels/cpu/q4_1.h) for the matrices a checkpoint stores in Q4_1, kept as the
+  // file has them; q8 for every other matrix.
+  kQ4_1,
 };
 const char* WeightFormatName(WeightFormat f);
+// How a checkpoint stored a weight, as far as a backend's choice of format goes.
+enum class StoredFormat : uint8_t { kOther, kQ4_1 };
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 
 // A weight in the backend's storage format. Matrices are [rows = out_features, cols =
@@ -207,6 +212,13 @@ class Backend {
 
   // Uploads a float32 host matrix [rows, cols] in the backend's weight format.
   virtual absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) = 0;
+  // The same for a matrix the checkpoint stored as `stored` (its values decoded to float32 in
+  // host): a backend that keeps some quantized formats as they are picks by it. The default
+  // ignores it.
+  virtual absl::StatusOr<Weight> UploadStoredWeight(const float* host, int64_t rows, int64_t cols,
+                                                    StoredFormat stored) {
+    return UploadWeight(host, rows, cols);
+  }
   // A weight [rows, cols] of cpu::FillRandom(seed, scale) values in the backend's format (for
   // benchmarks of shapes no checkpoint is at hand for). The default makes them on the host and
   // uploads them; a device fills its own memory.

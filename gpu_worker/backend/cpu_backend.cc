@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/row_gemm.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
@@ -49,6 +50,16 @@ cpu::Q8Matrix Q8View(const Weight& w) {
   const auto* base = static_cast<const uint8_t*>(w.data());
   return {reinterpret_cast<const int8_t*>(base),
           reinterpret_cast<const float*>(base + Q8ScalesOffset(w.rows, w.cols)), w.rows, w.cols};
+}
+
+// A Q4_1 weight's buffer holds the packed values (16 bytes a block), then (64-byte aligned) the
+// blocks' scales, then their minimums.
+size_t Q4ScalesOffset(int64_t rows, int64_t cols) { return (rows * cols / 2 + 63) / 64 * 64; }
+
+cpu::Q4_1Matrix Q4View(const Weight& w) {
+  const auto* base = static_cast<const uint8_t*>(w.data());
+  const auto* d = reinterpret_cast<const float*>(base + Q4ScalesOffset(w.rows, w.cols));
+  return {base, d, d + w.rows * w.cols / cpu::kQ4Block, w.rows, w.cols};
 }
 
 }  // namespace
@@ -107,16 +118,27 @@ absl::Status CpuBackend::CopyToHost(const void* device, void* host, size_t bytes
 }
 
 absl::StatusOr<Weight> CpuBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {
+  return UploadStoredWeight(host, rows, cols, StoredFormat::kOther);
+}
+
+absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const float* host, int64_t rows, int64_t cols,
+                                                      StoredFormat stored) {
   Weight w;
   w.rows = rows;
   w.cols = cols;
   w.format = rows == 1 ? WeightFormat::kF32 : options_.weight_format;
-  if (w.format == WeightFormat::kQ8 && cols % cpu::kQ8Block != 0) w.format = WeightFormat::kF32;
+  if (w.format == WeightFormat::kQ4_1 && stored != StoredFormat::kQ4_1)
+    w.format = WeightFormat::kQ8;
+  if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1) &&
+      cols % cpu::kQ8Block != 0) {
+    w.format = WeightFormat::kF32;
+  }
   if (w.format == WeightFormat::kF16) w.format = WeightFormat::kBF16;  // no f16 kernels on CPU
   const size_t n = static_cast<size_t>(rows * cols);
   size_t bytes = n * 4;
   if (w.format == WeightFormat::kBF16) bytes = n * 2;
   if (w.format == WeightFormat::kQ8) bytes = Q8ScalesOffset(rows, cols) + n / cpu::kQ8Block * 4;
+  if (w.format == WeightFormat::kQ4_1) bytes = Q4ScalesOffset(rows, cols) + n / cpu::kQ4Block * 8;
   auto buf = Allocate(bytes);
   if (!buf.ok()) return buf.status();
   w.buffer = std::move(*buf);
@@ -128,6 +150,12 @@ absl::StatusOr<Weight> CpuBackend::UploadWeight(const float* host, int64_t rows,
       auto* base = static_cast<uint8_t*>(w.buffer->data());
       cpu::QuantizeQ8(host, rows, cols, reinterpret_cast<int8_t*>(base),
                       reinterpret_cast<float*>(base + Q8ScalesOffset(rows, cols)));
+      break;
+    }
+    case WeightFormat::kQ4_1: {
+      const cpu::Q4_1Matrix q = Q4View(w);
+      cpu::QuantizeQ4_1(host, rows, cols, const_cast<uint8_t*>(q.qs), const_cast<float*>(q.d),
+                        const_cast<float*>(q.m));
       break;
     }
     default:
@@ -145,6 +173,9 @@ absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatV
       break;
     case WeightFormat::kQ8:
       cpu::EmbeddingQ8(Q8View(table), ids, out.rows, out.As<float>(), out.stride);
+      break;
+    case WeightFormat::kQ4_1:
+      cpu::EmbeddingQ4_1(Q4View(table), ids, out.rows, out.As<float>(), out.stride);
       break;
     default:
       cpu::Embedding(F(table), table.cols, ids, out.rows, out.As<float>(), out.stride);
@@ -193,6 +224,10 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
         cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride,
                     x.rows, accumulate);
       }
+      break;
+    case WeightFormat::kQ4_1:
+      cpu::GemmRowsQ4_1(x.As<float>(), x.stride, Q4View(w), F(bias), out.As<float>(), out.stride,
+                        x.rows, accumulate);
       break;
     default:
       if (options_.batch_invariant) {

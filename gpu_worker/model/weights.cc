@@ -22,13 +22,16 @@ class Loader {
   absl::StatusOr<Weight> Upload(const std::vector<Part>& parts, int64_t rows, int64_t cols) {
     host_.resize(static_cast<size_t>(rows * cols));
     float* dst = host_.data();
+    bool all_q4_1 = true;
     for (const Part& part : parts) {
       IG_ASSIGN_OR_RETURN(const StoredTensor* t, ckpt_.Get(part.name, part.shape));
+      all_q4_1 = all_q4_1 && t->type == StorageType::kQ4_1;
       DecodeToFloat(*t, dst);
       ckpt_.DropPages(*t);
       dst += t->NumElements();
     }
-    return backend_.UploadWeight(host_.data(), rows, cols);
+    return backend_.UploadStoredWeight(host_.data(), rows, cols,
+                                       all_q4_1 ? StoredFormat::kQ4_1 : StoredFormat::kOther);
   }
 
   absl::StatusOr<Weight> Matrix(const std::string& name, int64_t rows, int64_t cols) {

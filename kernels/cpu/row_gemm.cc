@@ -11,6 +11,7 @@
 #include "common/dtype.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/q4_1.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -123,6 +124,49 @@ struct Q8Rows {
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
     for (; i < k; ++i) out[i] = At(c, i);
+  }
+};
+
+// Q4_1 (q4_1.h): w[r, c] = fma(q, d, m) of its block, in float32.
+struct Q4_1Rows {
+  const uint8_t* qs;
+  const float* d;
+  const float* m;
+  int64_t ld;  // columns
+  int64_t Block(int64_t c, int64_t i) const { return c * (ld / kQ4Block) + i / kQ4Block; }
+  // The 8 or 16 bytes whose nibbles hold elements i.. of row c (i a multiple of 8).
+  const uint8_t* Bytes(int64_t c, int64_t i) const {
+    return qs + Block(c, i) * (kQ4Block / 2) + i % (kQ4Block / 2);
+  }
+  __m256 Load8(int64_t c, int64_t i) const {
+    const __m256i b =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Bytes(c, i))));
+    const __m256i q = i % kQ4Block < kQ4Block / 2 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0f))
+                                                  : _mm256_srli_epi32(b, 4);
+    const int64_t at = Block(c, i);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d[at]), _mm256_set1_ps(m[at]));
+  }
+  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const {
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
+    const __m512i q = i % kQ4Block < kQ4Block / 2 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0f))
+                                                  : _mm512_srli_epi32(b, 4);
+    const int64_t at = Block(c, i);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
+  }
+  float At(int64_t c, int64_t i) const {
+    const uint8_t* blk = qs + Block(c, i) * (kQ4Block / 2);
+    const int64_t o = i % kQ4Block;
+    const int q = o < kQ4Block / 2 ? blk[o] & 0x0f : blk[o - kQ4Block / 2] >> 4;
+    const int64_t at = Block(c, i);
+    return std::fma(static_cast<float>(q), d[at], m[at]);
+  }
+  const void* Address(int64_t c, int64_t i) const { return Bytes(c, i); }
+  Q4_1Rows From(int64_t j) const {
+    return {qs + j * (ld / 2), d + j * (ld / kQ4Block), m + j * (ld / kQ4Block), ld};
+  }
+  void Widen(int64_t c, float* out, int64_t k) const {
+    for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
   }
 };
 
@@ -373,6 +417,11 @@ void GemmRowsBf16Table(const float* x, int64_t ldx, const uint16_t* const* w_row
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
                 int64_t ldy, int64_t m, bool accumulate) {
   Gemm(x, ldx, Q8Rows{w.qs, w.scales, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
+}
+
+void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate) {
+  Gemm(x, ldx, Q4_1Rows{w.qs, w.d, w.m, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
 }
 
 }  // namespace infinigen::cpu

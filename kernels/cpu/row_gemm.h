@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/q4_1.h"
 
 namespace infinigen::cpu {
 
@@ -30,5 +31,9 @@ void GemmRowsBf16Table(const float* x, int64_t ldx, const uint16_t* const* w_row
 // float32 activations, unlike GemmQ8's integer products on quantized activations.
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
                 int64_t ldy, int64_t m, bool accumulate);
+// The same with Q4_1 weights (q4_1.h), each widened to fma(q, d, m): the only GEMM of that
+// format, batch-invariant or not.
+void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate);
 
 }  // namespace infinigen::cpu

@@ -15,6 +15,7 @@
 
 #include "common/dtype.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/q4_1.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -36,6 +37,10 @@ struct Weights {
       q8_qs.resize(n * k);
       q8_scales.resize(n * k / kQ8Block);
       QuantizeQ8(f32.data(), n, k, q8_qs.data(), q8_scales.data());
+      q4_qs.resize(n * k / 2);
+      q4_d.resize(n * k / kQ4Block);
+      q4_m.resize(n * k / kQ4Block);
+      QuantizeQ4_1(f32.data(), n, k, q4_qs.data(), q4_d.data(), q4_m.data());
     }
     for (int64_t j = 0; j < n; ++j) {
       f32_rows.push_back(f32.data() + j * k);
@@ -47,13 +52,16 @@ struct Weights {
   std::vector<uint16_t> bf16;
   std::vector<int8_t> q8_qs;
   std::vector<float> q8_scales;
+  std::vector<uint8_t> q4_qs;
+  std::vector<float> q4_d, q4_m;
+  Q4_1Matrix q4() const { return {q4_qs.data(), q4_d.data(), q4_m.data(), n, k}; }
   std::vector<const float*> f32_rows;
   std::vector<const uint16_t*> bf16_rows;
 };
 
-enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8 };
-const Format kFormats[] = {Format::kF32, Format::kBf16, Format::kF32Table, Format::kBf16Table,
-                           Format::kQ8};
+enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1 };
+const Format kFormats[] = {Format::kF32,       Format::kBf16, Format::kF32Table,
+                           Format::kBf16Table, Format::kQ8,   Format::kQ4_1};
 
 // y[m, n] (+)= x · wᵀ + bias in `format`.
 void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, const float* bias,
@@ -68,6 +76,8 @@ void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, cons
       return GemmRowsF32Table(x, ldx, w.f32_rows.data(), bias, y, ldy, m, n, k, accumulate);
     case Format::kBf16Table:
       return GemmRowsBf16Table(x, ldx, w.bf16_rows.data(), bias, y, ldy, m, n, k, accumulate);
+    case Format::kQ4_1:
+      return GemmRowsQ4_1(x, ldx, w.q4(), bias, y, ldy, m, accumulate);
     case Format::kQ8:
       return GemmRowsQ8(x, ldx, {w.q8_qs.data(), w.q8_scales.data(), n, k}, bias, y, ldy, m,
                         accumulate);
@@ -83,12 +93,19 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
     case Format::kQ8:
       return static_cast<double>(static_cast<float>(w.q8_qs[j * w.k + p]) *
                                  w.q8_scales[j * (w.k / kQ8Block) + p / kQ8Block]);
+    case Format::kQ4_1: {
+      std::vector<float> row(w.k);
+      WidenQ4_1Row(w.q4(), j, row.data());
+      return row[p];
+    }
     default:
       return w.f32[j * w.k + p];
   }
 }
 
-bool Applies(Format format, const Weights& w) { return format != Format::kQ8 || !w.q8_qs.empty(); }
+bool Applies(Format format, const Weights& w) {
+  return (format != Format::kQ8 && format != Format::kQ4_1) || !w.q8_qs.empty();
+}
 
 class RowGemm : public ::testing::TestWithParam<Case> {
  protected:
@@ -162,6 +179,48 @@ TEST_P(RowGemm, Avx512KernelsEqualAvx2KernelsBitForBit) {
     const std::vector<float> avx512 = Run(format, m, x.data());
     ASSERT_EQ(std::memcmp(avx2.data(), avx512.data(), avx2.size() * sizeof(float)), 0)
         << "format " << static_cast<int>(format);
+  }
+}
+
+// Blocks as a Q4_1 file has them (each with a 0 and a 15, as llama.cpp's quantizer makes them),
+// decoded to float32 as the GGUF loader decodes them, quantize back to the same bytes; a widened
+// row is fma(q, d, m) of each block.
+TEST(Q4_1, WeightsDecodedFromAFileQuantizeBackToItsBlocks) {
+  std::mt19937 rng(3);
+  const int64_t rows = 7, cols = 96, blocks = rows * cols / kQ4Block;
+  std::vector<uint8_t> qs(rows * cols / 2);
+  std::vector<uint16_t> d(blocks), m(blocks);
+  std::vector<float> decoded(rows * cols);
+  for (int64_t b = 0; b < blocks; ++b) {
+    d[b] = FloatToHalf(std::uniform_real_distribution<float>(1e-4f, 0.05f)(rng));
+    m[b] = FloatToHalf(std::uniform_real_distribution<float>(-0.4f, 0.0f)(rng));
+    uint8_t q[32];
+    for (auto& v : q) v = static_cast<uint8_t>(rng() % 16);
+    const int lo = static_cast<int>(rng() % 32), hi = (lo + 1 + static_cast<int>(rng() % 31)) % 32;
+    q[lo] = 0;
+    q[hi] = 15;
+    for (int j = 0; j < 16; ++j) qs[b * 16 + j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+    for (int j = 0; j < 32; ++j) {
+      decoded[b * 32 + j] = static_cast<float>(q[j]) * HalfToFloat(d[b]) + HalfToFloat(m[b]);
+    }
+  }
+  std::vector<uint8_t> qs2(qs.size());
+  std::vector<float> d2(blocks), m2(blocks);
+  QuantizeQ4_1(decoded.data(), rows, cols, qs2.data(), d2.data(), m2.data());
+  EXPECT_EQ(qs2, qs);
+  for (int64_t b = 0; b < blocks; ++b) {
+    ASSERT_EQ(d2[b], HalfToFloat(d[b])) << b;
+    ASSERT_EQ(m2[b], HalfToFloat(m[b])) << b;
+  }
+  std::vector<float> row(cols);
+  const Q4_1Matrix w{qs.data(), d2.data(), m2.data(), rows, cols};
+  for (int64_t r = 0; r < rows; ++r) {
+    WidenQ4_1Row(w, r, row.data());
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t b = (r * cols + c) / 32, j = c % 32;
+      const int q = j < 16 ? qs[b * 16 + j] & 15 : qs[b * 16 + j - 16] >> 4;
+      ASSERT_EQ(row[c], std::fma(float(q), HalfToFloat(d[b]), HalfToFloat(m[b]))) << r << "," << c;
+    }
   }
 }
 

@@ -1,0 +1,36 @@
+// GGUF's Q4_1 weight format, its values kept as the file has them: blocks of 32 weights of a row,
+// each with a scale d and minimum m (float16 values, held as float32 so that a kernel reads them
+// without converting) and 32 four-bit values q (byte j of a block: element j in its low nibble,
+// element j + 16 in its high one). A weight is fma(q, d, m) in float32. Two thirds of the bytes
+// of Q8 (6 bits a weight instead of 9), which is what a memory-bound decode step pays for.
+#pragma once
+
+#include <cstdint>
+
+namespace infinigen::cpu {
+
+constexpr int64_t kQ4Block = 32;
+
+// A [rows, cols] Q4_1 matrix: row r's block b at qs + (r * cols / 32 + b) * 16, its scale and
+// minimum at d[r * cols / 32 + b], m[...]. cols must be a multiple of kQ4Block.
+struct Q4_1Matrix {
+  const uint8_t* qs = nullptr;
+  const float* d = nullptr;
+  const float* m = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+// llama.cpp's Q4_1 rule on float32 weights: per block m = min, d = (max - min) / 15, both rounded
+// to float16, q = round((w - m) / d) in [0, 15]. Weights decoded from a Q4_1 file (fma(q, d, m)
+// or q * d + m) come back as the file's own blocks.
+void QuantizeQ4_1(const float* w, int64_t rows, int64_t cols, uint8_t* qs, float* d, float* m);
+
+// Row r widened to float32 (the values the GEMM kernels multiply).
+void WidenQ4_1Row(const Q4_1Matrix& w, int64_t r, float* out);
+
+// out[i, :] = row ids[i] of the table, widened.
+void EmbeddingQ4_1(const Q4_1Matrix& table, const int32_t* ids, int64_t n, float* out,
+                   int64_t out_stride);
+
+}  // namespace infinigen::cpu
