@@ -2,7 +2,7 @@
 # The main job: installs what is missing, builds, starts the all-in-one server (`infinigen serve`:
 # router, worker and KV store in one process) with the real SmolLM2-135M-Instruct model on the
 # CPU, and generates through the public API with the CLI client, streaming the text to the
-# terminal, with InfiniGen on (its sidecar is prepared once), q8 weights and bf16 K/V; the last
+# terminal, with InfiniGen on (its sidecar is prepared once), q4_1 weights and bf16 K/V; the last
 # line says which policy and storage ran and the K/V bytes the decode steps fetched. Extra
 # arguments go to `infinigen client` (e.g. --temperature 0.8 --seed 7); INFINIGEN_SERVE_FLAGS to
 # the server (e.g. "--cpu-weights f32 --cpu-kv f32" for exact storage, "--policy full");

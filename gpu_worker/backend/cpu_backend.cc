@@ -83,7 +83,10 @@ void CpuBackend::ReleaseThreads() {
 }
 
 std::string CpuBackend::Name() const {
-  return absl::StrCat("cpu-", WeightFormatName(options_.weight_format),
+  const WeightFormat ran = options_.weight_format == WeightFormat::kQ4_1 && !kept_q4_1_.load()
+                               ? WeightFormat::kQ8
+                               : options_.weight_format;
+  return absl::StrCat("cpu-", WeightFormatName(ran),
                       options_.kv_dtype == DType::kF32 ? "" : " (bf16 K/V)");
 }
 
@@ -153,6 +156,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const float* host, int64_t
       break;
     }
     case WeightFormat::kQ4_1: {
+      kept_q4_1_.store(true);
       const cpu::Q4_1Matrix q = Q4View(w);
       cpu::QuantizeQ4_1(host, rows, cols, const_cast<uint8_t*>(q.qs), const_cast<float*>(q.d),
                         const_cast<float*>(q.m));

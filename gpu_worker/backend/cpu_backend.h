@@ -2,6 +2,8 @@
 // OpenBLAS for GEMM. Runs everywhere; the CUDA backend is tested against it.
 #pragma once
 
+#include <atomic>
+
 #include "gpu_worker/backend/backend.h"
 
 namespace infinigen {
@@ -74,6 +76,8 @@ class CpuBackend : public Backend {
 
  private:
   CpuBackendOptions options_;
+  // Whether a weight was kept in Q4_1 (under q4_1, a checkpoint without Q4_1 matrices runs q8).
+  std::atomic<bool> kept_q4_1_{false};
 };
 
 }  // namespace infinigen

@@ -131,7 +131,8 @@ INSTANTIATE_TEST_SUITE_P(CpuFormats, BatchInvariance,
                          ::testing::Values(Storage{WeightFormat::kF32, DType::kF32},
                                            Storage{WeightFormat::kBF16, DType::kF32},
                                            Storage{WeightFormat::kQ8, DType::kF32},
-                                           Storage{WeightFormat::kQ8, DType::kBF16}),
+                                           Storage{WeightFormat::kQ8, DType::kBF16},
+                                           Storage{WeightFormat::kQ4_1, DType::kBF16}),
                          [](const ::testing::TestParamInfo<Storage>& info) {
                            return std::string(WeightFormatName(info.param.weights)) + "_kv_" +
                                   std::string(DTypeName(info.param.kv));

@@ -120,19 +120,19 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   EXPECT_EQ(b.text, (*tokenizer)->Decode(b.tokens, /*skip_special=*/true));
 }
 
-// The embedded default's storage (q8 weights, bf16 K/V) through the store-backed worker: the
+// The embedded default's storage (q4_1 weights, bf16 K/V) through the store-backed worker: the
 // rows it fetches from the KV store (converted as they were appended, the current token's
 // converted in the step) give the tokens of the local engine's resident bf16 cache. A prompt of
 // several hundred tokens, so that decode attention spans several chunks.
 TEST(WorkerSmolLm2, Bf16KvThroughTheStoreStreamsTheLocalEnginesTokens) {
   const std::string model_path = testing::SmolLm2Path();
   IG_REQUIRE_FILE(model_path, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
-  SmolLm2Worker worker({"--cpu_weights=q8", "--cpu_kv=bf16"});
+  SmolLm2Worker worker({"--cpu_weights=q4_1", "--cpu_kv=bf16"});
   ASSERT_TRUE(worker.process.running());
   auto& stub = worker.stub;
   cli::BackendFlags flags;
   flags.threads = 1;
-  flags.cpu_weights = "q8";
+  flags.cpu_weights = "q4_1";
   flags.cpu_kv = "bf16";
   auto loaded = cli::LoadModel(model_path, flags);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
@@ -155,7 +155,7 @@ TEST(WorkerSmolLm2, Bf16KvThroughTheStoreStreamsTheLocalEnginesTokens) {
   const testing::WorkerStreamResult got = StreamWorker(*stub, r);
   ASSERT_TRUE(got.status.ok()) << got.status.error_message();
   EXPECT_EQ(got.tokens, want->tokens);
-  EXPECT_EQ(got.last.usage().backend(), "cpu-q8 (bf16 K/V)");
+  EXPECT_EQ(got.last.usage().backend(), "cpu-q4_1 (bf16 K/V)");
 }
 
 }  // namespace
