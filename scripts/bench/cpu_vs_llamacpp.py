@@ -9,6 +9,7 @@ cache) and prints a markdown table with the ratios. Peak RSS is each process's m
 set size as the kernel reports it (wait4 rusage).
 
 usage: scripts/bench/cpu_vs_llamacpp.py [--model GGUF] [--threads 2] [--rounds 3]
+       [--peer 0.3.36] [--formats f32,bf16,q8,q4_1]
 """
 import argparse
 import json
@@ -19,7 +20,9 @@ import sys
 import tarfile
 import time
 
-LLAMA_CPP_PYTHON = "0.3.16"  # its vendor/llama.cpp is llama.cpp build 4227c9b
+# The peer: the llama.cpp tree vendored in this llama-cpp-python sdist (--peer picks another;
+# 0.3.16 vendors llama.cpp build 4227c9b).
+LLAMA_CPP_PYTHON = "0.3.36"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -51,8 +54,8 @@ def run_with_rss(cmd):
     return out, usage.ru_maxrss / 1024.0
 
 
-def build_llama_cpp():
-    root = os.path.join(cache_dir(), "peers", f"llama-cpp-python-{LLAMA_CPP_PYTHON}")
+def build_llama_cpp(version):
+    root = os.path.join(cache_dir(), "peers", f"llama-cpp-python-{version}")
     binary = os.path.join(root, "vendor", "llama.cpp", "build", "bin", "llama-bench")
     if os.path.exists(binary):
         return binary
@@ -62,10 +65,10 @@ def build_llama_cpp():
         subprocess.check_call([sys.executable, "-m", "venv", os.path.join(cache_dir(), "venv")])
     dl = os.path.join(cache_dir(), "peers", "downloads")
     subprocess.check_call([pip, "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                           "-d", dl, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"])
-    with tarfile.open(os.path.join(dl, f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")) as t:
+                           "-d", dl, f"llama-cpp-python=={version}"])
+    with tarfile.open(os.path.join(dl, f"llama_cpp_python-{version}.tar.gz")) as t:
         t.extractall(os.path.dirname(root))
-    os.rename(os.path.join(os.path.dirname(root), f"llama_cpp_python-{LLAMA_CPP_PYTHON}"), root)
+    os.rename(os.path.join(os.path.dirname(root), f"llama_cpp_python-{version}"), root)
     src = os.path.join(root, "vendor", "llama.cpp")
     subprocess.check_call(["cmake", "-S", src, "-B", os.path.join(src, "build"), "-G", "Ninja",
                            "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
@@ -105,10 +108,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--peer", default=LLAMA_CPP_PYTHON, help="llama-cpp-python sdist version")
+    ap.add_argument("--formats", default="f32,bf16,q8,q4_1", help="our --cpu-weights to run")
     args = ap.parse_args()
-    binary = build_llama_cpp()
+    binary = build_llama_cpp(args.peer)
     results = {"llama.cpp": []}
-    formats = ["f32", "bf16", "q8"]
+    formats = args.formats.split(",")
     for f in formats:
         results[f"infinigen {f}"] = []
     for _ in range(args.rounds):  # interleaved, so that drift hits every engine alike
@@ -124,6 +129,7 @@ def main():
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
     print(f"machine: {cpu}, {os.cpu_count()} cores, {platform.platform()}")
+    print(f"peer: llama.cpp vendored in llama-cpp-python {args.peer}")
     print(f"model: {os.path.basename(args.model)}, threads {args.threads}, "
           f"pp{args.pp} / tg{args.tg}, best of {args.rounds} rounds, {time.strftime('%Y-%m-%d')}")
     print()
