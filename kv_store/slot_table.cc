@@ -64,20 +64,31 @@ void SlotTable::Fetched(int32_t slot, int64_t step) {
 }
 
 int32_t SlotTable::Victim(EvictionPolicy policy) const {
-  std::vector<int32_t> slots(size_);
-  std::iota(slots.begin(), slots.end(), 0);
   auto older = [&](int32_t a, int32_t b) { return position_[a] < position_[b]; };
+  // The slot that `before` orders first among `count` slots (all of them, or the first `count`
+  // of older_half_), scanned without a copy: this runs for every decode token of a full pool.
+  auto first = [&](int64_t count, const int32_t* among, auto before) {
+    int32_t best = among != nullptr ? among[0] : 0;
+    for (int64_t i = 1; i < count; ++i) {
+      const int32_t slot = among != nullptr ? among[i] : static_cast<int32_t>(i);
+      if (before(slot, best)) best = slot;
+    }
+    return best;
+  };
   switch (policy) {
     case EvictionPolicy::kFifo:
-      return *std::min_element(slots.begin(), slots.end(), older);
+      return first(size_, nullptr, older);
     case EvictionPolicy::kLru:
-      return *std::min_element(slots.begin(), slots.end(), [&](int32_t a, int32_t b) {
+      return first(size_, nullptr, [&](int32_t a, int32_t b) {
         return last_use_[a] != last_use_[b] ? last_use_[a] < last_use_[b] : older(a, b);
       });
     case EvictionPolicy::kCounter: {
       const int64_t half = std::max<int64_t>(1, size_ / 2);
-      std::nth_element(slots.begin(), slots.begin() + (half - 1), slots.end(), older);
-      return *std::min_element(slots.begin(), slots.begin() + half, [&](int32_t a, int32_t b) {
+      older_half_.resize(static_cast<size_t>(size_));  // capacity kept: no allocation per token
+      std::iota(older_half_.begin(), older_half_.end(), 0);
+      std::nth_element(older_half_.begin(), older_half_.begin() + (half - 1), older_half_.end(),
+                       older);
+      return first(half, older_half_.data(), [&](int32_t a, int32_t b) {
         return fetches_[a] != fetches_[b] ? fetches_[a] < fetches_[b] : older(a, b);
       });
     }

@@ -39,9 +39,10 @@ class SlotTable {
   int32_t Victim(EvictionPolicy policy) const;
 
   int64_t size_ = 0;
-  std::vector<int64_t> position_;  // [slot] token position, -1 when free
-  std::vector<int64_t> fetches_;   // [slot] fetches since the token arrived
-  std::vector<int64_t> last_use_;  // [slot] step of the last fetch or the arrival
+  std::vector<int64_t> position_;            // [slot] token position, -1 when free
+  std::vector<int64_t> fetches_;             // [slot] fetches since the token arrived
+  std::vector<int64_t> last_use_;            // [slot] step of the last fetch or the arrival
+  mutable std::vector<int32_t> older_half_;  // Victim's scratch (kCounter)
 };
 
 }  // namespace infinigen

@@ -16,11 +16,9 @@ int64_t KvPoolConfig::CapacityFor(int64_t tokens) const {
 
 PooledSlots::PooledSlots(int num_layers, int num_kv_heads, int64_t capacity,
                          EvictionPolicy eviction)
-    : capacity_(capacity), eviction_(eviction) {
+    : capacity_(0), eviction_(eviction) {
   tables_.assign(num_layers, std::vector<SlotTable>(num_kv_heads));
-  for (auto& layer : tables_) {
-    for (SlotTable& t : layer) t.Resize(capacity);
-  }
+  Grow(capacity);
 }
 
 void PooledSlots::Grow(int64_t capacity) {

@@ -58,7 +58,8 @@ absl::Status KvPoolCache::Append(SequenceId seq, int layer, int64_t start, MatVi
     return absl::InvalidArgumentError(absl::StrCat("the KV pool appends in order: token ", start,
                                                    " arrived after ", l.length, " tokens"));
   }
-  std::vector<int32_t> slots(static_cast<size_t>(n * shape_.num_kv_heads));
+  std::vector<int32_t>& slots = s.placed;  // reused: a decode step allocates nothing here
+  slots.resize(static_cast<size_t>(n * shape_.num_kv_heads));
   IG_ASSIGN_OR_RETURN(const int64_t evicted, s.slots->Place(layer, start, n, slots.data()));
   if (layer == 0) evictions_ += evicted;
   const int d = shape_.head_dim;

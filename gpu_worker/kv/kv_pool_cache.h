@@ -40,6 +40,7 @@ class KvPoolCache final : public ResidentKvCache {
     int64_t capacity = 0;
     std::vector<Layer> layers;
     std::unique_ptr<PooledSlots> slots;
+    std::vector<int32_t> placed;  // the slots of the last append, [tokens, num_kv_heads]
   };
 
   Backend& backend_;
