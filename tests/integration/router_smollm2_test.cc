@@ -1,15 +1,17 @@
 // Failover at the size the issue names, on a real model: the router in front of two SmolLM2-135M
-// workers (q8 weights, bf16 K/V) that keep their sequences in one infinigen-kvstore and read them
-// through its shared memory. Eight streams with 2K-token prompts, greedy and seeded sampling;
-// kill -9 of one worker mid-stream: every stream completes with exactly the tokens of its
-// uninterrupted run, and every stream that moved continued from its stored KV (the survivor
-// attached to the sequence and rebuilt its key cache from the stored rows), none replayed its
-// prompt. Real processes on 127.0.0.1.
+// workers that keep their sequences in one infinigen-kvstore, with q8 weights and bf16 K/V read
+// through the store's shared memory, or f32 weights and K/V over UCX (gRPC where the build has no
+// UCX). Eight streams with 2K-token prompts, greedy and seeded sampling; SIGSTOP of one worker
+// mid-stream, then (once it is continued and serving again) kill -9 of it mid-stream: every
+// stream completes with exactly the tokens of its uninterrupted run, and every stream that moved
+// continued from its stored KV (the other worker attached to the sequence and rebuilt its key
+// cache from the stored rows), none replayed its prompt. Real processes on 127.0.0.1.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <functional>
 #include <thread>
 
@@ -37,28 +39,37 @@ struct StreamResult {
   grpc::Status status;
 };
 
-class RouterSmolLm2 : public ::testing::Test {
+// How the workers store their weights and K/V and reach the store.
+struct Variant {
+  std::string weights, kv, transport;
+};
+
+class RouterSmolLm2 : public ::testing::TestWithParam<Variant> {
  protected:
   void SetUp() override {
     IG_REQUIRE_FILE(testing::SmolLm2Path(), "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+    const Variant& v = GetParam();
     const int store_port = FreePort();
-    // 8 sequences of ~2.1K tokens: 30 layers x 2 x 3 heads x 64 x 2 bytes = 23 KiB a token.
-    store_ = std::make_unique<ServerProcess>(
-        "infinigen-kvstore",
-        std::vector<std::string>{"--listen=" + Addr(store_port), "--capacity_mb=1024",
-                                 "--huge_pages=false"},
-        store_port);
+    // UCX over loopback, TCP.
+    testing::Placement here;
+    here.env = {{"UCX_NET_DEVICES", "lo"}, {"UCX_TLS", "tcp"}};
+    // 8 sequences of ~2.1K tokens: 30 layers x 2 x 3 heads x 64 x 4 bytes = 46 KiB a token (f32).
+    std::vector<std::string> store_args = {"--listen=" + Addr(store_port), "--capacity_mb=1536",
+                                           "--huge_pages=false"};
+    if (v.transport == "ucx") store_args.push_back("--ucx_port=" + std::to_string(FreePort()));
+    store_ = std::make_unique<ServerProcess>("infinigen-kvstore", store_args, store_port, here);
     ASSERT_TRUE(store_->running()) << store_->log_path();
     int worker_ports[2];
     for (int w = 0; w < 2; ++w) {
       worker_ports[w] = FreePort();
       workers_[w] = std::make_unique<ServerProcess>(
           "infinigen-worker",
-          std::vector<std::string>{
-              "--model=" + testing::SmolLm2Path(), "--listen=" + Addr(worker_ports[w]),
-              "--policy=full", "--threads=1", "--max_running=16", "--cpu_weights=q8",
-              "--cpu_kv=bf16", "--kv_transport=shm", "--kv_store=" + Addr(store_port)},
-          worker_ports[w]);
+          std::vector<std::string>{"--model=" + testing::SmolLm2Path(),
+                                   "--listen=" + Addr(worker_ports[w]), "--policy=full",
+                                   "--threads=1", "--max_running=16", "--cpu_weights=" + v.weights,
+                                   "--cpu_kv=" + v.kv, "--kv_transport=" + v.transport,
+                                   "--kv_store=" + Addr(store_port)},
+          worker_ports[w], here);
       ASSERT_TRUE(workers_[w]->running()) << workers_[w]->log_path();
     }
     const int router_port = FreePort();
@@ -71,14 +82,19 @@ class RouterSmolLm2 : public ::testing::Test {
     ASSERT_TRUE(router_->running()) << router_->log_path();
     stub_ = v1::Generation::NewStub(
         grpc::CreateChannel(Addr(router_port), grpc::InsecureChannelCredentials()));
+    WaitForWorkers(2);
+  }
+
+  void WaitForWorkers(int n) {
     int seen = -1;
-    for (int i = 0; i < 100 && seen != 2; ++i) {
+    for (int i = 0; i < 200 && seen != n; ++i) {
       grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
       v1::ModelInfo info;
       if (stub_->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok()) seen = info.workers();
-      if (seen != 2) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (seen != n) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    ASSERT_EQ(seen, 2) << "available workers";
+    ASSERT_EQ(seen, n) << "available workers";
   }
 
   StreamResult Stream(const v1::GenerateRequest& request, std::atomic<int>* started) {
@@ -122,7 +138,25 @@ class RouterSmolLm2 : public ::testing::Test {
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
 
-TEST_F(RouterSmolLm2, AKilledWorkersLongPromptStreamsResumeExactly) {
+// Every stream exact, some moved, every moved one resumed; prints what happened.
+void ExpectExactAndResumed(const std::vector<StreamResult>& got,
+                           const std::vector<StreamResult>& want, const char* fault) {
+  int moved = 0, resumed = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok())
+        << fault << ", stream " << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, want[i].tokens)
+        << fault << ", stream " << i << " lost or changed tokens";
+    EXPECT_EQ(got[i].last.usage().prompt_tokens(), want[i].last.usage().prompt_tokens());
+    moved += got[i].last.failovers();
+    resumed += got[i].last.resumes();
+  }
+  EXPECT_GT(moved, 0) << fault << ": some streams ran on the worker that failed";
+  EXPECT_EQ(resumed, moved) << fault << ": every moved stream continued from its stored KV";
+  std::printf("%s: %d of %zu streams moved, %d resumed\n", fault, moved, got.size(), resumed);
+}
+
+TEST_P(RouterSmolLm2, FrozenThenKilledWorkersLongPromptStreamsResumeExactly) {
   std::vector<v1::GenerateRequest> requests(kStreams);
   for (int i = 0; i < kStreams; ++i) {
     testing::FillTokenRequest(requests[i], RandomTokens(kPromptTokens + 7 * i, kVocab, 900 + i),
@@ -130,37 +164,36 @@ TEST_F(RouterSmolLm2, AKilledWorkersLongPromptStreamsResumeExactly) {
   }
   // The uninterrupted runs: the same eight at once, on both workers (decode is batch-invariant,
   // so a stream's tokens do not depend on its batch).
-  const auto t0 = std::chrono::steady_clock::now();
   const std::vector<StreamResult> want = StreamAll(requests, [] {});
-  const auto t1 = std::chrono::steady_clock::now();
   for (int i = 0; i < kStreams; ++i) {
     ASSERT_TRUE(want[i].status.ok()) << "stream " << i << ": " << want[i].status.error_message();
     ASSERT_EQ(want[i].tokens.size(), static_cast<size_t>(kNew));
+    ASSERT_EQ(want[i].last.usage().prompt_tokens(), kPromptTokens + 7 * i);
     ASSERT_EQ(want[i].last.failovers(), 0);
   }
-
-  // Again; once every stream has its first token, worker 0 dies without a word.
-  bool killed_mid_stream = false;
-  const std::vector<StreamResult> got = StreamAll(requests, [&] {
-    killed_mid_stream = true;
-    workers_[0]->Kill();
-  });
-  const auto t2 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(killed_mid_stream);
-  int moved = 0, resumed = 0;
-  for (int i = 0; i < kStreams; ++i) {
-    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].tokens, want[i].tokens) << "stream " << i << " lost or changed tokens";
-    EXPECT_EQ(got[i].last.usage().prompt_tokens(), kPromptTokens + 7 * i);
-    moved += got[i].last.failovers();
-    resumed += got[i].last.resumes();
-  }
-  EXPECT_GT(moved, 0) << "some streams ran on the killed worker";
-  EXPECT_EQ(resumed, moved) << "every moved stream continued from its stored KV";
-  std::printf("uninterrupted %.1f s, with the kill %.1f s; %d of %d streams moved\n",
-              std::chrono::duration<double>(t1 - t0).count(),
-              std::chrono::duration<double>(t2 - t1).count(), moved, kStreams);
+  // Frozen: once every stream has its first token, worker 0 stops (its connections stay open);
+  // the router finds its streams silent and moves them.
+  ExpectExactAndResumed(StreamAll(requests, [&] { workers_[0]->Signal(SIGSTOP); }), want,
+                        "SIGSTOP");
+  // Continued, it is fenced from the sequences that moved and serves again.
+  workers_[0]->Signal(SIGCONT);
+  WaitForWorkers(2);
+  // Killed: once every stream has its first token, worker 0 dies without a word.
+  ExpectExactAndResumed(StreamAll(requests, [&] { workers_[0]->Kill(); }), want, "kill -9");
 }
+
+#if INFINIGEN_TEST_HAVE_UCX
+constexpr const char* kRemote = "ucx";
+#else
+constexpr const char* kRemote = "grpc";
+#endif
+
+INSTANTIATE_TEST_SUITE_P(Storage, RouterSmolLm2,
+                         ::testing::Values(Variant{"q8", "bf16", "shm"},
+                                           Variant{"f32", "f32", kRemote}),
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           return info.param.weights + "_" + info.param.kv;
+                         });
 
 }  // namespace
 }  // namespace infinigen
