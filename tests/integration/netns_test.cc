@@ -21,6 +21,7 @@
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
+#include "tests/support/router_streams.h"
 #include "tests/support/test_paths.h"
 #include "tests/support/token_request.h"
 
@@ -36,11 +37,7 @@ constexpr int kVocab = 211;
 constexpr int kStorePort = 7000, kUcxPort = 7001, kWorkerPort = 7100, kRouterPort = 7200;
 enum Namespace { kStore = 0, kWorkerA = 1, kWorkerB = 2, kRouter = 3 };
 
-struct StreamResult {
-  std::vector<int32_t> tokens;
-  v1::GenerateResponse last;
-  grpc::Status status;
-};
+using StreamResult = testing::PublicStreamResult;
 
 // How the workers reach the store and store their weights.
 struct Variant {
@@ -116,42 +113,14 @@ class Netns : public ::testing::TestWithParam<Variant> {
     return stub_->GetModelInfo(&c, v1::GetModelInfoRequest(), &info).ok() ? info.workers() : -1;
   }
 
-  StreamResult Stream(const v1::GenerateRequest& request, std::atomic<int>* started = nullptr) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(90));
-    StreamResult r;
-    auto reader = stub_->Generate(&context, request);
-    v1::GenerateResponse m;
-    bool counted = false;
-    while (reader->Read(&m)) {
-      r.tokens.insert(r.tokens.end(), m.token_ids().begin(), m.token_ids().end());
-      if (started != nullptr && !counted && r.tokens.size() >= 3) {
-        counted = true;
-        started->fetch_add(1);
-      }
-      r.last = m;
-    }
-    r.status = reader->Finish();
-    return r;
+  StreamResult Stream(const v1::GenerateRequest& request) {
+    return testing::StreamOne(*stub_, request);
   }
 
   // Streams `requests` at once; `fault` runs once every stream has its first tokens.
   std::vector<StreamResult> StreamAll(const std::vector<v1::GenerateRequest>& requests,
                                       const std::function<void()>& fault) {
-    std::vector<StreamResult> got(requests.size());
-    std::atomic<int> started{0};
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      threads.emplace_back([&, i] { got[i] = Stream(requests[i], &started); });
-    }
-    for (int i = 0; i < 2000 && started.load() < static_cast<int>(requests.size()); ++i) {
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-    EXPECT_EQ(started.load(), static_cast<int>(requests.size()))
-        << "streams should still be running when the fault comes";
-    fault();
-    for (auto& t : threads) t.join();
-    return got;
+    return testing::StreamAll(*stub_, requests, fault);
   }
 
   // Requests with their uninterrupted runs' tokens (streamed one at a time, before any fault).

@@ -9,7 +9,6 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <functional>
@@ -18,6 +17,7 @@
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
+#include "tests/support/router_streams.h"
 #include "tests/support/test_paths.h"
 #include "tests/support/token_request.h"
 
@@ -33,11 +33,7 @@ constexpr int kPromptTokens = 2048, kStreams = 8, kNew = 64;
 
 std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 
-struct StreamResult {
-  std::vector<int32_t> tokens;
-  v1::GenerateResponse last;
-  grpc::Status status;
-};
+using StreamResult = testing::PublicStreamResult;
 
 // How the workers store their weights and K/V and reach the store.
 struct Variant {
@@ -97,41 +93,14 @@ class RouterSmolLm2 : public ::testing::TestWithParam<Variant> {
     ASSERT_EQ(seen, n) << "available workers";
   }
 
-  StreamResult Stream(const v1::GenerateRequest& request, std::atomic<int>* started) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
-    StreamResult r;
-    auto reader = stub_->Generate(&context, request);
-    v1::GenerateResponse m;
-    bool counted = false;
-    while (reader->Read(&m)) {
-      r.tokens.insert(r.tokens.end(), m.token_ids().begin(), m.token_ids().end());
-      if (!counted && !r.tokens.empty()) {
-        counted = true;
-        started->fetch_add(1);
-      }
-      r.last = m;
-    }
-    r.status = reader->Finish();
-    return r;
-  }
-
   // The streams at once; `fault` runs once every one has its first token.
   std::vector<StreamResult> StreamAll(const std::vector<v1::GenerateRequest>& requests,
                                       const std::function<void()>& fault) {
-    std::vector<StreamResult> got(requests.size());
-    std::atomic<int> started{0};
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      threads.emplace_back([&, i] { got[i] = Stream(requests[i], &started); });
-    }
-    for (int i = 0; i < 60000 && started.load() < static_cast<int>(requests.size()); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    EXPECT_EQ(started.load(), static_cast<int>(requests.size()));
-    fault();
-    for (auto& t : threads) t.join();
-    return got;
+    testing::StreamAllOptions options;
+    options.deadline = std::chrono::seconds(300);
+    options.started_after = 1;
+    options.wait_for_start = std::chrono::seconds(120);
+    return testing::StreamAll(*stub_, requests, fault, options);
   }
 
   std::unique_ptr<ServerProcess> store_, router_, workers_[2];
