@@ -196,22 +196,18 @@ void WeightedRowsTile(const float* const* ps, const T* const* rows, int64_t n, i
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // 16 elements of a K/V row as float32, as two Load8 make them.
-__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-__attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
+IG_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+IG_AVX512 inline __m512 Load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// WeightedRowsTile with 16-lane registers: every element is the same FMA chain over j (lanes do
-// not meet), so the same numbers; the columns past the last 32 are left to WeightedRowsTile.
+// WeightedRowsTile with 16-lane registers (width a multiple of 32): every element is the same
+// FMA chain over j (lanes do not meet), so the same numbers.
 template <int R, typename T>
-__attribute__((target("avx512f"))) int WeightedRowsTile16(const float* const* ps,
-                                                          const T* const* rows, int64_t n,
-                                                          int width, float* const* outs) {
-  int d0 = 0;
-  for (; d0 + 32 <= width; d0 += 32) {
+IG_AVX512 void WeightedRowsTile16(const float* const* ps, const T* const* rows, int64_t n,
+                                  int width, float* const* outs) {
+  for (int d0 = 0; d0 < width; d0 += 32) {
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
@@ -228,7 +224,6 @@ __attribute__((target("avx512f"))) int WeightedRowsTile16(const float* const* ps
       _mm512_storeu_ps(outs[r] + d0 + 16, acc[r][1]);
     }
   }
-  return d0;
 }
 #pragma GCC diagnostic pop
 

@@ -31,8 +31,6 @@ bool CpuHasAvx512() {
 
 Isa ActiveIsa() { return static_cast<Isa>(Cap().load(std::memory_order_relaxed)); }
 
-absl::string_view IsaName(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : "avx2"; }
-
 void CapIsaForTesting(Isa isa) {
   const Isa most = Detected();
   Cap().store(static_cast<int>(isa == Isa::kAvx512 ? most : Isa::kAvx2));

@@ -4,7 +4,8 @@
 // same order), so the choice changes speed, never a result.
 #pragma once
 
-#include "absl/strings/string_view.h"
+// Marks a function that uses AVX-512F instructions: call it only where ActiveIsa() says so.
+#define IG_AVX512 __attribute__((target("avx512f")))
 
 namespace infinigen::cpu {
 
@@ -13,7 +14,6 @@ enum class Isa { kAvx2, kAvx512 };
 // What the CPU supports, capped by the environment variable INFINIGEN_CPU_ISA ("avx2" or
 // "avx512"; read once) and by CapIsaForTesting.
 Isa ActiveIsa();
-absl::string_view IsaName(Isa isa);
 // Whether this CPU (and its operating system) runs AVX-512F code.
 bool CpuHasAvx512();
 // Tests: run every kernel at most at `isa` (each ISA path forced in turn).

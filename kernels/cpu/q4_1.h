@@ -21,9 +21,10 @@ struct Q4_1Matrix {
   int64_t cols = 0;
 };
 
-// llama.cpp's Q4_1 rule on float32 weights: per block m = min, d = (max - min) / 15, both rounded
-// to float16, q = round((w - m) / d) in [0, 15]. Weights decoded from a Q4_1 file (fma(q, d, m)
-// or q * d + m) come back as the file's own blocks.
+// Q4_1 blocks of float32 weights as llama.cpp makes them: per block m = min, d = (max - min) / 15,
+// both rounded to float16, then q = (w - m) / d rounded to the nearest integer in [0, 15] (ties
+// to even; llama.cpp rounds them up). Weights decoded from a Q4_1 file (fma(q, d, m) or
+// q * d + m) come back as the file's own blocks.
 void QuantizeQ4_1(const float* w, int64_t rows, int64_t cols, uint8_t* qs, float* d, float* m);
 
 // Row r widened to float32 (the values the GEMM kernels multiply).

@@ -25,9 +25,6 @@ constexpr int64_t kRowBlock = 64;
 // this reaches into the next rows), as the packed GEMVs do.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// Functions that use AVX-512 instructions; called only where ActiveIsa() says the CPU has them.
-#define IG_AVX512 __attribute__((target("avx512f")))
-
 // The one reduction every element goes through: lanes summed as ((0+4)+(2+6))+((1+5)+(3+7)).
 inline float Reduce(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
