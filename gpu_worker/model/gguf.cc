@@ -151,32 +151,6 @@ bool ReadValue(Reader& r, GgufType type, GgufValue& v, int depth) {
   return r.Fail(absl::StrCat("unknown value type ", static_cast<uint32_t>(type)));
 }
 
-absl::StatusOr<StorageType> GgmlType(uint32_t id, const std::string& tensor,
-                                     const std::string& path) {
-  switch (id) {
-    case 0:
-      return StorageType::kF32;
-    case 1:
-      return StorageType::kF16;
-    case 2:
-      return StorageType::kQ4_0;
-    case 3:
-      return StorageType::kQ4_1;
-    case 6:
-      return StorageType::kQ5_0;
-    case 7:
-      return StorageType::kQ5_1;
-    case 8:
-      return StorageType::kQ8_0;
-    case 30:
-      return StorageType::kBF16;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": tensor ", tensor, " has GGML type id ", id,
-                       ", which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)"));
-  }
-}
-
 }  // namespace
 
 bool GgufValue::IsInteger() const {
@@ -315,8 +289,11 @@ absl::StatusOr<GgufFile> GgufFile::Parse(const MappedFile& file) {
     t.name = t.file_name = info.name;
     t.file = file.path();
     t.shape = info.shape;
-    auto type = GgmlType(info.type, info.name, file.path());
-    if (!type.ok()) return type.status();
+    auto type = StorageTypeOfGgml(info.type);
+    if (!type.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.path(), ": tensor ", info.name, ": ", type.status().message()));
+    }
     t.type = *type;
     const int64_t numel = t.NumElements();
     if (info.shape.back() % StorageBlockElements(t.type) != 0) {

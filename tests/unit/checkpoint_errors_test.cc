@@ -236,10 +236,19 @@ TEST_F(CheckpointErrors, GgufOverlappingTensors) {
 
 TEST_F(CheckpointErrors, GgufUnsupportedTensorType) {
   GgufWriter w = TinyGguf();
-  w.AddTensor("blk.0.ffn_up.weight", {32, 256}, /*Q4_K=*/12, std::vector<uint8_t>(144 * 32));
+  w.AddTensor("blk.0.ffn_up.weight", {32, 256}, /*IQ2_XXS=*/16, std::vector<uint8_t>(66 * 32));
   WriteFile(Path("m.gguf"), w.Build());
   ExpectError(Checkpoint::Open(Path("m.gguf")).status(), absl::StatusCode::kInvalidArgument,
-              {"blk.0.ffn_up.weight", "type id 12", "not supported"});
+              {"blk.0.ffn_up.weight", "type id 16", "not supported", "Q4_K"});
+}
+
+TEST_F(CheckpointErrors, GgufKQuantRowsNotAMultipleOf256) {
+  GgufWriter w = TinyGguf();
+  // K-quants come in super-blocks of 256 weights of a row; 288 columns cannot hold them.
+  w.AddTensor("blk.0.ffn_up.weight", {32, 288}, /*Q4_K=*/12, std::vector<uint8_t>(144 * 36));
+  WriteFile(Path("m.gguf"), w.Build());
+  ExpectError(Checkpoint::Open(Path("m.gguf")).status(), absl::StatusCode::kInvalidArgument,
+              {"blk.0.ffn_up.weight", "Q4_K", "not a multiple of its block size"});
 }
 
 TEST_F(CheckpointErrors, GgufUnknownArchitecture) {

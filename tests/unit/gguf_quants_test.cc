@@ -1,0 +1,122 @@
+// Every GGUF block format decoded against the `gguf` package's reference dequantizer
+// (scripts/fixtures/make_quant_fixtures.py): random blocks of each format, and real tensors of
+// the SmolLM2 GGUF. The 4-bit formats' conversion to Q4_1 blocks gives the same values.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/mapped_file.h"
+#include "gpu_worker/model/gguf.h"
+#include "gpu_worker/model/storage_type.h"
+#include "kernels/cpu/q4_1.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+using testing::FixturePath;
+using testing::NpyFloats;
+
+const char* const kFormats[] = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"};
+
+// Bitwise comparison (or by value, where +0 and -0 count as equal); reports the first few
+// differences.
+void ExpectSameBits(const std::vector<float>& got, const std::vector<float>& want,
+                    const std::string& what, bool zero_sign_matters = true) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    const bool same =
+        zero_sign_matters ? std::memcmp(&got[i], &want[i], 4) == 0 : got[i] == want[i];
+    if (!same) {
+      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", the reference "
+                    << want[i];
+      ++reported;
+    }
+  }
+}
+
+struct Loaded {
+  MappedFile file;
+  GgufFile gguf;
+};
+
+Loaded Open(const std::string& path) {
+  auto file = MappedFile::Open(path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  auto gguf = GgufFile::Parse(*file);
+  EXPECT_TRUE(gguf.ok()) << gguf.status();
+  return {std::move(*file), std::move(*gguf)};
+}
+
+const StoredTensor* Find(const GgufFile& g, const std::string& name) {
+  for (const StoredTensor& t : g.tensors) {
+    if (t.file_name == name) return &t;
+  }
+  return nullptr;
+}
+
+TEST(GgufQuants, EveryFormatDecodesAsTheReference) {
+  for (const char* format : kFormats) {
+    SCOPED_TRACE(format);
+    Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
+    ASSERT_EQ(l.gguf.tensors.size(), 1u);
+    const StoredTensor& t = l.gguf.tensors[0];
+    EXPECT_EQ(StorageTypeName(t.type), format);
+    ASSERT_EQ(t.shape, (std::vector<int64_t>{3, 512}));
+    std::vector<float> got(t.NumElements());
+    DecodeToFloat(t, got.data());
+    ExpectSameBits(got, NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format);
+  }
+}
+
+TEST(GgufQuants, FourBitFormatsConvertToQ4_1Exactly) {
+  for (const char* format : kFormats) {
+    SCOPED_TRACE(format);
+    Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
+    const StoredTensor& t = l.gguf.tensors[0];
+    const bool converts = ConvertsToQ4_1(t.type);
+    EXPECT_EQ(converts, format == std::string("Q4_0") || format == std::string("Q4_1") ||
+                            format == std::string("Q4_K"));
+    if (!converts) continue;
+    const int64_t rows = t.shape[0], cols = t.shape[1], blocks = rows * cols / cpu::kQ4Block;
+    std::vector<uint8_t> qs(blocks * 16);
+    std::vector<float> d(blocks), m(blocks);
+    ConvertToQ4_1(t.type, t.data, t.NumElements() / StorageBlockElements(t.type), qs.data(),
+                  d.data(), m.data());
+    const cpu::Q4_1Matrix q{qs.data(), d.data(), m.data(), rows, cols};
+    std::vector<float> got(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) cpu::WidenQ4_1Row(q, r, got.data() + r * cols);
+    // Q4_0's (8 - 8) * d is -0 for a negative d, fma(8, d, -8d) is +0: equal values.
+    ExpectSameBits(got, NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format,
+                   /*zero_sign_matters=*/false);
+  }
+}
+
+TEST(GgufQuants, RealSmolLm2TensorsDecodeAsTheReference) {
+  const std::string path = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(path, "SmolLM2 GGUF");
+  std::ifstream in(FixturePath("quants/smollm2.json"));
+  const nlohmann::json meta = nlohmann::json::parse(in);
+  const int64_t rows = meta["rows"];
+  Loaded l = Open(path);
+  ASSERT_FALSE(meta["tensors"].empty());
+  for (const auto& [format, name] : meta["tensors"].items()) {
+    SCOPED_TRACE(name.get<std::string>());
+    const StoredTensor* t = Find(l.gguf, name);
+    ASSERT_NE(t, nullptr);
+    EXPECT_EQ(StorageTypeName(t->type), format);
+    const int64_t cols = t->shape.back();
+    std::vector<float> got(rows * cols);
+    DecodeBlocks(t->type, t->data, rows * cols / StorageBlockElements(t->type), got.data());
+    ExpectSameBits(got, NpyFloats(FixturePath("quants/smollm2_" + format + ".npy")), format);
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
