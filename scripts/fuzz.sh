@@ -61,6 +61,10 @@ for name, dims, ttype, nbytes in tensors:
     offset += nbytes + pad
 out += b"\0" * ((-len(out)) % 32) + data
 open("build-fuzz/corpus-gguf/tiny.gguf", "wb").write(out)
+# One tensor of each block format (tests/fixtures/quants), K-quants included.
+import glob, shutil
+for path in sorted(glob.glob("tests/fixtures/quants/*.gguf")):
+    shutil.copy(path, "build-fuzz/corpus-gguf/" + os.path.basename(path))
 
 # A tiny safetensors file, and the fixtures' own shards and arrays.
 header = json.dumps({"__metadata__": {"format": "pt"},
