@@ -31,6 +31,12 @@ absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name) {
       absl::StrCat("unknown weight format '", name, "': expected f32, f16, bf16, q8 or q4_1"));
 }
 
+absl::StatusOr<Weight> Backend::UploadStoredWeight(const StoredWeight& stored) {
+  std::vector<float> host(static_cast<size_t>(stored.rows() * stored.cols()));
+  stored.Decode(0, stored.rows(), host.data());
+  return UploadWeight(host.data(), stored.rows(), stored.cols());
+}
+
 absl::StatusOr<Weight> Backend::UploadRandomWeight(int64_t rows, int64_t cols, uint64_t seed,
                                                    float scale) {
   std::vector<float> host(static_cast<size_t>(rows * cols));

@@ -88,8 +88,21 @@ enum class WeightFormat : uint8_t {
   kQ4_1,
 };
 const char* WeightFormatName(WeightFormat f);
-// How a checkpoint stored a weight, as far as a backend's choice of format goes.
-enum class StoredFormat : uint8_t { kOther, kQ4_1 };
+
+// A weight matrix [rows, cols] as a checkpoint stores it, which a backend reads a block of rows
+// at a time, so that no float32 copy of a whole matrix is made while loading.
+class StoredWeight {
+ public:
+  virtual ~StoredWeight() = default;
+  virtual int64_t rows() const = 0;
+  virtual int64_t cols() const = 0;
+  // Rows [r0, r1) decoded to float32, row-major into out.
+  virtual void Decode(int64_t r0, int64_t r1, float* out) const = 0;
+  // Whether every value converts exactly to Q4_1 blocks of 32 (kernels/cpu/q4_1.h: the file's
+  // Q4_0, Q4_1 and Q4_K blocks), and rows [r0, r1) so converted, blocks in row order.
+  virtual bool ConvertsToQ4_1() const = 0;
+  virtual void ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const = 0;
+};
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 
 // A weight in the backend's storage format. Matrices are [rows = out_features, cols =
@@ -212,13 +225,9 @@ class Backend {
 
   // Uploads a float32 host matrix [rows, cols] in the backend's weight format.
   virtual absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) = 0;
-  // The same for a matrix the checkpoint stored as `stored` (its values decoded to float32 in
-  // host): a backend that keeps some quantized formats as they are picks by it. The default
-  // ignores it.
-  virtual absl::StatusOr<Weight> UploadStoredWeight(const float* host, int64_t rows, int64_t cols,
-                                                    StoredFormat stored) {
-    return UploadWeight(host, rows, cols);
-  }
+  // The same for a matrix read from a checkpoint: a backend that keeps some stored formats as
+  // they are picks by them. The default decodes the whole matrix and calls UploadWeight.
+  virtual absl::StatusOr<Weight> UploadStoredWeight(const StoredWeight& stored);
   // A weight [rows, cols] of cpu::FillRandom(seed, scale) values in the backend's format (for
   // benchmarks of shapes no checkpoint is at hand for). The default makes them on the host and
   // uploads them; a device fills its own memory.

@@ -3,8 +3,10 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -120,18 +122,42 @@ absl::Status CpuBackend::CopyToHost(const void* device, void* host, size_t bytes
   return absl::OkStatus();
 }
 
+namespace {
+
+// A float32 host matrix as a StoredWeight.
+class HostFloats : public StoredWeight {
+ public:
+  HostFloats(const float* host, int64_t rows, int64_t cols)
+      : host_(host), rows_(rows), cols_(cols) {}
+  int64_t rows() const override { return rows_; }
+  int64_t cols() const override { return cols_; }
+  void Decode(int64_t r0, int64_t r1, float* out) const override {
+    std::memcpy(out, host_ + r0 * cols_, static_cast<size_t>((r1 - r0) * cols_) * 4);
+  }
+  bool ConvertsToQ4_1() const override { return false; }
+  void ToQ4_1(int64_t, int64_t, uint8_t*, float*, float*) const override {}
+
+ private:
+  const float* host_;
+  int64_t rows_, cols_;
+};
+
+// Rows decoded at a time while packing a weight: about 1 MiB of float32.
+int64_t RowsPerChunk(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 18) / cols); }
+
+}  // namespace
+
 absl::StatusOr<Weight> CpuBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {
-  return UploadStoredWeight(host, rows, cols, StoredFormat::kOther);
+  return UploadStoredWeight(HostFloats(host, rows, cols));
 }
 
-absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const float* host, int64_t rows, int64_t cols,
-                                                      StoredFormat stored) {
+absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored) {
+  const int64_t rows = stored.rows(), cols = stored.cols();
   Weight w;
   w.rows = rows;
   w.cols = cols;
   w.format = rows == 1 ? WeightFormat::kF32 : options_.weight_format;
-  if (w.format == WeightFormat::kQ4_1 && stored != StoredFormat::kQ4_1)
-    w.format = WeightFormat::kQ8;
+  if (w.format == WeightFormat::kQ4_1 && !stored.ConvertsToQ4_1()) w.format = WeightFormat::kQ8;
   if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1) &&
       cols % cpu::kQ8Block != 0) {
     w.format = WeightFormat::kF32;
@@ -145,25 +171,31 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const float* host, int64_t
   auto buf = Allocate(bytes);
   if (!buf.ok()) return buf.status();
   w.buffer = std::move(*buf);
-  switch (w.format) {
-    case WeightFormat::kBF16:
-      ConvertFromFloat(host, DType::kBF16, w.buffer->data(), n);
-      break;
-    case WeightFormat::kQ8: {
-      auto* base = static_cast<uint8_t*>(w.buffer->data());
-      cpu::QuantizeQ8(host, rows, cols, reinterpret_cast<int8_t*>(base),
-                      reinterpret_cast<float*>(base + Q8ScalesOffset(rows, cols)));
-      break;
+  auto* base = static_cast<uint8_t*>(w.buffer->data());
+  if (w.format == WeightFormat::kF32) {
+    stored.Decode(0, rows, reinterpret_cast<float*>(base));
+    return w;
+  }
+  if (w.format == WeightFormat::kQ4_1) {
+    kept_q4_1_.store(true);
+    const cpu::Q4_1Matrix q = Q4View(w);
+    stored.ToQ4_1(0, rows, const_cast<uint8_t*>(q.qs), const_cast<float*>(q.d),
+                  const_cast<float*>(q.m));
+    return w;
+  }
+  const int64_t chunk = RowsPerChunk(cols);
+  std::vector<float> rows_f32(static_cast<size_t>(std::min(chunk, rows) * cols));
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t r1 = std::min(rows, r0 + chunk);
+    stored.Decode(r0, r1, rows_f32.data());
+    if (w.format == WeightFormat::kBF16) {
+      ConvertFromFloat(rows_f32.data(), DType::kBF16, base + r0 * cols * 2,
+                       static_cast<size_t>((r1 - r0) * cols));
+    } else {
+      cpu::QuantizeQ8(
+          rows_f32.data(), r1 - r0, cols, reinterpret_cast<int8_t*>(base + r0 * cols),
+          reinterpret_cast<float*>(base + Q8ScalesOffset(rows, cols)) + r0 * cols / cpu::kQ8Block);
     }
-    case WeightFormat::kQ4_1: {
-      kept_q4_1_.store(true);
-      const cpu::Q4_1Matrix q = Q4View(w);
-      cpu::QuantizeQ4_1(host, rows, cols, const_cast<uint8_t*>(q.qs), const_cast<float*>(q.d),
-                        const_cast<float*>(q.m));
-      break;
-    }
-    default:
-      std::memcpy(w.buffer->data(), host, n * 4);
   }
   return w;
 }

@@ -11,9 +11,9 @@ namespace infinigen {
 struct CpuBackendOptions {
   int num_threads = 0;  // 0: all cores
   // Storage of weight matrices. f32 is exact (the reference); bf16 and q8 trade a little
-  // accuracy for 2x / ~3.8x fewer bytes per decode step; q4_1 keeps a GGUF file's Q4_1 matrices
-  // as they are (~6.4x fewer than f32) and the others in q8. Matrices whose rows are not a
-  // multiple of 32 stay f32 under q8 and q4_1.
+  // accuracy for 2x / ~3.8x fewer bytes per decode step; q4_1 keeps a GGUF file's Q4_0, Q4_1 and
+  // Q4_K matrices' values as they are (~6.4x fewer than f32) and the others in q8. Matrices whose
+  // rows are not a multiple of 32 stay f32 under q8 and q4_1.
   WeightFormat weight_format = WeightFormat::kF32;
   // Every row of a Linear computed by the same fixed-order kernel whatever the batch
   // (kernels/cpu/row_gemm.h; q8: activations quantized per row): a sequence's logits do not
@@ -46,8 +46,9 @@ class CpuBackend : public Backend {
   }
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
-  absl::StatusOr<Weight> UploadStoredWeight(const float* host, int64_t rows, int64_t cols,
-                                            StoredFormat stored) override;
+  // Reads `stored` a block of rows at a time; under q4_1, a matrix that converts to Q4_1 blocks
+  // is converted without passing through float32.
+  absl::StatusOr<Weight> UploadStoredWeight(const StoredWeight& stored) override;
 
   absl::Status Embedding(const Weight& table, const int32_t* ids, MatView out) override;
   absl::Status RmsNorm(MatView x, const Weight& weight, float eps, MatView out) override;

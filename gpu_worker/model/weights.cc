@@ -1,9 +1,11 @@
 #include "gpu_worker/model/weights.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "gpu_worker/model/stacked_tensors.h"
 
 namespace infinigen {
 namespace {
@@ -18,20 +20,17 @@ class Loader {
     std::vector<int64_t> shape;
   };
 
-  // Decodes `parts` one after another into a [rows, cols] host matrix and uploads it.
+  // Uploads `parts`, one after another, as a [rows, cols] matrix; the file's pages are released
+  // once the backend has its copy.
   absl::StatusOr<Weight> Upload(const std::vector<Part>& parts, int64_t rows, int64_t cols) {
-    host_.resize(static_cast<size_t>(rows * cols));
-    float* dst = host_.data();
-    bool all_q4_1 = true;
+    std::vector<const StoredTensor*> tensors;
     for (const Part& part : parts) {
       IG_ASSIGN_OR_RETURN(const StoredTensor* t, ckpt_.Get(part.name, part.shape));
-      all_q4_1 = all_q4_1 && t->type == StorageType::kQ4_1;
-      DecodeToFloat(*t, dst);
-      ckpt_.DropPages(*t);
-      dst += t->NumElements();
+      tensors.push_back(t);
     }
-    return backend_.UploadStoredWeight(host_.data(), rows, cols,
-                                       all_q4_1 ? StoredFormat::kQ4_1 : StoredFormat::kOther);
+    auto weight = backend_.UploadStoredWeight(StackedTensors(tensors, rows, cols));
+    for (const StoredTensor* t : tensors) ckpt_.DropPages(*t);
+    return weight;
   }
 
   absl::StatusOr<Weight> Matrix(const std::string& name, int64_t rows, int64_t cols) {
@@ -66,7 +65,6 @@ class Loader {
  private:
   const Checkpoint& ckpt_;
   Backend& backend_;
-  std::vector<float> host_;  // reused staging for decoding
 };
 
 absl::Status LoadLlama(const Checkpoint& ckpt, Backend& backend, ModelWeights& w) {

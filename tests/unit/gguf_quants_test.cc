@@ -3,13 +3,16 @@
 // the SmolLM2 GGUF. The 4-bit formats' conversion to Q4_1 blocks gives the same values.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "common/mapped_file.h"
+#include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/model/gguf.h"
+#include "gpu_worker/model/stacked_tensors.h"
 #include "gpu_worker/model/storage_type.h"
 #include "kernels/cpu/q4_1.h"
 #include "nlohmann/json.hpp"
@@ -95,6 +98,58 @@ TEST(GgufQuants, FourBitFormatsConvertToQ4_1Exactly) {
     // Q4_0's (8 - 8) * d is -0 for a negative d, fma(8, d, -8d) is +0: equal values.
     ExpectSameBits(got, NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format,
                    /*zero_sign_matters=*/false);
+  }
+}
+
+// Rows `ids` of a weight as the CPU backend stores it, widened back to float32.
+std::vector<float> EmbeddedRows(CpuBackend& cpu, const Weight& w, const std::vector<int32_t>& ids) {
+  std::vector<float> out(ids.size() * w.cols);
+  const MatView view{out.data(), DType::kF32, static_cast<int64_t>(ids.size()), w.cols, w.cols};
+  EXPECT_TRUE(cpu.Embedding(w, ids.data(), view).ok());
+  return out;
+}
+
+TEST(GgufQuants, CpuBackendKeepsQ4KValuesUnderQ4_1) {
+  Loaded l = Open(FixturePath("quants/Q4_K.gguf"));
+  const StoredTensor& t = l.gguf.tensors[0];
+  // The tensor stacked after itself: the second copy's blocks land after the first's.
+  CpuBackendOptions options;
+  options.weight_format = WeightFormat::kQ4_1;
+  CpuBackend cpu(options);
+  auto w = cpu.UploadStoredWeight(StackedTensors({&t, &t}, 6, 512));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->format, WeightFormat::kQ4_1);
+  std::vector<float> want = NpyFloats(FixturePath("quants/Q4_K.npy"));
+  want.insert(want.end(), want.begin(), want.end());
+  ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, "Q4_K as Q4_1");
+}
+
+TEST(GgufQuants, CpuBackendPacksLargeMatricesARowBlockAtATime) {
+  // 600 rows of 512: more than one block of rows is decoded and quantized (q8) or converted
+  // (bf16); each row must come back as its own values, within the format's rounding.
+  Loaded l = Open(FixturePath("quants/Q6_K.gguf"));
+  const StoredTensor& t = l.gguf.tensors[0];
+  std::vector<const StoredTensor*> parts(200, &t);
+  const std::vector<float> one = NpyFloats(FixturePath("quants/Q6_K.npy"));
+  for (WeightFormat format : {WeightFormat::kQ8, WeightFormat::kBF16, WeightFormat::kF32}) {
+    SCOPED_TRACE(WeightFormatName(format));
+    CpuBackendOptions options;
+    options.weight_format = format;
+    CpuBackend cpu(options);
+    auto w = cpu.UploadStoredWeight(StackedTensors(parts, 600, 512));
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(w->format, format);
+    const std::vector<int32_t> ids = {0, 1, 2, 298, 511, 512, 513, 599};
+    const std::vector<float> got = EmbeddedRows(cpu, *w, ids);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const float* want = one.data() + (ids[i] % 3) * 512;
+      float amax = 0.0f;
+      for (int j = 0; j < 512; ++j) amax = std::max(amax, std::fabs(want[j]));
+      for (int j = 0; j < 512; ++j) {
+        ASSERT_NEAR(got[i * 512 + j], want[j], format == WeightFormat::kF32 ? 0.0f : amax / 100)
+            << "row " << ids[i] << " element " << j;
+      }
+    }
   }
 }
 

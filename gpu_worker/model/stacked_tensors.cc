@@ -1,0 +1,44 @@
+#include "gpu_worker/model/stacked_tensors.h"
+
+#include <algorithm>
+
+#include "kernels/cpu/q4_1.h"
+
+namespace infinigen {
+
+template <typename Fn>
+void StackedTensors::ForEachRange(int64_t r0, int64_t r1, Fn fn) const {
+  const int64_t begin = r0 * cols_, end = r1 * cols_;
+  int64_t start = 0;
+  for (const StoredTensor* t : parts_) {
+    const int64_t n = t->NumElements();
+    const int64_t lo = std::max(begin, start), hi = std::min(end, start + n);
+    if (lo < hi) fn(*t, lo - start, hi - lo, lo - begin);
+    start += n;
+  }
+}
+
+void StackedTensors::Decode(int64_t r0, int64_t r1, float* out) const {
+  ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
+    const int64_t block = StorageBlockElements(t.type);
+    DecodeBlocks(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
+                 out + at);
+  });
+}
+
+bool StackedTensors::ConvertsToQ4_1() const {
+  for (const StoredTensor* t : parts_) {
+    if (!infinigen::ConvertsToQ4_1(t->type)) return false;
+  }
+  return true;
+}
+
+void StackedTensors::ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const {
+  ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
+    const int64_t block = StorageBlockElements(t.type), q4 = at / cpu::kQ4Block;
+    ConvertToQ4_1(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
+                  qs + q4 * (cpu::kQ4Block / 2), d + q4, m + q4);
+  });
+}
+
+}  // namespace infinigen

@@ -1,0 +1,36 @@
+// Stored tensors laid end to end as one weight matrix for a backend to read: a layer's Q, K and
+// V projections stacked along rows, a bias's parts concatenated, or just one tensor.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/model/stored_tensor.h"
+
+namespace infinigen {
+
+// `parts` as one [rows, cols] matrix (matrices stacked along rows, or vectors concatenated into
+// one row). Every range a backend asks for starts and ends on block boundaries of each part,
+// since a part's rows hold whole blocks (the GGUF reader checks it).
+class StackedTensors : public StoredWeight {
+ public:
+  StackedTensors(std::vector<const StoredTensor*> parts, int64_t rows, int64_t cols)
+      : parts_(std::move(parts)), rows_(rows), cols_(cols) {}
+  int64_t rows() const override { return rows_; }
+  int64_t cols() const override { return cols_; }
+  void Decode(int64_t r0, int64_t r1, float* out) const override;
+  bool ConvertsToQ4_1() const override;
+  void ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const override;
+
+ private:
+  // Calls fn(part, first element in it, element count, offset in the output) for the parts of
+  // rows [r0, r1).
+  template <typename Fn>
+  void ForEachRange(int64_t r0, int64_t r1, Fn fn) const;
+
+  std::vector<const StoredTensor*> parts_;
+  int64_t rows_, cols_;
+};
+
+}  // namespace infinigen
