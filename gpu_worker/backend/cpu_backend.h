@@ -77,7 +77,8 @@ class CpuBackend : public Backend {
 
  private:
   CpuBackendOptions options_;
-  // Whether a weight was kept in Q4_1 (under q4_1, a checkpoint without Q4_1 matrices runs q8).
+  // Whether a weight was kept in Q4_1 (under q4_1, a checkpoint without Q4_0/Q4_1/Q4_K matrices
+  // runs q8).
   std::atomic<bool> kept_q4_1_{false};
 };
 

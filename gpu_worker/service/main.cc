@@ -75,8 +75,8 @@ ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a reques
 ABSL_FLAG(int64_t, max_prompt_tokens, 0, "the most prompt tokens a request may have (0: context)");
 ABSL_FLAG(int64_t, threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(std::string, cpu_weights, "f32",
-          "CPU backend weight storage: f32, bf16, q8 or q4_1 (a GGUF file's Q4_1 matrices as they "
-          "are, the others q8)");
+          "CPU backend weight storage: f32, bf16, q8 or q4_1 (a GGUF file's Q4_0/Q4_1/Q4_K "
+          "matrices as they are, the others q8)");
 ABSL_FLAG(std::string, cpu_kv, "f32",
           "CPU backend K/V storage: f32 (exact) or bf16 (half the bytes)");
 ABSL_FLAG(bool, batch_invariant, true,
