@@ -79,9 +79,9 @@ int RunServe(int argc, char** argv) {
             "worker metrics (Prometheus) on this port (0: off)");
   flags.Int("drain-seconds", &drain_seconds, "how long shutdown lets running requests finish");
   // The embedded default serves q4_1 weights (a GGUF file's Q4_0/Q4_1/Q4_K matrices' values as
-  // they are, the others q8) and bf16 K/V: the fastest CPU storage, WikiText-2 perplexity 16.4034 against
-  // transformers' 16.4032 on SmolLM2's Q4_1 file (q8: 16.43; docs/model.md), bf16 K/V +0.01%
-  // (docs/accuracy.md). The standalone worker keeps f32 (exact).
+  // they are, the others q8) and bf16 K/V: the fastest CPU storage, WikiText-2 perplexity 16.4034
+  // against transformers' 16.4032 on SmolLM2's Q4_1 file (q8: 16.43; docs/model.md), bf16 K/V
+  // +0.01% (docs/accuracy.md). The standalone worker keeps f32 (exact).
   worker.backend.cpu_weights = "q4_1";
   worker.backend.cpu_kv = "bf16";
   worker.backend.Register(flags);
