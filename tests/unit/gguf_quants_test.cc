@@ -1,6 +1,7 @@
 // Every GGUF block format decoded against the `gguf` package's reference dequantizer
-// (scripts/fixtures/make_quant_fixtures.py): random blocks of each format, and real tensors of
-// the SmolLM2 GGUF. The 4-bit formats' conversion to Q4_1 blocks gives the same values.
+// (scripts/fixtures/make_quant_fixtures.py): random blocks of each format, real tensors of the
+// SmolLM2 GGUF, and rows of tensors llama.cpp's quantizer wrote in K-quants. The 4-bit formats'
+// conversion to Q4_1 blocks gives the same values.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -98,6 +99,33 @@ TEST(GgufQuants, FourBitFormatsConvertToQ4_1Exactly) {
     // Q4_0's (8 - 8) * d is -0 for a negative d, fma(8, d, -8d) is +0: equal values.
     ExpectSameBits(got, NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format,
                    /*zero_sign_matters=*/false);
+  }
+}
+
+TEST(GgufQuants, BlocksLlamaCppQuantizedDecodeAsTheReference) {
+  // Rows of real tensors that llama.cpp's quantizer wrote (SmolLM2 requantized to Q4_K_M).
+  std::ifstream in(FixturePath("quants/real.json"));
+  const nlohmann::json meta = nlohmann::json::parse(in);
+  ASSERT_TRUE(meta["tensors"].contains("Q4_K") && meta["tensors"].contains("Q6_K"));
+  for (const auto& [format, name] : meta["tensors"].items()) {
+    SCOPED_TRACE(format);
+    Loaded l = Open(FixturePath("quants/real_" + format + ".gguf"));
+    const StoredTensor* t = Find(l.gguf, name);
+    ASSERT_NE(t, nullptr);
+    EXPECT_EQ(StorageTypeName(t->type), format);
+    std::vector<float> got(t->NumElements());
+    DecodeToFloat(*t, got.data());
+    const std::vector<float> want = NpyFloats(FixturePath("quants/real_" + format + ".npy"));
+    ExpectSameBits(got, want, format);
+    if (!ConvertsToQ4_1(t->type)) continue;
+    const int64_t rows = t->shape[0], cols = t->shape[1], blocks = rows * cols / cpu::kQ4Block;
+    std::vector<uint8_t> qs(blocks * 16);
+    std::vector<float> d(blocks), m(blocks);
+    ConvertToQ4_1(t->type, t->data, t->NumElements() / StorageBlockElements(t->type), qs.data(),
+                  d.data(), m.data());
+    const cpu::Q4_1Matrix q{qs.data(), d.data(), m.data(), rows, cols};
+    for (int64_t r = 0; r < rows; ++r) cpu::WidenQ4_1Row(q, r, got.data() + r * cols);
+    ExpectSameBits(got, want, format + " as Q4_1", /*zero_sign_matters=*/false);
   }
 }
 
