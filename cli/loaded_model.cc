@@ -1,9 +1,7 @@
 #include "cli/loaded_model.h"
 
 #include "common/status_macros.h"
-#if defined(INFINIGEN_HAVE_CUDA)
-#include "gpu_worker/backend/cuda_backend.h"
-#endif
+#include "gpu_worker/backend/cuda_plugin.h"
 
 namespace infinigen::cli {
 
@@ -53,15 +51,8 @@ absl::StatusOr<CpuBackendOptions> BackendFlags::Options() const {
 absl::StatusOr<std::unique_ptr<Backend>> BackendFlags::Create() const {
   IG_ASSIGN_OR_RETURN(CpuBackendOptions options, Options());
   if (device == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(options));
-#if defined(INFINIGEN_HAVE_CUDA)
-  CudaBackendOptions cuda;
-  IG_ASSIGN_OR_RETURN(cuda.dtype, ParseDType(cuda_dtype));
-  IG_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(cuda));
-  return std::unique_ptr<Backend>(std::move(backend));
-#else
-  return absl::FailedPreconditionError(
-      "--device=cuda: this build has no CUDA backend (nvcc was not found when it was built)");
-#endif
+  IG_ASSIGN_OR_RETURN(DType dtype, ParseDType(cuda_dtype));
+  return LoadCudaBackend(/*device=*/0, dtype);
 }
 
 void SamplingFlags::Register(FlagSet& flags) {

@@ -33,5 +33,12 @@ for t in "$@"; do
   cp "$build/bin/$t" "$out/bin/"
   binaries+=("$out/bin/$t")
 done
+# The CUDA backend plugin (built with the binaries when nvcc is found; they load it from ../lib
+# for --device cuda). OUT/lib exists either way, for the runtime stage's COPY.
+mkdir -p "$out/lib"
+if [ -f "$build/bin/libinfinigen_cuda.so" ]; then
+  cp "$build/bin/libinfinigen_cuda.so" "$out/lib/"
+  binaries+=("$out/lib/libinfinigen_cuda.so")
+fi
 scripts/docker/runtime_packages.sh "${binaries[@]}" >"$out/runtime-packages"
 echo "built ${binaries[*]}; runtime packages: $(tr '\n' ' ' <"$out/runtime-packages")"

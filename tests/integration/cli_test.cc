@@ -30,7 +30,8 @@ std::string Slurp(const std::string& path) {
   return ss.str();
 }
 
-CommandResult Infinigen(const std::string& args) {
+// `env`: VAR=value assignments for the command.
+CommandResult Infinigen(const std::string& args, const std::string& env = "") {
   // CTest runs these tests in parallel processes: every run gets its own output files.
   static int calls = 0;
   const std::string stem =
@@ -38,8 +39,8 @@ CommandResult Infinigen(const std::string& args) {
        ("infinigen_cli_" + std::to_string(getpid()) + "_" + std::to_string(++calls)))
           .string();
   const std::string out = stem + ".out", err = stem + ".err";
-  const std::string cmd =
-      testing::BinaryPath("infinigen") + " </dev/null " + args + " >" + out + " 2>" + err;
+  const std::string cmd = env + " " + testing::BinaryPath("infinigen") + " </dev/null " + args +
+                          " >" + out + " 2>" + err;
   const int status = std::system(cmd.c_str());
   CommandResult result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(out), Slurp(err)};
   fs::remove(out);
@@ -70,6 +71,37 @@ TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
     CommandResult r = Infinigen(args);
     EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
     EXPECT_EQ(Lines(r.err), 1) << args << ": " << r.err;
+  }
+}
+
+TEST(Cli, CudaLibrariesLoadOnlyForTheCudaDevice) {
+  // The CUDA backend is a plugin (gpu_worker/backend/cuda_plugin.h): a CPU run maps none of
+  // CUDA's libraries (glibc's loader lists every library it opens under LD_DEBUG=files).
+  const std::string model = testing::FixturePath("hf/llama32_tied");
+  const std::string bench = "bench --model " + model + " --prompt-tokens 2 --gen-tokens 1 ";
+  CommandResult cpu = Infinigen(bench, "LD_DEBUG=files");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  EXPECT_NE(cpu.err.find("libopenblas"), std::string::npos) << "LD_DEBUG lists no libraries";
+  EXPECT_EQ(cpu.err.find("libcublas"), std::string::npos);
+  EXPECT_EQ(cpu.err.find("libcudart"), std::string::npos);
+
+  // A missing plugin is a one-line error that names where it was looked for.
+  CommandResult missing =
+      Infinigen(bench + "--device cuda", "INFINIGEN_CUDA_BACKEND=/no/such/plugin.so");
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_NE(missing.err.find("no CUDA backend"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("/no/such/plugin.so"), std::string::npos) << missing.err;
+
+  // Where this build made the plugin, --device cuda loads it (and CUDA's libraries): it runs on a
+  // GPU machine and says there is no device elsewhere.
+  if (!fs::exists(fs::path(testing::BinaryPath("infinigen")).parent_path() /
+                  "libinfinigen_cuda.so")) {
+    return;
+  }
+  CommandResult cuda = Infinigen(bench + "--device cuda", "LD_DEBUG=files");
+  EXPECT_NE(cuda.err.find("libcublas"), std::string::npos);
+  if (cuda.exit_code != 0) {
+    EXPECT_NE(cuda.err.find("no CUDA device"), std::string::npos) << cuda.err;
   }
 }
 
