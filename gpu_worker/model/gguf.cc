@@ -141,9 +141,24 @@ bool ReadValue(Reader& r, GgufType type, GgufValue& v, int depth) {
       if (n > r.remaining() / MinEncodedSize(v.array_type)) {
         return r.Fail(absl::StrCat("truncated: array of ", n, " elements runs past the end"));
       }
-      v.array.resize(n);
+      GgufValue e;
       for (uint64_t k = 0; k < n; ++k) {
-        if (!ReadValue(r, v.array_type, v.array[k], depth + 1)) return false;
+        if (!ReadValue(r, v.array_type, e, depth + 1)) return false;
+        switch (v.array_type) {
+          case GgufType::kString:
+            v.strings.push_back(std::move(e.s));
+            break;
+          case GgufType::kF32:
+          case GgufType::kF64:
+            v.floats.push_back(e.f);
+            break;
+          case GgufType::kArray:
+            v.arrays.push_back(std::move(e));
+            e = GgufValue();
+            break;
+          default:
+            v.ints.push_back(e.AsInt());
+        }
       }
       return true;
     }
@@ -470,7 +485,7 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& g, const std::string
   }
   c.tie_word_embeddings = !has_output;
   if (const GgufValue* t = g.Find("tokenizer.ggml.tokens"); vocab < 0 && t != nullptr) {
-    vocab = static_cast<int64_t>(t->array.size());
+    vocab = static_cast<int64_t>(t->ArraySize());
   }
   c.vocab_size = g.IntOr("llama.vocab_size", vocab);
   c.bos_token_id = static_cast<int32_t>(g.IntOr("tokenizer.ggml.bos_token_id", -1));
@@ -485,11 +500,10 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& g, const std::string
       "<|end_of_text|>", "</s>",          "<|end|>",    "<end_of_turn>"};
   const GgufValue* tokens = g.Find("tokenizer.ggml.tokens");
   const GgufValue* types = g.Find("tokenizer.ggml.token_type");
-  if (tokens != nullptr && types != nullptr && types->array.size() == tokens->array.size()) {
+  if (tokens != nullptr && types != nullptr && types->ints.size() == tokens->strings.size()) {
     constexpr int64_t kControlToken = 3;
-    for (size_t id = 0; id < tokens->array.size(); ++id) {
-      if (types->array[id].AsInt() == kControlToken &&
-          kEndOfGeneration.count(tokens->array[id].s) > 0 &&
+    for (size_t id = 0; id < tokens->strings.size(); ++id) {
+      if (types->ints[id] == kControlToken && kEndOfGeneration.count(tokens->strings[id]) > 0 &&
           std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end()) {
         c.eos_token_ids.push_back(static_cast<int32_t>(id));
       }

@@ -37,9 +37,16 @@ struct GgufValue {
   int64_t i = 0;   // signed integers
   double f = 0.0;  // floats
   std::string s;   // strings
+  // An array's elements, by array_type: strings; integers and bools as int64 (u64 bit for
+  // bit); floats as double; arrays as values. Kept by type, not as one GgufValue each (~100
+  // bytes): a GGUF's vocabulary and merges are ~100k strings held for the model's life.
   GgufType array_type = GgufType::kU8;
-  std::vector<GgufValue> array;
+  std::vector<std::string> strings;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  std::vector<GgufValue> arrays;
 
+  size_t ArraySize() const { return strings.size() + ints.size() + floats.size() + arrays.size(); }
   bool IsInteger() const;
   // The value as a signed integer, from any integer type.
   int64_t AsInt() const;

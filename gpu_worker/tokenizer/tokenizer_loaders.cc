@@ -398,10 +398,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePiece(const std::string& 
 }
 
 std::vector<std::string> StringArray(const GgufValue* v) {
-  std::vector<std::string> out;
-  if (v == nullptr) return out;
-  for (const GgufValue& e : v->array) out.push_back(e.s);
-  return out;
+  return v == nullptr ? std::vector<std::string>{} : v->strings;
 }
 
 }  // namespace
@@ -414,13 +411,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g
   if (tokens.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": no tokenizer.ggml.tokens"));
   }
-  if (types != nullptr && types->array.size() != tokens.size()) {
+  if (types != nullptr && types->ints.size() != tokens.size()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": tokenizer.ggml.token_type has ",
-                                                   types->array.size(), " entries for ",
+                                                   types->ints.size(), " integer entries for ",
                                                    tokens.size(), " tokens"));
   }
   auto type_of = [&](size_t i) {
-    return types != nullptr ? static_cast<int32_t>(types->array[i].AsInt()) : 1;
+    return types != nullptr ? static_cast<int32_t>(types->ints[i]) : 1;
   };
   TokenizerSpec spec;
   if (kind == "gpt2") {
@@ -472,8 +469,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g
     for (size_t i = 0; i < tokens.size(); ++i) {
       SentencePieceSpec::Piece p;
       p.text = tokens[i];
-      p.score = scores != nullptr && i < scores->array.size()
-                    ? static_cast<float>(scores->array[i].f)
+      p.score = scores != nullptr && i < scores->floats.size()
+                    ? static_cast<float>(scores->floats[i])
                     : 0.0f;
       const int32_t t = type_of(i);
       p.type = t >= 1 && t <= 6 ? static_cast<PieceType>(t) : PieceType::kNormal;
