@@ -1,9 +1,15 @@
 // A GGUF written the way llama.cpp's converter writes one (Q/K rows permuted for interleaved
 // RoPE, llama3 scaling as a rope_freqs tensor), from the Llama-3.1-like fixture: its logits must
-// equal transformers' on the original safetensors checkpoint.
+// equal transformers' on the original safetensors checkpoint. And a Llama GGUF in K-quants (and
+// Q4_0) loads and computes on its own values.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <map>
+#include <random>
 
 #include "common/npy.h"
 #include "gpu_worker/backend/cpu_backend.h"
@@ -11,6 +17,7 @@
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/model/checkpoint.h"
 #include "gpu_worker/model/model.h"
+#include "gpu_worker/model/storage_type.h"
 #include "tests/support/gguf_writer.h"
 #include "tests/support/test_paths.h"
 
@@ -115,6 +122,124 @@ TEST(GgufModel, ConvertedFixtureMatchesTransformersLogits) {
     max_diff = std::max(max_diff, std::abs(logits[i] - want[i]));
   EXPECT_LE(max_diff, 1e-4f);
   std::filesystem::remove(path);
+}
+
+// Random blocks of `t` for n weights: any bytes are valid blocks once the f16 scales are finite
+// (set to normal(0, scale) values).
+std::vector<uint8_t> RandomBlocks(StorageType t, int64_t n, float scale, std::mt19937& rng) {
+  static const std::map<StorageType, std::vector<int>> kHalfFields = {
+      {StorageType::kQ4_0, {0}},   {StorageType::kQ4_K, {0, 2}}, {StorageType::kQ5_K, {0, 2}},
+      {StorageType::kQ6_K, {208}}, {StorageType::kQ8_0, {0}},    {StorageType::kQ2_K, {80, 82}},
+      {StorageType::kQ3_K, {108}}};
+  const int64_t blocks = n / StorageBlockElements(t), bytes = StorageBlockBytes(t);
+  std::vector<uint8_t> out(blocks * bytes);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> normal(0.0f, scale);
+  for (auto& b : out) b = static_cast<uint8_t>(byte(rng));
+  for (int64_t k = 0; k < blocks; ++k) {
+    for (int off : kHalfFields.at(t)) {
+      const uint16_t h = FloatToHalf(normal(rng));
+      out[k * bytes + off] = h & 0xff;
+      out[k * bytes + off + 1] = h >> 8;
+    }
+  }
+  return out;
+}
+
+// Logits of `tokens` (all positions) of the model in `path` on a CPU backend.
+std::vector<float> Logits(const std::string& path, const CpuBackendOptions& options,
+                          const std::vector<int32_t>& tokens, std::string* backend_name) {
+  auto ckpt = Checkpoint::Open(path);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+  if (!ckpt.ok()) return {};
+  CpuBackend backend(options);
+  auto model = Model::Load(**ckpt, backend);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return {};
+  *backend_name = backend.Name();
+  BackendKvCache cache(backend, (*model)->kv_shape());
+  EXPECT_TRUE(cache.Open(1, 64).ok());
+  std::vector<float> logits(tokens.size() * (*ckpt)->config().vocab_size);
+  ForwardChunk chunk{1, 0, tokens, true};
+  EXPECT_TRUE(DecodeStep(**model, cache).Forward({&chunk, 1}, logits).ok());
+  return logits;
+}
+
+TEST(GgufModel, KQuantModelRunsOnItsOwnValues) {
+  // A Llama with rows of 256 and 512 weights (K-quants need multiples of 256): the attention and
+  // embedding in Q4_K, gate and up in Q4_0, down in Q6_K, the output in Q5_K, layer 1's down in
+  // Q2_K and its V in Q3_K, as a Q4_K_M-style file mixes them.
+  const int64_t hidden = 256, inter = 512, heads = 4, kv_heads = 2, head_dim = 64, vocab = 512;
+  std::mt19937 rng(7);
+  testing::GgufWriter w;
+  w.AddString("general.architecture", "llama");
+  w.AddU32("llama.block_count", 2);
+  w.AddU32("llama.embedding_length", hidden);
+  w.AddU32("llama.feed_forward_length", inter);
+  w.AddU32("llama.attention.head_count", heads);
+  w.AddU32("llama.attention.head_count_kv", kv_heads);
+  w.AddU32("llama.context_length", 256);
+  w.AddU32("llama.rope.dimension_count", head_dim);
+  w.AddF32("llama.rope.freq_base", 10000.0f);
+  w.AddF32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  auto add = [&](const std::string& name, StorageType t, int64_t rows, int64_t cols) {
+    static const std::map<StorageType, uint32_t> kGgmlId = {
+        {StorageType::kQ4_0, 2},  {StorageType::kQ8_0, 8},  {StorageType::kQ2_K, 10},
+        {StorageType::kQ3_K, 11}, {StorageType::kQ4_K, 12}, {StorageType::kQ5_K, 13},
+        {StorageType::kQ6_K, 14}};
+    w.AddTensor(name, {rows, cols}, kGgmlId.at(t), RandomBlocks(t, rows * cols, 2e-3f, rng));
+  };
+  auto norm = [&](const std::string& name) {
+    std::vector<float> v(hidden);
+    std::normal_distribution<float> around_one(1.0f, 0.1f);
+    for (float& x : v) x = around_one(rng);
+    w.AddF32Tensor(name, {hidden}, v);
+  };
+  add("token_embd.weight", StorageType::kQ4_K, vocab, hidden);
+  add("output.weight", StorageType::kQ5_K, vocab, hidden);
+  norm("output_norm.weight");
+  for (int l = 0; l < 2; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    norm(b + "attn_norm.weight");
+    norm(b + "ffn_norm.weight");
+    add(b + "attn_q.weight", StorageType::kQ4_K, heads * head_dim, hidden);
+    add(b + "attn_k.weight", StorageType::kQ4_K, kv_heads * head_dim, hidden);
+    add(b + "attn_v.weight", l == 1 ? StorageType::kQ3_K : StorageType::kQ4_K, kv_heads * head_dim,
+        hidden);
+    add(b + "attn_output.weight", StorageType::kQ4_K, hidden, heads * head_dim);
+    add(b + "ffn_gate.weight", StorageType::kQ4_0, inter, hidden);
+    add(b + "ffn_up.weight", StorageType::kQ4_0, inter, hidden);
+    add(b + "ffn_down.weight", l == 1 ? StorageType::kQ2_K : StorageType::kQ6_K, hidden, inter);
+  }
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("infinigen_kquant_" + std::to_string(::getpid()) + ".gguf"))
+                               .string();
+  testing::WriteFile(path, w.Build());
+
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < 12; ++i) tokens.push_back((i * 97 + 5) % vocab);
+  // The reference: every matrix decoded to float32 (the decoders equal the gguf package's,
+  // tests/unit/gguf_quants_test.cc).
+  std::string f32_name, q4_name;
+  const std::vector<float> f32 = Logits(path, {}, tokens, &f32_name);
+  CpuBackendOptions q4;
+  q4.weight_format = WeightFormat::kQ4_1;
+  const std::vector<float> kept = Logits(path, q4, tokens, &q4_name);
+  std::filesystem::remove(path);
+  ASSERT_EQ(f32.size(), tokens.size() * vocab);
+  ASSERT_EQ(kept.size(), f32.size());
+  EXPECT_EQ(q4_name, "cpu-q4_1");  // the Q4_K and Q4_0 matrices were kept
+  float max_abs = 0, max_diff = 0;
+  for (size_t i = 0; i < f32.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(f32[i]) && std::isfinite(kept[i])) << i;
+    max_abs = std::max(max_abs, std::abs(f32[i]));
+    max_diff = std::max(max_diff, std::abs(kept[i] - f32[i]));
+  }
+  std::printf("q4_1 vs f32 logits: max |diff| %.5f, max |logit| %.4f\n", max_diff, max_abs);
+  EXPECT_GT(max_abs, 0.1f);  // logits that say something
+  // Q4_K and Q4_0 run on their exact values; Q5_K, Q6_K, Q3_K and Q2_K (the output and the
+  // down projections) are requantized to q8 (8 bits against at most 6): a percent of the range.
+  EXPECT_LE(max_diff, 0.02f * max_abs) << "max |logit| " << max_abs;
 }
 
 }  // namespace
