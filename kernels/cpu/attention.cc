@@ -11,6 +11,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/row_gemm.h"
+#include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -33,10 +34,7 @@ inline void Prefetch(const void* row, int64_t bytes) {
 
 // 8 elements of a K/V row as float32 (bfloat16 widened exactly), and one element.
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 Load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+inline __m256 Load8(const uint16_t* p) { return WidenBf16x8(p); }
 inline float At(const float* p, int i) { return p[i]; }
 inline float At(const uint16_t* p, int i) { return Bf16ToFloat(p[i]); }
 
@@ -197,10 +195,7 @@ void WeightedRowsTile(const float* const* ps, const T* const* rows, int64_t n, i
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // 16 elements of a K/V row as float32, as two Load8 make them.
 IG_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-IG_AVX512 inline __m512 Load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+IG_AVX512 inline __m512 Load16(const uint16_t* p) { return WidenBf16x16(p); }
 
 // WeightedRowsTile with 16-lane registers (width a multiple of 32): every element is the same
 // FMA chain over j (lanes do not meet), so the same numbers.

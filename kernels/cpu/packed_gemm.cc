@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -30,26 +31,13 @@ float* Scratch(size_t n) {
   return buf.data();
 }
 
-inline float HorizontalSum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-inline __m256 LoadBf16x8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 float DotBf16(const float* x, const uint16_t* w, int64_t k) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes, _MM_HINT_T0);
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), LoadBf16x8(w + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), LoadBf16x8(w + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), WidenBf16x8(w + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), WidenBf16x8(w + i + 8), acc1);
   }
   float s = HorizontalSum(_mm256_add_ps(acc0, acc1));
   for (; i < k; ++i) s += x[i] * Bf16ToFloat(w[i]);

@@ -12,6 +12,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -25,29 +26,11 @@ constexpr int64_t kRowBlock = 64;
 // this reaches into the next rows), as the packed GEMVs do.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// The one reduction every element goes through: lanes summed as ((0+4)+(2+6))+((1+5)+(3+7)).
-inline float Reduce(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
 // n bfloat16 values widened exactly to float32, 8 at a time (the floats Load8 makes).
 inline void WidenBf16(const uint16_t* in, float* out, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, WidenBf16x8(in + i));
   for (; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
-}
-
-// 16 bfloat16 values widened exactly to float32.
-IG_AVX512 inline __m512 WidenBf16x16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // Weight rows as a tile reads them: row c of the accessor, 8 values at column i (a multiple of
@@ -64,10 +47,7 @@ struct F32Rows {
 struct Bf16Rows {
   const uint16_t* w;
   int64_t ld;
-  __m256 Load8(int64_t c, int64_t i) const {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * ld + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  __m256 Load8(int64_t c, int64_t i) const { return WidenBf16x8(w + c * ld + i); }
   IG_AVX512 __m512 Load16(int64_t c, int64_t i) const { return WidenBf16x16(w + c * ld + i); }
   float At(int64_t c, int64_t i) const { return Bf16ToFloat(w[c * ld + i]); }
   const void* Address(int64_t c, int64_t i) const { return w + c * ld + i; }
@@ -86,10 +66,7 @@ struct TableRows {
 // Bfloat16 rows wherever they lie (a row table), widened as Bf16Rows widens them.
 struct Bf16TableRows {
   const uint16_t* const* rows;
-  __m256 Load8(int64_t c, int64_t i) const {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c] + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  __m256 Load8(int64_t c, int64_t i) const { return WidenBf16x8(rows[c] + i); }
   IG_AVX512 __m512 Load16(int64_t c, int64_t i) const { return WidenBf16x16(rows[c] + i); }
   float At(int64_t c, int64_t i) const { return Bf16ToFloat(rows[c][i]); }
   const void* Address(int64_t c, int64_t i) const { return rows[c] + i; }
@@ -167,7 +144,7 @@ struct Q4_1Rows {
   }
 };
 
-// The scalar tail of one element, after Reduce; the same function for every tile shape.
+// The scalar tail of one element, after HorizontalSum; the same function for every tile shape.
 template <typename A>
 inline float Tail(float s, const float* x, const A& w, int64_t c, int64_t from, int64_t k) {
   for (int64_t i = from; i < k; ++i) s = std::fma(x[i], w.At(c, i), s);
@@ -175,7 +152,7 @@ inline float Tail(float s, const float* x, const A& w, int64_t c, int64_t from, 
 }
 
 // y[r, c] += x_r . w_c for r < R, c < C, each in the canonical order: 8-element block b of k
-// goes into accumulator b % 2 (acc = fma(x_block, w_block, acc)), then Reduce(acc0 + acc1),
+// goes into accumulator b % 2 (acc = fma(x_block, w_block, acc)), then HorizontalSum(acc0 + acc1),
 // then the tail. Two chains per element hide the FMA latency of a GEMV's single row.
 template <int64_t R, int64_t C, typename A>
 inline void Tile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t k,
@@ -208,7 +185,7 @@ inline void Tile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
   if (i < k8) step(i, 0);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) {
-      const float s = Reduce(_mm256_add_ps(acc[0][r][c], acc[1][r][c]));
+      const float s = HorizontalSum(_mm256_add_ps(acc[0][r][c], acc[1][r][c]));
       y[r * ldy + c] += Tail(s, x + r * ldx, w, c, k8, k);
     }
   }
@@ -272,7 +249,7 @@ IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t
     for (int64_t c = 0; c < C; ++c) {
       const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
       const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
-      const float s = Reduce(_mm256_add_ps(lo, hi));
+      const float s = HorizontalSum(_mm256_add_ps(lo, hi));
       y[r * ldy + c] += Tail(s, x + r * ldx, w, c, k8, k);
     }
   }
