@@ -99,9 +99,11 @@ class StoredWeight {
   // Rows [r0, r1) decoded to float32, row-major into out.
   virtual void Decode(int64_t r0, int64_t r1, float* out) const = 0;
   // Whether every value converts exactly to Q4_1 blocks of 32 (kernels/cpu/q4_1.h: the file's
-  // Q4_0, Q4_1 and Q4_K blocks), and rows [r0, r1) so converted, blocks in row order.
-  virtual bool ConvertsToQ4_1() const = 0;
-  virtual void ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const = 0;
+  // Q4_0, Q4_1 and Q4_K blocks; none by default), and rows [r0, r1) so converted, blocks in row
+  // order (called only when ConvertsToQ4_1()).
+  virtual bool ConvertsToQ4_1() const { return false; }
+  virtual void ToQ4_1(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*qs*/, float* /*d*/,
+                      float* /*m*/) const {}
 };
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 

@@ -134,8 +134,6 @@ class HostFloats : public StoredWeight {
   void Decode(int64_t r0, int64_t r1, float* out) const override {
     std::memcpy(out, host_ + r0 * cols_, static_cast<size_t>((r1 - r0) * cols_) * 4);
   }
-  bool ConvertsToQ4_1() const override { return false; }
-  void ToQ4_1(int64_t, int64_t, uint8_t*, float*, float*) const override {}
 
  private:
   const float* host_;

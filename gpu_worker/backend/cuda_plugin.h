@@ -1,7 +1,7 @@
 // The CUDA backend is a plugin (libinfinigen_cuda.so, built beside the binaries) that a process
-// loads only when it runs on a GPU: a CPU process maps none of CUDA's libraries, which cost
-// ~150 MiB of resident memory once loaded (cuBLAS and cuBLASLt relocate and touch that much at
-// startup), more than SmolLM2's packed weights.
+// loads only when it runs on a GPU: a CPU process maps none of CUDA's libraries, which added
+// ~150 MiB to a CPU run's peak resident memory while they were linked in (SmolLM2 q4_1 bench:
+// 330.6 -> 180.4 MiB once they were not; docs/benchmarks.md), more than SmolLM2's packed weights.
 #pragma once
 
 #include <cstddef>

@@ -397,8 +397,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePiece(const std::string& 
   return Tokenizer::Create(std::move(spec));
 }
 
-std::vector<std::string> StringArray(const GgufValue* v) {
-  return v == nullptr ? std::vector<std::string>{} : v->strings;
+// A metadata array's strings (none when the key is missing), without copying them.
+const std::vector<std::string>& StringArray(const GgufValue* v) {
+  static const std::vector<std::string> kNone;
+  return v == nullptr ? kNone : v->strings;
 }
 
 }  // namespace
@@ -406,7 +408,7 @@ std::vector<std::string> StringArray(const GgufValue* v) {
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g,
                                                                const std::string& path) {
   const std::string kind = g.StringOr("tokenizer.ggml.model", "");
-  const std::vector<std::string> tokens = StringArray(g.Find("tokenizer.ggml.tokens"));
+  const std::vector<std::string>& tokens = StringArray(g.Find("tokenizer.ggml.tokens"));
   const GgufValue* types = g.Find("tokenizer.ggml.token_type");
   if (tokens.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": no tokenizer.ggml.tokens"));

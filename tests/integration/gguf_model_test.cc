@@ -146,6 +146,15 @@ std::vector<uint8_t> RandomBlocks(StorageType t, int64_t n, float scale, std::mt
   return out;
 }
 
+// The GGML type id of `t` (the inverse of StorageTypeOfGgml).
+uint32_t GgmlId(StorageType t) {
+  for (uint32_t id = 0; id < 64; ++id) {
+    if (auto s = StorageTypeOfGgml(id); s.ok() && *s == t) return id;
+  }
+  ADD_FAILURE() << "no GGML id for " << StorageTypeName(t);
+  return 0;
+}
+
 // Logits of `tokens` (all positions) of the model in `path` on a CPU backend.
 std::vector<float> Logits(const std::string& path, const CpuBackendOptions& options,
                           const std::vector<int32_t>& tokens, std::string* backend_name) {
@@ -183,11 +192,7 @@ TEST(GgufModel, KQuantModelRunsOnItsOwnValues) {
   w.AddF32("llama.rope.freq_base", 10000.0f);
   w.AddF32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   auto add = [&](const std::string& name, StorageType t, int64_t rows, int64_t cols) {
-    static const std::map<StorageType, uint32_t> kGgmlId = {
-        {StorageType::kQ4_0, 2},  {StorageType::kQ8_0, 8},  {StorageType::kQ2_K, 10},
-        {StorageType::kQ3_K, 11}, {StorageType::kQ4_K, 12}, {StorageType::kQ5_K, 13},
-        {StorageType::kQ6_K, 14}};
-    w.AddTensor(name, {rows, cols}, kGgmlId.at(t), RandomBlocks(t, rows * cols, 2e-3f, rng));
+    w.AddTensor(name, {rows, cols}, GgmlId(t), RandomBlocks(t, rows * cols, 2e-3f, rng));
   };
   auto norm = [&](const std::string& name) {
     std::vector<float> v(hidden);

@@ -79,6 +79,19 @@ TEST(GgufQuants, EveryFormatDecodesAsTheReference) {
   }
 }
 
+// A [rows, cols] tensor of a Q4_1-convertible type converted to Q4_1 blocks and widened back.
+std::vector<float> ConvertedAndWidened(const StoredTensor& t) {
+  const int64_t rows = t.shape[0], cols = t.shape[1], blocks = rows * cols / cpu::kQ4Block;
+  std::vector<uint8_t> qs(blocks * 16);
+  std::vector<float> d(blocks), m(blocks);
+  ConvertToQ4_1(t.type, t.data, t.NumElements() / StorageBlockElements(t.type), qs.data(), d.data(),
+                m.data());
+  const cpu::Q4_1Matrix q{qs.data(), d.data(), m.data(), rows, cols};
+  std::vector<float> out(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) cpu::WidenQ4_1Row(q, r, out.data() + r * cols);
+  return out;
+}
+
 TEST(GgufQuants, FourBitFormatsConvertToQ4_1Exactly) {
   for (const char* format : kFormats) {
     SCOPED_TRACE(format);
@@ -88,16 +101,9 @@ TEST(GgufQuants, FourBitFormatsConvertToQ4_1Exactly) {
     EXPECT_EQ(converts, format == std::string("Q4_0") || format == std::string("Q4_1") ||
                             format == std::string("Q4_K"));
     if (!converts) continue;
-    const int64_t rows = t.shape[0], cols = t.shape[1], blocks = rows * cols / cpu::kQ4Block;
-    std::vector<uint8_t> qs(blocks * 16);
-    std::vector<float> d(blocks), m(blocks);
-    ConvertToQ4_1(t.type, t.data, t.NumElements() / StorageBlockElements(t.type), qs.data(),
-                  d.data(), m.data());
-    const cpu::Q4_1Matrix q{qs.data(), d.data(), m.data(), rows, cols};
-    std::vector<float> got(rows * cols);
-    for (int64_t r = 0; r < rows; ++r) cpu::WidenQ4_1Row(q, r, got.data() + r * cols);
     // Q4_0's (8 - 8) * d is -0 for a negative d, fma(8, d, -8d) is +0: equal values.
-    ExpectSameBits(got, NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format,
+    ExpectSameBits(ConvertedAndWidened(t),
+                   NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format,
                    /*zero_sign_matters=*/false);
   }
 }
@@ -118,14 +124,7 @@ TEST(GgufQuants, BlocksLlamaCppQuantizedDecodeAsTheReference) {
     const std::vector<float> want = NpyFloats(FixturePath("quants/real_" + format + ".npy"));
     ExpectSameBits(got, want, format);
     if (!ConvertsToQ4_1(t->type)) continue;
-    const int64_t rows = t->shape[0], cols = t->shape[1], blocks = rows * cols / cpu::kQ4Block;
-    std::vector<uint8_t> qs(blocks * 16);
-    std::vector<float> d(blocks), m(blocks);
-    ConvertToQ4_1(t->type, t->data, t->NumElements() / StorageBlockElements(t->type), qs.data(),
-                  d.data(), m.data());
-    const cpu::Q4_1Matrix q{qs.data(), d.data(), m.data(), rows, cols};
-    for (int64_t r = 0; r < rows; ++r) cpu::WidenQ4_1Row(q, r, got.data() + r * cols);
-    ExpectSameBits(got, want, format + " as Q4_1", /*zero_sign_matters=*/false);
+    ExpectSameBits(ConvertedAndWidened(*t), want, format + " as Q4_1", /*zero_sign_matters=*/false);
   }
 }
 
