@@ -515,20 +515,28 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     IG_RETURN_IF_ERROR(ToHost({views, speculated ? 3u : 2u}, {out, speculated ? 3u : 2u}, host_q_));
   }
 
-  // Pass 1: store every chunk's K/V (in order: cache calls).
+  // Pass 1: store every chunk's K/V, the batch's in one call (one copy out of a device).
   timing.emplace(Timing(&StepProfile::append));
+  appends_.clear();
+  append_chunks_.clear();
   for (size_t b = 0; b < batch.size(); ++b) {
-    const ForwardChunk& chunk = batch[b];
-    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
-    ChunkWork& w = chunks_[b];
-    const int64_t row = rows_[b];
     selections_[b].all = true;
     if (Failed(b)) continue;
-    int32_t* slots = host_slots_.data() + row * kv_heads;
-    const absl::Status appended =
-        cache_.Append(chunk.seq, layer, chunk.start, k.Rows(row, len), v.Rows(row, len), slots);
-    if (!appended.ok()) {
-      FailKv(b, layer, appended);
+    const ForwardChunk& chunk = batch[b];
+    const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+    const int64_t row = rows_[b];
+    appends_.push_back({chunk.seq, chunk.start, k.Rows(row, len), v.Rows(row, len),
+                        host_slots_.data() + row * kv_heads});
+    append_chunks_.push_back(b);
+  }
+  append_status_.resize(appends_.size());
+  cache_.AppendLayer(layer, appends_, append_status_);
+  for (size_t i = 0; i < append_chunks_.size(); ++i) {
+    const size_t b = append_chunks_[i];
+    const ForwardChunk& chunk = batch[b];
+    ChunkWork& w = chunks_[b];
+    if (!append_status_[i].ok()) {
+      FailKv(b, layer, append_status_[i]);
       continue;
     }
     if (chunk.policy == nullptr) continue;

@@ -195,6 +195,9 @@ class DecodeStep final : private LayerAttention {
   std::unique_ptr<Buffer> current_kv_;
   std::unique_ptr<Buffer> restore_;  // Restore's keys of one layer, float32 [tokens, kv_heads * d]
   std::vector<int32_t> host_slots_;  // [tokens, num_kv_heads] slots from the last Append
+  std::vector<KvCache::LayerAppend> appends_;  // a layer's appends, one per chunk not failed
+  std::vector<size_t> append_chunks_;          // ... their chunks
+  std::vector<absl::Status> append_status_;    // ... and what each came to
   std::vector<float> host_weights_;
   std::vector<float> host_q_, host_k_, host_spec_q_;  // ToHost copies
   std::vector<Selection> selections_;  // per chunk of the current batch, at the current layer

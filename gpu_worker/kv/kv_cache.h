@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -76,6 +77,24 @@ class KvCache {
   // position. `slots_out` (host, [n, num_kv_heads], may be null) receives each row's slot.
   virtual absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                               int32_t* slots_out = nullptr) = 0;
+  // One sequence's tokens in AppendLayer.
+  struct LayerAppend {
+    SequenceId seq = 0;
+    int64_t start = 0;
+    MatView k, v;
+    int32_t* slots_out = nullptr;
+  };
+  // The appends of several sequences at one `layer` (a step's batch): statuses[i] is what
+  // Append(items[i]...) would return, and a failed item does not stop the others. Caches whose
+  // rows leave backend memory copy the batch's rows out together (one wait for the device per
+  // layer, not one per sequence); the default appends them one by one.
+  virtual void AppendLayer(int layer, std::span<const LayerAppend> items,
+                           std::span<absl::Status> statuses) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      const LayerAppend& a = items[i];
+      statuses[i] = Append(a.seq, layer, a.start, a.k, a.v, a.slots_out);
+    }
+  }
   // Valid slots of `layer` (after the appends so far).
   virtual absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) = 0;
   // A decode step at `layer` read these slots (host, [num_kv_heads, count]; null: every stored

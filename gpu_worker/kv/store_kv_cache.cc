@@ -189,6 +189,14 @@ absl::StatusOr<int64_t> StoreKvCache::NumSlots(SequenceId seq, int layer) {
 
 absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                                   int32_t* slots_out) {
+  const LayerAppend item{seq, start, k, v, slots_out};
+  absl::Status status;
+  AppendLayer(layer, {&item, 1}, {&status, 1});
+  return status;
+}
+
+absl::StatusOr<StoreKvCache::Sequence*> StoreKvCache::AppendTarget(SequenceId seq, int layer,
+                                                                   int64_t start) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
@@ -198,33 +206,92 @@ absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatV
         absl::StrCat("the KV store appends in order: layer ", layer, " of sequence ", seq,
                      " holds ", s->length[layer], " tokens, append starts at ", start));
   }
-  const int64_t n = k.rows;
+  return s;
+}
+
+void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
+                               std::span<absl::Status> statuses) {
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
-  std::vector<uint8_t> hk(n * row), hv(n * row);
-  if (!host_access_ && n <= kPackedAppendRows) {
-    // Decode tokens on a device: K and V packed there, one copy out (one wait, not two).
-    if (pack_ == nullptr || pack_->size() < 2 * n * row) {
-      IG_ASSIGN_OR_RETURN(pack_, backend_.Allocate(std::max<size_t>(2 * n * row, 64 * row)));
+  append_targets_.assign(items.size(), nullptr);
+  // Decode tokens on a device: every such item's K and V packed there, one copy out (one wait
+  // for the layer, not two per sequence). Prompt chunks and host backends copy item by item.
+  auto packed = [&](const LayerAppend& a) {
+    return !host_access_ && a.k.rows <= kPackedAppendRows;
+  };
+  size_t packed_bytes = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::StatusOr<Sequence*> s = AppendTarget(items[i].seq, layer, items[i].start);
+    statuses[i] = s.status();
+    if (!s.ok()) continue;
+    append_targets_[i] = *s;
+    if (packed(items[i])) packed_bytes += 2 * static_cast<size_t>(items[i].k.rows) * row;
+  }
+  auto fail_all = [&](const absl::Status& st) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (append_targets_[i] != nullptr) statuses[i] = st;
+    }
+  };
+  if (packed_bytes > 0) {
+    if (pack_ == nullptr || pack_->size() < packed_bytes) {
+      // Grows by half at least, so that a batch growing one sequence at a time reallocates
+      // rarely; 64 rows at first.
+      const size_t old = pack_ == nullptr ? 0 : pack_->size();
+      absl::StatusOr<std::unique_ptr<Buffer>> grown =
+          backend_.Allocate(std::max({packed_bytes, old + old / 2, 64 * row}));
+      if (!grown.ok()) return fail_all(grown.status());
+      pack_ = *std::move(grown);
     }
     uint8_t* p = static_cast<uint8_t*>(pack_->data());
-    const int64_t cols = k.cols;
-    IG_RETURN_IF_ERROR(backend_.Copy(k, MatView{p, shape_.dtype, n, cols, cols}));
-    IG_RETURN_IF_ERROR(backend_.Copy(v, MatView{p + n * row, shape_.dtype, n, cols, cols}));
-    both_.resize(2 * n * row);
-    IG_RETURN_IF_ERROR(backend_.CopyToHost(p, both_.data(), 2 * n * row));
-    std::copy_n(both_.data(), n * row, hk.data());
-    std::copy_n(both_.data() + n * row, n * row, hv.data());
-  } else {
-    IG_RETURN_IF_ERROR(RowsToHost(k, hk.data()));
-    IG_RETURN_IF_ERROR(RowsToHost(v, hv.data()));
+    size_t offset = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const LayerAppend& a = items[i];
+      if (append_targets_[i] == nullptr || !packed(a)) continue;
+      const int64_t n = a.k.rows, cols = a.k.cols;
+      absl::Status st = backend_.Copy(a.k, MatView{p + offset, shape_.dtype, n, cols, cols});
+      if (st.ok()) {
+        st = backend_.Copy(a.v, MatView{p + offset + n * row, shape_.dtype, n, cols, cols});
+      }
+      if (!st.ok()) return fail_all(st);
+      offset += 2 * n * row;
+    }
+    both_.resize(packed_bytes);
+    if (absl::Status st = backend_.CopyToHost(p, both_.data(), packed_bytes); !st.ok()) {
+      return fail_all(st);
+    }
   }
+  size_t offset = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    Sequence* s = append_targets_[i];
+    if (s == nullptr) continue;
+    const LayerAppend& a = items[i];
+    const int64_t n = a.k.rows;
+    std::vector<uint8_t> hk(n * row), hv(n * row);
+    if (packed(a)) {
+      std::copy_n(both_.data() + offset, n * row, hk.data());
+      std::copy_n(both_.data() + offset + n * row, n * row, hv.data());
+      offset += 2 * n * row;
+    } else {
+      absl::Status st = RowsToHost(a.k, hk.data());
+      if (st.ok()) st = RowsToHost(a.v, hv.data());
+      if (!st.ok()) {
+        statuses[i] = st;
+        continue;
+      }
+    }
+    statuses[i] = Store(a.seq, *s, layer, a.start, n, std::move(hk), std::move(hv), a.slots_out);
+  }
+}
+
+absl::Status StoreKvCache::Store(SequenceId seq, Sequence& s, int layer, int64_t start, int64_t n,
+                                 std::vector<uint8_t> hk, std::vector<uint8_t> hv,
+                                 int32_t* slots_out) {
   std::vector<int32_t> slots;
-  if (s->pool != nullptr) {
+  if (s.pool != nullptr) {
     // A prompt chunk past the share grows it (prefill attends by position); decode tokens evict.
-    if (n > 1 && !s->pool->Fits(layer, n)) s->pool->Grow(s->pool->rows(layer) + n);
+    if (n > 1 && !s.pool->Fits(layer, n)) s.pool->Grow(s.pool->rows(layer) + n);
     slots.resize(static_cast<size_t>(n * shape_.num_kv_heads));
-    IG_ASSIGN_OR_RETURN(const int64_t evicted, s->pool->Place(layer, start, n, slots.data()));
-    if (layer == 0) s->counters.evictions += evicted;
+    IG_ASSIGN_OR_RETURN(const int64_t evicted, s.pool->Place(layer, start, n, slots.data()));
+    if (layer == 0) s.counters.evictions += evicted;
     if (slots_out != nullptr) std::copy(slots.begin(), slots.end(), slots_out);
   } else if (slots_out != nullptr) {
     for (int64_t r = 0; r < n; ++r) {
@@ -235,7 +302,7 @@ absl::Status StoreKvCache::Append(SequenceId seq, int layer, int64_t start, MatV
   }
   client_.AppendAsync(StoreId(seq), layer, start, n, std::move(hk), std::move(hv),
                       std::move(slots));
-  s->length[layer] = start + n;
+  s.length[layer] = start + n;
   return absl::OkStatus();
 }
 

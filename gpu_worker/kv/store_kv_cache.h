@@ -67,6 +67,9 @@ class StoreKvCache final : public StreamedKvCache {
   absl::StatusOr<int64_t> Length(SequenceId seq) const override;
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                       int32_t* slots_out = nullptr) override;
+  // Decode tokens of a device backend: every item's K and V packed there, one copy out.
+  void AppendLayer(int layer, std::span<const LayerAppend> items,
+                   std::span<absl::Status> statuses) override;
   absl::StatusOr<KvLayerView> ReadAll(SequenceId seq, int layer) override;
   uint64_t Home(SequenceId seq) const override {
     return sequences_.contains(seq) ? StoreId(seq) : 0;
@@ -162,6 +165,11 @@ class StoreKvCache final : public StreamedKvCache {
   size_t RowBytes() const;
   // Copies the rows of `m` (backend memory, possibly strided) packed to host memory `out`.
   absl::Status RowsToHost(MatView m, uint8_t* out);
+  // The sequence an append at (layer, start) goes to, if it may (open, in order).
+  absl::StatusOr<Sequence*> AppendTarget(SequenceId seq, int layer, int64_t start);
+  // Sends n rows' host copies to the store (write-behind) and places them (slots_out).
+  absl::Status Store(SequenceId seq, Sequence& s, int layer, int64_t start, int64_t n,
+                     std::vector<uint8_t> hk, std::vector<uint8_t> hv, int32_t* slots_out);
 
   Backend& backend_;
   KvCacheShape shape_;
@@ -181,7 +189,8 @@ class StoreKvCache final : public StreamedKvCache {
   std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
   // Appends of at most this many tokens (decode steps) copy K and V out together.
   static constexpr int64_t kPackedAppendRows = 16;
-  std::vector<uint8_t> both_;  // their host copy
+  std::vector<uint8_t> both_;              // their host copy
+  std::vector<Sequence*> append_targets_;  // AppendLayer's, per item (null: refused)
 };
 
 }  // namespace infinigen

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/prepare.h"
@@ -358,13 +359,13 @@ TEST_P(StoreCache, HostPoliciesRunOnABackendTheHostCannotRead) {
       // What a GPU waits for per decode layer of this batch of 2 (the fixture has 2 layers):
       // the layer's queries, keys and speculated queries for the policies, in one copy (1); the
       // logits once per step (0.5); over the store also the speculated queries for the
-      // prefetch (1) and each sequence's new K/V rows (2). Each wait stalls the host until the
-      // device drains (measured on an H200: docs/benchmarks.md); the target is none.
-      // Before one copy carried several views: 6 and 11 per layer.
+      // prefetch (1) and the batch's new K/V rows (1, both sequences in one copy). Each wait
+      // stalls the host until the device drains (measured on an H200: docs/benchmarks.md); the
+      // issue's target is none. Before one copy carried several views: 6 and 11 per layer.
       ASSERT_GT(got.profile.layers, 0);
       const double syncs = static_cast<double>(got.profile.backend.synchronizations) /
                            static_cast<double>(got.profile.layers);
-      EXPECT_LE(syncs, cache == &device_store ? 4.0 : 1.5)
+      EXPECT_LE(syncs, cache == &device_store ? 3.0 : 1.5)
           << got.profile.backend.synchronizations << " waits over " << got.profile.layers
           << " decode layers";
     }
@@ -415,14 +416,44 @@ TEST_P(StoreCache, InfinigenChoosesRowsOnABackendTheHostCannotRead) {
     }
     // Waits per decode layer of this batch of 2 (2 layers): the choices of the layer (one copy
     // for both sequences), the logits once per step (0.5); over the store also the prefetch's
-    // choices (1) and each sequence's new K/V rows (2). What the host policies wait for is
+    // choices (1) and the batch's new K/V rows (1). What the host policies wait for is
     // bounded the same way in HostPoliciesRunOnABackendTheHostCannotRead; the difference is
     // what crosses: indices, not the layer's activations.
     ASSERT_GT(got.profile.layers, 0);
     const double syncs = static_cast<double>(got.profile.backend.synchronizations) /
                          static_cast<double>(got.profile.layers);
-    EXPECT_LE(syncs, cache == &device_store ? 4.0 : 1.5);
+    EXPECT_LE(syncs, cache == &device_store ? 3.0 : 1.5);
   }
+}
+
+// What a device waits for per decode layer does not grow with the batch: the layer's new K/V
+// rows of every sequence leave the device in one copy (KvCache::AppendLayer), as the choices
+// do. On an H200 the waits were 2.9 per layer at batch 1 and 9.9 at batch 16 when each
+// sequence's rows left on their own (docs/benchmarks.md, lease D).
+TEST_P(StoreCache, DeviceWaitsPerLayerDoNotGrowWithTheBatch) {
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  std::vector<double> waits;
+  for (size_t batch : {1u, 2u, 5u}) {
+    SCOPED_TRACE(absl::StrCat("batch ", batch));
+    StoreKvCache store(device, loaded->kv_shape(), *client_, DeviceStoreOptions());
+    std::vector<std::unique_ptr<KvSelectionPolicy>> owned;
+    std::vector<KvSelectionPolicy*> policies;
+    for (size_t i = 0; i < batch; ++i) {
+      owned.push_back(Policy("infinigen", *skew));
+      policies.push_back(owned.back().get());
+    }
+    const DecodeRun got = Decode(*loaded, store, policies, Prompts(batch), 6, 1000);
+    ASSERT_GT(got.profile.layers, 0);
+    waits.push_back(static_cast<double>(got.profile.backend.synchronizations) /
+                    static_cast<double>(got.profile.layers));
+  }
+  EXPECT_LE(waits[0], 3.0);
+  EXPECT_DOUBLE_EQ(waits[1], waits[0]);
+  EXPECT_DOUBLE_EQ(waits[2], waits[0]);
 }
 
 TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
