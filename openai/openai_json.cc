@@ -165,7 +165,7 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
   v1::SamplingParams& sampling = *req.mutable_sampling();
   v1::StoppingCriteria& stopping = *req.mutable_stopping();
   std::optional<double> temperature, top_p, min_p, repetition;
-  std::optional<int64_t> seed, top_k, n, min_tokens;
+  std::optional<int64_t> seed, top_k, n, min_tokens, prompt_logprobs;
   std::optional<bool> ignore_eos, include_stop, skip_special;
   if (!r.Number("temperature", 0, 2, temperature) || !r.Number("top_p", 0, 1, top_p) ||
       !r.Number("min_p", 0, 1, min_p) || !r.Number("repetition_penalty", 0, 1e9, repetition) ||
@@ -174,6 +174,7 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
       !r.Integer("top_k", -1, std::numeric_limits<int32_t>::max(), top_k) ||
       !r.Integer("n", 1, std::numeric_limits<int32_t>::max(), n) ||
       !r.Integer("min_tokens", 0, std::numeric_limits<int32_t>::max(), min_tokens) ||
+      !r.Integer("prompt_logprobs", 0, kMaxTopLogprobs, prompt_logprobs) ||
       !r.Bool("ignore_eos", ignore_eos) || !r.Bool("include_stop_str_in_output", include_stop) ||
       !r.Bool("skip_special_tokens", skip_special)) {
     return false;
@@ -193,6 +194,10 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
   if (const json* format = r.Get("response_format");
       format != nullptr && !(format->is_object() && format->value("type", "") == "text")) {
     return r.Fail("response_format", "only {\"type\": \"text\"} responses are supported");
+  }
+  if (prompt_logprobs) {
+    out.prompt_logprobs = static_cast<int>(*prompt_logprobs);
+    sampling.set_prompt_logprobs(out.prompt_logprobs);
   }
   if (temperature) sampling.set_temperature(static_cast<float>(*temperature));
   if (top_p) sampling.set_top_p(static_cast<float>(*top_p));
@@ -386,6 +391,25 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
   }
 }
 
+json ResponseBuilder::PromptLogprobs(const v1::GenerateResponse& response) {
+  json out = json::array({nullptr});  // the first prompt token has no context
+  for (const v1::Logprobs& lp : response.prompt_logprobs()) {
+    json at = json::object();
+    at[std::to_string(lp.token_id())] = {{"logprob", lp.logprob()},
+                                         {"rank", lp.rank()},
+                                         {"decoded_token", token_text_(lp.token_id())}};
+    for (int i = 0; i < lp.top_size(); ++i) {
+      const v1::TokenLogprob& t = lp.top(i);
+      const std::string key = std::to_string(t.token_id());
+      if (at.contains(key)) continue;
+      at[key] = {
+          {"logprob", t.logprob()}, {"rank", i + 1}, {"decoded_token", token_text_(t.token_id())}};
+    }
+    out.push_back(std::move(at));
+  }
+  return out;
+}
+
 std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateResponse& response) {
   std::vector<std::string> out;
   Choice& c = choices_.at(static_cast<size_t>(index));
@@ -415,8 +439,11 @@ std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateRe
   } else {
     choice["logprobs"] = nullptr;
   }
+  json prompt = response.prompt_logprobs_size() > 0 ? PromptLogprobs(response) : json();
+  if (!chat && !prompt.is_null()) choice["prompt_logprobs"] = prompt;  // vLLM: per choice
   json chunk = Object(chat ? "chat.completion.chunk" : "text_completion");
   chunk["choices"] = json::array({std::move(choice)});
+  if (chat && !prompt.is_null()) chunk["prompt_logprobs"] = std::move(prompt);  // vLLM: top level
   out.push_back(Dump(chunk));
   return out;
 }
@@ -432,6 +459,7 @@ std::string ResponseBuilder::UsageChunk() const {
 void ResponseBuilder::Add(int index, const v1::GenerateResponse& response) {
   Choice& c = choices_.at(static_cast<size_t>(index));
   c.text += response.text();
+  if (response.prompt_logprobs_size() > 0) c.prompt_logprobs = PromptLogprobs(response);
   if (top_logprobs_ >= 0) AddLogprobs(c, response, c.logprobs);
   if (const char* finish = FinishReason(response.finish_reason())) c.finish_reason = finish;
   if (response.has_usage()) c.usage = response.usage();
@@ -449,11 +477,15 @@ std::string ResponseBuilder::Whole() const {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}};
     } else {
       choice["text"] = c.text;
+      if (!c.prompt_logprobs.is_null()) choice["prompt_logprobs"] = c.prompt_logprobs;
     }
     choices.push_back(std::move(choice));
   }
   json whole = Object(chat ? "chat.completion" : "text_completion");
   whole["choices"] = std::move(choices);
+  if (chat && !choices_[0].prompt_logprobs.is_null()) {
+    whole["prompt_logprobs"] = choices_[0].prompt_logprobs;
+  }
   whole["usage"] = UsageJson();
   return Dump(whole);
 }

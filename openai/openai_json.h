@@ -50,6 +50,8 @@ struct ParsedRequest {
   // Log probabilities to return: completions' `logprobs` (alternatives per token) or chat's
   // `logprobs: true` with `top_logprobs`; -1: none.
   int top_logprobs = -1;
+  // vLLM's `prompt_logprobs` (alternatives per prompt token); -1: none.
+  int prompt_logprobs = -1;
 };
 
 // Parses `body` as a request of `endpoint`. False with `error` (400, naming the field) when it is
@@ -84,15 +86,19 @@ class ResponseBuilder {
  private:
   struct Choice {
     bool role_sent = false;
-    int64_t text_offset = 0;    // completions' logprobs.text_offset of the next token
-    std::string text;           // whole: the text so far
-    nlohmann::json logprobs;    // whole: the entries so far
-    std::string finish_reason;  // empty: not finished
+    nlohmann::json prompt_logprobs;  // whole: vLLM's list, null until the first message
+    int64_t text_offset = 0;         // completions' logprobs.text_offset of the next token
+    std::string text;                // whole: the text so far
+    nlohmann::json logprobs;         // whole: the entries so far
+    std::string finish_reason;       // empty: not finished
     v1::Usage usage;
   };
   // The choice's logprobs entries for the tokens of `response` (appended to `into`).
   void AddLogprobs(Choice& choice, const v1::GenerateResponse& response, nlohmann::json& into);
   nlohmann::json EmptyLogprobs() const;
+  // vLLM's prompt_logprobs of the first message: [null, {"<id>": {logprob, rank,
+  // decoded_token}, ...}, ...], the prompt token's entry first, then the alternatives'.
+  nlohmann::json PromptLogprobs(const v1::GenerateResponse& response);
   nlohmann::json Object(const char* object) const;
   // Prompt tokens once (every choice has the same prompt), generated tokens of all choices.
   nlohmann::json UsageJson() const;

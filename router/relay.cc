@@ -133,6 +133,7 @@ RelayForward Relay::Received(wv1::GenerateResponse m) {
   v1::GenerateResponse& out = f.message;
   out.mutable_token_ids()->Swap(m.mutable_token_ids());
   out.mutable_logprobs()->Swap(m.mutable_logprobs());
+  if (!forwarded_) out.mutable_prompt_logprobs()->Swap(m.mutable_prompt_logprobs());
   out.set_text(std::move(*m.mutable_text()));
   if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
     out.set_finish_reason(m.finish_reason());

@@ -102,6 +102,8 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
   a->history = request.prompt;
   a->history.insert(a->history.end(), request.resume_tokens.begin(), request.resume_tokens.end());
   a->prompt_len = static_cast<int64_t>(a->history.size());
+  a->prompt_logprobs = request.options.prompt_logprobs >= 0 && request.resume_tokens.empty() &&
+                       request.attach_home == 0;
   a->max_total = total;
   a->stops = request.options.stop_token_ids;
   if (!request.options.ignore_eos) {
@@ -253,7 +255,7 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
       int64_t common = 0;
       while (common < n && had.tokens[common] == a.history[common]) ++common;
       parked = had.seq;
-      keep = common;
+      keep = a.prompt_logprobs ? 0 : common;  // prompt logprobs: every prompt token computed
       if (keep > 0) home = cache_.Home(parked);
     }
   }
@@ -393,8 +395,8 @@ bool BatchEngine::Step() {
     if (a->prefilled >= a->prompt_len || budget <= 0) continue;
     const int64_t len = std::min(a->prompt_len - a->prefilled, budget);
     batch.push_back({a->id, a->prefilled,
-                     std::span<const int32_t>(a->history.data() + a->prefilled, len), false,
-                     a->request.policy.get()});
+                     std::span<const int32_t>(a->history.data() + a->prefilled, len),
+                     /*all_logits=*/a->prompt_logprobs, a->request.policy.get()});
     owners.push_back(a.get());
     budget -= len;
   }
@@ -410,19 +412,32 @@ bool BatchEngine::Step() {
   logits_.resize(static_cast<size_t>(DecodeStep::NumLogitRows(batch) * vocab));
   const absl::Status st = step_.Forward(batch, logits_);
   int64_t generated = 0, prompt = 0;
+  int64_t next_row = 0;  // chunk i's logit rows start here
   for (size_t i = 0; i < batch.size(); ++i) {
     Active& a = *owners[i];
+    const int64_t len = static_cast<int64_t>(batch[i].tokens.size());
+    const int64_t first_row = next_row;
+    next_row += batch[i].all_logits ? len : 1;
+    auto logit_row = [&](int64_t r) {
+      return std::span<float>(logits_.data() + r * vocab, static_cast<size_t>(vocab));
+    };
     // A failure of one sequence (its rows lost in the KV store, a fetch that timed out) ends
     // that sequence alone; a failure of the step ends every sequence in it.
     if (!st.ok() && (!step_.completed() || !step_.chunk_status(i).ok())) {
       Finish(a, FinishReason::kCancelled, step_.completed() ? step_.chunk_status(i) : st);
       continue;
     }
-    const int64_t len = static_cast<int64_t>(batch[i].tokens.size());
     if (len > 1 || a.prefilled < a.prompt_len) prompt += len;
+    if (batch[i].all_logits) {  // row j: the distribution of the token after position start + j
+      const int64_t prompt_size = static_cast<int64_t>(a.request.prompt.size());
+      for (int64_t j = 0; j < len && batch[i].start + j + 1 < prompt_size; ++j) {
+        ComputeLogprobs(logit_row(first_row + j), a.history[batch[i].start + j + 1],
+                        a.request.options.prompt_logprobs, a.prompt_logprobs_so_far.emplace_back());
+      }
+    }
     a.prefilled += len;
     if (a.prefilled < static_cast<int64_t>(a.history.size())) continue;  // more prompt to go
-    std::span<float> row(logits_.data() + i * vocab, static_cast<size_t>(vocab));
+    std::span<float> row = logit_row(next_row - 1);
     const int logprobs = a.request.options.logprobs;
     if (logprobs >= 0) raw_row_.assign(row.begin(), row.end());  // sampling changes `row`
     for (const auto& [id, bias] : a.request.options.logit_bias) row[id] += bias;
@@ -449,6 +464,8 @@ bool BatchEngine::Step() {
     if (a.generated == 1) {
       e.home = cache_.Home(a.id);
       e.attached = a.attached;
+      e.has_prompt_logprobs = a.prompt_logprobs;
+      e.prompt_logprobs = std::move(a.prompt_logprobs_so_far);
     }
     a.sink(e);
     if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {

@@ -93,6 +93,10 @@ struct EngineEvent {
   // With each token when the request asked for them (GenerateOptions::logprobs >= 0).
   bool has_logprobs = false;
   TokenLogprobs logprobs;
+  // With the first token when the request asked for them (GenerateOptions::prompt_logprobs >=
+  // 0): one entry per prompt token after the first, in order.
+  bool has_prompt_logprobs = false;
+  std::vector<TokenLogprobs> prompt_logprobs;
   bool done = false;
   FinishReason finish_reason = FinishReason::kLength;
   int32_t stop_token = -1;  // when done with kStop: the EOS or stop token that ended it
@@ -149,6 +153,10 @@ class BatchEngine {
     int32_t stop_token = -1;  // the token that ended it (kStop)
     bool attached = false;
     bool opened = false;
+    // Prompt logprobs asked for and computed here: not a resumed stream (whose first worker
+    // sent them); the prompt's chunks then produce every row's logits.
+    bool prompt_logprobs = false;
+    std::vector<TokenLogprobs> prompt_logprobs_so_far;
     size_t device_bytes = 0;  // reserved against config_.device_memory_bytes while running
     absl::Time submitted, first_step, first_token, last_token;
     bool started = false;

@@ -52,6 +52,11 @@ absl::Status GenerateOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "sampling.logprobs must be in [0, 20] (alternatives per token), got ", logprobs));
   }
+  if (prompt_logprobs < -1 || prompt_logprobs > 20) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.prompt_logprobs must be in [0, 20] (alternatives per token), got ",
+                     prompt_logprobs));
+  }
   if (prefill_chunk_tokens <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill_chunk_tokens must be > 0, got ", prefill_chunk_tokens));

@@ -24,6 +24,10 @@ struct GenerateOptions {
   // Log-probabilities of each generated token (ComputeLogprobs) and of the `logprobs` most
   // likely alternatives, at most 20; -1: none (BatchEngine only).
   int logprobs = -1;
+  // Log-probabilities of each prompt token after the first, given the tokens before it, and of
+  // the `prompt_logprobs` most likely tokens at each position, at most 20; -1: none
+  // (BatchEngine only; a request asking for them prefills its whole prompt).
+  int prompt_logprobs = -1;
   int64_t min_tokens = 0;  // stop and EOS tokens cannot end generation before this many
   std::vector<std::pair<int32_t, float>> logit_bias;  // added to the logits before sampling
 

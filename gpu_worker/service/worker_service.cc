@@ -30,6 +30,16 @@ infinigen::v1::FinishReason ToProto(FinishReason r) {
   return infinigen::v1::FINISH_REASON_UNSPECIFIED;
 }
 
+void ToProto(const TokenLogprobs& in, infinigen::v1::Logprobs& out) {
+  out.set_logprob(in.logprob);
+  out.set_rank(static_cast<int32_t>(in.rank));
+  for (const auto& [id, value] : in.top) {
+    infinigen::v1::TokenLogprob* t = out.add_top();
+    t->set_token_id(id);
+    t->set_logprob(value);
+  }
+}
+
 // The engine's events for one call, handed from the engine thread to the call's thread.
 struct CallEvents {
   absl::Mutex mu;
@@ -104,6 +114,7 @@ absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateReques
   o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
   o.sampling.seed = s.seed();
   o.logprobs = s.has_logprobs() ? s.logprobs() : -1;
+  o.prompt_logprobs = s.has_prompt_logprobs() ? s.prompt_logprobs() : -1;
   const auto& stop = r.stopping();
   o.max_new_tokens =
       stop.has_max_new_tokens() ? stop.max_new_tokens() : options_.default_max_new_tokens;
@@ -179,6 +190,9 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     policy_name = er.policy != nullptr ? er.policy->Name() : PolicyKindName(PolicyKind::kFull);
   }
   er.resume_tokens.assign(request->resume_token_ids().begin(), request->resume_token_ids().end());
+  // What prompt_logprobs entries name (the engine's are by position).
+  const std::vector<int32_t> prompt_ids =
+      er.options.prompt_logprobs >= 0 ? er.prompt : std::vector<int32_t>();
   er.attach_home = request->resume_store_sequence_id();
   er.session_id = request->session_id();
   er.deadline = absl::FromChrono(context->deadline());
@@ -227,14 +241,11 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
         r.add_token_ids(e.token);
         r.set_store_sequence_id(e.home);
         r.set_attached(e.attached);
-        if (e.has_logprobs) {
-          infinigen::v1::Logprobs* lp = r.add_logprobs();
-          lp->set_logprob(e.logprobs.logprob);
-          for (const auto& [id, value] : e.logprobs.top) {
-            infinigen::v1::TokenLogprob* t = lp->add_top();
-            t->set_token_id(id);
-            t->set_logprob(value);
-          }
+        if (e.has_logprobs) ToProto(e.logprobs, *r.add_logprobs());
+        for (size_t j = 0; j < e.prompt_logprobs.size() && j + 1 < prompt_ids.size(); ++j) {
+          infinigen::v1::Logprobs* lp = r.add_prompt_logprobs();
+          ToProto(e.prompt_logprobs[j], *lp);
+          lp->set_token_id(prompt_ids[j + 1]);
         }
         if (decoder) r.set_text(stops.Add(decoder->Add(e.token)));
         // A completed stop string ends the request: the engine frees it at its next step.

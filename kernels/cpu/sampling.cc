@@ -109,6 +109,13 @@ void ComputeLogprobs(std::span<const float> logits, int32_t token, int top, Toke
   for (float l : logits) sum += std::exp(static_cast<double>(l) - mx);
   const double lse = static_cast<double>(mx) + std::log(sum);
   out.logprob = token >= 0 && token < n ? static_cast<float>(logits[token] - lse) : -INFINITY;
+  out.rank = 0;
+  if (token >= 0 && token < n) {
+    const float l = logits[token];
+    int64_t before = 0;
+    for (int64_t i = 0; i < n; ++i) before += logits[i] > l || (logits[i] == l && i < token);
+    out.rank = before + 1;
+  }
   out.top.clear();
   const int64_t k = std::clamp<int64_t>(top, 0, n);
   if (k == 0) return;

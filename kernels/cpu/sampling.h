@@ -43,6 +43,7 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
 // lower id first). The normalizer is summed in double precision.
 struct TokenLogprobs {
   float logprob = 0.0f;
+  int64_t rank = 0;  // 1 + tokens more likely (ties: lower id first); 0 for an id out of range
   std::vector<std::pair<int32_t, float>> top;  // (token id, log-probability)
 };
 void ComputeLogprobs(std::span<const float> logits, int32_t token, int top, TokenLogprobs& out);

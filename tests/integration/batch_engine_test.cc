@@ -12,6 +12,7 @@
 #include <atomic>
 #include <functional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/kv/store_kv_cache.h"
@@ -368,6 +369,70 @@ TEST_F(Engine, LogprobsAreThoseOfTheModelsLogits) {
   auto refused = engine.Submit(std::move(bad), [](const EngineEvent&) {});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("sampling.logprobs"), std::string::npos);
+}
+
+// Prompt logprobs: with the first token, each prompt token's log-probability given the tokens
+// before it and the top alternatives, against a double log-softmax of a plain forward pass's
+// logits; the prompt prefilled in chunks across steps beside another request's decode, whose
+// tokens, like this request's own, are what they are without prompt logprobs.
+TEST_F(Engine, PromptLogprobsAreThoseOfTheModelsLogits) {
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
+  EngineConfig config;
+  config.prefill_budget_tokens = 8;  // 29 prompt tokens: four chunks, over several steps
+  BatchEngine engine(*l_.model, cache, config);
+  const auto prompt = RandomTokens(29, vocab_, 77);
+  const auto other_prompt = RandomTokens(5, vocab_, 78);
+  EngineRequest r, other;
+  r.prompt = prompt;
+  r.options = Options(1);
+  r.options.prompt_logprobs = 4;
+  other.prompt = other_prompt;
+  other.options = Options(2);
+  const std::vector<int32_t> want = Alone(prompt, Options(1));
+  const std::vector<int32_t> other_want = Alone(other_prompt, Options(2));
+  std::vector<EngineEvent> events;
+  absl::Notification done;
+  Collector other_got;
+  ASSERT_TRUE(engine.Submit(std::move(other), other_got.Sink()).ok());
+  ASSERT_TRUE(engine
+                  .Submit(std::move(r),
+                          [&](const EngineEvent& e) {
+                            if (e.token >= 0) events.push_back(e);
+                            if (e.done) done.Notify();
+                          })
+                  .ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(other_got.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(other_got.tokens, other_want);
+  ASSERT_FALSE(events.empty());
+  std::vector<int32_t> tokens;
+  for (const EngineEvent& e : events) tokens.push_back(e.token);
+  EXPECT_EQ(tokens, want);
+  ASSERT_TRUE(events[0].has_prompt_logprobs);
+  for (size_t j = 1; j < events.size(); ++j) EXPECT_FALSE(events[j].has_prompt_logprobs);
+  const std::vector<TokenLogprobs>& got = events[0].prompt_logprobs;
+  ASSERT_EQ(got.size(), prompt.size() - 1);
+  const std::vector<float> logits = testing::ChunkedLogits(*l_.model, prompt, 64);
+  for (size_t p = 0; p + 1 < prompt.size(); ++p) {
+    SCOPED_TRACE(absl::StrCat("prompt token ", p + 1));
+    const float* row = logits.data() + p * vocab_;
+    double mx = -1e300, sum = 0.0;
+    for (int64_t v = 0; v < vocab_; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+    for (int64_t v = 0; v < vocab_; ++v) sum += std::exp(row[v] - mx);
+    auto lp = [&](int32_t id) { return row[id] - mx - std::log(sum); };
+    EXPECT_NEAR(got[p].logprob, lp(prompt[p + 1]), 1e-4);
+    ASSERT_EQ(got[p].top.size(), 4u);
+    for (int t = 0; t < 4; ++t) {
+      EXPECT_NEAR(got[p].top[t].second, lp(got[p].top[t].first), 1e-4);
+      if (t > 0) EXPECT_GE(got[p].top[t - 1].second, got[p].top[t].second);
+    }
+  }
+  EngineRequest bad;
+  bad.prompt = {1, 2, 3};
+  bad.options.prompt_logprobs = 21;
+  auto refused = engine.Submit(std::move(bad), [](const EngineEvent&) {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("sampling.prompt_logprobs"), std::string::npos);
 }
 
 // min_tokens, logit_bias and the stop token: a stop token that greedy decoding would emit first

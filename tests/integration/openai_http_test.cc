@@ -127,6 +127,7 @@ std::vector<json> Events(const std::string& body) {
 struct GrpcResult {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  std::vector<v1::Logprobs> prompt_logprobs;
   v1::GenerateResponse last;
 };
 
@@ -140,6 +141,7 @@ GrpcResult Grpc(int port, const v1::GenerateRequest& request) {
   while (reader->Read(&m)) {
     for (int32_t t : m.token_ids()) r.tokens.push_back(t);
     for (const v1::Logprobs& lp : m.logprobs()) r.logprobs.push_back(lp.logprob());
+    for (const v1::Logprobs& lp : m.prompt_logprobs()) r.prompt_logprobs.push_back(lp);
     r.last = m;
   }
   EXPECT_TRUE(reader->Finish().ok());
@@ -221,6 +223,87 @@ TEST_F(OpenAiHttp, CompletionsEqualTheGrpcApiWholeAndStreamed) {
   const json& usage = events[events.size() - 2];
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["completion_tokens"], 12);
+}
+
+// vLLM's prompt_logprobs: per completion choice (whole and in the first streamed chunk) and at
+// the top of a chat completion, [null, {"<id>": {logprob, rank, decoded_token}, ...}, ...], the
+// prompt token's entry equal to the gRPC API's GenerateResponse.prompt_logprobs.
+TEST_F(OpenAiHttp, PromptLogprobsEqualTheGrpcApis) {
+  Start();
+  const std::vector<int32_t> prompt = {1, 5, 9, 2, 7, 11};
+  v1::GenerateRequest g;
+  testing::FillTokenRequest(g, prompt, 3, 0.0f, 0);
+  g.mutable_sampling()->set_prompt_logprobs(2);
+  const GrpcResult want = Grpc(grpc_port_, g);
+  ASSERT_EQ(want.prompt_logprobs.size(), prompt.size() - 1);
+  auto check = [&](const json& got) {
+    ASSERT_TRUE(got.is_array()) << got.dump();
+    ASSERT_EQ(got.size(), prompt.size());
+    EXPECT_TRUE(got[0].is_null());
+    for (size_t j = 1; j < prompt.size(); ++j) {
+      const v1::Logprobs& lp = want.prompt_logprobs[j - 1];
+      const json& at = got[j];
+      ASSERT_TRUE(at.contains(std::to_string(prompt[j]))) << at.dump();
+      const json& mine = at[std::to_string(prompt[j])];
+      EXPECT_FLOAT_EQ(mine["logprob"].get<float>(), lp.logprob()) << j;
+      EXPECT_EQ(mine["rank"].get<int>(), lp.rank()) << j;
+      EXPECT_TRUE(mine["decoded_token"].is_string());
+      EXPECT_LE(at.size(), 3u);  // the prompt token and 2 alternatives, one entry if among them
+      for (const v1::TokenLogprob& t : lp.top()) {
+        EXPECT_FLOAT_EQ(at[std::to_string(t.token_id())]["logprob"].get<float>(), t.logprob());
+      }
+    }
+  };
+  const json request = {
+      {"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"prompt_logprobs", 2}};
+  const Reply whole = Post(http_port_, "/v1/completions", request);
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  check(whole.Json()["choices"][0]["prompt_logprobs"]);
+  json streamed = request;
+  streamed["stream"] = true;
+  const Reply s = Post(http_port_, "/v1/completions", streamed);
+  ASSERT_EQ(s.status, 200) << s.body;
+  const std::vector<json> events = Events(s.body);
+  ASSERT_GE(events.size(), 2u);
+  check(events[0]["choices"][0]["prompt_logprobs"]);
+  for (size_t i = 1; i + 1 < events.size(); ++i) {
+    EXPECT_FALSE(events[i]["choices"][0].contains("prompt_logprobs")) << i;
+  }
+  const Reply bad = Post(http_port_, "/v1/completions",
+                         {{"prompt", prompt}, {"max_tokens", 3}, {"prompt_logprobs", 21}});
+  EXPECT_EQ(bad.status, 400) << bad.body;
+  EXPECT_EQ(bad.Json()["error"]["param"], "prompt_logprobs") << bad.body;
+}
+
+// A chat completion's prompt_logprobs are at its top (vLLM's place), whole and streamed: one
+// per token of the rendered conversation.
+TEST_F(OpenAiHttp, ChatPromptLogprobsAreAtTheTop) {
+  const std::string smollm2 = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(smollm2, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  Start({}, smollm2);
+  json chat = {{"messages", {{{"role", "user"}, {"content", "hello"}}}},
+               {"max_tokens", 2},
+               {"prompt_logprobs", 0}};
+  const Reply c = Post(http_port_, "/v1/chat/completions", chat);
+  ASSERT_EQ(c.status, 200) << c.body;
+  const json w = c.Json();
+  ASSERT_TRUE(w["prompt_logprobs"].is_array()) << c.body;
+  EXPECT_EQ(w["prompt_logprobs"].size(), w["usage"]["prompt_tokens"].get<size_t>());
+  EXPECT_TRUE(w["prompt_logprobs"][0].is_null());
+  EXPECT_EQ(w["prompt_logprobs"][1].size(), 1u);  // the prompt token alone
+  EXPECT_FALSE(w["choices"][0].contains("prompt_logprobs"));
+  chat["stream"] = true;
+  const Reply s = Post(http_port_, "/v1/chat/completions", chat);
+  ASSERT_EQ(s.status, 200) << s.body;
+  const std::vector<json> events = Events(s.body);
+  json streamed;
+  for (const json& e : events) {
+    if (e.is_object() && e.contains("prompt_logprobs")) {
+      EXPECT_TRUE(streamed.is_null()) << "sent twice";
+      streamed = e["prompt_logprobs"];
+    }
+  }
+  EXPECT_EQ(streamed, w["prompt_logprobs"]);
 }
 
 // n choices are n calls of the gRPC API, choice i sampled with the request's seed + i: each

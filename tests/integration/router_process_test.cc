@@ -683,6 +683,69 @@ TEST_F(RouterProcess, LogprobsComeWithEachToken) {
       << bad.status.error_message();
 }
 
+// sampling.prompt_logprobs reaches the client through the router with the first message: one
+// entry per prompt token after the first, naming it, with its rank and the asked alternatives;
+// the generated tokens are those of the same request without them. A session's request that
+// asks for them computes its whole prompt (no cached tokens, every entry); out of range is
+// refused.
+TEST_F(RouterProcess, PromptLogprobsComeWithTheFirstMessage) {
+  const auto prompt = RandomTokens(10, kVocab, 95);
+  const StreamResult plain = Stream(*stub_, Request(prompt, 6));
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  for (const std::string session : {"", "conversation-pl"}) {
+    SCOPED_TRACE(session.empty() ? "no session" : "a session's second request");
+    v1::GenerateRequest r = Request(prompt, 6);
+    r.set_session_id(session);
+    if (!session.empty()) {
+      ASSERT_TRUE(Stream(*stub_, r).status.ok());  // keeps its KV
+    }
+    r.mutable_sampling()->set_prompt_logprobs(3);
+    grpc::ClientContext c;
+    auto reader = stub_->Generate(&c, r);
+    v1::GenerateResponse m;
+    std::vector<int32_t> tokens;
+    int messages = 0;
+    while (reader->Read(&m)) {
+      tokens.insert(tokens.end(), m.token_ids().begin(), m.token_ids().end());
+      if (messages++ > 0) {
+        EXPECT_EQ(m.prompt_logprobs_size(), 0);
+        continue;
+      }
+      ASSERT_EQ(m.prompt_logprobs_size(), static_cast<int>(prompt.size()) - 1);
+      for (int j = 0; j < m.prompt_logprobs_size(); ++j) {
+        const v1::Logprobs& lp = m.prompt_logprobs(j);
+        EXPECT_EQ(lp.token_id(), prompt[j + 1]) << j;
+        EXPECT_LE(lp.logprob(), 0.0f);
+        ASSERT_EQ(lp.top_size(), 3);
+        EXPECT_GE(lp.rank(), 1);
+        EXPECT_LE(lp.logprob(), lp.top(0).logprob());
+        for (int t = 0; t < 3; ++t) {
+          if (t > 0) {
+            EXPECT_GE(lp.top(t - 1).logprob(), lp.top(t).logprob());
+          }
+          // The prompt token is the t-th alternative exactly when its rank is t + 1.
+          EXPECT_EQ(lp.top(t).token_id() == lp.token_id(), lp.rank() == t + 1) << j << " " << t;
+        }
+      }
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(tokens, plain.tokens);
+    EXPECT_EQ(m.usage().cached_tokens(), 0);
+    if (!session.empty()) {  // without them, the session's next request takes its KV over
+      r.mutable_sampling()->clear_prompt_logprobs();
+      const StreamResult next = Stream(*stub_, r);
+      ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+      EXPECT_EQ(next.last.usage().cached_tokens(), static_cast<int64_t>(prompt.size()) - 1);
+    }
+  }
+  v1::GenerateRequest bad = Request(prompt, 6);
+  bad.mutable_sampling()->set_prompt_logprobs(21);
+  const StreamResult refused = Stream(*stub_, bad);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.status.error_message().find("sampling.prompt_logprobs"), std::string::npos)
+      << refused.status.error_message();
+}
+
 // The last message names what ended a STOP: the stop token; min_tokens keeps it from ending
 // the stream earlier.
 TEST_F(RouterProcess, TheStopReasonNamesTheTokenAndMinTokensHoldsIt) {

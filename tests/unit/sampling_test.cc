@@ -169,9 +169,15 @@ TEST(Logprobs, MatchADoubleLogSoftmaxAndItsOrder) {
   }
   EXPECT_EQ(got.top[0].first, 17);
   EXPECT_EQ(got.top[1].first, 400);
+  // The rank: the token's place in the stable order (ties: lower id first).
+  const int64_t place = std::find(order.begin(), order.end(), 321) - order.begin();
+  EXPECT_EQ(got.rank, place + 1);
   ComputeLogprobs(logits, 17, 0, got);
   EXPECT_TRUE(got.top.empty());
   EXPECT_NEAR(got.logprob, reference(17), 1e-5);
+  EXPECT_EQ(got.rank, 1);
+  ComputeLogprobs(logits, 400, 0, got);
+  EXPECT_EQ(got.rank, 2);  // tied with 17, a higher id
 }
 
 }  // namespace
