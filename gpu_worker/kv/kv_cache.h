@@ -84,7 +84,8 @@ class KvCache {
     MatView k, v;
     int32_t* slots_out = nullptr;
   };
-  // The appends of several sequences at one `layer` (a step's batch): statuses[i] is what
+  // The appends of several sequences (each at most once) at one `layer` (a step's batch):
+  // statuses[i] is what
   // Append(items[i]...) would return, and a failed item does not stop the others. Caches whose
   // rows leave backend memory copy the batch's rows out together (one wait for the device per
   // layer, not one per sequence); the default appends them one by one.
