@@ -45,6 +45,31 @@ struct Collector {
   }
 };
 
+// Submits `r` and waits for its end (failing the test after 30 s): its token events.
+std::vector<EngineEvent> TokenEvents(BatchEngine& engine, EngineRequest r) {
+  std::vector<EngineEvent> events;
+  absl::Notification done;
+  const absl::StatusOr<uint64_t> id = engine.Submit(std::move(r), [&](const EngineEvent& e) {
+    if (e.token >= 0) events.push_back(e);
+    if (e.done) done.Notify();
+  });
+  EXPECT_TRUE(id.ok()) << id.status();
+  if (id.ok()) {
+    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  }
+  return events;
+}
+
+// A double-precision log-softmax of one row of logits (the reference for logprobs).
+std::vector<double> LogSoftmax(const float* row, int64_t vocab) {
+  double mx = -1e300, sum = 0.0;
+  for (int64_t v = 0; v < vocab; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+  for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - mx);
+  std::vector<double> out(static_cast<size_t>(vocab));
+  for (int64_t v = 0; v < vocab; ++v) out[v] = row[v] - mx - std::log(sum);
+  return out;
+}
+
 class Engine : public ::testing::Test {
  public:
   void SetUp() override {
@@ -332,16 +357,7 @@ TEST_F(Engine, LogprobsAreThoseOfTheModelsLogits) {
     r.options.sampling.temperature = temperature;
     r.options.sampling.seed = 5;
     r.options.logprobs = 3;
-    std::vector<EngineEvent> events;
-    absl::Notification done;
-    ASSERT_TRUE(engine
-                    .Submit(std::move(r),
-                            [&](const EngineEvent& e) {
-                              if (e.token >= 0) events.push_back(e);
-                              if (e.done) done.Notify();
-                            })
-                    .ok());
-    ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    const std::vector<EngineEvent> events = TokenEvents(engine, std::move(r));
     ASSERT_EQ(events.size(), 6u);
     std::vector<int32_t> all = prompt;
     for (const EngineEvent& e : events) all.push_back(e.token);
@@ -349,15 +365,12 @@ TEST_F(Engine, LogprobsAreThoseOfTheModelsLogits) {
     for (size_t j = 0; j < events.size(); ++j) {
       const EngineEvent& e = events[j];
       ASSERT_TRUE(e.has_logprobs);
-      const float* row = logits.data() + (prompt.size() - 1 + j) * vocab_;
-      double mx = -1e300, sum = 0.0;
-      for (int64_t v = 0; v < vocab_; ++v) mx = std::max(mx, static_cast<double>(row[v]));
-      for (int64_t v = 0; v < vocab_; ++v) sum += std::exp(row[v] - mx);
-      auto lp = [&](int32_t id) { return row[id] - mx - std::log(sum); };
-      EXPECT_NEAR(e.logprobs.logprob, lp(e.token), 1e-4) << "token " << j;
+      const std::vector<double> lp =
+          LogSoftmax(logits.data() + (prompt.size() - 1 + j) * vocab_, vocab_);
+      EXPECT_NEAR(e.logprobs.logprob, lp[e.token], 1e-4) << "token " << j;
       ASSERT_EQ(e.logprobs.top.size(), 3u);
       for (int t = 0; t < 3; ++t) {
-        EXPECT_NEAR(e.logprobs.top[t].second, lp(e.logprobs.top[t].first), 1e-4);
+        EXPECT_NEAR(e.logprobs.top[t].second, lp[e.logprobs.top[t].first], 1e-4);
         if (t > 0) EXPECT_GE(e.logprobs.top[t - 1].second, e.logprobs.top[t].second);
       }
       if (temperature == 0.0f) EXPECT_EQ(e.logprobs.top[0].first, e.token);
@@ -390,18 +403,9 @@ TEST_F(Engine, PromptLogprobsAreThoseOfTheModelsLogits) {
   other.options = Options(2);
   const std::vector<int32_t> want = Alone(prompt, Options(1));
   const std::vector<int32_t> other_want = Alone(other_prompt, Options(2));
-  std::vector<EngineEvent> events;
-  absl::Notification done;
   Collector other_got;
   ASSERT_TRUE(engine.Submit(std::move(other), other_got.Sink()).ok());
-  ASSERT_TRUE(engine
-                  .Submit(std::move(r),
-                          [&](const EngineEvent& e) {
-                            if (e.token >= 0) events.push_back(e);
-                            if (e.done) done.Notify();
-                          })
-                  .ok());
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  const std::vector<EngineEvent> events = TokenEvents(engine, std::move(r));
   ASSERT_TRUE(other_got.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_EQ(other_got.tokens, other_want);
   ASSERT_FALSE(events.empty());
@@ -415,16 +419,14 @@ TEST_F(Engine, PromptLogprobsAreThoseOfTheModelsLogits) {
   const std::vector<float> logits = testing::ChunkedLogits(*l_.model, prompt, 64);
   for (size_t p = 0; p + 1 < prompt.size(); ++p) {
     SCOPED_TRACE(absl::StrCat("prompt token ", p + 1));
-    const float* row = logits.data() + p * vocab_;
-    double mx = -1e300, sum = 0.0;
-    for (int64_t v = 0; v < vocab_; ++v) mx = std::max(mx, static_cast<double>(row[v]));
-    for (int64_t v = 0; v < vocab_; ++v) sum += std::exp(row[v] - mx);
-    auto lp = [&](int32_t id) { return row[id] - mx - std::log(sum); };
-    EXPECT_NEAR(got[p].logprob, lp(prompt[p + 1]), 1e-4);
+    const std::vector<double> lp = LogSoftmax(logits.data() + p * vocab_, vocab_);
+    EXPECT_NEAR(got[p].logprob, lp[prompt[p + 1]], 1e-4);
     ASSERT_EQ(got[p].top.size(), 4u);
     for (int t = 0; t < 4; ++t) {
-      EXPECT_NEAR(got[p].top[t].second, lp(got[p].top[t].first), 1e-4);
-      if (t > 0) EXPECT_GE(got[p].top[t - 1].second, got[p].top[t].second);
+      EXPECT_NEAR(got[p].top[t].second, lp[got[p].top[t].first], 1e-4);
+      if (t > 0) {
+        EXPECT_GE(got[p].top[t - 1].second, got[p].top[t].second);
+      }
     }
   }
   EngineRequest bad;
