@@ -14,7 +14,8 @@
 # (--kv-device-gather, the worker's default); -copy = the store copies them into staging that is
 # then copied to the device (what a remote transport does). A second
 # table says where each case's decode steps spent their host time (DecodeStep's profile); its
-# rows are also appended to PROFILE_OUT as each case ends.
+# rows are also appended to PROFILE_OUT as each case ends. A third gives each case's time to first
+# token (every stream submitted at once: the prefills queue).
 # CPU check of the same path (tiny shape): DEVICE=cpu scripts/gpu/served_decode.sh "200" "1 2" 4
 #   tests/fixtures/hf/llama31_gqa/config.json
 set -uo pipefail
@@ -27,6 +28,7 @@ if [ -z "${CASES:-}" ]; then
   for ctx in $CONTEXTS; do for batch in $BATCHES; do CASES+="$ctx:$batch "; done; done
 fi
 profiles=()
+ttfts=()
 echo "| context | batch | mode | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
 echo "|---:|---:|---|---:|---:|---:|---:|"
 for c in $CASES; do
@@ -56,6 +58,8 @@ for c in $CASES; do
     rc=$?
     row=$(grep '^|' <<< "$out" | tail -1)
     prof=$(grep '^profile |' <<< "$out" | tail -1)
+    ttft=$(grep '^ttft |' <<< "$out" | tail -1)
+    [ -n "$ttft" ] && ttfts+=("| $ctx ${ttft#ttft }")
     if [ -n "$prof" ]; then
       profiles+=("| $ctx ${prof#profile }")
       # as it comes too, so that a run cut short keeps what it measured
@@ -74,3 +78,8 @@ echo "Decode steps' host time per step (ms) and backend calls per layer (syncs, 
 echo "| context | mode | batch | steps | step | speculate | preselect | prefetch | append | select | fetch | of which transport wait | attend | rest (layers) | syncs/layer | to host/layer | to device/layer | allocs/step |"
 echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for p in "${profiles[@]}"; do echo "$p"; done
+echo
+echo "Time to first token (s), every stream submitted at once (the last waits for all prefills):"
+echo "| context | mode | batch | TTFT p50 | TTFT max |"
+echo "|---:|---|---:|---:|---:|"
+for t in "${ttfts[@]}"; do echo "$t"; done
