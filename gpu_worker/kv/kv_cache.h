@@ -85,10 +85,11 @@ class KvCache {
     int32_t* slots_out = nullptr;
   };
   // The appends of several sequences (each at most once) at one `layer` (a step's batch):
-  // statuses[i] is what
-  // Append(items[i]...) would return, and a failed item does not stop the others. Caches whose
-  // rows leave backend memory copy the batch's rows out together (one wait for the device per
-  // layer, not one per sequence); the default appends them one by one.
+  // statuses[i] is what Append(items[i]...) would return, and an item refused (an unknown
+  // sequence, out of order) does not stop the others. Caches whose rows leave backend memory
+  // copy the batch's rows out together (one wait for the device per layer, not one per
+  // sequence), so a failure of that copy fails every item of the layer; the default appends them
+  // one by one.
   virtual void AppendLayer(int layer, std::span<const LayerAppend> items,
                            std::span<absl::Status> statuses) {
     for (size_t i = 0; i < items.size(); ++i) {
