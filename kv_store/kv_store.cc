@@ -129,6 +129,26 @@ absl::Status KvStore::Close(StoreSequenceId seq) {
   return CloseIf(seq, s, absl::InfiniteFuture());
 }
 
+absl::Status KvStore::CheckTransferable(StoreSequenceId seq, const Sequence& s,
+                                        const SequenceSpec& spec, absl::string_view verb) {
+  if (s.spec.capacity_tokens > 0) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq,
+                                                      " is a KV pool (its slots are not "
+                                                      "positions): it cannot be ",
+                                                      verb));
+  }
+  const SequenceSpec& had = s.spec;
+  if (had.num_layers != spec.num_layers || had.num_kv_heads != spec.num_kv_heads ||
+      had.head_dim != spec.head_dim || had.dtype != spec.dtype) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", seq, " was stored as ", had.num_layers, " layers x ",
+                     had.num_kv_heads, " KV heads x ", had.head_dim, " ", DTypeName(had.dtype),
+                     "; the worker expects ", spec.num_layers, " x ", spec.num_kv_heads, " x ",
+                     spec.head_dim, " ", DTypeName(spec.dtype)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> KvStore::Attach(StoreSequenceId from, StoreSequenceId to,
                                         const SequenceSpec& spec, int64_t max_length,
                                         absl::Time now) {
@@ -137,19 +157,7 @@ absl::StatusOr<int64_t> KvStore::Attach(StoreSequenceId from, StoreSequenceId to
   }
   std::shared_ptr<Sequence> s = Find(from);
   if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", from));
-  if (s->spec.capacity_tokens > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", from, " is a KV pool (its slots are not positions): it cannot be attached"));
-  }
-  const SequenceSpec& had = s->spec;
-  if (had.num_layers != spec.num_layers || had.num_kv_heads != spec.num_kv_heads ||
-      had.head_dim != spec.head_dim || had.dtype != spec.dtype) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", from, " was stored as ", had.num_layers, " layers x ",
-                     had.num_kv_heads, " KV heads x ", had.head_dim, " ", DTypeName(had.dtype),
-                     "; the attaching worker expects ", spec.num_layers, " x ", spec.num_kv_heads,
-                     " x ", spec.head_dim, " ", DTypeName(spec.dtype)));
-  }
+  IG_RETURN_IF_ERROR(CheckTransferable(from, *s, spec, "attached"));
   absl::MutexLock seq_lock(&s->mu);
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(from);
@@ -167,6 +175,84 @@ absl::StatusOr<int64_t> KvStore::Attach(StoreSequenceId from, StoreSequenceId to
   s->lease_end = now + config_.lease;
   sequences_.erase(it);
   sequences_.emplace(to, s);
+  return length;
+}
+
+absl::StatusOr<int64_t> KvStore::Fork(StoreSequenceId from, StoreSequenceId to,
+                                      const SequenceSpec& spec, int64_t length, absl::Time now) {
+  if (from == to) {
+    return absl::InvalidArgumentError(absl::StrCat("fork of sequence ", from, " to itself"));
+  }
+  std::shared_ptr<Sequence> s = Find(from);
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", from));
+  IG_RETURN_IF_ERROR(CheckTransferable(from, *s, spec, "forked"));
+  auto copy = std::make_shared<Sequence>();
+  copy->lease_end = now + config_.lease;
+  const size_t block_bytes = arena_->block_bytes();
+  std::vector<int32_t> blocks;
+  std::vector<Layer> layers(spec.num_layers);
+  {
+    absl::MutexLock seq_lock(&s->mu);  // its appends wait, its gathers too
+    if (s->layers.empty()) {
+      return absl::NotFoundError(absl::StrCat("sequence ", from, " is closed"));
+    }
+    copy->spec = s->spec;  // under its lock: an Attach changes the owner
+    copy->spec.owner = spec.owner;
+    length = std::max<int64_t>(0, length);
+    for (const Layer& l : s->layers) length = std::min(length, l.length);
+    const int64_t per_block = static_cast<int64_t>(block_bytes) / spec.row_bytes();
+    const int64_t blocks_per_head = (length + per_block - 1) / per_block;
+    const int64_t heads = int64_t{spec.num_layers} * spec.num_kv_heads;
+    {
+      absl::MutexLock lock(&mu_);
+      if (sequences_.contains(to)) {
+        return absl::AlreadyExistsError(absl::StrCat("sequence ", to, " is already open"));
+      }
+      absl::StatusOr<std::vector<int32_t>> allocated =
+          arena_->Allocate(blocks_per_head * 2 * heads);
+      if (!allocated.ok()) {
+        ++stats_.rejections;
+        return allocated.status();
+      }
+      blocks = *std::move(allocated);
+      stats_.bytes_used += static_cast<int64_t>(blocks.size() * block_bytes);
+    }
+    // Whole blocks, outside the store-wide lock (as appends and gathers copy): a block holds
+    // rows of one (layer, KV head, K or V) only, and the rows past `length` in the last one are
+    // overwritten by the copy's appends before anything reads them.
+    auto next = blocks.begin();
+    for (int layer = 0; layer < spec.num_layers; ++layer) {
+      Layer& to_layer = layers[layer];
+      to_layer.length = to_layer.rows = length;
+      to_layer.heads.resize(spec.num_kv_heads);
+      for (int g = 0; g < spec.num_kv_heads; ++g) {
+        const HeadRows& from_head = s->layers[layer].heads[g];
+        HeadRows& to_head = to_layer.heads[g];
+        for (auto [src, dst] : {std::pair{&from_head.k_blocks, &to_head.k_blocks},
+                                std::pair{&from_head.v_blocks, &to_head.v_blocks}}) {
+          dst->assign(next, next + blocks_per_head);
+          next += blocks_per_head;
+          for (int64_t i = 0; i < blocks_per_head; ++i) {
+            std::memcpy(arena_->Block((*dst)[i]), arena_->Block((*src)[i]), block_bytes);
+          }
+        }
+      }
+    }
+  }
+  {
+    // Not while holding the source's lock: gathers lock sequences in address order.
+    absl::MutexLock copy_lock(&copy->mu);
+    copy->layers = std::move(layers);
+  }
+  absl::MutexLock lock(&mu_);
+  if (sequences_.contains(to)) {  // opened meanwhile
+    arena_->Free(blocks);
+    stats_.bytes_used -= static_cast<int64_t>(blocks.size() * block_bytes);
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", to, " is already open"));
+  }
+  stats_.tokens_stored += length;
+  ++stats_.sequences;
+  sequences_.emplace(to, std::move(copy));
   return length;
 }
 

@@ -127,6 +127,12 @@ class KvStore {
   // was stored with, or for a KV pool sequence (its slots are not positions).
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length, absl::Time now);
+  // A copy of the first `length` tokens of sequence `from` (at most what every layer holds) as
+  // the new sequence `to`, owned by `spec.owner`; `from` stays as it was. The samples of one
+  // prompt (a request with n > 1) share its prefill this way. Returns the tokens copied. Errors
+  // as Attach's, and RESOURCE_EXHAUSTED (nothing changed) when the copy does not fit.
+  absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                               int64_t length, absl::Time now);
   // Stores rows [start, start + n) of `layer`: k and v are [n, num_kv_heads, head_dim] in the
   // sequence's dtype (`bytes` each). `slots_out` ([n, num_kv_heads], may be null) gets the slots.
   // Appends must be in order (start = the layer's length). RESOURCE_EXHAUSTED when the store is
@@ -178,6 +184,9 @@ class KvStore {
   };
 
   explicit KvStore(const KvStoreConfig& config) : config_(config) {}
+  // Whether sequence `s` can be handed to or copied for a worker expecting `spec`.
+  static absl::Status CheckTransferable(StoreSequenceId seq, const Sequence& s,
+                                        const SequenceSpec& spec, absl::string_view verb);
   // The layer's rows once `at_slots` (Append) are stored; INVALID_ARGUMENT for a bad slot.
   static absl::StatusOr<int64_t> RowsAfter(const Layer& l, const SequenceSpec& spec, int64_t n,
                                            std::span<const int32_t> at_slots);

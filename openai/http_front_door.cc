@@ -281,104 +281,60 @@ class HttpFrontDoor::Impl {
     ResponseBuilder builder(
         endpoint, id, static_cast<int64_t>(std::time(nullptr)), model, parsed.top_logprobs,
         [this, &req](int32_t token) { return TokenText(req, token); }, n);
-    // n > 1: n calls of the gRPC API, choice i with seed + i when a seed was given (each draws
-    // its own otherwise); they do not share their prefill yet.
-    std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-    std::vector<v1::GenerateRequest> requests(static_cast<size_t>(n), parsed.request);
-    for (int i = 0; i < n; ++i) {
-      contexts.push_back(std::make_unique<grpc::ClientContext>());
-      Authorize(req, *contexts.back());
-      v1::GenerateRequest& r = requests[static_cast<size_t>(i)];
-      r.set_request_id(n == 1 ? id : absl::StrCat(id, "-", i));
-      if (n > 1 && r.sampling().has_seed()) {
-        r.mutable_sampling()->set_seed(r.sampling().seed() + static_cast<uint64_t>(i));
-      }
-    }
-    auto cancel_all = [&contexts] {
-      for (auto& ctx : contexts) ctx->TryCancel();
-    };
-    conn.OnShutdown(cancel_all);
+    // One call of the gRPC API for every choice (sampling.n): the samples share the prompt's
+    // prefill, choice i draws with seed + i, and each message says its choice (index).
+    v1::GenerateRequest request = parsed.request;
+    request.set_request_id(id);
+    if (n > 1) request.mutable_sampling()->set_n(n);
+    grpc::ClientContext context;
+    Authorize(req, context);
+    auto cancel = [&context] { context.TryCancel(); };
+    conn.OnShutdown(cancel);
     absl::Cleanup forget = [&conn] { conn.OnShutdown(nullptr); };
-    HangupWatch watch(conn.fd(), cancel_all);
-    std::vector<std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>>> readers;
-    for (int i = 0; i < n; ++i) {
-      readers.push_back(stub_->Generate(contexts[static_cast<size_t>(i)].get(),
-                                        requests[static_cast<size_t>(i)]));
-    }
-    std::vector<grpc::Status> statuses(static_cast<size_t>(n));
-    // Each choice's stream on its own thread (choice 0 on this one); `each(i, message)` per
-    // message, then its status.
-    auto drain = [&](auto each, const std::vector<v1::GenerateResponse>* first) {
-      auto run = [&](int i) {
-        v1::GenerateResponse m;
-        if (first != nullptr) each(i, (*first)[static_cast<size_t>(i)]);
-        while (readers[static_cast<size_t>(i)]->Read(&m)) each(i, m);
-        statuses[static_cast<size_t>(i)] = readers[static_cast<size_t>(i)]->Finish();
-        if (!statuses[static_cast<size_t>(i)].ok()) cancel_all();
-      };
-      std::vector<std::thread> threads;
-      for (int i = 1; i < n; ++i) threads.emplace_back(run, i);
-      run(0);
-      for (std::thread& t : threads) t.join();
-    };
-    auto failed = [&]() -> const grpc::Status* {
-      for (const grpc::Status& st : statuses) {
-        if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) return &st;
-      }
-      for (const grpc::Status& st : statuses) {
-        if (!st.ok()) return &st;
-      }
-      return nullptr;
-    };
-    auto error_of = [&](const grpc::Status& st) {
-      const size_t i = static_cast<size_t>(&st - statuses.data());
-      return FromGrpc(st, *contexts[i]);
-    };
+    HangupWatch watch(conn.fd(), cancel);
+    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
+        stub_->Generate(&context, request);
+    v1::GenerateResponse m;
+    auto ours = [n](const v1::GenerateResponse& r) { return r.index() >= 0 && r.index() < n; };
     if (!parsed.stream) {
-      drain([&](int i, const v1::GenerateResponse& m) { builder.Add(i, m); }, nullptr);
-      if (watch.gone()) return false;
-      if (const grpc::Status* st = failed()) {
-        return WriteError(conn, req.version(), error_of(*st), keep);
+      while (reader->Read(&m)) {
+        if (ours(m)) builder.Add(m.index(), m);
       }
+      const grpc::Status st = reader->Finish();
+      if (watch.gone()) return false;
+      if (!st.ok()) return WriteError(conn, req.version(), FromGrpc(st, context), keep);
       return WriteJson(conn, req.version(), 200, builder.Whole(), keep);
     }
-    // Stream: a request the server refuses is an HTTP error, not an event stream, so every
-    // choice's first message (or failure) comes before the header.
-    std::vector<v1::GenerateResponse> first(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      if (readers[static_cast<size_t>(i)]->Read(&first[static_cast<size_t>(i)])) continue;
-      statuses[static_cast<size_t>(i)] = readers[static_cast<size_t>(i)]->Finish();
-      if (statuses[static_cast<size_t>(i)].ok()) continue;  // an empty stream: nothing to send
-      cancel_all();
-      for (int j = 0; j < n; ++j) {
-        if (j == i) continue;
-        v1::GenerateResponse m;
-        while (readers[static_cast<size_t>(j)]->Read(&m)) {
-        }
-        readers[static_cast<size_t>(j)]->Finish().ok();
+    // Stream: a request the server refuses is an HTTP error, not an event stream, so the first
+    // message (or the failure) comes before the header.
+    const bool any = reader->Read(&m);
+    if (!any) {
+      const grpc::Status st = reader->Finish();
+      if (!st.ok()) {
+        if (watch.gone()) return false;
+        return WriteError(conn, req.version(), FromGrpc(st, context), keep);
       }
-      if (watch.gone()) return false;
-      return WriteError(conn, req.version(), error_of(statuses[static_cast<size_t>(i)]), keep);
     }
     HttpStreamHead head{http::status::ok, req.version()};
     head.set(http::field::content_type, "text/event-stream");
     head.set(http::field::cache_control, "no-cache");
     head.keep_alive(keep);
     bool written = conn.WriteHead(head);
-    std::mutex write_mu;  // the choices' threads write events in turn
     auto event = [&](const std::string& data) {
-      std::lock_guard<std::mutex> l(write_mu);
       if (!written) return;
       written = conn.WriteChunk(absl::StrCat("data: ", data, "\n\n"));
-      if (!written) cancel_all();  // the client is gone: stop generating for it
+      if (!written) cancel();  // the client is gone: stop generating for it
     };
-    drain(
-        [&](int i, const v1::GenerateResponse& m) {
-          for (const std::string& chunk : builder.Chunks(i, m)) event(chunk);
-        },
-        &first);
-    if (const grpc::Status* st = failed()) {
-      event(ErrorJson(error_of(*st)));
+    grpc::Status st;
+    if (any) {
+      do {
+        if (!ours(m)) continue;
+        for (const std::string& chunk : builder.Chunks(m.index(), m)) event(chunk);
+      } while (reader->Read(&m));
+      st = reader->Finish();
+    }
+    if (!st.ok()) {
+      event(ErrorJson(FromGrpc(st, context)));
     } else if (parsed.include_usage) {
       event(builder.UsageChunk());
     }

@@ -83,7 +83,8 @@ std::vector<std::string> Relay::excluded() const {
 }
 
 int64_t Relay::expected_tokens() const {
-  return std::max<int64_t>(1, budget_ - static_cast<int64_t>(sent_.size()));
+  const int64_t samples = std::max(1, request_.sampling().n());
+  return std::max<int64_t>(1, budget_ * samples - static_cast<int64_t>(sent_.size()));
 }
 
 RelayAction Relay::Picked(absl::string_view worker, absl::Time now) {
@@ -135,6 +136,7 @@ RelayForward Relay::Received(wv1::GenerateResponse m) {
   out.mutable_logprobs()->Swap(m.mutable_logprobs());
   if (!forwarded_) out.mutable_prompt_logprobs()->Swap(m.mutable_prompt_logprobs());
   out.set_text(std::move(*m.mutable_text()));
+  out.set_index(m.index());
   if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
     out.set_finish_reason(m.finish_reason());
     *out.mutable_usage() = m.usage();
@@ -142,7 +144,7 @@ RelayForward Relay::Received(wv1::GenerateResponse m) {
     if (m.has_stop()) *out.mutable_stop() = m.stop();
     out.set_failovers(failovers_);
     out.set_resumes(resumes_);
-    out.set_seed(request_.sampling().seed());
+    out.set_seed(request_.sampling().seed() + static_cast<uint64_t>(m.index()));  // sample i's
   }
   if (!forwarded_) out.set_request_id(request_.request_id());
   forwarded_ = true;
@@ -161,6 +163,17 @@ RelayAction Relay::Ended(const absl::Status& ended, bool stalled, absl::Time now
     return a;
   }
   last_ = s;
+  if (request_.sampling().n() > 1 && forwarded_) {
+    // The samples' tokens went out interleaved; no worker continues several streams at once.
+    RelayAction a;
+    a.kind = RelayAction::Kind::kFinish;
+    a.failed = current_;
+    a.status = absl::UnavailableError(
+        absl::StrCat("the worker serving the request's ", request_.sampling().n(),
+                     " samples failed after they began (", s.message(),
+                     "); a request with n > 1 is not continued on another worker: retry it"));
+    return a;
+  }
   RelayAction a;  // kPick
   a.stalled = stalled;
   if (absl::IsResourceExhausted(s)) {

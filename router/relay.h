@@ -15,7 +15,9 @@
 //     tried again by this request; after `max_attempts` failed calls the request fails. A full
 //     worker is only skipped.
 //   - Once tokens were sent, the next worker gets them as resume tokens (same seed, so the same
-//     continuation) and, with `resume_from_store`, the stream's store sequence to attach to.
+//     continuation) and, with `resume_from_store`, the stream's store sequence to attach to. A
+//     request of several samples (sampling.n > 1) is not continued once it sent a message: it
+//     fails UNAVAILABLE for the client to retry.
 //   - When every worker failed or is full: a request that sent nothing fails at once
 //     (RESOURCE_EXHAUSTED with a pushback when they were full, so the client backs off); a
 //     stream under way polls for a worker until `resume_wait` after its first failover or the

@@ -126,6 +126,14 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
         a->prompt_len, "; the limit (max_queued_prompt_tokens) is ",
         config_.max_queued_prompt_tokens, "; retry later or on another worker"));
   }
+  if (a->request.prefill_from != 0) {
+    if (a->request.prefill_from >= next_id_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefill_from names request ", a->request.prefill_from, ", not submitted before"));
+    }
+    a->follows = true;
+    ++followers_[a->request.prefill_from];
+  }
   ++outstanding_;
   a->id = next_id_++;
   const uint64_t id = a->id;
@@ -166,7 +174,16 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
     // the next worker to take over instead of deleting it.
     const bool resumable =
         (absl::IsAborted(e.status) || absl::IsUnavailable(e.status)) && cache_.Home(a.id) != 0;
-    if (keep) {  // the conversation's next request continues from this KV
+    bool followed = false;
+    if (!keep && !resumable && a.prefilled >= a.prompt_len) {
+      absl::MutexLock l(&mu_);
+      auto f = followers_.find(a.id);
+      followed = f != followers_.end() && f->second > 0;
+    }
+    if (followed) {  // samples of the same prompt still to copy its KV
+      parked_.emplace(a.id,
+                      std::vector<int32_t>(a.history.begin(), a.history.begin() + a.prefilled));
+    } else if (keep) {  // the conversation's next request continues from this KV
       sessions_.Keep(a.request.session_id, a.id,
                      std::vector<int32_t>(a.history.begin(), a.history.begin() + a.prefilled),
                      absl::Now());
@@ -179,6 +196,7 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
     device_bytes_reserved_ -= a.device_bytes;
   }
   if (a.request.policy != nullptr) a.request.policy->Release(a.id);
+  Unfollow(a);
   const absl::Time now = absl::Now();
   u.queue_seconds = a.started ? Seconds(a.first_step - a.submitted) : Seconds(now - a.submitted);
   if (a.generated > 0) {
@@ -199,9 +217,45 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
   a.sink = nullptr;  // marks it finished
 }
 
+BatchEngine::Leader BatchEngine::LeaderOf(const Active& a,
+                                          const std::vector<std::unique_ptr<Active>>& incoming) {
+  const uint64_t id = a.request.prefill_from;
+  if (parked_.contains(id)) return Leader::kReady;
+  for (const auto& r : running_) {
+    if (r->id == id) return r->prefilled >= r->prompt_len ? Leader::kReady : Leader::kPrefilling;
+  }
+  for (const auto& r : incoming) {
+    if (r != nullptr && r->id == id) return Leader::kPrefilling;
+  }
+  absl::MutexLock l(&mu_);
+  for (const auto& r : queue_) {
+    if (r->id == id) return Leader::kPrefilling;
+  }
+  return Leader::kGone;
+}
+
+void BatchEngine::Unfollow(Active& a) {
+  if (!a.follows) return;
+  a.follows = false;
+  const uint64_t leader = a.request.prefill_from;
+  {
+    absl::MutexLock l(&mu_);
+    auto f = followers_.find(leader);
+    if (f == followers_.end() || --f->second > 0) return;
+    followers_.erase(f);
+  }
+  prompt_logits_.erase(leader);
+  if (parked_.erase(leader) > 0) cache_.Close(leader);
+}
+
 void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
+  std::vector<std::unique_ptr<Active>> waiting;  // samples whose shared prefill is not done yet
   for (size_t i = 0; i < incoming.size(); ++i) {
     Active& a = *incoming[i];
+    if (a.follows && LeaderOf(a, incoming) == Leader::kPrefilling) {
+      waiting.push_back(std::move(incoming[i]));
+      continue;
+    }
     if (a.request.options.max_new_tokens == static_cast<int64_t>(a.request.resume_tokens.size())) {
       Finish(a, FinishReason::kLength, absl::OkStatus());
       continue;
@@ -217,17 +271,19 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
       // Not now: wait for running sequences to free memory, keeping the order.
       absl::MutexLock l(&mu_);
       for (size_t j = incoming.size(); j > i; --j) {
+        if (incoming[j - 1] == nullptr) continue;  // moved to `waiting`
         queued_prompt_tokens_ += incoming[j - 1]->prompt_len;
         queue_.push_front(std::move(incoming[j - 1]));
       }
       incoming.resize(i);
-      return;
+      break;
     }
     if (!st.ok()) {
       Finish(a, FinishReason::kCancelled, st);
       continue;
     }
     a.opened = true;
+    Unfollow(a);
     device_bytes_reserved_ += a.device_bytes;
     if (a.request.policy != nullptr) {
       a.request.policy->Open(a.id, a.max_total);
@@ -239,6 +295,12 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
     }
     running_.push_back(std::move(incoming[i]));
   }
+  // Back to the head of the queue, in their order, for the next step.
+  absl::MutexLock l(&mu_);
+  for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
+    queued_prompt_tokens_ += (*it)->prompt_len;
+    queue_.push_front(std::move(*it));
+  }
 }
 
 absl::Status BatchEngine::OpenSequence(Active& a) {
@@ -247,6 +309,34 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
   // computes it for the next logits).
   uint64_t home = a.request.attach_home;
   int64_t keep = a.prompt_len - 1;
+  if (a.follows && !a.prompt_logprobs) {  // a copy of the leader's KV, as far as it is ours
+    const uint64_t leader = a.request.prefill_from;
+    std::span<const int32_t> held;
+    if (auto p = parked_.find(leader); p != parked_.end()) held = p->second;
+    for (const auto& r : running_) {
+      if (r->id == leader) held = std::span<const int32_t>(r->history.data(), r->prefilled);
+    }
+    // The whole prompt when the leader's last prompt logits are at hand (the first token is
+    // drawn from them), else all but its last token (computed here for the next logits).
+    const auto logits = prompt_logits_.find(leader);
+    const int64_t want = logits != prompt_logits_.end() ? a.prompt_len : keep;
+    int64_t common = 0;
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(held.size()), want);
+    while (common < n && held[common] == a.history[common]) ++common;
+    if (common > 0) {
+      absl::StatusOr<int64_t> copied = cache_.Fork(a.id, leader, common, a.max_total);
+      if (copied.ok()) {
+        a.prefilled = a.cached = *copied;
+        if (*copied == a.prompt_len) a.first_logits = logits->second;
+        return absl::OkStatus();
+      }
+      if (!absl::IsUnimplemented(copied.status())) {
+        std::fprintf(stderr, "engine: request %llu: KV of request %llu not copied (%s); %s\n",
+                     static_cast<unsigned long long>(a.id), static_cast<unsigned long long>(leader),
+                     std::string(copied.status().ToString()).c_str(), "prefilling the prompt");
+      }
+    }
+  }
   SequenceId parked = 0;  // the session's sequence, closed unless taken over
   if (home == 0 && !a.request.session_id.empty()) {
     SessionTable::Kept had = sessions_.Take(a.request.session_id);
@@ -378,13 +468,30 @@ void BatchEngine::Loop() {
   }
   running_.clear();
   sessions_.CloseAll();
+  for (const auto& [id, tokens] : parked_) cache_.Close(id);
+  parked_.clear();
+  prompt_logits_.clear();
 }
 
 bool BatchEngine::Step() {
+  // Copies of a whole prompt draw their first token from its last row's logits, as a prefill
+  // of their own would have (no forward pass: the prompt's KV is theirs already).
+  int64_t drawn = 0;
+  for (auto& a : running_) {
+    if (a->first_logits.empty() || !a->sink) continue;
+    std::vector<float> row = std::move(a->first_logits);
+    a->first_logits.clear();
+    if (!a->started) {
+      a->started = true;
+      a->first_step = absl::Now();
+    }
+    Emit(*a, row);
+    ++drawn;
+  }
   std::vector<ForwardChunk> batch;
   std::vector<Active*> owners;
   for (auto& a : running_) {  // one decode token of every sequence past its prompt
-    if (a->prefilled < a->prompt_len) continue;
+    if (a->prefilled < a->prompt_len || !a->sink) continue;
     batch.push_back({a->id, a->prefilled,
                      std::span<const int32_t>(a->history.data() + a->prefilled, 1), false,
                      a->request.policy.get()});
@@ -392,7 +499,7 @@ bool BatchEngine::Step() {
   }
   int64_t budget = config_.prefill_budget_tokens;
   for (auto& a : running_) {  // then prompt chunks, oldest request first, within the budget
-    if (a->prefilled >= a->prompt_len || budget <= 0) continue;
+    if (a->prefilled >= a->prompt_len || budget <= 0 || !a->sink) continue;
     const int64_t len = std::min(a->prompt_len - a->prefilled, budget);
     batch.push_back({a->id, a->prefilled,
                      std::span<const int32_t>(a->history.data() + a->prefilled, len),
@@ -400,7 +507,11 @@ bool BatchEngine::Step() {
     owners.push_back(a.get());
     budget -= len;
   }
-  if (batch.empty()) return false;
+  if (batch.empty()) {
+    absl::MutexLock l(&mu_);
+    stats_.generated_tokens += drawn;
+    return drawn > 0;
+  }
   const absl::Time t0 = absl::Now();
   for (Active* a : owners) {
     if (!a->started) {
@@ -411,7 +522,7 @@ bool BatchEngine::Step() {
   const int64_t vocab = model_.config().vocab_size;
   logits_.resize(static_cast<size_t>(DecodeStep::NumLogitRows(batch) * vocab));
   const absl::Status st = step_.Forward(batch, logits_);
-  int64_t generated = 0, prompt = 0;
+  int64_t generated = drawn, prompt = 0;
   int64_t next_row = 0;  // chunk i's logit rows start here
   for (size_t i = 0; i < batch.size(); ++i) {
     Active& a = *owners[i];
@@ -438,42 +549,16 @@ bool BatchEngine::Step() {
     a.prefilled += len;
     if (a.prefilled < static_cast<int64_t>(a.history.size())) continue;  // more prompt to go
     std::span<float> row = logit_row(next_row - 1);
-    const int logprobs = a.request.options.logprobs;
-    if (logprobs >= 0) raw_row_.assign(row.begin(), row.end());  // sampling changes `row`
-    for (const auto& [id, bias] : a.request.options.logit_bias) row[id] += bias;
-    const int64_t produced = static_cast<int64_t>(a.history.size() - a.request.prompt.size());
-    if (produced < a.request.options.min_tokens) {  // nothing may end it yet
-      for (int32_t stop : a.stops) {
-        if (stop >= 0 && stop < vocab) row[stop] = -INFINITY;
+    if (a.generated == 0) {  // its prompt's last row: kept for the samples that copy its KV
+      bool followed;
+      {
+        absl::MutexLock l(&mu_);
+        followed = followers_.contains(a.id);
       }
+      if (followed) prompt_logits_[a.id].assign(row.begin(), row.end());
     }
-    const int32_t token = SampleToken(row, a.request.options.sampling, a.history,
-                                      static_cast<uint64_t>(a.history.size()), scratch_);
-    const absl::Time now = absl::Now();
-    if (a.generated == 0) a.first_token = now;
-    a.last_token = now;
-    a.history.push_back(token);
-    ++a.generated;
+    Emit(a, row);
     ++generated;
-    EngineEvent e;
-    e.token = token;
-    if (logprobs >= 0) {
-      e.has_logprobs = true;
-      ComputeLogprobs(raw_row_, token, logprobs, e.logprobs);
-    }
-    if (a.generated == 1) {
-      e.home = cache_.Home(a.id);
-      e.attached = a.attached;
-      e.has_prompt_logprobs = a.prompt_logprobs;
-      e.prompt_logprobs = std::move(a.prompt_logprobs_so_far);
-    }
-    a.sink(e);
-    if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
-      a.stop_token = token;
-      Finish(a, FinishReason::kStop, absl::OkStatus());
-    } else if (static_cast<int64_t>(a.history.size()) >= a.max_total) {
-      Finish(a, FinishReason::kLength, absl::OkStatus());
-    }
   }
   absl::MutexLock l(&mu_);
   stats_.steps += 1;
@@ -484,6 +569,45 @@ bool BatchEngine::Step() {
   stats_.prefetch_misses = step_.prefetch_misses();
   stats_.decode_profile = step_.profile();
   return true;
+}
+
+void BatchEngine::Emit(Active& a, std::span<float> row) {
+  const int64_t vocab = model_.config().vocab_size;
+  const int logprobs = a.request.options.logprobs;
+  if (logprobs >= 0) raw_row_.assign(row.begin(), row.end());  // sampling changes `row`
+  for (const auto& [id, bias] : a.request.options.logit_bias) row[id] += bias;
+  const int64_t produced = static_cast<int64_t>(a.history.size() - a.request.prompt.size());
+  if (produced < a.request.options.min_tokens) {  // nothing may end it yet
+    for (int32_t stop : a.stops) {
+      if (stop >= 0 && stop < vocab) row[stop] = -INFINITY;
+    }
+  }
+  const int32_t token = SampleToken(row, a.request.options.sampling, a.history,
+                                    static_cast<uint64_t>(a.history.size()), scratch_);
+  const absl::Time now = absl::Now();
+  if (a.generated == 0) a.first_token = now;
+  a.last_token = now;
+  a.history.push_back(token);
+  ++a.generated;
+  EngineEvent e;
+  e.token = token;
+  if (logprobs >= 0) {
+    e.has_logprobs = true;
+    ComputeLogprobs(raw_row_, token, logprobs, e.logprobs);
+  }
+  if (a.generated == 1) {
+    e.home = cache_.Home(a.id);
+    e.attached = a.attached;
+    e.has_prompt_logprobs = a.prompt_logprobs;
+    e.prompt_logprobs = std::move(a.prompt_logprobs_so_far);
+  }
+  a.sink(e);
+  if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
+    a.stop_token = token;
+    Finish(a, FinishReason::kStop, absl::OkStatus());
+  } else if (static_cast<int64_t>(a.history.size()) >= a.max_total) {
+    Finish(a, FinishReason::kLength, absl::OkStatus());
+  }
 }
 
 }  // namespace infinigen

@@ -69,6 +69,11 @@ struct EngineRequest {
   // the KV store), and the session's next request whose prompt begins with the same tokens
   // takes it over and prefills only the rest (usage: cached_tokens). Empty: none.
   std::string session_id;
+  // The id (Submit's) of an earlier request with the same prompt whose prefill this one shares
+  // (the samples of a request with n > 1), 0: none. It waits for that prefill and starts from a
+  // copy of its KV (KvCache::Fork), computing only its last prompt token; where the cache cannot
+  // copy, or that request ended before its prefill did, it prefills its prompt itself.
+  uint64_t prefill_from = 0;
   GenerateOptions options;
   std::unique_ptr<KvSelectionPolicy> policy;  // null: dense attention
   absl::Time deadline = absl::InfiniteFuture();
@@ -158,6 +163,10 @@ class BatchEngine {
     bool prompt_logprobs = false;
     std::vector<TokenLogprobs> prompt_logprobs_so_far;
     size_t device_bytes = 0;  // reserved against config_.device_memory_bytes while running
+    bool follows = false;     // counted in followers_ (request.prefill_from) until it opens
+    // A copy of its leader's whole prompt: the logits its first token is drawn from (the
+    // leader's last prompt row), used by the next step instead of a forward pass.
+    std::vector<float> first_logits;
     absl::Time submitted, first_step, first_token, last_token;
     bool started = false;
   };
@@ -168,7 +177,17 @@ class BatchEngine {
   // where it can (setting a.prefilled, a.cached), else opens it empty; closes least recently
   // used sessions while the cache is full.
   absl::Status OpenSequence(Active& a);
+  // Where the request whose prefill `a` shares (request.prefill_from) stands: still before the
+  // end of its prefill, done with it (running or parked: Fork copies it), or gone.
+  enum class Leader { kPrefilling, kReady, kGone };
+  Leader LeaderOf(const Active& a, const std::vector<std::unique_ptr<Active>>& incoming);
+  // `a` no longer waits for its leader (opened, or finished): the last follower of a parked
+  // leader closes it.
+  void Unfollow(Active& a);
   bool Step();  // false when there was nothing to run
+  // Samples a's next token from `row` (its logits, which sampling changes) and sends it; ends
+  // the request at a stop token or its length.
+  void Emit(Active& a, std::span<float> row);
   void Finish(Active& a, FinishReason reason, absl::Status status);
 
   Model& model_;
@@ -179,6 +198,8 @@ class BatchEngine {
   std::deque<std::unique_ptr<Active>> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_prompt_tokens_ ABSL_GUARDED_BY(mu_) = 0;  // of the requests in queue_
   absl::flat_hash_set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
+  // Requests whose prefill others share: how many of those have not opened yet.
+  absl::flat_hash_map<uint64_t, int> followers_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // submitted, not finished
@@ -187,6 +208,12 @@ class BatchEngine {
   // Engine thread only.
   DecodeStep step_;
   std::vector<std::unique_ptr<Active>> running_;
+  // Finished requests whose sequence stays open for followers still to copy it: id -> history
+  // it holds (prompt and resumed tokens).
+  absl::flat_hash_map<uint64_t, std::vector<int32_t>> parked_;
+  // The logits of the last prompt token of requests whose prefill others share, while they wait:
+  // a copy of the whole prompt draws its first token from them, as a prefill would have.
+  absl::flat_hash_map<uint64_t, std::vector<float>> prompt_logits_;
   std::vector<float> logits_;
   std::vector<float> raw_row_;  // a token's logits before sampling changes them (logprobs)
   size_t device_bytes_reserved_ = 0;

@@ -115,6 +115,14 @@ class KvCache {
   virtual absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) {
     return absl::UnimplementedError("this KV cache is not shared between workers");
   }
+  // Opens `seq` (room for `capacity_tokens`, as Open) holding a copy of the first `length`
+  // tokens of `parent` (an open sequence, which stays as it is): the samples of one prompt share
+  // its prefill. Returns the tokens copied (at most what every layer of `parent` holds).
+  // UNIMPLEMENTED for caches that cannot copy rows; the caller then computes them.
+  virtual absl::StatusOr<int64_t> Fork(SequenceId seq, SequenceId parent, int64_t length,
+                                       int64_t capacity_tokens) {
+    return absl::UnimplementedError("this KV cache does not copy sequences");
+  }
   // Whether a new sequence of `tokens` tokens fits in what the cache has free now (the KV
   // store's arena, counted in its allocation blocks); UNIMPLEMENTED where unknown.
   virtual absl::StatusOr<bool> HasRoomFor(int64_t tokens) {

@@ -135,6 +135,27 @@ absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int6
   return kept;
 }
 
+absl::StatusOr<int64_t> StoreKvCache::Fork(SequenceId seq, SequenceId parent, int64_t length,
+                                           int64_t capacity_tokens) {
+  if (sequences_.contains(seq)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
+  }
+  if (options_.pool) {
+    return absl::FailedPreconditionError(
+        "a KV pool sequence cannot be forked: its slots are not positions");
+  }
+  if (!sequences_.contains(parent)) {
+    return absl::NotFoundError(absl::StrCat("sequence ", parent, " is not open"));
+  }
+  IG_ASSIGN_OR_RETURN(const int64_t copied,
+                      client_.Fork(StoreId(parent), StoreId(seq), Spec(), length));
+  Sequence& s = sequences_[seq];
+  s.length.assign(shape_.num_layers, copied);
+  TakeSpareStaging(s);
+  IG_RETURN_IF_ERROR(SizeStaging(s, std::max(capacity_tokens, copied)));
+  return copied;
+}
+
 void StoreKvCache::DropTicket(Pending& p) {
   if (p.ticket != nullptr) {
     // The transfer writes into our staging buffers: wait for it whoever else holds the ticket.

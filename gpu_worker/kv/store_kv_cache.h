@@ -77,6 +77,9 @@ class StoreKvCache final : public StreamedKvCache {
   // The store hands the sequence over under this cache's id for `seq` (KvStore::Attach): the
   // old id ceases to exist, fencing the worker that stored it.
   absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) override;
+  // The store copies the rows (KvStore::Fork); nothing crosses the transport.
+  absl::StatusOr<int64_t> Fork(SequenceId seq, SequenceId parent, int64_t length,
+                               int64_t capacity_tokens) override;
   absl::StatusOr<bool> HasRoomFor(int64_t tokens) override;
 
   bool addresses_only() const override { return in_place_; }

@@ -40,10 +40,19 @@ void ToProto(const TokenLogprobs& in, infinigen::v1::Logprobs& out) {
   }
 }
 
-// The engine's events for one call, handed from the engine thread to the call's thread.
+// The engine's events for one call (of each sample: index, event), handed from the engine
+// thread to the call's thread.
 struct CallEvents {
   absl::Mutex mu;
-  std::deque<EngineEvent> events ABSL_GUARDED_BY(mu);
+  std::deque<std::pair<int, EngineEvent>> events ABSL_GUARDED_BY(mu);
+};
+
+// One sample of the call's prompt (sampling.n): its engine request and its text.
+struct Sample {
+  uint64_t id = 0;
+  std::optional<IncrementalDecoder> decoder;
+  std::optional<StopStringFilter> stops;
+  bool done = false;
 };
 
 }  // namespace
@@ -175,6 +184,16 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "this worker is draining; send the request to another worker");
   }
+  const int n = std::max(1, request->sampling().n());
+  if (request->sampling().n() < 0 || n > kMaxSamples) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("sampling.n is ", request->sampling().n(),
+                                     "; it must be in [1, ", kMaxSamples, "] (0: 1)"));
+  }
+  if (n > 1 && (request->resume_token_ids_size() > 0 || !request->session_id().empty())) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "sampling.n > 1 cannot be combined with a session_id or resumed tokens");
+  }
   EngineRequest er;
   std::string policy_name;
   {
@@ -197,32 +216,58 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
   er.session_id = request->session_id();
   er.deadline = absl::FromChrono(context->deadline());
 
+  // Sample i draws with seed + i; the first prefills and the others copy its KV.
   auto events = std::make_shared<CallEvents>();
-  auto id = engine_.Submit(std::move(er), [events](const EngineEvent& e) {
-    absl::MutexLock l(&events->mu);
-    events->events.push_back(e);
-  });
-  if (!id.ok()) {
-    if (absl::IsResourceExhausted(id.status())) {
-      // gRPC clients with a retry policy wait this long before trying again.
-      context->AddTrailingMetadata("grpc-retry-pushback-ms", "200");
+  std::vector<Sample> samples(n);
+  auto cancel_all = [&] {
+    for (const Sample& x : samples) {
+      if (x.id != 0 && !x.done) engine_.Cancel(x.id);
     }
-    return ToGrpcStatus(id.status());
+  };
+  for (int i = 0; i < n; ++i) {
+    EngineRequest r;
+    if (i + 1 < n) {  // a copy for the next sample, before this one is moved
+      r.prompt = er.prompt;
+      r.options = er.options;
+      r.deadline = er.deadline;
+      r.options.prompt_logprobs = -1;  // sent once, with sample 0
+      auto policy = Policy(*request);  // its own state
+      if (!policy.ok()) return ToGrpcStatus(policy.status());
+      r.policy = std::move(*policy);
+    }
+    er.options.sampling.seed = request->sampling().seed() + static_cast<uint64_t>(i);
+    er.prefill_from = samples[0].id;
+    auto id = engine_.Submit(std::move(er), [events, i](const EngineEvent& e) {
+      absl::MutexLock l(&events->mu);
+      events->events.emplace_back(i, e);
+    });
+    if (!id.ok()) {
+      cancel_all();  // the samples submitted end at the next step; their events go nowhere
+      if (absl::IsResourceExhausted(id.status())) {
+        // gRPC clients with a retry policy wait this long before trying again.
+        context->AddTrailingMetadata("grpc-retry-pushback-ms", "200");
+      }
+      return ToGrpcStatus(id.status());
+    }
+    samples[i].id = *id;
+    er = std::move(r);
   }
 
-  std::optional<IncrementalDecoder> decoder;
-  StopStringFilter stops(std::vector<std::string>(request->stopping().stop_strings().begin(),
-                                                  request->stopping().stop_strings().end()),
-                         request->stopping().include_stop_str_in_output());
-  if (tokenizer_ != nullptr) {
-    decoder.emplace(*tokenizer_, request->skip_special_tokens());
+  for (Sample& x : samples) {
+    x.stops.emplace(std::vector<std::string>(request->stopping().stop_strings().begin(),
+                                             request->stopping().stop_strings().end()),
+                    request->stopping().include_stop_str_in_output());
+    if (tokenizer_ == nullptr) continue;
+    x.decoder.emplace(*tokenizer_, request->skip_special_tokens());
     // The text of resumed tokens was sent by the worker before, except what its stop-string
     // filter still held back: replaying them leaves decoder and filter where that worker's were.
-    for (int32_t t : request->resume_token_ids()) stops.Add(decoder->Add(t));
+    for (int32_t t : request->resume_token_ids()) x.stops->Add(x.decoder->Add(t));
   }
   bool cancelled = false;
-  for (;;) {
-    std::deque<EngineEvent> batch;
+  absl::Status failed;  // the first sample that failed: the call fails with it
+  int running = n;
+  while (running > 0) {
+    std::deque<std::pair<int, EngineEvent>> batch;
     {
       absl::MutexLock l(&events->mu);
       auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events->mu) {
@@ -232,12 +277,14 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       batch.swap(events->events);
     }
     if (!cancelled && context->IsCancelled()) {
-      engine_.Cancel(*id);  // frees the store sequence at the next step; wait for its end
+      cancel_all();  // frees the store sequences at the next step; wait for their ends
       cancelled = true;
     }
-    for (const EngineEvent& e : batch) {
-      if (e.token >= 0 && !cancelled && !stops.stopped()) {
+    for (const auto& [index, e] : batch) {
+      Sample& x = samples[index];
+      if (e.token >= 0 && !cancelled && failed.ok() && !x.stops->stopped()) {
         wv1::GenerateResponse r;
+        r.set_index(index);
         r.add_token_ids(e.token);
         r.set_store_sequence_id(e.home);
         r.set_attached(e.attached);
@@ -247,59 +294,75 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
           ToProto(e.prompt_logprobs[j], *lp);
           lp->set_token_id(prompt_ids[j + 1]);
         }
-        if (decoder) r.set_text(stops.Add(decoder->Add(e.token)));
-        // A completed stop string ends the request: the engine frees it at its next step.
-        if (stops.stopped()) engine_.Cancel(*id);
+        if (x.decoder) r.set_text(x.stops->Add(x.decoder->Add(e.token)));
+        // A completed stop string ends the sample: the engine frees it at its next step.
+        if (x.stops->stopped()) engine_.Cancel(x.id);
         if (!writer->Write(r)) {
-          engine_.Cancel(*id);
+          cancel_all();
           cancelled = true;
         }
       }
       if (!e.done) continue;
-      if (cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled");
-      if (!e.status.ok()) return ToGrpcStatus(e.status);
-      const RequestUsage& u = e.usage;
-      wv1::GenerateResponse last;
-      if (decoder && !stops.stopped()) {
-        std::string tail = stops.Add(decoder->Finish());
-        last.set_text(tail + stops.Finish());
+      x.done = true;
+      --running;
+      if (!e.status.ok() && failed.ok()) {
+        failed = e.status;
+        cancel_all();
       }
-      last.set_finish_reason(stops.stopped() ? infinigen::v1::FINISH_REASON_STOP
-                                             : ToProto(e.finish_reason));
-      if (stops.stopped()) {
-        last.mutable_stop()->set_stop_string(stops.matched());
-      } else if (e.finish_reason == FinishReason::kStop && e.stop_token >= 0) {
-        last.mutable_stop()->set_token_id(e.stop_token);
-      }
-      auto* usage = last.mutable_usage();
-      usage->set_prompt_tokens(static_cast<int32_t>(u.prompt_tokens));
-      usage->set_generated_tokens(static_cast<int32_t>(u.generated_tokens));
-      usage->set_kv_bytes_fetched(u.fetch.bytes_fetched);
-      usage->set_kv_bytes_full_fetch(u.fetch.bytes_full);
-      usage->set_selection_fraction(u.fetch.bytes_full > 0
-                                        ? static_cast<double>(u.fetch.bytes_fetched) /
-                                              static_cast<double>(u.fetch.bytes_full)
-                                        : 1.0);
-      usage->set_cached_tokens(u.cached_tokens);
-      usage->set_policy(policy_name);
-      usage->set_backend(backend_name_);
-      auto* t = last.mutable_timings();
-      t->set_queue_seconds(u.queue_seconds);
-      t->set_time_to_first_token_seconds(u.time_to_first_token);
-      const int64_t here = u.generated_tokens - request->resume_token_ids_size();
-      const double tpot = here > 1 ? u.decode_seconds / static_cast<double>(here - 1) : 0.0;
-      t->set_time_per_output_token_seconds(tpot);
-      t->set_gather_wait_seconds(u.fetch.wait_seconds);
-      if (latency_.time_to_first_token != nullptr && here > 0) {
-        latency_.time_to_first_token->Observe(u.time_to_first_token);
-      }
-      if (latency_.time_per_output_token != nullptr && here > 1) {
-        latency_.time_per_output_token->Observe(tpot);
-      }
-      writer->Write(last);
-      return grpc::Status::OK;
+      if (cancelled || !failed.ok()) continue;
+      writer->Write(LastMessage(*request, index, e, x.decoder ? &*x.decoder : nullptr, *x.stops,
+                                policy_name));
     }
   }
+  if (cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled");
+  if (!failed.ok()) return ToGrpcStatus(failed);
+  return grpc::Status::OK;
+}
+
+wv1::GenerateResponse WorkerService::LastMessage(const wv1::GenerateRequest& request, int index,
+                                                 const EngineEvent& e, IncrementalDecoder* decoder,
+                                                 StopStringFilter& stops,
+                                                 const std::string& policy_name) {
+  const RequestUsage& u = e.usage;
+  wv1::GenerateResponse last;
+  last.set_index(index);
+  if (decoder != nullptr && !stops.stopped()) {
+    std::string tail = stops.Add(decoder->Finish());
+    last.set_text(tail + stops.Finish());
+  }
+  last.set_finish_reason(stops.stopped() ? infinigen::v1::FINISH_REASON_STOP
+                                         : ToProto(e.finish_reason));
+  if (stops.stopped()) {
+    last.mutable_stop()->set_stop_string(stops.matched());
+  } else if (e.finish_reason == FinishReason::kStop && e.stop_token >= 0) {
+    last.mutable_stop()->set_token_id(e.stop_token);
+  }
+  auto* usage = last.mutable_usage();
+  usage->set_prompt_tokens(static_cast<int32_t>(u.prompt_tokens));
+  usage->set_generated_tokens(static_cast<int32_t>(u.generated_tokens));
+  usage->set_kv_bytes_fetched(u.fetch.bytes_fetched);
+  usage->set_kv_bytes_full_fetch(u.fetch.bytes_full);
+  usage->set_selection_fraction(u.fetch.bytes_full > 0
+                                    ? static_cast<double>(u.fetch.bytes_fetched) /
+                                          static_cast<double>(u.fetch.bytes_full)
+                                    : 1.0);
+  usage->set_cached_tokens(u.cached_tokens);
+  usage->set_policy(policy_name);
+  usage->set_backend(backend_name_);
+  auto* t = last.mutable_timings();
+  t->set_queue_seconds(u.queue_seconds);
+  t->set_time_to_first_token_seconds(u.time_to_first_token);
+  const int64_t here = u.generated_tokens - request.resume_token_ids_size();
+  const double tpot = here > 1 ? u.decode_seconds / static_cast<double>(here - 1) : 0.0;
+  t->set_time_per_output_token_seconds(tpot);
+  t->set_gather_wait_seconds(u.fetch.wait_seconds);
+  if (latency_.time_to_first_token != nullptr && here > 0) {
+    latency_.time_to_first_token->Observe(u.time_to_first_token);
+  }
+  if (latency_.time_per_output_token != nullptr && here > 1) {
+    latency_.time_per_output_token->Observe(tpot);
+  }
+  return last;
 }
 
 grpc::Status WorkerService::Tokenize(grpc::ServerContext*, const infinigen::v1::TokenizeRequest* r,

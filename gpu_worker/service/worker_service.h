@@ -13,6 +13,7 @@
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/tokenizer/stop_strings.h"
 #include "gpu_worker/tokenizer/tokenizer.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 
@@ -44,6 +45,7 @@ struct WorkerLatencyMetrics {
 
 class WorkerService final : public worker::v1::Worker::Service {
  public:
+  static constexpr int kMaxSamples = 16;  // sampling.n
   // Everything passed in must outlive the service. `sidecar` may be null (no infinigen);
   // `tokenizer` may be null (a model without tokenizer files: token ids in, no text out).
   WorkerService(BatchEngine& engine, const Model& model, const Tokenizer* tokenizer,
@@ -61,6 +63,11 @@ class WorkerService final : public worker::v1::Worker::Service {
   void SetLatencyMetrics(const WorkerLatencyMetrics& m) { latency_ = m; }
 
  private:
+  // The last message of sample `index` (its finish, usage and timings), with the text its
+  // decoder and stop filter still held; observes the latency metrics.
+  worker::v1::GenerateResponse LastMessage(const worker::v1::GenerateRequest& request, int index,
+                                           const EngineEvent& e, IncrementalDecoder* decoder,
+                                           StopStringFilter& stops, const std::string& policy_name);
   absl::StatusOr<std::string> RenderChat(const infinigen::v1::ChatMessages& messages) const;
   absl::StatusOr<std::vector<int32_t>> PromptTokens(const worker::v1::GenerateRequest& r) const;
   absl::StatusOr<GenerateOptions> Options(const worker::v1::GenerateRequest& r) const;

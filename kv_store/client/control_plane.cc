@@ -115,8 +115,9 @@ absl::StatusOr<uint64_t> KvControlPlane::Open(StoreSequenceId seq, const Sequenc
 absl::StatusOr<KvControlPlane::Attached> KvControlPlane::Attach(StoreSequenceId from,
                                                                 StoreSequenceId to,
                                                                 const SequenceSpec& spec,
-                                                                int64_t max_length) {
+                                                                int64_t max_length, bool fork) {
   pb::AttachRequest req;
+  req.set_fork(fork);
   req.set_from_sequence_id(from);
   req.set_sequence_id(to);
   req.set_owner(spec.owner);

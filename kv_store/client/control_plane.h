@@ -68,8 +68,9 @@ class KvControlPlane {
     int64_t length = 0;
     uint64_t instance = 0;
   };
+  // `fork`: copy `from` instead of taking it over (KvStore::Fork).
   absl::StatusOr<Attached> Attach(StoreSequenceId from, StoreSequenceId to,
-                                  const SequenceSpec& spec, int64_t max_length);
+                                  const SequenceSpec& spec, int64_t max_length, bool fork);
   absl::Status Close(StoreSequenceId seq);
   absl::Status Release(StoreSequenceId seq);
   absl::Status Append(const StoreAppend& a);

@@ -46,6 +46,14 @@ class InProcessClient final : public KvStoreClient {
     if (length.ok()) append_failures_.Forget(to);
     return length;
   }
+  absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                               int64_t length) override {
+    SequenceSpec s = spec;
+    if (s.owner.empty()) s.owner = config_.owner;
+    auto copied = store_.Fork(from, to, s, length, absl::Now());
+    if (copied.ok()) append_failures_.Forget(to);
+    return copied;
+  }
   absl::Status Close(StoreSequenceId seq) override {
     append_failures_.Forget(seq);
     return store_.Close(seq);

@@ -75,6 +75,10 @@ class KvStoreClient {
   // empty: this client's); returns the tokens kept. See KvStore::Attach.
   virtual absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to,
                                          const SequenceSpec& spec, int64_t max_length) = 0;
+  // A copy of the first `length` tokens of sequence `from` (any owner's, which keeps it) as
+  // `to`, after the appends queued before; returns the tokens copied. See KvStore::Fork.
+  virtual absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to,
+                                       const SequenceSpec& spec, int64_t length) = 0;
   // Queues rows [start, start + n) of `layer` (k, v: [n, num_kv_heads, head_dim]). In a KV pool
   // sequence `slots` ([n, num_kv_heads]) says where each row goes (KvStore::Append's at_slots);
   // empty: the store places them.

@@ -230,13 +230,25 @@ absl::Status QueuedKvClient::Open(StoreSequenceId seq, const SequenceSpec& spec)
 
 absl::StatusOr<int64_t> QueuedKvClient::Attach(StoreSequenceId from, StoreSequenceId to,
                                                const SequenceSpec& spec, int64_t max_length) {
+  return Transfer(from, to, spec, max_length, /*fork=*/false);
+}
+
+absl::StatusOr<int64_t> QueuedKvClient::Fork(StoreSequenceId from, StoreSequenceId to,
+                                             const SequenceSpec& spec, int64_t length) {
+  return Transfer(from, to, spec, length, /*fork=*/true);
+}
+
+absl::StatusOr<int64_t> QueuedKvClient::Transfer(StoreSequenceId from, StoreSequenceId to,
+                                                 const SequenceSpec& spec, int64_t max_length,
+                                                 bool fork) {
   SequenceSpec s = spec;
   if (s.owner.empty()) s.owner = config_.owner;
   // Shared: if the caller stops waiting, the call still runs (and sets it) on the queue thread.
   auto length = std::make_shared<int64_t>(0);
   absl::Status st = RunSync(
-      [this, from, to, s, max_length, length] {
-        absl::StatusOr<int64_t> kept = DoAttach(from, to, s, max_length);
+      [this, from, to, s, max_length, length, fork] {
+        absl::StatusOr<int64_t> kept =
+            fork ? DoFork(from, to, s, max_length) : DoAttach(from, to, s, max_length);
         if (!kept.ok()) return kept.status();
         *length = *kept;
         unclosed_.erase(to);
@@ -245,7 +257,7 @@ absl::StatusOr<int64_t> QueuedKvClient::Attach(StoreSequenceId from, StoreSequen
         return absl::OkStatus();
       },
       absl::Now() + 4 * config_.call_timeout,
-      // Taken over after the caller gave up on it: nobody will close it.
+      // Taken over (or copied) after the caller gave up on it: nobody will close it.
       [this, to](const absl::Status& attached) {
         if (attached.ok()) NoteClose(to, DoClose(to));
       });

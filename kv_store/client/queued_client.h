@@ -37,6 +37,8 @@ class QueuedKvClient : public KvStoreClient {
   absl::Status Release(StoreSequenceId seq) final;
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length) final;
+  absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                               int64_t length) final;
   using KvStoreClient::AppendAsync;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
                    std::vector<uint8_t> v, std::vector<int32_t> slots) final;
@@ -56,6 +58,8 @@ class QueuedKvClient : public KvStoreClient {
   virtual absl::Status DoRelease(StoreSequenceId seq) = 0;
   virtual absl::StatusOr<int64_t> DoAttach(StoreSequenceId from, StoreSequenceId to,
                                            const SequenceSpec& spec, int64_t max_length) = 0;
+  virtual absl::StatusOr<int64_t> DoFork(StoreSequenceId from, StoreSequenceId to,
+                                         const SequenceSpec& spec, int64_t length) = 0;
   virtual absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                 const std::vector<uint8_t>& k, const std::vector<uint8_t>& v,
                                 const std::vector<int32_t>& slots) = 0;
@@ -78,6 +82,9 @@ class QueuedKvClient : public KvStoreClient {
   const KvClientConfig config_;
 
  private:
+  // Attach, or with `fork` Fork: `to` becomes this client's sequence.
+  absl::StatusOr<int64_t> Transfer(StoreSequenceId from, StoreSequenceId to,
+                                   const SequenceSpec& spec, int64_t length, bool fork);
   struct Job {
     uint64_t after_append;  // runs once appends 1 .. after_append are done
     std::function<void()> fn;

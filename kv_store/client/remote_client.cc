@@ -45,7 +45,16 @@ class RemoteKvClient final : public QueuedKvClient {
   absl::StatusOr<int64_t> DoAttach(StoreSequenceId from, StoreSequenceId to,
                                    const SequenceSpec& spec, int64_t max_length) override {
     IG_ASSIGN_OR_RETURN(const KvControlPlane::Attached a,
-                        control_->Attach(from, to, spec, max_length));
+                        control_->Attach(from, to, spec, max_length, /*fork=*/false));
+    IG_RETURN_IF_ERROR(data_->Opened(a.instance));
+    specs_[to] = spec;
+    return a.length;
+  }
+
+  absl::StatusOr<int64_t> DoFork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                                 int64_t length) override {
+    IG_ASSIGN_OR_RETURN(const KvControlPlane::Attached a,
+                        control_->Attach(from, to, spec, length, /*fork=*/true));
     IG_RETURN_IF_ERROR(data_->Opened(a.instance));
     specs_[to] = spec;
     return a.length;

@@ -169,8 +169,10 @@ grpc::Status KvStoreService::Attach(grpc::ServerContext*, const AttachRequest* r
   resp->set_instance(instance_);
   auto spec = SpecOf(*req);
   if (!spec.ok()) return ToGrpcStatus(spec.status());
-  auto length = store_.Attach(req->from_sequence_id(), req->sequence_id(), *spec, req->max_length(),
-                              clock_());
+  auto length = req->fork() ? store_.Fork(req->from_sequence_id(), req->sequence_id(), *spec,
+                                          req->max_length(), clock_())
+                            : store_.Attach(req->from_sequence_id(), req->sequence_id(), *spec,
+                                            req->max_length(), clock_());
   if (!length.ok()) return ToGrpcStatus(length.status());
   resp->set_length(*length);
   return grpc::Status::OK;

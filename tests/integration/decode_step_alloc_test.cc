@@ -34,17 +34,27 @@ namespace {
 std::atomic<bool> counting{false};
 std::atomic<int64_t> host_allocations{0};
 
-void* Counted(size_t bytes) {
+void* CountedOrNull(size_t bytes) noexcept {
   if (counting.load(std::memory_order_relaxed)) host_allocations.fetch_add(1);
-  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  return std::malloc(bytes == 0 ? 1 : bytes);
+}
+
+void* Counted(size_t bytes) {
+  void* p = CountedOrNull(bytes);
   if (p == nullptr) throw std::bad_alloc();
   return p;
 }
 
 }  // namespace
 
+// Every form that the replaced deletes free (the nothrow ones too: std::stable_sort's buffer,
+// which an allocator that checks pairs, such as ASan's, saw freed by the wrong function).
 void* operator new(size_t bytes) { return Counted(bytes); }
 void* operator new[](size_t bytes) { return Counted(bytes); }
+void* operator new(size_t bytes, const std::nothrow_t&) noexcept { return CountedOrNull(bytes); }
+void* operator new[](size_t bytes, const std::nothrow_t&) noexcept { return CountedOrNull(bytes); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, size_t) noexcept { std::free(p); }

@@ -6,14 +6,17 @@
 // InfiniGen (its partial key cache rebuilt), greedy and sampled; worker A's late appends are
 // refused (its id no longer exists); and when the rows are gone, B replays instead (exact only
 // for dense attention: the reason to attach). The same takeover serves a conversation's next
-// turn (EngineRequest::session_id), whose idle KV gives way to running sequences.
+// turn (EngineRequest::session_id), whose idle KV gives way to running sequences; and a copy of
+// it starts the other samples of one prompt (EngineRequest::prefill_from, KvCache::Fork).
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gpu_worker/engine/batch_engine.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/kv/store_kv_cache.h"
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/faulty_kv_client.h"
@@ -343,6 +346,80 @@ TEST_P(Attach, IdleSessionsMakeRoomAndExpire) {
   e = run(20, "c", 43);
   ASSERT_TRUE(e.status.ok()) << e.status;
   EXPECT_EQ((*small)->Stats().sequences, 0) << "an expired session is closed";
+}
+
+// The samples of one prompt (EngineRequest::prefill_from, a request with n > 1): the first
+// prefills, the others wait for it and start from a copy of its KV (KvCache::Fork) and draw
+// their first token from its last prompt logits (their usage: the whole prompt cached; the
+// engine computed the prompt once), each sampling exactly the tokens it samples alone with its
+// seed (the policy's state rebuilt from the copy); a first sample that ends at its first token
+// still leaves its KV and logits; on a cache that cannot copy they prefill alone, with the same
+// tokens.
+TEST_P(Attach, SamplesOfOnePromptShareItsPrefill) {
+  const auto prompt = RandomTokens(40, l_.model->config().vocab_size, 31);
+  auto options = [&](int i, int64_t first_tokens) {
+    GenerateOptions o = Options(/*sampled=*/true);
+    o.sampling.seed = 70 + i;
+    if (i == 0) o.max_new_tokens = first_tokens;
+    return o;
+  };
+  for (int64_t first_tokens : {int64_t{24}, int64_t{1}}) {
+    SCOPED_TRACE(absl::StrCat("the first sample generates ", first_tokens));
+    std::vector<std::vector<int32_t>> alone;
+    for (int i = 0; i < 3; ++i) {
+      Worker w = MakeWorker(absl::StrCat("worker-alone-", i), uint64_t{6 + i} << 20);
+      EngineRequest r;
+      r.prompt = prompt;
+      r.options = options(i, first_tokens);
+      r.policy = Policy();
+      alone.push_back(Complete(*w.cache, std::move(r)).tokens);
+    }
+    Worker w = MakeWorker("worker-n", 9 << 20);
+    BackendKvCache local(*l_.backend, l_.model->kv_shape());
+    for (KvCache* cache : {static_cast<KvCache*>(w.cache.get()), static_cast<KvCache*>(&local)}) {
+      const bool copies = cache == w.cache.get();
+      SCOPED_TRACE(copies ? "over the store" : "a cache that cannot copy");
+      EngineConfig config;
+      config.prefill_budget_tokens = 16;  // the prompt takes three steps; the copies wait
+      BatchEngine engine(*l_.model, *cache, config);
+      std::vector<Outcome> got(3);
+      std::vector<absl::Notification> done(3);
+      uint64_t first = 0;
+      for (int i = 0; i < 3; ++i) {
+        EngineRequest r;
+        r.prompt = prompt;
+        r.options = options(i, first_tokens);
+        r.policy = Policy();
+        r.prefill_from = first;
+        auto id = engine.Submit(std::move(r), [&got, &done, i](const EngineEvent& e) {
+          if (e.token >= 0) got[i].tokens.push_back(e.token);
+          if (e.done) {
+            got[i].last = e;
+            done[i].Notify();
+          }
+        });
+        ASSERT_TRUE(id.ok()) << id.status();
+        if (i == 0) first = *id;
+      }
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_TRUE(done[i].WaitForNotificationWithTimeout(absl::Seconds(60)));
+        EXPECT_TRUE(got[i].last.status.ok()) << got[i].last.status;
+        EXPECT_EQ(got[i].tokens, alone[i]) << "sample " << i;
+        EXPECT_EQ(got[i].last.usage.cached_tokens, i > 0 && copies ? 40 : 0) << "sample " << i;
+      }
+      EXPECT_EQ(engine.Stats().prompt_tokens, copies ? 40 : 3 * 40);
+    }
+    EXPECT_EQ(store_->Stats().sequences, 0) << "every copy and the first sample were closed";
+  }
+  // Only an earlier request's prefill can be shared.
+  Worker w = MakeWorker("worker-bad", 10 << 20);
+  BatchEngine engine(*l_.model, *w.cache, EngineConfig{});
+  EngineRequest r;
+  r.prompt = prompt;
+  r.options = Options(false);
+  r.prefill_from = 99;
+  EXPECT_EQ(engine.Submit(std::move(r), [](const EngineEvent&) {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, Attach, ::testing::Values("full", "window", "infinigen"),

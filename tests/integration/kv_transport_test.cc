@@ -198,6 +198,48 @@ TEST_P(KvTransport, AttachHandsTheRowsToAnotherClient) {
   EXPECT_TRUE((*b)->Close(2).ok());
 }
 
+// Fork over every transport: a copy of a sequence after the appends queued before it, gathered
+// as the same rows under the new id (shm: through its block tables) while the source stays; a
+// fork for another owner (a second client) copies a prefix; taken ids are refused.
+TEST_P(KvTransport, ForkCopiesTheRowsUnderANewId) {
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    client_->AppendAsync(1, layer, 0, 30, TokenRows(0, 30, 0), TokenRows(0, 30, 1));
+  }
+  auto copied = client_->Fork(1, 2, Spec(), /*length=*/100);
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  EXPECT_EQ(*copied, 30) << "the appends queued before the fork are in";
+  KvClientConfig other = config_;
+  other.owner = "test-worker-2";
+  auto b = MakeKvStoreClient(other);
+  ASSERT_TRUE(b.ok()) << b.status();
+  copied = (*b)->Fork(1, 3, Spec(), /*length=*/20);
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  EXPECT_EQ(*copied, 20);
+  EXPECT_EQ((*b)->Fork(1, 2, Spec(), 20).status().code(), absl::StatusCode::kAlreadyExists);
+  std::vector<int32_t> slots = {19, 0, 5, 19};  // [2 heads, 2]
+  for (auto [client, seq] :
+       {std::pair{client_.get(), 1}, std::pair{client_.get(), 2}, std::pair{b->get(), 3}}) {
+    std::vector<uint8_t> k(4 * 32), v(4 * 32);
+    ASSERT_TRUE(
+        client->GatherAsync({{static_cast<StoreSequenceId>(seq), 1, 2, slots, k.data(), v.data()}})
+            ->Wait(Soon())
+            .ok())
+        << "sequence " << seq;
+    for (int i = 0; i < 4; ++i) {
+      const auto want_k = TokenRows(slots[i], 1, 0);
+      const auto want_v = TokenRows(slots[i], 1, 1);
+      EXPECT_EQ(0, std::memcmp(k.data() + i * 32, want_k.data() + (i / 2) * 32, 32)) << seq;
+      EXPECT_EQ(0, std::memcmp(v.data() + i * 32, want_v.data() + (i / 2) * 32, 32)) << seq;
+    }
+  }
+  (*b)->AppendAsync(3, 0, 20, 1, TokenRows(20, 1, 0), TokenRows(20, 1, 1));
+  EXPECT_TRUE((*b)->Flush(Soon()).ok());
+  EXPECT_TRUE((*b)->Close(3).ok());
+  EXPECT_TRUE(client_->Close(2).ok());
+  EXPECT_TRUE(client_->Close(1).ok());
+}
+
 // Release gives a sequence up after the appends queued before it: the releasing client can no
 // longer touch it and its renewals no longer hold it, while another client takes it over whole.
 TEST_P(KvTransport, ReleaseLeavesTheRowsForAnotherClient) {

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
@@ -743,6 +744,56 @@ TEST_F(RouterProcess, PromptLogprobsComeWithTheFirstMessage) {
   const StreamResult refused = Stream(*stub_, bad);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(refused.status.error_message().find("sampling.prompt_logprobs"), std::string::npos)
+      << refused.status.error_message();
+}
+
+// n > 1 through the router (sampling.n): the samples' messages carry their index, each sample
+// ends with a last message of its own whose seed is the request's + index, and its tokens are
+// those of a single request with that seed; the prompt was computed once (the other samples'
+// usage: the whole prompt cached); n past the limit, or with a session, is refused naming the
+// field.
+TEST_F(RouterProcess, SamplesOfOneRequestShareThePrefillAndEqualSingleRequests) {
+  const auto prompt = RandomTokens(14, kVocab, 96);
+  constexpr int kSamples = 3;
+  v1::GenerateRequest r = Request(prompt, 8, /*temperature=*/0.9f, /*seed=*/500);
+  r.mutable_sampling()->set_n(kSamples);
+  grpc::ClientContext c;
+  c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = stub_->Generate(&c, r);
+  std::vector<std::vector<int32_t>> tokens(kSamples);
+  std::vector<v1::GenerateResponse> last(kSamples);
+  v1::GenerateResponse m;
+  while (reader->Read(&m)) {
+    ASSERT_GE(m.index(), 0);
+    ASSERT_LT(m.index(), kSamples);
+    EXPECT_EQ(last[m.index()].finish_reason(), v1::FINISH_REASON_UNSPECIFIED)
+        << "a message after sample " << m.index() << "'s last";
+    tokens[m.index()].insert(tokens[m.index()].end(), m.token_ids().begin(), m.token_ids().end());
+    if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) last[m.index()] = m;
+  }
+  const grpc::Status st = reader->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  for (int i = 0; i < kSamples; ++i) {
+    SCOPED_TRACE(absl::StrCat("sample ", i));
+    EXPECT_EQ(last[i].finish_reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(last[i].seed(), 500u + i);
+    EXPECT_EQ(last[i].usage().prompt_tokens(), 14);
+    EXPECT_EQ(last[i].usage().cached_tokens(), i == 0 ? 0 : 14);
+    const StreamResult single = Stream(*stub_, Request(prompt, 8, 0.9f, 500 + i));
+    ASSERT_TRUE(single.status.ok()) << single.status.error_message();
+    EXPECT_EQ(tokens[i], single.tokens);
+  }
+  v1::GenerateRequest bad = Request(prompt, 4);
+  bad.mutable_sampling()->set_n(17);
+  StreamResult refused = Stream(*stub_, bad);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.status.error_message().find("sampling.n"), std::string::npos)
+      << refused.status.error_message();
+  bad.mutable_sampling()->set_n(2);
+  bad.set_session_id("conversation-n");
+  refused = Stream(*stub_, bad);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.status.error_message().find("sampling.n"), std::string::npos)
       << refused.status.error_message();
 }
 

@@ -100,6 +100,14 @@ absl::StatusOr<int64_t> FaultyKvClient::Attach(StoreSequenceId from, StoreSequen
   return kept;
 }
 
+absl::StatusOr<int64_t> FaultyKvClient::Fork(StoreSequenceId from, StoreSequenceId to,
+                                             const SequenceSpec& spec, int64_t length) {
+  if (absl::Status st = Fault(Op::kAttach, to); !st.ok()) return st;  // as an attach does
+  absl::StatusOr<int64_t> copied = inner_.Fork(from, to, spec, length);
+  if (copied.ok()) append_failures_.Forget(to);
+  return copied;
+}
+
 void FaultyKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                  std::vector<uint8_t> k, std::vector<uint8_t> v,
                                  std::vector<int32_t> slots) {

@@ -39,6 +39,8 @@ class FaultyKvClient final : public KvStoreClient {
   absl::Status Release(StoreSequenceId seq) override;
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length) override;
+  absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
+                               int64_t length) override;
   using KvStoreClient::AppendAsync;
   void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
                    std::vector<uint8_t> v, std::vector<int32_t> slots) override;

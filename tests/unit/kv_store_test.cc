@@ -520,6 +520,74 @@ TEST(KvStore, AttachHandsASequenceOverAndFencesTheOldOwner) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// A fork is a copy: the new sequence holds the same bytes of the first `length` tokens (across
+// block boundaries), belongs to the forking owner and appends on its own; the source keeps every
+// row and its owner; a copy that does not fit changes nothing; bad ids and shapes are refused.
+TEST(KvStore, ForkCopiesASequenceAndLeavesItAsItWas) {
+  auto store = MakeStore();
+  const SequenceSpec s = Spec(2, 3, 128);  // 256-byte rows: 16 per block
+  ASSERT_TRUE(store->Open(1, s, kT0).ok());
+  AppendRows(*store, 1, s, 0, 0, 37);
+  AppendRows(*store, 1, s, 1, 0, 37);
+  const KvStoreStats before = store->Stats();
+  SequenceSpec b = s;
+  b.owner = "worker-b";
+  auto copied = store->Fork(1, 2, b, /*length=*/30, kT0);
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  EXPECT_EQ(*copied, 30);
+  EXPECT_EQ(*store->Length(2, 1), 30);
+  EXPECT_EQ(store->Stats().sequences, before.sequences + 1);
+  EXPECT_EQ(store->Stats().tokens_stored, before.tokens_stored + 30);
+  std::vector<int32_t> first(s.num_kv_heads * 30), all(s.num_kv_heads * 37);
+  for (int g = 0; g < s.num_kv_heads; ++g) {
+    for (int j = 0; j < 30; ++j) first[g * 30 + j] = j;
+    for (int j = 0; j < 37; ++j) all[g * 37 + j] = j;
+  }
+  for (int layer = 0; layer < 2; ++layer) ExpectGathered(*store, 2, s, layer, first, 30);
+  // The copy appends its own rows where the copied ones end (inside a copied block); the
+  // source's rows there stay.
+  AppendRows(*store, 2, s, 0, 30, 3, /*salt=*/5);
+  ExpectGathered(*store, 2, s, 0, std::vector<int32_t>{30, 31, 32, 30, 31, 32, 30, 31, 32}, 3, 5);
+  for (int layer = 0; layer < 2; ++layer) ExpectGathered(*store, 1, s, layer, all, 37);
+  EXPECT_EQ(store->Renew("worker-b", kT0), 1);
+  EXPECT_EQ(store->Renew("worker-a", kT0), 1) << "the source keeps its owner";
+  // Longer than stored: what every layer holds.
+  copied = store->Fork(1, 3, b, /*length=*/1000, kT0);
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  EXPECT_EQ(*copied, 37);
+  ASSERT_TRUE(store->Close(1).ok());
+  ExpectGathered(*store, 3, s, 1, all, 37);
+  // Refusals.
+  EXPECT_EQ(store->Fork(3, 3, b, 10, kT0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Fork(9, 4, b, 10, kT0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Fork(3, 2, b, 10, kT0).status().code(), absl::StatusCode::kAlreadyExists);
+  SequenceSpec other = b;
+  other.head_dim = 64;
+  EXPECT_EQ(store->Fork(3, 4, other, 10, kT0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  SequenceSpec pool = s;
+  pool.capacity_tokens = 16;
+  ASSERT_TRUE(store->Open(5, pool, kT0).ok());
+  EXPECT_EQ(store->Fork(5, 6, pool, 10, kT0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(store->Close(2).ok());
+  ASSERT_TRUE(store->Close(3).ok());
+  ASSERT_TRUE(store->Close(5).ok());
+  EXPECT_EQ(store->Stats().bytes_used, 0);
+  EXPECT_EQ(store->Stats().tokens_stored, 0);
+  // A store without room for the copy: refused, nothing changed.
+  auto small = MakeStore(/*capacity=*/40 * 4096);  // 40 blocks; the source takes 36
+  ASSERT_TRUE(small->Open(1, s, kT0).ok());
+  AppendRows(*small, 1, s, 0, 0, 37);
+  AppendRows(*small, 1, s, 1, 0, 37);
+  const KvStoreStats full = small->Stats();
+  EXPECT_EQ(small->Fork(1, 2, b, 37, kT0).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(small->Stats().sequences, full.sequences);
+  EXPECT_EQ(small->Stats().bytes_used, full.bytes_used);
+  EXPECT_EQ(small->Stats().rejections, full.rejections + 1);
+  ExpectGathered(*small, 1, s, 1, all, 37);
+}
+
 // Gathers lock their sequences in one global order that an Attach (a new id for the same
 // sequence) does not change: gathering {10, 20}, then {20, 30} after 10 became 30, used to be
 // a lock-order cycle (absl's deadlock detector ended the store process).

@@ -42,6 +42,10 @@ class FakeTransport final : public QueuedKvClient {
                                    int64_t) override {
     return absl::UnimplementedError("not used here");
   }
+  absl::StatusOr<int64_t> DoFork(StoreSequenceId, StoreSequenceId, const SequenceSpec&,
+                                 int64_t) override {
+    return absl::UnimplementedError("not used here");
+  }
   absl::Status DoClose(StoreSequenceId seq) override {
     ++closes;
     if (close_failures_left.load() > 0) {

@@ -197,6 +197,36 @@ TEST(RelayTimeline, AFrozenWorkerBeforeTheFirstTokenIsReplacedTransparently) {
           });
 }
 
+// A request of several samples (sampling.n > 1) moves to another worker only before its first
+// message: once the samples' tokens went out interleaved, a failure ends it UNAVAILABLE (the
+// worker leaves placement) instead of resuming one stream of mixed tokens. Each sample's last
+// message says its index and its seed (the request's + index).
+TEST(RelayTimeline, SeveralSamplesFailOverOnlyBeforeTheirFirstMessage) {
+  wv1::GenerateRequest r = Request();
+  r.mutable_sampling()->set_n(2);
+  Relay relay({}, r, 16, absl::InfiniteFuture());
+  Play(relay, {
+                  {"start", Start(), "pick"},
+                  {"placed on w1", Picked("w1"), "call w1"},
+                  {"w1 dies before a message", Ended(absl::UnavailableError("Socket closed")),
+                   "pick (w1 failed) [excluding w1]"},
+                  {"w2 takes it", Picked("w2"), "call w2"},
+                  {"a token", Got({5}, 7), "forward 1 token (id, first)"},
+              });
+  wv1::GenerateResponse last;
+  last.set_index(1);
+  last.add_token_ids(6);
+  last.set_finish_reason(v1::FINISH_REASON_LENGTH);
+  const RelayForward f = relay.Received(last);
+  EXPECT_EQ(f.message.index(), 1);
+  EXPECT_EQ(f.message.seed(), 43u);
+  const RelayAction a = relay.Ended(absl::UnavailableError("Socket closed"), false, kT0);
+  EXPECT_EQ(a.kind, RelayAction::Kind::kFinish);
+  EXPECT_EQ(a.status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(a.status.message().find("n > 1"), std::string::npos) << a.status;
+  EXPECT_EQ(a.failed, "w2");
+}
+
 TEST(RelayTimeline, TheRequestsOwnErrorsGoToTheClientAsTheyAre) {
   RunTimeline({}, {
                       {"start", Start(), "pick"},
