@@ -35,11 +35,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
-#include "cli/loaded_model.h"
 #include "gpu_worker/engine/batch_engine.h"
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/kv/store_kv_cache.h"
+#include "gpu_worker/model/loaded_model.h"
 #include "gpu_worker/service/worker_runtime.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
@@ -282,7 +282,7 @@ int main(int argc, char** argv) {
   if (label.empty()) label = target.empty() ? "local engine" : target;
 
   std::unique_ptr<worker::v1::Worker::Stub> stub;
-  cli::LoadedModel loaded;
+  LoadedModel loaded;
   std::unique_ptr<KvStore> store;
   std::unique_ptr<KvStoreClient> client;
   std::unique_ptr<KvCache> cache;
@@ -304,7 +304,7 @@ int main(int argc, char** argv) {
     }
     vocab = info.vocab_size();
   } else {
-    cli::BackendFlags flags;
+    BackendSpec flags;
     flags.threads = threads;
     flags.cpu_weights = cpu_weights;
     flags.cpu_kv = cpu_kv;
@@ -324,7 +324,7 @@ int main(int argc, char** argv) {
       if (!model.ok()) return fail(model.status());
       loaded.model = std::move(*model);
     } else {
-      auto l = cli::LoadModel(local, flags);
+      auto l = LoadModel(local, flags);
       if (!l.ok()) return fail(l.status());
       loaded = std::move(*l);
     }

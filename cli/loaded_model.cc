@@ -1,7 +1,6 @@
 #include "cli/loaded_model.h"
 
 #include "common/status_macros.h"
-#include "gpu_worker/backend/cuda_plugin.h"
 
 namespace infinigen::cli {
 
@@ -20,39 +19,6 @@ void BackendFlags::Register(FlagSet& flags) {
   flags.Bool("batch-invariant", &batch_invariant,
              "a sequence's logits do not depend on the sequences batched with it (CPU; false: "
              "OpenBLAS for prefill, faster, batch-dependent rounding)");
-}
-
-absl::StatusOr<CpuBackendOptions> BackendFlags::Options() const {
-  CpuBackendOptions options;
-  if (threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
-  options.num_threads = static_cast<int>(threads);
-  auto format = ParseWeightFormat(cpu_weights);
-  if (!format.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--cpu-weights: ", format.status().message()));
-  }
-  options.weight_format = *format;
-  if (cpu_kv != "f32" && cpu_kv != "bf16") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--cpu-kv must be f32 or bf16, got '", cpu_kv, "'"));
-  }
-  options.kv_dtype = cpu_kv == "bf16" ? DType::kBF16 : DType::kF32;
-  options.batch_invariant = batch_invariant;
-  if (device != "cpu" && device != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device must be cpu or cuda, got '", device, "'"));
-  }
-  if (!ParseDType(cuda_dtype).ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--cuda-dtype must be bf16, f16 or f32, got '", cuda_dtype, "'"));
-  }
-  return options;
-}
-
-absl::StatusOr<std::unique_ptr<Backend>> BackendFlags::Create() const {
-  IG_ASSIGN_OR_RETURN(CpuBackendOptions options, Options());
-  if (device == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(options));
-  IG_ASSIGN_OR_RETURN(DType dtype, ParseDType(cuda_dtype));
-  return LoadCudaBackend(/*device=*/0, dtype);
 }
 
 void SamplingFlags::Register(FlagSet& flags) {
@@ -78,20 +44,6 @@ absl::StatusOr<GenerateOptions> SamplingFlags::Options() const {
   options.sampling.seed = static_cast<uint64_t>(seed);
   IG_RETURN_IF_ERROR(options.Validate());
   return options;
-}
-
-absl::StatusOr<LoadedModel> LoadModel(const std::string& path, const BackendFlags& flags) {
-  LoadedModel m;
-  IG_ASSIGN_OR_RETURN(m.backend, flags.Create());
-  IG_ASSIGN_OR_RETURN(m.checkpoint, Checkpoint::Open(path));
-  IG_ASSIGN_OR_RETURN(m.model, Model::Load(*m.checkpoint, *m.backend));
-  return m;
-}
-
-absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const Checkpoint& checkpoint) {
-  if (checkpoint.gguf() != nullptr)
-    return Tokenizer::FromGguf(*checkpoint.gguf(), checkpoint.path());
-  return Tokenizer::Load(checkpoint.path());
 }
 
 }  // namespace infinigen::cli

@@ -1,5 +1,6 @@
-// A checkpoint loaded onto a backend, as the CLI commands use it, the flags that pick the
-// backend, and the sampling flags of the commands that generate (locally or through a server).
+// The flags that pick the backend a command loads its model onto (gpu_worker/model/
+// loaded_model.h), and the sampling flags of the commands that generate (locally or through a
+// server).
 #pragma once
 
 #include <memory>
@@ -7,29 +8,15 @@
 
 #include "absl/status/statusor.h"
 #include "cli/flags.h"
-#include "gpu_worker/backend/backend.h"
-#include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/engine/generator.h"
-#include "gpu_worker/model/checkpoint.h"
-#include "gpu_worker/model/model.h"
-#include "gpu_worker/tokenizer/tokenizer.h"
+#include "gpu_worker/model/loaded_model.h"
 
 namespace infinigen::cli {
 
-// --device, --threads, --cpu-weights, --cpu-kv and --cuda-dtype, shared by every command that runs
-// the model.
-struct BackendFlags {
-  std::string device = "cpu";  // cpu | cuda
-  int64_t threads = 0;
-  std::string cpu_weights = "f32";
-  std::string cpu_kv = "f32";  // CpuBackendOptions::kv_dtype: f32 | bf16
-  std::string cuda_dtype = "bf16";
-  bool batch_invariant = true;  // CpuBackendOptions::batch_invariant
-
+// --device, --threads, --cpu-weights, --cpu-kv, --cuda-dtype and --batch-invariant, shared by
+// every command that runs the model.
+struct BackendFlags : BackendSpec {
   void Register(FlagSet& flags);
-  absl::StatusOr<CpuBackendOptions> Options() const;
-  // The chosen backend (FAILED_PRECONDITION for cuda without a GPU or in a build without CUDA).
-  absl::StatusOr<std::unique_ptr<Backend>> Create() const;
 };
 
 // --max-tokens, --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed,
@@ -44,17 +31,8 @@ struct SamplingFlags {
   absl::StatusOr<GenerateOptions> Options() const;
 };
 
-struct LoadedModel {
-  std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<Backend> backend;
-  std::unique_ptr<Model> model;
-};
-
-// The checkpoint's own tokenizer: the one inside a GGUF, or the tokenizer files of a Hugging
-// Face folder.
-absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const Checkpoint& checkpoint);
-
-// Opens `path` and loads it on the backend the flags choose.
-absl::StatusOr<LoadedModel> LoadModel(const std::string& path, const BackendFlags& flags);
+using ::infinigen::LoadedModel;
+using ::infinigen::LoadModel;
+using ::infinigen::LoadTokenizer;
 
 }  // namespace infinigen::cli

@@ -10,6 +10,7 @@
 
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "cli/loaded_model.h"
 #include "common/grpc/health.h"
 #include "common/shutdown_signal.h"
 #include "gpu_worker/service/worker_metrics.h"
@@ -82,10 +83,12 @@ int RunServe(int argc, char** argv) {
   // they are, the others q8) and bf16 K/V: the fastest CPU storage, WikiText-2 perplexity 16.4034
   // against transformers' 16.4032 on SmolLM2's Q4_1 file (q8: 16.43; docs/model.md), bf16 K/V
   // +0.01% (docs/accuracy.md). The standalone worker keeps f32 (exact).
-  worker.backend.cpu_weights = "q4_1";
-  worker.backend.cpu_kv = "bf16";
-  worker.backend.Register(flags);
+  BackendFlags backend;
+  backend.cpu_weights = "q4_1";
+  backend.cpu_kv = "bf16";
+  backend.Register(flags);
   auto parsed = flags.Parse(argc, argv);
+  worker.backend = backend;
   if (!parsed.ok()) return ReportError("serve", parsed.status());
   if (!*parsed) return 0;
 

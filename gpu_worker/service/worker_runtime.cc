@@ -66,9 +66,9 @@ WorkerRuntime::~WorkerRuntime() {
 absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const WorkerConfig& config) {
   IG_RETURN_IF_ERROR(config.Validate());
   std::unique_ptr<WorkerRuntime> w(new WorkerRuntime());
-  IG_ASSIGN_OR_RETURN(w->loaded_, cli::LoadModel(config.model, config.backend));
+  IG_ASSIGN_OR_RETURN(w->loaded_, LoadModel(config.model, config.backend));
   // A model without tokenizer files is served with token ids only.
-  if (auto t = cli::LoadTokenizer(*w->loaded_.checkpoint); t.ok()) {
+  if (auto t = LoadTokenizer(*w->loaded_.checkpoint); t.ok()) {
     w->tokenizer_ = std::move(*t);
   } else {
     std::cerr << "worker: no tokenizer (" << t.status().message()

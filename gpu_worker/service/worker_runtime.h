@@ -10,10 +10,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cli/loaded_model.h"
 #include "common/tls_files.h"
 #include "gpu_worker/engine/batch_engine.h"
 #include "gpu_worker/kv/store_kv_cache.h"
+#include "gpu_worker/model/loaded_model.h"
 #include "gpu_worker/service/worker_service.h"
 #include "kv_store/client/kv_store_client.h"
 
@@ -44,7 +44,7 @@ struct WorkerConfig {
   int32_t default_max_new_tokens = 256;
   int32_t max_new_tokens_limit = 4096;
   int64_t max_prompt_tokens = 0;  // 0: the model's context
-  cli::BackendFlags backend;
+  BackendSpec backend;
 
   // INVALID_ARGUMENT naming the flag for anything out of range (no files are read).
   absl::Status Validate() const;
@@ -69,7 +69,7 @@ class WorkerRuntime {
  private:
   WorkerRuntime() = default;
 
-  cli::LoadedModel loaded_;
+  LoadedModel loaded_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<InfinigenSidecar> sidecar_;
   std::unique_ptr<KvStore> local_store_;

@@ -1,9 +1,9 @@
 // libFuzzer target for the KV store's request validation: the input is a program of Open,
-// Append, Gather (copying and in place), Close and query calls with arbitrary arguments on a
-// small store, as the service and the transports pass them on from the network. Buffers are
-// sized exactly as a caller that declared those arguments would size them (heap, so ASan sees
-// every byte the store writes or reads outside them); the store must refuse what does not fit
-// and never crash. scripts/fuzz.sh builds it with clang and runs it for a bounded time.
+// Append, Gather (copying and in place), Close, Attach, Fork and query calls with arbitrary
+// arguments on a small store, as the service and the transports pass them on from the network.
+// Buffers are sized exactly as a caller that declared those arguments would size them (heap, so
+// ASan sees every byte the store writes or reads outside them); the store must refuse what does not
+// fit and never crash. scripts/fuzz.sh builds it with clang and runs it for a bounded time.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cstdint>
@@ -101,7 +101,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (void)store.Blocks(seq, layer);
         break;
       }
-      case 5: {  // Attach: another id, a spec that may not match, any length
+      case 5: {  // Attach or Fork: another id, a spec that may not match, any length
         infinigen::SequenceSpec spec;
         const auto had = store.Spec(seq);
         if (had.ok() && in.ConsumeBool()) spec = *had;
@@ -109,7 +109,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             in.ConsumeBool() ? spec.num_layers : in.ConsumeIntegralInRange<int>(-1, 6);
         spec.owner = "fuzz-2";
         const uint64_t to = in.ConsumeIntegralInRange<uint64_t>(0, 5);
-        if (store.Attach(seq, to, spec, in.ConsumeIntegralInRange<int64_t>(-2, 120), now).ok()) {
+        const int64_t length = in.ConsumeIntegralInRange<int64_t>(-2, 120);
+        const bool fork = in.ConsumeBool();
+        if ((fork ? store.Fork(seq, to, spec, length, now).ok()
+                  : store.Attach(seq, to, spec, length, now).ok())) {
           opened.push_back(to);
         }
         break;

@@ -4,9 +4,9 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include "cli/loaded_model.h"
 #include "gpu_worker/engine/generator.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/model/loaded_model.h"
 #include "gpu_worker/tokenizer/chat_template.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "tests/support/fixture_model.h"
@@ -50,11 +50,11 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
   ASSERT_TRUE(worker.process.running());
   auto& stub = worker.stub;
 
-  cli::BackendFlags flags;
+  BackendSpec flags;
   flags.threads = 1;
-  auto loaded = cli::LoadModel(model_path, flags);
+  auto loaded = LoadModel(model_path, flags);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  auto tokenizer = cli::LoadTokenizer(*loaded->checkpoint);
+  auto tokenizer = LoadTokenizer(*loaded->checkpoint);
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
   auto local = [&](const std::vector<int32_t>& prompt, int max_new) {
     BackendKvCache cache(*loaded->backend, loaded->model->kv_shape());
@@ -130,11 +130,11 @@ TEST(WorkerSmolLm2, Bf16KvThroughTheStoreStreamsTheLocalEnginesTokens) {
   SmolLm2Worker worker({"--cpu_weights=q4_1", "--cpu_kv=bf16"});
   ASSERT_TRUE(worker.process.running());
   auto& stub = worker.stub;
-  cli::BackendFlags flags;
+  BackendSpec flags;
   flags.threads = 1;
   flags.cpu_weights = "q4_1";
   flags.cpu_kv = "bf16";
-  auto loaded = cli::LoadModel(model_path, flags);
+  auto loaded = LoadModel(model_path, flags);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ASSERT_EQ(loaded->model->kv_shape().dtype, DType::kBF16);
   const std::vector<int32_t> prompt =
