@@ -40,19 +40,11 @@ class InProcessClient final : public KvStoreClient {
   }
   absl::StatusOr<int64_t> Attach(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                  int64_t max_length) override {
-    SequenceSpec s = spec;
-    if (s.owner.empty()) s.owner = config_.owner;
-    auto length = store_.Attach(from, to, s, max_length, absl::Now());
-    if (length.ok()) append_failures_.Forget(to);
-    return length;
+    return Transfer(from, to, spec, max_length, /*fork=*/false);
   }
   absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                int64_t length) override {
-    SequenceSpec s = spec;
-    if (s.owner.empty()) s.owner = config_.owner;
-    auto copied = store_.Fork(from, to, s, length, absl::Now());
-    if (copied.ok()) append_failures_.Forget(to);
-    return copied;
+    return Transfer(from, to, spec, length, /*fork=*/true);
   }
   absl::Status Close(StoreSequenceId seq) override {
     append_failures_.Forget(seq);
@@ -96,6 +88,17 @@ class InProcessClient final : public KvStoreClient {
   absl::StatusOr<KvStoreStats> Stats() override { return store_.Stats(); }
 
  private:
+  // Attach, or with `fork` Fork: `to` becomes this client's sequence.
+  absl::StatusOr<int64_t> Transfer(StoreSequenceId from, StoreSequenceId to,
+                                   const SequenceSpec& spec, int64_t length, bool fork) {
+    SequenceSpec s = spec;
+    if (s.owner.empty()) s.owner = config_.owner;
+    auto kept = fork ? store_.Fork(from, to, s, length, absl::Now())
+                     : store_.Attach(from, to, s, length, absl::Now());
+    if (kept.ok()) append_failures_.Forget(to);
+    return kept;
+  }
+
   const KvClientConfig config_;
   KvStore& store_;
   absl::Mutex mu_;
