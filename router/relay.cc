@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "router/request_validation.h"
 
 namespace infinigen {
 
@@ -72,7 +73,11 @@ Relay::Relay(const RelayRules& rules, wv1::GenerateRequest request, int64_t budg
     : rules_(rules),
       request_(std::move(request)),
       budget_(budget),
-      client_deadline_(client_deadline) {}
+      client_deadline_(client_deadline) {
+  // Validated before (ValidateGenerateRequest): at most kMaxSamples.
+  const int n = std::min(request_.sampling().n(), kMaxSamples);
+  if (n > 1) samples_.resize(static_cast<size_t>(n));
+}
 
 RelayAction Relay::Start() { return RelayAction{}; }
 
@@ -102,12 +107,26 @@ RelayAction Relay::Picked(absl::string_view worker, absl::Time now) {
   first_message_ = true;
   ++calls_;
   request_.clear_resume_token_ids();
-  for (int32_t t : sent_) request_.add_resume_token_ids(t);
-  request_.set_resume_store_sequence_id(sent_.empty() || !rules_.resume_from_store ? 0 : home_);
+  request_.clear_resumed_samples();
+  if (samples_.empty()) {
+    for (int32_t t : sent_) request_.add_resume_token_ids(t);
+    request_.set_resume_store_sequence_id(sent_.empty() || !rules_.resume_from_store ? 0 : home_);
+  } else if (!sent_.empty()) {  // several samples: each continues from what it sent
+    for (size_t i = 0; i < samples_.size(); ++i) {
+      const Sample& s = samples_[i];
+      if (s.sent.empty() && !s.finished) continue;  // starts afresh
+      wv1::ResumedSample* r = request_.add_resumed_samples();
+      r->set_index(static_cast<int32_t>(i));
+      for (int32_t t : s.sent) r->add_token_ids(t);
+      r->set_store_sequence_id(rules_.resume_from_store ? s.home : 0);
+      r->set_finished(s.finished);
+    }
+  }
   RelayAction a;
   a.kind = RelayAction::Kind::kCall;
   a.worker = current_;
-  a.resume_tokens = request_.resume_token_ids_size();
+  a.resume_tokens =
+      samples_.empty() ? request_.resume_token_ids_size() : static_cast<int64_t>(sent_.size());
   a.resume_store = request_.resume_store_sequence_id();
   return a;
 }
@@ -123,12 +142,21 @@ RelayAction Relay::Waited() {
 
 RelayForward Relay::Received(wv1::GenerateResponse m) {
   RelayForward f;
+  Sample* sample = nullptr;  // of several
+  if (!samples_.empty() && m.index() >= 0 && m.index() < static_cast<int>(samples_.size())) {
+    sample = &samples_[static_cast<size_t>(m.index())];
+  }
   if (m.store_sequence_id() != 0) {
     if (first_message_ && m.attached()) {
       ++resumes_;
       f.resumed = true;
     }
     home_ = m.store_sequence_id();
+    if (sample != nullptr) sample->home = m.store_sequence_id();
+  }
+  if (sample != nullptr) {
+    sample->sent.insert(sample->sent.end(), m.token_ids().begin(), m.token_ids().end());
+    sample->finished = sample->finished || m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
   }
   first_message_ = false;
   v1::GenerateResponse& out = f.message;
@@ -163,17 +191,6 @@ RelayAction Relay::Ended(const absl::Status& ended, bool stalled, absl::Time now
     return a;
   }
   last_ = s;
-  if (request_.sampling().n() > 1 && forwarded_) {
-    // The samples' tokens went out interleaved; no worker continues several streams at once.
-    RelayAction a;
-    a.kind = RelayAction::Kind::kFinish;
-    a.failed = current_;
-    a.status = absl::UnavailableError(
-        absl::StrCat("the worker serving the request's ", request_.sampling().n(),
-                     " samples failed after they began (", s.message(),
-                     "); a request with n > 1 is not continued on another worker: retry it"));
-    return a;
-  }
   RelayAction a;  // kPick
   a.stalled = stalled;
   if (absl::IsResourceExhausted(s)) {

@@ -15,9 +15,9 @@
 //     tried again by this request; after `max_attempts` failed calls the request fails. A full
 //     worker is only skipped.
 //   - Once tokens were sent, the next worker gets them as resume tokens (same seed, so the same
-//     continuation) and, with `resume_from_store`, the stream's store sequence to attach to. A
-//     request of several samples (sampling.n > 1) is not continued once it sent a message: it
-//     fails UNAVAILABLE for the client to retry.
+//     continuation) and, with `resume_from_store`, the stream's store sequence to attach to; a
+//     request of several samples (sampling.n > 1) resumes each sample from its own tokens and
+//     store sequence (resumed_samples), and those that had ended do not run again.
 //   - When every worker failed or is full: a request that sent nothing fails at once
 //     (RESOURCE_EXHAUSTED with a pushback when they were full, so the client backs off); a
 //     stream under way polls for a worker until `resume_wait` after its first failover or the
@@ -112,7 +112,14 @@ class Relay {
   worker::v1::GenerateRequest request_;
   const int64_t budget_;
   const absl::Time client_deadline_;
-  std::vector<int32_t> sent_;
+  std::vector<int32_t> sent_;  // every token sent (of all samples)
+  // sampling.n > 1: what each sample sent, where its KV is, whether it ended.
+  struct Sample {
+    std::vector<int32_t> sent;
+    uint64_t home = 0;
+    bool finished = false;
+  };
+  std::vector<Sample> samples_;
   bool forwarded_ = false;     // a message went to the client (it carries the request id)
   bool first_message_ = true;  // of the current call
   std::string current_;        // the worker of the current call

@@ -49,6 +49,10 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
         "stopping.max_new_tokens is ", r.stopping().max_new_tokens(), "; it must be in [1, ",
         limits.max_new_tokens_limit, "] (max_new_tokens_limit)"));
   }
+  if (r.sampling().n() < 0 || r.sampling().n() > kMaxSamples) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.n is ", r.sampling().n(), "; it must be in [1, ", kMaxSamples, "] (0: 1)"));
+  }
   if (r.request_id().size() > kMaxRequestIdBytes || r.session_id().size() > kMaxRequestIdBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("request_id and session_id may have at most ", kMaxRequestIdBytes, " bytes"));

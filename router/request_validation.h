@@ -20,6 +20,8 @@ struct RequestLimits {
 
 // The longest request_id and session_id.
 inline constexpr size_t kMaxRequestIdBytes = 256;
+// The most samples of one prompt a request may ask (sampling.n), as the workers allow.
+inline constexpr int kMaxSamples = 16;
 
 absl::Status ValidateGenerateRequest(const v1::GenerateRequest& request,
                                      const RequestLimits& limits);

@@ -50,6 +50,7 @@ struct CallEvents {
 // One sample of the call's prompt (sampling.n): its engine request and its text.
 struct Sample {
   uint64_t id = 0;
+  std::vector<int32_t> resumed;  // the tokens it streamed from a failed worker
   std::optional<IncrementalDecoder> decoder;
   std::optional<StopStringFilter> stops;
   bool done = false;
@@ -190,33 +191,46 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
                         absl::StrCat("sampling.n is ", request->sampling().n(),
                                      "; it must be in [1, ", kMaxSamples, "] (0: 1)"));
   }
-  if (n > 1 && (request->resume_token_ids_size() > 0 || !request->session_id().empty())) {
+  if (n > 1 && (request->resume_token_ids_size() > 0 || request->resume_store_sequence_id() != 0 ||
+                !request->session_id().empty())) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "sampling.n > 1 cannot be combined with a session_id or resumed tokens");
+                        "sampling.n > 1 cannot be combined with a session_id or resume_token_ids "
+                        "(a stream of several samples resumes with resumed_samples)");
   }
-  EngineRequest er;
+  // A stream of several samples continued after a failover: each sample's own resume.
+  std::vector<const wv1::ResumedSample*> resumed(n, nullptr);
+  if (n == 1 && request->resumed_samples_size() > 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "resumed_samples is for sampling.n > 1 (one stream: resume_token_ids)");
+  }
+  for (const wv1::ResumedSample& r : request->resumed_samples()) {
+    if (r.index() < 0 || r.index() >= n || resumed[r.index()] != nullptr) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("resumed_samples: index ", r.index(),
+                                       " is outside [0, sampling.n) or listed twice"));
+    }
+    resumed[r.index()] = &r;
+  }
+  std::vector<int32_t> prompt;
+  GenerateOptions options;
   std::string policy_name;
   {
-    auto prompt = PromptTokens(*request);
-    if (!prompt.ok()) return ToGrpcStatus(prompt.status());
-    er.prompt = std::move(*prompt);
-    auto options = Options(*request);
-    if (!options.ok()) return ToGrpcStatus(options.status());
-    er.options = *options;
+    auto p = PromptTokens(*request);
+    if (!p.ok()) return ToGrpcStatus(p.status());
+    prompt = std::move(*p);
+    auto o = Options(*request);
+    if (!o.ok()) return ToGrpcStatus(o.status());
+    options = *o;
     auto policy = Policy(*request);
     if (!policy.ok()) return ToGrpcStatus(policy.status());
-    er.policy = std::move(*policy);
-    policy_name = er.policy != nullptr ? er.policy->Name() : PolicyKindName(PolicyKind::kFull);
+    policy_name = *policy != nullptr ? (*policy)->Name() : PolicyKindName(PolicyKind::kFull);
   }
-  er.resume_tokens.assign(request->resume_token_ids().begin(), request->resume_token_ids().end());
   // What prompt_logprobs entries name (the engine's are by position).
   const std::vector<int32_t> prompt_ids =
-      er.options.prompt_logprobs >= 0 ? er.prompt : std::vector<int32_t>();
-  er.attach_home = request->resume_store_sequence_id();
-  er.session_id = request->session_id();
-  er.deadline = absl::FromChrono(context->deadline());
+      options.prompt_logprobs >= 0 ? prompt : std::vector<int32_t>();
 
-  // Sample i draws with seed + i; the first prefills and the others copy its KV.
+  // Sample i draws with seed + i. A fresh request's first sample prefills and the others copy
+  // its KV; resumed samples continue each from its own.
   auto events = std::make_shared<CallEvents>();
   std::vector<Sample> samples(n);
   auto cancel_all = [&] {
@@ -224,19 +238,34 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       if (x.id != 0 && !x.done) engine_.Cancel(x.id);
     }
   };
+  const bool share = n > 1 && request->resumed_samples_size() == 0;
+  int running = 0;
   for (int i = 0; i < n; ++i) {
-    EngineRequest r;
-    if (i + 1 < n) {  // a copy for the next sample, before this one is moved
-      r.prompt = er.prompt;
-      r.options = er.options;
-      r.deadline = er.deadline;
-      r.options.prompt_logprobs = -1;  // sent once, with sample 0
-      auto policy = Policy(*request);  // its own state
-      if (!policy.ok()) return ToGrpcStatus(policy.status());
-      r.policy = std::move(*policy);
+    Sample& x = samples[i];
+    if (n == 1) {
+      x.resumed.assign(request->resume_token_ids().begin(), request->resume_token_ids().end());
+    } else if (resumed[i] != nullptr) {
+      x.resumed.assign(resumed[i]->token_ids().begin(), resumed[i]->token_ids().end());
+      if (resumed[i]->finished()) {  // it sent its last message before the failover
+        x.done = true;
+        continue;
+      }
     }
+    EngineRequest er;
+    er.prompt = prompt;
+    er.options = options;
     er.options.sampling.seed = request->sampling().seed() + static_cast<uint64_t>(i);
-    er.prefill_from = samples[0].id;
+    if (i > 0) er.options.prompt_logprobs = -1;  // sent once, with sample 0
+    auto policy = Policy(*request);              // its own state
+    if (!policy.ok()) return ToGrpcStatus(policy.status());
+    er.policy = std::move(*policy);
+    er.resume_tokens = x.resumed;
+    er.attach_home = n == 1                  ? request->resume_store_sequence_id()
+                     : resumed[i] != nullptr ? resumed[i]->store_sequence_id()
+                                             : 0;
+    er.session_id = request->session_id();
+    er.deadline = absl::FromChrono(context->deadline());
+    if (share) er.prefill_from = samples[0].id;
     auto id = engine_.Submit(std::move(er), [events, i](const EngineEvent& e) {
       absl::MutexLock l(&events->mu);
       events->events.emplace_back(i, e);
@@ -249,8 +278,8 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       }
       return ToGrpcStatus(id.status());
     }
-    samples[i].id = *id;
-    er = std::move(r);
+    x.id = *id;
+    ++running;
   }
 
   for (Sample& x : samples) {
@@ -261,11 +290,10 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     x.decoder.emplace(*tokenizer_, request->skip_special_tokens());
     // The text of resumed tokens was sent by the worker before, except what its stop-string
     // filter still held back: replaying them leaves decoder and filter where that worker's were.
-    for (int32_t t : request->resume_token_ids()) x.stops->Add(x.decoder->Add(t));
+    for (int32_t t : x.resumed) x.stops->Add(x.decoder->Add(t));
   }
   bool cancelled = false;
   absl::Status failed;  // the first sample that failed: the call fails with it
-  int running = n;
   while (running > 0) {
     std::deque<std::pair<int, EngineEvent>> batch;
     {
@@ -310,8 +338,8 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
         cancel_all();
       }
       if (cancelled || !failed.ok()) continue;
-      writer->Write(LastMessage(*request, index, e, x.decoder ? &*x.decoder : nullptr, *x.stops,
-                                policy_name));
+      writer->Write(LastMessage(index, static_cast<int64_t>(x.resumed.size()), e,
+                                x.decoder ? &*x.decoder : nullptr, *x.stops, policy_name));
     }
   }
   if (cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled");
@@ -319,8 +347,8 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-wv1::GenerateResponse WorkerService::LastMessage(const wv1::GenerateRequest& request, int index,
-                                                 const EngineEvent& e, IncrementalDecoder* decoder,
+wv1::GenerateResponse WorkerService::LastMessage(int index, int64_t resumed, const EngineEvent& e,
+                                                 IncrementalDecoder* decoder,
                                                  StopStringFilter& stops,
                                                  const std::string& policy_name) {
   const RequestUsage& u = e.usage;
@@ -352,7 +380,7 @@ wv1::GenerateResponse WorkerService::LastMessage(const wv1::GenerateRequest& req
   auto* t = last.mutable_timings();
   t->set_queue_seconds(u.queue_seconds);
   t->set_time_to_first_token_seconds(u.time_to_first_token);
-  const int64_t here = u.generated_tokens - request.resume_token_ids_size();
+  const int64_t here = u.generated_tokens - resumed;
   const double tpot = here > 1 ? u.decode_seconds / static_cast<double>(here - 1) : 0.0;
   t->set_time_per_output_token_seconds(tpot);
   t->set_gather_wait_seconds(u.fetch.wait_seconds);

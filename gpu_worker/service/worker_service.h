@@ -63,11 +63,12 @@ class WorkerService final : public worker::v1::Worker::Service {
   void SetLatencyMetrics(const WorkerLatencyMetrics& m) { latency_ = m; }
 
  private:
-  // The last message of sample `index` (its finish, usage and timings), with the text its
-  // decoder and stop filter still held; observes the latency metrics.
-  worker::v1::GenerateResponse LastMessage(const worker::v1::GenerateRequest& request, int index,
-                                           const EngineEvent& e, IncrementalDecoder* decoder,
-                                           StopStringFilter& stops, const std::string& policy_name);
+  // The last message of sample `index` (its finish, usage and timings; `resumed`: the tokens it
+  // streamed elsewhere), with the text its decoder and stop filter still held; observes the
+  // latency metrics.
+  worker::v1::GenerateResponse LastMessage(int index, int64_t resumed, const EngineEvent& e,
+                                           IncrementalDecoder* decoder, StopStringFilter& stops,
+                                           const std::string& policy_name);
   absl::StatusOr<std::string> RenderChat(const infinigen::v1::ChatMessages& messages) const;
   absl::StatusOr<std::vector<int32_t>> PromptTokens(const worker::v1::GenerateRequest& r) const;
   absl::StatusOr<GenerateOptions> Options(const worker::v1::GenerateRequest& r) const;

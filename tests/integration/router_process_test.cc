@@ -797,6 +797,65 @@ TEST_F(RouterProcess, SamplesOfOneRequestShareThePrefillAndEqualSingleRequests) 
       << refused.status.error_message();
 }
 
+// A worker killed while requests of several samples stream from it: each sample continues on
+// the other worker from its own tokens and stored KV (resumed_samples), so every sample's
+// tokens are still those of a single request with its seed, none lost or repeated.
+TEST_F(RouterProcess, KillingAWorkerMidStreamResumesEverySample) {
+  constexpr int kStreams = 4, kSamples = 3, kNew = 150;
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<std::vector<std::vector<int32_t>>> want(kStreams);
+  for (int s = 0; s < kStreams; ++s) {
+    const auto prompt = RandomTokens(9 + s, kVocab, 60 + s);
+    for (int i = 0; i < kSamples; ++i) {
+      want[s].push_back(Direct(1, Request(prompt, kNew, 0.9f, 300 + 10 * s + i)));
+    }
+    requests.push_back(Request(prompt, kNew, 0.9f, 300 + 10 * s));
+    requests.back().mutable_sampling()->set_n(kSamples);
+  }
+  std::vector<std::vector<std::vector<int32_t>>> got(kStreams,
+                                                     std::vector<std::vector<int32_t>>(kSamples));
+  std::vector<grpc::Status> status(kStreams);
+  std::vector<int> failovers(kStreams, 0);
+  std::atomic<int> started{0};
+  std::vector<std::thread> threads;
+  for (int s = 0; s < kStreams; ++s) {
+    threads.emplace_back([&, s] {
+      grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      auto reader = stub_->Generate(&c, requests[s]);
+      v1::GenerateResponse m;
+      int tokens = 0;
+      while (reader->Read(&m)) {
+        if (m.index() < 0 || m.index() >= kSamples) continue;  // failed below
+        auto& to = got[s][m.index()];
+        to.insert(to.end(), m.token_ids().begin(), m.token_ids().end());
+        failovers[s] = std::max(failovers[s], m.failovers());
+        tokens += m.token_ids_size();
+        if (tokens >= 3 * kSamples && tokens - m.token_ids_size() < 3 * kSamples) {
+          started.fetch_add(1);
+        }
+      }
+      status[s] = reader->Finish();
+    });
+  }
+  for (int i = 0; i < 1000 && started.load() < kStreams; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(started.load(), kStreams) << "streams should still be running when the worker dies";
+  workers_[0]->Kill();
+  for (auto& t : threads) t.join();
+  int moved = 0;
+  for (int s = 0; s < kStreams; ++s) {
+    ASSERT_TRUE(status[s].ok()) << "request " << s << ": " << status[s].error_message();
+    for (int i = 0; i < kSamples; ++i) {
+      EXPECT_EQ(got[s][i], want[s][i])
+          << "request " << s << " sample " << i << " lost, repeated or changed tokens";
+    }
+    moved += failovers[s];
+  }
+  EXPECT_GT(moved, 0) << "some requests ran on the killed worker";
+}
+
 // The last message names what ended a STOP: the stop token; min_tokens keeps it from ending
 // the stream earlier.
 TEST_F(RouterProcess, TheStopReasonNamesTheTokenAndMinTokensHoldsIt) {

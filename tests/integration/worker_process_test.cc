@@ -391,6 +391,24 @@ TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
   auto bad_sampling = TokenRequest({1, 2}, 4, 0, 0);
   bad_sampling.mutable_sampling()->set_top_p(-1);
   EXPECT_EQ(code_of(bad_sampling).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Samples: n out of range; a sample resumed twice or past n; resumed samples of one stream.
+  auto expect_refused = [&](const wv1::GenerateRequest& r, const std::string& field) {
+    const grpc::Status refused = code_of(r);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_NE(refused.error_message().find(field), std::string::npos) << refused.error_message();
+  };
+  auto samples = TokenRequest({1, 2}, 4, 0.8f, 5);
+  samples.mutable_sampling()->set_n(17);
+  expect_refused(samples, "sampling.n");
+  samples.mutable_sampling()->set_n(2);
+  samples.add_resumed_samples()->set_index(2);  // past n
+  expect_refused(samples, "resumed_samples");
+  samples.clear_resumed_samples();
+  for (int twice = 0; twice < 2; ++twice) samples.add_resumed_samples()->set_index(0);
+  expect_refused(samples, "resumed_samples");
+  auto one = TokenRequest({1, 2}, 4, 0.8f, 5);
+  one.add_resumed_samples()->set_index(0);
+  expect_refused(one, "resumed_samples");
   wv1::GenerateRequest text;  // the fixture has no tokenizer: a clear refusal
   text.set_text("hello");
   EXPECT_EQ(code_of(text).error_code(), grpc::StatusCode::FAILED_PRECONDITION);

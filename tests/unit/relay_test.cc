@@ -197,13 +197,13 @@ TEST(RelayTimeline, AFrozenWorkerBeforeTheFirstTokenIsReplacedTransparently) {
           });
 }
 
-// A request of several samples (sampling.n > 1) moves to another worker only before its first
-// message: once the samples' tokens went out interleaved, a failure ends it UNAVAILABLE (the
-// worker leaves placement) instead of resuming one stream of mixed tokens. Each sample's last
-// message says its index and its seed (the request's + index).
-TEST(RelayTimeline, SeveralSamplesFailOverOnlyBeforeTheirFirstMessage) {
+// A request of several samples (sampling.n > 1) killed mid-stream: the next worker gets each
+// sample's own tokens and store sequence (resumed_samples), a sample that had ended is listed as
+// finished, one that sent nothing is left out (it starts afresh); each sample's last message
+// says its index and its seed (the request's + index).
+TEST(RelayTimeline, SeveralSamplesResumeEachFromItsOwnTokens) {
   wv1::GenerateRequest r = Request();
-  r.mutable_sampling()->set_n(2);
+  r.mutable_sampling()->set_n(3);
   Relay relay({}, r, 16, absl::InfiniteFuture());
   Play(relay, {
                   {"start", Start(), "pick"},
@@ -211,20 +211,37 @@ TEST(RelayTimeline, SeveralSamplesFailOverOnlyBeforeTheirFirstMessage) {
                   {"w1 dies before a message", Ended(absl::UnavailableError("Socket closed")),
                    "pick (w1 failed) [excluding w1]"},
                   {"w2 takes it", Picked("w2"), "call w2"},
-                  {"a token", Got({5}, 7), "forward 1 token (id, first)"},
               });
-  wv1::GenerateResponse last;
-  last.set_index(1);
-  last.add_token_ids(6);
-  last.set_finish_reason(v1::FINISH_REASON_LENGTH);
-  const RelayForward f = relay.Received(last);
-  EXPECT_EQ(f.message.index(), 1);
-  EXPECT_EQ(f.message.seed(), 43u);
-  const RelayAction a = relay.Ended(absl::UnavailableError("Socket closed"), false, kT0);
-  EXPECT_EQ(a.kind, RelayAction::Kind::kFinish);
-  EXPECT_EQ(a.status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_NE(a.status.message().find("n > 1"), std::string::npos) << a.status;
-  EXPECT_EQ(a.failed, "w2");
+  auto message = [](int index, std::vector<int32_t> tokens, uint64_t store, bool last) {
+    wv1::GenerateResponse m;
+    m.set_index(index);
+    for (int32_t t : tokens) m.add_token_ids(t);
+    m.set_store_sequence_id(store);
+    if (last) m.set_finish_reason(v1::FINISH_REASON_LENGTH);
+    return m;
+  };
+  relay.Received(message(0, {5, 6}, 70, false));
+  const RelayForward last = relay.Received(message(2, {9}, 72, true));
+  EXPECT_EQ(last.message.index(), 2);
+  EXPECT_EQ(last.message.seed(), 44u);
+  relay.Received(message(0, {7}, 0, false));
+  Play(relay, {
+                  {"w2 dies", Ended(absl::UnavailableError("Socket closed")),
+                   "pick (w2 failed, failover) [excluding w1,w2]"},
+                  {"w3 continues", Picked("w3"), "call w3 (resume 4 tokens)"},
+              });
+  const wv1::GenerateRequest& next = relay.request();
+  EXPECT_EQ(next.resume_token_ids_size(), 0);
+  ASSERT_EQ(next.resumed_samples_size(), 2) << "sample 1 sent nothing: it starts afresh";
+  EXPECT_EQ(next.resumed_samples(0).index(), 0);
+  EXPECT_EQ(std::vector<int32_t>(next.resumed_samples(0).token_ids().begin(),
+                                 next.resumed_samples(0).token_ids().end()),
+            (std::vector<int32_t>{5, 6, 7}));
+  EXPECT_EQ(next.resumed_samples(0).store_sequence_id(), 70u);
+  EXPECT_FALSE(next.resumed_samples(0).finished());
+  EXPECT_EQ(next.resumed_samples(1).index(), 2);
+  EXPECT_EQ(next.resumed_samples(1).store_sequence_id(), 72u);
+  EXPECT_TRUE(next.resumed_samples(1).finished());
 }
 
 TEST(RelayTimeline, TheRequestsOwnErrorsGoToTheClientAsTheyAre) {
