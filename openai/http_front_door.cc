@@ -11,7 +11,6 @@
 #include <cmath>
 #include <ctime>
 #include <functional>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <thread>

@@ -9,8 +9,8 @@
 #   checked, the test processes' are). One test is left out:
 #   Cli.PrepareThenEvalEveryPolicy (SmolLM2 evaluated through every policy: 400 s under ASan;
 #   prepare, eval and the policies run under ASan in infinigen_test and the other cli tests).
-#   LeakSanitizer skips the third-party leaks in scripts/lsan_suppressions.txt. ~7 minutes to
-#   build on 2 cores (with the release build's protos), ~3 to run.
+#   LeakSanitizer skips the third-party leaks in scripts/lsan_suppressions.txt. ~20 minutes to
+#   build from scratch on 2 cores, ~3 to run (CI of 2026-11-27).
 # thread: ThreadSanitizer (build-tsan/): the batch engine, the engine's attach path, the store
 #   cache, the KV client queue, the KV transports (gRPC, shm, UCX), the router's relay and pool,
 #   and the router and worker process tests (their servers, `infinigen serve` included, are TSan

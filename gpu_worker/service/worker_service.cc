@@ -213,6 +213,7 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
   }
   std::vector<int32_t> prompt;
   GenerateOptions options;
+  std::unique_ptr<KvSelectionPolicy> first_policy;  // the first submitted sample's
   std::string policy_name;
   {
     auto p = PromptTokens(*request);
@@ -223,7 +224,9 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     options = *o;
     auto policy = Policy(*request);
     if (!policy.ok()) return ToGrpcStatus(policy.status());
-    policy_name = *policy != nullptr ? (*policy)->Name() : PolicyKindName(PolicyKind::kFull);
+    first_policy = std::move(*policy);
+    policy_name =
+        first_policy != nullptr ? first_policy->Name() : PolicyKindName(PolicyKind::kFull);
   }
   // What prompt_logprobs entries name (the engine's are by position).
   const std::vector<int32_t> prompt_ids =
@@ -256,9 +259,16 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     er.options = options;
     er.options.sampling.seed = request->sampling().seed() + static_cast<uint64_t>(i);
     if (i > 0) er.options.prompt_logprobs = -1;  // sent once, with sample 0
-    auto policy = Policy(*request);              // its own state
-    if (!policy.ok()) return ToGrpcStatus(policy.status());
-    er.policy = std::move(*policy);
+    if (running == 0) {
+      er.policy = std::move(first_policy);
+    } else {
+      auto policy = Policy(*request);  // its own state; made once above, so it succeeds
+      if (!policy.ok()) {
+        cancel_all();
+        return ToGrpcStatus(policy.status());
+      }
+      er.policy = std::move(*policy);
+    }
     er.resume_tokens = x.resumed;
     er.attach_home = n == 1                  ? request->resume_store_sequence_id()
                      : resumed[i] != nullptr ? resumed[i]->store_sequence_id()
