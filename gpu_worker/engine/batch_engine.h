@@ -70,9 +70,10 @@ struct EngineRequest {
   // takes it over and prefills only the rest (usage: cached_tokens). Empty: none.
   std::string session_id;
   // The id (Submit's) of an earlier request with the same prompt whose prefill this one shares
-  // (the samples of a request with n > 1), 0: none. It waits for that prefill and starts from a
-  // copy of its KV (KvCache::Fork), computing only its last prompt token; where the cache cannot
-  // copy, or that request ended before its prefill did, it prefills its prompt itself.
+  // (the samples of a request with n > 1), 0: none. It waits for that prefill, starts from a
+  // copy of its KV (KvCache::Fork) and draws its first token from that request's last prompt
+  // logits, computing nothing of the prompt; where the cache cannot copy, or that request ended
+  // before its prefill did, it prefills its prompt itself.
   uint64_t prefill_from = 0;
   GenerateOptions options;
   std::unique_ptr<KvSelectionPolicy> policy;  // null: dense attention
@@ -208,8 +209,8 @@ class BatchEngine {
   // Engine thread only.
   DecodeStep step_;
   std::vector<std::unique_ptr<Active>> running_;
-  // Finished requests whose sequence stays open for followers still to copy it: id -> history
-  // it holds (prompt and resumed tokens).
+  // Finished requests whose sequence stays open for followers still to copy it: id -> the tokens
+  // its KV holds.
   absl::flat_hash_map<uint64_t, std::vector<int32_t>> parked_;
   // The logits of the last prompt token of requests whose prefill others share, while they wait:
   // a copy of the whole prompt draws its first token from them, as a prefill would have.
