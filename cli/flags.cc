@@ -1,5 +1,6 @@
 #include "cli/flags.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -79,7 +80,11 @@ absl::StatusOr<bool> FlagSet::Parse(int argc, char** argv) {
       arg = arg.substr(0, eq);
       has_value = true;
     }
-    Flag* f = Find(arg);
+    // --max_new_tokens_limit is --max-new-tokens-limit: the service binaries spell their flags
+    // with underscores (absl), and a flag copied from their flag files works here too.
+    std::string name = arg;
+    std::replace(name.begin(), name.end(), '_', '-');
+    Flag* f = Find(name);
     if (f == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", arg, " (see --help)"));
     }

@@ -20,8 +20,10 @@ class FlagSet {
   void Float(const std::string& name, double* value, const std::string& help);
   void Bool(const std::string& name, bool* value, const std::string& help);
 
-  // Parses argv (after the command name). Returns false when --help was asked for (the help is
-  // printed), an INVALID_ARGUMENT error naming the flag for anything malformed.
+  // Parses argv (after the command name). Names are declared with dashes; underscores are
+  // accepted for them (--max_new_tokens_limit = --max-new-tokens-limit, as the service binaries
+  // spell it). Returns false when --help was asked for (the help is printed), an
+  // INVALID_ARGUMENT error naming the flag for anything malformed.
   absl::StatusOr<bool> Parse(int argc, char** argv);
   std::string Help() const;
   // Whether the flag appeared on the command line.

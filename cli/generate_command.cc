@@ -7,9 +7,10 @@
 #include "cli/flags.h"
 #include "cli/loaded_model.h"
 #include "common/status_macros.h"
+#include "frontend/prompt.h"
+#include "frontend/sample_text.h"
 #include "gpu_worker/engine/generator.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
-#include "gpu_worker/tokenizer/chat_template.h"
 
 namespace infinigen::cli {
 namespace {
@@ -31,19 +32,10 @@ absl::StatusOr<std::vector<int32_t>> PromptIds(const std::string& ids, const std
     return absl::InvalidArgumentError("give exactly one of --prompt-ids, --prompt and --chat");
   }
   if (!ids.empty()) return ParseIdList(ids, "prompt-ids");
-  if (!text.empty()) return tokenizer->Encode(text, /*add_special=*/true);
+  if (!text.empty()) return EncodeTextPrompt(*tokenizer, text);
   auto messages = ParseMessages(chat);
   if (!messages.ok()) return messages.status();
-  const std::string bos = tokenizer->TokenText(tokenizer->bos_id());
-  const std::string eos =
-      tokenizer->eos_ids().empty() ? "" : tokenizer->TokenText(tokenizer->eos_ids()[0]);
-  auto tmpl = chat_format.empty() ? ChatTemplate::FromJinja(tokenizer->chat_template(), bos, eos)
-                                  : ChatTemplate::ForFormat(chat_format, bos, eos);
-  if (!tmpl.ok()) return tmpl.status();
-  auto rendered = tmpl->Render(*messages, /*add_generation_prompt=*/true);
-  if (!rendered.ok()) return rendered.status();
-  // The template already holds BOS where the model wants it.
-  return tokenizer->Encode(*rendered, /*add_special=*/false);
+  return EncodeChatPrompt(*tokenizer, *messages, chat_format);
 }
 
 }  // namespace
@@ -91,17 +83,15 @@ int RunGenerate(int argc, char** argv) {
 
   Model& model = *loaded->model;
   BackendKvCache cache(model.backend(), model.kv_shape());
-  std::unique_ptr<IncrementalDecoder> stream;
-  if (!print_ids) stream = std::make_unique<IncrementalDecoder>(*tokenizer, /*skip_special=*/true);
+  SampleText text(print_ids ? nullptr : tokenizer.get(), /*skip_special=*/true,
+                  /*stop_strings=*/{}, /*include_stop=*/false);
   auto result = Generate(model, cache, /*seq=*/1, *prompt_tokens, options, [&](int32_t token) {
-    if (stream != nullptr) {
-      std::cout << stream->Add(token) << std::flush;
-    }
+    if (text.has_text()) std::cout << text.Add(token) << std::flush;
     return true;
   });
   if (!result.ok()) return ReportError("generate", result.status());
-  if (stream != nullptr) {
-    std::cout << stream->Finish() << "\n";
+  if (text.has_text()) {
+    std::cout << text.Finish() << "\n";
   } else {
     std::cout << "[" << absl::StrJoin(result->tokens, ",") << "]\n";
   }

@@ -24,7 +24,7 @@ int RunServe(int argc, char** argv) {
   RouterServerConfig router;
   int64_t max_running = 16, max_queued_worker = 64, prefill_budget = 256, dense_layers = 2;
   int64_t max_streams = 256, max_queued = 1024, max_new_tokens_limit = 4096, metrics_port = 0;
-  int64_t worker_metrics_port = 0, drain_seconds = 10, default_max_new_tokens = 256;
+  int64_t worker_metrics_port = 0, drain_seconds = 10, default_max_new_tokens = 0;
   int64_t http_idle_timeout = 60;
   FlagSet flags("serve", "--model PATH [--listen 127.0.0.1:50051]",
                 "Serves the public API (infinigen.v1.Generation) with the router, a worker and "
@@ -56,12 +56,13 @@ int RunServe(int argc, char** argv) {
             "prompt tokens of the waiting requests at most (0: no limit)");
   flags.Int("prefill-budget", &prefill_budget, "prompt tokens a step may add beside its decodes");
   flags.Int("default-max-new-tokens", &default_max_new_tokens,
-            "max_new_tokens of requests that give none");
+            "max_new_tokens of requests that give none (0: 256, or the limit if less)");
   flags.Int("max-new-tokens-limit", &max_new_tokens_limit,
             "the most max_new_tokens a request may ask");
-  flags.Int("max-prompt-tokens", &router.options.max_prompt_tokens,
-            "the most prompt tokens a request may have");
-  flags.Int("max-request-bytes", &router.options.max_request_bytes, "largest request message");
+  RequestLimits& limits = router.options.limits;  // the router's and the worker's
+  flags.Int("max-prompt-tokens", &limits.max_prompt_tokens,
+            "the most prompt tokens a request may have (0: the model's context)");
+  flags.Int("max-request-bytes", &limits.max_request_bytes, "largest request message");
   flags.Int("max-streams", &max_streams, "requests served at once");
   flags.Int("max-queued", &max_queued, "requests waiting for a slot before RESOURCE_EXHAUSTED");
   flags.String("api-keys-file", &router.api_keys_file,
@@ -98,9 +99,9 @@ int RunServe(int argc, char** argv) {
   worker.engine.max_running = static_cast<int32_t>(max_running);
   worker.engine.max_queued = static_cast<int32_t>(max_queued_worker);
   worker.engine.prefill_budget_tokens = prefill_budget;
-  worker.default_max_new_tokens = static_cast<int32_t>(default_max_new_tokens);
-  worker.max_new_tokens_limit = static_cast<int32_t>(max_new_tokens_limit);
-  router.options.max_new_tokens_limit = static_cast<int32_t>(max_new_tokens_limit);
+  limits.default_max_new_tokens = static_cast<int32_t>(default_max_new_tokens);
+  limits.max_new_tokens_limit = static_cast<int32_t>(max_new_tokens_limit);
+  worker.limits = limits;
   router.options.max_streams = static_cast<int>(max_streams);
   router.options.max_queued = static_cast<int>(max_queued);
   router.metrics_port = static_cast<int>(metrics_port);

@@ -11,8 +11,6 @@ namespace {
 
 using nlohmann::json;
 
-constexpr int kMaxTopLogprobs = 20;  // as the gRPC API (sampling.logprobs)
-
 struct Reader {
   const json& body;
   ApiError& error;
@@ -174,13 +172,13 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
       !r.Integer("top_k", -1, std::numeric_limits<int32_t>::max(), top_k) ||
       !r.Integer("n", 1, std::numeric_limits<int32_t>::max(), n) ||
       !r.Integer("min_tokens", 0, std::numeric_limits<int32_t>::max(), min_tokens) ||
-      !r.Integer("prompt_logprobs", 0, kMaxTopLogprobs, prompt_logprobs) ||
+      !r.Integer("prompt_logprobs", 0, kMaxLogprobs, prompt_logprobs) ||
       !r.Bool("ignore_eos", ignore_eos) || !r.Bool("include_stop_str_in_output", include_stop) ||
       !r.Bool("skip_special_tokens", skip_special)) {
     return false;
   }
-  if (n.has_value() && *n > kMaxChoices) {
-    return r.Fail("n", absl::StrCat("`n` may be at most ", kMaxChoices));
+  if (n.has_value() && *n > kMaxSamples) {
+    return r.Fail("n", absl::StrCat("`n` may be at most ", kMaxSamples));
   }
   out.n = static_cast<int>(n.value_or(1));
   if (!r.Unsupported("best_of", 1, "") || !r.Unsupported("presence_penalty", 0, "") ||
@@ -280,7 +278,7 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
     // OpenAI's default for completions is 16 tokens.
     req.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_tokens.value_or(16)));
     std::optional<int64_t> logprobs;
-    if (!r.Integer("logprobs", 0, kMaxTopLogprobs, logprobs)) return false;
+    if (!r.Integer("logprobs", 0, kMaxLogprobs, logprobs)) return false;
     out.top_logprobs = logprobs.has_value() ? static_cast<int>(*logprobs) : -1;
   } else {
     if (!ParseMessages(r, req)) return false;
@@ -290,7 +288,7 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
     }
     std::optional<bool> logprobs;
     std::optional<int64_t> top;
-    if (!r.Bool("logprobs", logprobs) || !r.Integer("top_logprobs", 0, kMaxTopLogprobs, top)) {
+    if (!r.Bool("logprobs", logprobs) || !r.Integer("top_logprobs", 0, kMaxLogprobs, top)) {
       return false;
     }
     if (top.has_value() && !logprobs.value_or(false)) {

@@ -11,15 +11,13 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "frontend/request_validation.h"  // kMaxSamples (n), kMaxLogprobs
 #include "infinigen/v1/generation.pb.h"
 #include "nlohmann/json.hpp"
 
 namespace infinigen::openai {
 
 enum class Endpoint { kCompletions, kChatCompletions };
-
-// The most choices (`n`) one request may ask for.
-inline constexpr int kMaxChoices = 16;
 
 // An error as OpenAI's clients expect it: an HTTP status and {"error": {...}}.
 struct ApiError {

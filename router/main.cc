@@ -36,7 +36,10 @@ ABSL_FLAG(int, request_burst_per_key, 0,
 ABSL_FLAG(int32_t, max_streams, 256, "requests relayed to workers at once");
 ABSL_FLAG(int32_t, max_queued, 1024, "requests waiting for a slot before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a request may ask");
-ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "the most prompt tokens a request may have");
+ABSL_FLAG(int32_t, default_max_new_tokens, 0,
+          "max_new_tokens of requests that give none (0: 256, or max_new_tokens_limit if less)");
+ABSL_FLAG(int64_t, max_prompt_tokens, 32768,
+          "the most prompt tokens a request may have (0: the workers' model context)");
 ABSL_FLAG(int64_t, max_request_bytes, 1 << 20, "the largest request message, in bytes");
 ABSL_FLAG(int32_t, max_attempts, 4, "worker failures one request may go through");
 ABSL_FLAG(int64_t, resume_wait_ms, 10000,
@@ -89,9 +92,10 @@ int main(int argc, char** argv) {
   o.key_limits.max_streams = absl::GetFlag(FLAGS_max_streams_per_key);
   o.key_limits.requests_per_second = absl::GetFlag(FLAGS_requests_per_second_per_key);
   o.key_limits.burst = absl::GetFlag(FLAGS_request_burst_per_key);
-  o.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens_limit);
-  o.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
-  o.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  o.limits.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens_limit);
+  o.limits.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
+  o.limits.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
+  o.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   o.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   o.resume_from_store = absl::GetFlag(FLAGS_resume_from_store);
   o.resume_wait = absl::Milliseconds(absl::GetFlag(FLAGS_resume_wait_ms));

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "router/request_validation.h"
+#include "frontend/request_validation.h"
 
 namespace infinigen {
 

@@ -35,7 +35,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
   // Requests up to 4x the limit reach the service, which names the limit (INVALID_ARGUMENT);
   // larger ones are cut off by gRPC itself (RESOURCE_EXHAUSTED).
   builder.SetMaxReceiveMessageSize(
-      static_cast<int>(std::min<int64_t>(4 * config.options.max_request_bytes, 1 << 30)));
+      static_cast<int>(std::min<int64_t>(4 * config.options.limits.max_request_bytes, 1 << 30)));
   builder.RegisterService(r->service_.get());
   r->unknown_methods_ = std::make_unique<grpc::CallbackGenericService>();
   builder.RegisterCallbackGenericService(r->unknown_methods_.get());
@@ -48,7 +48,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
     // In-process: the same service, keys and limits, without TLS or a port in between. The
     // HTTP port serves TLS with the gRPC port's certificate (and client CA).
     config.http.listen = config.http_listen;
-    config.http.max_body_bytes = static_cast<size_t>(4 * config.options.max_request_bytes);
+    config.http.max_body_bytes = static_cast<size_t>(4 * config.options.limits.max_request_bytes);
     config.http.tls = config.tls;
     IG_ASSIGN_OR_RETURN(r->http_,
                         openai::HttpFrontDoor::Start(

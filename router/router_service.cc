@@ -11,11 +11,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/grpc/utf8_fields.h"
+#include "common/status_macros.h"
+#include "frontend/request_validation.h"
 #include "router/pool_workers.h"
 #include "router/public_status.h"
 #include "router/relay.h"
 #include "router/relay_driver.h"
-#include "router/request_validation.h"
 #include "router/router_metrics.h"
 
 namespace infinigen {
@@ -26,7 +27,7 @@ using grpc::StatusCode;
 
 constexpr absl::Duration kUnaryTimeout = absl::Seconds(10);
 
-wv1::GenerateRequest ToWorker(const v1::GenerateRequest& r, int64_t max_prompt_tokens) {
+wv1::GenerateRequest ToWorker(const v1::GenerateRequest& r, const RequestLimits& limits) {
   wv1::GenerateRequest w;
   w.set_request_id(r.request_id());
   switch (r.input_case()) {
@@ -46,7 +47,10 @@ wv1::GenerateRequest ToWorker(const v1::GenerateRequest& r, int64_t max_prompt_t
   *w.mutable_stopping() = r.stopping();
   *w.mutable_selection() = r.selection();
   w.set_skip_special_tokens(r.skip_special_tokens());
-  w.set_max_prompt_tokens(max_prompt_tokens);
+  if (!r.stopping().has_max_new_tokens()) {
+    w.mutable_stopping()->set_max_new_tokens(limits.DefaultMaxNewTokens());
+  }
+  w.set_max_prompt_tokens(limits.max_prompt_tokens);
   w.set_session_id(r.session_id());
   return w;
 }
@@ -62,13 +66,7 @@ std::string NewRequestId() {
 absl::Status RouterOptions::Validate() const {
   if (max_streams < 1) return absl::InvalidArgumentError("--max_streams must be >= 1");
   if (max_queued < 0) return absl::InvalidArgumentError("--max_queued must be >= 0");
-  if (max_new_tokens_limit < 1) {
-    return absl::InvalidArgumentError("--max_new_tokens_limit must be >= 1");
-  }
-  if (max_prompt_tokens < 1) return absl::InvalidArgumentError("--max_prompt_tokens must be >= 1");
-  if (max_request_bytes < 1024) {
-    return absl::InvalidArgumentError("--max_request_bytes must be >= 1024");
-  }
+  IG_RETURN_IF_ERROR(limits.Validate());
   if (max_attempts < 1) return absl::InvalidArgumentError("--max_attempts must be >= 1");
   if (resume_wait < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--resume_wait_ms must be >= 0");
@@ -138,8 +136,7 @@ grpc::Status RouterService::Authenticate(const grpc::ServerContext& context, int
 }
 
 grpc::Status RouterService::Validate(const v1::GenerateRequest& r) const {
-  const absl::Status st = ValidateGenerateRequest(
-      r, {options_.max_request_bytes, options_.max_prompt_tokens, options_.max_new_tokens_limit});
+  const absl::Status st = ValidateGenerateRequest(r, options_.limits);
   return st.ok() ? grpc::Status::OK
                  : grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(st.message()));
 }
@@ -217,7 +214,7 @@ grpc::Status RouterService::RelayStream(grpc::ServerContext* context,
                                         const std::string& request_id,
                                         grpc::ServerWriter<v1::GenerateResponse>* writer,
                                         RelayStats& stats) {
-  wv1::GenerateRequest wr = ToWorker(request, options_.max_prompt_tokens);
+  wv1::GenerateRequest wr = ToWorker(request, options_.limits);
   // A request without a seed gets its own (a fixed default would make every "random" request
   // of a prompt the same); every worker of the stream, after a failover too, uses it.
   if (!request.sampling().has_seed()) {
@@ -225,8 +222,7 @@ grpc::Status RouterService::RelayStream(grpc::ServerContext* context,
     wr.mutable_sampling()->set_seed(absl::Uniform<uint64_t>(bits));
   }
   wr.set_request_id(request_id);
-  const int64_t budget =
-      request.stopping().has_max_new_tokens() ? request.stopping().max_new_tokens() : 256;
+  const int64_t budget = wr.stopping().max_new_tokens();
   RelayRules rules;
   rules.max_attempts = options_.max_attempts;
   rules.resume_wait = options_.resume_wait;
@@ -250,10 +246,10 @@ grpc::Status RouterService::Tokenize(grpc::ServerContext* context,
                                      const v1::TokenizeRequest* request,
                                      v1::TokenizeResponse* response) {
   if (grpc::Status s = Authenticate(*context); !s.ok()) return s;
-  if (static_cast<int64_t>(request->ByteSizeLong()) > options_.max_request_bytes) {
+  if (static_cast<int64_t>(request->ByteSizeLong()) > options_.limits.max_request_bytes) {
     return grpc::Status(StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("the request is larger than the limit (max_request_bytes) of ",
-                                     options_.max_request_bytes, " bytes"));
+                                     options_.limits.max_request_bytes, " bytes"));
   }
   std::vector<std::shared_ptr<PooledWorker>> tried;
   grpc::Status last(StatusCode::UNAVAILABLE, "no worker is available");
@@ -301,9 +297,13 @@ grpc::Status RouterService::GetModelInfo(grpc::ServerContext* context,
   info->set_head_dim(w.head_dim());
   info->set_vocab_size(w.vocab_size());
   info->set_max_context_tokens(w.max_context_tokens());
-  info->set_max_new_tokens_limit(std::min(w.max_new_tokens_limit(), options_.max_new_tokens_limit));
-  info->set_max_prompt_tokens(std::min(w.max_context_tokens(), options_.max_prompt_tokens));
-  info->set_max_request_bytes(options_.max_request_bytes);
+  info->set_max_new_tokens_limit(
+      std::min(w.max_new_tokens_limit(), options_.limits.max_new_tokens_limit));
+  info->set_max_prompt_tokens(
+      options_.limits.max_prompt_tokens > 0
+          ? std::min(w.max_context_tokens(), options_.limits.max_prompt_tokens)
+          : w.max_context_tokens());
+  info->set_max_request_bytes(options_.limits.max_request_bytes);
   info->set_default_policy(w.default_policy());
   info->set_backend(w.backend());
   *info->mutable_policies() = w.policies();

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "frontend/request_validation.h"
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "router/admission.h"
 #include "router/api_keys.h"
@@ -25,9 +26,10 @@ class RouterMetrics;
 struct RouterOptions {
   int max_streams = 256;  // requests relayed at once
   int max_queued = 1024;  // requests waiting for one of those
-  int32_t max_new_tokens_limit = 4096;
-  int64_t max_prompt_tokens = 32768;
-  int64_t max_request_bytes = 1 << 20;
+  // What a request may ask (frontend/request_validation.h), checked before it is queued. A
+  // request without max_new_tokens is sent to the workers with limits.DefaultMaxNewTokens(),
+  // so that the admission's sizing and the worker agree.
+  RequestLimits limits;
   int max_attempts = 4;  // worker calls per request that may fail (first try included)
   // How long a stream whose worker died waits for a worker to resume it when none is available
   // (from its first failover).

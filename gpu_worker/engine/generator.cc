@@ -27,43 +27,6 @@ class SequenceGuard {
 
 }  // namespace
 
-absl::Status GenerateOptions::Validate() const {
-  IG_RETURN_IF_ERROR(sampling.Validate());
-  if (max_new_tokens < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_new_tokens must be >= 0, got ", max_new_tokens));
-  }
-  if (min_tokens < 0 || min_tokens > max_new_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("stopping.min_tokens must be in [0, max_new_tokens = ", max_new_tokens,
-                     "], got ", min_tokens));
-  }
-  if (logit_bias.size() > 300) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling.logit_bias has ", logit_bias.size(), " entries; at most 300"));
-  }
-  for (const auto& [id, bias] : logit_bias) {
-    if (!(bias >= -100.0f && bias <= 100.0f)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sampling.logit_bias[", id, "] must be in [-100, 100], got ", bias));
-    }
-  }
-  if (logprobs < -1 || logprobs > 20) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sampling.logprobs must be in [0, 20] (alternatives per token), got ", logprobs));
-  }
-  if (prompt_logprobs < -1 || prompt_logprobs > 20) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling.prompt_logprobs must be in [0, 20] (alternatives per token), got ",
-                     prompt_logprobs));
-  }
-  if (prefill_chunk_tokens <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prefill_chunk_tokens must be > 0, got ", prefill_chunk_tokens));
-  }
-  return absl::OkStatus();
-}
-
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
     case FinishReason::kLength:

@@ -70,7 +70,8 @@ ABSL_FLAG(int64_t, prefill_budget, 256, "prompt tokens a step may add beside its
 ABSL_FLAG(int64_t, device_memory_mb, 0,
           "device memory for per-sequence state (partial key caches, staging); 0: 90% of what "
           "the backend has free after loading");
-ABSL_FLAG(int32_t, default_max_new_tokens, 256, "max_new_tokens of requests that give none");
+ABSL_FLAG(int32_t, default_max_new_tokens, 0,
+          "max_new_tokens of requests that give none (0: 256, or max_new_tokens_limit if less)");
 ABSL_FLAG(int32_t, max_new_tokens_limit, 4096, "the most max_new_tokens a request may ask");
 ABSL_FLAG(int64_t, max_prompt_tokens, 0, "the most prompt tokens a request may have (0: context)");
 ABSL_FLAG(int64_t, threads, 0, "CPU backend threads (0: all cores)");
@@ -153,9 +154,9 @@ int main(int argc, char** argv) {
   config.engine.session_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   config.engine.prefill_budget_tokens = absl::GetFlag(FLAGS_prefill_budget);
   config.device_memory_mb = absl::GetFlag(FLAGS_device_memory_mb);
-  config.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
-  config.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens_limit);
-  config.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
+  config.limits.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
+  config.limits.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens_limit);
+  config.limits.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   config.backend.threads = absl::GetFlag(FLAGS_threads);
   config.backend.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
   config.backend.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);

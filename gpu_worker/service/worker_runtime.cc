@@ -33,15 +33,7 @@ absl::Status WorkerConfig::Validate() const {
   if (auto e = ParseEvictionPolicy(kv_pool_eviction); !e.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_pool_eviction: ", e.status().message()));
   }
-  if (max_new_tokens_limit < 1) {
-    return absl::InvalidArgumentError("--max_new_tokens_limit must be >= 1");
-  }
-  if (default_max_new_tokens < 1 || default_max_new_tokens > max_new_tokens_limit) {
-    return absl::InvalidArgumentError(
-        "--default_max_new_tokens must be in [1, --max_new_tokens_limit]");
-  }
-  if (max_prompt_tokens < 0) return absl::InvalidArgumentError("--max_prompt_tokens must be >= 0");
-  return absl::OkStatus();
+  return limits.Validate();
 }
 
 SelectionConfig WorkerConfig::Selection(bool have_sidecar) const {
@@ -151,9 +143,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   options.selection = selection;
   options.selection_limits.allowed_policies = {PolicyKind::kFull, PolicyKind::kWindow};
   if (w->sidecar_) options.selection_limits.allowed_policies.push_back(PolicyKind::kInfinigen);
-  options.default_max_new_tokens = config.default_max_new_tokens;
-  options.max_new_tokens_limit = config.max_new_tokens_limit;
-  options.max_prompt_tokens = config.max_prompt_tokens;
+  options.limits = config.limits;
   options.engine = engine_config;
   // InfiniGen chooses on a GPU where it keeps the partial keys by position; a KV pool keeps
   // them by slot, which the host-side policy does (the documented slow path: copies and waits).

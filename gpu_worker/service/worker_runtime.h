@@ -41,9 +41,7 @@ struct WorkerConfig {
   int32_t dense_layers = 2;
   EngineConfig engine;
   int64_t device_memory_mb = 0;  // 0: 90% of the backend's free memory
-  int32_t default_max_new_tokens = 256;
-  int32_t max_new_tokens_limit = 4096;
-  int64_t max_prompt_tokens = 0;  // 0: the model's context
+  RequestLimits limits = WorkerRequestLimits();
   BackendSpec backend;
 
   // INVALID_ARGUMENT naming the flag for anything out of range (no files are read).

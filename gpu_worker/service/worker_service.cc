@@ -10,8 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/grpc/status.h"
 #include "common/status_macros.h"
-#include "gpu_worker/tokenizer/chat_template.h"
-#include "gpu_worker/tokenizer/stop_strings.h"
+#include "frontend/prompt.h"
 
 namespace infinigen {
 namespace {
@@ -51,8 +50,7 @@ struct CallEvents {
 struct Sample {
   uint64_t id = 0;
   std::vector<int32_t> resumed;  // the tokens it streamed from a failed worker
-  std::optional<IncrementalDecoder> decoder;
-  std::optional<StopStringFilter> stops;
+  std::optional<SampleText> text;
   bool done = false;
 };
 
@@ -68,15 +66,10 @@ WorkerService::WorkerService(BatchEngine& engine, const Model& model, const Toke
       backend_name_(model.backend().Name()) {}
 
 absl::StatusOr<std::string> WorkerService::RenderChat(const infinigen::v1::ChatMessages& m) const {
+  IG_RETURN_IF_ERROR(ValidateChatMessages(m));
   std::vector<ChatMessage> messages;
   for (const auto& x : m.messages()) messages.push_back({x.role(), x.content()});
-  if (messages.empty()) return absl::InvalidArgumentError("messages: the list is empty");
-  const std::string bos = tokenizer_->TokenText(tokenizer_->bos_id());
-  const std::string eos =
-      tokenizer_->eos_ids().empty() ? "" : tokenizer_->TokenText(tokenizer_->eos_ids()[0]);
-  IG_ASSIGN_OR_RETURN(ChatTemplate tmpl,
-                      ChatTemplate::FromJinja(tokenizer_->chat_template(), bos, eos));
-  return tmpl.Render(messages, /*add_generation_prompt=*/true);
+  return infinigen::RenderChat(*tokenizer_, messages);
 }
 
 absl::StatusOr<std::vector<int32_t>> WorkerService::PromptTokens(
@@ -88,10 +81,10 @@ absl::StatusOr<std::vector<int32_t>> WorkerService::PromptTokens(
         "this worker's model has no tokenizer files: send the prompt as token_ids");
   }
   switch (r.input_case()) {
-    case wv1::GenerateRequest::kText:
-      if (r.text().empty()) return absl::InvalidArgumentError("text: the prompt is empty");
-      ids = tokenizer_->Encode(r.text(), /*add_special=*/true);
+    case wv1::GenerateRequest::kText: {
+      IG_ASSIGN_OR_RETURN(ids, EncodeTextPrompt(*tokenizer_, r.text()));
       break;
+    }
     case wv1::GenerateRequest::kTokenIds:
       ids.assign(r.token_ids().ids().begin(), r.token_ids().ids().end());
       if (ids.empty()) return absl::InvalidArgumentError("token_ids: the prompt is empty");
@@ -104,54 +97,26 @@ absl::StatusOr<std::vector<int32_t>> WorkerService::PromptTokens(
     default:
       return absl::InvalidArgumentError("input: give one of text, token_ids or messages");
   }
-  int64_t limit = options_.max_prompt_tokens > 0 ? options_.max_prompt_tokens
-                                                 : model_.config().max_position_embeddings;
-  if (r.max_prompt_tokens() > 0) limit = std::min(limit, r.max_prompt_tokens());
-  if (static_cast<int64_t>(ids.size()) > limit) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the prompt has ", ids.size(), " tokens; the limit (max_prompt_tokens) is ", limit));
-  }
+  IG_RETURN_IF_ERROR(
+      CheckPromptLength(static_cast<int64_t>(ids.size()), options_.limits.max_prompt_tokens,
+                        model_.config().max_position_embeddings, r.max_prompt_tokens()));
   return ids;
 }
 
 absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateRequest& r) const {
-  GenerateOptions o;
-  const auto& s = r.sampling();
-  o.sampling.temperature = s.has_temperature() ? s.temperature() : 1.0f;
-  o.sampling.top_k = s.top_k();
-  o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
-  o.sampling.min_p = s.min_p();
-  o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
-  o.sampling.seed = s.seed();
-  o.logprobs = s.has_logprobs() ? s.logprobs() : -1;
-  o.prompt_logprobs = s.has_prompt_logprobs() ? s.prompt_logprobs() : -1;
-  const auto& stop = r.stopping();
-  o.max_new_tokens =
-      stop.has_max_new_tokens() ? stop.max_new_tokens() : options_.default_max_new_tokens;
-  if (o.max_new_tokens < 1 || o.max_new_tokens > options_.max_new_tokens_limit) {
-    return absl::InvalidArgumentError(absl::StrCat("stopping.max_new_tokens is ", o.max_new_tokens,
-                                                   "; it must be in [1, ",
-                                                   options_.max_new_tokens_limit, "]"));
-  }
-  o.stop_token_ids.assign(stop.stop_token_ids().begin(), stop.stop_token_ids().end());
+  IG_ASSIGN_OR_RETURN(GenerateOptions o,
+                      RequestOptions(r.sampling(), r.stopping(), options_.limits));
+  // What needs the model: ids inside its vocabulary, text to match stop strings against.
   for (int32_t id : o.stop_token_ids) {
-    if (id < 0 || id >= model_.config().vocab_size) {
+    if (id >= model_.config().vocab_size) {
       return absl::InvalidArgumentError(
           absl::StrCat("stopping.stop_token_ids: ", id, " is outside the vocabulary"));
     }
   }
-  o.ignore_eos = stop.ignore_eos();
-  o.min_tokens = stop.min_tokens();
-  for (const auto& [id, bias] : s.logit_bias()) o.logit_bias.emplace_back(id, bias);
-  std::sort(o.logit_bias.begin(), o.logit_bias.end());  // map order is unspecified
-  if (stop.stop_strings_size() > 0 && tokenizer_ == nullptr) {
+  if (r.stopping().stop_strings_size() > 0 && tokenizer_ == nullptr) {
     return absl::FailedPreconditionError(
         "stopping.stop_strings: this worker's model has no tokenizer files to match text against");
   }
-  IG_RETURN_IF_ERROR(ValidateStopStrings(
-      std::vector<std::string>(stop.stop_strings().begin(), stop.stop_strings().end()),
-      "stopping.stop_strings"));
-  IG_RETURN_IF_ERROR(o.Validate());
   return o;
 }
 
@@ -185,12 +150,13 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "this worker is draining; send the request to another worker");
   }
-  const int n = std::max(1, request->sampling().n());
-  if (request->sampling().n() < 0 || n > kMaxSamples) {
+  if (request->sampling().n() < 0 || request->sampling().n() > kMaxSamples) {
+    // RequestOptions says so too; the sizes below must not wait for it.
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("sampling.n is ", request->sampling().n(),
                                      "; it must be in [1, ", kMaxSamples, "] (0: 1)"));
   }
+  const int n = std::max(1, request->sampling().n());
   if (n > 1 && (request->resume_token_ids_size() > 0 || request->resume_store_sequence_id() != 0 ||
                 !request->session_id().empty())) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -293,14 +259,13 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
   }
 
   for (Sample& x : samples) {
-    x.stops.emplace(std::vector<std::string>(request->stopping().stop_strings().begin(),
-                                             request->stopping().stop_strings().end()),
-                    request->stopping().include_stop_str_in_output());
-    if (tokenizer_ == nullptr) continue;
-    x.decoder.emplace(*tokenizer_, request->skip_special_tokens());
-    // The text of resumed tokens was sent by the worker before, except what its stop-string
-    // filter still held back: replaying them leaves decoder and filter where that worker's were.
-    for (int32_t t : x.resumed) x.stops->Add(x.decoder->Add(t));
+    x.text.emplace(tokenizer_, request->skip_special_tokens(),
+                   std::vector<std::string>(request->stopping().stop_strings().begin(),
+                                            request->stopping().stop_strings().end()),
+                   request->stopping().include_stop_str_in_output());
+    // The text of resumed tokens was sent by the worker before, except what it still held
+    // back: replaying them leaves this text where that worker's was.
+    for (int32_t t : x.resumed) x.text->Add(t);
   }
   bool cancelled = false;
   absl::Status failed;  // the first sample that failed: the call fails with it
@@ -320,7 +285,7 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     }
     for (const auto& [index, e] : batch) {
       Sample& x = samples[index];
-      if (e.token >= 0 && !cancelled && failed.ok() && !x.stops->stopped()) {
+      if (e.token >= 0 && !cancelled && failed.ok() && !x.text->stopped()) {
         wv1::GenerateResponse r;
         r.set_index(index);
         r.add_token_ids(e.token);
@@ -332,9 +297,9 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
           ToProto(e.prompt_logprobs[j], *lp);
           lp->set_token_id(prompt_ids[j + 1]);
         }
-        if (x.decoder) r.set_text(x.stops->Add(x.decoder->Add(e.token)));
+        if (x.text->has_text()) r.set_text(x.text->Add(e.token));
         // A completed stop string ends the sample: the engine frees it at its next step.
-        if (x.stops->stopped()) engine_.Cancel(x.id);
+        if (x.text->stopped()) engine_.Cancel(x.id);
         if (!writer->Write(r)) {
           cancel_all();
           cancelled = true;
@@ -348,8 +313,8 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
         cancel_all();
       }
       if (cancelled || !failed.ok()) continue;
-      writer->Write(LastMessage(index, static_cast<int64_t>(x.resumed.size()), e,
-                                x.decoder ? &*x.decoder : nullptr, *x.stops, policy_name));
+      writer->Write(
+          LastMessage(index, static_cast<int64_t>(x.resumed.size()), e, *x.text, policy_name));
     }
   }
   if (cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled");
@@ -358,20 +323,15 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
 }
 
 wv1::GenerateResponse WorkerService::LastMessage(int index, int64_t resumed, const EngineEvent& e,
-                                                 IncrementalDecoder* decoder,
-                                                 StopStringFilter& stops,
-                                                 const std::string& policy_name) {
+                                                 SampleText& text, const std::string& policy_name) {
   const RequestUsage& u = e.usage;
   wv1::GenerateResponse last;
   last.set_index(index);
-  if (decoder != nullptr && !stops.stopped()) {
-    std::string tail = stops.Add(decoder->Finish());
-    last.set_text(tail + stops.Finish());
-  }
-  last.set_finish_reason(stops.stopped() ? infinigen::v1::FINISH_REASON_STOP
-                                         : ToProto(e.finish_reason));
-  if (stops.stopped()) {
-    last.mutable_stop()->set_stop_string(stops.matched());
+  if (text.has_text()) last.set_text(text.Finish());
+  last.set_finish_reason(text.stopped() ? infinigen::v1::FINISH_REASON_STOP
+                                        : ToProto(e.finish_reason));
+  if (text.stopped()) {
+    last.mutable_stop()->set_stop_string(text.matched_stop());
   } else if (e.finish_reason == FinishReason::kStop && e.stop_token >= 0) {
     last.mutable_stop()->set_token_id(e.stop_token);
   }
@@ -461,7 +421,7 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const wv1::InfoRequest*,
   r->set_head_dim(static_cast<int32_t>(c.head_dim));
   r->set_vocab_size(static_cast<int32_t>(c.vocab_size));
   r->set_max_context_tokens(c.max_position_embeddings);
-  r->set_max_new_tokens_limit(options_.max_new_tokens_limit);
+  r->set_max_new_tokens_limit(options_.limits.max_new_tokens_limit);
   r->set_max_running(options_.engine.max_running);
   r->set_max_queued(options_.engine.max_queued);
   const EngineStats s = engine_.Stats();

@@ -9,11 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "frontend/request_validation.h"
+#include "frontend/sample_text.h"
 #include "gpu_worker/engine/batch_engine.h"
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
-#include "gpu_worker/tokenizer/stop_strings.h"
 #include "gpu_worker/tokenizer/tokenizer.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 
@@ -28,10 +29,8 @@ struct WorkerServiceOptions {
   std::string kv_transport;
   SelectionConfig selection;  // the defaults requests start from
   SelectionLimits selection_limits;
-  int32_t default_max_new_tokens = 256;
-  int32_t max_new_tokens_limit = 4096;
-  int64_t max_prompt_tokens = 0;  // 0: the model's context
-  EngineConfig engine;            // as the engine was built (for Info)
+  RequestLimits limits = WorkerRequestLimits();
+  EngineConfig engine;  // as the engine was built (for Info)
   // InfiniGen's skew in the model's backend's memory, where the host cannot read it (a GPU):
   // the policies choose rows there (UploadPartialSkew).
   std::shared_ptr<const PartialSkewOnBackend> skew_on_backend;
@@ -45,7 +44,6 @@ struct WorkerLatencyMetrics {
 
 class WorkerService final : public worker::v1::Worker::Service {
  public:
-  static constexpr int kMaxSamples = 16;  // sampling.n
   // Everything passed in must outlive the service. `sidecar` may be null (no infinigen);
   // `tokenizer` may be null (a model without tokenizer files: token ids in, no text out).
   WorkerService(BatchEngine& engine, const Model& model, const Tokenizer* tokenizer,
@@ -64,11 +62,9 @@ class WorkerService final : public worker::v1::Worker::Service {
 
  private:
   // The last message of sample `index` (its finish, usage and timings; `resumed`: the tokens it
-  // streamed elsewhere), with the text its decoder and stop filter still held; observes the
-  // latency metrics.
+  // streamed elsewhere), with the text it still held back; observes the latency metrics.
   worker::v1::GenerateResponse LastMessage(int index, int64_t resumed, const EngineEvent& e,
-                                           IncrementalDecoder* decoder, StopStringFilter& stops,
-                                           const std::string& policy_name);
+                                           SampleText& text, const std::string& policy_name);
   absl::StatusOr<std::string> RenderChat(const infinigen::v1::ChatMessages& messages) const;
   absl::StatusOr<std::vector<int32_t>> PromptTokens(const worker::v1::GenerateRequest& r) const;
   absl::StatusOr<GenerateOptions> Options(const worker::v1::GenerateRequest& r) const;

@@ -8,27 +8,6 @@
 
 namespace infinigen {
 
-absl::Status SamplingParams::Validate() const {
-  if (!(temperature >= 0.0f) || !std::isfinite(temperature)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("temperature must be a finite number >= 0 (0 = greedy), got ", temperature));
-  }
-  if (top_k < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0 (0 = off), got ", top_k));
-  }
-  if (!(top_p > 0.0f && top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", top_p));
-  }
-  if (!(min_p >= 0.0f && min_p <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("min_p must be in [0, 1], got ", min_p));
-  }
-  if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "repetition_penalty must be a finite number > 0 (1 = off), got ", repetition_penalty));
-  }
-  return absl::OkStatus();
-}
-
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
                     std::span<const int32_t> history, uint64_t position, SamplingScratch& scratch) {
   const int64_t vocab = static_cast<int64_t>(logits.size());

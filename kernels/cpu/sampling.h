@@ -8,22 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "absl/status/status.h"
+#include "kernels/cpu/sampling_params.h"
 
 namespace infinigen {
-
-struct SamplingParams {
-  float temperature = 1.0f;         // 0 = greedy (argmax, lowest id on ties)
-  int32_t top_k = 0;                // 0 = off
-  float top_p = 1.0f;               // 1 = off
-  float min_p = 0.0f;               // 0 = off
-  float repetition_penalty = 1.0f;  // 1 = off; > 1 discourages tokens already in the sequence
-  uint64_t seed = 0;
-
-  bool greedy() const { return temperature == 0.0f; }
-  // INVALID_ARGUMENT naming the field and its allowed range.
-  absl::Status Validate() const;
-};
 
 // Reusable buffers so that sampling allocates nothing in steady state.
 struct SamplingScratch {

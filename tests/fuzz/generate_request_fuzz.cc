@@ -1,7 +1,7 @@
 // libFuzzer target for the public GenerateRequest as bytes, through what the router does before
 // it queues a request: the UTF-8 scan of the string fields on the wire (common/grpc/utf8_scan.h,
 // which names the bad field where protobuf would only fail), the parse, and the validation
-// (router/request_validation.h). Properties: the scan finds an invalid field exactly when the
+// (frontend/request_validation.h). Properties: the scan finds an invalid field exactly when the
 // bytes are a well-formed message that protobuf refuses for its UTF-8 (a message that parses
 // has no invalid field); a request that validates has one non-empty input within the limits,
 // and validates again after a serialize / parse round trip. Under ASan and UBSan.
@@ -12,7 +12,7 @@
 #include <string_view>
 
 #include "common/grpc/utf8_scan.h"
-#include "router/request_validation.h"
+#include "frontend/request_validation.h"
 
 // Protobuf logs every string it refuses; the fuzzer makes millions.
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

@@ -1,6 +1,6 @@
 // StopStringFilter: stop strings split across deltas are found, text that might begin one is
 // held back and released when it does not, and nothing is sent after a stop.
-#include "gpu_worker/tokenizer/stop_strings.h"
+#include "frontend/stop_strings.h"
 
 #include <gtest/gtest.h>
 

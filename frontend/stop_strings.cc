@@ -1,4 +1,4 @@
-#include "gpu_worker/tokenizer/stop_strings.h"
+#include "frontend/stop_strings.h"
 
 #include <algorithm>
 
