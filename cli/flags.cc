@@ -28,6 +28,11 @@ void FlagSet::Int(const std::string& name, int64_t* value, const std::string& he
                     [value](const std::string& v) { return absl::SimpleAtoi(v, value); }});
 }
 
+void FlagSet::Int(const std::string& name, int32_t* value, const std::string& help) {
+  flags_.push_back({name, help, "N", absl::StrCat(*value),
+                    [value](const std::string& v) { return absl::SimpleAtoi(v, value); }});
+}
+
 void FlagSet::Float(const std::string& name, double* value, const std::string& help) {
   flags_.push_back({name, help, "X", absl::StrCat(*value),
                     [value](const std::string& v) { return absl::SimpleAtod(v, value); }});

@@ -17,6 +17,8 @@ class FlagSet {
 
   void String(const std::string& name, std::string* value, const std::string& help);
   void Int(const std::string& name, int64_t* value, const std::string& help);
+  // A value outside int32's range is an error naming the flag (not a silent wrap).
+  void Int(const std::string& name, int32_t* value, const std::string& help);
   void Float(const std::string& name, double* value, const std::string& help);
   void Bool(const std::string& name, bool* value, const std::string& help);
 

@@ -74,6 +74,32 @@ TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
   }
 }
 
+#if INFINIGEN_TEST_HAVE_SERVICES
+// `infinigen serve` takes the service binaries' flags as they spell them (underscores) as well as
+// its own dashes, validates them with the binaries' checks (--check-flags: without loading the
+// model), and refuses a value that does not fit its field instead of wrapping it.
+TEST(Cli, ServeChecksItsFlagsAsTheServiceBinariesDo) {
+  CommandResult ok = Infinigen(
+      "serve --model /no/such/model --check_flags --max_new_tokens_limit=240 "
+      "--max-streams-per-key=2 --requests_per_second_per_key=5 --http_max_connections=8 "
+      "--max_sessions=4 --session-ttl-seconds=30");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--max-new-tokens-limit=99999999999", "--max-new-tokens-limit"},
+      {"--max_new_tokens_limit=240 --default_max_new_tokens=300", "default_max_new_tokens"},
+      {"--max-streams-per-key=-1", "max_streams"},
+      {"--max_sessions=-1", "max_sessions"},
+      {"--max-prompt-tokens=-5", "max_prompt_tokens"},
+  };
+  for (const auto& [args, named] : refused) {
+    CommandResult r = Infinigen("serve --model /no/such/model --check-flags " + args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
+    EXPECT_NE(r.err.find(named), std::string::npos) << args << ": " << r.err;
+    EXPECT_EQ(Lines(r.err), 1) << args << ": " << r.err;
+  }
+}
+#endif
+
 TEST(Cli, CudaLibrariesLoadOnlyForTheCudaDevice) {
   // The CUDA backend is a plugin (gpu_worker/backend/cuda_plugin.h): a CPU run maps none of
   // CUDA's libraries (glibc's loader lists every library it opens under LD_DEBUG=files).
