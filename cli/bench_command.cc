@@ -31,7 +31,7 @@ int RunBench(int argc, char** argv) {
   std::string model_path;
   int64_t prompt_tokens = 512, gen_tokens = 128, repetitions = 3;
   BackendFlags backend_flags;
-  FlagSet flags("bench", "--model PATH [flags]",
+  FlagSet flags("infinigen bench", "--model PATH [flags]",
                 "Measures prefill and decode throughput the way llama-bench does (pp: one "
                 "prompt of random tokens from an empty cache; tg: single-token steps from an "
                 "empty cache), best of the repetitions, and prints one JSON line with the peak "

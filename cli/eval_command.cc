@@ -45,7 +45,7 @@ int RunEval(int argc, char** argv) {
   bool through_store = false;
   bool no_recall = false;
   BackendFlags backend_flags;
-  FlagSet flags("eval", "--model PATH --corpus FILE [flags]",
+  FlagSet flags("infinigen eval", "--model PATH --corpus FILE [flags]",
                 "Measures selection policies against dense attention: perplexity of each "
                 "window's last --eval-tokens tokens decoded one by one with the policy, KV rows "
                 "read, attention-mass recall vs the oracle, greedy agreement and passkey "

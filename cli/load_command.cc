@@ -185,7 +185,7 @@ int RunLoad(int argc, char** argv) {
   int64_t streams = 16, max_errors = -1;
   double seconds = 20;
   std::string api = "public", json_path;
-  FlagSet flags("load", "[--server HOST:PORT] --streams N --seconds T",
+  FlagSet flags("infinigen load", "[--server HOST:PORT] --streams N --seconds T",
                 "Drives N concurrent streams of Generate requests for T seconds and reports "
                 "requests/s, tokens/s, time to first token, time between tokens and errors.");
   connection.Register(flags);

@@ -1,25 +1,11 @@
 #include "cli/loaded_model.h"
 
 #include "common/status_macros.h"
+#include "gpu_worker/model/backend_flags.h"
 
 namespace infinigen::cli {
 
-void BackendFlags::Register(FlagSet& flags) {
-  flags.String("device", &device, "where the model runs: cpu or cuda (GPU 0)");
-  flags.String("cuda-dtype", &cuda_dtype,
-               "storage of activations, weights and K/V on the GPU: bf16, f16 or f32 (exact)");
-  flags.Int("threads", &threads, "CPU threads (0 = all cores)");
-  flags.String(
-      "cpu-weights", &cpu_weights,
-      "weight storage on the CPU: f32 (exact), bf16, q8 (faster decode) or q4_1 (a GGUF "
-      "file's Q4_0/Q4_1/Q4_K matrices' values as they are, the others q8: fastest decode)");
-  flags.String("cpu-kv", &cpu_kv,
-               "K/V storage on the CPU: f32 (exact) or bf16 (half the bytes a long-context decode "
-               "step reads)");
-  flags.Bool("batch-invariant", &batch_invariant,
-             "a sequence's logits do not depend on the sequences batched with it (CPU; false: "
-             "OpenBLAS for prefill, faster, batch-dependent rounding)");
-}
+void BackendFlags::Register(FlagSet& flags) { RegisterBackendFlags(flags, *this); }
 
 void SamplingFlags::Register(FlagSet& flags) {
   flags.Int("max-tokens", &max_tokens, "most tokens to generate");

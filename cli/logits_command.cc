@@ -13,7 +13,7 @@ namespace infinigen::cli {
 int RunLogits(int argc, char** argv) {
   std::string model_path, token_ids, out;
   BackendFlags backend_flags;
-  FlagSet flags("logits", "--model PATH --token-ids 1,2,3 --out FILE.npy",
+  FlagSet flags("infinigen logits", "--model PATH --token-ids 1,2,3 --out FILE.npy",
                 "Runs the tokens through the model in one pass and writes the final logits at "
                 "every position as a float32 .npy of shape [num_tokens, vocab_size].");
   flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");

@@ -47,7 +47,7 @@ int RunPrepare(int argc, char** argv) {
   bool rope_pairs = true;
   std::string channel_rule = "product";
   BackendFlags backend_flags;
-  FlagSet flags("prepare", "--model PATH [flags]",
+  FlagSet flags("infinigen prepare", "--model PATH [flags]",
                 "Computes InfiniGen's skew and partial channels for a model from a dense prefill "
                 "of a calibration text and writes them to a sidecar file next to the model.");
   flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");

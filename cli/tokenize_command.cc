@@ -12,7 +12,7 @@ namespace infinigen::cli {
 int RunTokenize(int argc, char** argv) {
   std::string path, text;
   bool jsonl = false, add_special = false, decode = false, skip_special = false;
-  FlagSet flags("tokenize", "--tokenizer PATH (--jsonl | --text TEXT) [flags]",
+  FlagSet flags("infinigen tokenize", "--tokenizer PATH (--jsonl | --text TEXT) [flags]",
                 "Encodes text to token ids, or with --decode ids to text. With --jsonl, reads one "
                 "JSON value per line on stdin (a string to encode, or an array of ids to decode) "
                 "and prints one JSON value per line.");

@@ -14,9 +14,12 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
@@ -996,21 +999,47 @@ TEST_F(RouterProcess, BoundedLoadThroughTheRouterHasNoErrors) {
   EXPECT_GT(j["requests_ok"].get<int>(), 16) << j.dump();
 }
 
-// `--help` on each service binary lists its own flags (absl's default filter matched none).
-TEST(Binaries, HelpListsTheirOwnFlags) {
-  for (const auto& [binary, flag] :
-       {std::pair<std::string, std::string>{"infinigen-router", "--api_keys_file"},
-        {"infinigen-worker", "--kv_transport"},
-        {"infinigen-kvstore", "--capacity_mb"}}) {
-    FILE* p = popen((testing::BinaryPath(binary) + " --help 2>&1").c_str(), "r");
-    ASSERT_NE(p, nullptr);
-    std::string out;
-    char buf[4096];
-    for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
-    pclose(p);
-    EXPECT_NE(out.find(flag), std::string::npos) << binary << " --help:\n" << out;
-    EXPECT_NE(out.find("--listen"), std::string::npos) << binary;
+// The flags a program's --help lists ("  --name"), without their dashes.
+std::set<std::string> HelpFlags(const std::string& command) {
+  FILE* p = popen((command + " --help 2>&1").c_str(), "r");
+  EXPECT_NE(p, nullptr) << command;
+  if (p == nullptr) return {};
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+  pclose(p);
+  std::set<std::string> flags;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (!absl::ConsumePrefix(&line, "  --")) continue;
+    flags.emplace(line.substr(0, line.find_first_of(" ")));
   }
+  return flags;
+}
+
+// One flag system: each service binary's --help lists its own flags, and `infinigen serve`
+// (router + worker in one process) takes every serving flag of both under the same name, but
+// for what only a split deployment has (workers to reach, the store's address and transport)
+// and the worker's queue (--max-queued-worker: --max-queued is the router's).
+TEST(Binaries, HelpListsTheirFlagsAndServeTakesTheirServingFlags) {
+  const std::set<std::string> router = HelpFlags(testing::BinaryPath("infinigen-router"));
+  const std::set<std::string> worker = HelpFlags(testing::BinaryPath("infinigen-worker"));
+  const std::set<std::string> kvstore = HelpFlags(testing::BinaryPath("infinigen-kvstore"));
+  const std::set<std::string> serve = HelpFlags(testing::BinaryPath("infinigen") + " serve");
+  EXPECT_TRUE(router.count("api-keys-file") && router.count("listen")) << router.size();
+  EXPECT_TRUE(worker.count("kv-transport") && worker.count("listen")) << worker.size();
+  EXPECT_TRUE(kvstore.count("capacity-mb") && kvstore.count("listen")) << kvstore.size();
+  EXPECT_GT(serve.size(), 40u);
+  const std::set<std::string> router_only = {"workers", "worker-tls-ca", "health-interval-ms"};
+  const std::set<std::string> worker_only = {"kv-transport",     "kv-store",
+                                             "kv-store-tls-ca",  "kv-append-linger-ms",
+                                             "kv-device-gather", "hold-loading-ms"};
+  for (const std::string& f : router) {
+    if (!router_only.count(f)) EXPECT_TRUE(serve.count(f)) << "serve lacks the router's --" << f;
+  }
+  for (const std::string& f : worker) {
+    if (!worker_only.count(f)) EXPECT_TRUE(serve.count(f)) << "serve lacks the worker's --" << f;
+  }
+  EXPECT_TRUE(serve.count("max-queued-worker"));
 }
 
 TEST(ServeProcess, AllInOneServesThePublicApiAndABoundedLoad) {
