@@ -27,7 +27,8 @@ int RunClient(int argc, char** argv) {
   int64_t timeout_s = 600;
   double budget = 0.0;
   bool print_ids = false, info = false, tokenize = false;
-  FlagSet flags("infinigen client", "[--server HOST:PORT] (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
+  FlagSet flags("infinigen client",
+                "[--server HOST:PORT] (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
                 "Generates through a server's public API and streams the text to stdout "
                 "(token ids with --ids); usage and timings go to stderr.");
   connection.Register(flags);

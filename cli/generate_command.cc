@@ -45,7 +45,8 @@ int RunGenerate(int argc, char** argv) {
   SamplingFlags sampling;
   bool print_ids = false;
   BackendFlags backend_flags;
-  FlagSet flags("infinigen generate", "--model PATH (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
+  FlagSet flags("infinigen generate",
+                "--model PATH (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
                 "Generates a continuation with the model on the CPU and streams the text to "
                 "stdout (token ids with --ids). Statistics go to stderr.");
   flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");
