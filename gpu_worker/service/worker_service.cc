@@ -150,13 +150,11 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "this worker is draining; send the request to another worker");
   }
-  if (request->sampling().n() < 0 || request->sampling().n() > kMaxSamples) {
-    // RequestOptions says so too; the sizes below must not wait for it.
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("sampling.n is ", request->sampling().n(),
-                                     "; it must be in [1, ", kMaxSamples, "] (0: 1)"));
-  }
-  const int n = std::max(1, request->sampling().n());
+  // The options first: they check sampling.n, which sizes what follows.
+  auto checked = Options(*request);
+  if (!checked.ok()) return ToGrpcStatus(checked.status());
+  const GenerateOptions options = std::move(*checked);
+  const int n = std::max(1, request->sampling().n());  // in [1, kMaxSamples]
   if (n > 1 && (request->resume_token_ids_size() > 0 || request->resume_store_sequence_id() != 0 ||
                 !request->session_id().empty())) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -178,16 +176,12 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
     resumed[r.index()] = &r;
   }
   std::vector<int32_t> prompt;
-  GenerateOptions options;
   std::unique_ptr<KvSelectionPolicy> first_policy;  // the first submitted sample's
   std::string policy_name;
   {
     auto p = PromptTokens(*request);
     if (!p.ok()) return ToGrpcStatus(p.status());
     prompt = std::move(*p);
-    auto o = Options(*request);
-    if (!o.ok()) return ToGrpcStatus(o.status());
-    options = *o;
     auto policy = Policy(*request);
     if (!policy.ok()) return ToGrpcStatus(policy.status());
     first_policy = std::move(*policy);
