@@ -8,7 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/loaded_model.h"
+#include "cli/sampling_flags.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
 
@@ -30,7 +30,7 @@ double PeakRssMiB() {
 int RunBench(int argc, char** argv) {
   std::string model_path;
   int64_t prompt_tokens = 512, gen_tokens = 128, repetitions = 3;
-  BackendFlags backend_flags;
+  BackendSpec backend;
   FlagSet flags("infinigen bench", "--model PATH [flags]",
                 "Measures prefill and decode throughput the way llama-bench does (pp: one "
                 "prompt of random tokens from an empty cache; tg: single-token steps from an "
@@ -40,7 +40,7 @@ int RunBench(int argc, char** argv) {
   flags.Int("prompt-tokens", &prompt_tokens, "tokens in the prefill test (0 = skip)");
   flags.Int("gen-tokens", &gen_tokens, "decode steps in the generation test (0 = skip)");
   flags.Int("repetitions", &repetitions, "runs of each test; the best is reported");
-  backend_flags.Register(flags);
+  RegisterBackendFlags(flags, backend);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("bench", parsed.status());
   if (!*parsed) return 0;
@@ -53,7 +53,7 @@ int RunBench(int argc, char** argv) {
                                                   "--repetitions >= 1"));
   }
   const double t_load = Now();
-  auto loaded = LoadModel(model_path, backend_flags);
+  auto loaded = LoadModel(model_path, backend);
   if (!loaded.ok()) return ReportError("bench", loaded.status());
   const double load_seconds = Now() - t_load;
   Model& model = *loaded->model;
@@ -101,7 +101,7 @@ int RunBench(int argc, char** argv) {
       "{\"engine\": \"infinigen\", \"backend\": \"%s\", \"threads\": %d, \"prompt_tokens\": %d, "
       "\"gen_tokens\": %d, \"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, "
       "\"load_seconds\": %.3f, \"peak_rss_mib\": %.1f}\n",
-      model.backend().Name(), backend_flags.threads, prompt_tokens, gen_tokens, best_pp, best_tg,
+      model.backend().Name(), backend.threads, prompt_tokens, gen_tokens, best_pp, best_tg,
       load_seconds, PeakRssMiB());
   return 0;
 }

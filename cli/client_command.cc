@@ -8,7 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/loaded_model.h"
+#include "cli/sampling_flags.h"
 #include "cli/server_connection.h"
 #include "common/grpc/status.h"
 #include "infinigen/v1/generation.grpc.pb.h"

@@ -8,7 +8,7 @@
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/loaded_model.h"
+#include "cli/sampling_flags.h"
 #include "gpu_worker/infinigen/eval.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
@@ -44,7 +44,7 @@ int RunEval(int argc, char** argv) {
   double kv_pool = 0.0;
   bool through_store = false;
   bool no_recall = false;
-  BackendFlags backend_flags;
+  BackendSpec backend;
   FlagSet flags("infinigen eval", "--model PATH --corpus FILE [flags]",
                 "Measures selection policies against dense attention: perplexity of each "
                 "window's last --eval-tokens tokens decoded one by one with the policy, KV rows "
@@ -74,7 +74,7 @@ int RunEval(int argc, char** argv) {
              "decode over a KV store in this process, as the worker does (StoreKvCache)");
   flags.Bool("no-recall", &no_recall, "skip the attention-mass recall measurement (faster)");
   flags.String("json", &json_out, "also write the results to this JSON file");
-  backend_flags.Register(flags);
+  RegisterBackendFlags(flags, backend);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("eval", parsed.status());
   if (!*parsed) return 0;
@@ -103,7 +103,7 @@ int RunEval(int argc, char** argv) {
     options.kv_pool.capacity_fraction = kv_pool;
     options.kv_pool.eviction = *ev;
   }
-  auto loaded = LoadModel(model_path, backend_flags);
+  auto loaded = LoadModel(model_path, backend);
   if (!loaded.ok()) return fail(loaded.status());
   auto tokenizer = LoadTokenizer(*loaded->checkpoint);
   if (!tokenizer.ok()) return fail(tokenizer.status());

@@ -5,7 +5,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/loaded_model.h"
+#include "cli/sampling_flags.h"
 #include "common/status_macros.h"
 #include "frontend/prompt.h"
 #include "frontend/sample_text.h"
@@ -44,7 +44,7 @@ int RunGenerate(int argc, char** argv) {
   std::string model_path, prompt_ids, prompt, chat, chat_format;
   SamplingFlags sampling;
   bool print_ids = false;
-  BackendFlags backend_flags;
+  BackendSpec backend;
   FlagSet flags("infinigen generate",
                 "--model PATH (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
                 "Generates a continuation with the model on the CPU and streams the text to "
@@ -59,7 +59,7 @@ int RunGenerate(int argc, char** argv) {
   flags.String("prompt-ids", &prompt_ids, "prompt as comma-separated token ids");
   sampling.Register(flags);
   flags.Bool("ids", &print_ids, "print the generated token ids as a JSON array, not text");
-  backend_flags.Register(flags);
+  RegisterBackendFlags(flags, backend);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("generate", parsed.status());
   if (!*parsed) return 0;
@@ -71,7 +71,7 @@ int RunGenerate(int argc, char** argv) {
   if (!sampling_options.ok()) return ReportError("generate", sampling_options.status());
   GenerateOptions options = *sampling_options;
 
-  auto loaded = LoadModel(model_path, backend_flags);
+  auto loaded = LoadModel(model_path, backend);
   if (!loaded.ok()) return ReportError("generate", loaded.status());
   std::unique_ptr<Tokenizer> tokenizer;
   if (prompt_ids.empty() || !print_ids) {

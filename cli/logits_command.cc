@@ -3,7 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/loaded_model.h"
+#include "cli/sampling_flags.h"
 #include "common/npy.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
@@ -12,14 +12,14 @@ namespace infinigen::cli {
 
 int RunLogits(int argc, char** argv) {
   std::string model_path, token_ids, out;
-  BackendFlags backend_flags;
+  BackendSpec backend;
   FlagSet flags("infinigen logits", "--model PATH --token-ids 1,2,3 --out FILE.npy",
                 "Runs the tokens through the model in one pass and writes the final logits at "
                 "every position as a float32 .npy of shape [num_tokens, vocab_size].");
   flags.String("model", &model_path, "model folder (config.json + safetensors) or .gguf file");
   flags.String("token-ids", &token_ids, "comma-separated token ids");
   flags.String("out", &out, "output .npy file");
-  backend_flags.Register(flags);
+  RegisterBackendFlags(flags, backend);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("logits", parsed.status());
   if (!*parsed) return 0;
@@ -32,7 +32,7 @@ int RunLogits(int argc, char** argv) {
   }
   auto ids = ParseIdList(token_ids, "token-ids");
   if (!ids.ok()) return ReportError("logits", ids.status());
-  auto loaded = LoadModel(model_path, backend_flags);
+  auto loaded = LoadModel(model_path, backend);
   if (!loaded.ok()) return ReportError("logits", loaded.status());
   Model& model = *loaded->model;
   const int64_t n = static_cast<int64_t>(ids->size());

@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/loaded_model.h"
+#include "cli/sampling_flags.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/sidecar.h"
 
@@ -46,7 +46,7 @@ int RunPrepare(int argc, char** argv) {
   bool no_skew = false;
   bool rope_pairs = true;
   std::string channel_rule = "product";
-  BackendFlags backend_flags;
+  BackendSpec backend;
   FlagSet flags("infinigen prepare", "--model PATH [flags]",
                 "Computes InfiniGen's skew and partial channels for a model from a dense prefill "
                 "of a calibration text and writes them to a sidecar file next to the model.");
@@ -66,7 +66,7 @@ int RunPrepare(int argc, char** argv) {
   flags.String("channel-rule", &channel_rule,
                "partial channel ranking: product (mean|QA| x mean|KA|, the default) or sum "
                "(Σ|QA| + Σ|KA|, the paper's)");
-  backend_flags.Register(flags);
+  RegisterBackendFlags(flags, backend);
   auto parsed = flags.Parse(argc, argv);
   if (!parsed.ok()) return ReportError("prepare", parsed.status());
   if (!*parsed) return 0;
@@ -79,7 +79,7 @@ int RunPrepare(int argc, char** argv) {
   if (calibration.empty()) calibration = DefaultBookPath();
   auto text = ReadTextFile(calibration, "calibration text");
   if (!text.ok()) return ReportError("prepare", text.status());
-  auto loaded = LoadModel(model_path, backend_flags);
+  auto loaded = LoadModel(model_path, backend);
   if (!loaded.ok()) return ReportError("prepare", loaded.status());
   auto tokenizer = LoadTokenizer(*loaded->checkpoint);
   if (!tokenizer.ok()) return ReportError("prepare", tokenizer.status());

@@ -1,11 +1,8 @@
-#include "cli/loaded_model.h"
+#include "cli/sampling_flags.h"
 
 #include "common/status_macros.h"
-#include "gpu_worker/model/backend_flags.h"
 
 namespace infinigen::cli {
-
-void BackendFlags::Register(FlagSet& flags) { RegisterBackendFlags(flags, *this); }
 
 void SamplingFlags::Register(FlagSet& flags) {
   flags.Int("max-tokens", &max_tokens, "most tokens to generate");

@@ -1,6 +1,6 @@
-// The flags that pick the backend a command loads its model onto (gpu_worker/model/
-// loaded_model.h), and the sampling flags of the commands that generate (locally or through a
-// server).
+// The sampling flags of the commands that generate (locally or through a server). The commands
+// that run a model take the backend's flags from gpu_worker/model/backend_flags.h (included
+// here for them) and load it with gpu_worker/model/loaded_model.h.
 #pragma once
 
 #include <memory>
@@ -9,15 +9,10 @@
 #include "absl/status/statusor.h"
 #include "cli/flags.h"
 #include "gpu_worker/engine/generator.h"
+#include "gpu_worker/model/backend_flags.h"
 #include "gpu_worker/model/loaded_model.h"
 
 namespace infinigen::cli {
-
-// --device, --threads, --cpu-weights, --cpu-kv, --cuda-dtype and --batch-invariant, shared by
-// every command that runs the model.
-struct BackendFlags : BackendSpec {
-  void Register(FlagSet& flags);
-};
 
 // --max-tokens, --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed,
 // --ignore-eos.
