@@ -10,6 +10,8 @@
 #include "common/dtype.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 #include "kernels/cpu/row_gemm.h"
 
 namespace infinigen::cpu {
@@ -20,6 +22,10 @@ struct Problem {
   std::vector<uint16_t> w_bf16;
   std::vector<int8_t> qs;
   std::vector<float> scales;
+  // Q4_1 of w, and Q5_1 blocks of random 5-bit values (what a file's Q5_0 matrix becomes).
+  std::vector<uint8_t> q4_qs, q5_qs;
+  std::vector<uint32_t> q5_qh;
+  std::vector<float> q4_d, q4_m, q5_d, q5_m;
   int64_t n, k;
 
   Problem(int64_t n_, int64_t k_) : n(n_), k(k_) {
@@ -35,6 +41,21 @@ struct Problem {
     qs.resize(n * k);
     scales.resize(n * k / kQ8Block);
     QuantizeQ8(w.data(), n, k, qs.data(), scales.data());
+    const int64_t blocks = n * k / kQ4Block;
+    q4_qs.resize(n * k / 2);
+    q4_d.resize(blocks);
+    q4_m.resize(blocks);
+    QuantizeQ4_1(w.data(), n, k, q4_qs.data(), q4_d.data(), q4_m.data());
+    q5_qs.resize(n * k / 2);
+    q5_qh.resize(blocks);
+    q5_d.resize(blocks);
+    q5_m.resize(blocks);
+    for (auto& b : q5_qs) b = static_cast<uint8_t>(rng());
+    for (int64_t b = 0; b < blocks; ++b) {
+      q5_qh[b] = static_cast<uint32_t>(rng());
+      q5_d[b] = 0.01f;
+      q5_m[b] = -0.16f;
+    }
   }
 };
 
@@ -87,6 +108,26 @@ void BM_GemvRowsQ8(benchmark::State& state) {
     benchmark::DoNotOptimize(p.y.data());
   }
   SetBytes(state, p.n * p.k + p.n * p.k / kQ8Block * 4);
+}
+
+void BM_GemvRowsQ4_1(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  const Q4_1Matrix m{p.q4_qs.data(), p.q4_d.data(), p.q4_m.data(), p.n, p.k};
+  for (auto _ : state) {
+    GemmRowsQ4_1(p.x.data(), p.k, m, nullptr, p.y.data(), p.n, 1, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k / 2 + p.n * p.k / kQ4Block * 8);
+}
+
+void BM_GemvRowsQ5_1(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  const Q5_1Matrix m{p.q5_qs.data(), p.q5_qh.data(), p.q5_d.data(), p.q5_m.data(), p.n, p.k};
+  for (auto _ : state) {
+    GemmRowsQ5_1(p.x.data(), p.k, m, nullptr, p.y.data(), p.n, 1, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k / 2 + p.n * p.k / kQ5Block * 12);
 }
 
 void BM_GemvQ8(benchmark::State& state) {
@@ -182,6 +223,8 @@ BENCHMARK(BM_GemvBf16) SHAPES;
 BENCHMARK(BM_GemvRowsF32) SHAPES;
 BENCHMARK(BM_GemvRowsBf16) SHAPES;
 BENCHMARK(BM_GemvRowsQ8) SHAPES;
+BENCHMARK(BM_GemvRowsQ4_1) SHAPES;
+BENCHMARK(BM_GemvRowsQ5_1) SHAPES;
 BENCHMARK(BM_GemvQ8) SHAPES;
 BENCHMARK(BM_ReadBandwidth) SHAPES;
 

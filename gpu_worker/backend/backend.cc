@@ -18,6 +18,8 @@ const char* WeightFormatName(WeightFormat f) {
       return "q8";
     case WeightFormat::kQ4_1:
       return "q4_1";
+    case WeightFormat::kQ5_1:
+      return "q5_1";
   }
   return "?";
 }

@@ -83,9 +83,13 @@ enum class WeightFormat : uint8_t {
   kF16,
   kBF16,
   kQ8,  // int8 with one float32 scale per 32 weights of a row (kernels/cpu/packed_gemm.h)
-  // GGUF's Q4_1 (kernels/cpu/q4_1.h) for the matrices a checkpoint stores in Q4_1, kept as the
-  // file has them; q8 for every other matrix.
+  // A GGUF file's 4- and 5-bit matrices kept as the file has them: GGUF's Q4_1
+  // (kernels/cpu/q4_1.h) for Q4_0, Q4_1 and Q4_K, Q5_1 (kernels/cpu/q5_1.h) for Q5_0, Q5_1 and
+  // Q5_K; q8 for every other matrix. As an option, what a backend keeps; as a weight's format,
+  // one in Q4_1 blocks.
   kQ4_1,
+  // A weight in Q5_1 blocks (chosen per matrix under kQ4_1, never as an option).
+  kQ5_1,
 };
 const char* WeightFormatName(WeightFormat f);
 
@@ -104,6 +108,11 @@ class StoredWeight {
   virtual bool ConvertsToQ4_1() const { return false; }
   virtual void ToQ4_1(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*qs*/, float* /*d*/,
                       float* /*m*/) const {}
+  // The same for Q5_1 blocks (kernels/cpu/q5_1.h: the Q4_1 ones and the file's Q5_0, Q5_1 and
+  // Q5_K blocks).
+  virtual bool ConvertsToQ5_1() const { return false; }
+  virtual void ToQ5_1(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*qs*/, uint32_t* /*qh*/,
+                      float* /*d*/, float* /*m*/) const {}
 };
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 

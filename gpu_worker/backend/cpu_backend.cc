@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 #include "kernels/cpu/row_gemm.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
@@ -64,6 +65,21 @@ cpu::Q4_1Matrix Q4View(const Weight& w) {
   return {base, d, d + w.rows * w.cols / cpu::kQ4Block, w.rows, w.cols};
 }
 
+// A Q5_1 weight's buffer holds the low nibbles (16 bytes a block), then (64-byte aligned) the
+// blocks' fifth bits (a 32-bit word each), then their scales, then their minimums.
+size_t Q5BitsOffset(int64_t rows, int64_t cols) { return (rows * cols / 2 + 63) / 64 * 64; }
+size_t Q5ScalesOffset(int64_t rows, int64_t cols) {
+  return Q5BitsOffset(rows, cols) + (rows * cols / cpu::kQ5Block * 4 + 63) / 64 * 64;
+}
+
+cpu::Q5_1Matrix Q5View(const Weight& w) {
+  const auto* base = static_cast<const uint8_t*>(w.data());
+  const auto* d = reinterpret_cast<const float*>(base + Q5ScalesOffset(w.rows, w.cols));
+  return {base,   reinterpret_cast<const uint32_t*>(base + Q5BitsOffset(w.rows, w.cols)),
+          d,      d + w.rows * w.cols / cpu::kQ5Block,
+          w.rows, w.cols};
+}
+
 }  // namespace
 
 CpuBackend::CpuBackend(const CpuBackendOptions& options) : options_(options) {
@@ -85,7 +101,7 @@ void CpuBackend::ReleaseThreads() {
 }
 
 std::string CpuBackend::Name() const {
-  const WeightFormat ran = options_.weight_format == WeightFormat::kQ4_1 && !kept_q4_1_.load()
+  const WeightFormat ran = options_.weight_format == WeightFormat::kQ4_1 && !kept_blocks_.load()
                                ? WeightFormat::kQ8
                                : options_.weight_format;
   return absl::StrCat("cpu-", WeightFormatName(ran),
@@ -155,8 +171,11 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
   w.rows = rows;
   w.cols = cols;
   w.format = rows == 1 ? WeightFormat::kF32 : options_.weight_format;
-  if (w.format == WeightFormat::kQ4_1 && !stored.ConvertsToQ4_1()) w.format = WeightFormat::kQ8;
-  if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1) &&
+  if (w.format == WeightFormat::kQ4_1 && !stored.ConvertsToQ4_1()) {
+    w.format = stored.ConvertsToQ5_1() ? WeightFormat::kQ5_1 : WeightFormat::kQ8;
+  }
+  if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1 ||
+       w.format == WeightFormat::kQ5_1) &&
       cols % cpu::kQ8Block != 0) {
     w.format = WeightFormat::kF32;
   }
@@ -166,6 +185,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
   if (w.format == WeightFormat::kBF16) bytes = n * 2;
   if (w.format == WeightFormat::kQ8) bytes = Q8ScalesOffset(rows, cols) + n / cpu::kQ8Block * 4;
   if (w.format == WeightFormat::kQ4_1) bytes = Q4ScalesOffset(rows, cols) + n / cpu::kQ4Block * 8;
+  if (w.format == WeightFormat::kQ5_1) bytes = Q5ScalesOffset(rows, cols) + n / cpu::kQ5Block * 8;
   auto buf = Allocate(bytes);
   if (!buf.ok()) return buf.status();
   w.buffer = std::move(*buf);
@@ -175,10 +195,17 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
     return w;
   }
   if (w.format == WeightFormat::kQ4_1) {
-    kept_q4_1_.store(true);
+    kept_blocks_.store(true);
     const cpu::Q4_1Matrix q = Q4View(w);
     stored.ToQ4_1(0, rows, const_cast<uint8_t*>(q.qs), const_cast<float*>(q.d),
                   const_cast<float*>(q.m));
+    return w;
+  }
+  if (w.format == WeightFormat::kQ5_1) {
+    kept_blocks_.store(true);
+    const cpu::Q5_1Matrix q = Q5View(w);
+    stored.ToQ5_1(0, rows, const_cast<uint8_t*>(q.qs), const_cast<uint32_t*>(q.qh),
+                  const_cast<float*>(q.d), const_cast<float*>(q.m));
     return w;
   }
   const int64_t chunk = RowsPerChunk(cols);
@@ -210,6 +237,9 @@ absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatV
       break;
     case WeightFormat::kQ4_1:
       cpu::EmbeddingQ4_1(Q4View(table), ids, out.rows, out.As<float>(), out.stride);
+      break;
+    case WeightFormat::kQ5_1:
+      cpu::EmbeddingQ5_1(Q5View(table), ids, out.rows, out.As<float>(), out.stride);
       break;
     default:
       cpu::Embedding(F(table), table.cols, ids, out.rows, out.As<float>(), out.stride);
@@ -261,6 +291,10 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
       break;
     case WeightFormat::kQ4_1:
       cpu::GemmRowsQ4_1(x.As<float>(), x.stride, Q4View(w), F(bias), out.As<float>(), out.stride,
+                        x.rows, accumulate);
+      break;
+    case WeightFormat::kQ5_1:
+      cpu::GemmRowsQ5_1(x.As<float>(), x.stride, Q5View(w), F(bias), out.As<float>(), out.stride,
                         x.rows, accumulate);
       break;
     default:

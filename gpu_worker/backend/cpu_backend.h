@@ -11,9 +11,10 @@ namespace infinigen {
 struct CpuBackendOptions {
   int num_threads = 0;  // 0: all cores
   // Storage of weight matrices. f32 is exact (the reference); bf16 and q8 trade a little
-  // accuracy for 2x / ~3.8x fewer bytes per decode step; q4_1 keeps a GGUF file's Q4_0, Q4_1 and
-  // Q4_K matrices' values as they are (~6.4x fewer than f32) and the others in q8. Matrices whose
-  // rows are not a multiple of 32 stay f32 under q8 and q4_1.
+  // accuracy for 2x / ~3.8x fewer bytes per decode step; q4_1 keeps a GGUF file's 4- and 5-bit
+  // matrices' values as they are: Q4_0, Q4_1 and Q4_K in Q4_1 blocks (~5.3x fewer than f32),
+  // Q5_0, Q5_1 and Q5_K in Q5_1 blocks (~4.6x), the others in q8. Matrices whose rows are not a
+  // multiple of 32 stay f32 under q8 and q4_1.
   WeightFormat weight_format = WeightFormat::kF32;
   // Every row of a Linear computed by the same fixed-order kernel whatever the batch
   // (kernels/cpu/row_gemm.h; q8: activations quantized per row): a sequence's logits do not
@@ -46,8 +47,8 @@ class CpuBackend : public Backend {
   }
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
-  // Reads `stored` a block of rows at a time; under q4_1, a matrix that converts to Q4_1 blocks
-  // is converted without passing through float32.
+  // Reads `stored` a block of rows at a time; under q4_1, a matrix that converts to Q4_1 or Q5_1
+  // blocks is converted without passing through float32.
   absl::StatusOr<Weight> UploadStoredWeight(const StoredWeight& stored) override;
 
   absl::Status Embedding(const Weight& table, const int32_t* ids, MatView out) override;
@@ -77,9 +78,9 @@ class CpuBackend : public Backend {
 
  private:
   CpuBackendOptions options_;
-  // Whether a weight was kept in Q4_1 (under q4_1, a checkpoint without Q4_0/Q4_1/Q4_K matrices
-  // runs q8).
-  std::atomic<bool> kept_q4_1_{false};
+  // Whether a weight was kept in Q4_1 or Q5_1 blocks (under q4_1, a checkpoint without 4- or
+  // 5-bit GGUF matrices runs q8).
+  std::atomic<bool> kept_blocks_{false};
 };
 
 }  // namespace infinigen

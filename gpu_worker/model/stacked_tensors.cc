@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 
 namespace infinigen {
 
@@ -38,6 +39,22 @@ void StackedTensors::ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float
     const int64_t block = StorageBlockElements(t.type), q4 = at / cpu::kQ4Block;
     ConvertToQ4_1(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
                   qs + q4 * (cpu::kQ4Block / 2), d + q4, m + q4);
+  });
+}
+
+bool StackedTensors::ConvertsToQ5_1() const {
+  for (const StoredTensor* t : parts_) {
+    if (!infinigen::ConvertsToQ5_1(t->type)) return false;
+  }
+  return true;
+}
+
+void StackedTensors::ToQ5_1(int64_t r0, int64_t r1, uint8_t* qs, uint32_t* qh, float* d,
+                            float* m) const {
+  ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
+    const int64_t block = StorageBlockElements(t.type), q5 = at / cpu::kQ5Block;
+    ConvertToQ5_1(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
+                  qs + q5 * (cpu::kQ5Block / 2), qh + q5, d + q5, m + q5);
   });
 }
 

@@ -343,4 +343,61 @@ void ConvertToQ4_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
   }
 }
 
+bool ConvertsToQ5_1(StorageType t) {
+  return ConvertsToQ4_1(t) || t == StorageType::kQ5_0 || t == StorageType::kQ5_1 ||
+         t == StorageType::kQ5_K;
+}
+
+// q * d is exact in float32 for every 5-bit q (d: an 11-bit float16 significand, or Q5_K's d * s
+// of 17 bits), so fma(q, d, m) rounds once where the reference's q * d + m and (q - 16) * d do.
+void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs, uint32_t* qh,
+                   float* d, float* m) {
+  if (ConvertsToQ4_1(t)) {
+    ConvertToQ4_1(t, p, blocks, qs, d, m);
+    std::memset(qh, 0, static_cast<size_t>(blocks * StorageBlockElements(t) / kBlock) * 4);
+    return;
+  }
+  const int64_t bytes = StorageBlockBytes(t);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = p + b * bytes;
+    switch (t) {
+      case StorageType::kQ5_0:
+        // fma(q, d, -16d) is (q - 16) * d rounded once, as the reference rounds it.
+        d[b] = Half(blk);
+        m[b] = -16.0f * d[b];
+        std::memcpy(&qh[b], blk + 2, 4);
+        std::memcpy(qs + 16 * b, blk + 6, 16);
+        break;
+      case StorageType::kQ5_1:
+        d[b] = Half(blk);
+        m[b] = Half(blk + 2);
+        std::memcpy(&qh[b], blk + 4, 4);
+        std::memcpy(qs + 16 * b, blk + 8, 16);
+        break;
+      case StorageType::kQ5_K: {
+        const float dk = Half(blk), dmin = Half(blk + 2);
+        const uint8_t* high = blk + 16;  // bit j of byte l: sub-block j's element l
+        for (int j = 0; j < 8; ++j) {
+          const int64_t at = 8 * b + j;
+          int sc, mn;
+          ScaleMinK4(blk + 4, j, sc, mn);
+          d[at] = dk * static_cast<float>(sc);
+          m[at] = -(dmin * static_cast<float>(mn));
+          uint8_t* out = qs + 16 * at;
+          uint32_t bits = 0;
+          for (int l = 0; l < 16; ++l) {
+            out[l] = static_cast<uint8_t>(LowNibbleK(blk + 48, j, l) |
+                                          (LowNibbleK(blk + 48, j, l + 16) << 4));
+          }
+          for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>((high[l] >> j) & 1) << l;
+          qh[at] = bits;
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  }
+}
+
 }  // namespace infinigen

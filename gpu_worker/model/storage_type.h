@@ -50,4 +50,12 @@ bool ConvertsToQ4_1(StorageType t);
 void ConvertToQ4_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs, float* d,
                    float* m);
 
+// Whether blocks of t convert exactly to Q5_1 blocks: the Q4_1 ones and Q5_0, Q5_1 and Q5_K.
+bool ConvertsToQ5_1(StorageType t);
+// `blocks` blocks of such a type at p as Q5_1 blocks of 32 weights (StorageBlockElements(t) / 32
+// of them per block): block i's low nibbles at qs + 16 i, its fifth bits qh[i], its scale d[i]
+// and minimum m[i], so that fma(q, d, m) is exactly the value DecodeBlocks gives.
+void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs, uint32_t* qh,
+                   float* d, float* m);
+
 }  // namespace infinigen

@@ -12,6 +12,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 #include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {
@@ -101,6 +102,11 @@ struct Q8Rows {
   }
 };
 
+// 0, 1, ..., 15: the q of each lane of a block format's table of values.
+IG_AVX512 inline __m512 Iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 // Q4_1 (q4_1.h): w[r, c] = fma(q, d, m) of its block, in float32.
 struct Q4_1Rows {
   const uint8_t* qs;
@@ -128,6 +134,17 @@ struct Q4_1Rows {
     const int64_t at = Block(c, i);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
   }
+  // The 32 weights of a block (i a multiple of 32) as Load16(c, i) and Load16(c, i + 16) make
+  // them: the block's 16 values fma(q, d, m) made once, and each lane's looked up by its nibble
+  // (a permute reads the low 4 bits of each index lane).
+  IG_AVX512 void Load32(int64_t c, int64_t i, __m512& lo, __m512& hi) const {
+    const int64_t at = Block(c, i);
+    const __m512 values = _mm512_fmadd_ps(Iota16(), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
+    lo = _mm512_permutexvar_ps(b, values);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
+  }
   float At(int64_t c, int64_t i) const {
     const uint8_t* blk = qs + Block(c, i) * (kQ4Block / 2);
     const int64_t o = i % kQ4Block;
@@ -138,6 +155,74 @@ struct Q4_1Rows {
   const void* Address(int64_t c, int64_t i) const { return Bytes(c, i); }
   Q4_1Rows From(int64_t j) const {
     return {qs + j * (ld / 2), d + j * (ld / kQ4Block), m + j * (ld / kQ4Block), ld};
+  }
+  void Widen(int64_t c, float* out, int64_t k) const {
+    for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
+  }
+};
+
+// Q5_1 (q5_1.h): Q4_1's nibbles with a fifth bit per weight; w[r, c] = fma(q, d, m) in float32.
+struct Q5_1Rows {
+  const uint8_t* qs;
+  const uint32_t* qh;
+  const float* d;
+  const float* m;
+  int64_t ld;  // columns
+  int64_t Block(int64_t c, int64_t i) const { return c * (ld / kQ5Block) + i / kQ5Block; }
+  const uint8_t* Bytes(int64_t c, int64_t i) const {
+    return qs + Block(c, i) * (kQ5Block / 2) + i % (kQ5Block / 2);
+  }
+  __m256 Load8(int64_t c, int64_t i) const {
+    const __m256i b =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Bytes(c, i))));
+    const int64_t o = i % kQ5Block, at = Block(c, i);
+    const __m256i low =
+        o < kQ5Block / 2 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(b, 4);
+    // Bit o + l of the block's word is lane l's fifth bit.
+    const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh[at] >> o)),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i q =
+        _mm256_or_si256(low, _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d[at]), _mm256_set1_ps(m[at]));
+  }
+  // 16 values at i (a multiple of 16): the block's 16 bits from bit i % 32 are a lane mask.
+  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const {
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
+    const int64_t o = i % kQ5Block, at = Block(c, i);
+    const __m512i low =
+        o < kQ5Block / 2 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0f)) : _mm512_srli_epi32(b, 4);
+    const auto fifth = static_cast<__mmask16>(qh[at] >> o);
+    const __m512i q = _mm512_mask_or_epi32(low, fifth, low, _mm512_set1_epi32(16));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
+  }
+  // Load32 of Q4_1Rows with 32 values: a lane whose fifth bit is set takes its value from the
+  // upper 16.
+  IG_AVX512 void Load32(int64_t c, int64_t i, __m512& lo, __m512& hi) const {
+    const int64_t at = Block(c, i);
+    const __m512 dv = _mm512_set1_ps(d[at]), mv = _mm512_set1_ps(m[at]);
+    const __m512 low_values = _mm512_fmadd_ps(Iota16(), dv, mv);
+    const __m512 high_values = _mm512_fmadd_ps(_mm512_add_ps(Iota16(), _mm512_set1_ps(16)), dv, mv);
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
+    const __m512i bh = _mm512_srli_epi32(b, 4);
+    const uint32_t fifth = qh[at];
+    lo = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(b, low_values),
+                                    static_cast<__mmask16>(fifth), b, high_values);
+    hi = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(bh, low_values),
+                                    static_cast<__mmask16>(fifth >> 16), bh, high_values);
+  }
+  float At(int64_t c, int64_t i) const {
+    const uint8_t* blk = qs + Block(c, i) * (kQ5Block / 2);
+    const int64_t o = i % kQ5Block, at = Block(c, i);
+    const uint32_t low = o < kQ5Block / 2 ? blk[o] & 0x0fu : blk[o - kQ5Block / 2] >> 4;
+    const uint32_t q = low | (((qh[at] >> o) & 1u) << 4);
+    return std::fma(static_cast<float>(q), d[at], m[at]);
+  }
+  const void* Address(int64_t c, int64_t i) const { return Bytes(c, i); }
+  Q5_1Rows From(int64_t j) const {
+    const int64_t blocks = j * (ld / kQ5Block);
+    return {qs + j * (ld / 2), qh + blocks, d + blocks, m + blocks, ld};
   }
   void Widen(int64_t c, float* out, int64_t k) const {
     for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
@@ -222,6 +307,27 @@ IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t
   }
   const int64_t k8 = k / 8 * 8;
   int64_t i = 0;
+  // Block formats (k a multiple of 32) step a block at a time: Load32's halves are the two
+  // 16-element steps below, in the same order.
+  if constexpr (requires(__m512 & v) { w.Load32(0, 0, v, v); }) {
+    for (; i + 32 <= k8; i += 32) {
+      if (prefetch) {
+        for (int64_t c = 0; c < C; ++c) {
+          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
+        }
+      }
+      __m512 lo[C], hi[C];
+      for (int64_t c = 0; c < C; ++c) w.Load32(c, i, lo[c], hi[c]);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_loadu_ps(x + r * ldx + i);
+        for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, lo[c], acc[r][c]);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_loadu_ps(x + r * ldx + i + 16);
+        for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, hi[c], acc[r][c]);
+      }
+    }
+  }
   for (; i + 16 <= k8; i += 16) {
     if (prefetch) {
       for (int64_t c = 0; c < C; ++c) {
@@ -396,6 +502,11 @@ void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bia
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {
   Gemm(x, ldx, Q4_1Rows{w.qs, w.d, w.m, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
+}
+
+void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate) {
+  Gemm(x, ldx, Q5_1Rows{w.qs, w.qh, w.d, w.m, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
 }
 
 }  // namespace infinigen::cpu

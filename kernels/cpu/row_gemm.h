@@ -11,6 +11,7 @@
 
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 
 namespace infinigen::cpu {
 
@@ -34,6 +35,9 @@ void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bia
 // The same with Q4_1 weights (q4_1.h), each widened to fma(q, d, m): the only GEMM of that
 // format, batch-invariant or not.
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate);
+// The same with Q5_1 weights (q5_1.h), each widened to fma(q, d, m).
+void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
 
 }  // namespace infinigen::cpu

@@ -130,7 +130,7 @@ std::vector<uint8_t> RandomBlocks(StorageType t, int64_t n, float scale, std::mt
   static const std::map<StorageType, std::vector<int>> kHalfFields = {
       {StorageType::kQ4_0, {0}},   {StorageType::kQ4_K, {0, 2}}, {StorageType::kQ5_K, {0, 2}},
       {StorageType::kQ6_K, {208}}, {StorageType::kQ8_0, {0}},    {StorageType::kQ2_K, {80, 82}},
-      {StorageType::kQ3_K, {108}}};
+      {StorageType::kQ3_K, {108}}, {StorageType::kQ5_0, {0}},    {StorageType::kQ5_1, {0, 2}}};
   const int64_t blocks = n / StorageBlockElements(t), bytes = StorageBlockBytes(t);
   std::vector<uint8_t> out(blocks * bytes);
   std::uniform_int_distribution<int> byte(0, 255);
@@ -176,8 +176,8 @@ std::vector<float> Logits(const std::string& path, const CpuBackendOptions& opti
 
 TEST(GgufModel, KQuantModelRunsOnItsOwnValues) {
   // A Llama with rows of 256 and 512 weights (K-quants need multiples of 256): the attention and
-  // embedding in Q4_K, gate and up in Q4_0, down in Q6_K, the output in Q5_K, layer 1's down in
-  // Q2_K and its V in Q3_K, as a Q4_K_M-style file mixes them.
+  // embedding in Q4_K, gate and up in Q4_0 (layer 1's in Q5_0 and Q5_1), down in Q6_K, the
+  // output in Q5_K, layer 1's down in Q2_K and its V in Q3_K, as a Q4_K_M-style file mixes them.
   const int64_t hidden = 256, inter = 512, heads = 4, kv_heads = 2, head_dim = 64, vocab = 512;
   std::mt19937 rng(7);
   testing::GgufWriter w;
@@ -212,8 +212,8 @@ TEST(GgufModel, KQuantModelRunsOnItsOwnValues) {
     add(b + "attn_v.weight", l == 1 ? StorageType::kQ3_K : StorageType::kQ4_K, kv_heads * head_dim,
         hidden);
     add(b + "attn_output.weight", StorageType::kQ4_K, hidden, heads * head_dim);
-    add(b + "ffn_gate.weight", StorageType::kQ4_0, inter, hidden);
-    add(b + "ffn_up.weight", StorageType::kQ4_0, inter, hidden);
+    add(b + "ffn_gate.weight", l == 1 ? StorageType::kQ5_0 : StorageType::kQ4_0, inter, hidden);
+    add(b + "ffn_up.weight", l == 1 ? StorageType::kQ5_1 : StorageType::kQ4_0, inter, hidden);
     add(b + "ffn_down.weight", l == 1 ? StorageType::kQ2_K : StorageType::kQ6_K, hidden, inter);
   }
   const std::string path = (std::filesystem::temp_directory_path() /
@@ -233,7 +233,7 @@ TEST(GgufModel, KQuantModelRunsOnItsOwnValues) {
   std::filesystem::remove(path);
   ASSERT_EQ(f32.size(), tokens.size() * vocab);
   ASSERT_EQ(kept.size(), f32.size());
-  EXPECT_EQ(q4_name, "cpu-q4_1");  // the Q4_K and Q4_0 matrices were kept
+  EXPECT_EQ(q4_name, "cpu-q4_1");  // the 4- and 5-bit matrices were kept
   float max_abs = 0, max_diff = 0;
   for (size_t i = 0; i < f32.size(); ++i) {
     ASSERT_TRUE(std::isfinite(f32[i]) && std::isfinite(kept[i])) << i;
@@ -242,8 +242,9 @@ TEST(GgufModel, KQuantModelRunsOnItsOwnValues) {
   }
   std::printf("q4_1 vs f32 logits: max |diff| %.5f, max |logit| %.4f\n", max_diff, max_abs);
   EXPECT_GT(max_abs, 0.1f);  // logits that say something
-  // Q4_K and Q4_0 run on their exact values; Q5_K, Q6_K, Q3_K and Q2_K (the output and the
-  // down projections) are requantized to q8 (8 bits against at most 6): a percent of the range.
+  // Q4_K, Q4_0, Q5_0, Q5_1 and Q5_K run on their exact values; Q6_K, Q3_K and Q2_K (the down
+  // projections and a V) are requantized to q8 (8 bits against at most 6): a percent of the
+  // range.
   EXPECT_LE(max_diff, 0.02f * max_abs) << "max |logit| " << max_abs;
 }
 

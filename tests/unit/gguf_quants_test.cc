@@ -1,7 +1,8 @@
 // Every GGUF block format decoded against the `gguf` package's reference dequantizer
 // (scripts/fixtures/make_quant_fixtures.py): random blocks of each format, real tensors of the
 // SmolLM2 GGUF, and rows of tensors llama.cpp's quantizer wrote in K-quants. The 4-bit formats'
-// conversion to Q4_1 blocks gives the same values.
+// conversion to Q4_1 blocks, and theirs and the 5-bit formats' to Q5_1 blocks, give the same
+// values.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "gpu_worker/model/stacked_tensors.h"
 #include "gpu_worker/model/storage_type.h"
 #include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/test_paths.h"
 
@@ -92,6 +94,42 @@ std::vector<float> ConvertedAndWidened(const StoredTensor& t) {
   return out;
 }
 
+// The same through Q5_1 blocks.
+std::vector<float> ConvertedToQ5_1AndWidened(const StoredTensor& t) {
+  const int64_t rows = t.shape[0], cols = t.shape[1], blocks = rows * cols / cpu::kQ5Block;
+  std::vector<uint8_t> qs(blocks * 16);
+  std::vector<uint32_t> qh(blocks, 0xdeadbeef);
+  std::vector<float> d(blocks), m(blocks);
+  ConvertToQ5_1(t.type, t.data, t.NumElements() / StorageBlockElements(t.type), qs.data(),
+                qh.data(), d.data(), m.data());
+  const cpu::Q5_1Matrix q{qs.data(), qh.data(), d.data(), m.data(), rows, cols};
+  std::vector<float> out(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) cpu::WidenQ5_1Row(q, r, out.data() + r * cols);
+  return out;
+}
+
+bool IsOneOf(const std::string& format, std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    if (format == n) return true;
+  }
+  return false;
+}
+
+TEST(GgufQuants, FourAndFiveBitFormatsConvertToQ5_1Exactly) {
+  for (const char* format : kFormats) {
+    SCOPED_TRACE(format);
+    Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
+    const StoredTensor& t = l.gguf.tensors[0];
+    const bool converts = ConvertsToQ5_1(t.type);
+    EXPECT_EQ(converts, IsOneOf(format, {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"}));
+    if (!converts) continue;
+    // (16 - 16) * d is -0 for a negative d, fma(16, d, -16d) is +0: equal values.
+    ExpectSameBits(ConvertedToQ5_1AndWidened(t),
+                   NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format,
+                   /*zero_sign_matters=*/false);
+  }
+}
+
 TEST(GgufQuants, FourBitFormatsConvertToQ4_1Exactly) {
   for (const char* format : kFormats) {
     SCOPED_TRACE(format);
@@ -123,6 +161,10 @@ TEST(GgufQuants, BlocksLlamaCppQuantizedDecodeAsTheReference) {
     DecodeToFloat(*t, got.data());
     const std::vector<float> want = NpyFloats(FixturePath("quants/real_" + format + ".npy"));
     ExpectSameBits(got, want, format);
+    if (ConvertsToQ5_1(t->type)) {
+      ExpectSameBits(ConvertedToQ5_1AndWidened(*t), want, format + " as Q5_1",
+                     /*zero_sign_matters=*/false);
+    }
     if (!ConvertsToQ4_1(t->type)) continue;
     ExpectSameBits(ConvertedAndWidened(*t), want, format + " as Q4_1", /*zero_sign_matters=*/false);
   }
@@ -149,6 +191,34 @@ TEST(GgufQuants, CpuBackendKeepsQ4KValuesUnderQ4_1) {
   std::vector<float> want = NpyFloats(FixturePath("quants/Q4_K.npy"));
   want.insert(want.end(), want.begin(), want.end());
   ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, "Q4_K as Q4_1");
+}
+
+TEST(GgufQuants, CpuBackendKeepsFiveBitValuesUnderQ4_1InQ5_1Blocks) {
+  // Q5_0 stacked on Q5_K and Q4_K (a fused QKV of mixed types): one Q5_1 matrix, exact.
+  Loaded q5_0 = Open(FixturePath("quants/Q5_0.gguf"));
+  Loaded q5_k = Open(FixturePath("quants/Q5_K.gguf"));
+  Loaded q4_k = Open(FixturePath("quants/Q4_K.gguf"));
+  CpuBackendOptions options;
+  options.weight_format = WeightFormat::kQ4_1;
+  CpuBackend cpu(options);
+  auto w = cpu.UploadStoredWeight(StackedTensors(
+      {&q5_0.gguf.tensors[0], &q5_k.gguf.tensors[0], &q4_k.gguf.tensors[0]}, 9, 512));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->format, WeightFormat::kQ5_1);
+  std::vector<float> want;
+  for (const char* f : {"Q5_0", "Q5_K", "Q4_K"}) {
+    const std::vector<float> v = NpyFloats(FixturePath(std::string("quants/") + f + ".npy"));
+    want.insert(want.end(), v.begin(), v.end());
+  }
+  ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5, 6, 7, 8}), want, "as Q5_1",
+                 /*zero_sign_matters=*/false);
+  EXPECT_EQ(cpu.Name(), "cpu-q4_1");
+  // Q6_K does not convert: q8, as before.
+  Loaded q6_k = Open(FixturePath("quants/Q6_K.gguf"));
+  auto q8 = cpu.UploadStoredWeight(
+      StackedTensors({&q5_0.gguf.tensors[0], &q6_k.gguf.tensors[0]}, 6, 512));
+  ASSERT_TRUE(q8.ok()) << q8.status();
+  EXPECT_EQ(q8->format, WeightFormat::kQ8);
 }
 
 TEST(GgufQuants, CpuBackendPacksLargeMatricesARowBlockAtATime) {

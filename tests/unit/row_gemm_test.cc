@@ -16,6 +16,7 @@
 #include "common/dtype.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -41,6 +42,18 @@ struct Weights {
       q4_d.resize(n * k / kQ4Block);
       q4_m.resize(n * k / kQ4Block);
       QuantizeQ4_1(f32.data(), n, k, q4_qs.data(), q4_d.data(), q4_m.data());
+      // Q5_1: random 5-bit values under float16 scales and minimums, as a file has them.
+      std::uniform_int_distribution<uint32_t> bits;
+      q5_qs.resize(n * k / 2);
+      for (auto& b : q5_qs) b = static_cast<uint8_t>(bits(rng));
+      q5_qh.resize(n * k / kQ5Block);
+      for (auto& h : q5_qh) h = bits(rng);
+      q5_d.resize(q5_qh.size());
+      q5_m.resize(q5_qh.size());
+      for (size_t b = 0; b < q5_qh.size(); ++b) {
+        q5_d[b] = HalfToFloat(FloatToHalf(std::abs(d(rng)) / 16));
+        q5_m[b] = HalfToFloat(FloatToHalf(d(rng)));
+      }
     }
     for (int64_t j = 0; j < n; ++j) {
       f32_rows.push_back(f32.data() + j * k);
@@ -55,13 +68,17 @@ struct Weights {
   std::vector<uint8_t> q4_qs;
   std::vector<float> q4_d, q4_m;
   Q4_1Matrix q4() const { return {q4_qs.data(), q4_d.data(), q4_m.data(), n, k}; }
+  std::vector<uint8_t> q5_qs;
+  std::vector<uint32_t> q5_qh;
+  std::vector<float> q5_d, q5_m;
+  Q5_1Matrix q5() const { return {q5_qs.data(), q5_qh.data(), q5_d.data(), q5_m.data(), n, k}; }
   std::vector<const float*> f32_rows;
   std::vector<const uint16_t*> bf16_rows;
 };
 
-enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1 };
-const Format kFormats[] = {Format::kF32,       Format::kBf16, Format::kF32Table,
-                           Format::kBf16Table, Format::kQ8,   Format::kQ4_1};
+enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1, kQ5_1 };
+const Format kFormats[] = {Format::kF32, Format::kBf16, Format::kF32Table, Format::kBf16Table,
+                           Format::kQ8,  Format::kQ4_1, Format::kQ5_1};
 
 // y[m, n] (+)= x · wᵀ + bias in `format`.
 void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, const float* bias,
@@ -78,6 +95,8 @@ void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, cons
       return GemmRowsBf16Table(x, ldx, w.bf16_rows.data(), bias, y, ldy, m, n, k, accumulate);
     case Format::kQ4_1:
       return GemmRowsQ4_1(x, ldx, w.q4(), bias, y, ldy, m, accumulate);
+    case Format::kQ5_1:
+      return GemmRowsQ5_1(x, ldx, w.q5(), bias, y, ldy, m, accumulate);
     case Format::kQ8:
       return GemmRowsQ8(x, ldx, {w.q8_qs.data(), w.q8_scales.data(), n, k}, bias, y, ldy, m,
                         accumulate);
@@ -98,13 +117,22 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
       WidenQ4_1Row(w.q4(), j, row.data());
       return row[p];
     }
+    case Format::kQ5_1: {
+      // Written out here, not through WidenQ5_1Row: bit p % 32 of the block's word is the
+      // fifth bit, the nibble is byte p % 16's low (first half) or high (second half) one.
+      const int64_t at = j * (w.k / kQ5Block) + p / kQ5Block, o = p % kQ5Block;
+      const uint8_t byte = w.q5_qs[at * 16 + o % 16];
+      const int q = (o < 16 ? byte & 15 : byte >> 4) | (((w.q5_qh[at] >> o) & 1) << 4);
+      return static_cast<double>(q) * w.q5_d[at] + w.q5_m[at];
+    }
     default:
       return w.f32[j * w.k + p];
   }
 }
 
 bool Applies(Format format, const Weights& w) {
-  return (format != Format::kQ8 && format != Format::kQ4_1) || !w.q8_qs.empty();
+  return (format != Format::kQ8 && format != Format::kQ4_1 && format != Format::kQ5_1) ||
+         !w.q8_qs.empty();
 }
 
 class RowGemm : public ::testing::TestWithParam<Case> {
