@@ -366,10 +366,10 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
   const int n = std::min(response.token_ids_size(), response.logprobs_size());
   for (int i = 0; i < n; ++i) {
     const v1::Logprobs& lp = response.logprobs(i);
-    const std::string token = token_text_(response.token_ids(i));
+    const std::string token = Text(lp, response.token_ids(i));
     if (endpoint_ == Endpoint::kCompletions) {
       json top = json::object();
-      for (const v1::TokenLogprob& t : lp.top()) top[token_text_(t.token_id())] = t.logprob();
+      for (const v1::TokenLogprob& t : lp.top()) top[Text(t, t.token_id())] = t.logprob();
       into["tokens"].push_back(token);
       into["token_logprobs"].push_back(lp.logprob());
       into["top_logprobs"].push_back(std::move(top));
@@ -378,7 +378,7 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
     } else {
       json top = json::array();
       for (const v1::TokenLogprob& t : lp.top()) {
-        const std::string alt = token_text_(t.token_id());
+        const std::string alt = Text(t, t.token_id());
         top.push_back({{"token", alt}, {"logprob", t.logprob()}, {"bytes", Bytes(alt)}});
       }
       into["content"].push_back({{"token", token},
@@ -393,15 +393,14 @@ json ResponseBuilder::PromptLogprobs(const v1::GenerateResponse& response) {
   json out = json::array({nullptr});  // the first prompt token has no context
   for (const v1::Logprobs& lp : response.prompt_logprobs()) {
     json at = json::object();
-    at[std::to_string(lp.token_id())] = {{"logprob", lp.logprob()},
-                                         {"rank", lp.rank()},
-                                         {"decoded_token", token_text_(lp.token_id())}};
+    at[std::to_string(lp.token_id())] = {
+        {"logprob", lp.logprob()}, {"rank", lp.rank()}, {"decoded_token", Text(lp, lp.token_id())}};
     for (int i = 0; i < lp.top_size(); ++i) {
       const v1::TokenLogprob& t = lp.top(i);
       const std::string key = std::to_string(t.token_id());
       if (at.contains(key)) continue;
       at[key] = {
-          {"logprob", t.logprob()}, {"rank", i + 1}, {"decoded_token", token_text_(t.token_id())}};
+          {"logprob", t.logprob()}, {"rank", i + 1}, {"decoded_token", Text(t, t.token_id())}};
     }
     out.push_back(std::move(at));
   }

@@ -56,7 +56,8 @@ struct ParsedRequest {
 // not one, or asks for something this server does not do.
 bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out, ApiError& error);
 
-// A token's text for logprobs (the model's decoding of that one id).
+// A token's text for logprobs (the model's decoding of that one id), for the entries that come
+// without it (a worker without a tokenizer; workers send it in Logprobs.token).
 using TokenText = std::function<std::string(int32_t)>;
 
 // Turns one request's GenerateResponses into OpenAI's objects: `n` choices, each fed by its own
@@ -98,6 +99,11 @@ class ResponseBuilder {
   // decoded_token}, ...}, ...], the prompt token's entry first, then the alternatives'.
   nlohmann::json PromptLogprobs(const v1::GenerateResponse& response);
   nlohmann::json Object(const char* object) const;
+  // The text of token `id` of a logprobs entry: the entry's own, else token_text_'s.
+  template <class Entry>
+  std::string Text(const Entry& entry, int32_t id) const {
+    return entry.has_token() ? entry.token() : token_text_(id);
+  }
   // Prompt tokens once (every choice has the same prompt), generated tokens of all choices.
   nlohmann::json UsageJson() const;
   static const char* FinishReason(v1::FinishReason reason);

@@ -29,13 +29,19 @@ infinigen::v1::FinishReason ToProto(FinishReason r) {
   return infinigen::v1::FINISH_REASON_UNSPECIFIED;
 }
 
-void ToProto(const TokenLogprobs& in, infinigen::v1::Logprobs& out) {
+// `token`'s logprobs, with each token's text where there is a tokenizer (the text a client
+// shows for a logprob; the HTTP door need not ask the worker for it).
+void ToProto(const TokenLogprobs& in, int32_t token, const Tokenizer* tokenizer,
+             infinigen::v1::Logprobs& out) {
+  auto text = [tokenizer](int32_t id) { return tokenizer->Decode(std::span(&id, 1)); };
   out.set_logprob(in.logprob);
   out.set_rank(static_cast<int32_t>(in.rank));
+  if (tokenizer != nullptr) out.set_token(text(token));
   for (const auto& [id, value] : in.top) {
     infinigen::v1::TokenLogprob* t = out.add_top();
     t->set_token_id(id);
     t->set_logprob(value);
+    if (tokenizer != nullptr) t->set_token(text(id));
   }
 }
 
@@ -285,10 +291,10 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
         r.add_token_ids(e.token);
         r.set_store_sequence_id(e.home);
         r.set_attached(e.attached);
-        if (e.has_logprobs) ToProto(e.logprobs, *r.add_logprobs());
+        if (e.has_logprobs) ToProto(e.logprobs, e.token, tokenizer_, *r.add_logprobs());
         for (size_t j = 0; j < e.prompt_logprobs.size() && j + 1 < prompt_ids.size(); ++j) {
           infinigen::v1::Logprobs* lp = r.add_prompt_logprobs();
-          ToProto(e.prompt_logprobs[j], *lp);
+          ToProto(e.prompt_logprobs[j], prompt_ids[j + 1], tokenizer_, *lp);
           lp->set_token_id(prompt_ids[j + 1]);
         }
         if (x.text->has_text()) r.set_text(x.text->Add(e.token));

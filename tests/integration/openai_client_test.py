@@ -113,12 +113,17 @@ def main():
         assert all(len(top) == 2 for top in lp.top_logprobs), lp.top_logprobs
         assert all(max(top.values()) >= chosen - 1e-5
                    for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+        # Each token's text (the worker's decoding of that id): together, the completion's text.
+        assert "".join(lp.tokens) == text.choices[0].text, (lp.tokens, text.choices[0].text)
+        assert lp.text_offset == [sum(len(t.encode()) for t in lp.tokens[:i]) for i in range(8)]
 
         chat_lp = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
                                                  temperature=0, logprobs=True, top_logprobs=3)
         entries = chat_lp.choices[0].logprobs.content
         assert len(entries) == chat_lp.usage.completion_tokens, entries
         assert all(len(e.top_logprobs) == 3 for e in entries)
+        assert "".join(e.token for e in entries) == chat_lp.choices[0].message.content, entries
+        assert all(bytes(e.bytes) == e.token.encode() for e in entries)
 
         stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
                                             temperature=0, stop=[","])

@@ -99,6 +99,47 @@ TEST(WorkerSmolLm2, TextAndChatStreamTheLocalEnginesTokensAndText) {
     EXPECT_NE(std::find(out.pieces().begin(), out.pieces().end(), " world"), out.pieces().end());
   }
 
+  // Logprobs carry each token's text (the tokenizer's decoding of that id alone): the generated
+  // token's, every alternative's and every prompt token's.
+  {
+    wv1::GenerateRequest r = text;
+    r.mutable_stopping()->set_max_new_tokens(6);
+    r.mutable_sampling()->set_logprobs(3);
+    r.mutable_sampling()->set_prompt_logprobs(2);
+    grpc::ClientContext c;
+    auto reader = stub->Generate(&c, r);
+    wv1::GenerateResponse msg;
+    auto decoded = [&](int32_t id) { return (*tokenizer)->Decode(std::vector<int32_t>{id}); };
+    int entries = 0, prompt_entries = 0;
+    std::string joined;
+    while (reader->Read(&msg)) {
+      ASSERT_EQ(msg.logprobs_size(), msg.token_ids_size());
+      for (int i = 0; i < msg.logprobs_size(); ++i) {
+        const infinigen::v1::Logprobs& lp = msg.logprobs(i);
+        ASSERT_TRUE(lp.has_token());
+        EXPECT_EQ(lp.token(), decoded(msg.token_ids(i)));
+        joined += lp.token();
+        ASSERT_EQ(lp.top_size(), 3);
+        for (const auto& t : lp.top()) {
+          ASSERT_TRUE(t.has_token());
+          EXPECT_EQ(t.token(), decoded(t.token_id()));
+        }
+        ++entries;
+      }
+      for (const infinigen::v1::Logprobs& lp : msg.prompt_logprobs()) {
+        ASSERT_TRUE(lp.has_token());
+        EXPECT_EQ(lp.token(), decoded(lp.token_id()));
+        for (const auto& t : lp.top()) EXPECT_EQ(t.token(), decoded(t.token_id()));
+        ++prompt_entries;
+      }
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(entries, 6);
+    EXPECT_EQ(prompt_entries,
+              static_cast<int>((*tokenizer)->Encode("The capital of France is", true).size()) - 1);
+    EXPECT_EQ(joined, a.text.substr(0, joined.size()));  // the first 6 of the same greedy tokens
+  }
+
   // A conversation: rendered with the model's own (ChatML) template.
   wv1::GenerateRequest chat;
   auto* m = chat.mutable_messages()->add_messages();
