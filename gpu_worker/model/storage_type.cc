@@ -300,6 +300,26 @@ void DecodeBlocks(StorageType t, const uint8_t* p, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b) DecodeBlock(t, p + b * bytes, out + b * elements);
 }
 
+namespace {
+
+// Sub-block j of the Q4_K / Q5_K super-block at blk (its low nibbles at `nibbles`) as Q4_1 block
+// `at`: d * s and dmin * m are exact in float32 (11 + 6 bits), so fma(q, d * s, -dmin * m) is
+// the reference's d * s * q - dmin * m.
+void KSubBlockToQ4_1(const uint8_t* blk, const uint8_t* nibbles, int j, int64_t at, uint8_t* qs,
+                     float* d, float* m) {
+  int sc, mn;
+  ScaleMinK4(blk + 4, j, sc, mn);
+  d[at] = Half(blk) * static_cast<float>(sc);
+  m[at] = -(Half(blk + 2) * static_cast<float>(mn));
+  uint8_t* out = qs + 16 * at;
+  for (int l = 0; l < 16; ++l) {
+    out[l] =
+        static_cast<uint8_t>(LowNibbleK(nibbles, j, l) | (LowNibbleK(nibbles, j, l + 16) << 4));
+  }
+}
+
+}  // namespace
+
 bool ConvertsToQ4_1(StorageType t) {
   return t == StorageType::kQ4_0 || t == StorageType::kQ4_1 || t == StorageType::kQ4_K;
 }
@@ -321,22 +341,9 @@ void ConvertToQ4_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
         m[b] = Half(blk + 2);
         std::memcpy(qs + 16 * b, blk + 4, 16);
         break;
-      case StorageType::kQ4_K: {
-        const float dk = Half(blk), dmin = Half(blk + 2);
-        for (int j = 0; j < 8; ++j) {
-          const int64_t at = 8 * b + j;
-          int sc, mn;
-          ScaleMinK4(blk + 4, j, sc, mn);
-          d[at] = dk * static_cast<float>(sc);
-          m[at] = -(dmin * static_cast<float>(mn));
-          uint8_t* out = qs + 16 * at;
-          for (int l = 0; l < 16; ++l) {
-            out[l] = static_cast<uint8_t>(LowNibbleK(blk + 16, j, l) |
-                                          (LowNibbleK(blk + 16, j, l + 16) << 4));
-          }
-        }
+      case StorageType::kQ4_K:
+        for (int j = 0; j < 8; ++j) KSubBlockToQ4_1(blk, blk + 16, j, 8 * b + j, qs, d, m);
         break;
-      }
       default:
         break;
     }
@@ -375,20 +382,11 @@ void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
         std::memcpy(qs + 16 * b, blk + 8, 16);
         break;
       case StorageType::kQ5_K: {
-        const float dk = Half(blk), dmin = Half(blk + 2);
         const uint8_t* high = blk + 16;  // bit j of byte l: sub-block j's element l
         for (int j = 0; j < 8; ++j) {
           const int64_t at = 8 * b + j;
-          int sc, mn;
-          ScaleMinK4(blk + 4, j, sc, mn);
-          d[at] = dk * static_cast<float>(sc);
-          m[at] = -(dmin * static_cast<float>(mn));
-          uint8_t* out = qs + 16 * at;
+          KSubBlockToQ4_1(blk, blk + 48, j, at, qs, d, m);
           uint32_t bits = 0;
-          for (int l = 0; l < 16; ++l) {
-            out[l] = static_cast<uint8_t>(LowNibbleK(blk + 48, j, l) |
-                                          (LowNibbleK(blk + 48, j, l + 16) << 4));
-          }
           for (int l = 0; l < 32; ++l) bits |= static_cast<uint32_t>((high[l] >> j) & 1) << l;
           qh[at] = bits;
         }
