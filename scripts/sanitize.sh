@@ -45,7 +45,7 @@ address() {
   # Every unit suite, then every integration suite.
   local targets=(common_test cpu_kernels_test checkpoint_test proto_test key_limits_test
                  utf8_fields_test ghz_config_test metrics_exposer_test tokenizer_test
-                 request_validation_test frontend_text_test cli_flags_test
+                 request_validation_test frontend_text_test cli_flags_test openai_json_test
                  selection_test kv_store_test queued_client_test router_test
                  hf_fixture_test tokenizer_fixture_test infinigen_test infinigen_reference_test
                  decode_step_alloc_test speculation_test store_kv_cache_test store_kv_pool_test
