@@ -255,6 +255,30 @@ class HttpFrontDoor::Impl {
     return answer.text();
   }
 
+  // Completions' echo: the prompt's text (the prompt string, or the decoding of its ids) and
+  // its first token's text, from the worker's tokenizer; the error to answer when there is none.
+  std::optional<ApiError> Echo(const HttpRequest& req, const ParsedRequest& parsed,
+                               ResponseBuilder& builder) {
+    const v1::GenerateRequest& g = parsed.request;
+    v1::TokenizeRequest tr;
+    if (g.has_token_ids()) {
+      *tr.mutable_token_ids() = g.token_ids();
+    } else {
+      tr.set_text(g.text());
+      tr.set_add_special(true);  // as Generate encodes a text prompt
+    }
+    grpc::ClientContext ctx;
+    Authorize(req, ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::TokenizeResponse answer;
+    if (const grpc::Status st = stub_->Tokenize(&ctx, tr, &answer); !st.ok()) {
+      return FromGrpc(st, ctx);
+    }
+    builder.Echo(g.has_token_ids() ? answer.text() : g.text(),
+                 answer.pieces_size() > 0 ? answer.pieces(0) : "", parsed.prompt_logprobs >= 0);
+    return std::nullopt;
+  }
+
   bool Generate(Endpoint endpoint, const HttpRequest& req, HttpConnection& conn) {
     const bool keep = req.keep_alive();
     ParsedRequest parsed;
@@ -282,6 +306,11 @@ class HttpFrontDoor::Impl {
         [this, &req](int32_t token) { return TokenText(req, token); }, n);
     // One call of the gRPC API for every choice (sampling.n): the samples share the prompt's
     // prefill, choice i draws with seed + i, and each message says its choice (index).
+    if (parsed.echo) {
+      if (std::optional<ApiError> e = Echo(req, parsed, builder)) {
+        return WriteError(conn, req.version(), *e, keep);
+      }
+    }
     v1::GenerateRequest request = parsed.request;
     request.set_request_id(id);
     if (n > 1) request.mutable_sampling()->set_n(n);

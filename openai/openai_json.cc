@@ -183,9 +183,8 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
   out.n = static_cast<int>(n.value_or(1));
   if (!r.Unsupported("best_of", 1, "") || !r.Unsupported("presence_penalty", 0, "") ||
       !r.Unsupported("frequency_penalty", 0, " (repetition_penalty is)") ||
-      !r.Unsupported("echo", false, "") || !r.Unsupported("suffix", "", "") ||
-      !r.Unsupported("tools", json::array(), "") || !r.Unsupported("tool_choice", "none", "") ||
-      !r.Unsupported("functions", json::array(), "") ||
+      !r.Unsupported("suffix", "", "") || !r.Unsupported("tools", json::array(), "") ||
+      !r.Unsupported("tool_choice", "none", "") || !r.Unsupported("functions", json::array(), "") ||
       !r.Unsupported("parallel_tool_calls", false, "")) {
     return false;
   }
@@ -278,9 +277,12 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
     // OpenAI's default for completions is 16 tokens.
     req.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_tokens.value_or(16)));
     std::optional<int64_t> logprobs;
-    if (!r.Integer("logprobs", 0, kMaxLogprobs, logprobs)) return false;
+    std::optional<bool> echo;
+    if (!r.Integer("logprobs", 0, kMaxLogprobs, logprobs) || !r.Bool("echo", echo)) return false;
     out.top_logprobs = logprobs.has_value() ? static_cast<int>(*logprobs) : -1;
+    out.echo = echo.value_or(false);
   } else {
+    if (!r.Unsupported("echo", false, " on chat completions")) return false;
     if (!ParseMessages(r, req)) return false;
     if (max_completion_tokens || max_tokens) {
       req.mutable_stopping()->set_max_new_tokens(
@@ -298,6 +300,15 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
   }
   if (!ParseSampling(r, out)) return false;
   if (out.top_logprobs >= 0) req.mutable_sampling()->set_logprobs(out.top_logprobs);
+  if (out.echo && out.top_logprobs >= 0) {
+    // The prompt's entries are its prompt logprobs, which come with the first sample only.
+    if (out.n > 1) return r.Fail("echo", "`echo` with `logprobs` needs `n` 1");
+    if (out.prompt_logprobs >= 0 && out.prompt_logprobs != out.top_logprobs) {
+      return r.Fail("prompt_logprobs",
+                    "with `echo` and `logprobs`, `prompt_logprobs` must equal `logprobs`");
+    }
+    req.mutable_sampling()->set_prompt_logprobs(out.top_logprobs);
+  }
   return true;
 }
 
@@ -389,6 +400,40 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
   }
 }
 
+void ResponseBuilder::Echo(std::string prompt_text, std::string first_token,
+                           bool show_prompt_logprobs) {
+  echo_ = true;
+  echo_text_ = std::move(prompt_text);
+  echo_first_token_ = std::move(first_token);
+  show_prompt_logprobs_ = show_prompt_logprobs;
+}
+
+std::string ResponseBuilder::EchoPrompt(Choice& choice, const v1::GenerateResponse& response,
+                                        json* logprobs) {
+  if (!echo_ || choice.echoed) return response.text();
+  choice.echoed = true;
+  if (logprobs != nullptr) {
+    json& into = *logprobs;
+    // Offsets into the text as returned: the prompt tokens' from 0 (a BOS the model adds has
+    // text the prompt has not), the completion's from the end of the prompt's text.
+    auto add = [&](const std::string& token, json logprob, json top) {
+      into["tokens"].push_back(token);
+      into["token_logprobs"].push_back(std::move(logprob));
+      into["top_logprobs"].push_back(std::move(top));
+      into["text_offset"].push_back(choice.text_offset);
+      choice.text_offset += static_cast<int64_t>(token.size());
+    };
+    add(echo_first_token_, nullptr, nullptr);
+    for (const v1::Logprobs& lp : response.prompt_logprobs()) {
+      json top = json::object();
+      for (const v1::TokenLogprob& t : lp.top()) top[Text(t, t.token_id())] = t.logprob();
+      add(Text(lp, lp.token_id()), lp.logprob(), std::move(top));
+    }
+    choice.text_offset = static_cast<int64_t>(echo_text_.size());
+  }
+  return echo_text_ + response.text();
+}
+
 json ResponseBuilder::PromptLogprobs(const v1::GenerateResponse& response) {
   json out = json::array({nullptr});  // the first prompt token has no context
   for (const v1::Logprobs& lp : response.prompt_logprobs()) {
@@ -424,19 +469,22 @@ std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateRe
   }
   if (response.text().empty() && response.token_ids_size() == 0 && finish == nullptr) return out;
   json choice = {{"index", index}, {"finish_reason", finish ? json(finish) : json()}};
+  json lp = top_logprobs_ >= 0 ? EmptyLogprobs() : json();
+  const bool echoing = echo_ && !c.echoed;  // this message's entries start with the prompt's
   if (chat) {
     choice["delta"] = response.text().empty() ? json::object() : json{{"content", response.text()}};
   } else {
-    choice["text"] = response.text();
+    choice["text"] = EchoPrompt(c, response, lp.is_null() ? nullptr : &lp);
   }
-  if (top_logprobs_ >= 0 && response.logprobs_size() > 0) {
-    json lp = EmptyLogprobs();
+  if (!lp.is_null() && (response.logprobs_size() > 0 || echoing)) {
     AddLogprobs(c, response, lp);
     choice["logprobs"] = std::move(lp);
   } else {
     choice["logprobs"] = nullptr;
   }
-  json prompt = response.prompt_logprobs_size() > 0 ? PromptLogprobs(response) : json();
+  json prompt = response.prompt_logprobs_size() > 0 && show_prompt_logprobs_
+                    ? PromptLogprobs(response)
+                    : json();
   if (!chat && !prompt.is_null()) choice["prompt_logprobs"] = prompt;  // vLLM: per choice
   json chunk = Object(chat ? "chat.completion.chunk" : "text_completion");
   chunk["choices"] = json::array({std::move(choice)});
@@ -455,8 +503,10 @@ std::string ResponseBuilder::UsageChunk() const {
 
 void ResponseBuilder::Add(int index, const v1::GenerateResponse& response) {
   Choice& c = choices_.at(static_cast<size_t>(index));
-  c.text += response.text();
-  if (response.prompt_logprobs_size() > 0) c.prompt_logprobs = PromptLogprobs(response);
+  c.text += EchoPrompt(c, response, top_logprobs_ >= 0 ? &c.logprobs : nullptr);
+  if (response.prompt_logprobs_size() > 0 && show_prompt_logprobs_) {
+    c.prompt_logprobs = PromptLogprobs(response);
+  }
   if (top_logprobs_ >= 0) AddLogprobs(c, response, c.logprobs);
   if (const char* finish = FinishReason(response.finish_reason())) c.finish_reason = finish;
   if (response.has_usage()) c.usage = response.usage();

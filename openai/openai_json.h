@@ -50,6 +50,9 @@ struct ParsedRequest {
   int top_logprobs = -1;
   // vLLM's `prompt_logprobs` (alternatives per prompt token); -1: none.
   int prompt_logprobs = -1;
+  // Completions' `echo`: each choice's text starts with the prompt's, and with `logprobs` its
+  // entries with the prompt tokens' (the request then asks for prompt logprobs).
+  bool echo = false;
 };
 
 // Parses `body` as a request of `endpoint`. False with `error` (400, naming the field) when it is
@@ -77,6 +80,11 @@ class ResponseBuilder {
   }
   // Stream with include_usage: the last chunk (no choices, the usage of all of them).
   std::string UsageChunk() const;
+  // Completions' echo: each choice's text starts with `prompt_text`; with logprobs its entries
+  // start with the prompt's tokens: `first_token` (the text of the first, which has no logprob),
+  // then those of the first message's prompt_logprobs. vLLM's `prompt_logprobs` field is then
+  // sent only when `show_prompt_logprobs`.
+  void Echo(std::string prompt_text, std::string first_token, bool show_prompt_logprobs);
   // Whole: after every message was given to Add, the one response object.
   void Add(int index, const v1::GenerateResponse& response);
   void Add(const v1::GenerateResponse& response) { Add(0, response); }
@@ -91,9 +99,14 @@ class ResponseBuilder {
     nlohmann::json logprobs;         // whole: the entries so far
     std::string finish_reason;       // empty: not finished
     v1::Usage usage;
+    bool echoed = false;  // the prompt's text (and entries) went before its first message's
   };
   // The choice's logprobs entries for the tokens of `response` (appended to `into`).
   void AddLogprobs(Choice& choice, const v1::GenerateResponse& response, nlohmann::json& into);
+  // Echo: the prompt's text before the choice's first message's, and its tokens' logprobs
+  // entries (appended to `logprobs`, null for none). The text to send with this message.
+  std::string EchoPrompt(Choice& choice, const v1::GenerateResponse& response,
+                         nlohmann::json* logprobs);
   nlohmann::json EmptyLogprobs() const;
   // vLLM's prompt_logprobs of the first message: [null, {"<id>": {logprob, rank,
   // decoded_token}, ...}, ...], the prompt token's entry first, then the alternatives'.
@@ -115,6 +128,9 @@ class ResponseBuilder {
   int top_logprobs_;
   TokenText token_text_;
   std::vector<Choice> choices_;
+  bool echo_ = false;
+  std::string echo_text_, echo_first_token_;
+  bool show_prompt_logprobs_ = true;
 };
 
 }  // namespace infinigen::openai

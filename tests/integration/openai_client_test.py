@@ -125,6 +125,21 @@ def main():
         assert "".join(e.token for e in entries) == chat_lp.choices[0].message.content, entries
         assert all(bytes(e.bytes) == e.token.encode() for e in entries)
 
+        # echo, as lm-eval-harness asks for a loglikelihood: the prompt's text, then the
+        # completion's; the prompt tokens' logprobs (the first has none), then the completion's.
+        prompt = "The capital of France is"
+        echoed = client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                           temperature=0, logprobs=1, echo=True)
+        e = echoed.choices[0]
+        assert e.text == prompt + lp.tokens[0], (e.text, lp.tokens[0])
+        elp = e.logprobs
+        assert len(elp.tokens) == echoed.usage.prompt_tokens + 1, (elp.tokens, echoed.usage)
+        assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None, elp
+        assert all(v <= 0 for v in elp.token_logprobs[1:]), elp.token_logprobs
+        assert abs(elp.token_logprobs[-1] - lp.token_logprobs[0]) < 1e-5
+        assert elp.tokens[-1] == lp.tokens[0] and elp.text_offset[-1] == len(prompt)
+        assert "".join(elp.tokens[1:-1]) in prompt, elp.tokens
+
         stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
                                             temperature=0, stop=[","])
         assert "," not in stopped.choices[0].text, stopped

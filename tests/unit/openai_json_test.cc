@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <tuple>
 #include <vector>
 
 #include "nlohmann/json.hpp"
@@ -91,6 +92,94 @@ TEST(OpenAiJson, PromptLogprobsUseTheWorkersTexts) {
   EXPECT_EQ(got[1]["11"]["decoded_token"], " world");
   EXPECT_EQ(got[1]["12"]["decoded_token"], " there");
   EXPECT_TRUE(asked.empty());
+}
+
+TEST(OpenAiJson, EchoIsForCompletionsAndAsksForThePromptsLogprobs) {
+  ParsedRequest parsed;
+  ApiError error;
+  ASSERT_TRUE(ParseRequest(Endpoint::kCompletions,
+                           R"({"prompt": "Hi there", "echo": true, "logprobs": 2, "max_tokens": 1})",
+                           parsed, error))
+      << error.message;
+  EXPECT_TRUE(parsed.echo);
+  EXPECT_EQ(parsed.request.sampling().prompt_logprobs(), 2);
+  EXPECT_EQ(parsed.prompt_logprobs, -1);  // not asked for by the client: not shown
+
+  ParsedRequest plain;
+  ASSERT_TRUE(ParseRequest(Endpoint::kCompletions, R"({"prompt": "Hi", "echo": true})", plain,
+                           error));
+  EXPECT_FALSE(plain.request.sampling().has_prompt_logprobs());
+
+  for (const auto& [endpoint, body, param] :
+       std::vector<std::tuple<Endpoint, const char*, const char*>>{
+           {Endpoint::kChatCompletions,
+            R"({"messages": [{"role": "user", "content": "hi"}], "echo": true})", "echo"},
+           {Endpoint::kCompletions, R"({"prompt": "Hi", "echo": true, "logprobs": 1, "n": 2})",
+            "echo"},
+           {Endpoint::kCompletions,
+            R"({"prompt": "Hi", "echo": true, "logprobs": 1, "prompt_logprobs": 3})",
+            "prompt_logprobs"},
+           {Endpoint::kCompletions, R"({"prompt": "Hi", "echo": "yes"})", "echo"}}) {
+    ParsedRequest bad;
+    ApiError e;
+    EXPECT_FALSE(ParseRequest(endpoint, body, bad, e)) << body;
+    EXPECT_EQ(e.http_status, 400) << body;
+    EXPECT_EQ(e.param, param) << body << ": " << e.message;
+  }
+}
+
+// The first message of an echoed completion: one generated token (id 9, " x") after a prompt of
+// three tokens (" a", " bc", " d": the first has no logprob).
+v1::GenerateResponse EchoedFirstMessage() {
+  v1::GenerateResponse r = OneToken(9, " x");
+  const std::vector<std::pair<int32_t, const char*>> prompt = {{5, " bc"}, {6, " d"}};
+  for (const auto& [id, text] : prompt) {
+    v1::Logprobs* lp = r.add_prompt_logprobs();
+    lp->set_token_id(id);
+    lp->set_token(text);
+    lp->set_logprob(-1.5f);
+    v1::TokenLogprob* t = lp->add_top();
+    t->set_token_id(id);
+    t->set_token(text);
+    t->set_logprob(-1.5f);
+  }
+  return r;
+}
+
+TEST(OpenAiJson, EchoPutsThePromptBeforeTheCompletionWholeAndStreamed) {
+  auto lookup = [](int32_t id) { return "<" + std::to_string(id) + ">"; };
+  ResponseBuilder whole(Endpoint::kCompletions, "cmpl-3", 0, "m", 1, lookup);
+  whole.Echo(" a bc d", " a", /*show_prompt_logprobs=*/false);
+  whole.Add(EchoedFirstMessage());
+  v1::GenerateResponse more = OneToken(10, " y");
+  more.set_text(" y");
+  more.set_finish_reason(v1::FINISH_REASON_LENGTH);
+  whole.Add(more);
+  const json w = json::parse(whole.Whole());
+  const json& choice = w["choices"][0];
+  EXPECT_EQ(choice["text"], " a bc d y");  // the prompt's text, then the completion's
+  EXPECT_FALSE(choice.contains("prompt_logprobs"));
+  const json& lp = choice["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({" a", " bc", " d", " x", " y"}));
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  EXPECT_EQ(lp["token_logprobs"][1], -1.5);
+  EXPECT_EQ(lp["top_logprobs"][2], json({{" d", -1.5}}));
+  EXPECT_EQ(lp["token_logprobs"][3], -0.5);
+  EXPECT_EQ(lp["text_offset"], json({0, 2, 5, 7, 9}));
+
+  ResponseBuilder streamed(Endpoint::kCompletions, "cmpl-4", 0, "m", 1, lookup);
+  streamed.Echo(" a bc d", " a", /*show_prompt_logprobs=*/true);
+  const std::vector<std::string> first = streamed.Chunks(EchoedFirstMessage());
+  ASSERT_EQ(first.size(), 1u);
+  const json c = json::parse(first[0])["choices"][0];
+  EXPECT_EQ(c["text"], " a bc d");  // OneToken's message has no text of its own
+  EXPECT_EQ(c["logprobs"]["tokens"].size(), 4u);
+  EXPECT_TRUE(c.contains("prompt_logprobs"));  // the client asked for them too
+  const std::vector<std::string> second = streamed.Chunks(more);
+  const json c2 = json::parse(second[0])["choices"][0];
+  EXPECT_EQ(c2["text"], " y");  // the prompt only once
+  EXPECT_EQ(c2["logprobs"]["tokens"], json({" y"}));
 }
 
 }  // namespace
