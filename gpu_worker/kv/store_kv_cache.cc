@@ -111,14 +111,26 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
   }
 }
 
-absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length) {
+absl::Status StoreKvCache::CheckNewSequence(SequenceId seq, const char* verb) const {
   if (sequences_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
   }
   if (options_.pool) {
     return absl::FailedPreconditionError(
-        "a KV pool sequence cannot be attached: its slots are not positions");
+        absl::StrCat("a KV pool sequence cannot be ", verb, ": its slots are not positions"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status StoreKvCache::OpenWithRows(SequenceId seq, int64_t rows, int64_t capacity_tokens) {
+  Sequence& s = sequences_[seq];
+  s.length.assign(shape_.num_layers, rows);
+  TakeSpareStaging(s);
+  return SizeStaging(s, std::max(capacity_tokens, rows));
+}
+
+absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length) {
+  IG_RETURN_IF_ERROR(CheckNewSequence(seq, "attached"));
   IG_ASSIGN_OR_RETURN(const int64_t kept, client_.Attach(home, StoreId(seq), Spec(), max_length));
   // One of this cache's own sequences (a conversation's next request): its old id is gone.
   if (home > options_.id_base) {
@@ -128,31 +140,19 @@ absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int6
       sequences_.erase(own);
     }
   }
-  Sequence& s = sequences_[seq];
-  s.length.assign(shape_.num_layers, kept);
-  TakeSpareStaging(s);
-  IG_RETURN_IF_ERROR(SizeStaging(s, std::max(max_length, kept)));
+  IG_RETURN_IF_ERROR(OpenWithRows(seq, kept, max_length));
   return kept;
 }
 
 absl::StatusOr<int64_t> StoreKvCache::Fork(SequenceId seq, SequenceId parent, int64_t length,
                                            int64_t capacity_tokens) {
-  if (sequences_.contains(seq)) {
-    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already open"));
-  }
-  if (options_.pool) {
-    return absl::FailedPreconditionError(
-        "a KV pool sequence cannot be forked: its slots are not positions");
-  }
+  IG_RETURN_IF_ERROR(CheckNewSequence(seq, "forked"));
   if (!sequences_.contains(parent)) {
     return absl::NotFoundError(absl::StrCat("sequence ", parent, " is not open"));
   }
   IG_ASSIGN_OR_RETURN(const int64_t copied,
                       client_.Fork(StoreId(parent), StoreId(seq), Spec(), length));
-  Sequence& s = sequences_[seq];
-  s.length.assign(shape_.num_layers, copied);
-  TakeSpareStaging(s);
-  IG_RETURN_IF_ERROR(SizeStaging(s, std::max(capacity_tokens, copied)));
+  IG_RETURN_IF_ERROR(OpenWithRows(seq, copied, capacity_tokens));
   return copied;
 }
 

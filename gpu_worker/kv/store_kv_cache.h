@@ -138,6 +138,10 @@ class StoreKvCache final : public StreamedKvCache {
   // sequence's go back, up to kSpareStagings.
   void TakeSpareStaging(Sequence& s);
   void KeepSpareStaging(Sequence& s);
+  // Attach's and Fork's check that `seq` can be opened ("attached", "forked": what it says).
+  absl::Status CheckNewSequence(SequenceId seq, const char* verb) const;
+  // Opens `seq` holding `rows` rows in every layer, its staging sized for `capacity_tokens`.
+  absl::Status OpenWithRows(SequenceId seq, int64_t rows, int64_t capacity_tokens);
   // Sizes a sequence's staging (both layers in flight) for a read of all its rows at its
   // capacity, when it is opened: decode steps then allocate none.
   absl::Status SizeStaging(Sequence& s, int64_t capacity_tokens);
