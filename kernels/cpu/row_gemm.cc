@@ -102,9 +102,52 @@ struct Q8Rows {
   }
 };
 
+// Entry v, lane l: 16 where bit l of v is set (8 weights' fifth bits as values to or in).
+struct FifthBitTable {
+  FifthBitTable() {
+    for (int v = 0; v < 256; ++v) {
+      for (int l = 0; l < 8; ++l) lanes[v][l] = ((v >> l) & 1) << 4;
+    }
+  }
+  alignas(32) int32_t lanes[256][8];
+};
+const FifthBitTable kFifthBits;
+
+// A block of 32 weights from its 16 nibble bytes (byte j: element j low, j + 16 high) and the
+// fifth bits `high` (bit e: element e's; none for Q4_1), widened to fma(q, d, m): w[s] holds
+// elements 8s..8s+7.
+template <bool kFifthBit>
+inline void Q4Widen32x8(__m128i bytes, float d, float m, uint32_t high, __m256 (&w)[4]) {
+  const __m256i b0 = _mm256_cvtepu8_epi32(bytes);                             // bytes 0-7
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));  // bytes 8-15
+  const __m256i nibble = _mm256_set1_epi32(0x0f);
+  const __m256i q[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
+                        _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  for (int s = 0; s < 4; ++s) {
+    __m256i v = q[s];
+    if constexpr (kFifthBit) {
+      v = _mm256_or_si256(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(
+                                 kFifthBits.lanes[(high >> (8 * s)) & 0xff])));
+    }
+    w[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dv, mv);
+  }
+}
+
 // 0, 1, ..., 15: the q of each lane of a block format's table of values.
 IG_AVX512 inline __m512 Iota16() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// Row c of a block format (k a multiple of 32) widened to float32, a block at a time: the floats
+// Load8 makes.
+template <typename A>
+void WidenBlocks(const A& w, int64_t c, float* out, int64_t k) {
+  for (int64_t i = 0; i < k; i += 32) {
+    __m256 v[4];
+    w.Load32x8(c, i, v);
+    for (int s = 0; s < 4; ++s) _mm256_storeu_ps(out + i + 8 * s, v[s]);
+  }
 }
 
 // Q4_1 (q4_1.h): w[r, c] = fma(q, d, m) of its block, in float32.
@@ -134,6 +177,13 @@ struct Q4_1Rows {
     const int64_t at = Block(c, i);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
   }
+  // The 32 weights of a block (i a multiple of 32) as Load8 makes them at i, i + 8, i + 16 and
+  // i + 24, from one load of its bytes and of its scale and minimum.
+  void Load32x8(int64_t c, int64_t i, __m256 (&w)[4]) const {
+    const int64_t at = Block(c, i);
+    Q4Widen32x8<false>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))), d[at], m[at],
+                       0, w);
+  }
   // The 32 weights of a block (i a multiple of 32) as Load16(c, i) and Load16(c, i + 16) make
   // them: the block's 16 values fma(q, d, m) made once, and each lane's looked up by its nibble
   // (a permute reads the low 4 bits of each index lane).
@@ -156,9 +206,7 @@ struct Q4_1Rows {
   Q4_1Rows From(int64_t j) const {
     return {qs + j * (ld / 2), d + j * (ld / kQ4Block), m + j * (ld / kQ4Block), ld};
   }
-  void Widen(int64_t c, float* out, int64_t k) const {
-    for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
-  }
+  void Widen(int64_t c, float* out, int64_t k) const { WidenBlocks(*this, c, out, k); }
 };
 
 // Q5_1 (q5_1.h): Q4_1's nibbles with a fifth bit per weight; w[r, c] = fma(q, d, m) in float32.
@@ -196,6 +244,11 @@ struct Q5_1Rows {
     const __m512i q = _mm512_mask_or_epi32(low, fifth, low, _mm512_set1_epi32(16));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
   }
+  void Load32x8(int64_t c, int64_t i, __m256 (&w)[4]) const {
+    const int64_t at = Block(c, i);
+    Q4Widen32x8<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))), d[at], m[at],
+                      qh[at], w);
+  }
   // Load32 of Q4_1Rows with 32 values: a lane whose fifth bit is set takes its value from the
   // upper 16.
   IG_AVX512 void Load32(int64_t c, int64_t i, __m512& lo, __m512& hi) const {
@@ -224,9 +277,7 @@ struct Q5_1Rows {
     const int64_t blocks = j * (ld / kQ5Block);
     return {qs + j * (ld / 2), qh + blocks, d + blocks, m + blocks, ld};
   }
-  void Widen(int64_t c, float* out, int64_t k) const {
-    for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
-  }
+  void Widen(int64_t c, float* out, int64_t k) const { WidenBlocks(*this, c, out, k); }
 };
 
 // The scalar tail of one element, after HorizontalSum; the same function for every tile shape.
@@ -249,6 +300,28 @@ inline void Tile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
     }
   }
   const int64_t k8 = k / 8 * 8;
+  int64_t i = 0;
+  // Block formats (k a multiple of 32) step a block at a time: its four 8-element parts go into
+  // accumulators 0, 1, 0, 1 as the steps below would put them.
+  if constexpr (requires(__m256(&v)[4]) { w.Load32x8(0, 0, v); }) {
+    for (; i + 32 <= k8; i += 32) {
+      if (prefetch) {
+        for (int64_t c = 0; c < C; ++c) {
+          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
+        }
+      }
+      __m256 wv[C][4];
+      for (int64_t c = 0; c < C; ++c) w.Load32x8(c, i, wv[c]);
+      for (int64_t s = 0; s < 4; ++s) {
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_loadu_ps(x + r * ldx + i + 8 * s);
+          for (int64_t c = 0; c < C; ++c) {
+            acc[s % 2][r][c] = _mm256_fmadd_ps(xv, wv[c][s], acc[s % 2][r][c]);
+          }
+        }
+      }
+    }
+  }
   auto step = [&](int64_t i, int64_t h) {
     __m256 wv[C];
     for (int64_t c = 0; c < C; ++c) wv[c] = w.Load8(c, i);
@@ -257,7 +330,6 @@ inline void Tile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
       for (int64_t c = 0; c < C; ++c) acc[h][r][c] = _mm256_fmadd_ps(xv, wv[c], acc[h][r][c]);
     }
   };
-  int64_t i = 0;
   for (; i + 16 <= k8; i += 16) {
     if (prefetch) {
       for (int64_t c = 0; c < C; ++c) {
