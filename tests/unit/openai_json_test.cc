@@ -97,17 +97,17 @@ TEST(OpenAiJson, PromptLogprobsUseTheWorkersTexts) {
 TEST(OpenAiJson, EchoIsForCompletionsAndAsksForThePromptsLogprobs) {
   ParsedRequest parsed;
   ApiError error;
-  ASSERT_TRUE(ParseRequest(Endpoint::kCompletions,
-                           R"({"prompt": "Hi there", "echo": true, "logprobs": 2, "max_tokens": 1})",
-                           parsed, error))
+  ASSERT_TRUE(ParseRequest(
+      Endpoint::kCompletions,
+      R"({"prompt": "Hi there", "echo": true, "logprobs": 2, "max_tokens": 1})", parsed, error))
       << error.message;
   EXPECT_TRUE(parsed.echo);
   EXPECT_EQ(parsed.request.sampling().prompt_logprobs(), 2);
   EXPECT_EQ(parsed.prompt_logprobs, -1);  // not asked for by the client: not shown
 
   ParsedRequest plain;
-  ASSERT_TRUE(ParseRequest(Endpoint::kCompletions, R"({"prompt": "Hi", "echo": true})", plain,
-                           error));
+  ASSERT_TRUE(
+      ParseRequest(Endpoint::kCompletions, R"({"prompt": "Hi", "echo": true})", plain, error));
   EXPECT_FALSE(plain.request.sampling().has_prompt_logprobs());
 
   for (const auto& [endpoint, body, param] :
