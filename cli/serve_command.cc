@@ -26,7 +26,7 @@ int RunServe(int argc, char** argv) {
   int worker_metrics_port = 0;
   int64_t drain_seconds = 10;
   bool check_flags = false;
-  // The embedded default serves q4_1 weights (a GGUF file's Q4_0/Q4_1/Q4_K matrices' values as
+  // The embedded default serves q4_1 weights (a GGUF file's 4- and 5-bit matrices' values as
   // they are, the others q8) and bf16 K/V: the fastest CPU storage, WikiText-2 perplexity 16.4034
   // against transformers' 16.4032 on SmolLM2's Q4_1 file (q8: 16.43; docs/model.md), bf16 K/V
   // +0.01% (docs/accuracy.md). The standalone worker keeps f32 (exact).

@@ -260,6 +260,10 @@ class HttpFrontDoor::Impl {
   std::optional<ApiError> Echo(const HttpRequest& req, const ParsedRequest& parsed,
                                ResponseBuilder& builder) {
     const v1::GenerateRequest& g = parsed.request;
+    if (g.has_text() && parsed.top_logprobs < 0) {  // the prompt string is all it needs
+      builder.Echo(g.text(), {}, parsed.prompt_logprobs >= 0);
+      return std::nullopt;
+    }
     v1::TokenizeRequest tr;
     if (g.has_token_ids()) {
       *tr.mutable_token_ids() = g.token_ids();
@@ -275,7 +279,7 @@ class HttpFrontDoor::Impl {
       return FromGrpc(st, ctx);
     }
     builder.Echo(g.has_token_ids() ? answer.text() : g.text(),
-                 answer.pieces_size() > 0 ? answer.pieces(0) : "", parsed.prompt_logprobs >= 0);
+                 {answer.pieces().begin(), answer.pieces().end()}, parsed.prompt_logprobs >= 0);
     return std::nullopt;
   }
 

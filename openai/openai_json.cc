@@ -380,7 +380,8 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
     const std::string token = Text(lp, response.token_ids(i));
     if (endpoint_ == Endpoint::kCompletions) {
       json top = json::object();
-      for (const v1::TokenLogprob& t : lp.top()) top[Text(t, t.token_id())] = t.logprob();
+      // Two alternatives can decode to the same text: the more likely (first) one keeps it.
+      for (const v1::TokenLogprob& t : lp.top()) top.emplace(Text(t, t.token_id()), t.logprob());
       into["tokens"].push_back(token);
       into["token_logprobs"].push_back(lp.logprob());
       into["top_logprobs"].push_back(std::move(top));
@@ -400,11 +401,11 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
   }
 }
 
-void ResponseBuilder::Echo(std::string prompt_text, std::string first_token,
+void ResponseBuilder::Echo(std::string prompt_text, std::vector<std::string> prompt_pieces,
                            bool show_prompt_logprobs) {
   echo_ = true;
   echo_text_ = std::move(prompt_text);
-  echo_first_token_ = std::move(first_token);
+  echo_pieces_ = std::move(prompt_pieces);
   show_prompt_logprobs_ = show_prompt_logprobs;
 }
 
@@ -414,20 +415,28 @@ std::string ResponseBuilder::EchoPrompt(Choice& choice, const v1::GenerateRespon
   choice.echoed = true;
   if (logprobs != nullptr) {
     json& into = *logprobs;
-    // Offsets into the text as returned: the prompt tokens' from 0 (a BOS the model adds has
-    // text the prompt has not), the completion's from the end of the prompt's text.
+    // The prompt tokens' texts are their pieces (each as it adds to the decoded prompt, so that
+    // they join to it); their offsets end where the prompt's text ends (a BOS the model adds,
+    // whose text the prompt has not, starts before it: clamped to 0).
+    const bool pieces =
+        echo_pieces_.size() == static_cast<size_t>(response.prompt_logprobs_size()) + 1;
+    int64_t joined = 0;
+    for (const std::string& p : echo_pieces_) joined += static_cast<int64_t>(p.size());
+    int64_t offset = pieces ? static_cast<int64_t>(echo_text_.size()) - joined : 0;
     auto add = [&](const std::string& token, json logprob, json top) {
       into["tokens"].push_back(token);
       into["token_logprobs"].push_back(std::move(logprob));
       into["top_logprobs"].push_back(std::move(top));
-      into["text_offset"].push_back(choice.text_offset);
-      choice.text_offset += static_cast<int64_t>(token.size());
+      into["text_offset"].push_back(std::max<int64_t>(offset, 0));
+      offset += static_cast<int64_t>(token.size());
     };
-    add(echo_first_token_, nullptr, nullptr);
-    for (const v1::Logprobs& lp : response.prompt_logprobs()) {
+    add(echo_pieces_.empty() ? std::string() : echo_pieces_[0], nullptr, nullptr);
+    for (int j = 0; j < response.prompt_logprobs_size(); ++j) {
+      const v1::Logprobs& lp = response.prompt_logprobs(j);
       json top = json::object();
-      for (const v1::TokenLogprob& t : lp.top()) top[Text(t, t.token_id())] = t.logprob();
-      add(Text(lp, lp.token_id()), lp.logprob(), std::move(top));
+      // Two alternatives can decode to the same text: the more likely (first) one keeps it.
+      for (const v1::TokenLogprob& t : lp.top()) top.emplace(Text(t, t.token_id()), t.logprob());
+      add(pieces ? echo_pieces_[j + 1] : Text(lp, lp.token_id()), lp.logprob(), std::move(top));
     }
     choice.text_offset = static_cast<int64_t>(echo_text_.size());
   }

@@ -81,10 +81,12 @@ class ResponseBuilder {
   // Stream with include_usage: the last chunk (no choices, the usage of all of them).
   std::string UsageChunk() const;
   // Completions' echo: each choice's text starts with `prompt_text`; with logprobs its entries
-  // start with the prompt's tokens: `first_token` (the text of the first, which has no logprob),
-  // then those of the first message's prompt_logprobs. vLLM's `prompt_logprobs` field is then
-  // sent only when `show_prompt_logprobs`.
-  void Echo(std::string prompt_text, std::string first_token, bool show_prompt_logprobs);
+  // start with the prompt's tokens, `prompt_pieces` their texts as they join to the decoded
+  // prompt (Tokenize's pieces; the first has no logprob, the others' are the first message's
+  // prompt_logprobs). vLLM's `prompt_logprobs` field is then sent only when
+  // `show_prompt_logprobs`.
+  void Echo(std::string prompt_text, std::vector<std::string> prompt_pieces,
+            bool show_prompt_logprobs);
   // Whole: after every message was given to Add, the one response object.
   void Add(int index, const v1::GenerateResponse& response);
   void Add(const v1::GenerateResponse& response) { Add(0, response); }
@@ -129,7 +131,8 @@ class ResponseBuilder {
   TokenText token_text_;
   std::vector<Choice> choices_;
   bool echo_ = false;
-  std::string echo_text_, echo_first_token_;
+  std::string echo_text_;
+  std::vector<std::string> echo_pieces_;
   bool show_prompt_logprobs_ = true;
 };
 

@@ -104,14 +104,14 @@ struct Q8Rows {
 
 // Entry v, lane l: 16 where bit l of v is set (8 weights' fifth bits as values to or in).
 struct FifthBitTable {
-  FifthBitTable() {
+  constexpr FifthBitTable() : lanes{} {
     for (int v = 0; v < 256; ++v) {
       for (int l = 0; l < 8; ++l) lanes[v][l] = ((v >> l) & 1) << 4;
     }
   }
   alignas(32) int32_t lanes[256][8];
 };
-const FifthBitTable kFifthBits;
+constexpr FifthBitTable kFifthBits;
 
 // A block of 32 weights from its 16 nibble bytes (byte j: element j low, j + 16 high) and the
 // fifth bits `high` (bit e: element e's; none for Q4_1), widened to fma(q, d, m): w[s] holds

@@ -149,7 +149,7 @@ v1::GenerateResponse EchoedFirstMessage() {
 TEST(OpenAiJson, EchoPutsThePromptBeforeTheCompletionWholeAndStreamed) {
   auto lookup = [](int32_t id) { return "<" + std::to_string(id) + ">"; };
   ResponseBuilder whole(Endpoint::kCompletions, "cmpl-3", 0, "m", 1, lookup);
-  whole.Echo(" a bc d", " a", /*show_prompt_logprobs=*/false);
+  whole.Echo(" a bc d", {" a", " bc", " d"}, /*show_prompt_logprobs=*/false);
   whole.Add(EchoedFirstMessage());
   v1::GenerateResponse more = OneToken(10, " y");
   more.set_text(" y");
@@ -169,7 +169,7 @@ TEST(OpenAiJson, EchoPutsThePromptBeforeTheCompletionWholeAndStreamed) {
   EXPECT_EQ(lp["text_offset"], json({0, 2, 5, 7, 9}));
 
   ResponseBuilder streamed(Endpoint::kCompletions, "cmpl-4", 0, "m", 1, lookup);
-  streamed.Echo(" a bc d", " a", /*show_prompt_logprobs=*/true);
+  streamed.Echo(" a bc d", {" a", " bc", " d"}, /*show_prompt_logprobs=*/true);
   const std::vector<std::string> first = streamed.Chunks(EchoedFirstMessage());
   ASSERT_EQ(first.size(), 1u);
   const json c = json::parse(first[0])["choices"][0];
@@ -180,6 +180,40 @@ TEST(OpenAiJson, EchoPutsThePromptBeforeTheCompletionWholeAndStreamed) {
   const json c2 = json::parse(second[0])["choices"][0];
   EXPECT_EQ(c2["text"], " y");  // the prompt only once
   EXPECT_EQ(c2["logprobs"]["tokens"], json({" y"}));
+}
+
+TEST(OpenAiJson, EchoedOffsetsEndAtThePromptsEndAfterABos) {
+  // The model added a BOS ("<s>") the prompt string has not: the pieces join to "<s> a bc d",
+  // the offsets index " a bc d" (the BOS's clamped to 0), the completion's start at its end.
+  ResponseBuilder b(Endpoint::kCompletions, "cmpl-5", 0, "m", 1,
+                    [](int32_t id) { return std::to_string(id); });
+  v1::GenerateResponse first = EchoedFirstMessage();
+  v1::Logprobs* a = first.mutable_prompt_logprobs()->Add();
+  first.mutable_prompt_logprobs()->SwapElements(0, 2);  // " a" first, then " bc", " d"
+  first.mutable_prompt_logprobs()->SwapElements(1, 2);
+  a->set_token_id(4);
+  a->set_token(" a");
+  a->set_logprob(-2.0f);
+  b.Echo(" a bc d", {"<s>", " a", " bc", " d"}, false);
+  first.set_finish_reason(v1::FINISH_REASON_LENGTH);
+  b.Add(first);
+  const json lp = json::parse(b.Whole())["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({"<s>", " a", " bc", " d", " x"}));
+  EXPECT_EQ(lp["text_offset"], json({0, 0, 2, 5, 7}));
+}
+
+TEST(OpenAiJson, TheMoreLikelyOfTwoAlternativesWithOneTextIsKept) {
+  ResponseBuilder b(Endpoint::kCompletions, "cmpl-6", 0, "m", 2,
+                    [](int32_t) { return std::string("?"); });
+  v1::GenerateResponse r = OneToken(3, "the");
+  v1::TokenLogprob* worse = r.mutable_logprobs(0)->add_top();
+  worse->set_token_id(8);
+  worse->set_token("alt");  // "▁alt" and "alt" decode alike
+  worse->set_logprob(-4.0f);
+  r.set_finish_reason(v1::FINISH_REASON_LENGTH);
+  b.Add(r);
+  const json top = json::parse(b.Whole())["choices"][0]["logprobs"]["top_logprobs"][0];
+  EXPECT_EQ(top, json({{"alt", -0.25}}));
 }
 
 }  // namespace
