@@ -139,8 +139,8 @@ IG_AVX512 inline __m512 Iota16() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-// Row c of a block format (k a multiple of 32) widened to float32, a block at a time: the floats
-// Load8 makes.
+// Row c of a block format (k a multiple of 32) widened to float32, a block at a time (Load32x8):
+// the floats the GEMV multiplies.
 template <typename A>
 void WidenBlocks(const A& w, int64_t c, float* out, int64_t k) {
   for (int64_t i = 0; i < k; i += 32) {
@@ -150,43 +150,29 @@ void WidenBlocks(const A& w, int64_t c, float* out, int64_t k) {
   }
 }
 
-// Q4_1 (q4_1.h): w[r, c] = fma(q, d, m) of its block, in float32.
+// Q4_1 (q4_1.h): w[r, c] = fma(q, d, m) of its block, in float32. The block formats give a block
+// of 32 weights at a time (Load32x8: AVX2, 8 per register; Load32: AVX-512, 16 per register),
+// which the tiles take in the order the other formats' Load8 / Load16 steps have.
 struct Q4_1Rows {
   const uint8_t* qs;
   const float* d;
   const float* m;
   int64_t ld;  // columns
   int64_t Block(int64_t c, int64_t i) const { return c * (ld / kQ4Block) + i / kQ4Block; }
-  // The 8 or 16 bytes whose nibbles hold elements i.. of row c (i a multiple of 8).
+  // The 16 bytes whose nibbles hold the block of elements i.. of row c (i a multiple of 32).
   const uint8_t* Bytes(int64_t c, int64_t i) const {
     return qs + Block(c, i) * (kQ4Block / 2) + i % (kQ4Block / 2);
   }
-  __m256 Load8(int64_t c, int64_t i) const {
-    const __m256i b =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Bytes(c, i))));
-    const __m256i q = i % kQ4Block < kQ4Block / 2 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0f))
-                                                  : _mm256_srli_epi32(b, 4);
-    const int64_t at = Block(c, i);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d[at]), _mm256_set1_ps(m[at]));
-  }
-  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const {
-    const __m512i b =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
-    const __m512i q = i % kQ4Block < kQ4Block / 2 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0f))
-                                                  : _mm512_srli_epi32(b, 4);
-    const int64_t at = Block(c, i);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
-  }
-  // The 32 weights of a block (i a multiple of 32) as Load8 makes them at i, i + 8, i + 16 and
-  // i + 24, from one load of its bytes and of its scale and minimum.
+  // The 32 weights of a block (i a multiple of 32), w[s] elements i + 8s.., from one load of its
+  // bytes and of its scale and minimum.
   void Load32x8(int64_t c, int64_t i, __m256 (&w)[4]) const {
     const int64_t at = Block(c, i);
     Q4Widen32x8<false>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))), d[at], m[at],
                        0, w);
   }
-  // The 32 weights of a block (i a multiple of 32) as Load16(c, i) and Load16(c, i + 16) make
-  // them: the block's 16 values fma(q, d, m) made once, and each lane's looked up by its nibble
-  // (a permute reads the low 4 bits of each index lane).
+  // The 32 weights of a block (i a multiple of 32), lo elements i.., hi i + 16..: the block's 16
+  // values fma(q, d, m) made once, and each lane's looked up by its nibble (a permute reads the
+  // low 4 bits of each index lane).
   IG_AVX512 void Load32(int64_t c, int64_t i, __m512& lo, __m512& hi) const {
     const int64_t at = Block(c, i);
     const __m512 values = _mm512_fmadd_ps(Iota16(), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
@@ -219,30 +205,6 @@ struct Q5_1Rows {
   int64_t Block(int64_t c, int64_t i) const { return c * (ld / kQ5Block) + i / kQ5Block; }
   const uint8_t* Bytes(int64_t c, int64_t i) const {
     return qs + Block(c, i) * (kQ5Block / 2) + i % (kQ5Block / 2);
-  }
-  __m256 Load8(int64_t c, int64_t i) const {
-    const __m256i b =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Bytes(c, i))));
-    const int64_t o = i % kQ5Block, at = Block(c, i);
-    const __m256i low =
-        o < kQ5Block / 2 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(b, 4);
-    // Bit o + l of the block's word is lane l's fifth bit.
-    const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh[at] >> o)),
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i q =
-        _mm256_or_si256(low, _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d[at]), _mm256_set1_ps(m[at]));
-  }
-  // 16 values at i (a multiple of 16): the block's 16 bits from bit i % 32 are a lane mask.
-  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const {
-    const __m512i b =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
-    const int64_t o = i % kQ5Block, at = Block(c, i);
-    const __m512i low =
-        o < kQ5Block / 2 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0f)) : _mm512_srli_epi32(b, 4);
-    const auto fifth = static_cast<__mmask16>(qh[at] >> o);
-    const __m512i q = _mm512_mask_or_epi32(low, fifth, low, _mm512_set1_epi32(16));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
   }
   void Load32x8(int64_t c, int64_t i, __m256 (&w)[4]) const {
     const int64_t at = Block(c, i);
@@ -302,7 +264,7 @@ inline void Tile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
   const int64_t k8 = k / 8 * 8;
   int64_t i = 0;
   // Block formats (k a multiple of 32) step a block at a time: its four 8-element parts go into
-  // accumulators 0, 1, 0, 1 as the steps below would put them.
+  // accumulators 0, 1, 0, 1 as the steps below put them for the other formats.
   if constexpr (requires(__m256(&v)[4]) { w.Load32x8(0, 0, v); }) {
     for (; i + 32 <= k8; i += 32) {
       if (prefetch) {
@@ -321,25 +283,26 @@ inline void Tile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
         }
       }
     }
-  }
-  auto step = [&](int64_t i, int64_t h) {
-    __m256 wv[C];
-    for (int64_t c = 0; c < C; ++c) wv[c] = w.Load8(c, i);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
-      for (int64_t c = 0; c < C; ++c) acc[h][r][c] = _mm256_fmadd_ps(xv, wv[c], acc[h][r][c]);
-    }
-  };
-  for (; i + 16 <= k8; i += 16) {
-    if (prefetch) {
-      for (int64_t c = 0; c < C; ++c) {
-        _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
+  } else {
+    auto step = [&](int64_t i, int64_t h) {
+      __m256 wv[C];
+      for (int64_t c = 0; c < C; ++c) wv[c] = w.Load8(c, i);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+        for (int64_t c = 0; c < C; ++c) acc[h][r][c] = _mm256_fmadd_ps(xv, wv[c], acc[h][r][c]);
       }
+    };
+    for (; i + 16 <= k8; i += 16) {
+      if (prefetch) {
+        for (int64_t c = 0; c < C; ++c) {
+          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
+        }
+      }
+      step(i, 0);
+      step(i + 8, 1);
     }
-    step(i, 0);
-    step(i + 8, 1);
+    if (i < k8) step(i, 0);
   }
-  if (i < k8) step(i, 0);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) {
       const float s = HorizontalSum(_mm256_add_ps(acc[0][r][c], acc[1][r][c]));
@@ -380,7 +343,7 @@ IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t
   const int64_t k8 = k / 8 * 8;
   int64_t i = 0;
   // Block formats (k a multiple of 32) step a block at a time: Load32's halves are the two
-  // 16-element steps below, in the same order.
+  // 16-element steps the other formats take, in the same order.
   if constexpr (requires(__m512 & v) { w.Load32(0, 0, v, v); }) {
     for (; i + 32 <= k8; i += 32) {
       if (prefetch) {
@@ -399,27 +362,28 @@ IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t
         for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, hi[c], acc[r][c]);
       }
     }
-  }
-  for (; i + 16 <= k8; i += 16) {
-    if (prefetch) {
-      for (int64_t c = 0; c < C; ++c) {
-        _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
+  } else {
+    for (; i + 16 <= k8; i += 16) {
+      if (prefetch) {
+        for (int64_t c = 0; c < C; ++c) {
+          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
+        }
+      }
+      __m512 wv[C];
+      for (int64_t c = 0; c < C; ++c) wv[c] = w.Load16(c, i);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_loadu_ps(x + r * ldx + i);
+        for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
       }
     }
-    __m512 wv[C];
-    for (int64_t c = 0; c < C; ++c) wv[c] = w.Load16(c, i);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * ldx + i);
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-  if (i < k8) {
-    __m512 wv[C];
-    for (int64_t c = 0; c < C; ++c) wv[c] = _mm512_zextps256_ps512(w.Load8(c, i));
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_zextps256_ps512(_mm256_loadu_ps(x + r * ldx + i));
-      for (int64_t c = 0; c < C; ++c) {
-        acc[r][c] = _mm512_mask3_fmadd_ps(xv, wv[c], acc[r][c], 0x00FF);
+    if (i < k8) {
+      __m512 wv[C];
+      for (int64_t c = 0; c < C; ++c) wv[c] = _mm512_zextps256_ps512(w.Load8(c, i));
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_zextps256_ps512(_mm256_loadu_ps(x + r * ldx + i));
+        for (int64_t c = 0; c < C; ++c) {
+          acc[r][c] = _mm512_mask3_fmadd_ps(xv, wv[c], acc[r][c], 0x00FF);
+        }
       }
     }
   }
