@@ -94,6 +94,7 @@ TEST(CliFlags, FlagFilesAreReadInPlaceAndLaterValuesWin) {
   parsed = Parse(flags, {"--flagfile", a, "--max-new-tokens-limit=7"});
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(limit, 7);
+  for (const std::string& f : {inner, a, b}) std::filesystem::remove(f);
 }
 
 TEST(CliFlags, BadFlagFilesAreNamed) {
@@ -113,6 +114,7 @@ TEST(CliFlags, BadFlagFilesAreNamed) {
   auto cycle = Parse(flags, {"--flagfile=" + loop});
   EXPECT_EQ(cycle.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(cycle.status().message().find("deeper"), std::string::npos) << cycle.status();
+  for (const std::string& f : {bad, loop}) std::filesystem::remove(f);
 }
 
 TEST(CliFlags, HelpListsTheProgramsFlags) {
