@@ -13,7 +13,9 @@
 // whole RoPE pairs), on the GPU (--device cuda [--cuda-dtype bf16]), over the KV store as the
 // worker and `infinigen serve` run it (--kv store: StoreKvCache over an in-process store of
 // --kv-capacity-mb; --kv-device-gather true|false: the GPU reads the rows from the store's
-// memory, the default, or the store copies them into staging) instead of the resident cache
+// memory, the default, or the store copies them into staging; --kv-resident-layers N keeps the
+// first N layers' K/V on the device too, by default InfiniGen's dense layers as the worker does
+// and none for other policies) instead of the resident cache
 // (--kv resident, the all-on-device baseline); --prefill-budget sets the engine's prompt tokens
 // per step (a whole long prompt in one step: its K/V are not read back).
 // Each case starts `streams` requests at once (random prompt ids, greedy, EOS ignored) and
@@ -224,6 +226,7 @@ int main(int argc, char** argv) {
   std::string device = "cpu", cuda_dtype = "bf16", kv = "resident", cpu_kv = "f32";
   int64_t prompt = 128, new_tokens = 64, threads = 0, kv_capacity_mb = 4096, prefill_budget = 256;
   bool kv_device_gather = true;
+  int64_t kv_resident_layers = -1;  // -1: as the worker (InfiniGen's dense layers on a GPU)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--target")
@@ -258,6 +261,8 @@ int main(int argc, char** argv) {
       (void)absl::SimpleAtoi(v, &kv_capacity_mb);
     else if (k == "--kv-device-gather")
       kv_device_gather = v == "true" || v == "1";
+    else if (k == "--kv-resident-layers")
+      (void)absl::SimpleAtoi(v, &kv_resident_layers);
     else if (k == "--prefill-budget")
       (void)absl::SimpleAtoi(v, &prefill_budget);
     else {
@@ -344,6 +349,12 @@ int main(int argc, char** argv) {
       client = std::move(*c);
       StoreKvCacheOptions options;
       options.device_reads_mapped_rows = kv_device_gather;
+      WorkerConfig as_worker;
+      options.device_resident_layers =
+          kv_resident_layers >= 0 ? static_cast<int>(kv_resident_layers)
+                                  : (policy == "infinigen" && as_worker.kv_resident_dense_layers
+                                         ? as_worker.Selection(true).dense_layers
+                                         : 0);
       cache = std::make_unique<StoreKvCache>(*loaded.backend, loaded.model->kv_shape(), *client,
                                              options);
     } else {

@@ -20,6 +20,10 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
   // Without registration (a backend or device that cannot) prefetches copy as before.
   device_gathers_ = !host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
                     client.reads_in_place() && RegisterMapped().ok();
+  if (!host_access_ && !options.pool && options.device_resident_layers > 0) {
+    resident_layers_ =
+        std::make_unique<ResidentLayers>(backend, shape, options.device_resident_layers);
+  }
 }
 
 absl::Status StoreKvCache::RegisterMapped() {
@@ -77,7 +81,9 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   s.length.assign(shape_.num_layers, 0);
   s.pool = std::move(pool);
   TakeSpareStaging(s);
-  return SizeStaging(s, capacity_tokens);
+  IG_RETURN_IF_ERROR(SizeStaging(s, capacity_tokens));
+  if (resident_layers_ != nullptr) IG_RETURN_IF_ERROR(resident_layers_->Open(seq, capacity_tokens));
+  return absl::OkStatus();
 }
 
 absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
@@ -171,6 +177,7 @@ bool StoreKvCache::Forget(SequenceId seq) {
   if (it == sequences_.end()) return false;
   KeepSpareStaging(it->second);
   sequences_.erase(it);
+  if (resident_layers_ != nullptr) resident_layers_->Close(seq);
   return true;
 }
 
@@ -300,6 +307,9 @@ void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
       }
     }
     statuses[i] = Store(a.seq, *s, layer, a.start, n, std::move(hk), std::move(hv), a.slots_out);
+    if (statuses[i].ok() && resident_layers_ != nullptr) {
+      statuses[i] = resident_layers_->Append(a.seq, layer, a.start, a.k, a.v);
+    }
   }
 }
 
@@ -363,6 +373,7 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   Pending& p = s.pending[layer % 2];
   DropTicket(p);
   const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
+  p.resident = false;
   p.item = ClientGatherItem();
   p.item.seq = StoreId(seq);
   p.item.layer = layer;
@@ -410,6 +421,18 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
         absl::StrCat("no rows of layer ", layer, " were prefetched"));
   }
   const int64_t count = p.count;
+  if (p.resident) {  // a copy inside the device, after this step's appends
+    const int64_t per_head = count + p.extra_rows;
+    IG_RETURN_IF_ERROR(
+        EnsureStaging(p.staging, static_cast<size_t>(shape_.num_kv_heads * per_head) * RowBytes()));
+    IG_RETURN_IF_ERROR(resident_layers_->Read(p.seq, layer, count, p.staging.k->data(),
+                                              p.staging.v->data(), count));
+    KvLayerView view;
+    view.num_slots = count;
+    view.k = shape_.HeadMajor(p.staging.k->data(), count);
+    view.v = shape_.HeadMajor(p.staging.v->data(), count);
+    return view;
+  }
   if (p.deferred) SubmitPrefetches();
   if (p.ticket != nullptr) {
     if (absl::Status st = WaitGather(s, p); !st.ok()) {
@@ -531,12 +554,36 @@ void StoreKvCache::ReapAbandoned(bool wait) {
   });
 }
 
+bool StoreKvCache::StartResident(SequenceId seq, Sequence& s, int layer, int64_t count,
+                                 int64_t extra_rows) {
+  if (resident_layers_ == nullptr || count != s.length[layer] ||
+      !resident_layers_->Holds(seq, layer, count)) {
+    return false;
+  }
+  Pending& p = s.pending[layer % 2];
+  DropTicket(p);
+  p.item = ClientGatherItem();
+  p.deferred = false;
+  p.shared = false;
+  p.resident = true;
+  p.seq = seq;
+  p.layer = layer;
+  p.count = count;
+  p.extra_rows = extra_rows;
+  p.in_place = false;
+  s.counters.bytes_full +=
+      2 * static_cast<int64_t>(shape_.num_kv_heads) * count * static_cast<int64_t>(RowBytes());
+  s.counters.fetches += 1;
+  return true;
+}
+
 absl::StatusOr<KvLayerView> StoreKvCache::ReadAll(SequenceId seq, int layer) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
   const int64_t n = s->Rows(layer);
+  if (StartResident(seq, *s, layer, n, 0)) return FinishGather(*s, layer);
   std::vector<int32_t> slots(static_cast<size_t>(shape_.num_kv_heads * n));
   for (int g = 0; g < shape_.num_kv_heads; ++g) {
     for (int64_t j = 0; j < n; ++j) slots[g * n + j] = static_cast<int32_t>(j);
@@ -555,6 +602,21 @@ absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* sl
   if (layer < 0 || layer >= shape_.num_layers || count <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefetch of layer ", layer, ", ", count, " rows: out of range"));
+  }
+  // Every stored row, in slot order, of a layer kept on the device: copied there at the fetch.
+  auto every_row = [&] {
+    for (int64_t g = 0; g < shape_.num_kv_heads; ++g) {
+      const int32_t* head = slots + g * count;
+      for (int64_t j = 0; j < count; ++j) {
+        if (head[j] != j) return false;
+      }
+    }
+    return true;
+  };
+  if (resident_layers_ != nullptr && resident_layers_->Holds(seq, layer, count) &&
+      count == s->length[layer] && every_row() &&
+      StartResident(seq, *s, layer, count, extra_rows)) {
+    return absl::OkStatus();
   }
   std::vector<int32_t> list(slots, slots + shape_.num_kv_heads * count);
   return StartGather(seq, *s, layer, std::move(list), count, extra_rows,

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/kv/kv_pool.h"
+#include "gpu_worker/kv/resident_layers.h"
 #include "kv_store/client/kv_store_client.h"
 
 namespace infinigen {
@@ -53,6 +54,11 @@ struct StoreKvCacheOptions {
   // A prompt longer than its share is kept whole. Pooled sequences cannot be attached (their
   // slots are not positions): a stream whose worker fails is replayed.
   std::optional<KvPoolConfig> pool;
+  // On a backend whose memory is not host memory (a GPU), the K/V of each sequence's first
+  // `device_resident_layers` layers are also kept there (ResidentLayers; InfiniGen's dense
+  // layers): a read of every stored row of those layers copies inside the device and moves no
+  // bytes over the link. Only for sequences opened here (not attached or forked; no KV pool).
+  int device_resident_layers = 0;
 };
 
 class StoreKvCache final : public StreamedKvCache {
@@ -85,6 +91,10 @@ class StoreKvCache final : public StreamedKvCache {
   bool addresses_only() const override { return in_place_; }
   // Whether prefetches reach a GPU backend by Backend::GatherRows from registered store memory.
   bool device_gathers() const { return device_gathers_; }
+  // The layers whose K/V are kept in backend memory too (StoreKvCacheOptions; 0 where not).
+  int device_resident_layers() const {
+    return resident_layers_ != nullptr ? resident_layers_->layers() : 0;
+  }
   absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override;
   absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
                         int64_t extra_rows = 0) override;
@@ -117,6 +127,8 @@ class StoreKvCache final : public StreamedKvCache {
     int64_t count = 0;
     int64_t extra_rows = 0;  // rows per head left free after the gathered ones
     bool in_place = false;
+    bool resident = false;  // every row, copied from resident_layers_ at the fetch
+    SequenceId seq = 0;     // ... of this sequence
   };
   // Staging a gather that did not finish in time may still write into: kept until it ends.
   struct Abandoned {
@@ -155,6 +167,10 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status StartGather(SequenceId seq, Sequence& s, int layer, std::vector<int32_t> slots,
                            int64_t count, int64_t extra_rows, bool in_place);
   absl::StatusOr<KvLayerView> FinishGather(Sequence& s, int layer);
+  // A read of rows 0 .. count-1 of every head that resident_layers_ answers (StartGather's
+  // counterpart: nothing crosses the link, the rows are copied at FinishGather); false when
+  // they are not all there (the store's then).
+  bool StartResident(SequenceId seq, Sequence& s, int layer, int64_t count, int64_t extra_rows);
   // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
   static void DropTicket(Pending& p);
   // A GPU backend's in-place prefetch: the rows at p's addresses into p's device staging.
@@ -196,8 +212,9 @@ class StoreKvCache final : public StreamedKvCache {
   std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
   // Appends of at most this many tokens (decode steps) copy K and V out together.
   static constexpr int64_t kPackedAppendRows = 16;
-  std::vector<uint8_t> both_;              // their host copy
-  std::vector<Sequence*> append_targets_;  // AppendLayer's, per item (null: refused)
+  std::vector<uint8_t> both_;                        // their host copy
+  std::vector<Sequence*> append_targets_;            // AppendLayer's, per item (null: refused)
+  std::unique_ptr<ResidentLayers> resident_layers_;  // with options.device_resident_layers
 };
 
 }  // namespace infinigen

@@ -63,6 +63,9 @@ int main(int argc, char** argv) {
              "gather prefetched rows there by address (false: the store copies them into "
              "staging that is then copied to the GPU; 6.5x slower measured on an H200, "
              "docs/cuda.md)");
+  flags.Bool("kv-resident-dense-layers", &config.kv_resident_dense_layers,
+             "--device cuda with InfiniGen: keep its dense layers' K/V on the GPU as well as in "
+             "the store, so that their every-row reads cross no link (no KV pool)");
   flags.String("tls-cert", &tls.cert, "serve TLS with this certificate chain (PEM)");
   flags.String("tls-key", &tls.key, "the private key of --tls-cert (PEM)");
   flags.String("tls-client-ca", &tls.ca,

@@ -113,15 +113,21 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   }
   Model& model = *w->loaded_.model;
   const KvCacheShape shape = model.kv_shape();
+  if (config.kv_resident_dense_layers && w->sidecar_ && !w->loaded_.backend->host_accessible() &&
+      !cache_options.pool) {
+    cache_options.device_resident_layers = selection.dense_layers;
+  }
   EngineConfig engine_config = config.engine;
   {
     // Admission by device memory: what a running sequence keeps on the device per token of its
     // length: InfiniGen's partial keys of every sparse layer, and the staging of fetched rows
     // (K and V, two layers in flight), sized when the sequence opens for a read of every row
-    // (the dense layers read them all; StoreKvCache::SizeStaging).
+    // (the dense layers read them all; StoreKvCache::SizeStaging), and the dense layers' K/V
+    // where they stay on the device (ResidentLayers).
     const ModelConfig& c = model.config();
     const size_t row = static_cast<size_t>(c.num_kv_heads) * c.head_dim * DTypeSize(shape.dtype);
-    size_t per_token = 2 * 2 * row;
+    size_t per_token =
+        2 * 2 * row + ResidentLayers::BytesPerToken(shape, cache_options.device_resident_layers);
     if (w->sidecar_) {
       per_token +=
           static_cast<size_t>(std::max<int64_t>(0, c.num_layers - selection.dense_layers)) *

@@ -28,6 +28,9 @@ struct WorkerConfig {
   int64_t kv_capacity_mb = 1024;    // in-process store
   int32_t kv_append_linger_ms = 5;  // KvClientConfig::append_linger
   bool kv_device_gather = true;     // StoreKvCacheOptions::device_reads_mapped_rows
+  // With InfiniGen on a GPU: its dense layers' K/V also kept on the device
+  // (StoreKvCacheOptions::device_resident_layers = the selection's dense_layers).
+  bool kv_resident_dense_layers = true;
   // The KV pool (StoreKvCacheOptions::pool): a sequence's share of tokens in the store,
   // kv_pool_tokens when > 0, else kv_pool x (prompt + max new tokens); both 0: no pool.
   double kv_pool = 0.0;

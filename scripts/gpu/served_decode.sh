@@ -12,7 +12,9 @@
 # 128 KiB per token, plus a quarter). MODES (default "infinigen full resident"; also
 # infinigen-copy, full-copy): over the store the GPU reads the rows from its registered memory
 # (--kv-device-gather, the worker's default); -copy = the store copies them into staging that is
-# then copied to the device (what a remote transport does). A second
+# then copied to the device (what a remote transport does); infinigen keeps its dense layers' K/V
+# on the GPU as the worker does (--kv_resident_dense_layers), infinigen-dense-fetched reads them
+# from the store every step as before. A second
 # table says where each case's decode steps spent their host time (DecodeStep's profile); its
 # rows are also appended to PROFILE_OUT as each case ends. A third gives each case's time to first
 # token (every stream submitted at once: the prefills queue).
@@ -47,6 +49,7 @@ for c in $CASES; do
     case $mode in
       infinigen) flags=(--kv store --policy infinigen) ;;
       infinigen-copy) flags=(--kv store --policy infinigen --kv-device-gather false) ;;
+      infinigen-dense-fetched) flags=(--kv store --policy infinigen --kv-resident-layers 0) ;;
       full) flags=(--kv store --policy full) ;;
       full-copy) flags=(--kv store --policy full --kv-device-gather false) ;;
       resident) flags=(--kv resident --policy full) ;;

@@ -456,6 +456,53 @@ TEST_P(StoreCache, DeviceWaitsPerLayerDoNotGrowWithTheBatch) {
   EXPECT_DOUBLE_EQ(waits[2], waits[0]);
 }
 
+// InfiniGen's dense layers kept on the device as well (StoreKvCacheOptions::
+// device_resident_layers; the fixture's one dense layer): the same tokens and logits bit for bit
+// as reading them from the store, with chunked prefill (reads of every stored row) and decode
+// (the dense layer's every-row prefetch), and those reads move nothing over the link: the bytes
+// fetched fall by the dense layer's share and the device gathers fewer rows from the store.
+TEST_P(StoreCache, DenseLayersKeptOnTheDeviceGiveTheSameLogitsAndMoveNoBytes) {
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const auto prompts = Prompts(2);
+  DecodeRun runs[2];
+  int64_t gathered[2];
+  for (int resident : {0, 1}) {
+    SCOPED_TRACE(absl::StrCat(resident, " layers on the device"));
+    StoreKvCacheOptions options = DeviceStoreOptions();
+    options.device_resident_layers = resident;
+    StoreKvCache store(device, loaded->kv_shape(), *client_, options);
+    auto a = Policy("infinigen", *skew), b = Policy("infinigen", *skew);
+    const int64_t gathered_before = device.rows_gathered();
+    runs[resident] = Decode(*loaded, store, {a.get(), b.get()}, prompts, 10, 8);
+    gathered[resident] = device.rows_gathered() - gathered_before;
+    EXPECT_GT(runs[resident].prefetch_hits, 0);
+    EXPECT_EQ(runs[resident].prefetch_misses, 0);
+  }
+  EXPECT_EQ(runs[1].tokens, runs[0].tokens);
+  EXPECT_EQ(runs[1].logits, runs[0].logits);
+  // Layer 0 reads every row each step (~30-rows sequences); layer 1 a 30% budget of them.
+  EXPECT_GT(runs[0].bytes_fetched, 0);
+  EXPECT_LT(runs[1].bytes_fetched, runs[0].bytes_fetched / 2);
+  if (std::get<1>(GetParam())) {
+    EXPECT_LT(gathered[1], gathered[0] / 2);
+  }
+  // On a backend whose memory the host reads (the CPU) nothing is kept twice, nor in a KV pool.
+  StoreKvCacheOptions options;
+  options.device_resident_layers = 1;
+  EXPECT_EQ(StoreKvCache(device, loaded->kv_shape(), *client_, options).device_resident_layers(),
+            1);
+  EXPECT_EQ(
+      StoreKvCache(*l_.backend, l_.model->kv_shape(), *client_, options).device_resident_layers(),
+      0);
+  options.pool = KvPoolConfig();
+  EXPECT_EQ(StoreKvCache(device, loaded->kv_shape(), *client_, options).device_resident_layers(),
+            0);
+}
+
 TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
   auto h2o = Policy("h2o");
   ASSERT_TRUE(cache_->Open(1, 64).ok());

@@ -110,6 +110,7 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
     run.logits.insert(run.logits.end(), logits.begin(), logits.end());
   }
   for (size_t i = 0; i < n; ++i) {
+    run.bytes_fetched += cache.Counters(i + 1).bytes_fetched;
     cache.Close(i + 1);
     if (policies[i] != nullptr) policies[i]->Release(i + 1);
   }

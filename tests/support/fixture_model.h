@@ -39,6 +39,7 @@ struct DecodeRun {
   std::vector<float> logits;                       // every step's logits, all sequences
   int64_t prefetch_hits = 0, prefetch_misses = 0;  // DecodeStep's
   StepProfile profile;                             // of its decode-only steps
+  int64_t bytes_fetched = 0;                       // the cache's FetchCounters, all sequences
 };
 
 // Greedy decode of `prompts` as sequences 1, 2, ... of `cache`, one batch per step, with
