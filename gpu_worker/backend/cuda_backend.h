@@ -15,6 +15,11 @@ namespace infinigen {
 struct CudaBackendOptions {
   int device = 0;
   DType dtype = DType::kBF16;
+  // Causal attention of long prompts (from 128 query rows, 16-bit types) through cuBLAS GEMMs
+  // and a causal softmax instead of the tiled CUDA-core kernel. Off until measured and verified
+  // on a GPU (written 2026-11-27 without one); the environment's INFINIGEN_CUDA_CAUSAL=gemm turns
+  // it on in every backend the process makes.
+  bool gemm_causal_attention = false;
 };
 
 class CudaBackend final : public Backend {
@@ -72,11 +77,16 @@ class CudaBackend final : public Backend {
   struct Handles;
   CudaBackend(const CudaBackendOptions& options, std::unique_ptr<Handles> handles, void* stream);
   absl::Status EnsureWorkspace(size_t bytes);
+  // AttentionCausal of a long prompt in 16-bit types through cuBLAS: per chunk of query rows and
+  // query head, scores = Q K^T (float32), the causal softmax, out = P V.
+  absl::Status GemmAttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                   const AttentionShape& shape, MatView out);
 
   CudaBackendOptions options_;
   std::unique_ptr<Handles> handles_;
   void* stream_;
   std::unique_ptr<Buffer> workspace_;  // decode attention partials; grows, never per step
+  std::unique_ptr<Buffer> scores_;     // GemmAttentionCausal's scores and probabilities
   struct HostRegion {
     const char* host;
     char* device;  // its device alias

@@ -318,6 +318,47 @@ cudaError_t AttentionCausal(Mat q, int64_t q_start, KvMat k, KvMat v, int num_he
   return cudaGetLastError();
 }
 
+// ---- causal softmax of a score tile (the GEMM prefill) ----
+
+namespace {
+
+// Row i of `s` (scores q.k of query position first_pos + i against keys 0 .. cols-1) becomes
+// softmax(scale * s) over the keys at or before that position, 0 after it. One block per row.
+template <typename T>
+__global__ void CausalSoftmaxKernel(const float* s, int64_t s_stride, int64_t cols,
+                                    int64_t first_pos, float scale, T* p, int64_t p_stride) {
+  __shared__ float red[32];
+  const int64_t i = blockIdx.x;
+  const float* row = s + i * s_stride;
+  T* out = p + i * p_stride;
+  const int64_t valid = Min64(cols, first_pos + i + 1);
+  float m = -FLT_MAX;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, row[j]);
+  m = BlockMax(m, red);
+  float l = 0.0f;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) l += __expf((row[j] - m) * scale);
+  l = BlockSum(l, red);
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    Store(out + j, j < valid ? __expf((row[j] - m) * scale) * inv : 0.0f);
+  }
+}
+
+}  // namespace
+
+cudaError_t CausalSoftmax(const float* s, int64_t s_stride, int64_t rows, int64_t cols,
+                          int64_t first_pos, float scale, Mat p, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (p.rows < rows || p.cols < cols || scale <= 0.0f || rows > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  IG_CUDA_DISPATCH(p.type, T, {
+    CausalSoftmaxKernel<T><<<static_cast<unsigned>(rows), 256, 0, stream>>>(
+        s, s_stride, cols, first_pos, scale, static_cast<T*>(p.data), p.stride);
+  });
+  return cudaGetLastError();
+}
+
 size_t DecodeAttentionWorkspaceBytes(const DecodeAttention& a) {
   const Split sp = DecodeSplit(a);
   return static_cast<size_t>(a.batch) * a.num_heads * sp.splits * (a.head_dim + 2) * 4;

@@ -75,6 +75,13 @@ cudaError_t AttentionCausal(Mat q, int64_t q_start, KvMat k, KvMat v, int num_he
                             int num_kv_heads, int head_dim, float scale, Mat out,
                             cudaStream_t stream);
 
+// The softmax step of a prefill through GEMMs (CudaBackend::AttentionCausal on long prompts):
+// row i of the float32 scores `s` ([rows, cols], row stride s_stride; query position
+// first_pos + i against keys 0 .. cols-1) becomes softmax(scale * s) over the keys at or before
+// that position and 0 after it, written to p (rows x cols of p.type, row stride p.stride).
+cudaError_t CausalSoftmax(const float* s, int64_t s_stride, int64_t rows, int64_t cols,
+                          int64_t first_pos, float scale, Mat p, cudaStream_t stream);
+
 // Decode attention of one query row per sequence over a list of rows per KV head, plus
 // (optionally) the current token's own K/V. Split over the rows (flash-decoding) and combined.
 struct DecodeAttention {

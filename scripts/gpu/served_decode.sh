@@ -14,7 +14,8 @@
 # (--kv-device-gather, the worker's default); -copy = the store copies them into staging that is
 # then copied to the device (what a remote transport does); infinigen keeps its dense layers' K/V
 # on the GPU as the worker does (--kv_resident_dense_layers), infinigen-dense-fetched reads them
-# from the store every step as before. A second
+# from the store every step as before; any mode with "+gemm" appended runs the prefill's
+# attention through cuBLAS GEMMs (CudaBackendOptions::gemm_causal_attention). A second
 # table says where each case's decode steps spent their host time (DecodeStep's profile); its
 # rows are also appended to PROFILE_OUT as each case ends. A third gives each case's time to first
 # token (every stream submitted at once: the prefills queue).
@@ -46,7 +47,11 @@ for c in $CASES; do
       fi
       [ "$left" -lt "$limit" ] && limit=$left
     fi
-    case $mode in
+    # MODE+gemm: the same with prefill attention through cuBLAS (INFINIGEN_CUDA_CAUSAL=gemm).
+    run_env=()
+    base=${mode%+gemm}
+    [ "$base" != "$mode" ] && run_env=(INFINIGEN_CUDA_CAUSAL=gemm)
+    case $base in
       infinigen) flags=(--kv store --policy infinigen) ;;
       infinigen-copy) flags=(--kv store --policy infinigen --kv-device-gather false) ;;
       infinigen-dense-fetched) flags=(--kv store --policy infinigen --kv-resident-layers 0) ;;
@@ -55,7 +60,7 @@ for c in $CASES; do
       resident) flags=(--kv resident --policy full) ;;
       *) echo "unknown mode $mode" >&2; exit 2 ;;
     esac
-    out=$(timeout "$limit" "$BIN/worker_bench" --random "$CONFIG" --device "$DEVICE" \
+    out=$(timeout "$limit" env "${run_env[@]}" "$BIN/worker_bench" --random "$CONFIG" --device "$DEVICE" \
       --streams "$batch" --prompt-tokens "$ctx" --new-tokens "$NEW" --prefill-budget "$ctx" \
       --kv-capacity-mb "$kv_mb" --label "$mode" "${flags[@]}" 2>&1)
     rc=$?

@@ -33,6 +33,8 @@ class CudaBackendOps : public ::testing::TestWithParam<DType> {
   }
 
   DType dtype() const { return GetParam(); }
+  // CausalAttentionTilesAndGemms's cases on gpu_ against the CPU backend.
+  void CausalAttentionCases();
   float Tolerance() const {
     return dtype() == DType::kF32 ? 2e-5f : dtype() == DType::kF16 ? 2e-3f : 1.6e-2f;
   }
@@ -224,9 +226,27 @@ struct AttnCase {
   int64_t q_start, num_q;
 };
 
-TEST_P(CudaBackendOps, CausalAttentionTiles) {
-  for (AttnCase c : {AttnCase{6, 3, 20, 11, 37}, AttnCase{4, 4, 18, 0, 5},
-                     AttnCase{8, 2, 128, 40, 70}, AttnCase{2, 1, 256, 3, 20}}) {
+// Through the tiled kernel, and (CudaBackendOptions::gemm_causal_attention) from 128 query rows
+// in 16-bit types through GEMMs (cuBLAS scores, the causal softmax, cuBLAS output; in two chunks
+// of query rows at 1100).
+TEST_P(CudaBackendOps, CausalAttentionTilesAndGemms) {
+  for (bool gemm : {false, true}) {
+    SCOPED_TRACE(gemm ? "gemms" : "tiles");
+    if (gemm) {
+      auto g = CudaBackend::Create({0, GetParam(), /*gemm_causal_attention=*/true});
+      ASSERT_TRUE(g.ok()) << g.status();
+      buffers_.clear();
+      gpu_ = std::move(*g);
+    }
+    CausalAttentionCases();
+  }
+}
+
+void CudaBackendOps::CausalAttentionCases() {
+  for (AttnCase c :
+       {AttnCase{6, 3, 20, 11, 37}, AttnCase{4, 4, 18, 0, 5}, AttnCase{8, 2, 128, 40, 70},
+        AttnCase{2, 1, 256, 3, 20}, AttnCase{8, 2, 128, 100, 300}, AttnCase{6, 3, 40, 0, 130},
+        AttnCase{4, 2, 64, 7, 1100}}) {
     const int64_t total = c.q_start + c.num_q;
     const int64_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
     auto q = Random(c.num_q * qd), k = Random(total * kvd), v = Random(total * kvd);
@@ -243,7 +263,8 @@ TEST_P(CudaBackendOps, CausalAttentionTiles) {
                                      {v.data(), DType::kF32, c.head_dim, kvd}, c.q_start, shape,
                                      HostMat(want, c.num_q, qd))
                     .ok());
-    SCOPED_TRACE(testing::Message() << "head_dim " << c.head_dim << " q_start " << c.q_start);
+    SCOPED_TRACE(testing::Message()
+                 << "head_dim " << c.head_dim << " q_start " << c.q_start << " rows " << c.num_q);
     ExpectNear(Down(out), Round(want));
   }
 }

@@ -107,7 +107,8 @@ TEST_P(CudaModel, HalfPrecisionLogitsStayWithinTolerance) {
 
 // The model on the GPU over the KV store in this process with rows gathered on the GPU by
 // address from the registered arena (StoreKvCacheOptions::device_reads_mapped_rows): the same
-// greedy tokens as over the GPU's resident cache, and as over the store with rows copied.
+// greedy tokens as over the GPU's resident cache, and as over the store with rows copied, and
+// with layer 0's K/V kept on the GPU as well (device_resident_layers, read there every step).
 TEST_P(CudaModel, DecodeOverTheStoreWithRowsGatheredOnTheGpuMatchesTheResidentCache) {
   const std::string dir = FixturePath("hf/" + GetParam());
   OnGpu g = LoadOnGpu(dir, DType::kF32);
@@ -122,14 +123,19 @@ TEST_P(CudaModel, DecodeOverTheStoreWithRowsGatheredOnTheGpuMatchesTheResidentCa
 
   InProcessStore store;
   ASSERT_NE(store.client, nullptr);
-  for (bool on_gpu : {true, false}) {
-    StoreKvCacheOptions options;
-    options.device_reads_mapped_rows = on_gpu;
-    StoreKvCache cache(*g.backend, g.model->kv_shape(), *store.client, options);
-    EXPECT_EQ(cache.device_gathers(), on_gpu);
-    auto got = Generate(*g.model, cache, 1, prompt, o);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(got->tokens, want->tokens) << (on_gpu ? "gathered on the GPU" : "copied");
+  for (int resident_layers : {0, 1}) {
+    for (bool on_gpu : {true, false}) {
+      StoreKvCacheOptions options;
+      options.device_reads_mapped_rows = on_gpu;
+      options.device_resident_layers = resident_layers;
+      StoreKvCache cache(*g.backend, g.model->kv_shape(), *store.client, options);
+      EXPECT_EQ(cache.device_gathers(), on_gpu);
+      EXPECT_EQ(cache.device_resident_layers(), resident_layers);
+      auto got = Generate(*g.model, cache, 1, prompt, o);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->tokens, want->tokens) << (on_gpu ? "gathered on the GPU" : "copied") << ", "
+                                           << resident_layers << " layers resident";
+    }
   }
 }
 
