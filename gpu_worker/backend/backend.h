@@ -220,6 +220,18 @@ class Backend {
   // Returns when the bytes are on the host (it waits for the work before it: a synchronization).
   virtual absl::Status CopyToHost(const void* device, void* host, size_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;
+  // Enqueues a copy to the host that is done at the next CopyToHost or Synchronize (which wait
+  // for it as for everything queued before them): `host` holds the bytes, as the device memory
+  // held them when this was called in stream order, only after that wait. Several of these and
+  // one wait replace as many waits. By default a CopyToHost (a wait now).
+  virtual absl::Status CopyToHostLater(const void* device, void* host, size_t bytes) {
+    const absl::Status st = CopyToHost(device, host, bytes);
+    HostCopiesDone();
+    return st;
+  }
+  // Increases whenever every CopyToHostLater so far is done (at those waits): code that did not
+  // make the wait itself compares it with its value after its copy to know whether to wait.
+  uint64_t host_copies_done() const { return host_copies_done_.load(std::memory_order_relaxed); }
 
   // Host memory the device should read where it lies (the KV store's arena, mapped here):
   // pinned and mapped into the device's address space, for GatherRows. Registering the same
@@ -299,10 +311,12 @@ class Backend {
   void CountCopyToDevice() { copies_to_device_.fetch_add(1, std::memory_order_relaxed); }
   void CountCopyToHost() { copies_to_host_.fetch_add(1, std::memory_order_relaxed); }
   void CountSynchronization() { synchronizations_.fetch_add(1, std::memory_order_relaxed); }
+  void HostCopiesDone() { host_copies_done_.fetch_add(1, std::memory_order_relaxed); }
 
  private:
   std::atomic<int64_t> allocations_{0}, copies_to_device_{0}, copies_to_host_{0},
       synchronizations_{0};
+  std::atomic<uint64_t> host_copies_done_{0};
 };
 
 }  // namespace infinigen

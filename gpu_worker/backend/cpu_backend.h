@@ -45,6 +45,8 @@ class CpuBackend : public Backend {
     CountSynchronization();
     return absl::OkStatus();
   }
+  // Host memory: done now (and no wait counted).
+  absl::Status CopyToHostLater(const void* device, void* host, size_t bytes) override;
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
   // Reads `stored` a block of rows at a time; under q4_1, a matrix that converts to Q4_1 or Q5_1

@@ -131,6 +131,7 @@ CudaBackend::~CudaBackend() {
     if (h.host != nullptr) cudaFreeHost(h.host);
     if (h.copied != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(h.copied));
   }
+  if (readback_ != nullptr) cudaFreeHost(readback_);
   for (const HostRegion& r : host_regions_) cudaHostUnregister(const_cast<char*>(r.host));
   cudaGetLastError();  // a region unmapped before us fails to unregister: nothing to do
   row_table_device_.reset();
@@ -227,12 +228,50 @@ absl::Status CudaBackend::CopyToHost(const void* device, void* host, size_t byte
   CountSynchronization();
   IG_RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, S(stream_)),
                            "copy to host"));
-  return Check(cudaStreamSynchronize(S(stream_)), "copy to host");
+  const absl::Status waited = Check(cudaStreamSynchronize(S(stream_)), "copy to host");
+  FinishLaterCopies();  // (after a failed wait the bytes are the device's error to report)
+  return waited;
+}
+
+absl::Status CudaBackend::CopyToHostLater(const void* device, void* host, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  const size_t rounded = (bytes + 255) & ~size_t{255};
+  if (readback_used_ + rounded > readback_capacity_) {
+    if (!later_.empty()) return CopyToHost(device, host, bytes);  // full until the next wait
+    // Grown while no copy uses it; 8 MiB at first (a layer's choices and new K/V rows).
+    const size_t capacity = std::max({rounded, readback_capacity_ * 2, size_t{8} << 20});
+    if (readback_ != nullptr) cudaFreeHost(readback_);
+    readback_ = nullptr;
+    readback_capacity_ = readback_used_ = 0;
+    if (cudaHostAlloc(reinterpret_cast<void**>(&readback_), capacity, cudaHostAllocDefault) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      readback_ = nullptr;
+      return CopyToHost(device, host, bytes);  // no pinned memory: a wait now
+    }
+    readback_capacity_ = capacity;
+  }
+  CountCopyToHost();
+  char* pinned = readback_ + readback_used_;
+  IG_RETURN_IF_ERROR(Check(
+      cudaMemcpyAsync(pinned, device, bytes, cudaMemcpyDeviceToHost, S(stream_)), "copy to host"));
+  readback_used_ += rounded;
+  later_.push_back({pinned, host, bytes});
+  return absl::OkStatus();
+}
+
+void CudaBackend::FinishLaterCopies() {
+  for (const LaterCopy& c : later_) std::memcpy(c.host, c.pinned, c.bytes);
+  later_.clear();
+  readback_used_ = 0;
+  HostCopiesDone();
 }
 
 absl::Status CudaBackend::Synchronize() {
   CountSynchronization();
-  return Check(cudaStreamSynchronize(S(stream_)), "synchronize");
+  const absl::Status waited = Check(cudaStreamSynchronize(S(stream_)), "synchronize");
+  FinishLaterCopies();
+  return waited;
 }
 
 absl::Status CudaBackend::RegisterHostMemory(const void* data, size_t bytes) {

@@ -36,6 +36,7 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
   absl::Status CopyToHost(const void* device, void* host, size_t bytes) override;
   absl::Status Synchronize() override;
+  absl::Status CopyToHostLater(const void* device, void* host, size_t bytes) override;
   // cudaHostRegister (mapped; read-only where the device supports it, as the KV store's arena
   // is mapped read-only) and GatherRows by one kernel reading the rows over the host link.
   absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
@@ -113,6 +114,17 @@ class CudaBackend final : public Backend {
   PinnedHalf pinned_[2];
   int pinned_at_ = 0;
   bool pinned_failed_ = false;
+  // CopyToHostLater's copies land in pinned memory (a copy into pageable memory makes the host
+  // wait for it) and are moved to their destinations at the next wait (FinishLaterCopies).
+  struct LaterCopy {
+    const char* pinned;
+    void* host;
+    size_t bytes;
+  };
+  void FinishLaterCopies();
+  char* readback_ = nullptr;  // pinned
+  size_t readback_capacity_ = 0, readback_used_ = 0;
+  std::vector<LaterCopy> later_;
 };
 
 }  // namespace infinigen

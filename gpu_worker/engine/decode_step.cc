@@ -107,67 +107,72 @@ void DecodeStep::ForEachPolicy(const Work& work) {
   }
 }
 
-template <typename Out>
-absl::Status DecodeStep::ChooseOnBackend(int layer, bool prefetch, const Out& out) {
-  if (backend_chunks_.empty()) return absl::OkStatus();
+absl::Status DecodeStep::LaunchChoices(Choices& c, int layer, bool prefetch) {
+  c.launched = false;
+  if (c.chunks.empty()) return absl::OkStatus();
   Backend& backend = model_.backend();
   const int64_t kv_heads = model_.config().num_kv_heads;
   const size_t n = batch_.size();
-  choice_at_.resize(n);
-  choice_capacity_.resize(n);
-  choice_result_.resize(n);
+  c.at.resize(n);
+  c.capacity.resize(n);
+  c.result.assign(n, BackendChoiceResult::kNone);
   int64_t total = 0;
-  for (size_t b : backend_chunks_) {
-    const int64_t stored = prefetch ? choice_rows_[b] : choice_rows_[b] - 1;
-    choice_capacity_[b] = batch_[b].policy->BackendChoiceCapacity(stored);
-    choice_at_[b] = total;
-    total += 1 + kv_heads * choice_capacity_[b];
+  for (size_t b : c.chunks) {
+    const int64_t stored = prefetch ? c.rows[b] : c.rows[b] - 1;
+    c.capacity[b] = batch_[b].policy->BackendChoiceCapacity(stored);
+    c.at[b] = total;
+    total += 1 + kv_heads * c.capacity[b];
   }
-  IG_RETURN_IF_ERROR(EnsureBuffer(choices_, static_cast<size_t>(total) * sizeof(int32_t)));
-  int32_t* device = static_cast<int32_t*>(choices_->data());
+  IG_RETURN_IF_ERROR(EnsureBuffer(c.device, static_cast<size_t>(total) * sizeof(int32_t)));
+  int32_t* device = static_cast<int32_t*>(c.device->data());
   const bool speculated = spec_layer_[layer % 2] == layer;
-  bool launched = false;
-  for (size_t b : backend_chunks_) {
-    BackendChoice c;
-    c.seq = batch_[b].seq;
-    c.layer = layer;
-    c.rows = choice_rows_[b];
-    c.prefetch = prefetch;
+  for (size_t b : c.chunks) {
+    BackendChoice choice;
+    choice.seq = batch_[b].seq;
+    choice.layer = layer;
+    choice.rows = c.rows[b];
+    choice.prefetch = prefetch;
     if (speculated && spec_rows_[b] >= 0)
-      c.speculated_q = SpeculatedRows(layer).Rows(spec_rows_[b], 1);
-    c.count = device + choice_at_[b];
-    c.indices = c.count + 1;
-    c.index_capacity = choice_capacity_[b];
-    absl::StatusOr<BackendChoiceResult> result = batch_[b].policy->ChooseOnBackend(c);
-    choice_result_[b] = result.ok() ? *result : BackendChoiceResult::kNone;
+      choice.speculated_q = SpeculatedRows(layer).Rows(spec_rows_[b], 1);
+    choice.count = device + c.at[b];
+    choice.indices = choice.count + 1;
+    choice.index_capacity = c.capacity[b];
+    absl::StatusOr<BackendChoiceResult> result = batch_[b].policy->ChooseOnBackend(choice);
+    c.result[b] = result.ok() ? *result : BackendChoiceResult::kNone;
     if (!result.ok()) Fail(b, result.status());
-    launched = launched || choice_result_[b] == BackendChoiceResult::kLaunched;
+    c.launched = c.launched || c.result[b] == BackendChoiceResult::kLaunched;
   }
-  if (launched) {  // one copy (one wait) for every chunk's choice
-    host_choices_.resize(static_cast<size_t>(total));
-    IG_RETURN_IF_ERROR(backend.CopyToHost(device, host_choices_.data(), total * sizeof(int32_t)));
+  if (c.launched) {  // one copy for every chunk's choice, done at the next wait
+    c.host.resize(static_cast<size_t>(total));
+    IG_RETURN_IF_ERROR(backend.CopyToHostLater(device, c.host.data(), total * sizeof(int32_t)));
   }
-  for (size_t b : backend_chunks_) {
+  return absl::OkStatus();
+}
+
+template <typename Out>
+void DecodeStep::CollectChoices(Choices& c, const Out& out) {
+  const int64_t kv_heads = model_.config().num_kv_heads;
+  for (size_t b : c.chunks) {
+    if (Failed(b)) continue;
     Selection& selection = out(b);
-    if (choice_result_[b] != BackendChoiceResult::kLaunched) {
+    if (c.result[b] != BackendChoiceResult::kLaunched) {
       selection.all = true;
       continue;
     }
-    const int32_t* host = host_choices_.data() + choice_at_[b];
+    const int32_t* host = c.host.data() + c.at[b];
     const int64_t count = host[0];
-    if (count <= 0 || count > choice_capacity_[b]) {
+    if (count <= 0 || count > c.capacity[b]) {
       Fail(b, absl::InternalError(absl::StrCat("policy ", batch_[b].policy->Name(), " chose ",
-                                               count, " rows of ", choice_rows_[b])));
+                                               count, " rows of ", c.rows[b])));
       continue;
     }
     selection.all = false;
     selection.count = count;
     selection.indices.resize(static_cast<size_t>(kv_heads * count));
     for (int64_t g = 0; g < kv_heads; ++g) {
-      std::copy_n(host + 1 + g * choice_capacity_[b], count, selection.indices.begin() + g * count);
+      std::copy_n(host + 1 + g * c.capacity[b], count, selection.indices.begin() + g * count);
     }
   }
-  return absl::OkStatus();
 }
 
 absl::Status DecodeStep::ToHost(std::span<const MatView> views, std::span<HostRows*> out,
@@ -254,7 +259,8 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
   // Per-chunk state only grows: a slot's vectors keep their capacity for the next batch.
   if (selections_.size() < batch.size()) selections_.resize(batch.size());
   if (chunks_.size() < batch.size()) chunks_.resize(batch.size());
-  choice_rows_.resize(batch.size());
+  select_.rows.resize(batch.size());
+  preselect_.rows.resize(batch.size());
   spec_layer_[0] = spec_layer_[1] = -1;
   for (auto& per_chunk : prefetched_) {
     if (per_chunk.size() < batch.size()) per_chunk.resize(batch.size());
@@ -383,7 +389,6 @@ absl::Status DecodeStep::BeforeLayer(int layer, MatView attention_input, MatView
     IG_RETURN_IF_ERROR(Speculate(layer + 1, attention_input, residual));
     spec_layer_[(layer + 1) % 2] = layer + 1;
   }
-  if (streamed_ != nullptr) IG_RETURN_IF_ERROR(Prefetch(layer + 1));
   return absl::OkStatus();
 }
 
@@ -395,8 +400,15 @@ void DecodeStep::EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t
 }
 
 absl::Status DecodeStep::Prefetch(int next_layer) {
+  IG_RETURN_IF_ERROR(PrefetchBegin(next_layer));
+  if (preselect_.launched) IG_RETURN_IF_ERROR(model_.backend().Synchronize());
+  return PrefetchEnd(next_layer);
+}
+
+absl::Status DecodeStep::PrefetchBegin(int next_layer) {
   StreamedKvCache& cache = *streamed_;
-  const int64_t kv_heads = model_.config().num_kv_heads;
+  preselect_.chunks.clear();
+  preselect_.launched = false;
   // The speculated queries of the layer, for policies that preselect from them.
   const bool preselect = !cache.addresses_only();
   std::optional<ScopedTiming> timing(Timing(&StepProfile::preselect));
@@ -446,22 +458,30 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
       w.fetch = policy->Preselect(request, w.candidates);  // false: no guess, nothing fetched
       return absl::OkStatus();
     });
-    // And the policies that choose in backend memory, in one wait for all of them.
-    backend_chunks_.clear();
+    // And the policies that choose in backend memory: launched now, read after the next wait.
+    preselect_.chunks.clear();
     for (size_t b = 0; b < batch_.size(); ++b) {
       if (chunks_[b].fetch && !Failed(b) && ChoosesOnBackend(b)) {
-        backend_chunks_.push_back(b);
-        choice_rows_[b] = chunks_[b].stored;
+        preselect_.chunks.push_back(b);
+        preselect_.rows[b] = chunks_[b].stored;
       }
     }
-    IG_RETURN_IF_ERROR(ChooseOnBackend(next_layer, /*prefetch=*/true, [&](size_t b) -> Selection& {
-      return chunks_[b].candidates;
-    }));
-    for (size_t b : backend_chunks_) {
-      if (choice_result_[b] == BackendChoiceResult::kNone) chunks_[b].fetch = false;
+    IG_RETURN_IF_ERROR(LaunchChoices(preselect_, next_layer, /*prefetch=*/true));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeStep::PrefetchEnd(int next_layer) {
+  StreamedKvCache& cache = *streamed_;
+  const int64_t kv_heads = model_.config().num_kv_heads;
+  if (!cache.addresses_only()) {
+    ScopedTiming timing(Timing(&StepProfile::preselect));
+    CollectChoices(preselect_, [&](size_t b) -> Selection& { return chunks_[b].candidates; });
+    for (size_t b : preselect_.chunks) {
+      if (preselect_.result[b] == BackendChoiceResult::kNone) chunks_[b].fetch = false;
     }
   }
-  timing.emplace(Timing(&StepProfile::prefetch));  // ends after the submission below
+  ScopedTiming timing(Timing(&StepProfile::prefetch));  // ends after the submission below
   // The batch's prefetches of this layer travel together.
   cache.BeginPrefetches();
   absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
@@ -530,7 +550,8 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     append_chunks_.push_back(b);
   }
   append_status_.resize(appends_.size());
-  cache_.AppendLayer(layer, appends_, append_status_);
+  // Their rows leave the device during the wait below (EndAppendLayer after it).
+  cache_.BeginAppendLayer(layer, appends_, append_status_);
   for (size_t i = 0; i < append_chunks_.size(); ++i) {
     const size_t b = append_chunks_[i];
     const ForwardChunk& chunk = batch[b];
@@ -586,8 +607,8 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     return absl::OkStatus();
   });
   // The policies that choose in backend memory: the new keys (every chunk), then the choices of
-  // the decode tokens, in one wait for all of them.
-  backend_chunks_.clear();
+  // the decode tokens.
+  select_.chunks.clear();
   for (size_t b = 0; b < batch.size(); ++b) {
     if (Failed(b) || !ChoosesOnBackend(b)) continue;
     const ForwardChunk& chunk = batch[b];
@@ -608,11 +629,22 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       continue;
     }
     if (len != 1) continue;
-    backend_chunks_.push_back(b);
-    choice_rows_[b] = chunks_[b].kv.num_slots;
+    select_.chunks.push_back(b);
+    select_.rows[b] = chunks_[b].kv.num_slots;
   }
-  IG_RETURN_IF_ERROR(ChooseOnBackend(layer, /*prefetch=*/false,
-                                     [&](size_t b) -> Selection& { return selections_[b]; }));
+  IG_RETURN_IF_ERROR(LaunchChoices(select_, layer, /*prefetch=*/false));
+  // Over a streamed cache, the next layer's prefetch: its choices launched too (speculated
+  // during BeforeLayer), so that one wait brings this layer's new K/V rows off the device, its
+  // choices and the next layer's (the target is no wait; this was three per layer).
+  const bool prefetch_next = streamed_ != nullptr && layer + 1 < c.num_layers;
+  timing.reset();  // the prefetch's halves time their own phases
+  if (prefetch_next) IG_RETURN_IF_ERROR(PrefetchBegin(layer + 1));
+  timing.emplace(Timing(&StepProfile::select));
+  if (select_.launched || preselect_.launched) IG_RETURN_IF_ERROR(backend.Synchronize());
+  cache_.EndAppendLayer();  // (waits itself where nothing above did)
+  CollectChoices(select_, [&](size_t b) -> Selection& { return selections_[b]; });
+  timing.reset();
+  if (prefetch_next) IG_RETURN_IF_ERROR(PrefetchEnd(layer + 1));
 
   // A streamed cache starts fetching what the prefetch during the previous layer did not
   // bring, so that the fetches of later sequences overlap the attention of earlier ones in

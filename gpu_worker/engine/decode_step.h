@@ -147,11 +147,29 @@ class DecodeStep final : private LayerAttention {
   // the heap every layer.)
   template <typename Work>
   void ForEachPolicy(const Work& work);
-  // The choices of `layer` made in backend memory for backend_chunks_ (policies that
-  // chooses_on_backend(); choice_rows_[b] rows each): launched one after another, read back in
-  // one copy (one wait), written to out(b) (a Selection&); choice_result_[b] says what each did.
+  // Choices made in backend memory (policies that chooses_on_backend()) for some chunks of the
+  // batch, launched one after another and read back in one copy that completes at the backend's
+  // next wait: per chunk its count then its indices ([1 + kv_heads x capacity] int32 at at[b]).
+  struct Choices {
+    std::unique_ptr<Buffer> device;
+    std::vector<int32_t> host;
+    std::vector<size_t> chunks;               // the chunks choosing (set by the caller)
+    std::vector<int64_t> rows, at, capacity;  // per chunk of the batch (rows set by the caller)
+    std::vector<BackendChoiceResult> result;  // what each did
+    bool launched = false;                    // some chose: `host` fills at the next wait
+  };
+  // Launches c.chunks' choices of `layer` (their c.rows[b] rows each) and the copy of what they
+  // chose (Backend::CopyToHostLater: no wait).
+  absl::Status LaunchChoices(Choices& c, int layer, bool prefetch);
+  // After the wait: each launched choice into out(b) (a Selection&); a chunk whose policy chose
+  // nothing gets every row; a malformed count fails its chunk.
   template <typename Out>
-  absl::Status ChooseOnBackend(int layer, bool prefetch, const Out& out);
+  void CollectChoices(Choices& c, const Out& out);
+  // Prefetch's halves around the wait of Attend (or their own wait, for layer 0): the chunks'
+  // stored rows and guesses, the backend's choices launched (PrefetchBegin); the choices read
+  // and the cache's prefetches submitted (PrefetchEnd).
+  absl::Status PrefetchBegin(int next_layer);
+  absl::Status PrefetchEnd(int next_layer);
   bool ChoosesOnBackend(size_t b) const {
     return batch_[b].policy != nullptr && batch_[b].policy->chooses_on_backend();
   }
@@ -220,13 +238,9 @@ class DecodeStep final : private LayerAttention {
     Selection candidates;
   };
   std::vector<ChunkWork> chunks_;
-  // Choices made in backend memory: per chunk, its count then its indices ([1 + kv_heads x
-  // capacity] int32 at choice_at_[b] of choices_), read back into host_choices_ in one copy.
-  std::unique_ptr<Buffer> choices_;
-  std::vector<int32_t> host_choices_;
-  std::vector<size_t> backend_chunks_;
-  std::vector<int64_t> choice_rows_, choice_at_, choice_capacity_;
-  std::vector<BackendChoiceResult> choice_result_;
+  // The layer's own choices (select_) and the next layer's prefetch (preselect_), in flight
+  // together until Attend's one wait.
+  Choices select_, preselect_;
   std::vector<size_t> policy_chunks_;
   std::vector<absl::Status> statuses_;
   std::vector<absl::Status> chunk_status_;  // per chunk of the current batch

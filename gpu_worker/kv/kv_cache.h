@@ -97,6 +97,16 @@ class KvCache {
       statuses[i] = Append(a.seq, layer, a.start, a.k, a.v, a.slots_out);
     }
   }
+  // AppendLayer in two halves around a wait for the backend that the caller makes anyway:
+  // BeginAppendLayer places the items (statuses, slots_out, NumSlots as after the appends) and
+  // starts moving their rows out of backend memory without waiting (Backend::CopyToHostLater);
+  // EndAppendLayer hands them on, after waiting itself if the backend has not waited since. No
+  // other append and no read of `layer` between the two. By default Begin is AppendLayer.
+  virtual void BeginAppendLayer(int layer, std::span<const LayerAppend> items,
+                                std::span<absl::Status> statuses) {
+    AppendLayer(layer, items, statuses);
+  }
+  virtual void EndAppendLayer() {}
   // Valid slots of `layer` (after the appends so far).
   virtual absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) = 0;
   // A decode step at `layer` read these slots (host, [num_kv_heads, count]; null: every stored

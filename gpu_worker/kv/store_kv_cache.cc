@@ -239,10 +239,30 @@ absl::StatusOr<StoreKvCache::Sequence*> StoreKvCache::AppendTarget(SequenceId se
 
 void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
                                std::span<absl::Status> statuses) {
+  BeginAppendLayer(layer, items, statuses);
+  if (!later_appends_.empty()) {
+    if (absl::Status st = backend_.Synchronize(); !st.ok()) {
+      for (const LaterAppend& l : later_appends_) statuses[l.item] = st;
+      later_appends_.clear();
+      return;
+    }
+  }
+  EndAppendLayer();
+}
+
+void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> items,
+                                    std::span<absl::Status> statuses) {
+  if (!later_appends_.empty()) {
+    // A Begin without its End (the step failed between them): the copy into both_ must land
+    // before both_ is reused; those rows are dropped (their sequences failed with the step).
+    backend_.Synchronize().IgnoreError();
+    later_appends_.clear();
+  }
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
   append_targets_.assign(items.size(), nullptr);
-  // Decode tokens on a device: every such item's K and V packed there, one copy out (one wait
-  // for the layer, not two per sequence). Prompt chunks and host backends copy item by item.
+  // Decode tokens on a device: every such item's K and V packed there, one copy out (no wait
+  // of its own: the caller's next wait brings them), handed to the store at EndAppendLayer.
+  // Prompt chunks and host backends copy item by item, now.
   auto packed = [&](const LayerAppend& a) {
     return !host_access_ && a.k.rows <= kPackedAppendRows;
   };
@@ -283,9 +303,10 @@ void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
       offset += 2 * n * row;
     }
     both_.resize(packed_bytes);
-    if (absl::Status st = backend_.CopyToHost(p, both_.data(), packed_bytes); !st.ok()) {
+    if (absl::Status st = backend_.CopyToHostLater(p, both_.data(), packed_bytes); !st.ok()) {
       return fail_all(st);
     }
+    later_copy_ = backend_.host_copies_done();
   }
   size_t offset = 0;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -293,30 +314,54 @@ void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
     if (s == nullptr) continue;
     const LayerAppend& a = items[i];
     const int64_t n = a.k.rows;
-    std::vector<uint8_t> hk(n * row), hv(n * row);
     if (packed(a)) {
-      std::copy_n(both_.data() + offset, n * row, hk.data());
-      std::copy_n(both_.data() + offset + n * row, n * row, hv.data());
+      LaterAppend later{i, a.seq, layer, a.start, n, offset, {}};
+      statuses[i] = Place(*s, layer, a.start, n, later.slots, a.slots_out);
+      if (statuses[i].ok()) later_appends_.push_back(std::move(later));
       offset += 2 * n * row;
     } else {
+      std::vector<uint8_t> hk(n * row), hv(n * row);
       absl::Status st = RowsToHost(a.k, hk.data());
       if (st.ok()) st = RowsToHost(a.v, hv.data());
-      if (!st.ok()) {
-        statuses[i] = st;
-        continue;
+      if (st.ok()) {
+        std::vector<int32_t> slots;
+        st = Place(*s, layer, a.start, n, slots, a.slots_out);
+        if (st.ok()) {
+          client_.AppendAsync(StoreId(a.seq), layer, a.start, n, std::move(hk), std::move(hv),
+                              std::move(slots));
+        }
       }
+      statuses[i] = st;
     }
-    statuses[i] = Store(a.seq, *s, layer, a.start, n, std::move(hk), std::move(hv), a.slots_out);
     if (statuses[i].ok() && resident_layers_ != nullptr) {
       statuses[i] = resident_layers_->Append(a.seq, layer, a.start, a.k, a.v);
     }
   }
 }
 
-absl::Status StoreKvCache::Store(SequenceId seq, Sequence& s, int layer, int64_t start, int64_t n,
-                                 std::vector<uint8_t> hk, std::vector<uint8_t> hv,
-                                 int32_t* slots_out) {
-  std::vector<int32_t> slots;
+void StoreKvCache::EndAppendLayer() {
+  if (later_appends_.empty()) return;
+  // The rows arrive at the backend's first wait after their copy: the caller's, or this one.
+  if (backend_.host_copies_done() == later_copy_) {
+    if (absl::Status st = backend_.Synchronize(); !st.ok()) {
+      later_appends_.clear();  // the device failed: the step fails with it
+      return;
+    }
+  }
+  const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
+  for (LaterAppend& l : later_appends_) {
+    const size_t bytes = static_cast<size_t>(l.n) * row;
+    std::vector<uint8_t> hk(both_.begin() + l.offset, both_.begin() + l.offset + bytes);
+    std::vector<uint8_t> hv(both_.begin() + l.offset + bytes, both_.begin() + l.offset + 2 * bytes);
+    client_.AppendAsync(StoreId(l.seq), l.layer, l.start, l.n, std::move(hk), std::move(hv),
+                        std::move(l.slots));
+  }
+  later_appends_.clear();
+}
+
+absl::Status StoreKvCache::Place(Sequence& s, int layer, int64_t start, int64_t n,
+                                 std::vector<int32_t>& slots, int32_t* slots_out) {
+  slots.clear();
   if (s.pool != nullptr) {
     // A prompt chunk past the share grows it (prefill attends by position); decode tokens evict.
     if (n > 1 && !s.pool->Fits(layer, n)) s.pool->Grow(s.pool->rows(layer) + n);
@@ -331,8 +376,6 @@ absl::Status StoreKvCache::Store(SequenceId seq, Sequence& s, int layer, int64_t
       }
     }
   }
-  client_.AppendAsync(StoreId(seq), layer, start, n, std::move(hk), std::move(hv),
-                      std::move(slots));
   s.length[layer] = start + n;
   return absl::OkStatus();
 }

@@ -76,6 +76,9 @@ class StoreKvCache final : public StreamedKvCache {
   // Decode tokens of a device backend: every item's K and V packed there, one copy out.
   void AppendLayer(int layer, std::span<const LayerAppend> items,
                    std::span<absl::Status> statuses) override;
+  void BeginAppendLayer(int layer, std::span<const LayerAppend> items,
+                        std::span<absl::Status> statuses) override;
+  void EndAppendLayer() override;
   absl::StatusOr<KvLayerView> ReadAll(SequenceId seq, int layer) override;
   uint64_t Home(SequenceId seq) const override {
     return sequences_.contains(seq) ? StoreId(seq) : 0;
@@ -190,9 +193,21 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status RowsToHost(MatView m, uint8_t* out);
   // The sequence an append at (layer, start) goes to, if it may (open, in order).
   absl::StatusOr<Sequence*> AppendTarget(SequenceId seq, int layer, int64_t start);
-  // Sends n rows' host copies to the store (write-behind) and places them (slots_out).
-  absl::Status Store(SequenceId seq, Sequence& s, int layer, int64_t start, int64_t n,
-                     std::vector<uint8_t> hk, std::vector<uint8_t> hv, int32_t* slots_out);
+  // Places n rows of `layer` from `start`: their slots (a KV pool's in `slots`, which the store
+  // is sent with them; none otherwise) to slots_out, and the layer's length.
+  absl::Status Place(Sequence& s, int layer, int64_t start, int64_t n, std::vector<int32_t>& slots,
+                     int32_t* slots_out);
+  // BeginAppendLayer's packed items, sent at EndAppendLayer from both_.
+  struct LaterAppend {
+    size_t item;
+    SequenceId seq;
+    int layer;
+    int64_t start, n;
+    size_t offset;  // of its K rows in both_ (its V rows follow)
+    std::vector<int32_t> slots;
+  };
+  std::vector<LaterAppend> later_appends_;
+  uint64_t later_copy_ = 0;  // backend_.host_copies_done() when their copy was queued
 
   Backend& backend_;
   KvCacheShape shape_;

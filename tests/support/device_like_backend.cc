@@ -43,6 +43,29 @@ bool DeviceLikeCpuBackend::Owns(const void* p) const {
   return c < it->first + it->second;
 }
 
+absl::Status DeviceLikeCpuBackend::CopyToHostLater(const void* device, void* host, size_t bytes) {
+  CountCopyToHost();
+  const char* p = static_cast<const char*>(device);
+  later_.push_back({host, std::vector<char>(p, p + bytes)});
+  return absl::OkStatus();
+}
+
+void DeviceLikeCpuBackend::DeliverLater() {
+  for (Later& l : later_) std::memcpy(l.host, l.bytes.data(), l.bytes.size());
+  later_.clear();
+  HostCopiesDone();
+}
+
+absl::Status DeviceLikeCpuBackend::CopyToHost(const void* device, void* host, size_t bytes) {
+  DeliverLater();
+  return CpuBackend::CopyToHost(device, host, bytes);
+}
+
+absl::Status DeviceLikeCpuBackend::Synchronize() {
+  DeliverLater();
+  return CpuBackend::Synchronize();
+}
+
 absl::Status DeviceLikeCpuBackend::RegisterHostMemory(const void* data, size_t bytes) {
   registered_.push_back({static_cast<const char*>(data), bytes});
   return absl::OkStatus();

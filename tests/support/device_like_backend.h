@@ -31,6 +31,11 @@ class DeviceLikeCpuBackend final : public CpuBackend {
     return static_cast<size_t>(num_heads + num_kv_heads) * static_cast<size_t>(rows) * 4;
   }
 
+  // As a GPU's: the bytes as they are now, delivered to `host` only at the next CopyToHost or
+  // Synchronize (so that code reading them before its wait reads stale bytes, as on a GPU).
+  absl::Status CopyToHostLater(const void* device, void* host, size_t bytes) override;
+  absl::Status CopyToHost(const void* device, void* host, size_t bytes) override;
+  absl::Status Synchronize() override;
   // Whether p lies in a live buffer from Allocate().
   bool Owns(const void* p) const;
   int64_t rows_gathered() const { return rows_gathered_; }
@@ -41,6 +46,12 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   mutable std::mutex mu_;
   std::map<const char*, size_t> live_;  // start -> bytes
   std::vector<std::pair<const char*, size_t>> registered_;
+  struct Later {
+    void* host;
+    std::vector<char> bytes;
+  };
+  void DeliverLater();
+  std::vector<Later> later_;
   int64_t rows_gathered_ = 0;
   int64_t sparse_choices_ = 0;
 };
