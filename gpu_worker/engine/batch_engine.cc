@@ -180,7 +180,8 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
       auto f = followers_.find(a.id);
       followed = f != followers_.end() && f->second > 0;
     }
-    if (followed) {  // samples of the same prompt still to copy its KV
+    if (followed || keep) cache_.Idle(a.id);  // its device memory is no longer reserved
+    if (followed) {                           // samples of the same prompt still to copy its KV
       parked_.emplace(a.id,
                       std::vector<int32_t>(a.history.begin(), a.history.begin() + a.prefilled));
     } else if (keep) {  // the conversation's next request continues from this KV

@@ -44,7 +44,10 @@ DecodeStep::DecodeStep(Model& model, KvCache& cache) : model_(model), cache_(cac
   streamed_ = dynamic_cast<StreamedKvCache*>(&cache);
 }
 
-DecodeStep::~DecodeStep() = default;
+DecodeStep::~DecodeStep() {
+  // Copies of a failed step still queued into the choices' host buffers land before they go.
+  if (select_.launched || preselect_.launched) model_.backend().Synchronize().IgnoreError();
+}
 
 int64_t DecodeStep::NumLogitRows(std::span<const ForwardChunk> batch) {
   int64_t rows = 0;
@@ -108,6 +111,8 @@ void DecodeStep::ForEachPolicy(const Work& work) {
 }
 
 absl::Status DecodeStep::LaunchChoices(Choices& c, int layer, bool prefetch) {
+  // A copy of a step that failed before its wait must land before c.host is reused.
+  if (c.launched) IG_RETURN_IF_ERROR(model_.backend().Synchronize());
   c.launched = false;
   if (c.chunks.empty()) return absl::OkStatus();
   Backend& backend = model_.backend();
@@ -402,13 +407,13 @@ void DecodeStep::EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t
 absl::Status DecodeStep::Prefetch(int next_layer) {
   IG_RETURN_IF_ERROR(PrefetchBegin(next_layer));
   if (preselect_.launched) IG_RETURN_IF_ERROR(model_.backend().Synchronize());
+  preselect_.launched = false;
   return PrefetchEnd(next_layer);
 }
 
 absl::Status DecodeStep::PrefetchBegin(int next_layer) {
   StreamedKvCache& cache = *streamed_;
   preselect_.chunks.clear();
-  preselect_.launched = false;
   // The speculated queries of the layer, for policies that preselect from them.
   const bool preselect = !cache.addresses_only();
   std::optional<ScopedTiming> timing(Timing(&StepProfile::preselect));
@@ -640,8 +645,11 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   timing.reset();  // the prefetch's halves time their own phases
   if (prefetch_next) IG_RETURN_IF_ERROR(PrefetchBegin(layer + 1));
   timing.emplace(Timing(&StepProfile::select));
-  if (select_.launched || preselect_.launched) IG_RETURN_IF_ERROR(backend.Synchronize());
-  cache_.EndAppendLayer();  // (waits itself where nothing above did)
+  if (select_.launched || (prefetch_next && preselect_.launched)) {
+    IG_RETURN_IF_ERROR(backend.Synchronize());
+  }
+  select_.launched = preselect_.launched = false;  // their copies are done
+  cache_.EndAppendLayer();                         // (waits itself where nothing above did)
   CollectChoices(select_, [&](size_t b) -> Selection& { return selections_[b]; });
   timing.reset();
   if (prefetch_next) IG_RETURN_IF_ERROR(PrefetchEnd(layer + 1));

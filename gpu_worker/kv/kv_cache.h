@@ -68,6 +68,9 @@ class KvCache {
   // request failed in a way the router continues elsewhere); caches without a shared home just
   // close it.
   virtual void Release(SequenceId seq) { Close(seq); }
+  // `seq` stays open but no step reads it until it is attached or closed (a kept conversation,
+  // a prompt its samples fork from): a cache may free what it holds in backend memory for it.
+  virtual void Idle(SequenceId seq) {}
   // Tokens stored for `seq` in every layer.
   virtual absl::StatusOr<int64_t> Length(SequenceId seq) const = 0;
 

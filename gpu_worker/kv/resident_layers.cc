@@ -53,7 +53,8 @@ absl::Status ResidentLayers::Append(SequenceId seq, int layer, int64_t start, Ma
   Entry& e = it->second;
   const int64_t n = k.rows, d = shape_.head_dim, heads = shape_.num_kv_heads;
   if (e.length[layer] != start || start + n > e.capacity) {
-    e.length[layer] = -1;  // no longer a prefix of the sequence: reads go to the store
+    // Past the capacity (or out of order): rows [0, length) stay good for a read promised
+    // before this append; reads of more rows go to the store (Holds is false for them).
     return absl::OkStatus();
   }
   for (auto [src, base] : {std::pair{k, e.k->data()}, std::pair{v, e.v->data()}}) {

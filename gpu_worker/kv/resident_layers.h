@@ -35,7 +35,7 @@ class ResidentLayers {
   bool Holds(SequenceId seq, int layer, int64_t rows) const;
   // Rows [start, start + k.rows) of `layer`, token-major [n, num_kv_heads * head_dim] in backend
   // memory (converted to the cache's dtype by Backend::Copy). An append out of order or past the
-  // capacity drops the sequence's copy of that layer (its reads then go to the store).
+  // capacity is not kept: the layer holds the rows before it, and reads of more go to the store.
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v);
   // Rows [0, rows) of every head of `layer` into k_out / v_out (backend memory), head-major with
   // `rows_per_head` (>= rows) rows per head: the layout of KvCacheShape::HeadMajor.

@@ -36,6 +36,10 @@ absl::Status StoreKvCache::RegisterMapped() {
 }
 
 StoreKvCache::~StoreKvCache() {
+  // A copy still queued into both_ lands before both_ goes.
+  if (copy_queued_ && backend_.host_copies_done() == later_copy_) {
+    backend_.Synchronize().IgnoreError();
+  }
   std::vector<SequenceId> open;
   for (const auto& [seq, s] : sequences_) open.push_back(seq);
   for (SequenceId seq : open) Close(seq);
@@ -142,6 +146,7 @@ absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int6
   if (home > options_.id_base) {
     auto own = sequences_.find(home - options_.id_base);
     if (own != sequences_.end()) {
+      if (resident_layers_ != nullptr) resident_layers_->Close(own->first);
       KeepSpareStaging(own->second);
       sequences_.erase(own);
     }
@@ -240,10 +245,11 @@ absl::StatusOr<StoreKvCache::Sequence*> StoreKvCache::AppendTarget(SequenceId se
 void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
                                std::span<absl::Status> statuses) {
   BeginAppendLayer(layer, items, statuses);
-  if (!later_appends_.empty()) {
+  if (copy_queued_) {
     if (absl::Status st = backend_.Synchronize(); !st.ok()) {
       for (const LaterAppend& l : later_appends_) statuses[l.item] = st;
       later_appends_.clear();
+      copy_queued_ = false;
       return;
     }
   }
@@ -252,10 +258,11 @@ void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
 
 void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> items,
                                     std::span<absl::Status> statuses) {
-  if (!later_appends_.empty()) {
+  if (copy_queued_) {
     // A Begin without its End (the step failed between them): the copy into both_ must land
     // before both_ is reused; those rows are dropped (their sequences failed with the step).
-    backend_.Synchronize().IgnoreError();
+    if (backend_.host_copies_done() == later_copy_) backend_.Synchronize().IgnoreError();
+    copy_queued_ = false;
     later_appends_.clear();
   }
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
@@ -307,6 +314,7 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
       return fail_all(st);
     }
     later_copy_ = backend_.host_copies_done();
+    copy_queued_ = true;
   }
   size_t offset = 0;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -314,11 +322,17 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
     if (s == nullptr) continue;
     const LayerAppend& a = items[i];
     const int64_t n = a.k.rows;
+    const size_t at = offset;
+    if (packed(a)) offset += 2 * n * row;
+    // The device's copy first (a device operation), so that an item it fails goes nowhere.
+    if (resident_layers_ != nullptr) {
+      statuses[i] = resident_layers_->Append(a.seq, layer, a.start, a.k, a.v);
+      if (!statuses[i].ok()) continue;
+    }
     if (packed(a)) {
-      LaterAppend later{i, a.seq, layer, a.start, n, offset, {}};
+      LaterAppend later{i, a.seq, layer, a.start, n, at, {}};
       statuses[i] = Place(*s, layer, a.start, n, later.slots, a.slots_out);
       if (statuses[i].ok()) later_appends_.push_back(std::move(later));
-      offset += 2 * n * row;
     } else {
       std::vector<uint8_t> hk(n * row), hv(n * row);
       absl::Status st = RowsToHost(a.k, hk.data());
@@ -333,14 +347,12 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
       }
       statuses[i] = st;
     }
-    if (statuses[i].ok() && resident_layers_ != nullptr) {
-      statuses[i] = resident_layers_->Append(a.seq, layer, a.start, a.k, a.v);
-    }
   }
 }
 
 void StoreKvCache::EndAppendLayer() {
-  if (later_appends_.empty()) return;
+  if (!copy_queued_) return;
+  copy_queued_ = false;
   // The rows arrive at the backend's first wait after their copy: the caller's, or this one.
   if (backend_.host_copies_done() == later_copy_) {
     if (absl::Status st = backend_.Synchronize(); !st.ok()) {

@@ -70,6 +70,10 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status Open(SequenceId seq, int64_t capacity_tokens) override;
   void Close(SequenceId seq) override;
   void Release(SequenceId seq) override;
+  // Drops the sequence's device copy of its dense layers (ResidentLayers).
+  void Idle(SequenceId seq) override {
+    if (resident_layers_ != nullptr) resident_layers_->Close(seq);
+  }
   absl::StatusOr<int64_t> Length(SequenceId seq) const override;
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                       int32_t* slots_out = nullptr) override;
@@ -207,7 +211,8 @@ class StoreKvCache final : public StreamedKvCache {
     std::vector<int32_t> slots;
   };
   std::vector<LaterAppend> later_appends_;
-  uint64_t later_copy_ = 0;  // backend_.host_copies_done() when their copy was queued
+  uint64_t later_copy_ = 0;   // backend_.host_copies_done() when their copy was queued
+  bool copy_queued_ = false;  // ... and not yet ended
 
   Backend& backend_;
   KvCacheShape shape_;

@@ -60,7 +60,7 @@ for c in $CASES; do
       resident) flags=(--kv resident --policy full) ;;
       *) echo "unknown mode $mode" >&2; exit 2 ;;
     esac
-    out=$(timeout "$limit" env "${run_env[@]}" "$BIN/worker_bench" --random "$CONFIG" --device "$DEVICE" \
+    out=$(timeout "$limit" env ${run_env[@]+"${run_env[@]}"} "$BIN/worker_bench" --random "$CONFIG" --device "$DEVICE" \
       --streams "$batch" --prompt-tokens "$ctx" --new-tokens "$NEW" --prefill-budget "$ctx" \
       --kv-capacity-mb "$kv_mb" --label "$mode" "${flags[@]}" 2>&1)
     rc=$?

@@ -494,6 +494,28 @@ TEST_P(StoreCache, DenseLayersKeptOnTheDeviceGiveTheSameLogitsAndMoveNoBytes) {
   if (std::get<1>(GetParam())) {
     EXPECT_LT(gathered[1], gathered[0] / 2);
   }
+  // A sequence gone idle (a kept conversation) gives its device copy back: its dense reads
+  // then gather from the store.
+  if (std::get<1>(GetParam())) {
+    StoreKvCacheOptions resident = DeviceStoreOptions();
+    resident.device_resident_layers = 1;
+    StoreKvCache store(device, loaded->kv_shape(), *client_, resident);
+    ASSERT_TRUE(store.Open(1, 64).ok());
+    std::vector<float> logits(loaded->config().vocab_size);
+    ForwardChunk c{1, 0, prompts[0], false, nullptr};
+    ASSERT_TRUE(DecodeStep(*loaded, store).Forward({&c, 1}, logits).ok());
+    const int64_t rows = static_cast<int64_t>(prompts[0].size());
+    std::vector<int32_t> every(static_cast<size_t>(loaded->config().num_kv_heads * rows));
+    for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<int32_t>(i % rows);
+    for (bool idle : {false, true}) {
+      if (idle) store.Idle(1);
+      const int64_t before = device.rows_gathered();
+      ASSERT_TRUE(store.Prefetch(1, 0, every.data(), rows).ok());
+      ASSERT_TRUE(store.Fetch(1, 0).ok());
+      EXPECT_EQ(device.rows_gathered() > before, idle);
+    }
+    store.Close(1);
+  }
   // On a backend whose memory the host reads (the CPU) nothing is kept twice, nor in a KV pool.
   StoreKvCacheOptions options;
   options.device_resident_layers = 1;

@@ -32,7 +32,8 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   }
 
   // As a GPU's: the bytes as they are now, delivered to `host` only at the next CopyToHost or
-  // Synchronize (so that code reading them before its wait reads stale bytes, as on a GPU).
+  // Synchronize; until then `host` holds 0xff bytes (so that code reading it before its wait
+  // reads garbage, not last step's bytes that may be the same).
   absl::Status CopyToHostLater(const void* device, void* host, size_t bytes) override;
   absl::Status CopyToHost(const void* device, void* host, size_t bytes) override;
   absl::Status Synchronize() override;
