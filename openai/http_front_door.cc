@@ -261,7 +261,7 @@ class HttpFrontDoor::Impl {
                                ResponseBuilder& builder) {
     const v1::GenerateRequest& g = parsed.request;
     if (g.has_text() && parsed.top_logprobs < 0) {  // the prompt string is all it needs
-      builder.Echo(g.text(), {}, parsed.prompt_logprobs >= 0);
+      builder.Echo(g.text(), {}, parsed.prompt_logprobs >= 0, parsed.prompt_only);
       return std::nullopt;
     }
     v1::TokenizeRequest tr;
@@ -279,7 +279,8 @@ class HttpFrontDoor::Impl {
       return FromGrpc(st, ctx);
     }
     builder.Echo(g.has_token_ids() ? answer.text() : g.text(),
-                 {answer.pieces().begin(), answer.pieces().end()}, parsed.prompt_logprobs >= 0);
+                 {answer.pieces().begin(), answer.pieces().end()}, parsed.prompt_logprobs >= 0,
+                 parsed.prompt_only);
     return std::nullopt;
   }
 

@@ -267,20 +267,30 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
   Reader r{parsed, error};
   v1::GenerateRequest& req = out.request;
   std::optional<int64_t> max_tokens, max_completion_tokens;
-  if (!r.Integer("max_tokens", 1, std::numeric_limits<int32_t>::max(), max_tokens) ||
+  // Completions' `max_tokens: 0` (with `echo`) scores the prompt only.
+  const int64_t least_max_tokens = endpoint == Endpoint::kCompletions ? 0 : 1;
+  if (!r.Integer("max_tokens", least_max_tokens, std::numeric_limits<int32_t>::max(), max_tokens) ||
       !r.Integer("max_completion_tokens", 1, std::numeric_limits<int32_t>::max(),
                  max_completion_tokens)) {
     return false;
   }
   if (endpoint == Endpoint::kCompletions) {
     if (!ParsePrompt(r, req)) return false;
-    // OpenAI's default for completions is 16 tokens.
-    req.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_tokens.value_or(16)));
     std::optional<int64_t> logprobs;
     std::optional<bool> echo;
     if (!r.Integer("logprobs", 0, kMaxLogprobs, logprobs) || !r.Bool("echo", echo)) return false;
     out.top_logprobs = logprobs.has_value() ? static_cast<int>(*logprobs) : -1;
     out.echo = echo.value_or(false);
+    out.prompt_only = max_tokens == 0;
+    if (out.prompt_only && !out.echo) {
+      return r.Fail("max_tokens",
+                    "`max_tokens: 0` returns the prompt only: it needs `echo: true` (or ask for "
+                    "at least 1 token)");
+    }
+    // OpenAI's default for completions is 16 tokens. The prompt alone is one sampled token
+    // whose text and entries are left out: prompt logprobs come with the first sample.
+    req.mutable_stopping()->set_max_new_tokens(
+        out.prompt_only ? 1 : static_cast<int32_t>(max_tokens.value_or(16)));
   } else {
     if (!r.Unsupported("echo", false, " on chat completions")) return false;
     if (!ParseMessages(r, req)) return false;
@@ -345,6 +355,19 @@ const char* ResponseBuilder::FinishReason(v1::FinishReason reason) {
   }
 }
 
+const char* ResponseBuilder::Finish(const v1::GenerateResponse& response) const {
+  const char* finish = FinishReason(response.finish_reason());
+  // The prompt alone ends at its length whatever its one (left out) sample was.
+  return prompt_only_ && finish != nullptr &&
+                 response.finish_reason() != v1::FINISH_REASON_CANCELLED
+             ? "length"
+             : finish;
+}
+
+std::string ResponseBuilder::Generated(const v1::GenerateResponse& response) const {
+  return prompt_only_ ? std::string() : response.text();
+}
+
 json ResponseBuilder::Object(const char* object) const {
   return json{{"id", id_}, {"object", object}, {"created", created_}, {"model", model_}};
 }
@@ -353,7 +376,9 @@ json ResponseBuilder::UsageJson() const {
   const v1::Usage& first = choices_[0].usage;
   const int64_t prompt = first.prompt_tokens();
   int64_t completion = 0;
-  for (const Choice& c : choices_) completion += c.usage.generated_tokens();
+  if (!prompt_only_) {
+    for (const Choice& c : choices_) completion += c.usage.generated_tokens();
+  }
   return json{{"prompt_tokens", prompt},
               {"completion_tokens", completion},
               {"total_tokens", prompt + completion},
@@ -374,7 +399,7 @@ std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 
 void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& response,
                                   json& into) {
-  const int n = std::min(response.token_ids_size(), response.logprobs_size());
+  const int n = prompt_only_ ? 0 : std::min(response.token_ids_size(), response.logprobs_size());
   for (int i = 0; i < n; ++i) {
     const v1::Logprobs& lp = response.logprobs(i);
     const std::string token = Text(lp, response.token_ids(i));
@@ -402,8 +427,9 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
 }
 
 void ResponseBuilder::Echo(std::string prompt_text, std::vector<std::string> prompt_pieces,
-                           bool show_prompt_logprobs) {
+                           bool show_prompt_logprobs, bool prompt_only) {
   echo_ = true;
+  prompt_only_ = prompt_only;
   echo_text_ = std::move(prompt_text);
   echo_pieces_ = std::move(prompt_pieces);
   show_prompt_logprobs_ = show_prompt_logprobs;
@@ -411,7 +437,7 @@ void ResponseBuilder::Echo(std::string prompt_text, std::vector<std::string> pro
 
 std::string ResponseBuilder::EchoPrompt(Choice& choice, const v1::GenerateResponse& response,
                                         json* logprobs) {
-  if (!echo_ || choice.echoed) return response.text();
+  if (!echo_ || choice.echoed) return Generated(response);
   choice.echoed = true;
   if (logprobs != nullptr) {
     json& into = *logprobs;
@@ -440,7 +466,7 @@ std::string ResponseBuilder::EchoPrompt(Choice& choice, const v1::GenerateRespon
     }
     choice.text_offset = static_cast<int64_t>(echo_text_.size());
   }
-  return echo_text_ + response.text();
+  return echo_text_ + Generated(response);
 }
 
 json ResponseBuilder::PromptLogprobs(const v1::GenerateResponse& response) {
@@ -466,7 +492,7 @@ std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateRe
   Choice& c = choices_.at(static_cast<size_t>(index));
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
   if (response.has_usage()) c.usage = response.usage();
-  const char* finish = FinishReason(response.finish_reason());
+  const char* finish = Finish(response);
   if (chat && !c.role_sent) {
     c.role_sent = true;
     json chunk = Object("chat.completion.chunk");
@@ -476,16 +502,17 @@ std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateRe
                                      {"finish_reason", nullptr}}});
     out.push_back(Dump(chunk));
   }
+  const bool echoing = echo_ && !c.echoed;  // this message's entries start with the prompt's
   if (response.text().empty() && response.token_ids_size() == 0 && finish == nullptr) return out;
+  if (prompt_only_ && !echoing && finish == nullptr) return out;  // nothing of it is sent
   json choice = {{"index", index}, {"finish_reason", finish ? json(finish) : json()}};
   json lp = top_logprobs_ >= 0 ? EmptyLogprobs() : json();
-  const bool echoing = echo_ && !c.echoed;  // this message's entries start with the prompt's
   if (chat) {
     choice["delta"] = response.text().empty() ? json::object() : json{{"content", response.text()}};
   } else {
     choice["text"] = EchoPrompt(c, response, lp.is_null() ? nullptr : &lp);
   }
-  if (!lp.is_null() && (response.logprobs_size() > 0 || echoing)) {
+  if (!lp.is_null() && ((!prompt_only_ && response.logprobs_size() > 0) || echoing)) {
     AddLogprobs(c, response, lp);
     choice["logprobs"] = std::move(lp);
   } else {
@@ -517,7 +544,7 @@ void ResponseBuilder::Add(int index, const v1::GenerateResponse& response) {
     c.prompt_logprobs = PromptLogprobs(response);
   }
   if (top_logprobs_ >= 0) AddLogprobs(c, response, c.logprobs);
-  if (const char* finish = FinishReason(response.finish_reason())) c.finish_reason = finish;
+  if (const char* finish = Finish(response)) c.finish_reason = finish;
   if (response.has_usage()) c.usage = response.usage();
 }
 

@@ -53,6 +53,9 @@ struct ParsedRequest {
   // Completions' `echo`: each choice's text starts with the prompt's, and with `logprobs` its
   // entries with the prompt tokens' (the request then asks for prompt logprobs).
   bool echo = false;
+  // Completions' `max_tokens: 0` with `echo`: the prompt alone (its text, and with `logprobs`
+  // its entries), no completion tokens. The request asks for one token, left out of the answer.
+  bool prompt_only = false;
 };
 
 // Parses `body` as a request of `endpoint`. False with `error` (400, naming the field) when it is
@@ -84,9 +87,10 @@ class ResponseBuilder {
   // start with the prompt's tokens, `prompt_pieces` their texts as they join to the decoded
   // prompt (Tokenize's pieces; the first has no logprob, the others' are the first message's
   // prompt_logprobs). vLLM's `prompt_logprobs` field is then sent only when
-  // `show_prompt_logprobs`.
+  // `show_prompt_logprobs`. `prompt_only` (ParsedRequest::prompt_only): the generated text and
+  // entries are left out, the finish reason is "length" and usage counts no completion tokens.
   void Echo(std::string prompt_text, std::vector<std::string> prompt_pieces,
-            bool show_prompt_logprobs);
+            bool show_prompt_logprobs, bool prompt_only = false);
   // Whole: after every message was given to Add, the one response object.
   void Add(int index, const v1::GenerateResponse& response);
   void Add(const v1::GenerateResponse& response) { Add(0, response); }
@@ -122,6 +126,9 @@ class ResponseBuilder {
   // Prompt tokens once (every choice has the same prompt), generated tokens of all choices.
   nlohmann::json UsageJson() const;
   static const char* FinishReason(v1::FinishReason reason);
+  // The finish reason to send for `response` (null: not finished), and its generated text.
+  const char* Finish(const v1::GenerateResponse& response) const;
+  std::string Generated(const v1::GenerateResponse& response) const;
 
   Endpoint endpoint_;
   std::string id_;
@@ -134,6 +141,7 @@ class ResponseBuilder {
   std::string echo_text_;
   std::vector<std::string> echo_pieces_;
   bool show_prompt_logprobs_ = true;
+  bool prompt_only_ = false;
 };
 
 }  // namespace infinigen::openai

@@ -139,6 +139,16 @@ def main():
         assert abs(elp.token_logprobs[-1] - lp.token_logprobs[0]) < 1e-5
         assert elp.tokens[-1] == lp.tokens[0] and elp.text_offset[-1] == len(prompt)
         assert "".join(elp.tokens[1:-1]) in prompt, elp.tokens
+        # max_tokens 0: the prompt alone (lm-eval's loglikelihood of a whole string): the same
+        # prompt entries as above, no completion token.
+        scored = client.completions.create(model=model, prompt=prompt, max_tokens=0,
+                                           temperature=0, logprobs=1, echo=True)
+        s = scored.choices[0]
+        assert s.text == prompt and s.finish_reason == "length", s
+        assert s.logprobs.tokens == elp.tokens[:-1], (s.logprobs.tokens, elp.tokens)
+        assert s.logprobs.token_logprobs[1:] == elp.token_logprobs[1:-1], s.logprobs
+        assert scored.usage.completion_tokens == 0, scored.usage
+        assert scored.usage.prompt_tokens == echoed.usage.prompt_tokens, scored.usage
 
         stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
                                             temperature=0, stop=[","])

@@ -202,6 +202,60 @@ TEST(OpenAiJson, EchoedOffsetsEndAtThePromptsEndAfterABos) {
   EXPECT_EQ(lp["text_offset"], json({0, 0, 2, 5, 7}));
 }
 
+TEST(OpenAiJson, MaxTokensZeroWithEchoAsksForOneTokenAndAnswersThePromptOnly) {
+  ParsedRequest parsed;
+  ApiError error;
+  ASSERT_TRUE(ParseRequest(Endpoint::kCompletions,
+                           R"({"prompt": "Hi", "echo": true, "logprobs": 1, "max_tokens": 0})",
+                           parsed, error))
+      << error.message;
+  EXPECT_TRUE(parsed.prompt_only);
+  EXPECT_EQ(parsed.request.stopping().max_new_tokens(), 1);
+  EXPECT_EQ(parsed.request.sampling().prompt_logprobs(), 1);
+  ParsedRequest one;
+  ASSERT_TRUE(
+      ParseRequest(Endpoint::kCompletions, R"({"prompt": "Hi", "max_tokens": 1})", one, error));
+  EXPECT_FALSE(one.prompt_only);
+  for (const auto& [endpoint, body] : std::vector<std::pair<Endpoint, const char*>>{
+           {Endpoint::kCompletions, R"({"prompt": "Hi", "max_tokens": 0})"},
+           {Endpoint::kCompletions, R"({"prompt": "Hi", "max_tokens": -1, "echo": true})"},
+           {Endpoint::kChatCompletions,
+            R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})"}}) {
+    ParsedRequest bad;
+    ApiError e;
+    EXPECT_FALSE(ParseRequest(endpoint, body, bad, e)) << body;
+    EXPECT_EQ(e.http_status, 400) << body;
+    EXPECT_EQ(e.param, "max_tokens") << body << ": " << e.message;
+  }
+
+  // The one sampled token (" x", and it was EOS: STOP) is left out of text, entries and usage.
+  v1::GenerateResponse first = EchoedFirstMessage();
+  first.set_text(" x");
+  first.set_finish_reason(v1::FINISH_REASON_STOP);
+  first.mutable_usage()->set_prompt_tokens(3);
+  first.mutable_usage()->set_generated_tokens(1);
+  auto lookup = [](int32_t id) { return "<" + std::to_string(id) + ">"; };
+  ResponseBuilder whole(Endpoint::kCompletions, "cmpl-6", 0, "m", 1, lookup);
+  whole.Echo(" a bc d", {" a", " bc", " d"}, false, /*prompt_only=*/true);
+  whole.Add(first);
+  const json w = json::parse(whole.Whole());
+  EXPECT_EQ(w["choices"][0]["text"], " a bc d");
+  EXPECT_EQ(w["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(w["choices"][0]["logprobs"]["tokens"], json({" a", " bc", " d"}));
+  EXPECT_EQ(w["usage"]["completion_tokens"], 0);
+  EXPECT_EQ(w["usage"]["total_tokens"], 3);
+
+  ResponseBuilder streamed(Endpoint::kCompletions, "cmpl-7", 0, "m", 1, lookup);
+  streamed.Echo(" a bc d", {" a", " bc", " d"}, false, /*prompt_only=*/true);
+  const std::vector<std::string> chunks = streamed.Chunks(first);
+  ASSERT_EQ(chunks.size(), 1u);
+  const json c = json::parse(chunks[0])["choices"][0];
+  EXPECT_EQ(c["text"], " a bc d");
+  EXPECT_EQ(c["finish_reason"], "length");
+  EXPECT_EQ(c["logprobs"]["tokens"], json({" a", " bc", " d"}));
+  EXPECT_EQ(json::parse(streamed.UsageChunk())["usage"]["completion_tokens"], 0);
+}
+
 TEST(OpenAiJson, TheMoreLikelyOfTwoAlternativesWithOneTextIsKept) {
   ResponseBuilder b(Endpoint::kCompletions, "cmpl-6", 0, "m", 2,
                     [](int32_t) { return std::string("?"); });
