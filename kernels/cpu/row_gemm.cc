@@ -12,7 +12,6 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
-#include "kernels/cpu/q5_1.h"
 #include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {
@@ -102,36 +101,16 @@ struct Q8Rows {
   }
 };
 
-// Entry v, lane l: 16 where bit l of v is set (8 weights' fifth bits as values to or in).
-struct FifthBitTable {
-  constexpr FifthBitTable() : lanes{} {
-    for (int v = 0; v < 256; ++v) {
-      for (int l = 0; l < 8; ++l) lanes[v][l] = ((v >> l) & 1) << 4;
-    }
-  }
-  alignas(32) int32_t lanes[256][8];
-};
-constexpr FifthBitTable kFifthBits;
-
-// A block of 32 weights from its 16 nibble bytes (byte j: element j low, j + 16 high) and the
-// fifth bits `high` (bit e: element e's; none for Q4_1), widened to fma(q, d, m): w[s] holds
-// elements 8s..8s+7.
-template <bool kFifthBit>
-inline void Q4Widen32x8(__m128i bytes, float d, float m, uint32_t high, __m256 (&w)[4]) {
+// A block of 32 weights from its 16 nibble bytes (byte j: element j low, j + 16 high), widened
+// to fma(q, d, m): w[s] holds elements 8s..8s+7.
+inline void Q4Widen32x8(__m128i bytes, float d, float m, __m256 (&w)[4]) {
   const __m256i b0 = _mm256_cvtepu8_epi32(bytes);                             // bytes 0-7
   const __m256i b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));  // bytes 8-15
   const __m256i nibble = _mm256_set1_epi32(0x0f);
   const __m256i q[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
                         _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
   const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-  for (int s = 0; s < 4; ++s) {
-    __m256i v = q[s];
-    if constexpr (kFifthBit) {
-      v = _mm256_or_si256(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(
-                                 kFifthBits.lanes[(high >> (8 * s)) & 0xff])));
-    }
-    w[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dv, mv);
-  }
+  for (int s = 0; s < 4; ++s) w[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[s]), dv, mv);
 }
 
 // 0, 1, ..., 15: the q of each lane of a block format's table of values.
@@ -167,8 +146,7 @@ struct Q4_1Rows {
   // bytes and of its scale and minimum.
   void Load32x8(int64_t c, int64_t i, __m256 (&w)[4]) const {
     const int64_t at = Block(c, i);
-    Q4Widen32x8<false>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))), d[at], m[at],
-                       0, w);
+    Q4Widen32x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))), d[at], m[at], w);
   }
   // The 32 weights of a block (i a multiple of 32), lo elements i.., hi i + 16..: the block's 16
   // values fma(q, d, m) made once, and each lane's looked up by its nibble (a permute reads the
@@ -191,53 +169,6 @@ struct Q4_1Rows {
   const void* Address(int64_t c, int64_t i) const { return Bytes(c, i); }
   Q4_1Rows From(int64_t j) const {
     return {qs + j * (ld / 2), d + j * (ld / kQ4Block), m + j * (ld / kQ4Block), ld};
-  }
-  void Widen(int64_t c, float* out, int64_t k) const { WidenBlocks(*this, c, out, k); }
-};
-
-// Q5_1 (q5_1.h): Q4_1's nibbles with a fifth bit per weight; w[r, c] = fma(q, d, m) in float32.
-struct Q5_1Rows {
-  const uint8_t* qs;
-  const uint32_t* qh;
-  const float* d;
-  const float* m;
-  int64_t ld;  // columns
-  int64_t Block(int64_t c, int64_t i) const { return c * (ld / kQ5Block) + i / kQ5Block; }
-  const uint8_t* Bytes(int64_t c, int64_t i) const {
-    return qs + Block(c, i) * (kQ5Block / 2) + i % (kQ5Block / 2);
-  }
-  void Load32x8(int64_t c, int64_t i, __m256 (&w)[4]) const {
-    const int64_t at = Block(c, i);
-    Q4Widen32x8<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))), d[at], m[at],
-                      qh[at], w);
-  }
-  // Load32 of Q4_1Rows with 32 values: a lane whose fifth bit is set takes its value from the
-  // upper 16.
-  IG_AVX512 void Load32(int64_t c, int64_t i, __m512& lo, __m512& hi) const {
-    const int64_t at = Block(c, i);
-    const __m512 dv = _mm512_set1_ps(d[at]), mv = _mm512_set1_ps(m[at]);
-    const __m512 low_values = _mm512_fmadd_ps(Iota16(), dv, mv);
-    const __m512 high_values = _mm512_fmadd_ps(_mm512_add_ps(Iota16(), _mm512_set1_ps(16)), dv, mv);
-    const __m512i b =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
-    const __m512i bh = _mm512_srli_epi32(b, 4);
-    const uint32_t fifth = qh[at];
-    lo = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(b, low_values),
-                                    static_cast<__mmask16>(fifth), b, high_values);
-    hi = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(bh, low_values),
-                                    static_cast<__mmask16>(fifth >> 16), bh, high_values);
-  }
-  float At(int64_t c, int64_t i) const {
-    const uint8_t* blk = qs + Block(c, i) * (kQ5Block / 2);
-    const int64_t o = i % kQ5Block, at = Block(c, i);
-    const uint32_t low = o < kQ5Block / 2 ? blk[o] & 0x0fu : blk[o - kQ5Block / 2] >> 4;
-    const uint32_t q = low | (((qh[at] >> o) & 1u) << 4);
-    return std::fma(static_cast<float>(q), d[at], m[at]);
-  }
-  const void* Address(int64_t c, int64_t i) const { return Bytes(c, i); }
-  Q5_1Rows From(int64_t j) const {
-    const int64_t blocks = j * (ld / kQ5Block);
-    return {qs + j * (ld / 2), qh + blocks, d + blocks, m + blocks, ld};
   }
   void Widen(int64_t c, float* out, int64_t k) const { WidenBlocks(*this, c, out, k); }
 };
@@ -436,21 +367,6 @@ struct Avx512Kernel {
   }
 };
 
-void InitOutput(const float* bias, float* y, int64_t ldy, int64_t m, int64_t n, bool accumulate) {
-  for (int64_t r = 0; r < m; ++r) {
-    float* yr = y + r * ldy;
-    if (!accumulate) {
-      if (bias != nullptr) {
-        std::memcpy(yr, bias, n * sizeof(float));
-      } else {
-        std::memset(yr, 0, n * sizeof(float));
-      }
-    } else if (bias != nullptr) {
-      for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
-    }
-  }
-}
-
 // `cols` columns of y (starting at y) for every row, from the accessor's weight rows. Several
 // rows of a packed format read each tile's weight rows widened once per block of x rows (the
 // same floats Load8 makes, so the same products).
@@ -499,7 +415,7 @@ template <typename A>
 void Gemm(const float* x, int64_t ldx, const A& w, const float* bias, float* y, int64_t ldy,
           int64_t m, int64_t n, int64_t k, bool accumulate) {
   if (m <= 0 || n <= 0) return;
-  InitOutput(bias, y, ldy, m, n, accumulate);
+  InitGemmOutput(bias, y, ldy, m, n, accumulate);
   if (ActiveIsa() == Isa::kAvx512) {
     GemmWith<Avx512Kernel>(x, ldx, w, y, ldy, m, n, k);
   } else {
@@ -508,6 +424,22 @@ void Gemm(const float* x, int64_t ldx, const A& w, const float* bias, float* y, 
 }
 
 }  // namespace
+
+void InitGemmOutput(const float* bias, float* y, int64_t ldy, int64_t m, int64_t n,
+                    bool accumulate) {
+  for (int64_t r = 0; r < m; ++r) {
+    float* yr = y + r * ldy;
+    if (!accumulate) {
+      if (bias != nullptr) {
+        std::memcpy(yr, bias, n * sizeof(float));
+      } else {
+        std::memset(yr, 0, n * sizeof(float));
+      }
+    } else if (bias != nullptr) {
+      for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
+    }
+  }
+}
 
 void GemmRowsF32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias,
                  float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
@@ -538,11 +470,6 @@ void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bia
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {
   Gemm(x, ldx, Q4_1Rows{w.qs, w.d, w.m, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
-}
-
-void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
-                  int64_t ldy, int64_t m, bool accumulate) {
-  Gemm(x, ldx, Q5_1Rows{w.qs, w.qh, w.d, w.m, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
 }
 
 }  // namespace infinigen::cpu

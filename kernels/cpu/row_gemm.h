@@ -36,8 +36,15 @@ void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bia
 // format, batch-invariant or not.
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
-// The same with Q5_1 weights (q5_1.h), each widened to fma(q, d, m).
+// The same with Q5_1 weights (q5_1.h; k a multiple of 32), on x rows quantized to 8 bits per
+// block of 32 (scale max|x| / 127, round to nearest even), each block's dot product in integers:
+// y = sum over blocks of d dx (q_w . q_x) + m dx sum(q_x), in the fixed order of
+// kernels/cpu/q5_1_gemm.cc, equal for every row count and instruction set.
 void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
+
+// Every GEMM's first step: y's m rows of n set to bias (or 0), or bias added when accumulate.
+void InitGemmOutput(const float* bias, float* y, int64_t ldy, int64_t m, int64_t n,
+                    bool accumulate);
 
 }  // namespace infinigen::cpu

@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -130,6 +132,23 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
   }
 }
 
+// The activations the format's kernel multiplies: x itself, or for Q5_1 x quantized per block
+// of 32 (written out here: scale max|x| / 127, values rounded to nearest even, times the scale).
+std::vector<double> Activations(Format format, const float* x, int64_t k) {
+  std::vector<double> out(x, x + k);
+  if (format != Format::kQ5_1) return out;
+  for (int64_t b = 0; b < k / 32; ++b) {
+    float max = 0.0f;
+    for (int64_t p = 32 * b; p < 32 * b + 32; ++p) max = std::max(max, std::abs(x[p]));
+    const float scale = max / 127.0f;
+    const float inv = scale >= FLT_MIN ? 1.0f / scale : 0.0f;
+    for (int64_t p = 32 * b; p < 32 * b + 32; ++p) {
+      out[p] = static_cast<double>(scale) * std::nearbyint(x[p] * inv);
+    }
+  }
+  return out;
+}
+
 bool Applies(Format format, const Weights& w) {
   return (format != Format::kQ8 && format != Format::kQ4_1 && format != Format::kQ5_1) ||
          !w.q8_qs.empty();
@@ -168,13 +187,41 @@ TEST_P(RowGemm, EachFormatMatchesADoubleProductOfItsWeights) {
     if (!Applies(format, *weights)) continue;
     const std::vector<float> y = Run(format, m, x.data());
     for (int64_t i = 0; i < m; ++i) {
+      const std::vector<double> xi = Activations(format, x.data() + i * ldx, k);
       for (int64_t j = 0; j < n; ++j) {
         double s = 0.25 + bias[j];
-        for (int64_t p = 0; p < k; ++p)
-          s += double(x[i * ldx + p]) * WeightValue(format, *weights, j, p);
+        for (int64_t p = 0; p < k; ++p) s += xi[p] * WeightValue(format, *weights, j, p);
         ASSERT_NEAR(y[i * ldy + j], s, 1e-4 * (1 + std::abs(s)))
             << "format " << static_cast<int>(format) << " at " << i << "," << j;
       }
+    }
+  }
+}
+
+// Q5_1's 8-bit activations move each product by at most half a quantization step of x: the
+// output stays within sum |w| * scale / 2 of the float32 product (the price of integer dot
+// products, as llama.cpp pays it for the same formats).
+TEST_P(RowGemm, Q5_1StaysWithinHalfAnActivationStepOfTheFloatProduct) {
+  const auto [m, n, k] = GetParam();
+  if (!Applies(Format::kQ5_1, *weights)) GTEST_SKIP() << "k is not a multiple of 32";
+  const std::vector<float> y = Run(Format::kQ5_1, m, x.data());
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xi = x.data() + i * ldx;
+    for (int64_t j = 0; j < n; ++j) {
+      double exact = 0.25 + bias[j], bound = 0.0;
+      for (int64_t b = 0; b < k / 32; ++b) {
+        double max = 0.0, weights_abs = 0.0;
+        for (int64_t p = 32 * b; p < 32 * b + 32; ++p) {
+          const double wv = WeightValue(Format::kQ5_1, *weights, j, p);
+          exact += double(xi[p]) * wv;
+          max = std::max(max, std::abs(double(xi[p])));
+          weights_abs += std::abs(wv);
+        }
+        bound += weights_abs * max / 127.0 / 2.0;
+      }
+      ASSERT_LE(std::abs(y[i * ldy + j] - exact), bound * 1.001 + 1e-4 * (1 + std::abs(exact)))
+          << i << "," << j;
+      if (k >= 64) ASSERT_GT(bound, 0.0);
     }
   }
 }

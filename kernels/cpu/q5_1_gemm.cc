@@ -1,0 +1,481 @@
+// GemmRowsQ5_1 (row_gemm.h): 5-bit weights times activations quantized to 8 bits per block of
+// 32, each block's dot product in integers (llama.cpp's way for its 5-bit formats). Widening
+// 5-bit values to float32 took more instructions than streaming them (that kernel reached 18.5
+// GB/s where Q4_1's reaches 26.4 on the same VM); integer dot products keep the GEMV
+// memory-bound.
+//
+// Batch-invariant like the other GEMMs: each x row is quantized alone, and each output element
+// is one fixed sequence of operations whatever the tile, the number of rows or the instruction
+// set (AVX-512 VNNI, AVX-512BW and AVX2 give the same bits):
+//   per pair of blocks (2p, 2p+1), 16 int32 lanes of 4-byte dot products (lanes 0-3: elements
+//   0-15 of block 2p, 4-7: 0-15 of 2p+1, 8-11: 16-31 of 2p, 12-15: 16-31 of 2p+1), each
+//   converted to float, times its block's x scale, then acc = fma(that, its block's d, acc);
+//   an odd last block's 8 lanes (elements in order) into lanes 0-7 the same way;
+//   the minimums apart: am lane j = fma over blocks b = j (mod 16) of m_b * xsum_b;
+//   y += HorizontalSum(lanes 0-7 + lanes 8-15 of (acc + am)).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/row_gemm.h"
+#include "kernels/cpu/simd.h"
+
+#define IG_Q5_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+namespace infinigen::cpu {
+namespace {
+
+// Output columns per parallel task, and x rows per pass over them (as row_gemm.cc's).
+constexpr int64_t kColBlock = 48;
+constexpr int64_t kRowBlock = 64;
+// How far ahead of use a GEMV asks for weight bytes (row_gemm.cc's distance).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// x rows quantized for the kernels. Per block b of 32 values of a row: dx[b] = max|x| / 127 (0
+// for a block of zeros), q = round-to-nearest-even(x / dx) in [-127, 127], xsum[b] = dx[b] * the
+// sum of q. The values of a pair of blocks (2p, 2p+1) lie as the kernels read them: 64 bytes,
+// elements 0-15 of 2p, 0-15 of 2p+1, 16-31 of 2p, 16-31 of 2p+1; an odd last block's 32 in order.
+struct QuantizedRows {
+  const int8_t* q;
+  const float* dx;
+  const float* xsum;
+  int64_t k;       // values per row
+  int64_t blocks;  // per row
+  const int8_t* Values(int64_t r) const { return q + r * k; }
+  const float* Scales(int64_t r) const { return dx + r * blocks; }
+  const float* Sums(int64_t r) const { return xsum + r * blocks; }
+};
+
+// One block of 32 values quantized (AVX2; the same arithmetic as the scalar definition above:
+// a max, one IEEE division and multiply, and the default rounding of the conversion). Writes
+// elements 0-15 to lo and 16-31 to hi, and returns the sum of the values.
+inline int QuantizeBlock(const float* x, float& dx, int8_t* lo, int8_t* hi) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int s = 0; s < 4; ++s) {
+    v[s] = _mm256_loadu_ps(x + 8 * s);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[s]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float max = _mm_cvtss_f32(m4);
+  dx = max / 127.0f;
+  // A block too small for a finite reciprocal of its scale quantizes to zeros.
+  const __m256 inv = _mm256_set1_ps(dx >= FLT_MIN ? 1.0f / dx : 0.0f);
+  __m256i q[4];
+  for (int s = 0; s < 4; ++s) q[s] = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], inv));
+  const __m256i total =
+      _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  // int32 -> int8 (in range: no saturation), lanes back in element order.
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(bytes, 1));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  return _mm_cvtsi128_si32(t);
+}
+
+void QuantizeRow(const float* x, int64_t k, int8_t* q, float* dx, float* xsum) {
+  const int64_t blocks = k / kQ5Block;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t p = b / 2;
+    int8_t *lo, *hi;
+    if (2 * p + 1 < blocks) {  // one of a pair
+      lo = q + 64 * p + 16 * (b % 2);
+      hi = lo + 32;
+    } else {  // the odd last block
+      lo = q + 32 * b;
+      hi = lo + 16;
+    }
+    const int sum = QuantizeBlock(x + b * kQ5Block, dx[b], lo, hi);
+    xsum[b] = dx[b] * static_cast<float>(sum);
+  }
+}
+
+// The m rows of x quantized into buffers of the calling thread (the parallel tasks read them).
+QuantizedRows Quantize(const float* x, int64_t ldx, int64_t m, int64_t k) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dx, xsum;
+  const int64_t blocks = k / kQ5Block;
+  if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
+  if (static_cast<int64_t>(dx.size()) < m * blocks) {
+    dx.resize(m * blocks);
+    xsum.resize(m * blocks);
+  }
+  int8_t* qp = q.data();
+  float *dp = dx.data(), *sp = xsum.data();
+#pragma omp parallel for schedule(static) if (m >= 16)
+  for (int64_t r = 0; r < m; ++r) {
+    QuantizeRow(x + r * ldx, k, qp + r * k, dp + r * blocks, sp + r * blocks);
+  }
+  return {qp, dp, sp, k, blocks};
+}
+
+// The bits of a pair of blocks' fifth-bit words (bit e: element e) in the order of the pair's
+// bytes (QuantizedRows): bits 0-15 of the first word, 0-15 of the second, 16-31 of the first,
+// 16-31 of the second.
+inline uint64_t PairFifthBits(const uint32_t* qh) {
+  const uint64_t u = qh[0] | (static_cast<uint64_t>(qh[1]) << 32);
+  const uint64_t t = ((u >> 16) ^ u) & 0x00000000ffff0000ull;
+  return u ^ (t | (t << 16));
+}
+
+// --- AVX2 ---------------------------------------------------------------------------------
+
+// Byte j: 16 where bit j of `bits` is set, else 0.
+inline __m256i FifthBits(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201ll);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, select), select),
+                          _mm256_set1_epi8(16));
+}
+
+// A pair of blocks' 5-bit values (at: the first block) in the pair's byte order: qa elements
+// 0-15 of each block, qb 16-31.
+inline void PairValues8(const Q5_1Matrix& w, int64_t at, __m256i& qa, __m256i& qb, bool prefetch) {
+  const uint8_t* bytes = w.qs + at * (kQ5Block / 2);
+  if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const uint64_t bits = PairFifthBits(w.qh + at);
+  qa = _mm256_or_si256(_mm256_and_si256(nib, low), FifthBits(static_cast<uint32_t>(bits)));
+  qb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), low),
+                       FifthBits(static_cast<uint32_t>(bits >> 32)));
+}
+
+// One block's 32 values in order.
+inline __m256i BlockValues8(const Q5_1Matrix& w, int64_t at) {
+  const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + at * (kQ5Block / 2)));
+  return _mm256_or_si256(
+      _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0f)),
+      FifthBits(w.qh[at]));
+}
+
+// Several x rows read each weight row many times: its values made once, in the order of the
+// x rows' bytes (QuantizedRows), k bytes for each of `cols` weight rows from c0.
+void PrepareColumns(const Q5_1Matrix& w, int64_t c0, int64_t cols, uint8_t* out) {
+  const int64_t blocks = w.cols / kQ5Block;
+  for (int64_t c = 0; c < cols; ++c) {
+    uint8_t* o = out + c * w.cols;
+    const int64_t first = (c0 + c) * blocks;
+    for (int64_t p = 0; p < blocks / 2; ++p) {
+      __m256i qa, qb;
+      PairValues8(w, first + 2 * p, qa, qb, /*prefetch=*/false);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * p), qa);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * p + 32), qb);
+    }
+    if (blocks % 2 == 1) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * (blocks - 1)),
+                          BlockValues8(w, first + blocks - 1));
+    }
+  }
+}
+
+// 8 int32 lanes, lane j the dot product of bytes 4j..4j+3 (q unsigned, x signed).
+inline __m256i Dot8(__m256i q, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+}
+
+// Lanes 0-3 a, 4-7 b.
+inline __m256 Halves(float a, float b) { return _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a)); }
+
+// y[r, c] += x_r . w_c for r < R, c < C, in the order the file's header gives.
+template <int R, int C>
+void Tile8(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0,
+           const uint8_t* panel, float* y, int64_t ldy) {
+  const int64_t blocks = x.blocks, pairs = blocks / 2;
+  __m256 acc[R][C][2];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256i qa[C], qb[C];
+    __m256 dv[C];
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + 2 * p;
+      if (panel != nullptr) {
+        const uint8_t* q = panel + c * x.k + 64 * p;
+        qa[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        qb[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+      } else {
+        PairValues8(w, at, qa[c], qb[c], /*prefetch=*/true);
+      }
+      dv[c] = Halves(w.d[at], w.d[at + 1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.Values(r0 + r) + 64 * p;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+      const __m256 dxv = Halves(x.Scales(r0 + r)[2 * p], x.Scales(r0 + r)[2 * p + 1]);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(Dot8(qa[c], xa)), dxv),
+                                       dv[c], acc[r][c][0]);
+        acc[r][c][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(Dot8(qb[c], xb)), dxv),
+                                       dv[c], acc[r][c][1]);
+      }
+    }
+  }
+  if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
+    const int64_t b = blocks - 1;
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + b;
+      const __m256i q =
+          panel != nullptr
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b))
+              : BlockValues8(w, at);
+      const __m256 d = _mm256_set1_ps(w.d[at]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r0 + r) + 32 * b));
+        acc[r][c][0] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(Dot8(q, xv)), _mm256_set1_ps(x.Scales(r0 + r)[b])), d,
+            acc[r][c][0]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* sums = x.Sums(r0 + r);
+    for (int c = 0; c < C; ++c) {
+      const float* mins = w.m + (c0 + c) * blocks;
+      __m256 am[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t b = 0; b < blocks; b += 16) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t from = b + 8 * h, n = std::clamp<int64_t>(blocks - from, 0, 8);
+          if (n == 0) continue;
+          const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          am[h] = _mm256_fmadd_ps(_mm256_maskload_ps(mins + from, lanes),
+                                  _mm256_maskload_ps(sums + from, lanes), am[h]);
+        }
+      }
+      const __m256 lo = _mm256_add_ps(acc[r][c][0], am[0]);
+      const __m256 hi = _mm256_add_ps(acc[r][c][1], am[1]);
+      y[r * ldy + c] += HorizontalSum(_mm256_add_ps(lo, hi));
+    }
+  }
+}
+
+struct Avx2Tiles {
+  static constexpr int kRows = 2, kCols = 2, kGemvCols = 2;
+  template <int R, int C>
+  static void Run(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0,
+                  const uint8_t* panel, float* y, int64_t ldy) {
+    Tile8<R, C>(x, r0, w, c0, panel, y, ldy);
+  }
+};
+
+// --- AVX-512 ------------------------------------------------------------------------------
+
+// 16 int32 lanes, lane j the dot product of bytes 4j..4j+3 (q unsigned, x signed): one VNNI
+// instruction, or the two AVX-512BW ones that give the same integers.
+template <bool kVnni>
+IG_Q5_AVX512 inline __m512i Dot16(__m512i q, __m512i x) {
+  if constexpr (kVnni) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+  } else {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), _mm512_set1_epi16(1));
+  }
+}
+template <bool kVnni>
+IG_Q5_AVX512 inline __m256i Dot8x(__m256i q, __m256i x) {
+  if constexpr (kVnni) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+  }
+}
+
+// Lanes 0-3 and 8-11 v[0], 4-7 and 12-15 v[1].
+IG_Q5_AVX512 inline __m512 PairLanes(const float* v) {
+  const __m512i pattern = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  return _mm512_permutexvar_ps(
+      pattern,
+      _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)))));
+}
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <int R, int C, bool kVnni>
+IG_Q5_AVX512 void Tile16(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0,
+                         const uint8_t* panel, float* y, int64_t ldy) {
+  const int64_t blocks = x.blocks, pairs = blocks / 2;
+  const __m512i low = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i q[C];
+    __m512 dv[C];
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + 2 * p;
+      if (panel != nullptr) {
+        q[c] = _mm512_loadu_si512(panel + c * x.k + 64 * p);
+      } else {
+        const uint8_t* bytes = w.qs + at * (kQ5Block / 2);
+        _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+        const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+        const __m512i n = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), low);
+        q[c] = _mm512_mask_add_epi8(n, _cvtu64_mask64(PairFifthBits(w.qh + at)), n, sixteen);
+      }
+      dv[c] = PairLanes(w.d + at);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x.Values(r0 + r) + 64 * p);
+      const __m512 dxv = PairLanes(x.Scales(r0 + r) + 2 * p);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(Dot16<kVnni>(q[c], xv)), dxv),
+                                    dv[c], acc[r][c]);
+      }
+    }
+  }
+  if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
+    const int64_t b = blocks - 1;
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + b;
+      __m256i q;
+      if (panel != nullptr) {
+        q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b));
+      } else {
+        const __m128i nib =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + at * (kQ5Block / 2)));
+        const __m256i n =
+            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0f));
+        q = _mm256_mask_add_epi8(n, w.qh[at], n, _mm256_set1_epi8(16));
+      }
+      const __m512 d = _mm512_set1_ps(w.d[at]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r0 + r) + 32 * b));
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(Dot8x<kVnni>(q, xv)),
+                                       _mm256_set1_ps(x.Scales(r0 + r)[b]));
+        acc[r][c] = _mm512_mask3_fmadd_ps(_mm512_zextps256_ps512(f), d, acc[r][c], 0x00FF);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* sums = x.Sums(r0 + r);
+    for (int c = 0; c < C; ++c) {
+      const float* mins = w.m + (c0 + c) * blocks;
+      __m512 am = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; b += 16) {
+        const int64_t n = std::min<int64_t>(blocks - b, 16);
+        const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+        am = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, mins + b),
+                             _mm512_maskz_loadu_ps(lanes, sums + b), am);
+      }
+      const __m512 t = _mm512_add_ps(acc[r][c], am);
+      const __m256 lo = _mm512_castps512_ps256(t);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
+      y[r * ldy + c] += HorizontalSum(_mm256_add_ps(lo, hi));
+    }
+  }
+}
+#pragma GCC diagnostic pop
+
+template <bool kVnni>
+struct Avx512Tiles {
+  static constexpr int kRows = 4, kCols = 4, kGemvCols = 4;
+  template <int R, int C>
+  static void Run(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0,
+                  const uint8_t* panel, float* y, int64_t ldy) {
+    Tile16<R, C, kVnni>(x, r0, w, c0, panel, y, ldy);
+  }
+};
+
+// --- the GEMM -----------------------------------------------------------------------------
+
+template <typename K, int R>
+void RunCols(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0, int64_t cols,
+             const uint8_t* panel, float* y, int64_t ldy) {
+  if constexpr (K::kCols >= 4) {
+    if (cols == 4) return K::template Run<R, 4>(x, r0, w, c0, panel, y, ldy);
+    if (cols == 3) return K::template Run<R, 3>(x, r0, w, c0, panel, y, ldy);
+  }
+  if (cols == 2) return K::template Run<R, 2>(x, r0, w, c0, panel, y, ldy);
+  return K::template Run<R, 1>(x, r0, w, c0, panel, y, ldy);
+}
+
+template <typename K>
+void RunTile(const QuantizedRows& x, int64_t r0, int64_t rows, const Q5_1Matrix& w, int64_t c0,
+             int64_t cols, const uint8_t* panel, float* y, int64_t ldy) {
+  if constexpr (K::kRows >= 4) {
+    if (rows == 4) return RunCols<K, 4>(x, r0, w, c0, cols, panel, y, ldy);
+    if (rows == 3) return RunCols<K, 3>(x, r0, w, c0, cols, panel, y, ldy);
+  }
+  if (rows == 2) return RunCols<K, 2>(x, r0, w, c0, cols, panel, y, ldy);
+  return RunCols<K, 1>(x, r0, w, c0, cols, panel, y, ldy);
+}
+
+// GEMV (one x row): one pass over the weights, each block's values made as they are read. More
+// rows: the task's weight rows' values made once into a panel (its 48 rows of k bytes stay in
+// L2), then blocks of kRowBlock x rows multiplied by it, a group of weight rows at a time.
+template <typename K>
+void GemmWith(const QuantizedRows& x, int64_t m, const Q5_1Matrix& w, float* y, int64_t ldy) {
+  const int64_t n = w.rows, col_blocks = (n + kColBlock - 1) / kColBlock;
+  const bool gemv = m == 1;
+  const int64_t step = gemv ? K::kGemvCols : K::kCols;
+#pragma omp parallel for schedule(static) if (m * n * w.cols > (1 << 16))
+  for (int64_t cb = 0; cb < col_blocks; ++cb) {
+    const int64_t j0 = cb * kColBlock, j1 = std::min(n, j0 + kColBlock);
+    thread_local std::vector<uint8_t> panel;
+    if (!gemv) {
+      panel.resize(static_cast<size_t>(kColBlock * w.cols));
+      PrepareColumns(w, j0, j1 - j0, panel.data());
+    }
+    for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+      const int64_t i1 = std::min(m, i0 + kRowBlock);
+      for (int64_t j = j0; j < j1; j += step) {
+        const int64_t cols = std::min(step, j1 - j);
+        const uint8_t* prepared = gemv ? nullptr : panel.data() + (j - j0) * w.cols;
+        for (int64_t i = i0; i < i1; i += K::kRows) {
+          RunTile<K>(x, i, std::min<int64_t>(K::kRows, i1 - i), w, j, cols, prepared,
+                     y + i * ldy + j, ldy);
+        }
+      }
+    }
+  }
+}
+
+// AVX-512 with the byte instructions (BW, VL) this kernel needs, and whether VNNI is there.
+bool CpuHasAvx512Bytes() {
+  static const bool has = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+bool CpuHasVnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+}  // namespace
+
+void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate) {
+  if (m <= 0 || w.rows <= 0) return;
+  InitGemmOutput(bias, y, ldy, m, w.rows, accumulate);
+  const QuantizedRows xq = Quantize(x, ldx, m, w.cols);
+  if (ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Bytes()) {
+    if (CpuHasVnni()) {
+      GemmWith<Avx512Tiles<true>>(xq, m, w, y, ldy);
+    } else {
+      GemmWith<Avx512Tiles<false>>(xq, m, w, y, ldy);
+    }
+  } else {
+    GemmWith<Avx2Tiles>(xq, m, w, y, ldy);
+  }
+}
+
+}  // namespace infinigen::cpu
