@@ -11,8 +11,8 @@
 //   0-15 of block 2p, 4-7: 0-15 of 2p+1, 8-11: 16-31 of 2p, 12-15: 16-31 of 2p+1), each
 //   converted to float, times its block's x scale, then acc = fma(that, its block's d, acc);
 //   an odd last block's 8 lanes (elements in order) into lanes 0-7 the same way;
-//   the minimums apart: am lane j = fma over blocks b = j (mod 16) of m_b * xsum_b;
-//   y += HorizontalSum(lanes 0-7 + lanes 8-15 of (acc + am)).
+//   then the minimums: acc lane j = fma(m_b, xsum_b, acc) over blocks b = j (mod 16) in order;
+//   y += HorizontalSum(lanes 0-7 + lanes 8-15 of acc).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -127,6 +127,25 @@ inline uint64_t PairFifthBits(const uint32_t* qh) {
   const uint64_t u = qh[0] | (static_cast<uint64_t>(qh[1]) << 32);
   const uint64_t t = ((u >> 16) ^ u) & 0x00000000ffff0000ull;
   return u ^ (t | (t << 16));
+}
+
+// y[c] += HorizontalSum(v[c]) for c < C: four at once by the same additions in the same order.
+template <int C>
+inline void AddHorizontalSums(const __m256 (&v)[C], float* y) {
+  if constexpr (C == 4) {
+    __m128 s[4];
+    for (int c = 0; c < 4; ++c) {
+      s[c] = _mm_add_ps(_mm256_castps256_ps128(v[c]), _mm256_extractf128_ps(v[c], 1));
+    }
+    // u01: lanes 0 + 2 and 1 + 3 of s[0], then of s[1] (HorizontalSum's second step).
+    const __m128 u01 = _mm_add_ps(_mm_movelh_ps(s[0], s[1]), _mm_movehl_ps(s[1], s[0]));
+    const __m128 u23 = _mm_add_ps(_mm_movelh_ps(s[2], s[3]), _mm_movehl_ps(s[3], s[2]));
+    const __m128 even = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m128 odd = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 1, 3, 1));
+    _mm_storeu_ps(y, _mm_add_ps(_mm_loadu_ps(y), _mm_add_ps(even, odd)));
+  } else {
+    for (int c = 0; c < C; ++c) y[c] += HorizontalSum(v[c]);
+  }
 }
 
 // --- AVX2 ---------------------------------------------------------------------------------
@@ -244,25 +263,23 @@ void Tile8(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0,
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float* sums = x.Sums(r0 + r);
-    for (int c = 0; c < C; ++c) {
-      const float* mins = w.m + (c0 + c) * blocks;
-      __m256 am[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t b = 0; b < blocks; b += 16) {
-        for (int h = 0; h < 2; ++h) {
-          const int64_t from = b + 8 * h, n = std::clamp<int64_t>(blocks - from, 0, 8);
-          if (n == 0) continue;
-          const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-          am[h] = _mm256_fmadd_ps(_mm256_maskload_ps(mins + from, lanes),
-                                  _mm256_maskload_ps(sums + from, lanes), am[h]);
-        }
+  for (int64_t b = 0; b < blocks; b += 16) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t from = b + 8 * h, n = std::clamp<int64_t>(blocks - from, 0, 8);
+      const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256 mv[C];
+      for (int c = 0; c < C; ++c) mv[c] = _mm256_maskload_ps(w.m + (c0 + c) * blocks + from, lanes);
+      for (int r = 0; r < R; ++r) {
+        const __m256 sv = _mm256_maskload_ps(x.Sums(r0 + r) + from, lanes);
+        for (int c = 0; c < C; ++c) acc[r][c][h] = _mm256_fmadd_ps(mv[c], sv, acc[r][c][h]);
       }
-      const __m256 lo = _mm256_add_ps(acc[r][c][0], am[0]);
-      const __m256 hi = _mm256_add_ps(acc[r][c][1], am[1]);
-      y[r * ldy + c] += HorizontalSum(_mm256_add_ps(lo, hi));
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
+    AddHorizontalSums<C>(v, y + r * ldy);
   }
 }
 
@@ -366,22 +383,24 @@ IG_Q5_AVX512 void Tile16(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float* sums = x.Sums(r0 + r);
-    for (int c = 0; c < C; ++c) {
-      const float* mins = w.m + (c0 + c) * blocks;
-      __m512 am = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; b += 16) {
-        const int64_t n = std::min<int64_t>(blocks - b, 16);
-        const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
-        am = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, mins + b),
-                             _mm512_maskz_loadu_ps(lanes, sums + b), am);
-      }
-      const __m512 t = _mm512_add_ps(acc[r][c], am);
-      const __m256 lo = _mm512_castps512_ps256(t);
-      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
-      y[r * ldy + c] += HorizontalSum(_mm256_add_ps(lo, hi));
+  for (int64_t b = 0; b < blocks; b += 16) {
+    const int64_t n = std::min<int64_t>(blocks - b, 16);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+    __m512 mv[C];
+    for (int c = 0; c < C; ++c) mv[c] = _mm512_maskz_loadu_ps(lanes, w.m + (c0 + c) * blocks + b);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sv = _mm512_maskz_loadu_ps(lanes, x.Sums(r0 + r) + b);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(mv[c], sv, acc[r][c]);
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) {
+      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+      v[c] = _mm256_add_ps(lo, hi);
+    }
+    AddHorizontalSums<C>(v, y + r * ldy);
   }
 }
 #pragma GCC diagnostic pop
