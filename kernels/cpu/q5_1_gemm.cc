@@ -313,12 +313,11 @@ IG_Q5_AVX512 inline __m256i Dot8x(__m256i q, __m256i x) {
   }
 }
 
-// Lanes 0-3 and 8-11 v[0], 4-7 and 12-15 v[1].
+// Lanes 0-3 and 8-11 v[0], 4-7 and 12-15 v[1] (v need not be 8-byte aligned).
 IG_Q5_AVX512 inline __m512 PairLanes(const float* v) {
   const __m512i pattern = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-  return _mm512_permutexvar_ps(
-      pattern,
-      _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)))));
+  const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
+  return _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(_mm_castsi128_ps(two)));
 }
 
 #pragma GCC diagnostic push
