@@ -309,6 +309,9 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
     out.top_logprobs = logprobs.value_or(false) ? static_cast<int>(top.value_or(0)) : -1;
   }
   if (!ParseSampling(r, out)) return false;
+  if (out.prompt_only && req.stopping().min_tokens() > 0) {
+    return r.Fail("min_tokens", "`min_tokens` must not exceed `max_tokens` (0: the prompt only)");
+  }
   if (out.top_logprobs >= 0) req.mutable_sampling()->set_logprobs(out.top_logprobs);
   if (out.echo && out.top_logprobs >= 0) {
     // The prompt's entries are its prompt logprobs, which come with the first sample only.

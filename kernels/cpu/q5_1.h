@@ -24,7 +24,7 @@ struct Q5_1Matrix {
   int64_t cols = 0;
 };
 
-// Row r widened to float32 (the values the GEMM kernels multiply).
+// Row r widened to float32 (an embedding's rows; GemmRowsQ5_1 multiplies the values as integers).
 void WidenQ5_1Row(const Q5_1Matrix& w, int64_t r, float* out);
 
 // out[i, :] = row ids[i] of the table, widened.

@@ -16,8 +16,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cfloat>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels/cpu/isa.h"
@@ -51,15 +53,23 @@ struct QuantizedRows {
   const float* Sums(int64_t r) const { return xsum + r * blocks; }
 };
 
-// One block of 32 values quantized (AVX2; the same arithmetic as the scalar definition above:
-// a max, one IEEE division and multiply, and the default rounding of the conversion). Writes
-// elements 0-15 to lo and 16-31 to hi, and returns the sum of the values.
+// One block of 32 values quantized (AVX2; the arithmetic QuantizedRows defines: a max, one IEEE
+// division and multiply, and the default rounding of the conversion). Writes elements 0-15 to
+// lo and 16-31 to hi, and returns the sum of the values. A block holding a NaN gets a NaN scale
+// (and zeros), so that the NaN reaches every output it touches, as in a float32 product.
 inline int QuantizeBlock(const float* x, float& dx, int8_t* lo, int8_t* hi) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], amax = _mm256_setzero_ps();
+  __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   for (int s = 0; s < 4; ++s) {
     v[s] = _mm256_loadu_ps(x + 8 * s);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[s]));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[s], v[s], _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan) != 0) {
+    dx = std::numeric_limits<float>::quiet_NaN();
+    std::memset(lo, 0, 16);
+    std::memset(hi, 0, 16);
+    return 0;
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -294,23 +304,13 @@ struct Avx2Tiles {
 
 // --- AVX-512 ------------------------------------------------------------------------------
 
-// 16 int32 lanes, lane j the dot product of bytes 4j..4j+3 (q unsigned, x signed): one VNNI
-// instruction, or the two AVX-512BW ones that give the same integers.
-template <bool kVnni>
+// 16 (8) int32 lanes, lane j the dot product of bytes 4j..4j+3 (q unsigned, x signed): the
+// integers Dot8's two instructions give, in one.
 IG_Q5_AVX512 inline __m512i Dot16(__m512i q, __m512i x) {
-  if constexpr (kVnni) {
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-  } else {
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), _mm512_set1_epi16(1));
-  }
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
 }
-template <bool kVnni>
-IG_Q5_AVX512 inline __m256i Dot8x(__m256i q, __m256i x) {
-  if constexpr (kVnni) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
-  }
+IG_Q5_AVX512 inline __m256i Dot8Vnni(__m256i q, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
 }
 
 // Lanes 0-3 and 8-11 v[0], 4-7 and 12-15 v[1] (v need not be 8-byte aligned).
@@ -323,7 +323,7 @@ IG_Q5_AVX512 inline __m512 PairLanes(const float* v) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-template <int R, int C, bool kVnni>
+template <int R, int C>
 IG_Q5_AVX512 void Tile16(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0,
                          const uint8_t* panel, float* y, int64_t ldy) {
   const int64_t blocks = x.blocks, pairs = blocks / 2;
@@ -353,8 +353,8 @@ IG_Q5_AVX512 void Tile16(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w
       const __m512i xv = _mm512_loadu_si512(x.Values(r0 + r) + 64 * p);
       const __m512 dxv = PairLanes(x.Scales(r0 + r) + 2 * p);
       for (int c = 0; c < C; ++c) {
-        acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(Dot16<kVnni>(q[c], xv)), dxv),
-                                    dv[c], acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(Dot16(q[c], xv)), dxv), dv[c],
+                                    acc[r][c]);
       }
     }
   }
@@ -376,8 +376,8 @@ IG_Q5_AVX512 void Tile16(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w
       for (int r = 0; r < R; ++r) {
         const __m256i xv =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r0 + r) + 32 * b));
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(Dot8x<kVnni>(q, xv)),
-                                       _mm256_set1_ps(x.Scales(r0 + r)[b]));
+        const __m256 f =
+            _mm256_mul_ps(_mm256_cvtepi32_ps(Dot8Vnni(q, xv)), _mm256_set1_ps(x.Scales(r0 + r)[b]));
         acc[r][c] = _mm512_mask3_fmadd_ps(_mm512_zextps256_ps512(f), d, acc[r][c], 0x00FF);
       }
     }
@@ -404,13 +404,12 @@ IG_Q5_AVX512 void Tile16(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w
 }
 #pragma GCC diagnostic pop
 
-template <bool kVnni>
 struct Avx512Tiles {
   static constexpr int kRows = 4, kCols = 4, kGemvCols = 4;
   template <int R, int C>
   static void Run(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w, int64_t c0,
                   const uint8_t* panel, float* y, int64_t ldy) {
-    Tile16<R, C, kVnni>(x, r0, w, c0, panel, y, ldy);
+    Tile16<R, C>(x, r0, w, c0, panel, y, ldy);
   }
 };
 
@@ -468,13 +467,12 @@ void GemmWith(const QuantizedRows& x, int64_t m, const Q5_1Matrix& w, float* y, 
   }
 }
 
-// AVX-512 with the byte instructions (BW, VL) this kernel needs, and whether VNNI is there.
-bool CpuHasAvx512Bytes() {
-  static const bool has = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  return has;
-}
-bool CpuHasVnni() {
-  static const bool has = __builtin_cpu_supports("avx512vnni");
+// The AVX-512 kernel's instructions: byte operations (BW, VL) and VNNI's dot products. An
+// AVX-512 CPU without VNNI runs the AVX2 kernel (the same results).
+bool CpuHasAvx512Vnni() {
+  static const bool has = __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
   return has;
 }
 
@@ -482,15 +480,12 @@ bool CpuHasVnni() {
 
 void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {
+  assert(w.cols % kQ5Block == 0);
   if (m <= 0 || w.rows <= 0) return;
   InitGemmOutput(bias, y, ldy, m, w.rows, accumulate);
   const QuantizedRows xq = Quantize(x, ldx, m, w.cols);
-  if (ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Bytes()) {
-    if (CpuHasVnni()) {
-      GemmWith<Avx512Tiles<true>>(xq, m, w, y, ldy);
-    } else {
-      GemmWith<Avx512Tiles<false>>(xq, m, w, y, ldy);
-    }
+  if (ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Vnni()) {
+    GemmWith<Avx512Tiles>(xq, m, w, y, ldy);
   } else {
     GemmWith<Avx2Tiles>(xq, m, w, y, ldy);
   }

@@ -228,6 +228,13 @@ TEST(OpenAiJson, MaxTokensZeroWithEchoAsksForOneTokenAndAnswersThePromptOnly) {
     EXPECT_EQ(e.param, "max_tokens") << body << ": " << e.message;
   }
 
+  ParsedRequest bad;
+  ApiError e;
+  EXPECT_FALSE(ParseRequest(Endpoint::kCompletions,
+                            R"({"prompt": "Hi", "echo": true, "max_tokens": 0, "min_tokens": 2})",
+                            bad, e));
+  EXPECT_EQ(e.param, "min_tokens") << e.message;
+
   // The one sampled token (" x", and it was EOS: STOP) is left out of text, entries and usage.
   v1::GenerateResponse first = EchoedFirstMessage();
   first.set_text(" x");
