@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/row_gemm.h"  // InitGemmOutput
 #include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {
@@ -96,21 +97,6 @@ void WidenQ8Row(const Q8Matrix& w, int64_t r, float* out) {
   for (int64_t c = 0; c < w.cols; ++c) out[c] = q[c] * sc[c / kQ8Block];
 }
 
-void AddBiasOrZero(const float* bias, float* y, int64_t ldy, int64_t m, int64_t n,
-                   bool accumulate) {
-  for (int64_t r = 0; r < m; ++r) {
-    float* yr = y + r * ldy;
-    if (!accumulate) {
-      if (bias != nullptr)
-        std::memcpy(yr, bias, n * 4);
-      else
-        std::memset(yr, 0, n * 4);
-    } else if (bias != nullptr) {
-      for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
-    }
-  }
-}
-
 // y[:, j0 : j0 + rows] += x · panelᵀ (panel: float32 [rows, k]).
 void PanelGemm(const float* x, int64_t ldx, const float* panel, int64_t rows, int64_t k, float* y,
                int64_t ldy, int64_t m) {
@@ -141,7 +127,7 @@ void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* s
 
 void GemmBf16(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y,
               int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
-  AddBiasOrZero(bias, y, ldy, m, n, accumulate);
+  InitGemmOutput(bias, y, ldy, m, n, accumulate);
   if (m == 1) {
 #pragma omp parallel for schedule(static) if (n >= kParallelRows)
     for (int64_t j = 0; j < n; ++j) y[j] += DotBf16(x, w + j * k, k);
@@ -159,7 +145,7 @@ void GemmBf16(const float* x, int64_t ldx, const uint16_t* w, const float* bias,
 void GemmQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
             int64_t ldy, int64_t m, bool accumulate) {
   const int64_t n = w.rows, k = w.cols, blocks = k / kQ8Block;
-  AddBiasOrZero(bias, y, ldy, m, n, accumulate);
+  InitGemmOutput(bias, y, ldy, m, n, accumulate);
   if (m == 1) {
     const QuantizedVector xq = QuantizeActivations(x, k);
     const int64_t pairs = n / 2;

@@ -6,7 +6,7 @@
 //
 // Batch-invariant like the other GEMMs: each x row is quantized alone, and each output element
 // is one fixed sequence of operations whatever the tile, the number of rows or the instruction
-// set (AVX-512 VNNI, AVX-512BW and AVX2 give the same bits):
+// set (the AVX-512 VNNI kernel and the AVX2 one give the same bits):
 //   per pair of blocks (2p, 2p+1), 16 int32 lanes of 4-byte dot products (lanes 0-3: elements
 //   0-15 of block 2p, 4-7: 0-15 of 2p+1, 8-11: 16-31 of 2p, 12-15: 16-31 of 2p+1), each
 //   converted to float, times its block's x scale, then acc = fma(that, its block's d, acc);
@@ -362,16 +362,10 @@ IG_Q5_AVX512 void Tile16(const QuantizedRows& x, int64_t r0, const Q5_1Matrix& w
     const int64_t b = blocks - 1;
     for (int c = 0; c < C; ++c) {
       const int64_t at = (c0 + c) * blocks + b;
-      __m256i q;
-      if (panel != nullptr) {
-        q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b));
-      } else {
-        const __m128i nib =
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + at * (kQ5Block / 2)));
-        const __m256i n =
-            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0f));
-        q = _mm256_mask_add_epi8(n, w.qh[at], n, _mm256_set1_epi8(16));
-      }
+      const __m256i q =
+          panel != nullptr
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b))
+              : BlockValues8(w, at);
       const __m512 d = _mm512_set1_ps(w.d[at]);
       for (int r = 0; r < R; ++r) {
         const __m256i xv =
