@@ -26,8 +26,9 @@ void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* s
 // y[m, n] = x[m, k] · wᵀ + bias (+ y when accumulate), w: bf16 [n, k] (row stride k).
 void GemmBf16(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y,
               int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate);
-// The same with w in Q8 format ([n, k]). With one row (decode), x is quantized to int8 per
-// block as well and the dot products run in integers; more rows widen w to float32.
+// The same with w in Q8 format ([n, k]). Up to 16 rows (decode batches) this is GemmRowsQ8
+// (row_gemm.h: x quantized to int8 per block, integer dot products); more rows widen w to
+// float32 for OpenBLAS.
 void GemmQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
             int64_t ldy, int64_t m, bool accumulate);
 

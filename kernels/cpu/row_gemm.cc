@@ -73,106 +73,6 @@ struct Bf16TableRows {
   Bf16TableRows From(int64_t j) const { return {rows + j}; }
   void Widen(int64_t c, float* out, int64_t k) const { WidenBf16(rows[c], out, k); }
 };
-// Q8: w[r, c] = qs[r, c] * scales[r, c / 32] (packed_gemm.h), the product taken in float32.
-struct Q8Rows {
-  const int8_t* qs;
-  const float* scales;
-  int64_t ld;  // columns
-  __m256 Load8(int64_t c, int64_t i) const {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + c * ld + i));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-                         _mm256_set1_ps(scales[c * (ld / kQ8Block) + i / kQ8Block]));
-  }
-  // 16 values at i (a multiple of 16) lie in one 32-value block: one scale.
-  IG_AVX512 __m512 Load16(int64_t c, int64_t i) const {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + c * ld + i));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
-                         _mm512_set1_ps(scales[c * (ld / kQ8Block) + i / kQ8Block]));
-  }
-  float At(int64_t c, int64_t i) const {
-    return static_cast<float>(qs[c * ld + i]) * scales[c * (ld / kQ8Block) + i / kQ8Block];
-  }
-  const void* Address(int64_t c, int64_t i) const { return qs + c * ld + i; }
-  Q8Rows From(int64_t j) const { return {qs + j * ld, scales + j * (ld / kQ8Block), ld}; }
-  void Widen(int64_t c, float* out, int64_t k) const {
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, Load8(c, i));
-    for (; i < k; ++i) out[i] = At(c, i);
-  }
-};
-
-// A block of 32 weights from its 16 nibble bytes (byte j: element j low, j + 16 high), widened
-// to fma(q, d, m): w[s] holds elements 8s..8s+7.
-inline void Q4Widen32x8(__m128i bytes, float d, float m, __m256 (&w)[4]) {
-  const __m256i b0 = _mm256_cvtepu8_epi32(bytes);                             // bytes 0-7
-  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));  // bytes 8-15
-  const __m256i nibble = _mm256_set1_epi32(0x0f);
-  const __m256i q[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
-                        _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
-  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-  for (int s = 0; s < 4; ++s) w[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[s]), dv, mv);
-}
-
-// 0, 1, ..., 15: the q of each lane of a block format's table of values.
-IG_AVX512 inline __m512 Iota16() {
-  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
-// Row c of a block format (k a multiple of 32) widened to float32, a block at a time (Load32x8):
-// the floats the GEMV multiplies.
-template <typename A>
-void WidenBlocks(const A& w, int64_t c, float* out, int64_t k) {
-  for (int64_t i = 0; i < k; i += 32) {
-    __m256 v[4];
-    w.Load32x8(c, i, v);
-    for (int s = 0; s < 4; ++s) _mm256_storeu_ps(out + i + 8 * s, v[s]);
-  }
-}
-
-// Q4_1 (q4_1.h): w[r, c] = fma(q, d, m) of its block, in float32. The block formats give a block
-// of 32 weights at a time (Load32x8: AVX2, 8 per register; Load32: AVX-512, 16 per register),
-// which the tiles take in the order the other formats' Load8 / Load16 steps have.
-struct Q4_1Rows {
-  const uint8_t* qs;
-  const float* d;
-  const float* m;
-  int64_t ld;  // columns
-  int64_t Block(int64_t c, int64_t i) const { return c * (ld / kQ4Block) + i / kQ4Block; }
-  // The 16 bytes whose nibbles hold the block of elements i.. of row c (i a multiple of 32).
-  const uint8_t* Bytes(int64_t c, int64_t i) const {
-    return qs + Block(c, i) * (kQ4Block / 2) + i % (kQ4Block / 2);
-  }
-  // The 32 weights of a block (i a multiple of 32), w[s] elements i + 8s.., from one load of its
-  // bytes and of its scale and minimum.
-  void Load32x8(int64_t c, int64_t i, __m256 (&w)[4]) const {
-    const int64_t at = Block(c, i);
-    Q4Widen32x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))), d[at], m[at], w);
-  }
-  // The 32 weights of a block (i a multiple of 32), lo elements i.., hi i + 16..: the block's 16
-  // values fma(q, d, m) made once, and each lane's looked up by its nibble (a permute reads the
-  // low 4 bits of each index lane).
-  IG_AVX512 void Load32(int64_t c, int64_t i, __m512& lo, __m512& hi) const {
-    const int64_t at = Block(c, i);
-    const __m512 values = _mm512_fmadd_ps(Iota16(), _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
-    const __m512i b =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(c, i))));
-    lo = _mm512_permutexvar_ps(b, values);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
-  }
-  float At(int64_t c, int64_t i) const {
-    const uint8_t* blk = qs + Block(c, i) * (kQ4Block / 2);
-    const int64_t o = i % kQ4Block;
-    const int q = o < kQ4Block / 2 ? blk[o] & 0x0f : blk[o - kQ4Block / 2] >> 4;
-    const int64_t at = Block(c, i);
-    return std::fma(static_cast<float>(q), d[at], m[at]);
-  }
-  const void* Address(int64_t c, int64_t i) const { return Bytes(c, i); }
-  Q4_1Rows From(int64_t j) const {
-    return {qs + j * (ld / 2), d + j * (ld / kQ4Block), m + j * (ld / kQ4Block), ld};
-  }
-  void Widen(int64_t c, float* out, int64_t k) const { WidenBlocks(*this, c, out, k); }
-};
-
 // The scalar tail of one element, after HorizontalSum; the same function for every tile shape.
 template <typename A>
 inline float Tail(float s, const float* x, const A& w, int64_t c, int64_t from, int64_t k) {
@@ -194,46 +94,24 @@ inline void Tile(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
   }
   const int64_t k8 = k / 8 * 8;
   int64_t i = 0;
-  // Block formats (k a multiple of 32) step a block at a time: its four 8-element parts go into
-  // accumulators 0, 1, 0, 1 as the steps below put them for the other formats.
-  if constexpr (requires(__m256(&v)[4]) { w.Load32x8(0, 0, v); }) {
-    for (; i + 32 <= k8; i += 32) {
-      if (prefetch) {
-        for (int64_t c = 0; c < C; ++c) {
-          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
-        }
-      }
-      __m256 wv[C][4];
-      for (int64_t c = 0; c < C; ++c) w.Load32x8(c, i, wv[c]);
-      for (int64_t s = 0; s < 4; ++s) {
-        for (int64_t r = 0; r < R; ++r) {
-          const __m256 xv = _mm256_loadu_ps(x + r * ldx + i + 8 * s);
-          for (int64_t c = 0; c < C; ++c) {
-            acc[s % 2][r][c] = _mm256_fmadd_ps(xv, wv[c][s], acc[s % 2][r][c]);
-          }
-        }
+  auto step = [&](int64_t i, int64_t h) {
+    __m256 wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = w.Load8(c, i);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+      for (int64_t c = 0; c < C; ++c) acc[h][r][c] = _mm256_fmadd_ps(xv, wv[c], acc[h][r][c]);
+    }
+  };
+  for (; i + 16 <= k8; i += 16) {
+    if (prefetch) {
+      for (int64_t c = 0; c < C; ++c) {
+        _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
       }
     }
-  } else {
-    auto step = [&](int64_t i, int64_t h) {
-      __m256 wv[C];
-      for (int64_t c = 0; c < C; ++c) wv[c] = w.Load8(c, i);
-      for (int64_t r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
-        for (int64_t c = 0; c < C; ++c) acc[h][r][c] = _mm256_fmadd_ps(xv, wv[c], acc[h][r][c]);
-      }
-    };
-    for (; i + 16 <= k8; i += 16) {
-      if (prefetch) {
-        for (int64_t c = 0; c < C; ++c) {
-          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
-        }
-      }
-      step(i, 0);
-      step(i + 8, 1);
-    }
-    if (i < k8) step(i, 0);
+    step(i, 0);
+    step(i + 8, 1);
   }
+  if (i < k8) step(i, 0);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) {
       const float s = HorizontalSum(_mm256_add_ps(acc[0][r][c], acc[1][r][c]));
@@ -273,48 +151,26 @@ IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t
   }
   const int64_t k8 = k / 8 * 8;
   int64_t i = 0;
-  // Block formats (k a multiple of 32) step a block at a time: Load32's halves are the two
-  // 16-element steps the other formats take, in the same order.
-  if constexpr (requires(__m512 & v) { w.Load32(0, 0, v, v); }) {
-    for (; i + 32 <= k8; i += 32) {
-      if (prefetch) {
-        for (int64_t c = 0; c < C; ++c) {
-          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
-        }
-      }
-      __m512 lo[C], hi[C];
-      for (int64_t c = 0; c < C; ++c) w.Load32(c, i, lo[c], hi[c]);
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(x + r * ldx + i);
-        for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, lo[c], acc[r][c]);
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(x + r * ldx + i + 16);
-        for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, hi[c], acc[r][c]);
+  for (; i + 16 <= k8; i += 16) {
+    if (prefetch) {
+      for (int64_t c = 0; c < C; ++c) {
+        _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
       }
     }
-  } else {
-    for (; i + 16 <= k8; i += 16) {
-      if (prefetch) {
-        for (int64_t c = 0; c < C; ++c) {
-          _mm_prefetch(static_cast<const char*>(w.Address(c, i)) + kPrefetchBytes, _MM_HINT_T0);
-        }
-      }
-      __m512 wv[C];
-      for (int64_t c = 0; c < C; ++c) wv[c] = w.Load16(c, i);
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(x + r * ldx + i);
-        for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-      }
+    __m512 wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = w.Load16(c, i);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * ldx + i);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
     }
-    if (i < k8) {
-      __m512 wv[C];
-      for (int64_t c = 0; c < C; ++c) wv[c] = _mm512_zextps256_ps512(w.Load8(c, i));
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_zextps256_ps512(_mm256_loadu_ps(x + r * ldx + i));
-        for (int64_t c = 0; c < C; ++c) {
-          acc[r][c] = _mm512_mask3_fmadd_ps(xv, wv[c], acc[r][c], 0x00FF);
-        }
+  }
+  if (i < k8) {
+    __m512 wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = _mm512_zextps256_ps512(w.Load8(c, i));
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_zextps256_ps512(_mm256_loadu_ps(x + r * ldx + i));
+      for (int64_t c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_mask3_fmadd_ps(xv, wv[c], acc[r][c], 0x00FF);
       }
     }
   }
@@ -460,16 +316,6 @@ void GemmRowsBf16Table(const float* x, int64_t ldx, const uint16_t* const* w_row
                        const float* bias, float* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                        bool accumulate) {
   Gemm(x, ldx, Bf16TableRows{w_rows}, bias, y, ldy, m, n, k, accumulate);
-}
-
-void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
-                int64_t ldy, int64_t m, bool accumulate) {
-  Gemm(x, ldx, Q8Rows{w.qs, w.scales, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
-}
-
-void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
-                  int64_t ldy, int64_t m, bool accumulate) {
-  Gemm(x, ldx, Q4_1Rows{w.qs, w.d, w.m, w.cols}, bias, y, ldy, m, w.rows, w.cols, accumulate);
 }
 
 }  // namespace infinigen::cpu

@@ -28,18 +28,15 @@ void GemmRowsF32Table(const float* x, int64_t ldx, const float* const* w_rows, c
 void GemmRowsBf16Table(const float* x, int64_t ldx, const uint16_t* const* w_rows,
                        const float* bias, float* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                        bool accumulate);
-// The same with Q8 weights (packed_gemm.h), each widened to float32 times its block's scale:
-// float32 activations, unlike GemmQ8's integer products on quantized activations.
+// The block formats (k a multiple of 32) on x rows quantized to 8 bits per block of 32 (scale
+// max|x| / 127, round to nearest even), each block's dot product in integers, in the fixed
+// order of kernels/cpu/int8_dot_gemm.cc, equal for every row count and instruction set:
+// Q8 (packed_gemm.h): y = sum over blocks of d dx (q_w . q_x);
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
                 int64_t ldy, int64_t m, bool accumulate);
-// The same with Q4_1 weights (q4_1.h), each widened to fma(q, d, m): the only GEMM of that
-// format, batch-invariant or not.
+// Q4_1 (q4_1.h) and Q5_1 (q5_1.h): y = sum over blocks of d dx (q_w . q_x) + m dx sum(q_x).
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
-// The same with Q5_1 weights (q5_1.h; k a multiple of 32), on x rows quantized to 8 bits per
-// block of 32 (scale max|x| / 127, round to nearest even), each block's dot product in integers:
-// y = sum over blocks of d dx (q_w . q_x) + m dx sum(q_x), in the fixed order of
-// kernels/cpu/q5_1_gemm.cc, equal for every row count and instruction set.
 void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
 

@@ -170,10 +170,11 @@ TEST_F(SmolLm2, WikiText2PerplexityMatchesTransformersAndIsSane) {
 }
 
 // The faster CPU weight formats stay close to the exact model: perplexity within 2% on the
-// prefill path and 3% on the decode path (where Q8 also quantizes activations to int8). The
-// Q4_1 checkpoint is already quantized; bf16 rounding and int8 requantization add little, and
-// q4_1 keeps the file's own values (its Q8_0 embedding in q8, also exact), so it stays within
-// 0.2% of the float32 model of the same file.
+// prefill path and 3% on the decode path. bf16 rounds the weights; q8 requantizes them and, like
+// q4_1, multiplies activations quantized to 8 bits per block of 32 (kernels/cpu/int8_dot_gemm.cc).
+// The Q4_1 checkpoint is already quantized: q4_1 keeps the file's own values (its Q8_0 embedding
+// in q8, also exact), so the 8-bit activations are its only change, within 0.5% of the float32
+// model of the same file on both paths (measured 0.27% and 0.24%).
 TEST_F(SmolLm2, PackedWeightFormatsKeepPerplexity) {
   const double want = ReferencePerplexity();
   const double want_decode = DecodePerplexity(*model_, 512);
@@ -186,9 +187,9 @@ TEST_F(SmolLm2, PackedWeightFormatsKeepPerplexity) {
     const double decode_ppl = DecodePerplexity(**model, 512);
     RecordProperty("perplexity_" + name, std::to_string(ppl));
     RecordProperty("decode_perplexity_" + name, std::to_string(decode_ppl));
-    const bool exact_values = format == WeightFormat::kQ4_1;
-    EXPECT_NEAR(ppl, want, want * (exact_values ? 0.002 : 0.02)) << name;
-    EXPECT_NEAR(decode_ppl, want_decode, want_decode * (exact_values ? 0.002 : 0.03)) << name;
+    const bool file_values = format == WeightFormat::kQ4_1;
+    EXPECT_NEAR(ppl, want, want * (file_values ? 0.005 : 0.02)) << name;
+    EXPECT_NEAR(decode_ppl, want_decode, want_decode * (file_values ? 0.005 : 0.03)) << name;
     std::printf("%s: perplexity %.4f (f32 %.4f), decode path %.4f (f32 %.4f)\n", name.c_str(), ppl,
                 want, decode_ppl, want_decode);
   }

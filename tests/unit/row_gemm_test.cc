@@ -40,6 +40,8 @@ struct Weights {
       q8_qs.resize(n * k);
       q8_scales.resize(n * k / kQ8Block);
       QuantizeQ8(f32.data(), n, k, q8_qs.data(), q8_scales.data());
+      // A file's Q8_0 block may hold -128 (ours never does): the integer paths' largest |q|.
+      for (size_t i = 0; i < q8_qs.size(); i += 7) q8_qs[i] = -128;
       q4_qs.resize(n * k / 2);
       q4_d.resize(n * k / kQ4Block);
       q4_m.resize(n * k / kQ4Block);
@@ -132,11 +134,17 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
   }
 }
 
-// The activations the format's kernel multiplies: x itself, or for Q5_1 x quantized per block
-// of 32 (written out here: scale max|x| / 127, values rounded to nearest even, times the scale).
+// The block formats multiply activations quantized to 8 bits (kernels/cpu/int8_dot_gemm.cc).
+bool QuantizesActivations(Format format) {
+  return format == Format::kQ8 || format == Format::kQ4_1 || format == Format::kQ5_1;
+}
+
+// The activations the format's kernel multiplies: x itself, or for the block formats x quantized
+// per block of 32 (written out here: scale max|x| / 127, values rounded to nearest even, times
+// the scale).
 std::vector<double> Activations(Format format, const float* x, int64_t k) {
   std::vector<double> out(x, x + k);
-  if (format != Format::kQ5_1) return out;
+  if (!QuantizesActivations(format)) return out;
   for (int64_t b = 0; b < k / 32; ++b) {
     float max = 0.0f;
     for (int64_t p = 32 * b; p < 32 * b + 32; ++p) max = std::max(max, std::abs(x[p]));
@@ -150,8 +158,7 @@ std::vector<double> Activations(Format format, const float* x, int64_t k) {
 }
 
 bool Applies(Format format, const Weights& w) {
-  return (format != Format::kQ8 && format != Format::kQ4_1 && format != Format::kQ5_1) ||
-         !w.q8_qs.empty();
+  return !QuantizesActivations(format) || !w.q8_qs.empty();
 }
 
 class RowGemm : public ::testing::TestWithParam<Case> {
@@ -198,29 +205,31 @@ TEST_P(RowGemm, EachFormatMatchesADoubleProductOfItsWeights) {
   }
 }
 
-// Q5_1's 8-bit activations move each product by at most half a quantization step of x: the
-// output stays within sum |w| * scale / 2 of the float32 product (the price of integer dot
-// products, as llama.cpp pays it for the same formats).
-TEST_P(RowGemm, Q5_1StaysWithinHalfAnActivationStepOfTheFloatProduct) {
+// 8-bit activations move each product by at most half a quantization step of x: the output
+// stays within sum |w| * scale / 2 of the float32 product (the price of integer dot products,
+// as llama.cpp pays it for the same formats).
+TEST_P(RowGemm, BlockFormatsStayWithinHalfAnActivationStepOfTheFloatProduct) {
   const auto [m, n, k] = GetParam();
   if (!Applies(Format::kQ5_1, *weights)) GTEST_SKIP() << "k is not a multiple of 32";
-  const std::vector<float> y = Run(Format::kQ5_1, m, x.data());
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xi = x.data() + i * ldx;
-    for (int64_t j = 0; j < n; ++j) {
-      double exact = 0.25 + bias[j], bound = 0.0;
-      for (int64_t b = 0; b < k / 32; ++b) {
-        double max = 0.0, weights_abs = 0.0;
-        for (int64_t p = 32 * b; p < 32 * b + 32; ++p) {
-          const double wv = WeightValue(Format::kQ5_1, *weights, j, p);
-          exact += double(xi[p]) * wv;
-          max = std::max(max, std::abs(double(xi[p])));
-          weights_abs += std::abs(wv);
+  for (Format format : {Format::kQ8, Format::kQ4_1, Format::kQ5_1}) {
+    const std::vector<float> y = Run(format, m, x.data());
+    for (int64_t i = 0; i < m; ++i) {
+      const float* xi = x.data() + i * ldx;
+      for (int64_t j = 0; j < n; ++j) {
+        double exact = 0.25 + bias[j], bound = 0.0;
+        for (int64_t b = 0; b < k / 32; ++b) {
+          double max = 0.0, weights_abs = 0.0;
+          for (int64_t p = 32 * b; p < 32 * b + 32; ++p) {
+            const double wv = WeightValue(format, *weights, j, p);
+            exact += double(xi[p]) * wv;
+            max = std::max(max, std::abs(double(xi[p])));
+            weights_abs += std::abs(wv);
+          }
+          bound += weights_abs * max / 127.0 / 2.0;
         }
-        bound += weights_abs * max / 127.0 / 2.0;
+        ASSERT_LE(std::abs(y[i * ldy + j] - exact), bound * 1.001 + 1e-4 * (1 + std::abs(exact)))
+            << "format " << static_cast<int>(format) << " at " << i << "," << j;
       }
-      ASSERT_LE(std::abs(y[i * ldy + j] - exact), bound * 1.001 + 1e-4 * (1 + std::abs(exact)))
-          << i << "," << j;
     }
   }
 }
@@ -299,19 +308,22 @@ TEST(Q4_1, WeightsDecodedFromAFileQuantizeBackToItsBlocks) {
 }
 
 // A NaN activation reaches every output of its row, as in a float32 product (quantizing it to
-// an integer would have hidden it), on each instruction set; other rows stay finite.
-TEST(Q5_1, ANaNActivationMakesItsRowsOutputsNaN) {
+// an integer would have hidden it), in each block format on each instruction set; other rows
+// stay finite.
+TEST(BlockFormats, ANaNActivationMakesItsRowsOutputsNaN) {
   const int64_t n = 9, k = 96;
   Weights w(n, k, 5);
   std::vector<float> x(2 * k, 0.5f);
   x[40] = std::nanf("");
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
-    CapIsaForTesting(isa);
-    std::vector<float> y(2 * n, 0.0f);
-    GemmRowsQ5_1(x.data(), k, w.q5(), nullptr, y.data(), n, 2, false);
-    for (int64_t j = 0; j < n; ++j) {
-      EXPECT_TRUE(std::isnan(y[j])) << j;
-      EXPECT_TRUE(std::isfinite(y[n + j])) << j;
+  for (Format format : {Format::kQ8, Format::kQ4_1, Format::kQ5_1}) {
+    for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
+      CapIsaForTesting(isa);
+      std::vector<float> y(2 * n, 0.0f);
+      Multiply(format, w, x.data(), k, nullptr, y.data(), n, 2, false);
+      for (int64_t j = 0; j < n; ++j) {
+        EXPECT_TRUE(std::isnan(y[j])) << static_cast<int>(format) << " " << j;
+        EXPECT_TRUE(std::isfinite(y[n + j])) << static_cast<int>(format) << " " << j;
+      }
     }
   }
   CapIsaForTesting(Isa::kAvx512);

@@ -1,0 +1,588 @@
+// GemmRowsQ4_1, GemmRowsQ5_1 and GemmRowsQ8 (row_gemm.h): block-quantized weights times
+// activations quantized to 8 bits per block of 32, each block's dot product in integers
+// (llama.cpp's way for its Q4, Q5 and Q8 formats). Widening 4-, 5- or 8-bit values to float32
+// takes more instructions than streaming them (the float32 kernels reached 18.5 GB/s for Q5_1,
+// 21.5 for Q8 and 24.7 for Q4_1 on the project VM); integer dot products keep the GEMV
+// memory-bound.
+//
+// Batch-invariant like the other GEMMs: each x row is quantized alone, and each output element
+// is one fixed sequence of operations whatever the tile, the number of rows or the instruction
+// set (the AVX-512 VNNI kernel and the AVX2 one give the same bits):
+//   per pair of blocks (2p, 2p+1), 16 int32 lanes of 4-byte dot products in the format's pair
+//   order, each converted to float, times its block's x scale, then acc = fma(that, its block's
+//   d, acc); an odd last block's 8 lanes (elements in order) into lanes 0-7 the same way;
+//   then, for the formats with minimums, acc lane j = fma(m_b, xsum_b, acc) over blocks
+//   b = j (mod 16) in order;
+//   y += HorizontalSum(lanes 0-7 + lanes 8-15 of acc).
+// Pair orders: the nibble formats (Q4_1, Q5_1), as a pair's 32 bytes of nibbles unpack: lanes
+// 0-3 elements 0-15 of block 2p, 4-7 0-15 of 2p+1, 8-11 16-31 of 2p, 12-15 16-31 of 2p+1; Q8,
+// its bytes in order: lanes 0-7 block 2p, 8-15 block 2p+1.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cfloat>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/row_gemm.h"
+#include "kernels/cpu/simd.h"
+
+#define IG_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+namespace infinigen::cpu {
+namespace {
+
+constexpr int64_t kBlock = 32;
+static_assert(kQ4Block == kBlock && kQ5Block == kBlock && kQ8Block == kBlock);
+
+// Output columns per parallel task, and x rows per pass over them (as row_gemm.cc's).
+constexpr int64_t kColBlock = 48;
+constexpr int64_t kRowBlock = 64;
+// How far ahead of use a GEMV asks for weight bytes (row_gemm.cc's distance).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// x rows quantized for the kernels. Per block b of 32 values of a row: dx[b] = max|x| / 127 (0
+// for a block of zeros), q = round-to-nearest-even(x / dx) in [-127, 127], xsum[b] = dx[b] * the
+// sum of q. The values of a pair of blocks (2p, 2p+1) lie in the weight format's pair order
+// (the file's header): 64 bytes, for the nibble formats elements 0-15 of 2p, 0-15 of 2p+1,
+// 16-31 of 2p, 16-31 of 2p+1; for Q8 in order. An odd last block's 32 lie in order.
+struct QuantizedRows {
+  const int8_t* q;
+  const float* dx;
+  const float* xsum;
+  int64_t k;       // values per row
+  int64_t blocks;  // per row
+  const int8_t* Values(int64_t r) const { return q + r * k; }
+  const float* Scales(int64_t r) const { return dx + r * blocks; }
+  const float* Sums(int64_t r) const { return xsum + r * blocks; }
+};
+
+// One block of 32 values quantized (AVX2; the arithmetic QuantizedRows defines: a max, one IEEE
+// division and multiply, and the default rounding of the conversion). Writes elements 0-15 to
+// lo and 16-31 to hi, and returns the sum of the values. A block holding a NaN gets a NaN scale
+// (and zeros), so that the NaN reaches every output it touches, as in a float32 product.
+inline int QuantizeBlock(const float* x, float& dx, int8_t* lo, int8_t* hi) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int s = 0; s < 4; ++s) {
+    v[s] = _mm256_loadu_ps(x + 8 * s);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[s]));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[s], v[s], _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan) != 0) {
+    dx = std::numeric_limits<float>::quiet_NaN();
+    std::memset(lo, 0, 16);
+    std::memset(hi, 0, 16);
+    return 0;
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float max = _mm_cvtss_f32(m4);
+  dx = max / 127.0f;
+  // A block too small for a finite reciprocal of its scale quantizes to zeros.
+  const __m256 inv = _mm256_set1_ps(dx >= FLT_MIN ? 1.0f / dx : 0.0f);
+  __m256i q[4];
+  for (int s = 0; s < 4; ++s) q[s] = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], inv));
+  const __m256i total =
+      _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  // int32 -> int8 (in range: no saturation), lanes back in element order.
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(bytes, 1));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  return _mm_cvtsi128_si32(t);
+}
+
+void QuantizeRow(const float* x, int64_t k, bool nibble_pairs, int8_t* q, float* dx, float* xsum) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t p = b / 2;
+    int8_t *lo, *hi;
+    if (nibble_pairs && 2 * p + 1 < blocks) {  // one of a pair, interleaved with the other
+      lo = q + 64 * p + 16 * (b % 2);
+      hi = lo + 32;
+    } else {  // in order
+      lo = q + 32 * b;
+      hi = lo + 16;
+    }
+    const int sum = QuantizeBlock(x + b * kBlock, dx[b], lo, hi);
+    xsum[b] = dx[b] * static_cast<float>(sum);
+  }
+}
+
+// The m rows of x quantized into buffers of the calling thread (the parallel tasks read them).
+QuantizedRows Quantize(const float* x, int64_t ldx, int64_t m, int64_t k, bool nibble_pairs) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dx, xsum;
+  const int64_t blocks = k / kBlock;
+  if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
+  if (static_cast<int64_t>(dx.size()) < m * blocks) {
+    dx.resize(m * blocks);
+    xsum.resize(m * blocks);
+  }
+  int8_t* qp = q.data();
+  float *dp = dx.data(), *sp = xsum.data();
+#pragma omp parallel for schedule(static) if (m >= 16)
+  for (int64_t r = 0; r < m; ++r) {
+    QuantizeRow(x + r * ldx, k, nibble_pairs, qp + r * k, dp + r * blocks, sp + r * blocks);
+  }
+  return {qp, dp, sp, k, blocks};
+}
+
+// y[c] += HorizontalSum(v[c]) for c < C: four at once by the same additions in the same order.
+template <int C>
+inline void AddHorizontalSums(const __m256 (&v)[C], float* y) {
+  if constexpr (C == 4) {
+    __m128 s[4];
+    for (int c = 0; c < 4; ++c) {
+      s[c] = _mm_add_ps(_mm256_castps256_ps128(v[c]), _mm256_extractf128_ps(v[c], 1));
+    }
+    // u01: lanes 0 + 2 and 1 + 3 of s[0], then of s[1] (HorizontalSum's second step).
+    const __m128 u01 = _mm_add_ps(_mm_movelh_ps(s[0], s[1]), _mm_movehl_ps(s[1], s[0]));
+    const __m128 u23 = _mm_add_ps(_mm_movelh_ps(s[2], s[3]), _mm_movehl_ps(s[3], s[2]));
+    const __m128 even = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m128 odd = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 1, 3, 1));
+    _mm_storeu_ps(y, _mm_add_ps(_mm_loadu_ps(y), _mm_add_ps(even, odd)));
+  } else {
+    for (int c = 0; c < C; ++c) y[c] += HorizontalSum(v[c]);
+  }
+}
+
+// --- the formats --------------------------------------------------------------------------
+//
+// Each gives its values as bytes in its pair order: Pair8 (two AVX2 registers: bytes 0-31 and
+// 32-63 of the pair), Pair16 (one AVX-512 register, as VNNI's unsigned operand) and Block8 (an
+// odd last block); Dot8 / Dot16 turn values and x bytes into the int32 lanes of the header
+// (Dot16 from the accumulator Start16 gives for the x bytes).
+
+// The bits of a pair of blocks' fifth-bit words (bit e: element e) in the order of the pair's
+// bytes: bits 0-15 of the first word, 0-15 of the second, 16-31 of the first, 16-31 of the
+// second.
+inline uint64_t PairFifthBits(const uint32_t* qh) {
+  const uint64_t u = qh[0] | (static_cast<uint64_t>(qh[1]) << 32);
+  const uint64_t t = ((u >> 16) ^ u) & 0x00000000ffff0000ull;
+  return u ^ (t | (t << 16));
+}
+
+// Byte j: 16 where bit j of `bits` is set, else 0.
+inline __m256i FifthBits(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201ll);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, select), select),
+                          _mm256_set1_epi8(16));
+}
+
+// Q4_1 (kFifth false) and Q5_1: unsigned values q (4 or 5 bits), w = d q + m per block.
+template <bool kFifth>
+struct Nibbles {
+  using Matrix = std::conditional_t<kFifth, Q5_1Matrix, Q4_1Matrix>;
+  static constexpr bool kNibblePairs = true, kMinimums = true, kPanel = true;
+  static const float* Scales(const Matrix& w) { return w.d; }
+  static const float* Minimums(const Matrix& w) { return w.m; }
+  static const uint8_t* Bytes(const Matrix& w, int64_t at) { return w.qs + at * (kBlock / 2); }
+
+  static void Pair8(const Matrix& w, int64_t at, __m256i& qa, __m256i& qb, bool prefetch) {
+    const uint8_t* bytes = Bytes(w, at);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    qa = _mm256_and_si256(nib, low);
+    qb = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low);
+    if constexpr (kFifth) {
+      const uint64_t bits = PairFifthBits(w.qh + at);
+      qa = _mm256_or_si256(qa, FifthBits(static_cast<uint32_t>(bits)));
+      qb = _mm256_or_si256(qb, FifthBits(static_cast<uint32_t>(bits >> 32)));
+    }
+  }
+  static __m256i Block8(const Matrix& w, int64_t at) {
+    const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Bytes(w, at)));
+    const __m256i q =
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0f));
+    if constexpr (kFifth) return _mm256_or_si256(q, FifthBits(w.qh[at]));
+    return q;
+  }
+  // 8 int32 lanes, lane j the dot product of bytes 4j..4j+3 (q unsigned, x signed; a pair of
+  // products is at most 2 * 31 * 127, inside int16).
+  static __m256i Dot8(__m256i q, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+  }
+  IG_VNNI static __m512i Pair16(const Matrix& w, int64_t at) {
+    const uint8_t* bytes = Bytes(w, at);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m512i n = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1),
+        _mm512_set1_epi8(0x0f));
+    if constexpr (kFifth) {
+      return _mm512_mask_add_epi8(n, _cvtu64_mask64(PairFifthBits(w.qh + at)), n,
+                                  _mm512_set1_epi8(16));
+    }
+    return n;
+  }
+  IG_VNNI static __m512i Start16(__m512i) { return _mm512_setzero_si512(); }
+};
+
+// Q8 (packed_gemm.h): signed values q, w = d q. AVX2 multiplies |q| by x with q's sign; VNNI's
+// unsigned operand is q + 128, and the accumulator starts at -128 times each lane's x bytes, so
+// that both give the integers q . x.
+struct Signed8 {
+  using Matrix = Q8Matrix;
+  static constexpr bool kNibblePairs = false, kMinimums = false, kPanel = false;
+  static const float* Scales(const Matrix& w) { return w.scales; }
+  static const float* Minimums(const Matrix&) { return nullptr; }
+  static const int8_t* Bytes(const Matrix& w, int64_t at) { return w.qs + at * kBlock; }
+
+  static void Pair8(const Matrix& w, int64_t at, __m256i& qa, __m256i& qb, bool prefetch) {
+    const int8_t* bytes = Bytes(w, at);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+    qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32));
+  }
+  static __m256i Block8(const Matrix& w, int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Bytes(w, at)));
+  }
+  // |q| * (x with q's sign) = q x; a pair of products is at most 2 * 128 * 127, inside int16.
+  static __m256i Dot8(__m256i q, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)),
+                             _mm256_set1_epi16(1));
+  }
+  IG_VNNI static __m512i Pair16(const Matrix& w, int64_t at) {
+    const int8_t* bytes = Bytes(w, at);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+    return _mm512_xor_si512(_mm512_loadu_si512(bytes), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  IG_VNNI static __m512i Start16(__m512i x) {
+    return _mm512_sub_epi32(
+        _mm512_setzero_si512(),
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), x));
+  }
+};
+
+// Several x rows read each weight row many times: the nibble formats' values made once, in
+// pair order, k bytes for each of `cols` weight rows from c0 (Q8's are its bytes already).
+template <typename F>
+void PrepareColumns(const typename F::Matrix& w, int64_t c0, int64_t cols, uint8_t* out) {
+  const int64_t blocks = w.cols / kBlock;
+  for (int64_t c = 0; c < cols; ++c) {
+    uint8_t* o = out + c * w.cols;
+    const int64_t first = (c0 + c) * blocks;
+    for (int64_t p = 0; p < blocks / 2; ++p) {
+      __m256i qa, qb;
+      F::Pair8(w, first + 2 * p, qa, qb, /*prefetch=*/false);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * p), qa);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * p + 32), qb);
+    }
+    if (blocks % 2 == 1) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * (blocks - 1)),
+                          F::Block8(w, first + blocks - 1));
+    }
+  }
+}
+
+// --- AVX2 ---------------------------------------------------------------------------------
+
+// The scales of a pair (v: its first block's) for AVX2 register h: the nibble formats' lanes
+// 0-3 v[0] and 4-7 v[1] in both, Q8's v[h] in all.
+template <typename F>
+inline __m256 PairScales8(const float* v, int h) {
+  if constexpr (F::kNibblePairs) return _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0]));
+  return _mm256_set1_ps(v[h]);
+}
+
+// y[r, c] += x_r . w_c for r < R, c < C, in the order the file's header gives.
+template <typename F, int R, int C>
+void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
+           const uint8_t* panel, float* y, int64_t ldy) {
+  const int64_t blocks = x.blocks, pairs = blocks / 2;
+  const float* d = F::Scales(w);
+  __m256 acc[R][C][2];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256i q[C][2];
+    __m256 dv[C][2];
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + 2 * p;
+      if (panel != nullptr) {
+        const uint8_t* v = panel + c * x.k + 64 * p;
+        q[c][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+        q[c][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
+      } else {
+        F::Pair8(w, at, q[c][0], q[c][1], /*prefetch=*/true);
+      }
+      for (int h = 0; h < 2; ++h) dv[c][h] = PairScales8<F>(d + at, h);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.Values(r0 + r) + 64 * p;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
+        const __m256 dxv = PairScales8<F>(x.Scales(r0 + r) + 2 * p, h);
+        for (int c = 0; c < C; ++c) {
+          acc[r][c][h] = _mm256_fmadd_ps(
+              _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q[c][h], xv)), dxv), dv[c][h], acc[r][c][h]);
+        }
+      }
+    }
+  }
+  if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
+    const int64_t b = blocks - 1;
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + b;
+      const __m256i q =
+          panel != nullptr
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b))
+              : F::Block8(w, at);
+      const __m256 dw = _mm256_set1_ps(d[at]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r0 + r) + 32 * b));
+        acc[r][c][0] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q, xv)), _mm256_set1_ps(x.Scales(r0 + r)[b])),
+            dw, acc[r][c][0]);
+      }
+    }
+  }
+  if constexpr (F::kMinimums) {
+    const float* m = F::Minimums(w);
+    for (int64_t b = 0; b < blocks; b += 16) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t from = b + 8 * h, n = std::clamp<int64_t>(blocks - from, 0, 8);
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 mv[C];
+        for (int c = 0; c < C; ++c) mv[c] = _mm256_maskload_ps(m + (c0 + c) * blocks + from, lanes);
+        for (int r = 0; r < R; ++r) {
+          const __m256 sv = _mm256_maskload_ps(x.Sums(r0 + r) + from, lanes);
+          for (int c = 0; c < C; ++c) acc[r][c][h] = _mm256_fmadd_ps(mv[c], sv, acc[r][c][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
+    AddHorizontalSums<C>(v, y + r * ldy);
+  }
+}
+
+template <typename F>
+struct Avx2Tiles {
+  using Format = F;
+  static constexpr int kRows = 2, kCols = 2, kGemvCols = 2;
+  template <int R, int C>
+  static void Run(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
+                  const uint8_t* panel, float* y, int64_t ldy) {
+    Tile8<F, R, C>(x, r0, w, c0, panel, y, ldy);
+  }
+};
+
+// --- AVX-512 ------------------------------------------------------------------------------
+
+// The 16 lanes of a pair's scales (v: its first block's; v need not be 8-byte aligned): the
+// nibble formats' lanes 0-3 and 8-11 v[0], 4-7 and 12-15 v[1]; Q8's 0-7 v[0], 8-15 v[1].
+template <typename F>
+IG_VNNI inline __m512 PairScales16(const float* v) {
+  const __m512i pattern = F::kNibblePairs
+                              ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                              : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
+  return _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(_mm_castsi128_ps(two)));
+}
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <typename F, int R, int C>
+IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
+                    const uint8_t* panel, float* y, int64_t ldy) {
+  const int64_t blocks = x.blocks, pairs = blocks / 2;
+  const float* d = F::Scales(w);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i q[C];
+    __m512 dv[C];
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + 2 * p;
+      q[c] = panel != nullptr ? _mm512_loadu_si512(panel + c * x.k + 64 * p) : F::Pair16(w, at);
+      dv[c] = PairScales16<F>(d + at);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x.Values(r0 + r) + 64 * p);
+      const __m512i start = F::Start16(xv);
+      const __m512 dxv = PairScales16<F>(x.Scales(r0 + r) + 2 * p);
+      for (int c = 0; c < C; ++c) {
+        const __m512i dot = _mm512_dpbusd_epi32(start, q[c], xv);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dxv), dv[c], acc[r][c]);
+      }
+    }
+  }
+  if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
+    const int64_t b = blocks - 1;
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + b;
+      const __m256i q =
+          panel != nullptr
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b))
+              : F::Block8(w, at);
+      const __m512 dw = _mm512_set1_ps(d[at]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r0 + r) + 32 * b));
+        const __m256 f =
+            _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q, xv)), _mm256_set1_ps(x.Scales(r0 + r)[b]));
+        acc[r][c] = _mm512_mask3_fmadd_ps(_mm512_zextps256_ps512(f), dw, acc[r][c], 0x00FF);
+      }
+    }
+  }
+  if constexpr (F::kMinimums) {
+    const float* m = F::Minimums(w);
+    for (int64_t b = 0; b < blocks; b += 16) {
+      const int64_t n = std::min<int64_t>(blocks - b, 16);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+      __m512 mv[C];
+      for (int c = 0; c < C; ++c) mv[c] = _mm512_maskz_loadu_ps(lanes, m + (c0 + c) * blocks + b);
+      for (int r = 0; r < R; ++r) {
+        const __m512 sv = _mm512_maskz_loadu_ps(lanes, x.Sums(r0 + r) + b);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(mv[c], sv, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) {
+      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+      v[c] = _mm256_add_ps(lo, hi);
+    }
+    AddHorizontalSums<C>(v, y + r * ldy);
+  }
+}
+#pragma GCC diagnostic pop
+
+template <typename F>
+struct Avx512Tiles {
+  using Format = F;
+  static constexpr int kRows = 4, kCols = 4, kGemvCols = 4;
+  template <int R, int C>
+  static void Run(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
+                  const uint8_t* panel, float* y, int64_t ldy) {
+    Tile16<F, R, C>(x, r0, w, c0, panel, y, ldy);
+  }
+};
+
+// --- the GEMM -----------------------------------------------------------------------------
+
+template <typename K, int R>
+void RunCols(const QuantizedRows& x, int64_t r0, const typename K::Format::Matrix& w, int64_t c0,
+             int64_t cols, const uint8_t* panel, float* y, int64_t ldy) {
+  if constexpr (K::kCols >= 4) {
+    if (cols == 4) return K::template Run<R, 4>(x, r0, w, c0, panel, y, ldy);
+    if (cols == 3) return K::template Run<R, 3>(x, r0, w, c0, panel, y, ldy);
+  }
+  if (cols == 2) return K::template Run<R, 2>(x, r0, w, c0, panel, y, ldy);
+  return K::template Run<R, 1>(x, r0, w, c0, panel, y, ldy);
+}
+
+template <typename K>
+void RunTile(const QuantizedRows& x, int64_t r0, int64_t rows, const typename K::Format::Matrix& w,
+             int64_t c0, int64_t cols, const uint8_t* panel, float* y, int64_t ldy) {
+  if constexpr (K::kRows >= 4) {
+    if (rows == 4) return RunCols<K, 4>(x, r0, w, c0, cols, panel, y, ldy);
+    if (rows == 3) return RunCols<K, 3>(x, r0, w, c0, cols, panel, y, ldy);
+  }
+  if (rows == 2) return RunCols<K, 2>(x, r0, w, c0, cols, panel, y, ldy);
+  return RunCols<K, 1>(x, r0, w, c0, cols, panel, y, ldy);
+}
+
+// GEMV (one x row): one pass over the weights, each block's values made as they are read. More
+// rows: the nibble formats' values of the task's weight rows made once into a panel (its 48
+// rows of k bytes stay in L2), then blocks of kRowBlock x rows multiplied by it, a group of
+// weight rows at a time.
+template <typename K>
+void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matrix& w, float* y,
+              int64_t ldy) {
+  using F = typename K::Format;
+  const int64_t n = w.rows, col_blocks = (n + kColBlock - 1) / kColBlock;
+  const bool gemv = m == 1, prepare = F::kPanel && !gemv;
+  const int64_t step = gemv ? K::kGemvCols : K::kCols;
+#pragma omp parallel for schedule(static) if (m * n * w.cols > (1 << 16))
+  for (int64_t cb = 0; cb < col_blocks; ++cb) {
+    const int64_t j0 = cb * kColBlock, j1 = std::min(n, j0 + kColBlock);
+    thread_local std::vector<uint8_t> panel;
+    if (prepare) {
+      panel.resize(static_cast<size_t>(kColBlock * w.cols));
+      PrepareColumns<F>(w, j0, j1 - j0, panel.data());
+    }
+    for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+      const int64_t i1 = std::min(m, i0 + kRowBlock);
+      for (int64_t j = j0; j < j1; j += step) {
+        const int64_t cols = std::min(step, j1 - j);
+        const uint8_t* prepared = prepare ? panel.data() + (j - j0) * w.cols : nullptr;
+        for (int64_t i = i0; i < i1; i += K::kRows) {
+          RunTile<K>(x, i, std::min<int64_t>(K::kRows, i1 - i), w, j, cols, prepared,
+                     y + i * ldy + j, ldy);
+        }
+      }
+    }
+  }
+}
+
+// The AVX-512 kernel's instructions: byte operations (BW, VL) and VNNI's dot products. An
+// AVX-512 CPU without VNNI runs the AVX2 kernel (the same results).
+bool CpuHasAvx512Vnni() {
+  static const bool has = __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+template <typename F>
+void GemmInt8(const float* x, int64_t ldx, const typename F::Matrix& w, const float* bias, float* y,
+              int64_t ldy, int64_t m, bool accumulate) {
+  assert(w.cols % kBlock == 0);
+  if (m <= 0 || w.rows <= 0) return;
+  InitGemmOutput(bias, y, ldy, m, w.rows, accumulate);
+  const QuantizedRows xq = Quantize(x, ldx, m, w.cols, F::kNibblePairs);
+  if (ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Vnni()) {
+    GemmWith<Avx512Tiles<F>>(xq, m, w, y, ldy);
+  } else {
+    GemmWith<Avx2Tiles<F>>(xq, m, w, y, ldy);
+  }
+}
+
+}  // namespace
+
+void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate) {
+  GemmInt8<Nibbles<false>>(x, ldx, w, bias, y, ldy, m, accumulate);
+}
+
+void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate) {
+  GemmInt8<Nibbles<true>>(x, ldx, w, bias, y, ldy, m, accumulate);
+}
+
+void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
+                int64_t ldy, int64_t m, bool accumulate) {
+  GemmInt8<Signed8>(x, ldx, w, bias, y, ldy, m, accumulate);
+}
+
+}  // namespace infinigen::cpu
