@@ -329,13 +329,24 @@ class HttpFrontDoor::Impl {
         stub_->Generate(&context, request);
     v1::GenerateResponse m;
     auto ours = [n](const v1::GenerateResponse& r) { return r.index() >= 0 && r.index() < n; };
+    // The gRPC API knows `max_tokens: 0` as a request for one token (its limits name
+    // max_new_tokens = 1): say so to the client who sent 0.
+    auto failure = [&](const grpc::Status& st) {
+      ApiError e = FromGrpc(st, context);
+      if (parsed.prompt_only && e.http_status == 400) {
+        absl::StrAppend(&e.message,
+                        " (`max_tokens: 0` with `echo` is served as a request for 1 token whose "
+                        "text is left out: the prompt must leave room for it)");
+      }
+      return e;
+    };
     if (!parsed.stream) {
       while (reader->Read(&m)) {
         if (ours(m)) builder.Add(m.index(), m);
       }
       const grpc::Status st = reader->Finish();
       if (watch.gone()) return false;
-      if (!st.ok()) return WriteError(conn, req.version(), FromGrpc(st, context), keep);
+      if (!st.ok()) return WriteError(conn, req.version(), failure(st), keep);
       return WriteJson(conn, req.version(), 200, builder.Whole(), keep);
     }
     // Stream: a request the server refuses is an HTTP error, not an event stream, so the first
@@ -345,7 +356,7 @@ class HttpFrontDoor::Impl {
       const grpc::Status st = reader->Finish();
       if (!st.ok()) {
         if (watch.gone()) return false;
-        return WriteError(conn, req.version(), FromGrpc(st, context), keep);
+        return WriteError(conn, req.version(), failure(st), keep);
       }
     }
     HttpStreamHead head{http::status::ok, req.version()};
@@ -367,7 +378,7 @@ class HttpFrontDoor::Impl {
       st = reader->Finish();
     }
     if (!st.ok()) {
-      event(ErrorJson(FromGrpc(st, context)));
+      event(ErrorJson(failure(st)));
     } else if (parsed.include_usage) {
       event(builder.UsageChunk());
     }

@@ -149,6 +149,15 @@ def main():
         assert s.logprobs.token_logprobs[1:] == elp.token_logprobs[1:-1], s.logprobs
         assert scored.usage.completion_tokens == 0, scored.usage
         assert scored.usage.prompt_tokens == echoed.usage.prompt_tokens, scored.usage
+        # A prompt that fills the whole context has no room for the one token `max_tokens: 0`
+        # is served as: a 400 that says so (not only the gRPC limit's max_new_tokens = 1).
+        context = client.models.list().data[0].model_extra["max_model_len"]
+        try:
+            client.completions.create(model=model, prompt=[1] * context, max_tokens=0, echo=True)
+            raise AssertionError("a prompt filling the context was accepted with max_tokens 0")
+        except openai.BadRequestError as e:
+            assert "leave room for it" in e.message, e.message
+            print(f"BadRequestError: {e.status_code} {e.message[:160]}")
 
         stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
                                             temperature=0, stop=[","])
