@@ -105,6 +105,7 @@ inline int QuantizeBlock(const float* x, float& dx, int8_t* lo, int8_t* hi) {
   return _mm_cvtsi128_si32(t);
 }
 
+// xsum may be null (Q8 weights need no sums).
 void QuantizeRow(const float* x, int64_t k, bool nibble_pairs, int8_t* q, float* dx, float* xsum) {
   const int64_t blocks = k / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -118,7 +119,7 @@ void QuantizeRow(const float* x, int64_t k, bool nibble_pairs, int8_t* q, float*
       hi = lo + 16;
     }
     const int sum = QuantizeBlock(x + b * kBlock, dx[b], lo, hi);
-    xsum[b] = dx[b] * static_cast<float>(sum);
+    if (xsum != nullptr) xsum[b] = dx[b] * static_cast<float>(sum);
   }
 }
 
@@ -293,6 +294,21 @@ void PrepareColumns(const typename F::Matrix& w, int64_t c0, int64_t cols, uint8
   }
 }
 
+// An odd last block's values (at: the block's index in w; panel: null, or the weight row's
+// prepared values) and their product with x row r's block b: 8 lanes of float(q . x) * dx, the
+// header's step before the fma with d.
+template <typename F>
+inline __m256i OddBlockValues(const typename F::Matrix& w, int64_t at, const uint8_t* panel,
+                              int64_t b) {
+  return panel != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 32 * b))
+                          : F::Block8(w, at);
+}
+template <typename F>
+inline __m256 OddBlockProduct(__m256i q, const QuantizedRows& x, int64_t r, int64_t b) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r) + 32 * b));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q, xv)), _mm256_set1_ps(x.Scales(r)[b]));
+}
+
 // --- AVX2 ---------------------------------------------------------------------------------
 
 // The scales of a pair (v: its first block's) for AVX2 register h: the nibble formats' lanes
@@ -343,17 +359,10 @@ void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int6
     const int64_t b = blocks - 1;
     for (int c = 0; c < C; ++c) {
       const int64_t at = (c0 + c) * blocks + b;
-      const __m256i q =
-          panel != nullptr
-              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b))
-              : F::Block8(w, at);
+      const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
       const __m256 dw = _mm256_set1_ps(d[at]);
       for (int r = 0; r < R; ++r) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r0 + r) + 32 * b));
-        acc[r][c][0] = _mm256_fmadd_ps(
-            _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q, xv)), _mm256_set1_ps(x.Scales(r0 + r)[b])),
-            dw, acc[r][c][0]);
+        acc[r][c][0] = _mm256_fmadd_ps(OddBlockProduct<F>(q, x, r0 + r, b), dw, acc[r][c][0]);
       }
     }
   }
@@ -438,17 +447,11 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
     const int64_t b = blocks - 1;
     for (int c = 0; c < C; ++c) {
       const int64_t at = (c0 + c) * blocks + b;
-      const __m256i q =
-          panel != nullptr
-              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + c * x.k + 32 * b))
-              : F::Block8(w, at);
+      const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
       const __m512 dw = _mm512_set1_ps(d[at]);
       for (int r = 0; r < R; ++r) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Values(r0 + r) + 32 * b));
-        const __m256 f =
-            _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q, xv)), _mm256_set1_ps(x.Scales(r0 + r)[b]));
-        acc[r][c] = _mm512_mask3_fmadd_ps(_mm512_zextps256_ps512(f), dw, acc[r][c], 0x00FF);
+        const __m512 f = _mm512_zextps256_ps512(OddBlockProduct<F>(q, x, r0 + r, b));
+        acc[r][c] = _mm512_mask3_fmadd_ps(f, dw, acc[r][c], 0x00FF);
       }
     }
   }
@@ -569,6 +572,16 @@ void GemmInt8(const float* x, int64_t ldx, const typename F::Matrix& w, const fl
 }
 
 }  // namespace
+
+// Weights quantize as x rows do, in order (packed_gemm.h's layout): the same arithmetic.
+void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* scales) {
+  const int64_t blocks = cols / kBlock;
+#pragma omp parallel for if (rows * cols > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    QuantizeRow(w + r * cols, cols, /*nibble_pairs=*/false, qs + r * cols, scales + r * blocks,
+                nullptr);
+  }
+}
 
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {

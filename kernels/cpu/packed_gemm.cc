@@ -64,25 +64,6 @@ void PanelGemm(const float* x, int64_t ldx, const float* panel, int64_t rows, in
 
 }  // namespace
 
-void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* scales) {
-  const int64_t blocks = cols / kQ8Block;
-#pragma omp parallel for if (rows * cols > (1 << 16))
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* src = w + r * cols + b * kQ8Block;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::abs(src[i]));
-      const float scale = amax / 127.0f;
-      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-      scales[r * blocks + b] = scale;
-      int8_t* dst = qs + r * cols + b * kQ8Block;
-      for (int64_t i = 0; i < kQ8Block; ++i) {
-        dst[i] = static_cast<int8_t>(std::lrintf(src[i] * inv));
-      }
-    }
-  }
-}
-
 void GemmBf16(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y,
               int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
   InitGemmOutput(bias, y, ldy, m, n, accumulate);

@@ -20,7 +20,8 @@ struct Q8Matrix {
   int64_t cols = 0;
 };
 
-// Symmetric per-block quantization: scale = max|w| / 127, q = round(w / scale).
+// Symmetric per-block quantization: scale = max|w| / 127, q = round(w / scale) to nearest even
+// (a block holding a NaN: a NaN scale and zeros), as int8_dot_gemm.cc quantizes activations.
 void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* scales);
 
 // y[m, n] = x[m, k] · wᵀ + bias (+ y when accumulate), w: bf16 [n, k] (row stride k).
