@@ -17,6 +17,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -329,11 +330,12 @@ class HttpFrontDoor::Impl {
         stub_->Generate(&context, request);
     v1::GenerateResponse m;
     auto ours = [n](const v1::GenerateResponse& r) { return r.index() >= 0 && r.index() < n; };
-    // The gRPC API knows `max_tokens: 0` as a request for one token (its limits name
-    // max_new_tokens = 1): say so to the client who sent 0.
+    // The gRPC API knows `max_tokens: 0` as a request for one token: where that token finds no
+    // room in the context (the refusal names max_new_tokens = 1), say so to the client who sent 0.
     auto failure = [&](const grpc::Status& st) {
       ApiError e = FromGrpc(st, context);
-      if (parsed.prompt_only && e.http_status == 400) {
+      if (parsed.prompt_only && st.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+          absl::StrContains(e.message, "exceeds the model's context")) {
         absl::StrAppend(&e.message,
                         " (`max_tokens: 0` with `echo` is served as a request for 1 token whose "
                         "text is left out: the prompt must leave room for it)");

@@ -85,6 +85,7 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
   const int64_t total =
       static_cast<int64_t>(request.prompt.size()) + request.options.max_new_tokens;
   if (total > c.max_position_embeddings) {
+    // openai/http_front_door.cc recognizes "exceeds the model's context" (max_tokens 0).
     return absl::InvalidArgumentError(
         absl::StrCat("prompt (", request.prompt.size(), " tokens) + max_new_tokens (",
                      request.options.max_new_tokens, ") exceeds the model's context of ",

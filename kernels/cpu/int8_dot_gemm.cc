@@ -2,7 +2,7 @@
 // activations quantized to 8 bits per block of 32, each block's dot product in integers
 // (llama.cpp's way for its Q4, Q5 and Q8 formats). Widening 4-, 5- or 8-bit values to float32
 // takes more instructions than streaming them (the float32 kernels reached 18.5 GB/s for Q5_1,
-// 21.5 for Q8 and 24.7 for Q4_1 on the project VM); integer dot products keep the GEMV
+// 22.4 for Q8 and 25.4 for Q4_1 on the project VM); integer dot products keep the GEMV
 // memory-bound.
 //
 // Batch-invariant like the other GEMMs: each x row is quantized alone, and each output element
@@ -66,17 +66,20 @@ struct QuantizedRows {
 
 // One block of 32 values quantized (AVX2; the arithmetic QuantizedRows defines: a max, one IEEE
 // division and multiply, and the default rounding of the conversion). Writes elements 0-15 to
-// lo and 16-31 to hi, and returns the sum of the values. A block holding a NaN gets a NaN scale
-// (and zeros), so that the NaN reaches every output it touches, as in a float32 product.
+// lo and 16-31 to hi, and returns the sum of the values. A block holding a NaN or an infinity
+// gets a NaN scale (and zeros), so that every output it touches is NaN, as a float32 product's
+// would be NaN or infinite (an infinity's scale would quantize it to -128 by way of inf * 0).
 inline int QuantizeBlock(const float* x, float& dx, int8_t* lo, int8_t* hi) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  const __m256 largest = _mm256_set1_ps(FLT_MAX);
+  __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
   for (int s = 0; s < 4; ++s) {
     v[s] = _mm256_loadu_ps(x + 8 * s);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[s]));
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[s], v[s], _CMP_UNORD_Q));
+    const __m256 a = _mm256_andnot_ps(sign, v[s]);
+    amax = _mm256_max_ps(amax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // NaN or infinite
   }
-  if (_mm256_movemask_ps(nan) != 0) {
+  if (_mm256_movemask_ps(bad) != 0) {
     dx = std::numeric_limits<float>::quiet_NaN();
     std::memset(lo, 0, 16);
     std::memset(hi, 0, 16);
@@ -165,8 +168,9 @@ inline void AddHorizontalSums(const __m256 (&v)[C], float* y) {
 //
 // Each gives its values as bytes in its pair order: Pair8 (two AVX2 registers: bytes 0-31 and
 // 32-63 of the pair), Pair16 (one AVX-512 register, as VNNI's unsigned operand) and Block8 (an
-// odd last block); Dot8 / Dot16 turn values and x bytes into the int32 lanes of the header
-// (Dot16 from the accumulator Start16 gives for the x bytes).
+// odd last block); Dot8 (AVX2) and VNNI's `vpdpbusd` from the accumulator Start16 gives for the
+// x bytes turn values and x bytes into the int32 lanes of the header. A panel (kPanel) holds
+// Pair8's bytes, which must then be VNNI's unsigned operand as they are.
 
 // The bits of a pair of blocks' fifth-bit words (bit e: element e) in the order of the pair's
 // bytes: bits 0-15 of the first word, 0-15 of the second, 16-31 of the first, 16-31 of the
@@ -242,6 +246,7 @@ struct Nibbles {
 // that both give the integers q . x.
 struct Signed8 {
   using Matrix = Q8Matrix;
+  // No panel: its bytes are signed, not VNNI's operand (and need no preparing).
   static constexpr bool kNibblePairs = false, kMinimums = false, kPanel = false;
   static const float* Scales(const Matrix& w) { return w.scales; }
   static const float* Minimums(const Matrix&) { return nullptr; }

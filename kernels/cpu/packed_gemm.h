@@ -1,8 +1,8 @@
 // GEMM with weights packed in a narrower format than the float32 activations: bfloat16, or
 // Q8_0-style int8 with one float scale per 32 weights of a row. Decode on the CPU is a
 // matrix-vector product bound by memory bandwidth, so halving (bf16) or quartering (int8) the
-// weight bytes is what speeds it up. For several rows (prefill), panels of weights are widened
-// to float32 and multiplied by OpenBLAS.
+// weight bytes is what speeds it up. For more than 16 rows (prefill), panels of weights are
+// widened to float32 and multiplied by OpenBLAS.
 #pragma once
 
 #include <cstdint>

@@ -27,7 +27,7 @@ struct Q4_1Matrix {
 // q * d + m) come back as the file's own blocks.
 void QuantizeQ4_1(const float* w, int64_t rows, int64_t cols, uint8_t* qs, float* d, float* m);
 
-// Row r widened to float32 (the values the GEMM kernels multiply).
+// Row r widened to float32 (an embedding's rows; GemmRowsQ4_1 multiplies the values as integers).
 void WidenQ4_1Row(const Q4_1Matrix& w, int64_t r, float* out);
 
 // out[i, :] = row ids[i] of the table, widened.

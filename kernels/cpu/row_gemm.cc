@@ -10,8 +10,6 @@
 
 #include "common/dtype.h"
 #include "kernels/cpu/isa.h"
-#include "kernels/cpu/packed_gemm.h"
-#include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {

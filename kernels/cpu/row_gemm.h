@@ -1,10 +1,10 @@
 // Batch-invariant GEMM: every output element y[i, j] is one dot product x_i . w_j reduced in a
-// fixed order (8-lane FMA accumulator over k, a fixed horizontal sum, then the tail), whatever
-// the number of rows and whichever other rows share the call. A decode token's logits then do
-// not depend on the batch it was served in (OpenBLAS picks different kernels, blockings and
-// reduction orders for sgemv and for sgemm of different shapes). The canonical order: 8-element
-// block b of k into accumulator b % 2 by FMA, the two summed lane-wise, a fixed horizontal sum,
-// then the tail by scalar FMA.
+// fixed order, whatever the number of rows and whichever other rows share the call. A decode
+// token's logits then do not depend on the batch it was served in (OpenBLAS picks different
+// kernels, blockings and reduction orders for sgemv and for sgemm of different shapes). The
+// canonical order of the float32 and bf16 weights: 8-element block b of k into accumulator
+// b % 2 by FMA, the two summed lane-wise, a fixed horizontal sum, then the tail by scalar FMA;
+// the block formats (q8, Q4_1, Q5_1) have int8_dot_gemm.cc's.
 #pragma once
 
 #include <cstdint>

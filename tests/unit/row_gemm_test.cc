@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/dtype.h"
@@ -40,7 +41,8 @@ struct Weights {
       q8_qs.resize(n * k);
       q8_scales.resize(n * k / kQ8Block);
       QuantizeQ8(f32.data(), n, k, q8_qs.data(), q8_scales.data());
-      // A file's Q8_0 block may hold -128 (ours never does): the integer paths' largest |q|.
+      // -128 (QuantizeQ8 never makes it): the integer paths' largest |q|, in case a format
+      // ever keeps a file's Q8_0 bytes as they are.
       for (size_t i = 0; i < q8_qs.size(); i += 7) q8_qs[i] = -128;
       q4_qs.resize(n * k / 2);
       q4_d.resize(n * k / kQ4Block);
@@ -307,22 +309,32 @@ TEST(Q4_1, WeightsDecodedFromAFileQuantizeBackToItsBlocks) {
   }
 }
 
-// A NaN activation reaches every output of its row, as in a float32 product (quantizing it to
-// an integer would have hidden it), in each block format on each instruction set; other rows
-// stay finite.
-TEST(BlockFormats, ANaNActivationMakesItsRowsOutputsNaN) {
-  const int64_t n = 9, k = 96;
+// A NaN or infinite activation makes every output of its row NaN (quantizing it to an integer
+// would have hidden it; an infinity's scale would have made it -128), in each block format on
+// each instruction set, multiplied alone (GEMV) or with other rows, in a pair of blocks or the
+// odd last one; the other rows stay finite.
+TEST(BlockFormats, ANonFiniteActivationMakesItsRowsOutputsNaN) {
+  const int64_t n = 9, k = 96;  // three blocks: a pair and an odd last one
   Weights w(n, k, 5);
-  std::vector<float> x(2 * k, 0.5f);
-  x[40] = std::nanf("");
-  for (Format format : {Format::kQ8, Format::kQ4_1, Format::kQ5_1}) {
-    for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
-      CapIsaForTesting(isa);
-      std::vector<float> y(2 * n, 0.0f);
-      Multiply(format, w, x.data(), k, nullptr, y.data(), n, 2, false);
-      for (int64_t j = 0; j < n; ++j) {
-        EXPECT_TRUE(std::isnan(y[j])) << static_cast<int>(format) << " " << j;
-        EXPECT_TRUE(std::isfinite(y[n + j])) << static_cast<int>(format) << " " << j;
+  for (int64_t at : {40, 70}) {
+    for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+      std::vector<float> x(3 * k, 0.5f);
+      x[at] = bad;
+      for (Format format : {Format::kQ8, Format::kQ4_1, Format::kQ5_1}) {
+        for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
+          CapIsaForTesting(isa);
+          std::vector<float> y(3 * n, 0.0f), alone(n, 0.0f);
+          Multiply(format, w, x.data(), k, nullptr, y.data(), n, 3, false);
+          Multiply(format, w, x.data(), k, nullptr, alone.data(), n, 1, false);
+          for (int64_t j = 0; j < n; ++j) {
+            const std::string where = std::to_string(static_cast<int>(format)) + " at " +
+                                      std::to_string(at) + " = " + std::to_string(bad) + ", " +
+                                      std::to_string(j);
+            EXPECT_TRUE(std::isnan(y[j])) << where;
+            EXPECT_TRUE(std::isnan(alone[j])) << where;
+            EXPECT_TRUE(std::isfinite(y[n + j]) && std::isfinite(y[2 * n + j])) << where;
+          }
+        }
       }
     }
   }
