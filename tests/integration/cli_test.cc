@@ -187,12 +187,15 @@ TEST(Cli, TokenizeJsonlEncodesAndDecodes) {
   EXPECT_NE(err.err.find("line 1"), std::string::npos) << err.err;
 }
 
+// With the file's exact values (f32): the answer's first token is a near tie ("The" at -1.86
+// nats against "L" at -1.96), which the block formats' 8-bit activations flip (q4_1 and q8 answer
+// "L'Étoile, ..."; docs/model.md, "CPU weight formats").
 TEST(Cli, GenerateStreamsTextForAChat) {
   const std::string model = testing::SmolLm2Path();
   IG_REQUIRE_FILE(model, "SmolLM2 GGUF");
   CommandResult r = Infinigen("generate --model " + model +
                               " --chat '[{\"role\": \"user\", \"content\": \"What is the "
-                              "capital of France?\"}]' --max-tokens 12 --cpu-weights q8");
+                              "capital of France?\"}]' --max-tokens 12 --cpu-weights f32");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("Paris"), std::string::npos) << r.out;
   EXPECT_NE(r.err.find("(stop)"), std::string::npos) << r.err;  // ended at <|im_end|>
