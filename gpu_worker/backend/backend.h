@@ -203,6 +203,9 @@ class Backend {
   virtual DType kv_dtype() const { return activation_dtype(); }
   // Bytes of device memory still free for caches and workspaces.
   virtual size_t FreeMemory() const = 0;
+  // Device memory the backend may take for scratch of its own while it runs a step (the CUDA
+  // GEMM prefill's attention scores), beyond what callers allocate: admission sets it aside.
+  virtual size_t ScratchBytes() const { return 0; }
   // Whether buffers from Allocate() are ordinary host memory that other host code (a KV store
   // transport) may write directly.
   virtual bool host_accessible() const { return false; }

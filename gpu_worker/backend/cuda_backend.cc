@@ -95,6 +95,17 @@ struct CudaBackend::Handles {
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     const CudaBackendOptions& options) {
+  CudaBackendOptions o = options;
+  const char* causal = std::getenv("INFINIGEN_CUDA_CAUSAL");
+  if (causal != nullptr && *causal != '\0') {
+    const std::string_view c(causal);
+    if (c != "gemm" && c != "tiles") {
+      return absl::InvalidArgumentError(absl::StrCat("cuda backend: INFINIGEN_CUDA_CAUSAL is \"",
+                                                     std::string(c),
+                                                     "\"; use gemm or tiles (or unset it)"));
+    }
+    o.gemm_causal_attention = c == "gemm";
+  }
   const int count = cuda::DeviceCount();
   if (options.device < 0 || options.device >= count) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -115,9 +126,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       cublasSetMathMode(handles->blas,
                         options.dtype == DType::kF32 ? CUBLAS_PEDANTIC_MATH : CUBLAS_DEFAULT_MATH),
       "set math mode"));
-  CudaBackendOptions o = options;
-  const char* causal = std::getenv("INFINIGEN_CUDA_CAUSAL");
-  if (causal != nullptr && std::string_view(causal) == "gemm") o.gemm_causal_attention = true;
   return std::unique_ptr<CudaBackend>(new CudaBackend(o, std::move(handles), stream));
 }
 
@@ -153,6 +161,16 @@ size_t CudaBackend::FreeMemory() const {
     return 0;
   }
   return free;
+}
+
+// GemmAttentionCausal's scores of one chunk of query rows: at most this many float32 values and
+// as many probabilities in the activations' type (a chunk is at least 16 rows: keys past 4M would
+// pass it).
+constexpr int64_t kGemmAttentionScores = int64_t{64} << 20;
+
+size_t CudaBackend::ScratchBytes() const {
+  if (!options_.gemm_causal_attention || options_.dtype == DType::kF32) return 0;
+  return static_cast<size_t>(kGemmAttentionScores) * (sizeof(float) + DTypeSize(options_.dtype));
 }
 
 absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
@@ -559,8 +577,8 @@ absl::Status CudaBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t
     return absl::InvalidArgumentError(
         "cuda backend: AttentionCausal needs K and V like q, in device memory (no row tables)");
   }
-  // Long prompts in 16-bit types through tensor-core GEMMs where enabled (the tiled kernel below
-  // runs on CUDA cores: 48 s of a 32K-token prefill of Llama-3.1-8B on an H200,
+  // Long prompts in 16-bit types through tensor-core GEMMs (the tiled kernel below runs on CUDA
+  // cores: 48.9 s of a 32K-token prefill of Llama-3.1-8B on an H200, 5.5 s through the GEMMs,
   // docs/benchmarks.md); short ones and float32 (held to the CPU's arithmetic) through the tiles.
   const bool gemm =
       options_.gemm_causal_attention && q.dtype != DType::kF32 && q.rows >= kGemmAttentionRows;
@@ -580,8 +598,8 @@ absl::Status CudaBackend::GemmAttentionCausal(MatView q, KvView k, KvView v, int
   const int64_t n = q.rows, keys = q_start + n, d = s.head_dim;
   const int group = s.num_heads / s.num_kv_heads;
   // Query rows per chunk: at most 1024, and scores of at most 64M floats (256 MiB).
-  const int64_t chunk =
-      std::min<int64_t>(n, std::max<int64_t>(16, std::min<int64_t>(1024, (64 << 20) / keys)));
+  const int64_t chunk = std::min<int64_t>(
+      n, std::max<int64_t>(16, std::min<int64_t>(1024, kGemmAttentionScores / keys)));
   const size_t e = DTypeSize(q.dtype);
   const size_t score_bytes = static_cast<size_t>(chunk * keys) * sizeof(float);
   const size_t prob_bytes = static_cast<size_t>(chunk * keys) * e;

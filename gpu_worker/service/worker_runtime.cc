@@ -134,10 +134,13 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
           c.num_kv_heads * w->sidecar_->partial_dim * sizeof(uint16_t);  // bf16 partial keys
     }
     engine_config.device_bytes_per_token = per_token;
-    engine_config.device_memory_bytes =
+    // Less what the backend takes for scratch of its own (the CUDA GEMM prefill's scores).
+    const size_t budget =
         config.device_memory_mb > 0
             ? static_cast<size_t>(config.device_memory_mb) << 20
             : static_cast<size_t>(0.9 * static_cast<double>(w->loaded_.backend->FreeMemory()));
+    const size_t scratch = w->loaded_.backend->ScratchBytes();
+    engine_config.device_memory_bytes = budget > scratch ? budget - scratch : 0;
   }
   w->cache_ =
       std::make_unique<StoreKvCache>(*w->loaded_.backend, shape, *w->client_, cache_options);

@@ -14,8 +14,9 @@
 # (--kv-device-gather, the worker's default); -copy = the store copies them into staging that is
 # then copied to the device (what a remote transport does); infinigen keeps its dense layers' K/V
 # on the GPU as the worker does (--kv_resident_dense_layers), infinigen-dense-fetched reads them
-# from the store every step as before; any mode with "+gemm" appended runs the prefill's
-# attention through cuBLAS GEMMs (CudaBackendOptions::gemm_causal_attention). A second
+# from the store every step as before; any mode with "+tiles" appended runs the prefill's
+# attention on the tiled CUDA-core kernel instead of cuBLAS GEMMs (the default since lease F;
+# CudaBackendOptions::gemm_causal_attention), "+gemm" through the GEMMs. A second
 # table says where each case's decode steps spent their host time (DecodeStep's profile); its
 # rows are also appended to PROFILE_OUT as each case ends. A third gives each case's time to first
 # token (every stream submitted at once: the prefills queue).
@@ -47,10 +48,11 @@ for c in $CASES; do
       fi
       [ "$left" -lt "$limit" ] && limit=$left
     fi
-    # MODE+gemm: the same with prefill attention through cuBLAS (INFINIGEN_CUDA_CAUSAL=gemm).
+    # MODE+tiles: the same with the prefill's attention on the tiled CUDA-core kernel
+    # (INFINIGEN_CUDA_CAUSAL=tiles) instead of cuBLAS GEMMs; MODE+gemm: GEMMs (the default).
     run_env=()
-    base=${mode%+gemm}
-    [ "$base" != "$mode" ] && run_env=(INFINIGEN_CUDA_CAUSAL=gemm)
+    base=${mode%+*}
+    [ "$base" != "$mode" ] && run_env=(INFINIGEN_CUDA_CAUSAL=${mode##*+})
     case $base in
       infinigen) flags=(--kv store --policy infinigen) ;;
       infinigen-copy) flags=(--kv store --policy infinigen --kv-device-gather false) ;;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/dtype.h"
@@ -236,6 +237,9 @@ TEST_P(CudaBackendOps, CausalAttentionTilesAndGemms) {
     SCOPED_TRACE(gemm ? "gemms" : "tiles");
     auto g = CudaBackend::Create({0, GetParam(), /*gemm_causal_attention=*/gemm});
     ASSERT_TRUE(g.ok()) << g.status();
+    // What admission sets aside for the GEMMs' scores (float32) and probabilities (16-bit) of a
+    // chunk: 64M of each, none where the tiles run.
+    EXPECT_EQ((*g)->ScratchBytes(), gemm && dtype() != DType::kF32 ? (size_t{64} << 20) * 6 : 0);
     buffers_.clear();
     gpu_ = std::move(*g);
     CausalAttentionCases();
@@ -404,7 +408,9 @@ TEST_P(CudaBackendOps, PartialKeysAndTheChoiceOfRowsMatchTheCpu) {
         const int32_t* w = want.data() + g * capacity;
         const int32_t* h = got.data() + g * capacity;
         EXPECT_TRUE(std::is_sorted(h, h + got_count));
-        if (!prefetch) EXPECT_EQ(h[got_count - 1], n - 1) << "the current token";
+        if (!prefetch) {
+          EXPECT_EQ(h[got_count - 1], n - 1) << "the current token";
+        }
         for (int64_t j = 0; j < common_count; ++j) {
           shared += std::binary_search(w, w + want_count, h[j]);
         }
@@ -479,6 +485,17 @@ TEST(CudaBackend, GatherRowsReadsRegisteredReadOnlyHostMemory) {
 TEST(CudaBackend, WithoutADeviceCreateFailsCleanly) {
   auto backend = CudaBackend::Create({/*device=*/cuda::DeviceCount() + 3, DType::kBF16});
   EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// INFINIGEN_CUDA_CAUSAL picks the prefill's attention; a value it does not know is refused with
+// what to set instead, before any device is touched (so this runs without a GPU too).
+TEST(CudaBackend, AnUnknownCausalPathIsRefused) {
+  setenv("INFINIGEN_CUDA_CAUSAL", "flash", 1);
+  auto backend = CudaBackend::Create({0, DType::kBF16});
+  unsetenv("INFINIGEN_CUDA_CAUSAL");
+  ASSERT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(backend.status().message().find("use gemm or tiles"), std::string::npos)
+      << backend.status();
 }
 
 }  // namespace
