@@ -25,6 +25,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/kv/kv_selection.h"
@@ -143,10 +144,9 @@ class DecodeStep final : private LayerAttention {
   // Runs work(b) for every chunk b whose policy is set and that has not failed, failing the
   // chunks whose work fails: on several threads (OpenMP) when those chunks' policies are
   // distinct objects, in order otherwise. `work` calls only its chunk's policy and writes only
-  // that chunk's state. (A template, not a std::function: a capturing lambda would be copied to
-  // the heap every layer.)
-  template <typename Work>
-  void ForEachPolicy(const Work& work);
+  // that chunk's state. (A FunctionRef, not a std::function: a capturing lambda would be copied
+  // to the heap every layer.)
+  void ForEachPolicy(absl::FunctionRef<absl::Status(size_t)> work);
   // Choices made in backend memory (policies that chooses_on_backend()) for some chunks of the
   // batch, launched one after another and read back in one copy that completes at the backend's
   // next wait: per chunk its count then its indices ([1 + kv_heads x capacity] int32 at at[b]).
@@ -163,8 +163,7 @@ class DecodeStep final : private LayerAttention {
   absl::Status LaunchChoices(Choices& c, int layer, bool prefetch);
   // After the wait: each launched choice into out(b) (a Selection&); a chunk whose policy chose
   // nothing gets every row; a malformed count fails its chunk.
-  template <typename Out>
-  void CollectChoices(Choices& c, const Out& out);
+  void CollectChoices(Choices& c, absl::FunctionRef<Selection&(size_t)> out);
   // Prefetch's halves around the wait of Attend (or their own wait, for layer 0): the chunks'
   // stored rows and guesses, the backend's choices launched (PrefetchBegin); the choices read
   // and the cache's prefetches submitted (PrefetchEnd).
