@@ -1,0 +1,158 @@
+// CudaBackend's attention: causal prefill attention (tensor-core GEMMs for long 16-bit prompts,
+// the tiled CUDA-core kernel otherwise) and decode attention over listed or contiguous rows.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "gpu_worker/backend/cuda_backend.h"
+#include "gpu_worker/backend/cuda_internal.h"
+#include "kernels/cuda/ops.h"
+
+namespace infinigen {
+
+using cuda_backend_internal::BlasType;
+using cuda_backend_internal::Check;
+using cuda_backend_internal::CheckBlas;
+using cuda_backend_internal::M;
+using cuda_backend_internal::S;
+using cuda_backend_internal::ToElem;
+
+// GemmAttentionCausal's scores of one chunk of query rows: at most this many float32 values and
+// as many probabilities in the activations' type (a chunk is at least 16 rows: keys past 4M would
+// pass it).
+constexpr int64_t kGemmAttentionScores = int64_t{64} << 20;
+
+size_t CudaBackend::ScratchBytes() const {
+  if (!options_.gemm_causal_attention || options_.dtype == DType::kF32) return 0;
+  return static_cast<size_t>(kGemmAttentionScores) * (sizeof(float) + DTypeSize(options_.dtype));
+}
+
+// Query rows from which a 16-bit AttentionCausal goes through GEMMs.
+constexpr int64_t kGemmAttentionRows = 128;
+
+absl::Status CudaBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                          const AttentionShape& s, MatView out) {
+  if (k.dtype != q.dtype || v.dtype != q.dtype || k.head_stride != v.head_stride ||
+      k.row_stride != v.row_stride || k.rows != nullptr || v.rows != nullptr) {
+    return absl::InvalidArgumentError(
+        "cuda backend: AttentionCausal needs K and V like q, in device memory (no row tables)");
+  }
+  // Long prompts in 16-bit types through tensor-core GEMMs (the tiled kernel below runs on CUDA
+  // cores: 48.9 s of a 32K-token prefill of Llama-3.1-8B on an H200, 5.5 s through the GEMMs,
+  // docs/benchmarks.md); short ones and float32 (held to the CPU's arithmetic) through the tiles.
+  const bool gemm =
+      options_.gemm_causal_attention && q.dtype != DType::kF32 && q.rows >= kGemmAttentionRows;
+  if (gemm) return GemmAttentionCausal(q, k, v, q_start, s, out);
+  return Check(cuda::AttentionCausal(M(q), q_start, {k.data, k.head_stride, k.row_stride},
+                                     {v.data, v.head_stride, v.row_stride}, s.num_heads,
+                                     s.num_kv_heads, s.head_dim, s.scale, M(out), S(stream_)),
+               "AttentionCausal");
+}
+
+absl::Status CudaBackend::GemmAttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                              const AttentionShape& s, MatView out) {
+  if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads != 0 || q.rows != out.rows ||
+      out.dtype != q.dtype) {
+    return absl::InvalidArgumentError("cuda backend: AttentionCausal shapes");
+  }
+  const int64_t n = q.rows, keys = q_start + n, d = s.head_dim;
+  const int group = s.num_heads / s.num_kv_heads;
+  // Query rows per chunk: at most 1024, and scores of at most 64M floats (256 MiB).
+  const int64_t chunk = std::min<int64_t>(
+      n, std::max<int64_t>(16, std::min<int64_t>(1024, kGemmAttentionScores / keys)));
+  const size_t e = DTypeSize(q.dtype);
+  const size_t score_bytes = static_cast<size_t>(chunk * keys) * sizeof(float);
+  const size_t prob_bytes = static_cast<size_t>(chunk * keys) * e;
+  if (scores_ == nullptr || scores_->size() < score_bytes + prob_bytes) {
+    IG_RETURN_IF_ERROR(Synchronize());  // the old buffer may still be in use
+    scores_.reset();
+    IG_ASSIGN_OR_RETURN(scores_, Allocate(score_bytes + prob_bytes));
+  }
+  float* scores = static_cast<float*>(scores_->data());
+  void* probs = static_cast<uint8_t*>(scores_->data()) + score_bytes;
+  const cudaDataType_t t = BlasType(q.dtype);
+  const float one = 1.0f, zero = 0.0f;
+  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+    const int64_t rows = std::min(chunk, n - c0);
+    const int64_t cols = q_start + c0 + rows;  // keys the chunk's last row sees
+    for (int h = 0; h < s.num_heads; ++h) {
+      const int g = h / group;
+      const uint8_t* qh = static_cast<const uint8_t*>(q.data) + (c0 * q.stride + h * d) * e;
+      const uint8_t* kh = static_cast<const uint8_t*>(k.data) + g * k.head_stride * e;
+      const uint8_t* vh = static_cast<const uint8_t*>(v.data) + g * v.head_stride * e;
+      uint8_t* oh = static_cast<uint8_t*>(out.data) + (c0 * out.stride + h * d) * e;
+      // Row-major scores [rows, cols] are column-major [cols, rows] = K Q^T: K is the
+      // column-major [d, cols] matrix at kh (leading dimension its row stride), transposed;
+      // Q^T the column-major [d, rows] at qh.
+      IG_RETURN_IF_ERROR(
+          CheckBlas(cublasGemmEx(handles_->blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(cols),
+                                 static_cast<int>(rows), static_cast<int>(d), &one, kh, t,
+                                 static_cast<int>(k.row_stride), qh, t, static_cast<int>(q.stride),
+                                 &zero, scores, CUDA_R_32F, static_cast<int>(cols),
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    "GemmEx (attention scores)"));
+      IG_RETURN_IF_ERROR(
+          Check(cuda::CausalSoftmax(scores, cols, rows, cols, q_start + c0, s.scale,
+                                    {probs, ToElem(q.dtype), rows, cols, cols}, S(stream_)),
+                "CausalSoftmax"));
+      // Row-major out [rows, d] is column-major [d, rows] = V^T P^T: V^T the column-major
+      // [d, cols] at vh, P^T the column-major [cols, rows] at probs.
+      IG_RETURN_IF_ERROR(CheckBlas(
+          cublasGemmEx(handles_->blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(d),
+                       static_cast<int>(rows), static_cast<int>(cols), &one, vh, t,
+                       static_cast<int>(v.row_stride), probs, t, static_cast<int>(cols), &zero, oh,
+                       t, static_cast<int>(out.stride), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "GemmEx (attention output)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::EnsureWorkspace(size_t bytes) {
+  if (workspace_ != nullptr && workspace_->size() >= bytes) return absl::OkStatus();
+  IG_RETURN_IF_ERROR(Synchronize());  // the old workspace may still be in use
+  // By half again at least: the decode attention's partials grow with the rows attended, a row
+  // per step (an exact fit reallocated, and waited, every step).
+  const size_t grown = workspace_ ? workspace_->size() * 3 / 2 : 0;
+  workspace_.reset();
+  IG_ASSIGN_OR_RETURN(workspace_, Allocate(std::max(bytes, grown)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
+                                          int64_t num_rows, const AttentionShape& s, MatView out,
+                                          float* weights_out) {
+  if (k.dtype != q.dtype || v.dtype != q.dtype || out.dtype != q.dtype ||
+      k.head_stride != v.head_stride || k.row_stride != v.row_stride || k.rows != nullptr ||
+      v.rows != nullptr) {
+    return absl::InvalidArgumentError(
+        "cuda backend: AttentionDecode needs K, V and out like q, in device memory (no row "
+        "tables)");
+  }
+  cuda::DecodeAttention a;
+  a.type = ToElem(q.dtype);
+  a.batch = 1;
+  a.num_heads = s.num_heads;
+  a.num_kv_heads = s.num_kv_heads;
+  a.head_dim = s.head_dim;
+  a.scale = s.scale;
+  a.q = q.data;
+  a.k = k.data;
+  a.v = v.data;
+  a.head_stride = k.head_stride;
+  a.row_stride = k.row_stride;
+  a.indices = indices;
+  a.index_head_stride = num_rows;
+  a.num_rows = static_cast<int32_t>(num_rows);
+  a.out = out.data;
+  a.weights = weights_out;
+  IG_RETURN_IF_ERROR(EnsureWorkspace(cuda::DecodeAttentionWorkspaceBytes(a)));
+  a.workspace = workspace_->data();
+  return Check(cuda::RunDecodeAttention(a, S(stream_)), "AttentionDecode");
+}
+
+}  // namespace infinigen
