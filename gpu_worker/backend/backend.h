@@ -185,6 +185,8 @@ struct RowChoiceRequest {
 
 class Backend {
  public:
+  // Adding, removing or reordering a virtual function changes the CUDA plugin's ABI: bump
+  // kCudaPluginAbi (cuda_plugin.h).
   virtual ~Backend() = default;
 
   // Counts since the backend was made (any thread's calls).

@@ -47,6 +47,11 @@ absl::Status CudaBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t
   const bool gemm =
       options_.gemm_causal_attention && q.dtype != DType::kF32 && q.rows >= kGemmAttentionRows;
   if (gemm) return GemmAttentionCausal(q, k, v, q_start, s, out);
+  return TiledAttentionCausal(q, k, v, q_start, s, out);
+}
+
+absl::Status CudaBackend::TiledAttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                               const AttentionShape& s, MatView out) {
   return Check(cuda::AttentionCausal(M(q), q_start, {k.data, k.head_stride, k.row_stride},
                                      {v.data, v.head_stride, v.row_stride}, s.num_heads,
                                      s.num_kv_heads, s.head_dim, s.scale, M(out), S(stream_)),
@@ -68,9 +73,15 @@ absl::Status CudaBackend::GemmAttentionCausal(MatView q, KvView k, KvView v, int
   const size_t score_bytes = static_cast<size_t>(chunk * keys) * sizeof(float);
   const size_t prob_bytes = static_cast<size_t>(chunk * keys) * e;
   if (scores_ == nullptr || scores_->size() < score_bytes + prob_bytes) {
-    IG_RETURN_IF_ERROR(Synchronize());  // the old buffer may still be in use
+    // Once, at the bound admission set aside (ScratchBytes): a chunked prefill's scores grow
+    // with every chunk, and a reallocation is a wait. Where the device has not that much left,
+    // the tiles, which need no scratch.
+    if (scores_ != nullptr) IG_RETURN_IF_ERROR(Synchronize());  // may still be in use
     scores_.reset();
-    IG_ASSIGN_OR_RETURN(scores_, Allocate(score_bytes + prob_bytes));
+    absl::StatusOr<std::unique_ptr<Buffer>> buffer =
+        Allocate(std::max(score_bytes + prob_bytes, ScratchBytes()));
+    if (!buffer.ok()) return TiledAttentionCausal(q, k, v, q_start, s, out);
+    scores_ = std::move(*buffer);
   }
   float* scores = static_cast<float*>(scores_->data());
   void* probs = static_cast<uint8_t*>(scores_->data()) + score_bytes;

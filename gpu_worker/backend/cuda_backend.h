@@ -81,6 +81,8 @@ class CudaBackend final : public Backend {
   absl::Status EnsureWorkspace(size_t bytes);
   // AttentionCausal of a long prompt in 16-bit types through cuBLAS: per chunk of query rows and
   // query head, scores = Q K^T (float32), the causal softmax, out = P V.
+  absl::Status TiledAttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
+                                    const AttentionShape& s, MatView out);
   absl::Status GemmAttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                    const AttentionShape& shape, MatView out);
 

@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int device, DType dtype
 using CreateCudaBackendFn = Backend* (*)(int abi, size_t backend_size, int device, int dtype,
                                          char* error, size_t error_size);
 inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
-inline constexpr int kCudaPluginAbi = 1;
+// Bumped whenever Backend's virtual functions change (2: ScratchBytes).
+inline constexpr int kCudaPluginAbi = 2;
 
 }  // namespace infinigen

@@ -44,8 +44,9 @@ void RegisterWorkerEngineFlags(FlagSet& flags, WorkerConfig& c,
             "KV pool: a share of this many tokens per sequence instead");
   flags.String("kv-pool-eviction", &c.kv_pool_eviction, "KV pool eviction: counter, fifo, lru");
   flags.Int("device-memory-mb", &c.device_memory_mb,
-            "device memory for per-sequence state (partial key caches, staging); 0: 90% of what "
-            "the backend has free after loading");
+            "device memory for per-sequence state (partial key caches, staging) and the "
+            "backend's scratch (the CUDA prefill's attention scores, 384 MiB in bf16); 0: 90% of "
+            "what the backend has free after loading");
 }
 
 }  // namespace infinigen

@@ -140,6 +140,13 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
             ? static_cast<size_t>(config.device_memory_mb) << 20
             : static_cast<size_t>(0.9 * static_cast<double>(w->loaded_.backend->FreeMemory()));
     const size_t scratch = w->loaded_.backend->ScratchBytes();
+    if (config.device_memory_mb > 0 && budget <= scratch) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--device_memory_mb ", config.device_memory_mb,
+                       " leaves nothing for sequences after ", scratch >> 20,
+                       " MiB of the backend's scratch (the prefill's attention scores): raise it "
+                       "above that, or 0 for 90% of the free memory"));
+    }
     engine_config.device_memory_bytes = budget > scratch ? budget - scratch : 0;
   }
   w->cache_ =

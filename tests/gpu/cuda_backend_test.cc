@@ -490,9 +490,15 @@ TEST(CudaBackend, WithoutADeviceCreateFailsCleanly) {
 // INFINIGEN_CUDA_CAUSAL picks the prefill's attention; a value it does not know is refused with
 // what to set instead, before any device is touched (so this runs without a GPU too).
 TEST(CudaBackend, AnUnknownCausalPathIsRefused) {
+  const char* was = std::getenv("INFINIGEN_CUDA_CAUSAL");
+  const std::string saved = was != nullptr ? was : "";
   setenv("INFINIGEN_CUDA_CAUSAL", "flash", 1);
   auto backend = CudaBackend::Create({0, DType::kBF16});
-  unsetenv("INFINIGEN_CUDA_CAUSAL");
+  if (was != nullptr) {
+    setenv("INFINIGEN_CUDA_CAUSAL", saved.c_str(), 1);
+  } else {
+    unsetenv("INFINIGEN_CUDA_CAUSAL");
+  }
   ASSERT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(backend.status().message().find("use gemm or tiles"), std::string::npos)
       << backend.status();
