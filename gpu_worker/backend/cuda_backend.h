@@ -79,10 +79,12 @@ class CudaBackend final : public Backend {
   struct Handles;
   CudaBackend(const CudaBackendOptions& options, std::unique_ptr<Handles> handles, void* stream);
   absl::Status EnsureWorkspace(size_t bytes);
-  // AttentionCausal of a long prompt in 16-bit types through cuBLAS: per chunk of query rows and
-  // query head, scores = Q K^T (float32), the causal softmax, out = P V.
+  // AttentionCausal through the tiled CUDA-core kernel: short prompts, float32, or where the
+  // GEMMs' scratch cannot be allocated.
   absl::Status TiledAttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                     const AttentionShape& s, MatView out);
+  // AttentionCausal of a long prompt in 16-bit types through cuBLAS: per chunk of query rows and
+  // query head, scores = Q K^T (float32), the causal softmax, out = P V.
   absl::Status GemmAttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
                                    const AttentionShape& shape, MatView out);
 

@@ -418,8 +418,9 @@ absl::Status DecodeStep::PrefetchBegin(int next_layer) {
     }
     w.stored = *stored;
     // Where the cache answers addresses in place, a sequence whose policy chooses on the host
-    // asks for exactly its selection at the layer (below in Attend): the addresses of every
-    // stored row, looked up there, cost more than its choice saves (3 ns a row, every layer).
+    // asks for exactly its selection at the layer (in Attend, decode_step_attend.cc): the addresses
+    // of every stored row, looked up there, cost more than its choice saves (3 ns a row, every
+    // layer).
     w.fetch = w.stored > 0 && (preselect || batch_[b].policy == nullptr || ChoosesOnBackend(b));
   }
   // The policies' guesses, sequences in parallel (every row without a policy). Where a prefetch
