@@ -4,9 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cmath>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gpu_worker/backend/cuda_backend.h"
 #include "gpu_worker/backend/cuda_internal.h"

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 
 #include "common/npy.h"
@@ -40,11 +41,11 @@ struct OnGpu {
   std::unique_ptr<Model> model;
 };
 
-OnGpu LoadOnGpu(const std::string& dir, DType dtype) {
+OnGpu LoadOnGpu(const std::string& dir, DType dtype, bool gemm_causal_attention = true) {
   OnGpu g;
   auto ckpt = Checkpoint::Open(dir);
   EXPECT_TRUE(ckpt.ok()) << ckpt.status();
-  auto backend = CudaBackend::Create({0, dtype});
+  auto backend = CudaBackend::Create({0, dtype, gemm_causal_attention});
   EXPECT_TRUE(backend.ok()) << backend.status();
   if (!ckpt.ok() || !backend.ok()) return g;
   g.ckpt = std::move(*ckpt);
@@ -102,6 +103,32 @@ TEST_P(CudaModel, HalfPrecisionLogitsStayWithinTolerance) {
     SCOPED_TRACE(DTypeName(dtype));
     EXPECT_LE(MaxAbsDiff(prefill, want), tol);
     EXPECT_LE(MaxAbsDiff(decode, want), tol);
+  }
+}
+
+// A prompt long enough (128 rows and more) that bf16 prefill attention runs through the GEMMs
+// (the default) instead of the tiles: every row's logits within bf16 tolerance of the CPU's
+// float32 model, as the tiles' are, in one chunk and, where the fixture's context holds 256
+// tokens, in two chunks of 128 (the second's GEMMs over keys before its queries). The fixtures'
+// own prompts, 24 tokens, never reach the GEMMs.
+TEST_P(CudaModel, LongBf16PromptsThroughTheGemmsMatchTheCpu) {
+  unsetenv("INFINIGEN_CUDA_CAUSAL");  // which path runs is this test's choice
+  const std::string dir = FixturePath("hf/" + GetParam());
+  testing::LoadedModel cpu = testing::LoadModel(dir);
+  ASSERT_NE(cpu.model, nullptr);
+  const int64_t n = std::min<int64_t>(256, cpu.model->config().max_position_embeddings);
+  ASSERT_GE(n, 128) << "the fixture's context is too short to reach the GEMMs";
+  const auto tokens = testing::RandomTokens(n, cpu.model->config().vocab_size, 17);
+  const auto want = ChunkedLogits(*cpu.model, tokens, n);
+  const float tol = 0.05f * std::max(1.0f, MaxAbs(want));
+  for (bool gemm : {true, false}) {
+    SCOPED_TRACE(gemm ? "gemms" : "tiles");
+    OnGpu g = LoadOnGpu(dir, DType::kBF16, gemm);
+    ASSERT_NE(g.model, nullptr);
+    EXPECT_LE(MaxAbsDiff(ChunkedLogits(*g.model, tokens, n), want), tol);
+    if (n == 256) {
+      EXPECT_LE(MaxAbsDiff(ChunkedLogits(*g.model, tokens, 128), want), tol);
+    }
   }
 }
 
