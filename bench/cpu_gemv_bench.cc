@@ -26,6 +26,10 @@ struct Problem {
   std::vector<uint8_t> q4_qs, q5_qs;
   std::vector<uint32_t> q5_qh;
   std::vector<float> q4_d, q4_m, q5_d, q5_m;
+  // Q6_K layout (q6_k.h) of random 6-bit values and scales (k a multiple of 256; else empty).
+  std::vector<uint8_t> q6_ql, q6_qh;
+  std::vector<int8_t> q6_s;
+  std::vector<float> q6_d;
   int64_t n, k;
 
   Problem(int64_t n_, int64_t k_) : n(n_), k(k_) {
@@ -55,6 +59,15 @@ struct Problem {
       q5_qh[b] = static_cast<uint32_t>(rng());
       q5_d[b] = 0.01f;
       q5_m[b] = -0.16f;
+    }
+    if (k % kQ6Super == 0) {
+      q6_ql.resize(n * k / 2);
+      q6_qh.resize(n * k / 4);
+      q6_s.resize(n * k / 16);
+      q6_d.assign(n * k / kQ6Super, 0.001f);
+      for (auto& b : q6_ql) b = static_cast<uint8_t>(rng());
+      for (auto& b : q6_qh) b = static_cast<uint8_t>(rng());
+      for (auto& v : q6_s) v = static_cast<int8_t>(rng());
     }
   }
 };
@@ -128,6 +141,16 @@ void BM_GemvRowsQ5_1(benchmark::State& state) {
     benchmark::DoNotOptimize(p.y.data());
   }
   SetBytes(state, p.n * p.k / 2 + p.n * p.k / kQ5Block * 12);
+}
+
+void BM_GemvRowsQ6_K(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  const Q6_KMatrix m{p.q6_ql.data(), p.q6_qh.data(), p.q6_s.data(), p.q6_d.data(), p.n, p.k};
+  for (auto _ : state) {
+    GemmRowsQ6_K(p.x.data(), p.k, m, nullptr, p.y.data(), p.n, 1, false);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  SetBytes(state, p.n * p.k / 2 + p.n * p.k / 4 + p.n * p.k / 16 + p.n * p.k / kQ6Super * 4);
 }
 
 void BM_GemvQ8(benchmark::State& state) {
@@ -225,6 +248,9 @@ BENCHMARK(BM_GemvRowsBf16) SHAPES;
 BENCHMARK(BM_GemvRowsQ8) SHAPES;
 BENCHMARK(BM_GemvRowsQ4_1) SHAPES;
 BENCHMARK(BM_GemvRowsQ5_1) SHAPES;
+// Q6_K rows are whole super-blocks of 256: SmolLM2's down projection, and the large shapes' bytes.
+BENCHMARK(BM_GemvRowsQ6_K)->Args({576, 1536})->Args({16384, 2048})->Args({73728, 1536});
+BENCHMARK(BM_GemvRowsQ8)->Args({73728, 1536});
 BENCHMARK(BM_GemvQ8) SHAPES;
 BENCHMARK(BM_ReadBandwidth) SHAPES;
 

@@ -20,6 +20,8 @@ const char* WeightFormatName(WeightFormat f) {
       return "q4_1";
     case WeightFormat::kQ5_1:
       return "q5_1";
+    case WeightFormat::kQ6_K:
+      return "q6_k";
   }
   return "?";
 }

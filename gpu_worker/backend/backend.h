@@ -85,11 +85,14 @@ enum class WeightFormat : uint8_t {
   kQ8,  // int8 with one float32 scale per 32 weights of a row (kernels/cpu/packed_gemm.h)
   // A GGUF file's 4- and 5-bit matrices kept as the file has them: GGUF's Q4_1
   // (kernels/cpu/q4_1.h) for Q4_0, Q4_1 and Q4_K, Q5_1 (kernels/cpu/q5_1.h) for Q5_0, Q5_1 and
-  // Q5_K; q8 for every other matrix. As an option, what a backend keeps; as a weight's format,
-  // one in Q4_1 blocks.
+  // Q5_K, Q6_K (kernels/cpu/q6_k.h) for Q6_K; q8 for every other matrix. As an option, what a
+  // backend keeps; as a weight's format, one in Q4_1 blocks.
   kQ4_1,
   // A weight in Q5_1 blocks (chosen per matrix under kQ4_1, never as an option).
   kQ5_1,
+  // A file's Q6_K matrix in the CPU's Q6_K layout (kernels/cpu/q6_k.h; chosen per matrix under
+  // kQ4_1, never as an option).
+  kQ6_K,
 };
 const char* WeightFormatName(WeightFormat f);
 
@@ -113,6 +116,11 @@ class StoredWeight {
   virtual bool ConvertsToQ5_1() const { return false; }
   virtual void ToQ5_1(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*qs*/, uint32_t* /*qh*/,
                       float* /*d*/, float* /*m*/) const {}
+  // The same for the CPU's Q6_K layout (kernels/cpu/q6_k.h: the file's Q6_K super-blocks; rows
+  // of whole super-blocks).
+  virtual bool ConvertsToQ6_K() const { return false; }
+  virtual void ToQ6_K(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*ql*/, uint8_t* /*qh*/,
+                      int8_t* /*s*/, float* /*d*/) const {}
 };
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 

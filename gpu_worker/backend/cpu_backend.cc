@@ -14,6 +14,7 @@
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/q6_k.h"
 #include "kernels/cpu/row_gemm.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
@@ -78,6 +79,24 @@ cpu::Q5_1Matrix Q5View(const Weight& w) {
   return {base,   reinterpret_cast<const uint32_t*>(base + Q5BitsOffset(w.rows, w.cols)),
           d,      d + w.rows * w.cols / cpu::kQ5Block,
           w.rows, w.cols};
+}
+
+// A Q6_K weight's buffer holds the low nibbles (half a byte a weight), then (each 64-byte
+// aligned) the high bits (a quarter), the scales (one byte per 16 weights), the super-blocks' d.
+size_t Aligned64(int64_t bytes) { return static_cast<size_t>((bytes + 63) / 64 * 64); }
+size_t Q6HighOffset(int64_t n) { return Aligned64(n / 2); }
+size_t Q6ScalesOffset(int64_t n) { return Q6HighOffset(n) + Aligned64(n / 4); }
+size_t Q6SuperOffset(int64_t n) { return Q6ScalesOffset(n) + Aligned64(n / 16); }
+
+cpu::Q6_KMatrix Q6View(const Weight& w) {
+  const auto* base = static_cast<const uint8_t*>(w.data());
+  const int64_t n = w.rows * w.cols;
+  return {base,
+          base + Q6HighOffset(n),
+          reinterpret_cast<const int8_t*>(base + Q6ScalesOffset(n)),
+          reinterpret_cast<const float*>(base + Q6SuperOffset(n)),
+          w.rows,
+          w.cols};
 }
 
 }  // namespace
@@ -180,6 +199,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
   w.format = rows == 1 ? WeightFormat::kF32 : options_.weight_format;
   if (w.format == WeightFormat::kQ4_1 && !stored.ConvertsToQ4_1()) {
     w.format = stored.ConvertsToQ5_1() ? WeightFormat::kQ5_1 : WeightFormat::kQ8;
+    if (stored.ConvertsToQ6_K() && cols % cpu::kQ6Super == 0) w.format = WeightFormat::kQ6_K;
   }
   if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1 ||
        w.format == WeightFormat::kQ5_1) &&
@@ -193,6 +213,9 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
   if (w.format == WeightFormat::kQ8) bytes = Q8ScalesOffset(rows, cols) + n / cpu::kQ8Block * 4;
   if (w.format == WeightFormat::kQ4_1) bytes = Q4ScalesOffset(rows, cols) + n / cpu::kQ4Block * 8;
   if (w.format == WeightFormat::kQ5_1) bytes = Q5ScalesOffset(rows, cols) + n / cpu::kQ5Block * 8;
+  if (w.format == WeightFormat::kQ6_K) {
+    bytes = Q6SuperOffset(static_cast<int64_t>(n)) + n / cpu::kQ6Super * 4;
+  }
   auto buf = Allocate(bytes);
   if (!buf.ok()) return buf.status();
   w.buffer = std::move(*buf);
@@ -206,6 +229,13 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
     const cpu::Q4_1Matrix q = Q4View(w);
     stored.ToQ4_1(0, rows, const_cast<uint8_t*>(q.qs), const_cast<float*>(q.d),
                   const_cast<float*>(q.m));
+    return w;
+  }
+  if (w.format == WeightFormat::kQ6_K) {
+    kept_blocks_.store(true);
+    const cpu::Q6_KMatrix q = Q6View(w);
+    stored.ToQ6_K(0, rows, const_cast<uint8_t*>(q.ql), const_cast<uint8_t*>(q.qh),
+                  const_cast<int8_t*>(q.s), const_cast<float*>(q.d));
     return w;
   }
   if (w.format == WeightFormat::kQ5_1) {
@@ -247,6 +277,9 @@ absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatV
       break;
     case WeightFormat::kQ5_1:
       cpu::EmbeddingQ5_1(Q5View(table), ids, out.rows, out.As<float>(), out.stride);
+      break;
+    case WeightFormat::kQ6_K:
+      cpu::EmbeddingQ6_K(Q6View(table), ids, out.rows, out.As<float>(), out.stride);
       break;
     default:
       cpu::Embedding(F(table), table.cols, ids, out.rows, out.As<float>(), out.stride);
@@ -302,6 +335,10 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
       break;
     case WeightFormat::kQ5_1:
       cpu::GemmRowsQ5_1(x.As<float>(), x.stride, Q5View(w), F(bias), out.As<float>(), out.stride,
+                        x.rows, accumulate);
+      break;
+    case WeightFormat::kQ6_K:
+      cpu::GemmRowsQ6_K(x.As<float>(), x.stride, Q6View(w), F(bias), out.As<float>(), out.stride,
                         x.rows, accumulate);
       break;
     default:

@@ -13,8 +13,8 @@ struct CpuBackendOptions {
   // Storage of weight matrices. f32 is exact (the reference); bf16 and q8 trade a little
   // accuracy for 2x / ~3.8x fewer bytes per decode step; q4_1 keeps a GGUF file's 4- and 5-bit
   // matrices' values as they are: Q4_0, Q4_1 and Q4_K in Q4_1 blocks (~5.3x fewer than f32),
-  // Q5_0, Q5_1 and Q5_K in Q5_1 blocks (~4.6x), the others in q8. Matrices whose rows are not a
-  // multiple of 32 stay f32 under q8 and q4_1.
+  // Q5_0, Q5_1 and Q5_K in Q5_1 blocks (~4.6x), Q6_K in the CPU's Q6_K layout (~4.8x), the
+  // others in q8. Matrices whose rows are not a multiple of 32 stay f32 under q8 and q4_1.
   WeightFormat weight_format = WeightFormat::kF32;
   // Every row of a Linear computed by the same fixed-order kernel whatever the batch
   // (kernels/cpu/row_gemm.h; q8: activations quantized per row): a sequence's logits do not
@@ -80,8 +80,8 @@ class CpuBackend : public Backend {
 
  private:
   CpuBackendOptions options_;
-  // Whether a weight was kept in Q4_1 or Q5_1 blocks (under q4_1, a checkpoint without 4- or
-  // 5-bit GGUF matrices runs q8).
+  // Whether a weight was kept in Q4_1, Q5_1 or Q6_K blocks (under q4_1, a checkpoint without 4-,
+  // 5- or 6-bit GGUF matrices runs q8).
   std::atomic<bool> kept_blocks_{false};
 };
 

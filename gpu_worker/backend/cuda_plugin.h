@@ -25,7 +25,8 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int device, DType dtype
 using CreateCudaBackendFn = Backend* (*)(int abi, size_t backend_size, int device, int dtype,
                                          char* error, size_t error_size);
 inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
-// Bumped whenever Backend's virtual functions change (2: ScratchBytes).
-inline constexpr int kCudaPluginAbi = 2;
+// Bumped whenever Backend's or StoredWeight's virtual functions change (2: ScratchBytes; 3:
+// StoredWeight::ToQ6_K).
+inline constexpr int kCudaPluginAbi = 3;
 
 }  // namespace infinigen

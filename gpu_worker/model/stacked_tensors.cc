@@ -4,6 +4,7 @@
 
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/q6_k.h"
 
 namespace infinigen {
 
@@ -55,6 +56,24 @@ void StackedTensors::ToQ5_1(int64_t r0, int64_t r1, uint8_t* qs, uint32_t* qh, f
     const int64_t block = StorageBlockElements(t.type), q5 = at / cpu::kQ5Block;
     ConvertToQ5_1(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
                   qs + q5 * (cpu::kQ5Block / 2), qh + q5, d + q5, m + q5);
+  });
+}
+
+bool StackedTensors::ConvertsToQ6_K() const {
+  for (const StoredTensor* t : parts_) {
+    if (!infinigen::ConvertsToQ6_K(t->type)) return false;
+  }
+  return true;
+}
+
+void StackedTensors::ToQ6_K(int64_t r0, int64_t r1, uint8_t* ql, uint8_t* qh, int8_t* s,
+                            float* d) const {
+  ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
+    // Element `at` of the output: ql holds half a byte an element, qh a quarter, s one scale
+    // per 16 and d one per super-block.
+    const int64_t block = StorageBlockElements(t.type);
+    ConvertToQ6_K(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
+                  ql + at / 2, qh + at / 4, s + at / 16, d + at / cpu::kQ6Super);
   });
 }
 

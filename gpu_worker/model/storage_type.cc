@@ -108,18 +108,23 @@ void DecodeQ3K(const uint8_t* b, float* out) {
   }
 }
 
-void DecodeQ6K(const uint8_t* b, float* out) {
+// Element i's 6-bit value (0-63) in the Q6_K super-block at b.
+int Q6KValue(const uint8_t* b, int i) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
+  const int h = i / 128, r = i % 128;
+  const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0f;
+  const int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+  return low | (high << 4);
+}
+
+void DecodeQ6K(const uint8_t* b, float* out) {
   const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = Half(b + 208);
   for (int i = 0; i < kSuper; ++i) {
-    const int h = i / 128, r = i % 128;
-    const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0f;
-    const int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
     // (d * s) first, then q: the reference's order (their product can round).
     const float ds = d * static_cast<float>(scales[i / 16]);
-    out[i] = ds * static_cast<float>((low | (high << 4)) - 32);
+    out[i] = ds * static_cast<float>(Q6KValue(b, i) - 32);
   }
 }
 
@@ -394,6 +399,39 @@ void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
       }
       default:
         break;
+    }
+  }
+}
+
+bool ConvertsToQ6_K(StorageType t) { return t == StorageType::kQ6_K; }
+
+// Pair j (of 4) of a super-block: group g's 16 elements start at 64 j + kGroupStart[g] and have
+// the reference's scale 4 j + kGroupScale[g] (kernels/cpu/q6_k.h's groups).
+void ConvertToQ6_K(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* ql, uint8_t* qh,
+                   int8_t* s, float* d) {
+  if (t != StorageType::kQ6_K) return;
+  constexpr int kGroupStart[4] = {0, 32, 16, 48}, kGroupScale[4] = {0, 2, 1, 3};
+  const int64_t bytes = StorageBlockBytes(t);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = p + b * bytes;
+    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    d[b] = Half(blk + 208);
+    for (int k = 0; k < 8; ++k) {  // block k's nibbles
+      uint8_t* out = ql + 16 * (8 * b + k);
+      for (int l = 0; l < 16; ++l) {
+        out[l] = static_cast<uint8_t>((Q6KValue(blk, 32 * k + l) & 0x0f) |
+                                      ((Q6KValue(blk, 32 * k + 16 + l) & 0x0f) << 4));
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t pair = 4 * b + j;
+      for (int g = 0; g < 4; ++g) s[4 * pair + g] = scales[4 * j + kGroupScale[g]];
+      for (int l = 0; l < 16; ++l) {
+        int bits = 0;
+        for (int g = 0; g < 4; ++g)
+          bits |= (Q6KValue(blk, 64 * j + kGroupStart[g] + l) >> 4) << (2 * g);
+        qh[16 * pair + l] = static_cast<uint8_t>(bits);
+      }
     }
   }
 }

@@ -1,6 +1,6 @@
-// GemmRowsQ4_1, GemmRowsQ5_1 and GemmRowsQ8 (row_gemm.h): block-quantized weights times
-// activations quantized to 8 bits per block of 32, each block's dot product in integers
-// (llama.cpp's way for its Q4, Q5 and Q8 formats). Widening 4-, 5- or 8-bit values to float32
+// GemmRowsQ4_1, GemmRowsQ5_1, GemmRowsQ6_K and GemmRowsQ8 (row_gemm.h): block-quantized weights
+// times activations quantized to 8 bits per block of 32, each block's dot product in integers
+// (llama.cpp's way for its Q4, Q5, Q6_K and Q8 formats). Widening 4-, 5- or 8-bit values to float32
 // takes more instructions than streaming them (the float32 kernels reached 18.5 GB/s for Q5_1,
 // 22.4 for Q8 and 25.4 for Q4_1 on the project VM); integer dot products keep the GEMV
 // memory-bound.
@@ -9,12 +9,12 @@
 // is one fixed sequence of operations whatever the tile, the number of rows or the instruction
 // set (the AVX-512 VNNI kernel and the AVX2 one give the same bits):
 //   per pair of blocks (2p, 2p+1), 16 int32 lanes of 4-byte dot products in the format's pair
-//   order, each converted to float, times its block's x scale, then acc = fma(that, its block's
-//   d, acc); an odd last block's 8 lanes (elements in order) into lanes 0-7 the same way;
-//   then, for the formats with minimums, acc lane j = fma(m_b, xsum_b, acc) over blocks
-//   b = j (mod 16) in order;
-//   y += HorizontalSum(lanes 0-7 + lanes 8-15 of acc).
-// Pair orders: the nibble formats (Q4_1, Q5_1), as a pair's 32 bytes of nibbles unpack: lanes
+//   order, each converted to float, times its block's x scale, then acc = fma(that, its weight
+//   scale, acc) (the block's d; Q6_K's d s of the lane's 16 weights); an odd last block's 8 lanes
+//   (elements in order) into lanes 0-7 the same way; then, for the formats with minimums, acc lane
+//   j = fma(m_b, xsum_b, acc) over blocks b = j (mod 16) in order; y += HorizontalSum(lanes 0-7 +
+//   lanes 8-15 of acc).
+// Pair orders: the nibble formats (Q4_1, Q5_1, Q6_K), as a pair's 32 bytes of nibbles unpack: lanes
 // 0-3 elements 0-15 of block 2p, 4-7 0-15 of 2p+1, 8-11 16-31 of 2p, 12-15 16-31 of 2p+1; Q8,
 // its bytes in order: lanes 0-7 block 2p, 8-15 block 2p+1.
 #include <immintrin.h>
@@ -31,6 +31,7 @@
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/q6_k.h"
 #include "kernels/cpu/row_gemm.h"
 #include "kernels/cpu/simd.h"
 
@@ -40,7 +41,7 @@ namespace infinigen::cpu {
 namespace {
 
 constexpr int64_t kBlock = 32;
-static_assert(kQ4Block == kBlock && kQ5Block == kBlock && kQ8Block == kBlock);
+static_assert(kQ4Block == kBlock && kQ5Block == kBlock && kQ6Block == kBlock && kQ8Block == kBlock);
 
 // Output columns per parallel task, and x rows per pass over them (as row_gemm.cc's).
 constexpr int64_t kColBlock = 48;
@@ -170,7 +171,10 @@ inline void AddHorizontalSums(const __m256 (&v)[C], float* y) {
 // 32-63 of the pair), Pair16 (one AVX-512 register, as VNNI's unsigned operand) and Block8 (an
 // odd last block); Dot8 (AVX2) and VNNI's `vpdpbusd` from the accumulator Start16 gives for the
 // x bytes turn values and x bytes into the int32 lanes of the header. A panel (kPanel) holds
-// Pair8's bytes, which must then be VNNI's unsigned operand as they are.
+// Pair8's bytes, which must then be VNNI's unsigned operand as they are. Scales8 (AVX2, both
+// registers of a pair) and Scales16 (AVX-512) give the weight scales of a pair's lanes; the
+// formats with one scale per block take them from Scales(w) (PerBlockScales). Only formats
+// with kOddBlock may end a row with an odd block (Block8).
 
 // The bits of a pair of blocks' fifth-bit words (bit e: element e) in the order of the pair's
 // bytes: bits 0-15 of the first word, 0-15 of the second, 16-31 of the first, 16-31 of the
@@ -191,9 +195,20 @@ inline __m256i FifthBits(uint32_t bits) {
                           _mm256_set1_epi8(16));
 }
 
+// The lanes' scales of the formats with one scale per block.
+// (The matrix type is a template parameter: F is incomplete where it derives from this.)
+template <typename F>
+struct PerBlockScales {
+  static constexpr bool kOddBlock = true;
+  template <typename M>
+  static void Scales8(const M& w, int64_t at, __m256 (&dv)[2]);
+  template <typename M>
+  IG_VNNI static __m512 Scales16(const M& w, int64_t at);
+};
+
 // Q4_1 (kFifth false) and Q5_1: unsigned values q (4 or 5 bits), w = d q + m per block.
 template <bool kFifth>
-struct Nibbles {
+struct Nibbles : PerBlockScales<Nibbles<kFifth>> {
   using Matrix = std::conditional_t<kFifth, Q5_1Matrix, Q4_1Matrix>;
   static constexpr bool kNibblePairs = true, kMinimums = true, kPanel = true;
   static const float* Scales(const Matrix& w) { return w.d; }
@@ -244,7 +259,7 @@ struct Nibbles {
 // Q8 (packed_gemm.h): signed values q, w = d q. AVX2 multiplies |q| by x with q's sign; VNNI's
 // unsigned operand is q + 128, and the accumulator starts at -128 times each lane's x bytes, so
 // that both give the integers q . x.
-struct Signed8 {
+struct Signed8 : PerBlockScales<Signed8> {
   using Matrix = Q8Matrix;
   // No panel: its bytes are signed, not VNNI's operand (and need no preparing).
   static constexpr bool kNibblePairs = false, kMinimums = false, kPanel = false;
@@ -278,6 +293,74 @@ struct Signed8 {
   }
 };
 
+// Q6_K (q6_k.h): unsigned 6-bit values q in the nibble formats' pair order, w = (d s) (q - 32)
+// with s per 16 weights (4 lanes). AVX2 subtracts 32 times the x bytes from the products; VNNI's
+// accumulator starts at -32 times each lane's x bytes: both give the integers (q - 32) . x.
+struct SixBits {
+  using Matrix = Q6_KMatrix;
+  static constexpr bool kNibblePairs = true, kMinimums = false, kPanel = true, kOddBlock = false;
+  static const float* Minimums(const Matrix&) { return nullptr; }
+
+  static void Pair8(const Matrix& w, int64_t at, __m256i& qa, __m256i& qb, bool prefetch) {
+    const uint8_t* bytes = w.ql + at * (kBlock / 2);
+    const uint8_t* high = w.qh + at * (kBlock / 4);
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(high) + kPrefetchBytes / 2, _MM_HINT_T0);
+    }
+    const __m256i low = _mm256_set1_epi8(0x0f), bits = _mm256_set1_epi8(0x30);
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high));
+    // Group g's two bits moved to bits 4-5 (a 16-bit shift moves other bits only into 0-3, 6-7).
+    qa = _mm256_or_si256(
+        _mm256_and_si256(nib, low),
+        _mm256_and_si256(_mm256_set_m128i(_mm_slli_epi16(h, 2), _mm_slli_epi16(h, 4)), bits));
+    qb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), low),
+                         _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(h, 2), h), bits));
+  }
+  // (q x - 32 x) per pair of bytes: at most 2 * 63 * 127 and 2 * 32 * 127, inside int16.
+  static __m256i Dot8(__m256i q, __m256i x) {
+    const __m256i qx = _mm256_maddubs_epi16(q, x);
+    const __m256i offset = _mm256_maddubs_epi16(_mm256_set1_epi8(32), x);
+    return _mm256_madd_epi16(_mm256_sub_epi16(qx, offset), _mm256_set1_epi16(1));
+  }
+  IG_VNNI static __m512i Pair16(const Matrix& w, int64_t at) {
+    const uint8_t* bytes = w.ql + at * (kBlock / 2);
+    const uint8_t* high = w.qh + at * (kBlock / 4);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(high) + kPrefetchBytes / 2, _MM_HINT_T0);
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m512i n = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1),
+        _mm512_set1_epi8(0x0f));
+    // 128-bit part g holds group g: its bits rotated to 4-5 (left 4, left 2, none, right 2).
+    const __m512i h = _mm512_rorv_epi32(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high))),
+        _mm512_setr_epi32(28, 28, 28, 28, 30, 30, 30, 30, 0, 0, 0, 0, 2, 2, 2, 2));
+    return _mm512_or_si512(n, _mm512_and_si512(h, _mm512_set1_epi8(0x30)));
+  }
+  IG_VNNI static __m512i Start16(__m512i x) {
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(32), x));
+  }
+  // The pair's four group scales d s (s converted to float, times d: exact in float32).
+  static __m128 GroupScales(const Matrix& w, int64_t at) {
+    int32_t four;
+    std::memcpy(&four, w.s + 2 * at, 4);
+    return _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four))),
+                      _mm_set1_ps(w.d[at / 8]));
+  }
+  static void Scales8(const Matrix& w, int64_t at, __m256 (&dv)[2]) {
+    const __m256 s = _mm256_castps128_ps256(GroupScales(w, at));
+    dv[0] = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    dv[1] = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+  }
+  IG_VNNI static __m512 Scales16(const Matrix& w, int64_t at) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(GroupScales(w, at)));
+  }
+};
+
 // Several x rows read each weight row many times: the nibble formats' values made once, in
 // pair order, k bytes for each of `cols` weight rows from c0 (Q8's are its bytes already).
 template <typename F>
@@ -292,9 +375,11 @@ void PrepareColumns(const typename F::Matrix& w, int64_t c0, int64_t cols, uint8
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * p), qa);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * p + 32), qb);
     }
-    if (blocks % 2 == 1) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * (blocks - 1)),
-                          F::Block8(w, first + blocks - 1));
+    if constexpr (F::kOddBlock) {
+      if (blocks % 2 == 1) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * (blocks - 1)),
+                            F::Block8(w, first + blocks - 1));
+      }
     }
   }
 }
@@ -329,7 +414,6 @@ template <typename F, int R, int C>
 void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
            const uint8_t* panel, float* y, int64_t ldy) {
   const int64_t blocks = x.blocks, pairs = blocks / 2;
-  const float* d = F::Scales(w);
   __m256 acc[R][C][2];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
@@ -346,7 +430,7 @@ void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int6
       } else {
         F::Pair8(w, at, q[c][0], q[c][1], /*prefetch=*/true);
       }
-      for (int h = 0; h < 2; ++h) dv[c][h] = PairScales8<F>(d + at, h);
+      F::Scales8(w, at, dv[c]);
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.Values(r0 + r) + 64 * p;
@@ -360,16 +444,20 @@ void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int6
       }
     }
   }
-  if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
-    const int64_t b = blocks - 1;
-    for (int c = 0; c < C; ++c) {
-      const int64_t at = (c0 + c) * blocks + b;
-      const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
-      const __m256 dw = _mm256_set1_ps(d[at]);
-      for (int r = 0; r < R; ++r) {
-        acc[r][c][0] = _mm256_fmadd_ps(OddBlockProduct<F>(q, x, r0 + r, b), dw, acc[r][c][0]);
+  if constexpr (F::kOddBlock) {
+    if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
+      const int64_t b = blocks - 1;
+      for (int c = 0; c < C; ++c) {
+        const int64_t at = (c0 + c) * blocks + b;
+        const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
+        const __m256 dw = _mm256_set1_ps(F::Scales(w)[at]);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c][0] = _mm256_fmadd_ps(OddBlockProduct<F>(q, x, r0 + r, b), dw, acc[r][c][0]);
+        }
       }
     }
+  } else {
+    assert(blocks % 2 == 0);
   }
   if constexpr (F::kMinimums) {
     const float* m = F::Minimums(w);
@@ -418,6 +506,17 @@ IG_VNNI inline __m512 PairScales16(const float* v) {
   return _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(_mm_castsi128_ps(two)));
 }
 
+template <typename F>
+template <typename M>
+void PerBlockScales<F>::Scales8(const M& w, int64_t at, __m256 (&dv)[2]) {
+  for (int h = 0; h < 2; ++h) dv[h] = PairScales8<F>(F::Scales(w) + at, h);
+}
+template <typename F>
+template <typename M>
+IG_VNNI __m512 PerBlockScales<F>::Scales16(const M& w, int64_t at) {
+  return PairScales16<F>(F::Scales(w) + at);
+}
+
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -425,7 +524,6 @@ template <typename F, int R, int C>
 IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
                     const uint8_t* panel, float* y, int64_t ldy) {
   const int64_t blocks = x.blocks, pairs = blocks / 2;
-  const float* d = F::Scales(w);
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -436,7 +534,7 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
     for (int c = 0; c < C; ++c) {
       const int64_t at = (c0 + c) * blocks + 2 * p;
       q[c] = panel != nullptr ? _mm512_loadu_si512(panel + c * x.k + 64 * p) : F::Pair16(w, at);
-      dv[c] = PairScales16<F>(d + at);
+      dv[c] = F::Scales16(w, at);
     }
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_loadu_si512(x.Values(r0 + r) + 64 * p);
@@ -448,17 +546,21 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
       }
     }
   }
-  if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
-    const int64_t b = blocks - 1;
-    for (int c = 0; c < C; ++c) {
-      const int64_t at = (c0 + c) * blocks + b;
-      const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
-      const __m512 dw = _mm512_set1_ps(d[at]);
-      for (int r = 0; r < R; ++r) {
-        const __m512 f = _mm512_zextps256_ps512(OddBlockProduct<F>(q, x, r0 + r, b));
-        acc[r][c] = _mm512_mask3_fmadd_ps(f, dw, acc[r][c], 0x00FF);
+  if constexpr (F::kOddBlock) {
+    if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
+      const int64_t b = blocks - 1;
+      for (int c = 0; c < C; ++c) {
+        const int64_t at = (c0 + c) * blocks + b;
+        const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
+        const __m512 dw = _mm512_set1_ps(F::Scales(w)[at]);
+        for (int r = 0; r < R; ++r) {
+          const __m512 f = _mm512_zextps256_ps512(OddBlockProduct<F>(q, x, r0 + r, b));
+          acc[r][c] = _mm512_mask3_fmadd_ps(f, dw, acc[r][c], 0x00FF);
+        }
       }
     }
+  } else {
+    assert(blocks % 2 == 0);
   }
   if constexpr (F::kMinimums) {
     const float* m = F::Minimums(w);
@@ -596,6 +698,12 @@ void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float*
 void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {
   GemmInt8<Nibbles<true>>(x, ldx, w, bias, y, ldy, m, accumulate);
+}
+
+void GemmRowsQ6_K(const float* x, int64_t ldx, const Q6_KMatrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate) {
+  assert(w.cols % kQ6Super == 0);
+  GemmInt8<SixBits>(x, ldx, w, bias, y, ldy, m, accumulate);
 }
 
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,

@@ -4,7 +4,7 @@
 // kernels, blockings and reduction orders for sgemv and for sgemm of different shapes). The
 // canonical order of the float32 and bf16 weights: 8-element block b of k into accumulator
 // b % 2 by FMA, the two summed lane-wise, a fixed horizontal sum, then the tail by scalar FMA;
-// the block formats (q8, Q4_1, Q5_1) have int8_dot_gemm.cc's.
+// the block formats (q8, Q4_1, Q5_1, Q6_K) have int8_dot_gemm.cc's.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,7 @@
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/q6_k.h"
 
 namespace infinigen::cpu {
 
@@ -38,6 +39,9 @@ void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bia
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
 void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
+                  int64_t ldy, int64_t m, bool accumulate);
+// Q6_K (q6_k.h; k a multiple of 256): y = sum over groups of 16 of d s dx ((q_w - 32) . q_x).
+void GemmRowsQ6_K(const float* x, int64_t ldx, const Q6_KMatrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
 
 // Every GEMM's first step: y's m rows of n set to bias (or 0), or bias added when accumulate.

@@ -242,10 +242,10 @@ TEST(GgufModel, KQuantModelRunsOnItsOwnValues) {
   }
   std::printf("q4_1 vs f32 logits: max |diff| %.5f, max |logit| %.4f\n", max_diff, max_abs);
   EXPECT_GT(max_abs, 0.1f);  // logits that say something
-  // Q4_K, Q4_0, Q5_0, Q5_1 and Q5_K keep their exact values; Q6_K, Q3_K and Q2_K (the down
-  // projections and a V) are requantized to q8 (8 bits against at most 6); every one multiplies
-  // activations quantized to 8 bits per 32 (kernels/cpu/int8_dot_gemm.cc): within a percent or
-  // two of the range.
+  // Q4_K, Q4_0, Q5_0, Q5_1, Q5_K and Q6_K (layer 0's down projection) keep their exact values;
+  // Q3_K and Q2_K (a V, layer 1's down) are requantized to q8 (8 bits against 3); every one
+  // multiplies activations quantized to 8 bits per 32 (kernels/cpu/int8_dot_gemm.cc): within a
+  // percent or two of the range.
   EXPECT_LE(max_diff, 0.02f * max_abs) << "max |logit| " << max_abs;
 }
 

@@ -1,8 +1,8 @@
 // Every GGUF block format decoded against the `gguf` package's reference dequantizer
 // (scripts/fixtures/make_quant_fixtures.py): random blocks of each format, real tensors of the
 // SmolLM2 GGUF, and rows of tensors llama.cpp's quantizer wrote in K-quants. The 4-bit formats'
-// conversion to Q4_1 blocks, and theirs and the 5-bit formats' to Q5_1 blocks, give the same
-// values.
+// conversion to Q4_1 blocks, theirs and the 5-bit formats' to Q5_1 blocks, and Q6_K's to the
+// CPU's Q6_K layout give the same values.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +18,7 @@
 #include "gpu_worker/model/storage_type.h"
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/q6_k.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/test_paths.h"
 
@@ -108,6 +109,20 @@ std::vector<float> ConvertedToQ5_1AndWidened(const StoredTensor& t) {
   return out;
 }
 
+// The same through the CPU's Q6_K layout.
+std::vector<float> ConvertedToQ6_KAndWidened(const StoredTensor& t) {
+  const int64_t rows = t.shape[0], cols = t.shape[1], n = rows * cols;
+  std::vector<uint8_t> ql(n / 2, 0xee), qh(n / 4, 0xee);
+  std::vector<int8_t> s(n / 16, 99);
+  std::vector<float> d(n / cpu::kQ6Super, -1.0f);
+  ConvertToQ6_K(t.type, t.data, n / StorageBlockElements(t.type), ql.data(), qh.data(), s.data(),
+                d.data());
+  const cpu::Q6_KMatrix q{ql.data(), qh.data(), s.data(), d.data(), rows, cols};
+  std::vector<float> out(n);
+  for (int64_t r = 0; r < rows; ++r) cpu::WidenQ6_KRow(q, r, out.data() + r * cols);
+  return out;
+}
+
 bool IsOneOf(const std::string& format, std::initializer_list<const char*> names) {
   for (const char* n : names) {
     if (format == n) return true;
@@ -127,6 +142,18 @@ TEST(GgufQuants, FourAndFiveBitFormatsConvertToQ5_1Exactly) {
     ExpectSameBits(ConvertedToQ5_1AndWidened(t),
                    NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format,
                    /*zero_sign_matters=*/false);
+  }
+}
+
+TEST(GgufQuants, Q6_KConvertsToTheCpuLayoutExactly) {
+  for (const char* format : kFormats) {
+    SCOPED_TRACE(format);
+    Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
+    const StoredTensor& t = l.gguf.tensors[0];
+    EXPECT_EQ(ConvertsToQ6_K(t.type), format == std::string("Q6_K"));
+    if (!ConvertsToQ6_K(t.type)) continue;
+    ExpectSameBits(ConvertedToQ6_KAndWidened(t),
+                   NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format);
   }
 }
 
@@ -164,6 +191,9 @@ TEST(GgufQuants, BlocksLlamaCppQuantizedDecodeAsTheReference) {
     if (ConvertsToQ5_1(t->type)) {
       ExpectSameBits(ConvertedToQ5_1AndWidened(*t), want, format + " as Q5_1",
                      /*zero_sign_matters=*/false);
+    }
+    if (ConvertsToQ6_K(t->type)) {
+      ExpectSameBits(ConvertedToQ6_KAndWidened(*t), want, format + " in the CPU's Q6_K layout");
     }
     if (!ConvertsToQ4_1(t->type)) continue;
     ExpectSameBits(ConvertedAndWidened(*t), want, format + " as Q4_1", /*zero_sign_matters=*/false);
@@ -213,12 +243,28 @@ TEST(GgufQuants, CpuBackendKeepsFiveBitValuesUnderQ4_1InQ5_1Blocks) {
   ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5, 6, 7, 8}), want, "as Q5_1",
                  /*zero_sign_matters=*/false);
   EXPECT_EQ(cpu.Name(), "cpu-q4_1");
-  // Q6_K does not convert: q8, as before.
+  // Q5_0 stacked on Q6_K: no one kept layout holds both, so q8.
   Loaded q6_k = Open(FixturePath("quants/Q6_K.gguf"));
   auto q8 = cpu.UploadStoredWeight(
       StackedTensors({&q5_0.gguf.tensors[0], &q6_k.gguf.tensors[0]}, 6, 512));
   ASSERT_TRUE(q8.ok()) << q8.status();
   EXPECT_EQ(q8->format, WeightFormat::kQ8);
+}
+
+TEST(GgufQuants, CpuBackendKeepsQ6KValuesUnderQ4_1) {
+  Loaded l = Open(FixturePath("quants/Q6_K.gguf"));
+  const StoredTensor& t = l.gguf.tensors[0];
+  CpuBackendOptions options;
+  options.weight_format = WeightFormat::kQ4_1;
+  CpuBackend cpu(options);
+  // Stacked after itself: the second copy's super-blocks, pairs and scales land after the first's.
+  auto w = cpu.UploadStoredWeight(StackedTensors({&t, &t}, 6, 512));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->format, WeightFormat::kQ6_K);
+  std::vector<float> want = NpyFloats(FixturePath("quants/Q6_K.npy"));
+  want.insert(want.end(), want.begin(), want.end());
+  ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, "Q6_K kept");
+  EXPECT_EQ(cpu.Name(), "cpu-q4_1");
 }
 
 TEST(GgufQuants, CpuBackendPacksLargeMatricesARowBlockAtATime) {

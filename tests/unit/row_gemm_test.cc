@@ -20,6 +20,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
+#include "kernels/cpu/q6_k.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -61,6 +62,19 @@ struct Weights {
         q5_m[b] = HalfToFloat(FloatToHalf(d(rng)));
       }
     }
+    if (k % kQ6Super == 0) {
+      // Q6_K: random 6-bit values, int8 scales per 16 and float16 d per 256, as a file has them.
+      std::uniform_int_distribution<uint32_t> bits;
+      q6_ql.resize(n * k / 2);
+      for (auto& b : q6_ql) b = static_cast<uint8_t>(bits(rng));
+      q6_qh.resize(n * k / 4);
+      for (auto& b : q6_qh) b = static_cast<uint8_t>(bits(rng));
+      q6_s.resize(n * k / 16);
+      for (auto& v : q6_s) v = static_cast<int8_t>(bits(rng));
+      for (size_t i = 0; i < q6_s.size(); i += 5) q6_s[i] = -128;  // the extremes
+      q6_d.resize(n * k / kQ6Super);
+      for (auto& v : q6_d) v = HalfToFloat(FloatToHalf(std::abs(d(rng)) / 512));
+    }
     for (int64_t j = 0; j < n; ++j) {
       f32_rows.push_back(f32.data() + j * k);
       bf16_rows.push_back(bf16.data() + j * k);
@@ -78,13 +92,18 @@ struct Weights {
   std::vector<uint32_t> q5_qh;
   std::vector<float> q5_d, q5_m;
   Q5_1Matrix q5() const { return {q5_qs.data(), q5_qh.data(), q5_d.data(), q5_m.data(), n, k}; }
+  std::vector<uint8_t> q6_ql, q6_qh;
+  std::vector<int8_t> q6_s;
+  std::vector<float> q6_d;
+  Q6_KMatrix q6() const { return {q6_ql.data(), q6_qh.data(), q6_s.data(), q6_d.data(), n, k}; }
   std::vector<const float*> f32_rows;
   std::vector<const uint16_t*> bf16_rows;
 };
 
-enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1, kQ5_1 };
+enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1, kQ5_1, kQ6_K };
 const Format kFormats[] = {Format::kF32, Format::kBf16, Format::kF32Table, Format::kBf16Table,
-                           Format::kQ8,  Format::kQ4_1, Format::kQ5_1};
+                           Format::kQ8,  Format::kQ4_1, Format::kQ5_1,     Format::kQ6_K};
+const Format kBlockFormats[] = {Format::kQ8, Format::kQ4_1, Format::kQ5_1, Format::kQ6_K};
 
 // y[m, n] (+)= x · wᵀ + bias in `format`.
 void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, const float* bias,
@@ -103,6 +122,8 @@ void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, cons
       return GemmRowsQ4_1(x, ldx, w.q4(), bias, y, ldy, m, accumulate);
     case Format::kQ5_1:
       return GemmRowsQ5_1(x, ldx, w.q5(), bias, y, ldy, m, accumulate);
+    case Format::kQ6_K:
+      return GemmRowsQ6_K(x, ldx, w.q6(), bias, y, ldy, m, accumulate);
     case Format::kQ8:
       return GemmRowsQ8(x, ldx, {w.q8_qs.data(), w.q8_scales.data(), n, k}, bias, y, ldy, m,
                         accumulate);
@@ -131,6 +152,14 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
       const int q = (o < 16 ? byte & 15 : byte >> 4) | (((w.q5_qh[at] >> o) & 1) << 4);
       return static_cast<double>(q) * w.q5_d[at] + w.q5_m[at];
     }
+    case Format::kQ6_K: {
+      // Written out from q6_k.h's layout: group g = (block % 2) + 2 (element >= 16) of the pair.
+      const int64_t at = j * (w.k / 32) + p / 32, o = p % 32, g = at % 2 + 2 * (o / 16);
+      const uint8_t byte = w.q6_ql[at * 16 + o % 16];
+      const int high = (w.q6_qh[(at / 2) * 16 + o % 16] >> (2 * g)) & 3;
+      const int q = (o < 16 ? byte & 15 : byte >> 4) | (high << 4);
+      return static_cast<double>(w.q6_d[at / 8]) * w.q6_s[(at / 2) * 4 + g] * (q - 32);
+    }
     default:
       return w.f32[j * w.k + p];
   }
@@ -138,7 +167,8 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
 
 // The block formats multiply activations quantized to 8 bits (kernels/cpu/int8_dot_gemm.cc).
 bool QuantizesActivations(Format format) {
-  return format == Format::kQ8 || format == Format::kQ4_1 || format == Format::kQ5_1;
+  return format == Format::kQ8 || format == Format::kQ4_1 || format == Format::kQ5_1 ||
+         format == Format::kQ6_K;
 }
 
 // The activations the format's kernel multiplies: x itself, or for the block formats x quantized
@@ -160,6 +190,7 @@ std::vector<double> Activations(Format format, const float* x, int64_t k) {
 }
 
 bool Applies(Format format, const Weights& w) {
+  if (format == Format::kQ6_K) return !w.q6_ql.empty();
   return !QuantizesActivations(format) || !w.q8_qs.empty();
 }
 
@@ -213,7 +244,8 @@ TEST_P(RowGemm, EachFormatMatchesADoubleProductOfItsWeights) {
 TEST_P(RowGemm, BlockFormatsStayWithinHalfAnActivationStepOfTheFloatProduct) {
   const auto [m, n, k] = GetParam();
   if (!Applies(Format::kQ5_1, *weights)) GTEST_SKIP() << "k is not a multiple of 32";
-  for (Format format : {Format::kQ8, Format::kQ4_1, Format::kQ5_1}) {
+  for (Format format : kBlockFormats) {
+    if (!Applies(format, *weights)) continue;
     const std::vector<float> y = Run(format, m, x.data());
     for (int64_t i = 0; i < m; ++i) {
       const float* xi = x.data() + i * ldx;
@@ -314,25 +346,29 @@ TEST(Q4_1, WeightsDecodedFromAFileQuantizeBackToItsBlocks) {
 // each instruction set, multiplied alone (GEMV) or with other rows, in a pair of blocks or the
 // odd last one; the other rows stay finite.
 TEST(BlockFormats, ANonFiniteActivationMakesItsRowsOutputsNaN) {
-  const int64_t n = 9, k = 96;  // three blocks: a pair and an odd last one
-  Weights w(n, k, 5);
-  for (int64_t at : {40, 70}) {
-    for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
-      std::vector<float> x(3 * k, 0.5f);
-      x[at] = bad;
-      for (Format format : {Format::kQ8, Format::kQ4_1, Format::kQ5_1}) {
-        for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
-          CapIsaForTesting(isa);
-          std::vector<float> y(3 * n, 0.0f), alone(n, 0.0f);
-          Multiply(format, w, x.data(), k, nullptr, y.data(), n, 3, false);
-          Multiply(format, w, x.data(), k, nullptr, alone.data(), n, 1, false);
-          for (int64_t j = 0; j < n; ++j) {
-            const std::string where = std::to_string(static_cast<int>(format)) + " at " +
-                                      std::to_string(at) + " = " + std::to_string(bad) + ", " +
-                                      std::to_string(j);
-            EXPECT_TRUE(std::isnan(y[j])) << where;
-            EXPECT_TRUE(std::isnan(alone[j])) << where;
-            EXPECT_TRUE(std::isfinite(y[n + j]) && std::isfinite(y[2 * n + j])) << where;
+  // k 96: three blocks, a pair and an odd last one; 256: Q6_K's one super-block.
+  for (const int64_t k : {96, 256}) {
+    const int64_t n = 9;
+    Weights w(n, k, 5);
+    for (int64_t at : {40, 70}) {
+      for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+        std::vector<float> x(3 * k, 0.5f);
+        x[at] = bad;
+        for (Format format : kBlockFormats) {
+          if (!Applies(format, w)) continue;
+          for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
+            CapIsaForTesting(isa);
+            std::vector<float> y(3 * n, 0.0f), alone(n, 0.0f);
+            Multiply(format, w, x.data(), k, nullptr, y.data(), n, 3, false);
+            Multiply(format, w, x.data(), k, nullptr, alone.data(), n, 1, false);
+            for (int64_t j = 0; j < n; ++j) {
+              const std::string where = std::to_string(static_cast<int>(format)) + " at " +
+                                        std::to_string(at) + " = " + std::to_string(bad) + ", " +
+                                        std::to_string(j);
+              EXPECT_TRUE(std::isnan(y[j])) << where;
+              EXPECT_TRUE(std::isnan(alone[j])) << where;
+              EXPECT_TRUE(std::isfinite(y[n + j]) && std::isfinite(y[2 * n + j])) << where;
+            }
           }
         }
       }
@@ -345,7 +381,8 @@ INSTANTIATE_TEST_SUITE_P(OddSizes, RowGemm,
                          ::testing::Values(Case{1, 1, 7}, Case{1, 5, 8}, Case{1, 50, 40},
                                            Case{1, 97, 576}, Case{2, 49, 24}, Case{3, 13, 64},
                                            Case{5, 50, 96}, Case{7, 101, 67}, Case{70, 53, 160},
-                                           Case{130, 9, 32}));
+                                           Case{130, 9, 32}, Case{1, 37, 256}, Case{1, 97, 1536},
+                                           Case{3, 21, 512}, Case{70, 19, 768}));
 
 }  // namespace
 }  // namespace infinigen::cpu
