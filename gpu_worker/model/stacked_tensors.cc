@@ -20,6 +20,13 @@ void StackedTensors::ForEachRange(int64_t r0, int64_t r1, Fn fn) const {
   }
 }
 
+bool StackedTensors::EveryPart(bool (*converts)(StorageType)) const {
+  for (const StoredTensor* t : parts_) {
+    if (!converts(t->type)) return false;
+  }
+  return true;
+}
+
 void StackedTensors::Decode(int64_t r0, int64_t r1, float* out) const {
   ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
     const int64_t block = StorageBlockElements(t.type);
@@ -28,12 +35,7 @@ void StackedTensors::Decode(int64_t r0, int64_t r1, float* out) const {
   });
 }
 
-bool StackedTensors::ConvertsToQ4_1() const {
-  for (const StoredTensor* t : parts_) {
-    if (!infinigen::ConvertsToQ4_1(t->type)) return false;
-  }
-  return true;
-}
+bool StackedTensors::ConvertsToQ4_1() const { return EveryPart(infinigen::ConvertsToQ4_1); }
 
 void StackedTensors::ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const {
   ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
@@ -43,12 +45,7 @@ void StackedTensors::ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float
   });
 }
 
-bool StackedTensors::ConvertsToQ5_1() const {
-  for (const StoredTensor* t : parts_) {
-    if (!infinigen::ConvertsToQ5_1(t->type)) return false;
-  }
-  return true;
-}
+bool StackedTensors::ConvertsToQ5_1() const { return EveryPart(infinigen::ConvertsToQ5_1); }
 
 void StackedTensors::ToQ5_1(int64_t r0, int64_t r1, uint8_t* qs, uint32_t* qh, float* d,
                             float* m) const {
@@ -59,12 +56,7 @@ void StackedTensors::ToQ5_1(int64_t r0, int64_t r1, uint8_t* qs, uint32_t* qh, f
   });
 }
 
-bool StackedTensors::ConvertsToQ6_K() const {
-  for (const StoredTensor* t : parts_) {
-    if (!infinigen::ConvertsToQ6_K(t->type)) return false;
-  }
-  return true;
-}
+bool StackedTensors::ConvertsToQ6_K() const { return EveryPart(infinigen::ConvertsToQ6_K); }
 
 void StackedTensors::ToQ6_K(int64_t r0, int64_t r1, uint8_t* ql, uint8_t* qh, int8_t* s,
                             float* d) const {

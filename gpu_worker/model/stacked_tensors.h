@@ -32,6 +32,8 @@ class StackedTensors : public StoredWeight {
   // rows [r0, r1).
   template <typename Fn>
   void ForEachRange(int64_t r0, int64_t r1, Fn fn) const;
+  // Whether every part's type passes `converts`.
+  bool EveryPart(bool (*converts)(StorageType)) const;
 
   std::vector<const StoredTensor*> parts_;
   int64_t rows_, cols_;

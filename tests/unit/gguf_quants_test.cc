@@ -208,19 +208,25 @@ std::vector<float> EmbeddedRows(CpuBackend& cpu, const Weight& w, const std::vec
   return out;
 }
 
-TEST(GgufQuants, CpuBackendKeepsQ4KValuesUnderQ4_1) {
-  Loaded l = Open(FixturePath("quants/Q4_K.gguf"));
-  const StoredTensor& t = l.gguf.tensors[0];
-  // The tensor stacked after itself: the second copy's blocks land after the first's.
-  CpuBackendOptions options;
-  options.weight_format = WeightFormat::kQ4_1;
-  CpuBackend cpu(options);
-  auto w = cpu.UploadStoredWeight(StackedTensors({&t, &t}, 6, 512));
-  ASSERT_TRUE(w.ok()) << w.status();
-  EXPECT_EQ(w->format, WeightFormat::kQ4_1);
-  std::vector<float> want = NpyFloats(FixturePath("quants/Q4_K.npy"));
-  want.insert(want.end(), want.begin(), want.end());
-  ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, "Q4_K as Q4_1");
+TEST(GgufQuants, CpuBackendKeepsQ4KAndQ6KValuesUnderQ4_1) {
+  for (const auto& [format, kept] :
+       {std::pair{"Q4_K", WeightFormat::kQ4_1}, std::pair{"Q6_K", WeightFormat::kQ6_K}}) {
+    SCOPED_TRACE(format);
+    Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
+    const StoredTensor& t = l.gguf.tensors[0];
+    // The tensor stacked after itself: the second copy's blocks (Q6_K: super-blocks, pairs and
+    // scales) land after the first's.
+    CpuBackendOptions options;
+    options.weight_format = WeightFormat::kQ4_1;
+    CpuBackend cpu(options);
+    auto w = cpu.UploadStoredWeight(StackedTensors({&t, &t}, 6, 512));
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(w->format, kept);
+    std::vector<float> want = NpyFloats(FixturePath(std::string("quants/") + format + ".npy"));
+    want.insert(want.end(), want.begin(), want.end());
+    ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, format);
+    EXPECT_EQ(cpu.Name(), "cpu-q4_1");
+  }
 }
 
 TEST(GgufQuants, CpuBackendKeepsFiveBitValuesUnderQ4_1InQ5_1Blocks) {
@@ -249,22 +255,6 @@ TEST(GgufQuants, CpuBackendKeepsFiveBitValuesUnderQ4_1InQ5_1Blocks) {
       StackedTensors({&q5_0.gguf.tensors[0], &q6_k.gguf.tensors[0]}, 6, 512));
   ASSERT_TRUE(q8.ok()) << q8.status();
   EXPECT_EQ(q8->format, WeightFormat::kQ8);
-}
-
-TEST(GgufQuants, CpuBackendKeepsQ6KValuesUnderQ4_1) {
-  Loaded l = Open(FixturePath("quants/Q6_K.gguf"));
-  const StoredTensor& t = l.gguf.tensors[0];
-  CpuBackendOptions options;
-  options.weight_format = WeightFormat::kQ4_1;
-  CpuBackend cpu(options);
-  // Stacked after itself: the second copy's super-blocks, pairs and scales land after the first's.
-  auto w = cpu.UploadStoredWeight(StackedTensors({&t, &t}, 6, 512));
-  ASSERT_TRUE(w.ok()) << w.status();
-  EXPECT_EQ(w->format, WeightFormat::kQ6_K);
-  std::vector<float> want = NpyFloats(FixturePath("quants/Q6_K.npy"));
-  want.insert(want.end(), want.begin(), want.end());
-  ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, "Q6_K kept");
-  EXPECT_EQ(cpu.Name(), "cpu-q4_1");
 }
 
 TEST(GgufQuants, CpuBackendPacksLargeMatricesARowBlockAtATime) {
