@@ -13,7 +13,7 @@ struct CpuBackendOptions {
   // Storage of weight matrices. f32 is exact (the reference); bf16 and q8 trade a little
   // accuracy for 2x / ~3.8x fewer bytes per decode step; q4_1 keeps a GGUF file's 4- and 5-bit
   // matrices' values as they are: Q4_0, Q4_1 and Q4_K in Q4_1 blocks (~5.3x fewer than f32),
-  // Q5_0, Q5_1 and Q5_K in Q5_1 blocks (~4.6x), Q6_K in the CPU's Q6_K layout (~4.8x), the
+  // Q5_0, Q5_1 and Q5_K in Q5_1 blocks (~4.6x), Q6_K and Q3_K in the CPU's Q6_K layout (~4.8x), the
   // others in q8. Matrices whose rows are not a multiple of 32 stay f32 under q8 and q4_1.
   WeightFormat weight_format = WeightFormat::kF32;
   // Every row of a Linear computed by the same fixed-order kernel whatever the batch
@@ -49,8 +49,8 @@ class CpuBackend : public Backend {
   absl::Status CopyToHostLater(const void* device, void* host, size_t bytes) override;
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
-  // Reads `stored` a block of rows at a time; under q4_1, a matrix that converts to Q4_1 or Q5_1
-  // blocks is converted without passing through float32.
+  // Reads `stored` a block of rows at a time; under q4_1, a matrix that converts to Q4_1, Q5_1 or
+  // Q6_K blocks is converted without passing through float32.
   absl::StatusOr<Weight> UploadStoredWeight(const StoredWeight& stored) override;
 
   absl::Status Embedding(const Weight& table, const int32_t* ids, MatView out) override;

@@ -92,19 +92,26 @@ void DecodeQ2K(const uint8_t* b, float* out) {
   }
 }
 
-void DecodeQ3K(const uint8_t* b, float* out) {
+// Sub-block k's (of 16) signed scale (-32..31) in the Q3_K super-block at b.
+int Q3KScale(const uint8_t* b, int k) {
+  const uint8_t* s = b + 96;
+  const int low = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
+  const int high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Element i's signed value (-4..3) in the Q3_K super-block at b.
+int Q3KValue(const uint8_t* b, int i) {
   const uint8_t* hmask = b;
   const uint8_t* qs = b + 32;
-  const uint8_t* s = b + 96;
+  const int h = i / 128, shift = (i % 128) / 32, l = i % 32;
+  return ((qs[32 * h + l] >> (2 * shift)) & 3) - (((hmask[l] >> (i / 32)) & 1) ? 0 : 4);
+}
+
+void DecodeQ3K(const uint8_t* b, float* out) {
   const float d = Half(b + 108);
   for (int i = 0; i < kSuper; ++i) {
-    const int k = i / 16;
-    const int low = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
-    const int high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
-    const int sc = (low | (high << 4)) - 32;
-    const int h = i / 128, shift = (i % 128) / 32, l = i % 32;
-    const int q = ((qs[32 * h + l] >> (2 * shift)) & 3) - (((hmask[l] >> (i / 32)) & 1) ? 0 : 4);
-    out[i] = d * static_cast<float>(sc) * static_cast<float>(q);
+    out[i] = d * static_cast<float>(Q3KScale(b, i / 16)) * static_cast<float>(Q3KValue(b, i));
   }
 }
 
@@ -403,33 +410,40 @@ void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
   }
 }
 
-bool ConvertsToQ6_K(StorageType t) { return t == StorageType::kQ6_K; }
+bool ConvertsToQ6_K(StorageType t) { return t == StorageType::kQ6_K || t == StorageType::kQ3_K; }
 
-// Pair j (of 4) of a super-block: group g's 16 elements start at 64 j + kGroupStart[g] and have
-// the reference's scale 4 j + kGroupScale[g] (kernels/cpu/q6_k.h's groups).
+// Q6_K's 6-bit values, and Q3_K's -4..3 as 28..35: (d s) (q - 32) is then the reference's
+// value, Q3_K's d s q included ((d s) is exact in float32: 11 + 6 bits).
 void ConvertToQ6_K(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* ql, uint8_t* qh,
                    int8_t* s, float* d) {
-  if (t != StorageType::kQ6_K) return;
+  if (!ConvertsToQ6_K(t)) return;
+  // Pair j (of 4) of a super-block: group g's 16 elements start at 64 j + kGroupStart[g] and
+  // have the reference's scale 4 j + kGroupScale[g] (kernels/cpu/q6_k.h's groups).
   constexpr int kGroupStart[4] = {0, 32, 16, 48}, kGroupScale[4] = {0, 2, 1, 3};
+  const bool six = t == StorageType::kQ6_K;
   const int64_t bytes = StorageBlockBytes(t);
+  int q[kSuper], scales[16];
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = p + b * bytes;
-    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    d[b] = Half(blk + 208);
+    d[b] = Half(blk + (six ? 208 : 108));
+    for (int i = 0; i < kSuper; ++i) q[i] = six ? Q6KValue(blk, i) : Q3KValue(blk, i) + 32;
+    for (int k = 0; k < 16; ++k) {
+      scales[k] = six ? reinterpret_cast<const int8_t*>(blk + 192)[k] : Q3KScale(blk, k);
+    }
     for (int k = 0; k < 8; ++k) {  // block k's nibbles
       uint8_t* out = ql + 16 * (8 * b + k);
       for (int l = 0; l < 16; ++l) {
-        out[l] = static_cast<uint8_t>((Q6KValue(blk, 32 * k + l) & 0x0f) |
-                                      ((Q6KValue(blk, 32 * k + 16 + l) & 0x0f) << 4));
+        out[l] = static_cast<uint8_t>((q[32 * k + l] & 0x0f) | ((q[32 * k + 16 + l] & 0x0f) << 4));
       }
     }
     for (int j = 0; j < 4; ++j) {
       const int64_t pair = 4 * b + j;
-      for (int g = 0; g < 4; ++g) s[4 * pair + g] = scales[4 * j + kGroupScale[g]];
+      for (int g = 0; g < 4; ++g) {
+        s[4 * pair + g] = static_cast<int8_t>(scales[4 * j + kGroupScale[g]]);
+      }
       for (int l = 0; l < 16; ++l) {
         int bits = 0;
-        for (int g = 0; g < 4; ++g)
-          bits |= (Q6KValue(blk, 64 * j + kGroupStart[g] + l) >> 4) << (2 * g);
+        for (int g = 0; g < 4; ++g) bits |= (q[64 * j + kGroupStart[g] + l] >> 4) << (2 * g);
         qh[16 * pair + l] = static_cast<uint8_t>(bits);
       }
     }

@@ -1,8 +1,8 @@
 // How a checkpoint encodes a tensor's elements: the plain floating types and GGUF's (ggml's)
 // block formats with their type ids, their sizes, and their decoding. The 4-bit formats with one
 // scale per 32 weights (Q4_0, Q4_1, Q4_K) also convert exactly to Q4_1 blocks
-// (kernels/cpu/q4_1.h), the 5-bit ones to Q5_1 blocks and Q6_K to the CPU's Q6_K layout: the
-// formats the CPU kernels multiply directly.
+// (kernels/cpu/q4_1.h), the 5-bit ones to Q5_1 blocks and Q6_K and Q3_K to the CPU's Q6_K
+// layout: the formats the CPU kernels multiply directly.
 #pragma once
 
 #include <cstdint>
@@ -59,9 +59,10 @@ bool ConvertsToQ5_1(StorageType t);
 void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs, uint32_t* qh,
                    float* d, float* m);
 
-// Whether blocks of t convert exactly to the CPU's Q6_K layout (kernels/cpu/q6_k.h): Q6_K.
+// Whether blocks of t convert exactly to the CPU's Q6_K layout (kernels/cpu/q6_k.h): Q6_K, and
+// Q3_K (its signed 3-bit values plus 32, its 6-bit scales as they are).
 bool ConvertsToQ6_K(StorageType t);
-// `blocks` Q6_K super-blocks at p in that layout (8 blocks of 32, 4 pairs, one d each): their
+// `blocks` such super-blocks at p in that layout (8 blocks of 32, 4 pairs, one d each): their
 // nibbles at ql, high bits at qh, scales at s, d at d, so that (d s) (q - 32) is exactly the
 // value DecodeBlocks gives.
 void ConvertToQ6_K(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* ql, uint8_t* qh,

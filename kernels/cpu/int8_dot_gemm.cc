@@ -1,6 +1,7 @@
 // GemmRowsQ4_1, GemmRowsQ5_1, GemmRowsQ6_K and GemmRowsQ8 (row_gemm.h): block-quantized weights
 // times activations quantized to 8 bits per block of 32, each block's dot product in integers
-// (llama.cpp's way for its Q4, Q5, Q6_K and Q8 formats). Widening 4-, 5- or 8-bit values to float32
+// (llama.cpp's way for its Q4, Q5 and Q8 formats; for Q6_K it quantizes activations per 256,
+// we per 32 as for the others). Widening 4-, 5- or 8-bit values to float32
 // takes more instructions than streaming them (the float32 kernels reached 18.5 GB/s for Q5_1,
 // 22.4 for Q8 and 25.4 for Q4_1 on the project VM); integer dot products keep the GEMV
 // memory-bound.

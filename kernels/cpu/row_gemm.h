@@ -40,7 +40,8 @@ void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float*
                   int64_t ldy, int64_t m, bool accumulate);
 void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
-// Q6_K (q6_k.h; k a multiple of 256): y = sum over groups of 16 of d s dx ((q_w - 32) . q_x).
+// Q6_K (q6_k.h; k must be a multiple of 256, unchecked in release builds): y = sum over 4-weight
+// lanes of d s dx ((q_w - 32) . q_x) (the 4 lanes of a group of 16 share its d s).
 void GemmRowsQ6_K(const float* x, int64_t ldx, const Q6_KMatrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
 

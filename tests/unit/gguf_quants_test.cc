@@ -1,8 +1,8 @@
 // Every GGUF block format decoded against the `gguf` package's reference dequantizer
 // (scripts/fixtures/make_quant_fixtures.py): random blocks of each format, real tensors of the
 // SmolLM2 GGUF, and rows of tensors llama.cpp's quantizer wrote in K-quants. The 4-bit formats'
-// conversion to Q4_1 blocks, theirs and the 5-bit formats' to Q5_1 blocks, and Q6_K's to the
-// CPU's Q6_K layout give the same values.
+// conversion to Q4_1 blocks, theirs and the 5-bit formats' to Q5_1 blocks, and Q6_K's and
+// Q3_K's to the CPU's Q6_K layout give the same values.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -145,12 +145,12 @@ TEST(GgufQuants, FourAndFiveBitFormatsConvertToQ5_1Exactly) {
   }
 }
 
-TEST(GgufQuants, Q6_KConvertsToTheCpuLayoutExactly) {
+TEST(GgufQuants, Q6_KAndQ3_KConvertToTheCpuQ6_KLayoutExactly) {
   for (const char* format : kFormats) {
     SCOPED_TRACE(format);
     Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
     const StoredTensor& t = l.gguf.tensors[0];
-    EXPECT_EQ(ConvertsToQ6_K(t.type), format == std::string("Q6_K"));
+    EXPECT_EQ(ConvertsToQ6_K(t.type), IsOneOf(format, {"Q6_K", "Q3_K"}));
     if (!ConvertsToQ6_K(t.type)) continue;
     ExpectSameBits(ConvertedToQ6_KAndWidened(t),
                    NpyFloats(FixturePath(std::string("quants/") + format + ".npy")), format);
@@ -210,7 +210,8 @@ std::vector<float> EmbeddedRows(CpuBackend& cpu, const Weight& w, const std::vec
 
 TEST(GgufQuants, CpuBackendKeepsQ4KAndQ6KValuesUnderQ4_1) {
   for (const auto& [format, kept] :
-       {std::pair{"Q4_K", WeightFormat::kQ4_1}, std::pair{"Q6_K", WeightFormat::kQ6_K}}) {
+       {std::pair{"Q4_K", WeightFormat::kQ4_1}, std::pair{"Q6_K", WeightFormat::kQ6_K},
+        std::pair{"Q3_K", WeightFormat::kQ6_K}}) {
     SCOPED_TRACE(format);
     Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
     const StoredTensor& t = l.gguf.tensors[0];
