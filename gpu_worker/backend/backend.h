@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -121,6 +122,14 @@ class StoredWeight {
   virtual bool ConvertsToQ6_K() const { return false; }
   virtual void ToQ6_K(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*ql*/, uint8_t* /*qh*/,
                       int8_t* /*s*/, float* /*d*/) const {}
+  // Where the matrix's parts end (row counts, ascending; the last is rows()), for a matrix
+  // stacked from tensors that may be stored alike or not (a fused QKV whose V a file keeps in
+  // more bits): {rows()} by default. Rows(r0, r1) views the rows of whole parts (r0 and r1 part
+  // ends, or 0), nullptr for other ranges or by default.
+  virtual std::vector<int64_t> PartEnds() const { return {rows()}; }
+  virtual std::unique_ptr<StoredWeight> Rows(int64_t /*r0*/, int64_t /*r1*/) const {
+    return nullptr;
+  }
 };
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 
@@ -131,8 +140,12 @@ struct Weight {
   WeightFormat format = WeightFormat::kF32;
   int64_t rows = 0;
   int64_t cols = 0;
+  // Or, with no buffer of its own, consecutive row ranges stored in different formats (the CPU
+  // backend's fused matrices whose parts a file keeps in different block formats): Linear
+  // multiplies each into its columns of the output.
+  std::vector<Weight> segments;
 
-  explicit operator bool() const { return buffer != nullptr; }
+  explicit operator bool() const { return buffer != nullptr || !segments.empty(); }
   const void* data() const { return buffer ? buffer->data() : nullptr; }
 };
 

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -185,6 +186,46 @@ class HostFloats : public StoredWeight {
 // Rows decoded at a time while packing a weight: about 1 MiB of float32.
 int64_t RowsPerChunk(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 18) / cols); }
 
+// Under q4_1: the block layout that keeps `stored`'s values as they are, or q8.
+WeightFormat KeptFormat(const StoredWeight& stored) {
+  if (stored.ConvertsToQ4_1()) return WeightFormat::kQ4_1;
+  if (stored.ConvertsToQ5_1()) return WeightFormat::kQ5_1;
+  if (stored.ConvertsToQ6_K() && stored.cols() % cpu::kQ6Super == 0) return WeightFormat::kQ6_K;
+  return WeightFormat::kQ8;
+}
+
+// A stacked matrix with no one kept layout, as runs of consecutive parts that share one (a
+// Q4_K_M file's fused QKV: Q and K in Q5_0 or Q4_K, V in Q8_0 or Q6_K); none when no part has a
+// kept layout or the parts cannot be viewed.
+std::vector<std::unique_ptr<StoredWeight>> KeptRuns(const StoredWeight& stored) {
+  const std::vector<int64_t> ends = stored.PartEnds();
+  if (ends.size() < 2) return {};
+  std::vector<std::pair<int64_t, WeightFormat>> runs;  // (end, format), merged
+  int64_t begin = 0;
+  bool kept = false;
+  for (const int64_t end : ends) {
+    const std::unique_ptr<StoredWeight> part = stored.Rows(begin, end);
+    if (part == nullptr) return {};
+    const WeightFormat f = KeptFormat(*part);
+    kept |= f != WeightFormat::kQ8;
+    if (!runs.empty() && runs.back().second == f) {
+      runs.back().first = end;
+    } else {
+      runs.emplace_back(end, f);
+    }
+    begin = end;
+  }
+  if (!kept) return {};
+  std::vector<std::unique_ptr<StoredWeight>> views;
+  begin = 0;
+  for (const auto& [end, f] : runs) {
+    views.push_back(stored.Rows(begin, end));
+    if (views.back() == nullptr) return {};
+    begin = end;
+  }
+  return views;
+}
+
 }  // namespace
 
 absl::StatusOr<Weight> CpuBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {
@@ -197,9 +238,15 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
   w.rows = rows;
   w.cols = cols;
   w.format = rows == 1 ? WeightFormat::kF32 : options_.weight_format;
-  if (w.format == WeightFormat::kQ4_1 && !stored.ConvertsToQ4_1()) {
-    w.format = stored.ConvertsToQ5_1() ? WeightFormat::kQ5_1 : WeightFormat::kQ8;
-    if (stored.ConvertsToQ6_K() && cols % cpu::kQ6Super == 0) w.format = WeightFormat::kQ6_K;
+  if (w.format == WeightFormat::kQ4_1) w.format = KeptFormat(stored);
+  if (w.format == WeightFormat::kQ8 && options_.weight_format == WeightFormat::kQ4_1) {
+    // Parts kept in their own layouts, the rest q8: one segment per run.
+    std::vector<std::unique_ptr<StoredWeight>> runs = KeptRuns(stored);
+    for (const std::unique_ptr<StoredWeight>& run : runs) {
+      IG_ASSIGN_OR_RETURN(Weight part, UploadStoredWeight(*run));
+      w.segments.push_back(std::move(part));
+    }
+    if (!runs.empty()) return w;
   }
   if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1 ||
        w.format == WeightFormat::kQ5_1) &&
@@ -264,6 +311,10 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
 
 absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatView out) {
   if (auto st = CheckF32(out, "Embedding"); !st.ok()) return st;
+  if (!table.segments.empty()) {
+    return absl::InvalidArgumentError(
+        "cpu backend: Embedding of a matrix stacked from parts in different formats");
+  }
   switch (table.format) {
     case WeightFormat::kBF16:
       cpu::EmbeddingBf16(static_cast<const uint16_t*>(table.data()), table.cols, ids, out.rows,
@@ -310,47 +361,61 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
                                                    x.cols, "] x [", w.rows, ", ", w.cols,
                                                    "]^T -> [", out.rows, ", ", out.cols, "]"));
   }
+  if (!w.segments.empty()) {  // each segment's rows into its columns of out
+    int64_t r0 = 0;
+    for (const Weight& part : w.segments) {
+      const float* b = F(bias);
+      MultiplyRows(x, part, b == nullptr ? nullptr : b + r0, out.Cols(r0, part.rows), accumulate);
+      r0 += part.rows;
+    }
+    return absl::OkStatus();
+  }
+  MultiplyRows(x, w, F(bias), out, accumulate);
+  return absl::OkStatus();
+}
+
+void CpuBackend::MultiplyRows(MatView x, const Weight& w, const float* bias, MatView out,
+                              bool accumulate) {
   switch (w.format) {
     case WeightFormat::kBF16:
       if (options_.batch_invariant) {
-        cpu::GemmRowsBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), F(bias),
+        cpu::GemmRowsBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), bias,
                           out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
       } else {
-        cpu::GemmBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), F(bias),
+        cpu::GemmBf16(x.As<float>(), x.stride, static_cast<const uint16_t*>(w.data()), bias,
                       out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
       }
       break;
     case WeightFormat::kQ8:
       if (options_.batch_invariant) {
-        cpu::GemmRowsQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride,
+        cpu::GemmRowsQ8(x.As<float>(), x.stride, Q8View(w), bias, out.As<float>(), out.stride,
                         x.rows, accumulate);
       } else {
-        cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), F(bias), out.As<float>(), out.stride,
-                    x.rows, accumulate);
+        cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), bias, out.As<float>(), out.stride, x.rows,
+                    accumulate);
       }
       break;
     case WeightFormat::kQ4_1:
-      cpu::GemmRowsQ4_1(x.As<float>(), x.stride, Q4View(w), F(bias), out.As<float>(), out.stride,
+      cpu::GemmRowsQ4_1(x.As<float>(), x.stride, Q4View(w), bias, out.As<float>(), out.stride,
                         x.rows, accumulate);
       break;
     case WeightFormat::kQ5_1:
-      cpu::GemmRowsQ5_1(x.As<float>(), x.stride, Q5View(w), F(bias), out.As<float>(), out.stride,
+      cpu::GemmRowsQ5_1(x.As<float>(), x.stride, Q5View(w), bias, out.As<float>(), out.stride,
                         x.rows, accumulate);
       break;
     case WeightFormat::kQ6_K:
-      cpu::GemmRowsQ6_K(x.As<float>(), x.stride, Q6View(w), F(bias), out.As<float>(), out.stride,
+      cpu::GemmRowsQ6_K(x.As<float>(), x.stride, Q6View(w), bias, out.As<float>(), out.stride,
                         x.rows, accumulate);
       break;
     default:
       if (options_.batch_invariant) {
-        cpu::GemmRowsF32(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(),
-                         out.stride, x.rows, w.rows, w.cols, accumulate);
+        cpu::GemmRowsF32(x.As<float>(), x.stride, F(w), w.cols, bias, out.As<float>(), out.stride,
+                         x.rows, w.rows, w.cols, accumulate);
       } else {
-        cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, F(bias), out.As<float>(), out.stride,
-                  x.rows, w.rows, w.cols, accumulate);
+        cpu::Gemm(x.As<float>(), x.stride, F(w), w.cols, bias, out.As<float>(), out.stride, x.rows,
+                  w.rows, w.cols, accumulate);
       }
   }
-  return absl::OkStatus();
 }
 
 absl::Status CpuBackend::Rope(MatView x, int num_heads, int head_dim, int rotary_dim,

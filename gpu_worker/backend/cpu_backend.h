@@ -79,6 +79,9 @@ class CpuBackend : public Backend {
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
 
  private:
+  // Linear's product for a weight of one format (bias: null or out.cols floats).
+  void MultiplyRows(MatView x, const Weight& w, const float* bias, MatView out, bool accumulate);
+
   CpuBackendOptions options_;
   // Whether a weight was kept in Q4_1, Q5_1 or Q6_K blocks (under q4_1, a checkpoint without 4-,
   // 5- or 6-bit GGUF matrices runs q8).

@@ -25,8 +25,8 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int device, DType dtype
 using CreateCudaBackendFn = Backend* (*)(int abi, size_t backend_size, int device, int dtype,
                                          char* error, size_t error_size);
 inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
-// Bumped whenever Backend's or StoredWeight's virtual functions change (2: ScratchBytes; 3:
-// StoredWeight::ToQ6_K).
+// Bumped whenever Backend's or StoredWeight's virtual functions or Weight's layout change (2:
+// ScratchBytes; 3: StoredWeight::ToQ6_K, PartEnds and Rows, Weight::segments).
 inline constexpr int kCudaPluginAbi = 3;
 
 }  // namespace infinigen

@@ -1,6 +1,7 @@
 #include "gpu_worker/model/stacked_tensors.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
@@ -18,6 +19,31 @@ void StackedTensors::ForEachRange(int64_t r0, int64_t r1, Fn fn) const {
     if (lo < hi) fn(*t, lo - start, hi - lo, lo - begin);
     start += n;
   }
+}
+
+std::vector<int64_t> StackedTensors::PartEnds() const {
+  std::vector<int64_t> ends;
+  int64_t elements = 0;
+  for (const StoredTensor* t : parts_) {
+    elements += t->NumElements();
+    ends.push_back(cols_ > 0 ? elements / cols_ : 0);
+  }
+  return ends;
+}
+
+std::unique_ptr<StoredWeight> StackedTensors::Rows(int64_t r0, int64_t r1) const {
+  std::vector<const StoredTensor*> parts;
+  int64_t start = 0;
+  bool starts = r0 == 0, ends = false;
+  for (const StoredTensor* t : parts_) {
+    const int64_t end = start + (cols_ > 0 ? t->NumElements() / cols_ : 0);
+    if (start >= r0 && end <= r1) parts.push_back(t);
+    starts |= end == r0;
+    ends |= end == r1;
+    start = end;
+  }
+  if (!starts || !ends || r0 >= r1) return nullptr;
+  return std::make_unique<StackedTensors>(std::move(parts), r1 - r0, cols_);
 }
 
 bool StackedTensors::EveryPart(bool (*converts)(StorageType)) const {

@@ -26,6 +26,8 @@ class StackedTensors : public StoredWeight {
   void ToQ5_1(int64_t r0, int64_t r1, uint8_t* qs, uint32_t* qh, float* d, float* m) const override;
   bool ConvertsToQ6_K() const override;
   void ToQ6_K(int64_t r0, int64_t r1, uint8_t* ql, uint8_t* qh, int8_t* s, float* d) const override;
+  std::vector<int64_t> PartEnds() const override;
+  std::unique_ptr<StoredWeight> Rows(int64_t r0, int64_t r1) const override;
 
  private:
   // Calls fn(part, first element in it, element count, offset in the output) for the parts of

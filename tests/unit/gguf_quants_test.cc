@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/mapped_file.h"
@@ -250,12 +252,79 @@ TEST(GgufQuants, CpuBackendKeepsFiveBitValuesUnderQ4_1InQ5_1Blocks) {
   ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5, 6, 7, 8}), want, "as Q5_1",
                  /*zero_sign_matters=*/false);
   EXPECT_EQ(cpu.Name(), "cpu-q4_1");
-  // Q5_0 stacked on Q6_K: no one kept layout holds both, so q8.
+}
+
+// y = x . w^T + bias for a [rows, 512] weight, x: 3 rows.
+std::vector<float> Multiplied(CpuBackend& cpu, const Weight& w, const std::vector<float>& x,
+                              const Weight* bias) {
+  std::vector<float> y(3 * w.rows, 0.0f);
+  const absl::Status st =
+      cpu.Linear(MatView{const_cast<float*>(x.data()), DType::kF32, 3, 512, 512}, w, bias,
+                 MatView{y.data(), DType::kF32, 3, w.rows, w.rows}, /*accumulate=*/false);
+  EXPECT_TRUE(st.ok()) << st;
+  return y;
+}
+
+TEST(GgufQuants, CpuBackendKeepsEachPartOfAMixedStackInItsOwnLayout) {
+  // A fused QKV as a Q4_K_M file has it: Q and K in Q5_0, V in Q8_0 (no one kept layout holds
+  // all three), then Q5_0 on Q6_K and Q3_K: segments of consecutive parts that share a layout.
+  Loaded q5_0 = Open(FixturePath("quants/Q5_0.gguf"));
+  Loaded q8_0 = Open(FixturePath("quants/Q8_0.gguf"));
   Loaded q6_k = Open(FixturePath("quants/Q6_K.gguf"));
-  auto q8 = cpu.UploadStoredWeight(
-      StackedTensors({&q5_0.gguf.tensors[0], &q6_k.gguf.tensors[0]}, 6, 512));
-  ASSERT_TRUE(q8.ok()) << q8.status();
-  EXPECT_EQ(q8->format, WeightFormat::kQ8);
+  Loaded q3_k = Open(FixturePath("quants/Q3_K.gguf"));
+  const StoredTensor *a = &q5_0.gguf.tensors[0], *v = &q8_0.gguf.tensors[0],
+                     *six = &q6_k.gguf.tensors[0], *three = &q3_k.gguf.tensors[0];
+  CpuBackendOptions options;
+  options.weight_format = WeightFormat::kQ4_1;
+  CpuBackend cpu(options);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(3 * 512);
+  for (float& f : x) f = normal(rng);
+  for (const auto& [parts, formats] :
+       {std::pair{std::vector<const StoredTensor*>{a, a, v},
+                  std::vector<WeightFormat>{WeightFormat::kQ5_1, WeightFormat::kQ8}},
+        std::pair{std::vector<const StoredTensor*>{a, six, three},
+                  std::vector<WeightFormat>{WeightFormat::kQ5_1, WeightFormat::kQ6_K}}}) {
+    const StackedTensors stacked(parts, 3 * static_cast<int64_t>(parts.size()), 512);
+    auto w = cpu.UploadStoredWeight(stacked);
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_EQ(w->segments.size(), formats.size());
+    for (size_t i = 0; i < formats.size(); ++i) EXPECT_EQ(w->segments[i].format, formats[i]);
+    // Each segment multiplied alone fills its columns of the whole product, bit for bit, bias
+    // included; and the whole is the float32 product of the file's values within the 8-bit
+    // activations' error.
+    std::vector<float> bias_values(w->rows);
+    for (float& f : bias_values) f = normal(rng);
+    auto bias = cpu.UploadWeight(bias_values.data(), 1, w->rows);
+    ASSERT_TRUE(bias.ok());
+    const std::vector<float> y = Multiplied(cpu, *w, x, &*bias);
+    int64_t r0 = 0;
+    for (const Weight& part : w->segments) {
+      auto part_bias = cpu.UploadWeight(bias_values.data() + r0, 1, part.rows);
+      ASSERT_TRUE(part_bias.ok());
+      const std::vector<float> alone = Multiplied(cpu, part, x, &*part_bias);
+      for (int64_t i = 0; i < 3; ++i) {
+        for (int64_t j = 0; j < part.rows; ++j) {
+          ASSERT_EQ(alone[i * part.rows + j], y[i * w->rows + r0 + j]) << i << "," << r0 + j;
+        }
+      }
+      r0 += part.rows;
+    }
+    std::vector<float> values(w->rows * 512);
+    stacked.Decode(0, w->rows, values.data());
+    for (int64_t i = 0; i < 3; ++i) {
+      for (int64_t j = 0; j < w->rows; ++j) {
+        double want = bias_values[j], scale = 0.0;
+        for (int64_t k = 0; k < 512; ++k) {
+          want += double(x[i * 512 + k]) * values[j * 512 + k];
+          scale += std::abs(double(x[i * 512 + k]) * values[j * 512 + k]);
+        }
+        EXPECT_NEAR(y[i * w->rows + j], want, 0.02 * scale + 1e-5) << i << "," << j;
+      }
+    }
+  }
+  EXPECT_EQ(cpu.Name(), "cpu-q4_1");
 }
 
 TEST(GgufQuants, CpuBackendPacksLargeMatricesARowBlockAtATime) {
