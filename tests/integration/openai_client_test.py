@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
 """The official `openai` Python client (PyPI; scripts/setup.sh installs it into the project's
-venv) against a real `infinigen serve --http-listen` of SmolLM2-135M-Instruct: chat and text
-completions, whole and streamed (the streamed deltas equal the whole answer), usage with cached
-tokens, logprobs, stop strings, a seed that reproduces a sampled answer, n = 3 choices, the model
-list, and the errors the client raises for 400, 401 and 404.
+venv) against a real server of SmolLM2-135M-Instruct: chat and text completions, whole and
+streamed (the streamed deltas equal the whole answer), usage with cached tokens, logprobs, stop
+strings, a seed that reproduces a sampled answer, n = 3 choices, the model list, and the errors
+the client raises for 400, 401 and 404.
 
-Usage: openai_client_test.py --bin-dir build/bin. Exit 77 (skipped) without the model.
+--topology serve: one `infinigen serve --http-listen` (router, worker and KV store in one
+process). --topology split: `infinigen-kvstore`, two `infinigen-worker`s on it and
+`infinigen-router --http-listen` in front, as separate processes; there also a client that hangs
+up mid-stream frees its request on the worker (the workers' own metrics say so), and with every
+worker gone the door answers 503 (the client's InternalServerError) with Retry-After.
+
+Usage: openai_client_test.py --bin-dir build/bin [--topology serve|split]. Exit 77 (skipped)
+without the model.
 """
 import argparse
 import os
@@ -14,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 SKIP = 77
 KEY = "sk-openai-client-test"
@@ -42,9 +50,46 @@ def free_port():
         return s.getsockname()[1]
 
 
+class Processes:
+    """Child processes sharing one log file; stopped (and the log shown on failure) at exit."""
+
+    def __init__(self):
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.children = {}
+
+    def start(self, name, argv):
+        self.children[name] = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def stop(self, name):
+        child = self.children.pop(name)
+        child.terminate()
+        child.wait(timeout=30)
+
+    def dead(self):
+        return [n for n, c in self.children.items() if c.poll() is not None]
+
+    def text(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop_all(self):
+        for name in list(self.children):
+            self.stop(name)
+        os.unlink(self.log.name)
+
+
+def metric(port, name):
+    """A worker's metric (the sum of its samples) from its Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    return sum(float(line.split()[-1]) for line in body.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin-dir", required=True)
+    ap.add_argument("--topology", choices=["serve", "split"], default="serve")
     args = ap.parse_args()
     model_path = os.environ.get("INFINIGEN_SMOLLM2_GGUF") or os.path.join(
         cache_dir(), "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -57,148 +102,223 @@ def main():
     keys = tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False)
     keys.write(KEY + "\n")
     keys.close()
+    procs = Processes()
     grpc_port, http_port = free_port(), free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    serve = subprocess.Popen(
-        [os.path.join(args.bin_dir, "infinigen"), "serve", f"--model={model_path}",
-         f"--listen=127.0.0.1:{grpc_port}", f"--http-listen=127.0.0.1:{http_port}",
-         f"--api-keys-file={keys.name}", "--threads=1"],
-        stdout=log, stderr=subprocess.STDOUT)
+    bin_ = lambda name: os.path.join(args.bin_dir, name)  # noqa: E731
+    worker_metrics = []
+    if args.topology == "serve":
+        procs.start("serve", [bin_("infinigen"), "serve", f"--model={model_path}",
+                              f"--listen=127.0.0.1:{grpc_port}",
+                              f"--http-listen=127.0.0.1:{http_port}",
+                              f"--api-keys-file={keys.name}", "--threads=1"])
+    else:
+        store = free_port()
+        procs.start("kvstore", [bin_("infinigen-kvstore"), f"--listen=127.0.0.1:{store}",
+                                "--capacity_mb=256", "--huge_pages=false"])
+        workers = []
+        for i in range(2):
+            port, metrics = free_port(), free_port()
+            workers.append(f"127.0.0.1:{port}")
+            worker_metrics.append(metrics)
+            procs.start(f"worker{i}", [bin_("infinigen-worker"), f"--model={model_path}",
+                                       f"--listen=127.0.0.1:{port}", "--threads=1",
+                                       "--kv_transport=grpc", f"--kv_store=127.0.0.1:{store}",
+                                       f"--metrics-port={metrics}"])
+        procs.start("router", [bin_("infinigen-router"), f"--listen=127.0.0.1:{grpc_port}",
+                               f"--workers={','.join(workers)}",
+                               f"--http-listen=127.0.0.1:{http_port}",
+                               f"--api-keys-file={keys.name}", "--health-interval-ms=200"])
     try:
         base = f"http://127.0.0.1:{http_port}/v1"
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while True:
             try:
                 models = client.models.list()
+                # The router answers before its workers are healthy: wait for a served request.
+                client.completions.create(model=models.data[0].id, prompt="Hi", max_tokens=1)
                 break
-            except openai.APIConnectionError:
-                if time.time() > deadline or serve.poll() is not None:
-                    log.seek(0)
-                    sys.exit("infinigen serve did not start:\n" + log.read())
+            except (openai.APIConnectionError, openai.InternalServerError):
+                if time.time() > deadline or procs.dead():
+                    sys.exit(f"{args.topology} did not start ({procs.dead()} exited):\n" +
+                             procs.text())
                 time.sleep(0.2)
         model = models.data[0].id
-        print("model:", model)
-
-        messages = [{"role": "user", "content": "Name three colors."}]
-        whole = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
-                                               temperature=0)
-        content = whole.choices[0].message.content
-        assert content, whole
-        assert whole.choices[0].finish_reason in ("stop", "length"), whole
-        assert whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0, whole.usage
-        assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
-        assert whole.usage.prompt_tokens_details.cached_tokens == 0, whole.usage
-
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
-                                                temperature=0, stream=True,
-                                                stream_options={"include_usage": True})
-        deltas, usage, finish = [], None, None
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    deltas.append(choice.delta.content)
-                finish = choice.finish_reason or finish
-        assert "".join(deltas) == content, ("".join(deltas), content)
-        assert finish == whole.choices[0].finish_reason, finish
-        assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
-
-        text = client.completions.create(model=model, prompt="The capital of France is",
-                                         max_tokens=8, temperature=0, logprobs=2)
-        lp = text.choices[0].logprobs
-        assert len(lp.token_logprobs) == text.usage.completion_tokens == 8, text
-        assert all(v <= 0 for v in lp.token_logprobs), lp.token_logprobs
-        assert all(len(top) == 2 for top in lp.top_logprobs), lp.top_logprobs
-        assert all(max(top.values()) >= chosen - 1e-5
-                   for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
-        # Each token's text (the worker's decoding of that id): together, the completion's text.
-        assert "".join(lp.tokens) == text.choices[0].text, (lp.tokens, text.choices[0].text)
-        assert lp.text_offset == [sum(len(t.encode()) for t in lp.tokens[:i]) for i in range(8)]
-
-        chat_lp = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
-                                                 temperature=0, logprobs=True, top_logprobs=3)
-        entries = chat_lp.choices[0].logprobs.content
-        assert len(entries) == chat_lp.usage.completion_tokens, entries
-        assert all(len(e.top_logprobs) == 3 for e in entries)
-        assert "".join(e.token for e in entries) == chat_lp.choices[0].message.content, entries
-        assert all(bytes(e.bytes) == e.token.encode() for e in entries)
-
-        # echo, as lm-eval-harness asks for a loglikelihood: the prompt's text, then the
-        # completion's; the prompt tokens' logprobs (the first has none), then the completion's.
-        prompt = "The capital of France is"
-        echoed = client.completions.create(model=model, prompt=prompt, max_tokens=1,
-                                           temperature=0, logprobs=1, echo=True)
-        e = echoed.choices[0]
-        assert e.text == prompt + lp.tokens[0], (e.text, lp.tokens[0])
-        elp = e.logprobs
-        assert len(elp.tokens) == echoed.usage.prompt_tokens + 1, (elp.tokens, echoed.usage)
-        assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None, elp
-        assert all(v <= 0 for v in elp.token_logprobs[1:]), elp.token_logprobs
-        assert abs(elp.token_logprobs[-1] - lp.token_logprobs[0]) < 1e-5
-        assert elp.tokens[-1] == lp.tokens[0] and elp.text_offset[-1] == len(prompt)
-        assert "".join(elp.tokens[1:-1]) in prompt, elp.tokens
-        # max_tokens 0: the prompt alone (lm-eval's loglikelihood of a whole string): the same
-        # prompt entries as above, no completion token.
-        scored = client.completions.create(model=model, prompt=prompt, max_tokens=0,
-                                           temperature=0, logprobs=1, echo=True)
-        s = scored.choices[0]
-        assert s.text == prompt and s.finish_reason == "length", s
-        assert s.logprobs.tokens == elp.tokens[:-1], (s.logprobs.tokens, elp.tokens)
-        assert s.logprobs.token_logprobs[1:] == elp.token_logprobs[1:-1], s.logprobs
-        assert scored.usage.completion_tokens == 0, scored.usage
-        assert scored.usage.prompt_tokens == echoed.usage.prompt_tokens, scored.usage
-        # A prompt that fills the whole context has no room for the one token `max_tokens: 0`
-        # is served as: a 400 that says so (not only the gRPC limit's max_new_tokens = 1).
-        context = client.models.list().data[0].model_extra["max_model_len"]
-        try:
-            client.completions.create(model=model, prompt=[1] * context, max_tokens=0, echo=True)
-            raise AssertionError("a prompt filling the context was accepted with max_tokens 0")
-        except openai.BadRequestError as e:
-            assert "leave room for it" in e.message, e.message
-            print(f"BadRequestError: {e.status_code} {e.message[:160]}")
-
-        stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
-                                            temperature=0, stop=[","])
-        assert "," not in stopped.choices[0].text, stopped
-        assert stopped.choices[0].finish_reason == "stop", stopped
-
-        sampled = [client.chat.completions.create(model=model, messages=messages, max_tokens=16,
-                                                  temperature=1.0, seed=7)
-                   .choices[0].message.content for _ in range(2)]
-        assert sampled[0] == sampled[1], sampled
-
-        three = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
-                                               temperature=1.0, seed=7, n=3)
-        assert [c.index for c in three.choices] == [0, 1, 2], three
-        assert three.choices[0].message.content == sampled[0], "choice 0 has the request's seed"
-        assert len({c.message.content for c in three.choices}) > 1, three
-        assert 3 <= three.usage.completion_tokens <= 3 * 16, three.usage
-
-        def expect(error, call):
-            try:
-                call()
-            except error as e:
-                print(f"{error.__name__}: {e.status_code} {e.message[:80]}")
-                return e
-            raise AssertionError(f"expected {error.__name__}")
-
-        expect(openai.BadRequestError, lambda: client.chat.completions.create(
-            model=model, messages=messages, n=17))
-        expect(openai.BadRequestError, lambda: client.chat.completions.create(
-            model=model, messages=[{"role": "wizard", "content": "hi"}]))
-        expect(openai.NotFoundError, lambda: client.chat.completions.create(
-            model="no-such-model", messages=messages))
-        wrong = openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0)
-        expect(openai.AuthenticationError, lambda: wrong.chat.completions.create(
-            model=model, messages=messages))
+        print("model:", model, "topology:", args.topology)
+        check_api(openai, client, base, model)
+        if args.topology == "split":
+            check_disconnect_frees_the_worker(client, model, worker_metrics)
+            check_no_worker_is_503(openai, client, model, procs)
         print("openai client: every check passed")
         return 0
+    except BaseException:
+        print(procs.text()[-8000:])
+        raise
     finally:
-        serve.terminate()
-        serve.wait(timeout=30)
+        procs.stop_all()
         os.unlink(keys.name)
+
+
+def check_disconnect_frees_the_worker(client, model, worker_metrics):
+    """A streamed answer the client hangs up on mid-stream ends on its worker: no request stays
+    running and the tokens generated stop short of max_tokens."""
+    generated = sum(metric(p, "infinigen_worker_generated_tokens_total") for p in worker_metrics)
+    stream = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=400,
+                                       temperature=0, stream=True)
+    received = 0
+    for chunk in stream:
+        received += 1
+        if received == 3:
+            break
+    stream.close()  # the HTTP connection closes under the generation
+    deadline = time.time() + 30
+    while True:
+        running = sum(metric(p, "infinigen_worker_running_requests") for p in worker_metrics)
+        if running == 0:
+            break
+        assert time.time() < deadline, f"{running} requests still running 30 s after a hang-up"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    after = sum(metric(p, "infinigen_worker_generated_tokens_total") for p in worker_metrics)
+    assert after - generated < 400, f"the worker generated {after - generated} of 400 tokens"
+    print(f"hang-up after {received} chunks: the workers generated {after - generated} tokens "
+          "of 400 and run nothing")
+
+
+def check_no_worker_is_503(openai, client, model, procs):
+    """With every worker gone the door answers 503 (OpenAI's error JSON) and says when to retry."""
+    procs.stop("worker0")
+    procs.stop("worker1")
+    deadline = time.time() + 30
+    while True:
+        try:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2)
+        except openai.InternalServerError as e:
+            assert e.status_code == 503, e
+            assert e.response.headers.get("retry-after"), e.response.headers
+            print(f"no worker: {e.status_code} {e.message[:120]}")
+            return
+        except openai.APIStatusError as e:
+            raise AssertionError(f"expected 503 with no worker, got {e.status_code}: {e.message}")
+        assert time.time() < deadline, "requests were still served 30 s after the workers stopped"
+        time.sleep(0.2)
+
+
+def check_api(openai, client, base, model):
+    """The API checks both topologies pass."""
+    messages = [{"role": "user", "content": "Name three colors."}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                           temperature=0)
+    content = whole.choices[0].message.content
+    assert content, whole
+    assert whole.choices[0].finish_reason in ("stop", "length"), whole
+    assert whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0, whole.usage
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0, whole.usage
+
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    deltas, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                deltas.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    assert "".join(deltas) == content, ("".join(deltas), content)
+    assert finish == whole.choices[0].finish_reason, finish
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+    text = client.completions.create(model=model, prompt="The capital of France is",
+                                     max_tokens=8, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert len(lp.token_logprobs) == text.usage.completion_tokens == 8, text
+    assert all(v <= 0 for v in lp.token_logprobs), lp.token_logprobs
+    assert all(len(top) == 2 for top in lp.top_logprobs), lp.top_logprobs
+    assert all(max(top.values()) >= chosen - 1e-5
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    # Each token's text (the worker's decoding of that id): together, the completion's text.
+    assert "".join(lp.tokens) == text.choices[0].text, (lp.tokens, text.choices[0].text)
+    assert lp.text_offset == [sum(len(t.encode()) for t in lp.tokens[:i]) for i in range(8)]
+
+    chat_lp = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
+                                             temperature=0, logprobs=True, top_logprobs=3)
+    entries = chat_lp.choices[0].logprobs.content
+    assert len(entries) == chat_lp.usage.completion_tokens, entries
+    assert all(len(e.top_logprobs) == 3 for e in entries)
+    assert "".join(e.token for e in entries) == chat_lp.choices[0].message.content, entries
+    assert all(bytes(e.bytes) == e.token.encode() for e in entries)
+
+    # echo, as lm-eval-harness asks for a loglikelihood: the prompt's text, then the
+    # completion's; the prompt tokens' logprobs (the first has none), then the completion's.
+    prompt = "The capital of France is"
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                       temperature=0, logprobs=1, echo=True)
+    e = echoed.choices[0]
+    assert e.text == prompt + lp.tokens[0], (e.text, lp.tokens[0])
+    elp = e.logprobs
+    assert len(elp.tokens) == echoed.usage.prompt_tokens + 1, (elp.tokens, echoed.usage)
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None, elp
+    assert all(v <= 0 for v in elp.token_logprobs[1:]), elp.token_logprobs
+    assert abs(elp.token_logprobs[-1] - lp.token_logprobs[0]) < 1e-5
+    assert elp.tokens[-1] == lp.tokens[0] and elp.text_offset[-1] == len(prompt)
+    assert "".join(elp.tokens[1:-1]) in prompt, elp.tokens
+    # max_tokens 0: the prompt alone (lm-eval's loglikelihood of a whole string): the same
+    # prompt entries as above, no completion token.
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0,
+                                       temperature=0, logprobs=1, echo=True)
+    s = scored.choices[0]
+    assert s.text == prompt and s.finish_reason == "length", s
+    assert s.logprobs.tokens == elp.tokens[:-1], (s.logprobs.tokens, elp.tokens)
+    assert s.logprobs.token_logprobs[1:] == elp.token_logprobs[1:-1], s.logprobs
+    assert scored.usage.completion_tokens == 0, scored.usage
+    assert scored.usage.prompt_tokens == echoed.usage.prompt_tokens, scored.usage
+    # A prompt that fills the whole context has no room for the one token `max_tokens: 0`
+    # is served as: a 400 that says so (not only the gRPC limit's max_new_tokens = 1).
+    context = client.models.list().data[0].model_extra["max_model_len"]
+    try:
+        client.completions.create(model=model, prompt=[1] * context, max_tokens=0, echo=True)
+        raise AssertionError("a prompt filling the context was accepted with max_tokens 0")
+    except openai.BadRequestError as e:
+        assert "leave room for it" in e.message, e.message
+        print(f"BadRequestError: {e.status_code} {e.message[:160]}")
+
+    stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
+                                        temperature=0, stop=[","])
+    assert "," not in stopped.choices[0].text, stopped
+    assert stopped.choices[0].finish_reason == "stop", stopped
+
+    sampled = [client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                              temperature=1.0, seed=7)
+               .choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1], sampled
+
+    three = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                           temperature=1.0, seed=7, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2], three
+    assert three.choices[0].message.content == sampled[0], "choice 0 has the request's seed"
+    assert len({c.message.content for c in three.choices}) > 1, three
+    assert 3 <= three.usage.completion_tokens <= 3 * 16, three.usage
+
+    def expect(error, call):
+        try:
+            call()
+        except error as e:
+            print(f"{error.__name__}: {e.status_code} {e.message[:80]}")
+            return e
+        raise AssertionError(f"expected {error.__name__}")
+
+    expect(openai.BadRequestError, lambda: client.chat.completions.create(
+        model=model, messages=messages, n=17))
+    expect(openai.BadRequestError, lambda: client.chat.completions.create(
+        model=model, messages=[{"role": "wizard", "content": "hi"}]))
+    expect(openai.NotFoundError, lambda: client.chat.completions.create(
+        model="no-such-model", messages=messages))
+    wrong = openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0)
+    expect(openai.AuthenticationError, lambda: wrong.chat.completions.create(
+        model=model, messages=messages))
 
 
 if __name__ == "__main__":
