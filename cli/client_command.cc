@@ -1,7 +1,10 @@
 // infinigen client: generates through a server's public API (infinigen-router or
 // `infinigen serve`) and streams the text to stdout as it arrives; usage and timings go to
-// stderr. --info prints the model and limits instead, --tokenize the prompt's tokens.
+// stderr. --info prints the model and limits instead, --tokenize the prompt's tokens;
+// --logprobs N prints each generated token's id, logprob and N alternatives as a JSON line.
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -27,6 +30,7 @@ int RunClient(int argc, char** argv) {
   int64_t timeout_s = 600;
   double budget = 0.0;
   bool print_ids = false, info = false, tokenize = false;
+  int64_t logprobs = -1;
   FlagSet flags("infinigen client",
                 "[--server HOST:PORT] (--prompt TEXT | --chat JSON | --prompt-ids 1,2,3)",
                 "Generates through a server's public API and streams the text to stdout "
@@ -43,6 +47,9 @@ int RunClient(int argc, char** argv) {
   flags.Float("budget", &budget, "fraction of stored rows a decode step may read (0: default)");
   flags.Int("timeout", &timeout_s, "deadline of the request, in seconds");
   flags.Bool("ids", &print_ids, "print the generated token ids as a JSON array, not text");
+  flags.Int("logprobs", &logprobs,
+            "print each generated token as a JSON line {\"id\", \"logprob\", \"top\": [[id, "
+            "logprob], ...]} with this many alternatives (0-20; -1: text)");
   flags.Bool("info", &info, "print the served model and the server's limits");
   flags.Bool("tokenize", &tokenize, "print the prompt's token ids and pieces");
   auto parsed = flags.Parse(argc, argv);
@@ -118,6 +125,7 @@ int RunClient(int argc, char** argv) {
   r.set_session_id(session);
   if (!policy.empty()) r.mutable_selection()->set_policy(policy);
   if (budget > 0) r.mutable_selection()->set_budget_fraction(budget);
+  if (logprobs >= 0) s->set_logprobs(static_cast<int32_t>(logprobs));  // the server checks it
 
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
@@ -127,7 +135,19 @@ int RunClient(int argc, char** argv) {
   std::vector<int32_t> ids;
   while (reader->Read(&m)) {
     ids.insert(ids.end(), m.token_ids().begin(), m.token_ids().end());
-    if (!print_ids) std::cout << m.text() << std::flush;
+    if (logprobs >= 0) {
+      for (int i = 0; i < m.logprobs_size() && i < m.token_ids_size(); ++i) {
+        const v1::Logprobs& l = m.logprobs(i);
+        std::vector<std::string> top;
+        for (const v1::TokenLogprob& t : l.top()) {
+          top.push_back(absl::StrFormat("[%d, %.9g]", t.token_id(), t.logprob()));
+        }
+        std::cout << absl::StrFormat("{\"id\": %d, \"logprob\": %.9g, \"top\": [%s]}\n",
+                                     m.token_ids(i), l.logprob(), absl::StrJoin(top, ", "));
+      }
+    } else if (!print_ids) {
+      std::cout << m.text() << std::flush;
+    }
     if (m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) last = m;
   }
   grpc::Status status = reader->Finish();

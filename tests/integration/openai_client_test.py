@@ -15,7 +15,11 @@ Usage: openai_client_test.py --bin-dir build/bin [--topology serve|split]. Exit 
 without the model.
 """
 import argparse
+import ast
+import json
+import math
 import os
+import struct
 import socket
 import subprocess
 import sys
@@ -146,6 +150,9 @@ def main():
         model = models.data[0].id
         print("model:", model, "topology:", args.topology)
         check_api(openai, client, base, model)
+        # What the served processes store weights and K/V in (serve's defaults, the worker's).
+        formats = ["q4_1", "bf16"] if args.topology == "serve" else ["f32", "f32"]
+        check_grpc_logprobs_equal_the_logits_command(args.bin_dir, grpc_port, model_path, formats)
         if args.topology == "split":
             check_disconnect_frees_the_worker(client, model, worker_metrics)
             check_no_worker_is_503(openai, client, model, procs)
@@ -157,6 +164,60 @@ def main():
     finally:
         procs.stop_all()
         os.unlink(keys.name)
+
+
+def read_npy_f32(path):
+    """A float32 .npy file as (shape, flat list) (numpy is not needed)."""
+    with open(path, "rb") as f:
+        assert f.read(6) == b"\x93NUMPY", path
+        major = f.read(2)[0]
+        (header_len,) = struct.unpack("<H" if major == 1 else "<I", f.read(2 if major == 1 else 4))
+        header = ast.literal_eval(f.read(header_len).decode())
+        assert header["descr"] == "<f4" and not header["fortran_order"], header
+        data = f.read()
+    count = len(data) // 4
+    return header["shape"], struct.unpack(f"<{count}f", data)
+
+
+def check_grpc_logprobs_equal_the_logits_command(bin_dir, grpc_port, model_path, formats):
+    """Greedy tokens' logprobs through the gRPC API (`infinigen client --logprobs`) equal the
+    log-softmax of `infinigen logits` (the model run once over the same ids, another process) at
+    the positions that predicted them."""
+    prompt = [1, 504, 3458, 282, 4649, 314, 2114, 30]
+    out = subprocess.run(
+        [os.path.join(bin_dir, "infinigen"), "client", f"--server=127.0.0.1:{grpc_port}",
+         f"--api-key={KEY}", "--prompt-ids=" + ",".join(map(str, prompt)), "--max-tokens=6",
+         "--temperature=0", "--ignore-eos", "--policy=full", "--logprobs=3"],
+        check=True, capture_output=True, text=True).stdout
+    tokens = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert len(tokens) == 6, out
+    ids = prompt + [t["id"] for t in tokens]
+    with tempfile.TemporaryDirectory() as tmp:
+        npy = os.path.join(tmp, "logits.npy")
+        subprocess.run(
+            [os.path.join(bin_dir, "infinigen"), "logits", f"--model={model_path}",
+             "--token-ids=" + ",".join(map(str, ids[:-1])), f"--out={npy}", "--threads=1",
+             f"--cpu-weights={formats[0]}", f"--cpu-kv={formats[1]}"],
+            check=True, capture_output=True)
+        shape, flat = read_npy_f32(npy)
+    vocab = shape[1]
+    worst = 0.0
+    for i, t in enumerate(tokens):
+        row = flat[(len(prompt) - 1 + i) * vocab:(len(prompt) + i) * vocab]
+        top = max(row)
+        log_sum = top + math.log(sum(math.exp(v - top) for v in row))
+        logprob = {j: row[j] - log_sum for j in range(vocab)}
+        assert t["id"] == max(range(vocab), key=lambda j: (row[j], -j)), (i, t)  # greedy
+        worst = max(worst, abs(t["logprob"] - logprob[t["id"]]))
+        assert len(t["top"]) == 3, t
+        for j, lp in t["top"]:
+            worst = max(worst, abs(lp - logprob[j]))
+        ranked = sorted(range(vocab), key=lambda j: -row[j])
+        if row[ranked[2]] - row[ranked[3]] > 1e-3:  # the top 3 are well separated: same ids
+            assert [j for j, _ in t["top"]] == ranked[:3], (t["top"], ranked[:3])
+    assert worst < 2e-3, f"gRPC logprobs differ from the logits command's by {worst}"
+    print(f"gRPC logprobs of 6 greedy tokens = log-softmax of `infinigen logits` "
+          f"(max |diff| {worst:.2e}, {formats[0]} weights, {formats[1]} K/V)")
 
 
 def check_disconnect_frees_the_worker(client, model, worker_metrics):
