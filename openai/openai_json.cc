@@ -371,6 +371,24 @@ std::string ResponseBuilder::Generated(const v1::GenerateResponse& response) con
   return prompt_only_ ? std::string() : response.text();
 }
 
+namespace {
+
+// vLLM's `stop_reason` of a choice: the stop token id or stop string that ended it, null when
+// it ended otherwise (vLLM gives null for the end-of-sequence token too; here its id).
+json StopReasonJson(const v1::GenerateResponse& response) {
+  if (response.finish_reason() != v1::FINISH_REASON_STOP) return json();
+  switch (response.stop().kind_case()) {
+    case v1::StopReason::kTokenId:
+      return response.stop().token_id();
+    case v1::StopReason::kStopString:
+      return response.stop().stop_string();
+    default:
+      return json();
+  }
+}
+
+}  // namespace
+
 json ResponseBuilder::Object(const char* object) const {
   return json{{"id", id_}, {"object", object}, {"created", created_}, {"model", model_}};
 }
@@ -509,6 +527,10 @@ std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateRe
   if (response.text().empty() && response.token_ids_size() == 0 && finish == nullptr) return out;
   if (prompt_only_ && !echoing && finish == nullptr) return out;  // nothing of it is sent
   json choice = {{"index", index}, {"finish_reason", finish ? json(finish) : json()}};
+  if (finish != nullptr) {
+    choice["stop_reason"] = prompt_only_ ? json() : StopReasonJson(response);
+    choice["seed"] = static_cast<int64_t>(response.seed());  // not OpenAI's: see Choice::seed
+  }
   json lp = top_logprobs_ >= 0 ? EmptyLogprobs() : json();
   if (chat) {
     choice["delta"] = response.text().empty() ? json::object() : json{{"content", response.text()}};
@@ -547,7 +569,11 @@ void ResponseBuilder::Add(int index, const v1::GenerateResponse& response) {
     c.prompt_logprobs = PromptLogprobs(response);
   }
   if (top_logprobs_ >= 0) AddLogprobs(c, response, c.logprobs);
-  if (const char* finish = Finish(response)) c.finish_reason = finish;
+  if (const char* finish = Finish(response)) {
+    c.finish_reason = finish;
+    c.stop_reason = prompt_only_ ? json() : StopReasonJson(response);
+    c.seed = static_cast<int64_t>(response.seed());
+  }
   if (response.has_usage()) c.usage = response.usage();
 }
 
@@ -558,6 +584,8 @@ std::string ResponseBuilder::Whole() const {
     const Choice& c = choices_[i];
     json choice = {{"index", i},
                    {"finish_reason", c.finish_reason.empty() ? json() : json(c.finish_reason)},
+                   {"stop_reason", c.stop_reason},
+                   {"seed", c.seed},
                    {"logprobs", top_logprobs_ >= 0 ? c.logprobs : json()}};
     if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}};

@@ -104,6 +104,10 @@ class ResponseBuilder {
     std::string text;                // whole: the text so far
     nlohmann::json logprobs;         // whole: the entries so far
     std::string finish_reason;       // empty: not finished
+    nlohmann::json stop_reason;      // vLLM's: the stop token id or string that ended it, or null
+    // The sampling seed the last message reported (the request's, or the one the router drew),
+    // as the signed `seed` a request sends: sent back, it reproduces the answer.
+    int64_t seed = 0;
     v1::Usage usage;
     bool echoed = false;  // the prompt's text (and entries) went before its first message's
   };

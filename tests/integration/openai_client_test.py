@@ -350,11 +350,31 @@ def check_api(openai, client, base, model):
                                         temperature=0, stop=[","])
     assert "," not in stopped.choices[0].text, stopped
     assert stopped.choices[0].finish_reason == "stop", stopped
+    assert stopped.choices[0].model_extra["stop_reason"] == ",", stopped  # vLLM's field
+    # vLLM's include_stop_str_in_output: the same text, then the stop string that ended it.
+    kept = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
+                                     temperature=0, stop=[","],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == stopped.choices[0].text + ",", (kept, stopped)
+    assert kept.choices[0].finish_reason == "stop", kept
+    streamed = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
+                                         temperature=0, stop=[","], stream=True)
+    last = [c for c in streamed][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == ",", last
 
     sampled = [client.chat.completions.create(model=model, messages=messages, max_tokens=16,
                                               temperature=1.0, seed=7)
                .choices[0].message.content for _ in range(2)]
     assert sampled[0] == sampled[1], sampled
+    # No seed: the server draws one and reports it with the answer; it reproduces the answer.
+    drawn = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                           temperature=1.0)
+    seed = drawn.choices[0].model_extra["seed"]
+    assert seed, drawn
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                           temperature=1.0, seed=seed)
+    assert again.choices[0].message.content == drawn.choices[0].message.content, (drawn, again)
+    assert again.choices[0].model_extra["seed"] == seed, again
 
     three = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
                                            temperature=1.0, seed=7, n=3)
