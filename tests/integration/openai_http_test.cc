@@ -552,13 +552,13 @@ TEST_F(OpenAiHttp, IdleAndSlowConnectionsAreClosed) {
 }
 
 // `infinigen load --api openai`: 16 streams of streamed completions over keep-alive connections
-// for 10 s, zero errors, every token counted.
+// for 20 s, zero errors, every token counted.
 TEST_F(OpenAiHttp, BoundedLoadOverHttpHasNoErrors) {
   Start();
   const std::string out = ::testing::TempDir() + "/openai_load.json";
   const std::string cmd = testing::BinaryPath("infinigen") +
                           " load --api openai --server 127.0.0.1:" + std::to_string(http_port_) +
-                          " --streams 16 --seconds 10 --max-tokens 16 --temperature 0.7 --json " +
+                          " --streams 16 --seconds 20 --max-tokens 16 --temperature 0.7 --json " +
                           out + " > " + out + ".log 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   std::ifstream in(out);

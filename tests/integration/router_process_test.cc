@@ -237,6 +237,27 @@ TEST_F(RouterProcess, UnseededRequestsDrawASeedAndReportIt) {
   EXPECT_EQ(c.tokens, a.tokens) << "the reported seed reproduces the stream";
 }
 
+// grpc.health.v1 on the router by the public service's name and "" (SERVING), an unknown
+// name NOT_FOUND.
+TEST_F(RouterProcess, HealthAnswersByServiceName) {
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(Addr(router_port_), grpc::InsecureChannelCredentials()));
+  for (const std::string name : {"", "infinigen.v1.Generation", "no.such.Service"}) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(name);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status st = health->Check(&c, request, &response);
+    if (name == "no.such.Service") {
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+    } else {
+      ASSERT_TRUE(st.ok()) << "'" << name << "': " << st.error_message();
+      EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << name;
+    }
+  }
+}
+
 // One log line per request: its id, the outcome and what was streamed (never the prompt).
 TEST_F(RouterProcess, EachRequestIsLoggedByItsId) {
   v1::GenerateRequest r = Request({1, 2, 3}, 5);
@@ -442,6 +463,9 @@ TEST_F(RouterProcess, InvalidUtf8IsNamedPerField) {
   v1::GenerateRequest policy = Request({1, 2, 3}, 4);
   policy.mutable_selection()->set_policy(bad);
   cases.emplace_back(policy, "selection.policy");
+  v1::GenerateRequest id = Request({1, 2, 3}, 4);
+  id.set_request_id(bad);
+  cases.emplace_back(id, "request_id");
   for (const auto& [request, field] : cases) {
     const grpc::Status st = Stream(*stub_, request).status;
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
@@ -456,6 +480,19 @@ TEST_F(RouterProcess, InvalidUtf8IsNamedPerField) {
   const grpc::Status st = stub_->Tokenize(&c, t, &out);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   EXPECT_NE(st.error_message().find("text is not valid UTF-8"), std::string::npos);
+  for (const bool in_role : {false, true}) {  // Tokenize's chat messages, each string field
+    grpc::ClientContext cm;
+    v1::TokenizeRequest tm;
+    auto* m = tm.mutable_messages()->add_messages();
+    m->set_role(in_role ? bad : "user");
+    m->set_content(in_role ? "hi" : bad);
+    const grpc::Status s = stub_->Tokenize(&cm, tm, &out);
+    const std::string field =
+        in_role ? "messages.messages[0].role" : "messages.messages[0].content";
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find(field + " is not valid UTF-8"), std::string::npos)
+        << s.error_message();
+  }
   EXPECT_TRUE(Stream(*stub_, Request({1, 2, 3}, 4)).status.ok());
   // Valid multi-byte text passes.
   v1::GenerateRequest fine = chat("user", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");

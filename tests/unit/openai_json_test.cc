@@ -128,6 +128,44 @@ TEST(OpenAiJson, EchoIsForCompletionsAndAsksForThePromptsLogprobs) {
   }
 }
 
+// The sampling fields that map straight onto the gRPC request, and those refused with the
+// field named.
+TEST(OpenAiJson, SamplingFieldsMapOntoTheRequestOrAreRefusedByName) {
+  ParsedRequest chat;
+  ApiError error;
+  ASSERT_TRUE(ParseRequest(Endpoint::kChatCompletions,
+                           R"({"messages": [{"role": "user", "content": "hi"}],
+                               "max_completion_tokens": 7, "top_p": 0.5, "user": "u-1",
+                               "logit_bias": {"42": -100, "7": 2.5}, "frequency_penalty": 0})",
+                           chat, error))
+      << error.message;
+  EXPECT_EQ(chat.request.stopping().max_new_tokens(), 7);
+  EXPECT_FLOAT_EQ(chat.request.sampling().top_p(), 0.5f);
+  EXPECT_EQ(chat.request.sampling().logit_bias().size(), 2u);
+  EXPECT_FLOAT_EQ(chat.request.sampling().logit_bias().at(42), -100.0f);
+  EXPECT_FLOAT_EQ(chat.request.sampling().logit_bias().at(7), 2.5f);
+  for (const auto& [body, param] : std::vector<std::pair<const char*, const char*>>{
+           {R"({"prompt": "Hi", "frequency_penalty": 0.5})", "frequency_penalty"},
+           {R"({"prompt": "Hi", "presence_penalty": 1})", "presence_penalty"},
+           {R"({"prompt": "Hi", "user": 5})", "user"},
+           {R"({"prompt": "Hi", "top_p": 1.5})", "top_p"},
+           {R"({"prompt": "Hi", "logit_bias": {"x": 1}})", "logit_bias"},
+           {R"({"prompt": "Hi", "logit_bias": [1]})", "logit_bias"}}) {
+    ParsedRequest bad;
+    ApiError e;
+    EXPECT_FALSE(ParseRequest(Endpoint::kCompletions, body, bad, e)) << body;
+    EXPECT_EQ(e.http_status, 400) << body;
+    EXPECT_EQ(e.param, param) << body << ": " << e.message;
+  }
+  ParsedRequest zero;
+  ApiError e;
+  EXPECT_FALSE(ParseRequest(Endpoint::kChatCompletions,
+                            R"({"messages": [{"role": "user", "content": "hi"}],
+                                "max_completion_tokens": 0})",
+                            zero, e));
+  EXPECT_EQ(e.param, "max_completion_tokens") << e.message;
+}
+
 // The first message of an echoed completion: one generated token (id 9, " x") after a prompt of
 // three tokens (" a", " bc", " d": the first has no logprob).
 v1::GenerateResponse EchoedFirstMessage() {
