@@ -244,6 +244,11 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
   if (const json* user = r.Get("user"); user != nullptr && !user->is_string()) {
     return r.Fail("user", "`user` must be a string");
   }
+  // Not OpenAI's: the gRPC API's conversation (its next turn takes the stored KV over).
+  if (const json* session = r.Get("session_id")) {
+    if (!session->is_string()) return r.Fail("session_id", "`session_id` must be a string");
+    out.request.set_session_id(session->get<std::string>());
+  }
   return true;
 }
 

@@ -292,6 +292,20 @@ def check_api(openai, client, base, model):
     assert finish == whole.choices[0].finish_reason, finish
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
+    # A conversation (the gRPC API's session_id, not OpenAI's): the second turn, whose prompt
+    # begins with the first turn's prompt and answer, takes the stored KV over.
+    turn = [{"role": "user", "content": "Name a fruit."}]
+    first = client.chat.completions.create(model=model, messages=turn, max_tokens=12,
+                                           temperature=0, extra_body={"session_id": "conv-1"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0, first.usage
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And a vegetable?"}]
+    second = client.chat.completions.create(model=model, messages=turn, max_tokens=12,
+                                            temperature=0, extra_body={"session_id": "conv-1"})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens, second.usage
+    print(f"second turn: {cached} of {second.usage.prompt_tokens} prompt tokens cached")
+
     text = client.completions.create(model=model, prompt="The capital of France is",
                                      max_tokens=8, temperature=0, logprobs=2)
     lp = text.choices[0].logprobs
