@@ -47,10 +47,15 @@ absl::StatusOr<GenerateOptions> RequestOptions(const v1::SamplingParams& s,
   o.prompt_logprobs = s.has_prompt_logprobs() ? s.prompt_logprobs() : -1;
   o.max_new_tokens =
       stop.has_max_new_tokens() ? stop.max_new_tokens() : limits.DefaultMaxNewTokens();
-  if (o.max_new_tokens < 1 || o.max_new_tokens > limits.max_new_tokens_limit) {
+  // 0: the prompt alone (its KV computed and stored, its logprobs with prompt_logprobs).
+  if (o.max_new_tokens < 0 || o.max_new_tokens > limits.max_new_tokens_limit) {
     return absl::InvalidArgumentError(
-        absl::StrCat("stopping.max_new_tokens is ", o.max_new_tokens, "; it must be in [1, ",
-                     limits.max_new_tokens_limit, "] (max_new_tokens_limit)"));
+        absl::StrCat("stopping.max_new_tokens is ", o.max_new_tokens, "; it must be in [0, ",
+                     limits.max_new_tokens_limit, "] (max_new_tokens_limit; 0: the prompt only)"));
+  }
+  if (o.max_new_tokens == 0 && s.n() > 1) {
+    return absl::InvalidArgumentError(
+        "sampling.n > 1 with stopping.max_new_tokens 0: a prompt-only request has no samples");
   }
   o.stop_token_ids.assign(stop.stop_token_ids().begin(), stop.stop_token_ids().end());
   for (int32_t id : o.stop_token_ids) {

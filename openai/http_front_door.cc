@@ -330,18 +330,7 @@ class HttpFrontDoor::Impl {
         stub_->Generate(&context, request);
     v1::GenerateResponse m;
     auto ours = [n](const v1::GenerateResponse& r) { return r.index() >= 0 && r.index() < n; };
-    // The gRPC API knows `max_tokens: 0` as a request for one token: where that token finds no
-    // room in the context (the refusal names max_new_tokens = 1), say so to the client who sent 0.
-    auto failure = [&](const grpc::Status& st) {
-      ApiError e = FromGrpc(st, context);
-      if (parsed.prompt_only && st.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
-          absl::StrContains(e.message, "exceeds the model's context")) {
-        absl::StrAppend(&e.message,
-                        " (`max_tokens: 0` with `echo` is served as a request for 1 token whose "
-                        "text is left out: the prompt must leave room for it)");
-      }
-      return e;
-    };
+    auto failure = [&](const grpc::Status& st) { return FromGrpc(st, context); };
     if (!parsed.stream) {
       while (reader->Read(&m)) {
         if (ours(m)) builder.Add(m.index(), m);

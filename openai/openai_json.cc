@@ -292,10 +292,9 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
                     "`max_tokens: 0` returns the prompt only: it needs `echo: true` (or ask for "
                     "at least 1 token)");
     }
-    // OpenAI's default for completions is 16 tokens. The prompt alone is one sampled token
-    // whose text and entries are left out: prompt logprobs come with the first sample.
-    req.mutable_stopping()->set_max_new_tokens(
-        out.prompt_only ? 1 : static_cast<int32_t>(max_tokens.value_or(16)));
+    // OpenAI's default for completions is 16 tokens; 0 (the prompt alone) is the gRPC API's
+    // prompt-only request: one prefill, its prompt logprobs, no token.
+    req.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_tokens.value_or(16)));
   } else {
     if (!r.Unsupported("echo", false, " on chat completions")) return false;
     if (!ParseMessages(r, req)) return false;

@@ -54,7 +54,7 @@ struct ParsedRequest {
   // entries with the prompt tokens' (the request then asks for prompt logprobs).
   bool echo = false;
   // Completions' `max_tokens: 0` with `echo`: the prompt alone (its text, and with `logprobs`
-  // its entries), no completion tokens. The request asks for one token, left out of the answer.
+  // its entries), no completion tokens (the gRPC request's max_new_tokens 0).
   bool prompt_only = false;
 };
 

@@ -85,7 +85,6 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
   const int64_t total =
       static_cast<int64_t>(request.prompt.size()) + request.options.max_new_tokens;
   if (total > c.max_position_embeddings) {
-    // openai/http_front_door.cc recognizes "exceeds the model's context" (max_tokens 0).
     return absl::InvalidArgumentError(
         absl::StrCat("prompt (", request.prompt.size(), " tokens) + max_new_tokens (",
                      request.options.max_new_tokens, ") exceeds the model's context of ",
@@ -258,7 +257,10 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
       waiting.push_back(std::move(incoming[i]));
       continue;
     }
-    if (a.request.options.max_new_tokens == static_cast<int64_t>(a.request.resume_tokens.size())) {
+    // A resumed stream with nothing left to generate ends here (a prompt-only request,
+    // max_new_tokens 0, computes its prompt).
+    if (!a.request.resume_tokens.empty() &&
+        a.request.options.max_new_tokens == static_cast<int64_t>(a.request.resume_tokens.size())) {
       Finish(a, FinishReason::kLength, absl::OkStatus());
       continue;
     }
@@ -550,6 +552,10 @@ bool BatchEngine::Step() {
     }
     a.prefilled += len;
     if (a.prefilled < static_cast<int64_t>(a.history.size())) continue;  // more prompt to go
+    if (a.request.options.max_new_tokens == 0 && a.generated == 0) {     // the prompt only
+      EmitPromptOnly(a);
+      continue;
+    }
     std::span<float> row = logit_row(next_row - 1);
     if (a.generated == 0) {  // its prompt's last row: kept for the samples that copy its KV
       bool followed;
@@ -571,6 +577,16 @@ bool BatchEngine::Step() {
   stats_.prefetch_misses = step_.prefetch_misses();
   stats_.decode_profile = step_.profile();
   return true;
+}
+
+void BatchEngine::EmitPromptOnly(Active& a) {
+  EngineEvent e;  // no token: where the KV lives, and the prompt's logprobs when asked
+  e.home = cache_.Home(a.id);
+  e.attached = a.attached;
+  e.has_prompt_logprobs = a.prompt_logprobs;
+  e.prompt_logprobs = std::move(a.prompt_logprobs_so_far);
+  a.sink(e);
+  Finish(a, FinishReason::kLength, absl::OkStatus());
 }
 
 void BatchEngine::Emit(Active& a, std::span<float> row) {

@@ -189,6 +189,9 @@ class BatchEngine {
   // Samples a's next token from `row` (its logits, which sampling changes) and sends it; ends
   // the request at a stop token or its length.
   void Emit(Active& a, std::span<float> row);
+  // A request for no new tokens (max_new_tokens 0) whose prompt is computed: an event without a
+  // token (its prompt logprobs), then its end (finish reason length).
+  void EmitPromptOnly(Active& a);
   void Finish(Active& a, FinishReason reason, absl::Status status);
 
   Model& model_;

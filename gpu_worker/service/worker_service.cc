@@ -283,20 +283,31 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       cancel_all();  // frees the store sequences at the next step; wait for their ends
       cancelled = true;
     }
+    // A sample's first message: where its KV lives, and the prompt's logprobs when asked.
+    auto first_message = [&](int index, const EngineEvent& e) {
+      wv1::GenerateResponse r;
+      r.set_index(index);
+      r.set_store_sequence_id(e.home);
+      r.set_attached(e.attached);
+      for (size_t j = 0; j < e.prompt_logprobs.size() && j + 1 < prompt_ids.size(); ++j) {
+        infinigen::v1::Logprobs* lp = r.add_prompt_logprobs();
+        ToProto(e.prompt_logprobs[j], prompt_ids[j + 1], tokenizer_, *lp);
+        lp->set_token_id(prompt_ids[j + 1]);
+      }
+      return r;
+    };
     for (const auto& [index, e] : batch) {
       Sample& x = samples[index];
-      if (e.token >= 0 && !cancelled && failed.ok() && !x.text->stopped()) {
-        wv1::GenerateResponse r;
-        r.set_index(index);
-        r.add_token_ids(e.token);
-        r.set_store_sequence_id(e.home);
-        r.set_attached(e.attached);
-        if (e.has_logprobs) ToProto(e.logprobs, e.token, tokenizer_, *r.add_logprobs());
-        for (size_t j = 0; j < e.prompt_logprobs.size() && j + 1 < prompt_ids.size(); ++j) {
-          infinigen::v1::Logprobs* lp = r.add_prompt_logprobs();
-          ToProto(e.prompt_logprobs[j], prompt_ids[j + 1], tokenizer_, *lp);
-          lp->set_token_id(prompt_ids[j + 1]);
+      if (e.token < 0 && !e.done && !cancelled && failed.ok()) {  // a prompt-only request's
+        if (!writer->Write(first_message(index, e))) {
+          cancel_all();
+          cancelled = true;
         }
+      }
+      if (e.token >= 0 && !cancelled && failed.ok() && !x.text->stopped()) {
+        wv1::GenerateResponse r = first_message(index, e);
+        r.add_token_ids(e.token);
+        if (e.has_logprobs) ToProto(e.logprobs, e.token, tokenizer_, *r.add_logprobs());
         if (x.text->has_text()) r.set_text(x.text->Add(e.token));
         // A completed stop string ends the sample: the engine frees it at its next step.
         if (x.text->stopped()) engine_.Cancel(x.id);

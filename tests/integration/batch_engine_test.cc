@@ -437,6 +437,64 @@ TEST_F(Engine, PromptLogprobsAreThoseOfTheModelsLogits) {
   EXPECT_NE(refused.status().message().find("sampling.prompt_logprobs"), std::string::npos);
 }
 
+// max_new_tokens 0: the prompt computed (a whole context of it), one event without a token with
+// its prompt logprobs (those of a request for one token), then the end: finish length, nothing
+// generated. One token more than the context is refused.
+TEST_F(Engine, APromptOnlyRequestComputesItsPromptAndEndsWithoutAToken) {
+  BackendKvCache cache(*l_.backend, l_.model->kv_shape());
+  EngineConfig config;
+  config.prefill_budget_tokens = 64;
+  BatchEngine engine(*l_.model, cache, config);
+  const int64_t context = l_.model->config().max_position_embeddings;
+  const auto prompt = RandomTokens(static_cast<int>(context), vocab_, 79);
+  GenerateOptions options = Options(0);
+  options.prompt_logprobs = 2;
+  EngineRequest one;
+  one.prompt = std::vector<int32_t>(prompt.begin(), prompt.end() - 1);  // room for one token
+  one.options = options;
+  one.options.max_new_tokens = 1;
+  const std::vector<EngineEvent> with_token = TokenEvents(engine, std::move(one));
+  ASSERT_EQ(with_token.size(), 1u);
+
+  std::vector<EngineEvent> events;
+  absl::Notification done;
+  EngineRequest r;
+  r.prompt = prompt;
+  r.options = options;
+  r.options.max_new_tokens = 0;
+  ASSERT_TRUE(engine
+                  .Submit(std::move(r),
+                          [&](const EngineEvent& e) {
+                            events.push_back(e);
+                            if (e.done) done.Notify();
+                          })
+                  .ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].token, -1);
+  EXPECT_FALSE(events[0].done);
+  ASSERT_TRUE(events[0].has_prompt_logprobs);
+  ASSERT_EQ(events[0].prompt_logprobs.size(), prompt.size() - 1);
+  // The prompt shared with the one-token request: the same entries (same chunks, same rows).
+  const std::vector<TokenLogprobs>& shorter = with_token[0].prompt_logprobs;
+  ASSERT_EQ(shorter.size(), prompt.size() - 2);
+  for (size_t p = 0; p < shorter.size(); ++p) {
+    EXPECT_EQ(events[0].prompt_logprobs[p].logprob, shorter[p].logprob) << p;
+  }
+  EXPECT_TRUE(events[1].done);
+  EXPECT_TRUE(events[1].status.ok()) << events[1].status;
+  EXPECT_EQ(events[1].finish_reason, FinishReason::kLength);
+  EXPECT_EQ(events[1].usage.generated_tokens, 0);
+  EXPECT_EQ(events[1].usage.prompt_tokens, context);
+
+  EngineRequest over;
+  over.prompt = RandomTokens(static_cast<int>(context) + 1, vocab_, 80);
+  over.options = options;
+  over.options.max_new_tokens = 0;
+  auto refused = engine.Submit(std::move(over), [](const EngineEvent&) {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // min_tokens, logit_bias and the stop token: a stop token that greedy decoding would emit first
 // ends the request at once and is reported; with min_tokens it cannot end it before then;
 // a +100 bias forces a token, a -100 bias bans one.

@@ -240,7 +240,7 @@ TEST(OpenAiJson, EchoedOffsetsEndAtThePromptsEndAfterABos) {
   EXPECT_EQ(lp["text_offset"], json({0, 0, 2, 5, 7}));
 }
 
-TEST(OpenAiJson, MaxTokensZeroWithEchoAsksForOneTokenAndAnswersThePromptOnly) {
+TEST(OpenAiJson, MaxTokensZeroWithEchoAsksForThePromptOnly) {
   ParsedRequest parsed;
   ApiError error;
   ASSERT_TRUE(ParseRequest(Endpoint::kCompletions,
@@ -248,7 +248,7 @@ TEST(OpenAiJson, MaxTokensZeroWithEchoAsksForOneTokenAndAnswersThePromptOnly) {
                            parsed, error))
       << error.message;
   EXPECT_TRUE(parsed.prompt_only);
-  EXPECT_EQ(parsed.request.stopping().max_new_tokens(), 1);
+  EXPECT_EQ(parsed.request.stopping().max_new_tokens(), 0);  // the gRPC API's prompt-only
   EXPECT_EQ(parsed.request.sampling().prompt_logprobs(), 1);
   ParsedRequest one;
   ASSERT_TRUE(

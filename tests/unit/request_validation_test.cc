@@ -97,7 +97,20 @@ TEST(RequestOptions, EveryRangeIsCheckedAndNamed) {
         for (int i = 0; i <= kMaxLogitBias; ++i) (*s.mutable_logit_bias())[i] = 1.0f;
       },
       "sampling.logit_bias");
-  refused([](S&, T& t) { t.set_max_new_tokens(0); }, "max_new_tokens");
+  refused([](S&, T& t) { t.set_max_new_tokens(-1); }, "max_new_tokens");
+  refused(
+      [](S& s, T& t) {  // the prompt only has no samples
+        t.set_max_new_tokens(0);
+        s.set_n(2);
+      },
+      "sampling.n");
+  {  // 0: the prompt only
+    v1::StoppingCriteria stop;
+    stop.set_max_new_tokens(0);
+    auto o = RequestOptions(v1::SamplingParams(), stop, limits);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->max_new_tokens, 0);
+  }
   refused([](S&, T& t) { t.set_max_new_tokens(101); }, "max_new_tokens_limit");
   refused([](S&, T& t) { t.set_min_tokens(300); }, "stopping.min_tokens");
   refused([](S&, T& t) { t.add_stop_token_ids(-1); }, "stopping.stop_token_ids");
