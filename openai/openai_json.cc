@@ -316,6 +316,9 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
   if (out.prompt_only && req.stopping().min_tokens() > 0) {
     return r.Fail("min_tokens", "`min_tokens` must not exceed `max_tokens` (0: the prompt only)");
   }
+  if (out.prompt_only && out.n > 1) {
+    return r.Fail("n", "`max_tokens: 0` returns the prompt once: it needs `n` 1");
+  }
   if (out.top_logprobs >= 0) req.mutable_sampling()->set_logprobs(out.top_logprobs);
   if (out.echo && out.top_logprobs >= 0) {
     // The prompt's entries are its prompt logprobs, which come with the first sample only.
@@ -528,7 +531,10 @@ std::vector<std::string> ResponseBuilder::Chunks(int index, const v1::GenerateRe
     out.push_back(Dump(chunk));
   }
   const bool echoing = echo_ && !c.echoed;  // this message's entries start with the prompt's
-  if (response.text().empty() && response.token_ids_size() == 0 && finish == nullptr) return out;
+  if (response.text().empty() && response.token_ids_size() == 0 &&
+      response.prompt_logprobs_size() == 0 && finish == nullptr) {
+    return out;
+  }
   if (prompt_only_ && !echoing && finish == nullptr) return out;  // nothing of it is sent
   json choice = {{"index", index}, {"finish_reason", finish ? json(finish) : json()}};
   if (finish != nullptr) {

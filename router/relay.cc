@@ -96,7 +96,7 @@ RelayAction Relay::Picked(absl::string_view worker, absl::Time now) {
   if (worker.empty()) {
     // Every worker failed or is full. A stream under way waits for a worker (it cannot be handed
     // back); a request that has not started is refused so that the client can back off.
-    const bool wait = !sent_.empty() && now < resume_deadline_ && now < client_deadline_;
+    const bool wait = forwarded_ && now < resume_deadline_ && now < client_deadline_;
     if (!wait) return Fail();
     RelayAction a;
     a.kind = RelayAction::Kind::kWait;
@@ -205,7 +205,7 @@ RelayAction Relay::Ended(const absl::Status& ended, bool stalled, absl::Time now
       return f;
     }
   }
-  if (!sent_.empty() && !absl::IsResourceExhausted(s)) {  // the stream leaves its worker
+  if (forwarded_ && !absl::IsResourceExhausted(s)) {  // the stream leaves its worker
     ++failovers_;
     a.failover = true;
     resume_deadline_ = std::min(resume_deadline_, now + rules_.resume_wait);
@@ -223,7 +223,7 @@ RelayAction Relay::ClientGone() {
 RelayAction Relay::Fail() const {
   RelayAction a;
   a.kind = RelayAction::Kind::kFinish;
-  if (absl::IsResourceExhausted(last_) && sent_.empty()) {
+  if (absl::IsResourceExhausted(last_) && !forwarded_) {
     a.status = absl::ResourceExhaustedError("every worker is full; retry after a short wait");
     a.retry_pushback_ms = 200;
     return a;

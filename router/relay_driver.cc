@@ -49,7 +49,12 @@ RelayAction RunRelay(Relay& relay, WorkerClient& workers, ClientStream& client,
             if (f.first_tokens) metrics->FirstToken(absl::ToDoubleSeconds(absl::Now() - start));
             metrics->Tokens(f.message.token_ids_size());
           }
-          if (!client.Write(f.message)) {
+          // A resumed prompt-only stream's first message carries nothing the client lacks.
+          const v1::GenerateResponse& out = f.message;
+          const bool nothing = out.token_ids_size() == 0 && out.text().empty() &&
+                               out.prompt_logprobs_size() == 0 && out.request_id().empty() &&
+                               out.finish_reason() == v1::FINISH_REASON_UNSPECIFIED;
+          if (!nothing && !client.Write(f.message)) {
             call->Cancel();
             gone = true;
             break;

@@ -148,6 +148,16 @@ def main():
                              procs.text())
                 time.sleep(0.2)
         model = models.data[0].id
+        if worker_metrics:  # both workers up (a session sticks to one), then the router's checks
+            for port in worker_metrics:
+                while True:
+                    try:
+                        metric(port, "infinigen_worker_running_requests")
+                        break
+                    except OSError:
+                        assert time.time() < deadline, procs.text()
+                        time.sleep(0.2)
+            time.sleep(1.0)
         print("model:", model, "topology:", args.topology)
         check_api(openai, client, base, model)
         # What the served processes store weights and K/V in (serve's defaults, the worker's).
@@ -233,7 +243,8 @@ def check_disconnect_frees_the_worker(client, model, worker_metrics):
     running and the tokens generated stop short of max_tokens."""
     generated = sum(metric(p, "infinigen_worker_generated_tokens_total") for p in worker_metrics)
     stream = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=400,
-                                       temperature=0, stream=True)
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
     received = 0
     for chunk in stream:
         received += 1
@@ -249,7 +260,7 @@ def check_disconnect_frees_the_worker(client, model, worker_metrics):
         time.sleep(0.1)
     time.sleep(0.5)
     after = sum(metric(p, "infinigen_worker_generated_tokens_total") for p in worker_metrics)
-    assert after - generated < 400, f"the worker generated {after - generated} of 400 tokens"
+    assert 0 < after - generated < 400, f"the worker generated {after - generated} of 400 tokens"
     print(f"hang-up after {received} chunks: the workers generated {after - generated} tokens "
           "of 400 and run nothing")
 
@@ -367,7 +378,15 @@ def check_api(openai, client, base, model):
                                   echo=True)
         raise AssertionError("a prompt longer than the context was accepted")
     except openai.BadRequestError as e:
+        assert "max_prompt_tokens" in e.message or "exceeds" in e.message, e.message
         print(f"BadRequestError: {e.status_code} {e.message[:160]}")
+    # Streamed, the prompt alone comes as one chunk with the prompt's entries.
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=0,
+                                            temperature=0, logprobs=1, echo=True, stream=True))
+    streamed_tokens = [t for c in chunks for ch in c.choices if ch.logprobs
+                       for t in ch.logprobs.tokens]
+    assert streamed_tokens == s.logprobs.tokens, (streamed_tokens, s.logprobs.tokens)
+    assert "".join(ch.text for c in chunks for ch in c.choices) == prompt, chunks
 
     stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=30,
                                         temperature=0, stop=[","])

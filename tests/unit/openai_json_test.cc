@@ -249,6 +249,14 @@ TEST(OpenAiJson, MaxTokensZeroWithEchoAsksForThePromptOnly) {
       << error.message;
   EXPECT_TRUE(parsed.prompt_only);
   EXPECT_EQ(parsed.request.stopping().max_new_tokens(), 0);  // the gRPC API's prompt-only
+  {
+    ParsedRequest several;
+    ApiError e;
+    EXPECT_FALSE(ParseRequest(Endpoint::kCompletions,
+                              R"({"prompt": "Hi", "echo": true, "max_tokens": 0, "n": 2})", several,
+                              e));
+    EXPECT_EQ(e.param, "n") << e.message;
+  }
   EXPECT_EQ(parsed.request.sampling().prompt_logprobs(), 1);
   ParsedRequest one;
   ASSERT_TRUE(

@@ -303,6 +303,25 @@ TEST(RelayTimeline, AStreamUnderWayWaitsForAWorkerUntilTheResumeWait) {
       });
 }
 
+// A prompt-only request (max_new_tokens 0) whose first message (its prompt logprobs, no token)
+// reached the client is under way: its worker's failure is a failover, and with every worker full
+// it waits instead of being refused as not started.
+TEST(RelayTimeline, APromptOnlyStreamIsUnderWayOnceItsFirstMessageWasSent) {
+  RelayRules rules;
+  rules.resume_wait = absl::Seconds(10);
+  Relay relay(rules, Request(), /*budget=*/0, kT0 + absl::Seconds(3600));
+  Play(relay, {
+                  {"start", Start(), "pick"},
+                  {"placed on w1", Picked("w1"), "call w1"},
+                  {"the prompt's message", Got({}, 7), "forward 0 tokens (id)"},
+                  {"w1 dies", Ended(absl::UnavailableError("gone"), 1),
+                   "pick (w1 failed, failover) [excluding w1]"},
+                  {"w2 is full", Picked("w2", 1), "call w2"},
+                  {"", Ended(absl::ResourceExhaustedError("full"), 1), "pick [excluding w1,w2]"},
+                  {"none: it waits", NoWorker(1), "wait 100ms"},
+              });
+}
+
 TEST(RelayTimeline, AStreamWhoseWorkersAllFailedResumesOnOneThatCameBack) {
   RunTimeline({}, {
                       {"start", Start(), "pick"},
