@@ -51,9 +51,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     default:
       __builtin_trap();
   }
+  // 0: the prompt only, which has no samples.
   if (request.stopping().has_max_new_tokens() &&
-      (request.stopping().max_new_tokens() < 1 ||
-       request.stopping().max_new_tokens() > limits.max_new_tokens_limit)) {
+      (request.stopping().max_new_tokens() < 0 ||
+       request.stopping().max_new_tokens() > limits.max_new_tokens_limit ||
+       (request.stopping().max_new_tokens() == 0 && request.sampling().n() > 1))) {
     __builtin_trap();
   }
   infinigen::v1::GenerateRequest again;
