@@ -4,9 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <utility>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
