@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kv_store/row_copy.h"
@@ -393,7 +394,15 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
 absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left) {
   // Lock the sequences in address order (no lock-order cycles between concurrent gathers; not
   // id order: Attach gives a sequence another id, its Sequence object stays).
-  std::vector<std::pair<StoreSequenceId, std::shared_ptr<Sequence>>> seqs;
+  // This thread's scratch (capacity kept: a worker's decode step allocates nothing here), named
+  // by references so that the copies on the pool's threads read the caller's.
+  thread_local std::vector<std::pair<StoreSequenceId, std::shared_ptr<Sequence>>> seqs_scratch;
+  thread_local std::vector<std::pair<const GatherItem*, int>> work_scratch;
+  auto& seqs = seqs_scratch;
+  auto& work = work_scratch;
+  seqs.clear();
+  work.clear();
+  absl::Cleanup drop = [&seqs] { seqs.clear(); };  // the sequences are not kept alive past the call
   for (const GatherItem& item : items) {
     if (std::any_of(seqs.begin(), seqs.end(), [&](const auto& p) { return p.first == item.seq; })) {
       continue;
@@ -463,7 +472,6 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
   }
   if (status.ok()) {
     // Work units: one (item, KV head) each.
-    std::vector<std::pair<const GatherItem*, int>> work;
     work.reserve(units);
     for (const GatherItem& item : items) {
       for (int g = 0; g < HeadsOf(item, seq_of(item.seq).spec); ++g) work.emplace_back(&item, g);

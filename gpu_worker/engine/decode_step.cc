@@ -389,6 +389,7 @@ absl::Status DecodeStep::Prefetch(int next_layer) {
 
 absl::Status DecodeStep::PrefetchBegin(int next_layer) {
   StreamedKvCache& cache = *streamed_;
+  const int64_t kv_heads = model_.config().num_kv_heads;
   preselect_.chunks.clear();
   // The speculated queries of the layer, for policies that preselect from them.
   const bool preselect = !cache.addresses_only();
@@ -416,6 +417,7 @@ absl::Status DecodeStep::PrefetchBegin(int next_layer) {
       continue;
     }
     w.stored = *stored;
+    ReserveRowLists(b, kv_heads * (w.stored + 1));
     // Where the cache answers addresses in place, a sequence whose policy chooses on the host
     // asks for exactly its selection at the layer (in Attend, decode_step_attend.cc): the addresses
     // of every stored row, looked up there, cost more than its choice saves (3 ns a row, every
@@ -451,6 +453,21 @@ absl::Status DecodeStep::PrefetchBegin(int next_layer) {
     IG_RETURN_IF_ERROR(LaunchChoices(preselect_, next_layer, /*prefetch=*/true));
   }
   return absl::OkStatus();
+}
+
+void DecodeStep::ReserveRowLists(size_t b, int64_t entries) {
+  // Twice what is needed when short: a sequence grows a row a step, and a selection's size
+  // depends on its data, so sizing for every row (and then some) is what lets a warmed-up
+  // step allocate nothing.
+  auto reserve = [entries](std::vector<int32_t>& v) {
+    if (static_cast<int64_t>(v.capacity()) < entries) v.reserve(static_cast<size_t>(2 * entries));
+  };
+  for (auto& parity : prefetched_) {
+    reserve(parity[b].slots);
+    reserve(parity[b].map);
+  }
+  reserve(chunks_[b].candidates.indices);
+  reserve(selections_[b].indices);
 }
 
 absl::Status DecodeStep::PrefetchEnd(int next_layer) {

@@ -120,6 +120,9 @@ class DecodeStep final : private LayerAttention {
   absl::Status Prefetch(int next_layer);
   // Slots 0 .. stored-1 for each of `kv_heads` heads ([kv_heads, stored]): a dense read.
   static void EverySlot(int64_t kv_heads, int64_t stored, std::vector<int32_t>& out);
+  // Gives chunk b's row lists (prefetched slots and maps, candidates, selection) room for
+  // `entries` (every stored row of every KV head, and the current token's).
+  void ReserveRowLists(size_t b, int64_t entries);
   absl::Status EnsureBuffer(std::unique_ptr<Buffer>& b, size_t bytes);
   // Float32 rows on the host, for the selection policies (which run there).
   struct HostRows {

@@ -95,6 +95,7 @@ absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
   // token's, so that no decode step allocates (or, on a GPU, waits for a free).
   const size_t entries = static_cast<size_t>(shape_.num_kv_heads) * (capacity_tokens + 1);
   for (Pending& p : s.pending) {
+    p.item.slots.reserve(entries);
     if (device_gathers_ || in_place_) {
       p.staging.k_rows.reserve(entries);
       p.staging.v_rows.reserve(entries);
@@ -334,15 +335,16 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
       statuses[i] = Place(*s, layer, a.start, n, later.slots, a.slots_out);
       if (statuses[i].ok()) later_appends_.push_back(std::move(later));
     } else {
-      std::vector<uint8_t> hk(n * row), hv(n * row);
-      absl::Status st = RowsToHost(a.k, hk.data());
-      if (st.ok()) st = RowsToHost(a.v, hv.data());
+      // The client takes the rows before AppendAsync returns: this cache's scratch serves
+      // every append.
+      host_k_.resize(n * row);
+      host_v_.resize(n * row);
+      absl::Status st = RowsToHost(a.k, host_k_.data());
+      if (st.ok()) st = RowsToHost(a.v, host_v_.data());
       if (st.ok()) {
-        std::vector<int32_t> slots;
-        st = Place(*s, layer, a.start, n, slots, a.slots_out);
+        st = Place(*s, layer, a.start, n, place_slots_, a.slots_out);
         if (st.ok()) {
-          client_.AppendAsync(StoreId(a.seq), layer, a.start, n, std::move(hk), std::move(hv),
-                              std::move(slots));
+          client_.AppendAsync(StoreId(a.seq), layer, a.start, n, host_k_, host_v_, place_slots_);
         }
       }
       statuses[i] = st;
@@ -363,10 +365,9 @@ void StoreKvCache::EndAppendLayer() {
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
   for (LaterAppend& l : later_appends_) {
     const size_t bytes = static_cast<size_t>(l.n) * row;
-    std::vector<uint8_t> hk(both_.begin() + l.offset, both_.begin() + l.offset + bytes);
-    std::vector<uint8_t> hv(both_.begin() + l.offset + bytes, both_.begin() + l.offset + 2 * bytes);
-    client_.AppendAsync(StoreId(l.seq), l.layer, l.start, l.n, std::move(hk), std::move(hv),
-                        std::move(l.slots));
+    const std::span<const uint8_t> rows(both_.data() + l.offset, 2 * bytes);
+    client_.AppendAsync(StoreId(l.seq), l.layer, l.start, l.n, rows.first(bytes),
+                        rows.subspan(bytes), l.slots);
   }
   later_appends_.clear();
 }
@@ -423,17 +424,19 @@ absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes) {
 }
 
 absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
-                                       std::vector<int32_t> slots, int64_t count,
+                                       std::span<const int32_t> slots, int64_t count,
                                        int64_t extra_rows, bool in_place) {
   Pending& p = s.pending[layer % 2];
   DropTicket(p);
   const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
   p.resident = false;
-  p.item = ClientGatherItem();
+  // Field by field, so that the slot list keeps its capacity from step to step.
   p.item.seq = StoreId(seq);
   p.item.layer = layer;
   p.item.count = count;
-  p.item.slots = std::move(slots);
+  p.item.slots.assign(slots.begin(), slots.end());
+  p.item.k_out = p.item.v_out = nullptr;
+  p.item.k_rows = p.item.v_rows = nullptr;
   p.count = count;
   p.extra_rows = extra_rows;
   p.in_place = in_place;
@@ -442,7 +445,7 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
     p.deferred = true;
     deferred_.emplace_back(seq, layer % 2);
   } else {
-    p.ticket = client_.GatherAsync({p.item});
+    p.ticket = client_.GatherAsync(std::span<const ClientGatherItem>(&p.item, 1));
     p.shared = false;
   }
   p.layer = layer;
@@ -536,17 +539,21 @@ absl::Status StoreKvCache::GatherOnDevice(Pending& p) {
 
 void StoreKvCache::SubmitPrefetches() {
   deferring_ = false;
-  std::vector<ClientGatherItem> items;
-  std::vector<Pending*> group;
+  // The items are copied into batch_items_' first `count` entries (assignment keeps their slot
+  // lists' capacity; clear() would free them).
+  size_t count = 0;
+  std::vector<Pending*>& group = batch_group_;
+  group.clear();
   size_t bytes = 0;
   auto submit = [&] {
-    if (items.empty()) return;
-    std::shared_ptr<GatherTicket> ticket = client_.GatherAsync(std::move(items));
+    if (count == 0) return;
+    std::shared_ptr<GatherTicket> ticket =
+        client_.GatherAsync(std::span<const ClientGatherItem>(batch_items_.data(), count));
     for (Pending* p : group) {
       p->ticket = ticket;
       p->shared = group.size() > 1;
     }
-    items.clear();
+    count = 0;
     group.clear();
     bytes = 0;
   };
@@ -558,8 +565,9 @@ void StoreKvCache::SubmitPrefetches() {
     p.deferred = false;
     const size_t item_bytes =
         p.in_place ? 0 : 2 * static_cast<size_t>(shape_.num_kv_heads) * p.count * RowBytes();
-    if (!items.empty() && bytes + item_bytes > options_.max_batched_gather_bytes) submit();
-    items.push_back(p.item);
+    if (count > 0 && bytes + item_bytes > options_.max_batched_gather_bytes) submit();
+    if (batch_items_.size() == count) batch_items_.emplace_back();
+    batch_items_[count++] = p.item;
     group.push_back(&p);
     bytes += item_bytes;
   }
@@ -578,7 +586,7 @@ absl::Status StoreKvCache::WaitGather(Sequence& s, Pending& p) {
     if (absl::IsDeadlineExceeded(st)) {
       RegatherAlone(std::shared_ptr<GatherTicket>(p.ticket));
     } else {
-      p.ticket = client_.GatherAsync({p.item});
+      p.ticket = client_.GatherAsync(std::span<const ClientGatherItem>(&p.item, 1));
       p.shared = false;
     }
     st = p.ticket->Wait(absl::Now() + options_.fetch_timeout);
@@ -595,7 +603,7 @@ void StoreKvCache::RegatherAlone(const std::shared_ptr<GatherTicket>& late) {
       abandoned_.push_back({std::move(q.staging), late});
       q.staging = Staging();
       absl::Status bound = BindStaging(q);
-      q.ticket = bound.ok() ? std::shared_ptr<GatherTicket>(client_.GatherAsync({q.item}))
+      q.ticket = bound.ok() ? client_.GatherAsync(std::span<const ClientGatherItem>(&q.item, 1))
                             : std::make_shared<DoneTicket>(std::move(bound));
       q.shared = false;
     }
@@ -617,7 +625,8 @@ bool StoreKvCache::StartResident(SequenceId seq, Sequence& s, int layer, int64_t
   }
   Pending& p = s.pending[layer % 2];
   DropTicket(p);
-  p.item = ClientGatherItem();
+  p.item.count = 0;
+  p.item.slots.clear();  // (its capacity kept for the gathers of other layers)
   p.deferred = false;
   p.shared = false;
   p.resident = true;
@@ -639,15 +648,15 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadAll(SequenceId seq, int layer) {
   }
   const int64_t n = s->Rows(layer);
   if (StartResident(seq, *s, layer, n, 0)) return FinishGather(*s, layer);
-  std::vector<int32_t> slots(static_cast<size_t>(shape_.num_kv_heads * n));
+  std::vector<int32_t>& slots = every_slot_;
+  slots.resize(static_cast<size_t>(shape_.num_kv_heads * n));
   for (int g = 0; g < shape_.num_kv_heads; ++g) {
     for (int64_t j = 0; j < n; ++j) slots[g * n + j] = static_cast<int32_t>(j);
   }
   // Packed (prefill attention reads contiguous rows); where the GPU reads the store's memory it
   // packs them itself (a chunked prefill reads every stored row back, each chunk: through host
   // staging and a copy that cost 6.5x the device's own gather on an H200).
-  IG_RETURN_IF_ERROR(
-      StartGather(seq, *s, layer, std::move(slots), n, 0, /*in_place=*/device_gathers_));
+  IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, slots, n, 0, /*in_place=*/device_gathers_));
   return FinishGather(*s, layer);
 }
 
@@ -673,9 +682,8 @@ absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* sl
       StartResident(seq, *s, layer, count, extra_rows)) {
     return absl::OkStatus();
   }
-  std::vector<int32_t> list(slots, slots + shape_.num_kv_heads * count);
-  return StartGather(seq, *s, layer, std::move(list), count, extra_rows,
-                     in_place_ || device_gathers_);
+  return StartGather(seq, *s, layer, std::span<const int32_t>(slots, shape_.num_kv_heads * count),
+                     count, extra_rows, in_place_ || device_gathers_);
 }
 
 absl::StatusOr<KvLayerView> StoreKvCache::Fetch(SequenceId seq, int layer) {

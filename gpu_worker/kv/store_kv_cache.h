@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -171,7 +172,7 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status EnsureStaging(Staging& s, size_t bytes);
   // Starts gathering `count` slots per head into the sequence's staging (`in_place`: their
   // addresses into its row tables).
-  absl::Status StartGather(SequenceId seq, Sequence& s, int layer, std::vector<int32_t> slots,
+  absl::Status StartGather(SequenceId seq, Sequence& s, int layer, std::span<const int32_t> slots,
                            int64_t count, int64_t extra_rows, bool in_place);
   absl::StatusOr<KvLayerView> FinishGather(Sequence& s, int layer);
   // A read of rows 0 .. count-1 of every head that resident_layers_ answers (StartGather's
@@ -229,6 +230,15 @@ class StoreKvCache final : public StreamedKvCache {
   bool deferring_ = false;  // between BeginPrefetches and SubmitPrefetches
   std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held
   std::vector<Staging> spare_staging_;
+  // Scratch kept between steps (capacity reused: a decode step allocates nothing on the host
+  // with the in-process transport): SubmitPrefetches' items (the first batch_count_ in use)
+  // and their Pendings, ReadAll's slot list, and an append's rows packed on the host and its
+  // KV pool slots.
+  std::vector<ClientGatherItem> batch_items_;
+  std::vector<Pending*> batch_group_;
+  std::vector<int32_t> every_slot_;
+  std::vector<uint8_t> host_k_, host_v_;
+  std::vector<int32_t> place_slots_;
   std::unique_ptr<Buffer> pack_;  // RowsToHost's packed rows on backends without host access
   // Appends of at most this many tokens (decode steps) copy K and V out together.
   static constexpr int64_t kPackedAppendRows = 16;

@@ -17,7 +17,7 @@ void AppendFailures::Forget(StoreSequenceId seq) {
 }
 
 absl::Status AppendFailures::Explain(const absl::Status& gather,
-                                     const std::vector<ClientGatherItem>& items) const {
+                                     std::span<const ClientGatherItem> items) const {
   if (gather.ok()) return gather;
   absl::MutexLock lock(&mu_);
   for (const ClientGatherItem& item : items) {

@@ -4,7 +4,7 @@
 // did. Thread-safe.
 #pragma once
 
-#include <vector>
+#include <span>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -21,8 +21,7 @@ class AppendFailures {
   void Forget(StoreSequenceId seq);
   // `gather` as it is when it succeeded or none of its sequences lost an append; else with the
   // append's failure named, and the append's code in place of INVALID_ARGUMENT.
-  absl::Status Explain(const absl::Status& gather,
-                       const std::vector<ClientGatherItem>& items) const;
+  absl::Status Explain(const absl::Status& gather, std::span<const ClientGatherItem> items) const;
 
  private:
   mutable absl::Mutex mu_;

@@ -55,8 +55,9 @@ class InProcessClient final : public KvStoreClient {
     return store_.Release(seq, absl::Now());
   }
   using KvStoreClient::AppendAsync;
-  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
-                   std::vector<uint8_t> v, std::vector<int32_t> slots) override {
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                   std::span<const uint8_t> k, std::span<const uint8_t> v,
+                   std::span<const int32_t> slots) override {
     absl::Status st = k.size() == v.size() ? store_.Append(seq, layer, start, n, k.data(), v.data(),
                                                            k.size(), nullptr, slots)
                                            : absl::InvalidArgumentError("k and v differ in size");
@@ -71,14 +72,22 @@ class InProcessClient final : public KvStoreClient {
     append_error_ = absl::OkStatus();
     return error;
   }
-  std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) override {
-    std::vector<GatherItem> g;
-    g.reserve(items.size());
+  std::shared_ptr<GatherTicket> GatherAsync(std::span<const ClientGatherItem> items) override {
+    // The store's items in this thread's scratch (capacity kept: a decode step's gathers
+    // allocate nothing), and one shared ticket for every gather that succeeded.
+    thread_local std::vector<GatherItem> g;
+    g.clear();
     for (const auto& it : items) {
       g.push_back({it.seq, it.layer, it.count, it.slots, it.k_out, it.v_out, /*head_begin=*/0,
                    /*heads=*/-1, it.k_rows, it.v_rows});
     }
-    return std::make_unique<DoneTicket>(append_failures_.Explain(store_.Gather(g), items));
+    absl::Status st = store_.Gather(g);
+    if (st.ok()) {
+      static const std::shared_ptr<GatherTicket> done =
+          std::make_shared<DoneTicket>(absl::OkStatus());
+      return done;
+    }
+    return std::make_shared<DoneTicket>(append_failures_.Explain(st, items));
   }
   bool reads_in_place() const override { return true; }
   Span mapped_memory() const override {

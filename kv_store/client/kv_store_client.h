@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,17 +83,25 @@ class KvStoreClient {
                                        const SequenceSpec& spec, int64_t length) = 0;
   // Queues rows [start, start + n) of `layer` (k, v: [n, num_kv_heads, head_dim]). In a KV pool
   // sequence `slots` ([n, num_kv_heads]) says where each row goes (KvStore::Append's at_slots);
-  // empty: the store places them.
+  // empty: the store places them. The rows are taken (written to the store, or copied into the
+  // queue) before it returns: the caller may reuse its buffers at once, and a caller that
+  // reuses them allocates nothing per append on the in-process transport.
   virtual void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                           std::vector<uint8_t> k, std::vector<uint8_t> v,
-                           std::vector<int32_t> slots) = 0;
-  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
-                   std::vector<uint8_t> v) {
-    AppendAsync(seq, layer, start, n, std::move(k), std::move(v), {});
+                           std::span<const uint8_t> k, std::span<const uint8_t> v,
+                           std::span<const int32_t> slots) = 0;
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                   std::span<const uint8_t> k, std::span<const uint8_t> v) {
+    AppendAsync(seq, layer, start, n, k, v, {});
   }
   // Waits for queued appends; returns the first append error since the last Flush.
   virtual absl::Status Flush(absl::Time deadline) = 0;
-  virtual std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) = 0;
+  // Starts gathering `items` (taken before it returns: the caller may change them; their
+  // buffers must outlive the ticket). A transport that gathers on the caller's thread
+  // (in-process) answers a shared ticket and allocates nothing when the gather succeeds.
+  virtual std::shared_ptr<GatherTicket> GatherAsync(std::span<const ClientGatherItem> items) = 0;
+  std::shared_ptr<GatherTicket> GatherAsync(std::initializer_list<ClientGatherItem> items) {
+    return GatherAsync(std::span<const ClientGatherItem>(items.begin(), items.size()));
+  }
   // Whether gathers can answer with the rows' addresses (ClientGatherItem::k_rows) because the
   // store's memory is mapped in this process: the in-process and shm transports. The rows are
   // then read where they lie, by the caller, once the ticket is done.

@@ -296,16 +296,17 @@ absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
 }
 
 void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                                 std::vector<uint8_t> k, std::vector<uint8_t> v,
-                                 std::vector<int32_t> slots) {
+                                 std::span<const uint8_t> k, std::span<const uint8_t> v,
+                                 std::span<const int32_t> slots) {
   absl::MutexLock lock(&mu_);
   const uint64_t number = ++appends_queued_;
   auto& last = last_append_[seq];
   if (layer >= 0 && static_cast<size_t>(layer) >= last.size()) last.resize(layer + 1, 0);
   if (layer >= 0) last[layer] = number;
   append_bytes_queued_ += k.size() + v.size();
-  appends_.push_back(
-      {seq, layer, start, n, std::move(k), std::move(v), absl::Now(), std::move(slots)});
+  appends_.push_back({seq, layer, start, n, std::vector<uint8_t>(k.begin(), k.end()),
+                      std::vector<uint8_t>(v.begin(), v.end()), absl::Now(),
+                      std::vector<int32_t>(slots.begin(), slots.end())});
 }
 
 absl::Status QueuedKvClient::Flush(absl::Time deadline) {
@@ -317,7 +318,8 @@ absl::Status QueuedKvClient::Flush(absl::Time deadline) {
   return error;
 }
 
-std::unique_ptr<GatherTicket> QueuedKvClient::GatherAsync(std::vector<ClientGatherItem> items) {
+std::shared_ptr<GatherTicket> QueuedKvClient::GatherAsync(std::span<const ClientGatherItem> span) {
+  std::vector<ClientGatherItem> items(span.begin(), span.end());  // the queue thread's copy
   auto state = std::make_shared<TicketState>();
   uint64_t after = 0;  // the last append queued to a (sequence, layer) this gather reads
   {
@@ -334,7 +336,7 @@ std::unique_ptr<GatherTicket> QueuedKvClient::GatherAsync(std::vector<ClientGath
     state->status = append_failures_.Explain(DoGather(items), items);
     state->done.Notify();
   });
-  return std::make_unique<QueuedTicket>(state);
+  return std::make_shared<QueuedTicket>(state);
 }
 
 absl::StatusOr<KvStoreStats> QueuedKvClient::Stats() {

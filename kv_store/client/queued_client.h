@@ -40,10 +40,11 @@ class QueuedKvClient : public KvStoreClient {
   absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                int64_t length) final;
   using KvStoreClient::AppendAsync;
-  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
-                   std::vector<uint8_t> v, std::vector<int32_t> slots) final;
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                   std::span<const uint8_t> k, std::span<const uint8_t> v,
+                   std::span<const int32_t> slots) final;
   absl::Status Flush(absl::Time deadline) final;
-  std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) final;
+  std::shared_ptr<GatherTicket> GatherAsync(std::span<const ClientGatherItem> items) final;
   absl::StatusOr<KvStoreStats> Stats() final;
 
  protected:

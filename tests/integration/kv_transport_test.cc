@@ -144,8 +144,10 @@ TEST_P(KvTransport, PooledAppendsLandInTheSlotsGiven) {
   spec.capacity_tokens = 4;
   ASSERT_TRUE(client_->Open(1, spec).ok());
   client_->AppendAsync(1, 0, 0, 4, TokenRows(0, 4, 0), TokenRows(0, 4, 1));
-  client_->AppendAsync(1, 0, 4, 1, TokenRows(4, 1, 0), TokenRows(4, 1, 1), {1, 3});
-  client_->AppendAsync(1, 0, 5, 1, TokenRows(5, 1, 0), TokenRows(5, 1, 1), {0, 1});
+  client_->AppendAsync(1, 0, 4, 1, TokenRows(4, 1, 0), TokenRows(4, 1, 1),
+                       std::vector<int32_t>{1, 3});
+  client_->AppendAsync(1, 0, 5, 1, TokenRows(5, 1, 0), TokenRows(5, 1, 1),
+                       std::vector<int32_t>{0, 1});
   ASSERT_TRUE(client_->Flush(Soon()).ok());
   const std::vector<int32_t> slots = {0, 1, 2, 3, 0, 1, 2, 3};
   const std::vector<int32_t> tokens = {5, 4, 2, 3, 0, 5, 2, 4};  // [head][slot]
@@ -160,7 +162,8 @@ TEST_P(KvTransport, PooledAppendsLandInTheSlotsGiven) {
       EXPECT_EQ(0, std::memcmp(v.data() + (g * 4 + j) * 32, want_v.data() + g * 32, 32)) << t;
     }
   }
-  client_->AppendAsync(1, 0, 6, 1, TokenRows(6, 1, 0), TokenRows(6, 1, 1), {4, 0});
+  client_->AppendAsync(1, 0, 6, 1, TokenRows(6, 1, 0), TokenRows(6, 1, 1),
+                       std::vector<int32_t>{4, 0});
   const absl::Status st = client_->Flush(Soon());
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_TRUE(client_->Close(1).ok());
@@ -306,7 +309,7 @@ TEST_P(KvTransport, InPlaceGathersAnswerRowAddressesOrAreRefused) {
 // thread sends what piled up in batches. A bad append in the stream fails Flush, naming it.
 TEST_P(KvTransport, InterleavedAppendsAndGathersSeeWhatTheyNeed) {
   ASSERT_TRUE(client_->Open(1, Spec()).ok());
-  std::vector<std::unique_ptr<GatherTicket>> tickets;
+  std::vector<std::shared_ptr<GatherTicket>> tickets;
   std::vector<std::vector<uint8_t>> ks;
   for (int64_t t = 0; t < 120; ++t) {
     for (int layer = 0; layer < 2; ++layer) {

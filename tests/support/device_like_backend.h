@@ -52,7 +52,8 @@ class DeviceLikeCpuBackend final : public CpuBackend {
     std::vector<char> bytes;
   };
   void DeliverLater();
-  std::vector<Later> later_;
+  std::vector<Later> later_;  // the first later_count_ are pending
+  size_t later_count_ = 0;
   int64_t rows_gathered_ = 0;
   int64_t sparse_choices_ = 0;
 };

@@ -27,7 +27,7 @@ class StalledTicket final : public GatherTicket {
 // The real gather, its error explained by the appends this decorator dropped.
 class ExplainedTicket final : public GatherTicket {
  public:
-  ExplainedTicket(std::unique_ptr<GatherTicket> inner, const AppendFailures& failures,
+  ExplainedTicket(std::shared_ptr<GatherTicket> inner, const AppendFailures& failures,
                   std::vector<ClientGatherItem> items)
       : inner_(std::move(inner)), failures_(failures), items_(std::move(items)) {}
   absl::Status Wait(absl::Time deadline) override {
@@ -36,7 +36,7 @@ class ExplainedTicket final : public GatherTicket {
   bool Done() override { return inner_->Done(); }
 
  private:
-  std::unique_ptr<GatherTicket> inner_;
+  std::shared_ptr<GatherTicket> inner_;
   const AppendFailures& failures_;
   std::vector<ClientGatherItem> items_;
 };
@@ -109,15 +109,15 @@ absl::StatusOr<int64_t> FaultyKvClient::Fork(StoreSequenceId from, StoreSequence
 }
 
 void FaultyKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                                 std::vector<uint8_t> k, std::vector<uint8_t> v,
-                                 std::vector<int32_t> slots) {
+                                 std::span<const uint8_t> k, std::span<const uint8_t> v,
+                                 std::span<const int32_t> slots) {
   if (absl::Status st = Fault(Op::kAppend, seq); !st.ok()) {
     append_failures_.Record(seq, layer, st);
     absl::MutexLock lock(&mu_);
     if (append_error_.ok()) append_error_ = st;
     return;
   }
-  inner_.AppendAsync(seq, layer, start, n, std::move(k), std::move(v), std::move(slots));
+  inner_.AppendAsync(seq, layer, start, n, k, v, slots);
 }
 
 absl::Status FaultyKvClient::Flush(absl::Time deadline) {
@@ -127,20 +127,20 @@ absl::Status FaultyKvClient::Flush(absl::Time deadline) {
   return mine.ok() ? inner : mine;
 }
 
-std::unique_ptr<GatherTicket> FaultyKvClient::GatherAsync(std::vector<ClientGatherItem> items) {
+std::shared_ptr<GatherTicket> FaultyKvClient::GatherAsync(std::span<const ClientGatherItem> items) {
   for (const ClientGatherItem& it : items) {
     if (absl::Status st = Fault(Op::kGather, it.seq); !st.ok()) {
-      return std::make_unique<DoneTicket>(st);
+      return std::make_shared<DoneTicket>(st);
     }
     absl::MutexLock lock(&mu_);
     if (auto stalled = stalled_.find(it.seq); stalled != stalled_.end()) {
       ++injected_;
-      return std::make_unique<StalledTicket>(stalled->second);
+      return std::make_shared<StalledTicket>(stalled->second);
     }
   }
-  std::vector<ClientGatherItem> copy = items;  // for the explanation (the inner takes them)
-  return std::make_unique<ExplainedTicket>(inner_.GatherAsync(std::move(items)), append_failures_,
-                                           std::move(copy));
+  return std::make_shared<ExplainedTicket>(
+      inner_.GatherAsync(items), append_failures_,
+      std::vector<ClientGatherItem>(items.begin(), items.end()));  // for the explanation
 }
 
 }  // namespace infinigen::testing

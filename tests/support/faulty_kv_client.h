@@ -42,10 +42,11 @@ class FaultyKvClient final : public KvStoreClient {
   absl::StatusOr<int64_t> Fork(StoreSequenceId from, StoreSequenceId to, const SequenceSpec& spec,
                                int64_t length) override;
   using KvStoreClient::AppendAsync;
-  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n, std::vector<uint8_t> k,
-                   std::vector<uint8_t> v, std::vector<int32_t> slots) override;
+  void AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
+                   std::span<const uint8_t> k, std::span<const uint8_t> v,
+                   std::span<const int32_t> slots) override;
   absl::Status Flush(absl::Time deadline) override;
-  std::unique_ptr<GatherTicket> GatherAsync(std::vector<ClientGatherItem> items) override;
+  std::shared_ptr<GatherTicket> GatherAsync(std::span<const ClientGatherItem> items) override;
   bool reads_in_place() const override { return inner_.reads_in_place(); }
   Span mapped_memory() const override { return inner_.mapped_memory(); }
   absl::StatusOr<KvStoreStats> Stats() override { return inner_.Stats(); }
