@@ -8,8 +8,11 @@ the client raises for 400, 401 and 404.
 --topology serve: one `infinigen serve --http-listen` (router, worker and KV store in one
 process). --topology split: `infinigen-kvstore`, two `infinigen-worker`s on it and
 `infinigen-router --http-listen` in front, as separate processes; there also a client that hangs
-up mid-stream frees its request on the worker (the workers' own metrics say so), and with every
-worker gone the door answers 503 (the client's InternalServerError) with Retry-After.
+up mid-stream frees its request on the worker (the workers' own metrics say so), a worker that
+crashes (SIGKILL) under a streamed answer hands it to the other one, which resumes from the KV
+store and streams exactly the text of an uninterrupted run (the router's metrics count one
+failover and one resume), and with every worker gone the door answers 503 (the client's
+InternalServerError) with Retry-After.
 
 Usage: openai_client_test.py --bin-dir build/bin [--topology serve|split]. Exit 77 (skipped)
 without the model.
@@ -69,6 +72,12 @@ class Processes:
         child.terminate()
         child.wait(timeout=30)
 
+    def crash(self, name):
+        """SIGKILL: the process ends at once, mid-request, as a failed machine would."""
+        child = self.children.pop(name)
+        child.kill()
+        child.wait(timeout=30)
+
     def dead(self):
         return [n for n, c in self.children.items() if c.poll() is not None]
 
@@ -110,6 +119,7 @@ def main():
     grpc_port, http_port = free_port(), free_port()
     bin_ = lambda name: os.path.join(args.bin_dir, name)  # noqa: E731
     worker_metrics = []
+    router_metrics = free_port()
     if args.topology == "serve":
         procs.start("serve", [bin_("infinigen"), "serve", f"--model={model_path}",
                               f"--listen=127.0.0.1:{grpc_port}",
@@ -131,7 +141,8 @@ def main():
         procs.start("router", [bin_("infinigen-router"), f"--listen=127.0.0.1:{grpc_port}",
                                f"--workers={','.join(workers)}",
                                f"--http-listen=127.0.0.1:{http_port}",
-                               f"--api-keys-file={keys.name}", "--health-interval-ms=200"])
+                               f"--api-keys-file={keys.name}", "--health-interval-ms=200",
+                               f"--metrics-port={router_metrics}"])
     try:
         base = f"http://127.0.0.1:{http_port}/v1"
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
@@ -165,6 +176,7 @@ def main():
         check_grpc_logprobs_equal_the_logits_command(args.bin_dir, grpc_port, model_path, formats)
         if args.topology == "split":
             check_disconnect_frees_the_worker(client, model, worker_metrics)
+            check_failover_mid_stream(client, model, worker_metrics, router_metrics, procs)
             check_no_worker_is_503(openai, client, model, procs)
         print("openai client: every check passed")
         return 0
@@ -265,10 +277,47 @@ def check_disconnect_frees_the_worker(client, model, worker_metrics):
           "of 400 and run nothing")
 
 
+def check_failover_mid_stream(client, model, worker_metrics, router_metrics, procs):
+    """The worker streaming an answer over HTTP crashes (SIGKILL) after a few chunks: the same
+    stream goes on from the other worker (the router resumes it from the KV store) and the
+    client receives exactly the text, finish reason and usage of an uninterrupted run."""
+    ask = dict(model=model, prompt="The history of the printing press", max_tokens=64,
+               temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**ask)
+    assert whole.usage.completion_tokens == 64, whole.usage
+    failovers = metric(router_metrics, "infinigen_router_failovers_total")
+    resumes = metric(router_metrics, "infinigen_router_resumes_total")
+    stream = client.completions.create(**ask, stream=True,
+                                       stream_options={"include_usage": True})
+    text, finish, usage, crashed = "", None, None, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+        if crashed is None and len(text) > 0:
+            # The worker running it (each reports its running requests).
+            running = [metric(p, "infinigen_worker_running_requests") for p in worker_metrics]
+            if sum(running) == 1:
+                crashed = f"worker{running.index(1)}"
+                procs.crash(crashed)
+    assert crashed is not None, "the stream ended before a worker could be crashed under it"
+    assert text == whole.choices[0].text, (text, whole.choices[0].text)
+    assert finish == "length", finish
+    assert usage is not None and usage.completion_tokens == 64, usage
+    after = metric(router_metrics, "infinigen_router_failovers_total")
+    assert after == failovers + 1, f"router failovers {failovers} -> {after}"
+    resumed = metric(router_metrics, "infinigen_router_resumes_total") - resumes
+    assert resumed == 1, f"{resumed} resumes from the stored KV (expected 1: no recompute)"
+    print(f"{crashed} crashed mid-stream: the stream went on from the stored KV on the other "
+          f"worker, {len(text)} characters equal to an uninterrupted run")
+
+
 def check_no_worker_is_503(openai, client, model, procs):
     """With every worker gone the door answers 503 (OpenAI's error JSON) and says when to retry."""
-    procs.stop("worker0")
-    procs.stop("worker1")
+    for name in ("worker0", "worker1"):
+        if name in procs.children:
+            procs.stop(name)
     deadline = time.time() + 30
     while True:
         try:
