@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/row_gemm.h"
 #include "kernels/cpu/simd.h"
 
@@ -447,8 +448,7 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
   float* chunk_sum = chunk_max + num_heads * chunks;
   float* chunk_out = chunk_sum + num_heads * chunks;
   float* chunk_weight = chunk_out + num_heads * chunks * head_dim;
-#pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim > (1 << 16))
-  for (int64_t t = 0; t < tasks; ++t) {
+  ParallelFor(tasks, num_rows * num_heads * head_dim > (1 << 16), [&](int64_t t) {
     const int g = static_cast<int>(t / chunks);
     const int64_t c = t % chunks;
     const int64_t j0 = c * kDecodeChunk, j1 = std::min(num_rows, j0 + kDecodeChunk);
@@ -461,7 +461,7 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
                       chunk_sum + h * chunks + c, chunk_out + (h * chunks + c) * head_dim};
     }
     ChunkPartials(q, 0, &j1, 1, k, v, idx, g, group, j0, j1, head_dim, scale, partials.data());
-  }
+  });
   for (int h = 0; h < num_heads; ++h) {
     float* oh = out + h * head_dim;
     if (!MergeChunks(chunk_max + h * chunks, chunk_sum + h * chunks,

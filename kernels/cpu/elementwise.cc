@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/parallel_for.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -20,21 +21,19 @@ void Embedding(const float* table, int64_t dim, const int32_t* ids, int64_t n, f
 
 void RmsNorm(const float* x, int64_t x_stride, const float* weight, int64_t rows, int64_t cols,
              float eps, float* out, int64_t out_stride) {
-#pragma omp parallel for if (rows * cols > kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * cols > kParallelElements, [&](int64_t r) {
     const float* xr = x + r * x_stride;
     float* o = out + r * out_stride;
     double sum_sq = 0.0;
     for (int64_t i = 0; i < cols; ++i) sum_sq += static_cast<double>(xr[i]) * xr[i];
     const float inv = 1.0f / std::sqrt(static_cast<float>(sum_sq / cols) + eps);
     for (int64_t i = 0; i < cols; ++i) o[i] = weight[i] * (xr[i] * inv);
-  }
+  });
 }
 
 void LayerNorm(const float* x, int64_t x_stride, const float* weight, const float* bias,
                int64_t rows, int64_t cols, float eps, float* out, int64_t out_stride) {
-#pragma omp parallel for if (rows * cols > kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * cols > kParallelElements, [&](int64_t r) {
     const float* xr = x + r * x_stride;
     float* o = out + r * out_stride;
     double sum = 0.0;
@@ -50,35 +49,32 @@ void LayerNorm(const float* x, int64_t x_stride, const float* weight, const floa
       if (bias != nullptr) y += bias[i];
       o[i] = y;
     }
-  }
+  });
 }
 
 void SwiGlu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride,
             int64_t rows, int64_t cols, float* out, int64_t out_stride) {
-#pragma omp parallel for if (rows * cols > kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * cols > kParallelElements, [&](int64_t r) {
     const float* g = gate + r * gate_stride;
     const float* u = up + r * up_stride;
     float* o = out + r * out_stride;
     for (int64_t i = 0; i < cols; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  }
+  });
 }
 
 void Relu(float* x, int64_t stride, int64_t rows, int64_t cols) {
-#pragma omp parallel for if (rows * cols > kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * cols > kParallelElements, [&](int64_t r) {
     float* xr = x + r * stride;
     for (int64_t i = 0; i < cols; ++i) xr[i] = std::max(xr[i], 0.0f);
-  }
+  });
 }
 
 void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y, int64_t y_stride) {
-#pragma omp parallel for if (rows * cols > kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * cols > kParallelElements, [&](int64_t r) {
     const float* xr = x + r * x_stride;
     float* yr = y + r * y_stride;
     for (int64_t i = 0; i < cols; ++i) yr[i] += xr[i];
-  }
+  });
 }
 
 void FillRandom(float* out, int64_t n, uint64_t seed, float scale, int64_t first) {

@@ -30,6 +30,7 @@
 
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/q4_1.h"
 #include "kernels/cpu/q5_1.h"
 #include "kernels/cpu/q6_k.h"
@@ -140,10 +141,9 @@ QuantizedRows Quantize(const float* x, int64_t ldx, int64_t m, int64_t k, bool n
   }
   int8_t* qp = q.data();
   float *dp = dx.data(), *sp = xsum.data();
-#pragma omp parallel for schedule(static) if (m >= 16)
-  for (int64_t r = 0; r < m; ++r) {
+  ParallelFor(m, m >= 16, [&](int64_t r) {
     QuantizeRow(x + r * ldx, k, nibble_pairs, qp + r * k, dp + r * blocks, sp + r * blocks);
-  }
+  });
   return {qp, dp, sp, k, blocks};
 }
 
@@ -634,8 +634,7 @@ void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matri
   const int64_t n = w.rows, col_blocks = (n + kColBlock - 1) / kColBlock;
   const bool gemv = m == 1, prepare = F::kPanel && !gemv;
   const int64_t step = gemv ? K::kGemvCols : K::kCols;
-#pragma omp parallel for schedule(static) if (m * n * w.cols > (1 << 16))
-  for (int64_t cb = 0; cb < col_blocks; ++cb) {
+  ParallelFor(col_blocks, m * n * w.cols > (1 << 16), [&](int64_t cb) {
     const int64_t j0 = cb * kColBlock, j1 = std::min(n, j0 + kColBlock);
     thread_local std::vector<uint8_t> panel;
     if (prepare) {
@@ -653,7 +652,7 @@ void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matri
         }
       }
     }
-  }
+  });
 }
 
 // The AVX-512 kernel's instructions: byte operations (BW, VL) and VNNI's dot products. An

@@ -1,6 +1,7 @@
 #include <cmath>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/parallel_for.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -19,8 +20,7 @@ void Rope(float* x, int64_t stride, int64_t rows, int num_heads, int head_dim, i
           const int32_t* positions, const float* inv_freq, RopeLayout layout,
           int64_t inv_freq_head_stride) {
   const int half = rotary_dim / 2;
-#pragma omp parallel for if (rows * num_heads * head_dim > (1 << 15))
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * num_heads * head_dim > (1 << 15), [&](int64_t r) {
     const float pos = static_cast<float>(positions[r]);
     if (inv_freq_head_stride == 0) {  // one angle per pair for every head
       for (int i = 0; i < half; ++i) {
@@ -31,7 +31,7 @@ void Rope(float* x, int64_t stride, int64_t rows, int num_heads, int head_dim, i
           RotatePair(x + r * stride + static_cast<int64_t>(h) * head_dim, i, half, layout, c, s);
         }
       }
-      continue;
+      return;
     }
     for (int h = 0; h < num_heads; ++h) {
       for (int i = 0; i < half; ++i) {
@@ -40,7 +40,7 @@ void Rope(float* x, int64_t stride, int64_t rows, int num_heads, int head_dim, i
                    std::cos(angle), std::sin(angle));
       }
     }
-  }
+  });
 }
 
 void ProjectHeads(const float* x, int64_t x_stride, int64_t rows, int num_heads, int num_kv_heads,

@@ -10,6 +10,7 @@
 
 #include "common/dtype.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {
@@ -258,11 +259,10 @@ template <typename K, typename A>
 void GemmWith(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t m, int64_t n,
               int64_t k) {
   const int64_t blocks = (n + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static) if (m * n * k > (1 << 16))
-  for (int64_t b = 0; b < blocks; ++b) {
+  ParallelFor(blocks, m * n * k > (1 << 16), [&](int64_t b) {
     const int64_t j0 = b * kColBlock;
     ColumnBlock<K>(x, ldx, w.From(j0), y + j0, ldy, m, std::min(kColBlock, n - j0), k);
-  }
+  });
 }
 
 template <typename A>
