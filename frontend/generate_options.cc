@@ -44,4 +44,34 @@ absl::Status GenerateOptions::Validate() const {
   return absl::OkStatus();
 }
 
+absl::Status CheckTokenIds(std::span<const int32_t> ids, int64_t vocab_size) {
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token id ", id, " is outside the model's vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GenerateOptions::ValidateForModel(std::span<const int32_t> prompt, int64_t vocab_size,
+                                               int64_t context_tokens) const {
+  if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  IG_RETURN_IF_ERROR(CheckTokenIds(prompt, vocab_size));
+  for (const auto& [id, bias] : logit_bias) {
+    if (id < 0 || id >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias: token id ", id,
+                                                     " is outside the model's vocabulary [0, ",
+                                                     vocab_size, ")"));
+    }
+  }
+  const int64_t total = static_cast<int64_t>(prompt.size()) + max_new_tokens;
+  if (total > context_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", prompt.size(), " tokens) + max_new_tokens (", max_new_tokens,
+                     ") exceeds the model's context of ", context_tokens, " tokens"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace infinigen

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -37,6 +38,15 @@ struct GenerateOptions {
 
   // INVALID_ARGUMENT naming the field.
   absl::Status Validate() const;
+  // What only the model can say, for `prompt` under these options: the prompt not empty, every
+  // prompt and logit_bias token id inside the vocabulary, the prompt and max_new_tokens within
+  // the context. INVALID_ARGUMENT naming what to fix. The engine and the generator both ask it
+  // (one definition of the model's limits).
+  absl::Status ValidateForModel(std::span<const int32_t> prompt, int64_t vocab_size,
+                                int64_t context_tokens) const;
 };
+
+// INVALID_ARGUMENT naming the first token id outside [0, vocab_size).
+absl::Status CheckTokenIds(std::span<const int32_t> ids, int64_t vocab_size);
 
 }  // namespace infinigen

@@ -61,22 +61,9 @@ BatchEngine::~BatchEngine() {
 absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink sink) {
   IG_RETURN_IF_ERROR(request.options.Validate());
   const ModelConfig& c = model_.config();
-  if (request.prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
-  for (const auto* list : {&request.prompt, &request.resume_tokens}) {
-    for (int32_t id : *list) {
-      if (id < 0 || id >= c.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "token id ", id, " is outside the model's vocabulary [0, ", c.vocab_size, ")"));
-      }
-    }
-  }
-  for (const auto& [id, bias] : request.options.logit_bias) {
-    if (id < 0 || id >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias: token id ", id,
-                                                     " is outside the model's vocabulary [0, ",
-                                                     c.vocab_size, ")"));
-    }
-  }
+  IG_RETURN_IF_ERROR(
+      request.options.ValidateForModel(request.prompt, c.vocab_size, c.max_position_embeddings));
+  IG_RETURN_IF_ERROR(CheckTokenIds(request.resume_tokens, c.vocab_size));
   const int64_t resumed = static_cast<int64_t>(request.resume_tokens.size());
   if (resumed > request.options.max_new_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -84,12 +71,6 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
   }
   const int64_t total =
       static_cast<int64_t>(request.prompt.size()) + request.options.max_new_tokens;
-  if (total > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt (", request.prompt.size(), " tokens) + max_new_tokens (",
-                     request.options.max_new_tokens, ") exceeds the model's context of ",
-                     c.max_position_embeddings, " tokens"));
-  }
   const size_t device_bytes = config_.device_bytes_per_token * static_cast<size_t>(total);
   if (config_.device_bytes_per_token > 0 && device_bytes > config_.device_memory_bytes) {
     return absl::ResourceExhaustedError(

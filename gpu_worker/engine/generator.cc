@@ -45,13 +45,8 @@ absl::StatusOr<GenerateResult> Generate(Model& model, KvCache& cache, SequenceId
                                         const TokenCallback& on_token) {
   IG_RETURN_IF_ERROR(options.Validate());
   const ModelConfig& c = model.config();
-  if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  IG_RETURN_IF_ERROR(options.ValidateForModel(prompt, c.vocab_size, c.max_position_embeddings));
   const int64_t total = static_cast<int64_t>(prompt.size()) + options.max_new_tokens;
-  if (total > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", prompt.size(), " tokens) + max_new_tokens (", options.max_new_tokens,
-        ") exceeds the model's context of ", c.max_position_embeddings, " tokens"));
-  }
   std::vector<int32_t> stops = options.stop_token_ids;
   if (!options.ignore_eos)
     stops.insert(stops.end(), c.eos_token_ids.begin(), c.eos_token_ids.end());

@@ -1,9 +1,14 @@
 // The request front end's checks (frontend/request_validation.h), which the router and the
 // worker both call: the limits struct, a request's sampling and stopping as the options the
-// engine runs (defaults, every range), and a public request as a whole.
+// engine runs (defaults, every range), a public request as a whole, and the model's limits that
+// the engine and the generator both ask (GenerateOptions::ValidateForModel).
 #include "frontend/request_validation.h"
 
 #include <gtest/gtest.h>
+
+#include <vector>
+
+#include "frontend/generate_options.h"
 
 namespace infinigen {
 namespace {
@@ -33,6 +38,23 @@ TEST(RequestLimits, EachLimitIsCheckedAndNamed) {
   EXPECT_EQ(l.DefaultMaxNewTokens(), 100);
   l.default_max_new_tokens = 101;
   ExpectRefused(l.Validate(), "default_max_new_tokens");
+}
+
+TEST(GenerateOptions, TheModelsLimitsAreCheckedAndNamed) {
+  GenerateOptions o;
+  o.max_new_tokens = 6;
+  const std::vector<int32_t> prompt = {0, 5, 9};
+  EXPECT_TRUE(o.ValidateForModel(prompt, /*vocab_size=*/10, /*context_tokens=*/9).ok());
+  ExpectRefused(o.ValidateForModel({}, 10, 9), "the prompt has no tokens");
+  ExpectRefused(o.ValidateForModel(prompt, 9, 9), "token id 9 is outside the model's vocabulary");
+  const std::vector<int32_t> negative = {3, -1};
+  ExpectRefused(o.ValidateForModel(negative, 10, 9), "token id -1");
+  // 3 prompt + 6 new tokens fill a context of 9 exactly; of 8 they do not.
+  ExpectRefused(o.ValidateForModel(prompt, 10, 8), "exceeds the model's context of 8 tokens");
+  o.logit_bias = {{10, 1.0f}};
+  ExpectRefused(o.ValidateForModel(prompt, 10, 9), "sampling.logit_bias: token id 10");
+  EXPECT_TRUE(CheckTokenIds(prompt, 10).ok());
+  ExpectRefused(CheckTokenIds(prompt, 5), "token id 5");
 }
 
 TEST(RequestOptions, UnsetFieldsTakeTheServersDefaults) {
