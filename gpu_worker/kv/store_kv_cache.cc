@@ -115,9 +115,9 @@ void StoreKvCache::TakeSpareStaging(Sequence& s) {
 
 void StoreKvCache::KeepSpareStaging(Sequence& s) {
   for (Pending& p : s.pending) {
-    DropTicket(p);  // nothing writes into it any more
+    DropTicket(p);  // nothing writes into it any more (both Pendings, even when not kept)
     if (p.staging.capacity == 0 && p.staging.k_rows.capacity() == 0) continue;
-    if (spare_staging_.size() >= kSpareStagings) return;
+    if (spare_staging_.size() >= kSpareStagings) continue;
     spare_staging_.push_back(std::move(p.staging));
   }
 }

@@ -231,7 +231,7 @@ class StoreKvCache final : public StreamedKvCache {
   std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held
   std::vector<Staging> spare_staging_;
   // Scratch kept between steps (capacity reused: a decode step allocates nothing on the host
-  // with the in-process transport): SubmitPrefetches' items (the first batch_count_ in use)
+  // with the in-process transport): SubmitPrefetches' items (a prefix of them in use)
   // and their Pendings, ReadAll's slot list, and an append's rows packed on the host and its
   // KV pool slots.
   std::vector<ClientGatherItem> batch_items_;

@@ -298,15 +298,23 @@ absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
 void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                  std::span<const uint8_t> k, std::span<const uint8_t> v,
                                  std::span<const int32_t> slots) {
+  // The queue's copy, made before the lock (a prompt chunk's rows are megabytes).
+  AppendJob job{seq,
+                layer,
+                start,
+                n,
+                std::vector<uint8_t>(k.begin(), k.end()),
+                std::vector<uint8_t>(v.begin(), v.end()),
+                absl::Now(),
+                std::vector<int32_t>(slots.begin(), slots.end())};
   absl::MutexLock lock(&mu_);
   const uint64_t number = ++appends_queued_;
   auto& last = last_append_[seq];
   if (layer >= 0 && static_cast<size_t>(layer) >= last.size()) last.resize(layer + 1, 0);
   if (layer >= 0) last[layer] = number;
   append_bytes_queued_ += k.size() + v.size();
-  appends_.push_back({seq, layer, start, n, std::vector<uint8_t>(k.begin(), k.end()),
-                      std::vector<uint8_t>(v.begin(), v.end()), absl::Now(),
-                      std::vector<int32_t>(slots.begin(), slots.end())});
+  job.queued_at = absl::Now();
+  appends_.push_back(std::move(job));
 }
 
 absl::Status QueuedKvClient::Flush(absl::Time deadline) {

@@ -281,10 +281,16 @@ def check_failover_mid_stream(client, model, worker_metrics, router_metrics, pro
     """The worker streaming an answer over HTTP crashes (SIGKILL) after a few chunks: the same
     stream goes on from the other worker (the router resumes it from the KV store) and the
     client receives exactly the text, finish reason and usage of an uninterrupted run."""
-    ask = dict(model=model, prompt="The history of the printing press", max_tokens=64,
+    max_tokens = 192  # seconds of decoding: the crash lands well before the end
+    ask = dict(model=model, prompt="The history of the printing press", max_tokens=max_tokens,
                temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**ask)
-    assert whole.usage.completion_tokens == 64, whole.usage
+    assert whole.usage.completion_tokens == max_tokens, whole.usage
+    deadline = time.time() + 30  # nothing running (the answer above has left its worker)
+    while sum(metric(p, "infinigen_worker_running_requests") for p in worker_metrics) != 0:
+        assert time.time() < deadline, "a request still runs 30 s after its answer"
+        time.sleep(0.05)
+    generated = [metric(p, "infinigen_worker_generated_tokens_total") for p in worker_metrics]
     failovers = metric(router_metrics, "infinigen_router_failovers_total")
     resumes = metric(router_metrics, "infinigen_router_resumes_total")
     stream = client.completions.create(**ask, stream=True,
@@ -296,15 +302,16 @@ def check_failover_mid_stream(client, model, worker_metrics, router_metrics, pro
             finish = choice.finish_reason or finish
         usage = chunk.usage or usage
         if crashed is None and len(text) > 0:
-            # The worker running it (each reports its running requests).
-            running = [metric(p, "infinigen_worker_running_requests") for p in worker_metrics]
-            if sum(running) == 1:
-                crashed = f"worker{running.index(1)}"
+            # The worker running it: the one whose generated tokens rose.
+            now = [metric(p, "infinigen_worker_generated_tokens_total") for p in worker_metrics]
+            rose = [i for i in range(len(now)) if now[i] > generated[i]]
+            if len(rose) == 1 and now[rose[0]] - generated[rose[0]] < max_tokens:
+                crashed = f"worker{rose[0]}"
                 procs.crash(crashed)
     assert crashed is not None, "the stream ended before a worker could be crashed under it"
     assert text == whole.choices[0].text, (text, whole.choices[0].text)
     assert finish == "length", finish
-    assert usage is not None and usage.completion_tokens == 64, usage
+    assert usage is not None and usage.completion_tokens == max_tokens, usage
     after = metric(router_metrics, "infinigen_router_failovers_total")
     assert after == failovers + 1, f"router failovers {failovers} -> {after}"
     resumed = metric(router_metrics, "infinigen_router_resumes_total") - resumes
