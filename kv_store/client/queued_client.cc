@@ -313,7 +313,6 @@ void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, 
   if (layer >= 0 && static_cast<size_t>(layer) >= last.size()) last.resize(layer + 1, 0);
   if (layer >= 0) last[layer] = number;
   append_bytes_queued_ += k.size() + v.size();
-  job.queued_at = absl::Now();
   appends_.push_back(std::move(job));
 }
 
