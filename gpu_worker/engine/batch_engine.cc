@@ -71,8 +71,10 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
   }
   const int64_t total =
       static_cast<int64_t>(request.prompt.size()) + request.options.max_new_tokens;
-  const size_t device_bytes = config_.device_bytes_per_token * static_cast<size_t>(total);
-  if (config_.device_bytes_per_token > 0 && device_bytes > config_.device_memory_bytes) {
+  size_t device_bytes =
+      config_.device_bytes_per_token * static_cast<size_t>(total) + cache_.BackendBytesFor(total);
+  if (request.policy != nullptr) device_bytes += request.policy->BackendBytesFor(total);
+  if (config_.device_memory_bytes > 0 && device_bytes > config_.device_memory_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the request needs about ", device_bytes >> 20, " MiB of device memory for ",
                      total, " tokens; this worker has ", config_.device_memory_bytes >> 20,
@@ -246,8 +248,12 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
       continue;
     }
     absl::Status st;
-    if (config_.device_bytes_per_token > 0 &&
-        device_bytes_reserved_ + a.device_bytes > config_.device_memory_bytes) {
+    // What the cache keeps for reuse counts as held; it goes when a new sequence needs room.
+    const size_t limit = config_.device_memory_bytes;
+    if (limit > 0 && device_bytes_reserved_ + a.device_bytes + cache_.SpareBackendBytes() > limit) {
+      cache_.ReleaseSpares();
+    }
+    if (limit > 0 && device_bytes_reserved_ + a.device_bytes + cache_.SpareBackendBytes() > limit) {
       st = absl::ResourceExhaustedError("device memory");  // running sequences hold it
     } else {
       st = OpenSequence(a);
@@ -345,7 +351,7 @@ absl::Status BatchEngine::OpenSequence(Active& a) {
   absl::Status st;
   for (;;) {
     if (home != 0) {
-      absl::StatusOr<int64_t> kept = cache_.Attach(a.id, home, keep);
+      absl::StatusOr<int64_t> kept = cache_.Attach(a.id, home, keep, a.max_total);
       if (kept.ok()) {
         a.attached = a.request.attach_home != 0;
         a.prefilled = a.cached = *kept;

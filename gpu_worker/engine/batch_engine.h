@@ -39,10 +39,14 @@ struct EngineConfig {
   // that would pass it is refused RESOURCE_EXHAUSTED, unless nothing waits. 0: no limit.
   int64_t max_queued_prompt_tokens = 0;
   int64_t prefill_budget_tokens = 256;  // prompt tokens a step may carry beside its decodes
-  // Admission by device memory: each running sequence holds about device_bytes_per_token x
-  // (prompt + max_new_tokens) of the backend's memory (InfiniGen partial key caches, staging,
-  // a resident KV cache); requests wait while the sum would pass device_memory_bytes, and one
-  // that could never fit is refused with RESOURCE_EXHAUSTED. 0 bytes per token: no limit.
+  // Admission by device memory: each running sequence holds what the KV cache and its policy
+  // say a sequence of (prompt + max_new_tokens) tokens takes of the backend's memory
+  // (KvCache::BackendBytesFor: staging, resident dense layers; KvSelectionPolicy::
+  // BackendBytesFor: InfiniGen's partial keys), plus device_bytes_per_token per token for
+  // anything else; what the cache keeps for reuse (KvCache::SpareBackendBytes) counts too until
+  // it is released for a new sequence. Requests wait while the sum would pass
+  // device_memory_bytes, and one that could never fit is refused with RESOURCE_EXHAUSTED.
+  // 0 bytes: no limit.
   size_t device_bytes_per_token = 0;
   size_t device_memory_bytes = 0;
   // Conversations (EngineRequest::session_id) whose KV stays in a shared cache (the KV store)

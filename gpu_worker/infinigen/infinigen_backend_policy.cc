@@ -16,7 +16,8 @@
 namespace infinigen {
 namespace {
 
-// Rows a partial key cache opened without a capacity starts with (it doubles when full).
+// Rows a partial key cache of a sequence not opened (no capacity) starts with (it doubles when
+// full).
 constexpr int64_t kInitialRows = 1024;
 
 class InfinigenBackendPolicy final : public KvSelectionPolicy {
@@ -43,6 +44,16 @@ class InfinigenBackendPolicy final : public KvSelectionPolicy {
     sequences_[seq].capacity = capacity_tokens;
   }
   void Release(SequenceId seq) override { sequences_.erase(seq); }
+  // The partial keys of every sparse layer and the choices' workspace, both sized at the first
+  // prefill for the capacity Open gave (KeysFor, EnsureWorkspace).
+  size_t BackendBytesFor(int64_t capacity_tokens) const override {
+    const int64_t capacity = std::max<int64_t>(capacity_tokens, 1);
+    const size_t sparse = static_cast<size_t>(
+        std::max<int64_t>(0, model_.num_layers - std::max(config_.dense_layers, 0)));
+    return sparse * Shape(capacity).Bytes() +
+           backend_.ChooseRowsWorkspaceBytes(static_cast<int>(model_.num_heads),
+                                             static_cast<int>(model_.num_kv_heads), capacity);
+  }
 
   absl::Status OnBackendKeys(SequenceId seq, int layer, MatView k,
                              int64_t first_position) override {
@@ -131,8 +142,8 @@ class InfinigenBackendPolicy final : public KvSelectionPolicy {
     if (static_cast<int>(s.layers.size()) < model_.num_layers) s.layers.resize(model_.num_layers);
     Keys& keys = s.layers[layer];
     if (keys.capacity >= rows) return &keys;
-    const int64_t capacity =
-        std::max({rows, s.capacity, keys.capacity * 2, keys.capacity > 0 ? 0 : kInitialRows});
+    const int64_t capacity = std::max({rows, s.capacity, keys.capacity * 2,
+                                       keys.capacity > 0 || s.capacity > 0 ? 0 : kInitialRows});
     IG_ASSIGN_OR_RETURN(std::unique_ptr<Buffer> grown, backend_.Allocate(Shape(capacity).Bytes()));
     if (keys.capacity > 0) {  // channel rows: [kv_heads * partial_dim, capacity]
       const int64_t channels = model_.num_kv_heads * partial_dim_;

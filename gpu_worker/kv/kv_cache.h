@@ -71,6 +71,14 @@ class KvCache {
   // `seq` stays open but no step reads it until it is attached or closed (a kept conversation,
   // a prompt its samples fork from): a cache may free what it holds in backend memory for it.
   virtual void Idle(SequenceId seq) {}
+  // Backend memory a sequence opened here with `capacity_tokens` holds until it is closed or
+  // idle, at most (what admission reserves for it); 0 where the cache does not say. Depends on
+  // the cache's shape and options only: callable from any thread.
+  virtual size_t BackendBytesFor(int64_t capacity_tokens) const { return 0; }
+  // Backend memory kept for reuse by sequences not opened yet (ended sequences' buffers), which
+  // admission counts as held; ReleaseSpares frees it when a new sequence needs the room.
+  virtual size_t SpareBackendBytes() const { return 0; }
+  virtual void ReleaseSpares() {}
   // Tokens stored for `seq` in every layer.
   virtual absl::StatusOr<int64_t> Length(SequenceId seq) const = 0;
 
@@ -123,9 +131,11 @@ class KvCache {
   virtual uint64_t Home(SequenceId seq) const { return 0; }
   // Starts `seq` from the rows another worker stored at `home` (that worker's Home), taking
   // them over: the continuation of a stream whose worker died or froze, without recomputing
-  // them. Returns the tokens kept (every layer holds them; at most `max_length`). NOT_FOUND when
-  // they are gone; UNIMPLEMENTED for caches that are not shared between workers.
-  virtual absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) {
+  // them. Returns the tokens kept (every layer holds them; at most `max_length`), with room for
+  // `capacity_tokens` in all (as Open). NOT_FOUND when they are gone; UNIMPLEMENTED for caches
+  // that are not shared between workers.
+  virtual absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length,
+                                         int64_t capacity_tokens) {
     return absl::UnimplementedError("this KV cache is not shared between workers");
   }
   // Opens `seq` (room for `capacity_tokens`, as Open) holding a copy of the first `length`

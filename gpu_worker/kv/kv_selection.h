@@ -105,6 +105,9 @@ class KvSelectionPolicy {
   // so that its decode steps allocate nothing (the engine calls it when it admits the sequence;
   // without it state grows as rows arrive).
   virtual void Open(SequenceId seq, int64_t capacity_tokens) {}
+  // Backend memory the state of a sequence opened with `capacity_tokens` takes at most, until
+  // Release (what admission reserves for it); 0 where the policy keeps nothing there.
+  virtual size_t BackendBytesFor(int64_t capacity_tokens) const { return 0; }
   // Every K row the model stores, prefill and decode, in order.
   virtual absl::Status OnKeys(const LayerKeys& keys) { return absl::OkStatus(); }
   // Rows for one decode token at one layer.

@@ -84,10 +84,27 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, 0);
   s.pool = std::move(pool);
-  TakeSpareStaging(s);
+  TakeSpareStaging(s, StagingBytes(capacity_tokens));
   IG_RETURN_IF_ERROR(SizeStaging(s, capacity_tokens));
   if (resident_layers_ != nullptr) IG_RETURN_IF_ERROR(resident_layers_->Open(seq, capacity_tokens));
   return absl::OkStatus();
+}
+
+size_t StoreKvCache::StagingBytes(int64_t capacity_tokens) const {
+  if (in_place_) return 0;
+  const size_t entries =
+      static_cast<size_t>(shape_.num_kv_heads) * static_cast<size_t>(capacity_tokens + 1);
+  return 2 * entries * RowBytes();
+}
+
+size_t StoreKvCache::BackendBytesFor(int64_t capacity_tokens) const {
+  const int64_t capacity = std::max<int64_t>(capacity_tokens, 0);
+  size_t bytes = 2 * StagingBytes(capacity);
+  if (resident_layers_ != nullptr) {
+    bytes += ResidentLayers::BytesPerToken(shape_, resident_layers_->layers()) *
+             static_cast<size_t>(capacity);
+  }
+  return bytes;
 }
 
 absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
@@ -100,15 +117,23 @@ absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
       p.staging.k_rows.reserve(entries);
       p.staging.v_rows.reserve(entries);
     }
-    if (!in_place_) IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
+    if (!in_place_) IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes(), true));
   }
   return absl::OkStatus();
 }
 
-void StoreKvCache::TakeSpareStaging(Sequence& s) {
+void StoreKvCache::TakeSpareStaging(Sequence& s, size_t bytes) {
   for (Pending& p : s.pending) {
-    if (spare_staging_.empty()) return;
-    p.staging = std::move(spare_staging_.back());
+    // The largest spare within `bytes` (its K and V); in place, any (host row tables only).
+    auto best = spare_staging_.end();
+    for (auto it = spare_staging_.begin(); it != spare_staging_.end(); ++it) {
+      if (!in_place_ && 2 * it->capacity > bytes) continue;
+      if (best == spare_staging_.end() || it->capacity > best->capacity) best = it;
+    }
+    if (best == spare_staging_.end()) return;
+    spare_bytes_ -= 2 * best->capacity;
+    p.staging = std::move(*best);
+    *best = std::move(spare_staging_.back());
     spare_staging_.pop_back();
   }
 }
@@ -116,10 +141,24 @@ void StoreKvCache::TakeSpareStaging(Sequence& s) {
 void StoreKvCache::KeepSpareStaging(Sequence& s) {
   for (Pending& p : s.pending) {
     DropTicket(p);  // nothing writes into it any more (both Pendings, even when not kept)
-    if (p.staging.capacity == 0 && p.staging.k_rows.capacity() == 0) continue;
-    if (spare_staging_.size() >= kSpareStagings) continue;
-    spare_staging_.push_back(std::move(p.staging));
+    Staging staging = std::move(p.staging);
+    p.staging = Staging{};
+    if (staging.capacity == 0 && staging.k_rows.capacity() == 0) continue;
+    if (spare_staging_.size() >= kSpareStagings) continue;  // freed here
+    spare_bytes_ += 2 * staging.capacity;
+    spare_staging_.push_back(std::move(staging));
   }
+}
+
+void StoreKvCache::ReleaseSpares() {
+  spare_staging_.clear();
+  spare_bytes_ = 0;
+}
+
+void StoreKvCache::Idle(SequenceId seq) {
+  if (resident_layers_ != nullptr) resident_layers_->Close(seq);
+  auto it = sequences_.find(seq);
+  if (it != sequences_.end()) KeepSpareStaging(it->second);
 }
 
 absl::Status StoreKvCache::CheckNewSequence(SequenceId seq, const char* verb) const {
@@ -136,11 +175,13 @@ absl::Status StoreKvCache::CheckNewSequence(SequenceId seq, const char* verb) co
 absl::Status StoreKvCache::OpenWithRows(SequenceId seq, int64_t rows, int64_t capacity_tokens) {
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, rows);
-  TakeSpareStaging(s);
-  return SizeStaging(s, std::max(capacity_tokens, rows));
+  const int64_t capacity = std::max(capacity_tokens, rows);
+  TakeSpareStaging(s, StagingBytes(capacity));
+  return SizeStaging(s, capacity);
 }
 
-absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length) {
+absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length,
+                                             int64_t capacity_tokens) {
   IG_RETURN_IF_ERROR(CheckNewSequence(seq, "attached"));
   IG_ASSIGN_OR_RETURN(const int64_t kept, client_.Attach(home, StoreId(seq), Spec(), max_length));
   // One of this cache's own sequences (a conversation's next request): its old id is gone.
@@ -152,7 +193,7 @@ absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int6
       sequences_.erase(own);
     }
   }
-  IG_RETURN_IF_ERROR(OpenWithRows(seq, kept, max_length));
+  IG_RETURN_IF_ERROR(OpenWithRows(seq, kept, capacity_tokens));
   return kept;
 }
 
@@ -410,9 +451,15 @@ absl::Status StoreKvCache::RowsToHost(MatView m, uint8_t* out) {
   return backend_.CopyToHost(pack_->data(), out, m.rows * row);
 }
 
-absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes) {
+absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes, bool exact) {
   if (st.capacity >= bytes) return absl::OkStatus();
-  const size_t cap = std::max(bytes, st.capacity * 2);
+  // The old buffers freed first, so that the peak is no higher than what the sequence is
+  // admitted for (staging sized at Open is exact: BackendBytesFor; it grows only where Open
+  // does not size it, the copies of a backend that reads rows in place).
+  const size_t cap = exact ? bytes : std::max(bytes, st.capacity + st.capacity / 2);
+  st.k.reset();
+  st.v.reset();
+  st.capacity = 0;
   IG_ASSIGN_OR_RETURN(st.k, backend_.Allocate(cap));
   IG_ASSIGN_OR_RETURN(st.v, backend_.Allocate(cap));
   if (!host_access_) {
@@ -600,9 +647,15 @@ void StoreKvCache::RegatherAlone(const std::shared_ptr<GatherTicket>& late) {
   for (auto& [seq, s] : sequences_) {
     for (Pending& q : s.pending) {
       if (q.ticket != late) continue;
+      // New staging the size of the old (sized at Open for every row: later steps allocate
+      // nothing), the old kept until the late transfer ends.
+      const size_t capacity = q.staging.capacity, rows = q.staging.k_rows.capacity();
       abandoned_.push_back({std::move(q.staging), late});
       q.staging = Staging();
-      absl::Status bound = BindStaging(q);
+      q.staging.k_rows.reserve(rows);
+      q.staging.v_rows.reserve(rows);
+      absl::Status bound = EnsureStaging(q.staging, capacity, /*exact=*/true);
+      if (bound.ok()) bound = BindStaging(q);
       q.ticket = bound.ok() ? client_.GatherAsync(std::span<const ClientGatherItem>(&q.item, 1))
                             : std::make_shared<DoneTicket>(std::move(bound));
       q.shared = false;

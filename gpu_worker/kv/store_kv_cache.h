@@ -71,10 +71,14 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status Open(SequenceId seq, int64_t capacity_tokens) override;
   void Close(SequenceId seq) override;
   void Release(SequenceId seq) override;
-  // Drops the sequence's device copy of its dense layers (ResidentLayers).
-  void Idle(SequenceId seq) override {
-    if (resident_layers_ != nullptr) resident_layers_->Close(seq);
-  }
+  // Drops the sequence's device copy of its dense layers (ResidentLayers) and gives its staging
+  // to the spares (an idle sequence is not read until it is attached, which sizes new staging).
+  void Idle(SequenceId seq) override;
+  // Its staging (both layers in flight, K and V, for every row at its capacity and the current
+  // token's) where rows are copied, and its resident dense layers.
+  size_t BackendBytesFor(int64_t capacity_tokens) const override;
+  size_t SpareBackendBytes() const override { return spare_bytes_; }
+  void ReleaseSpares() override;
   absl::StatusOr<int64_t> Length(SequenceId seq) const override;
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
                       int32_t* slots_out = nullptr) override;
@@ -90,7 +94,8 @@ class StoreKvCache final : public StreamedKvCache {
   }
   // The store hands the sequence over under this cache's id for `seq` (KvStore::Attach): the
   // old id ceases to exist, fencing the worker that stored it.
-  absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length) override;
+  absl::StatusOr<int64_t> Attach(SequenceId seq, uint64_t home, int64_t max_length,
+                                 int64_t capacity_tokens) override;
   // The store copies the rows (KvStore::Fork); nothing crosses the transport.
   absl::StatusOr<int64_t> Fork(SequenceId seq, SequenceId parent, int64_t length,
                                int64_t capacity_tokens) override;
@@ -154,10 +159,15 @@ class StoreKvCache final : public StreamedKvCache {
 
   absl::StatusOr<Sequence*> Find(SequenceId seq);
   // A new sequence's two stagings come from those ended sequences left (so that a decode step
-  // of a batch that grows allocates nothing once the batch has been that large); an ended
-  // sequence's go back, up to kSpareStagings.
-  void TakeSpareStaging(Sequence& s);
+  // of a batch that grows allocates nothing once the batch has been that large): for each, the
+  // largest spare that is not larger than `bytes` (a sequence never holds more than
+  // BackendBytesFor says; a smaller one is reallocated). An ended or idle sequence's go back,
+  // up to kSpareStagings.
+  void TakeSpareStaging(Sequence& s, size_t bytes);
   void KeepSpareStaging(Sequence& s);
+  // Backend bytes of one of a sequence's two stagings at this capacity (K and V); 0 where rows
+  // are read in place.
+  size_t StagingBytes(int64_t capacity_tokens) const;
   // Attach's and Fork's check that `seq` can be opened ("attached", "forked": what it says).
   absl::Status CheckNewSequence(SequenceId seq, const char* verb) const;
   // Opens `seq` holding `rows` rows in every layer, its staging sized for `capacity_tokens`.
@@ -169,7 +179,8 @@ class StoreKvCache final : public StreamedKvCache {
   bool Forget(SequenceId seq);
   static constexpr size_t kSpareStagings = 32;
   SequenceSpec Spec() const;  // how this cache's sequences are stored
-  absl::Status EnsureStaging(Staging& s, size_t bytes);
+  // Room for `bytes` in each of s's K and V: exactly (Open), or grown by half at least.
+  absl::Status EnsureStaging(Staging& s, size_t bytes, bool exact = false);
   // Starts gathering `count` slots per head into the sequence's staging (`in_place`: their
   // addresses into its row tables).
   absl::Status StartGather(SequenceId seq, Sequence& s, int layer, std::span<const int32_t> slots,
@@ -230,6 +241,7 @@ class StoreKvCache final : public StreamedKvCache {
   bool deferring_ = false;  // between BeginPrefetches and SubmitPrefetches
   std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held
   std::vector<Staging> spare_staging_;
+  size_t spare_bytes_ = 0;  // their backend memory (K and V)
   // Scratch kept between steps (capacity reused: a decode step allocates nothing on the host
   // with the in-process transport): SubmitPrefetches' items (a prefix of them in use)
   // and their Pendings, ReadAll's slot list, and an append's rows packed on the host and its

@@ -119,22 +119,11 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   }
   EngineConfig engine_config = config.engine;
   {
-    // Admission by device memory: what a running sequence keeps on the device per token of its
-    // length: InfiniGen's partial keys of every sparse layer, and the staging of fetched rows
-    // (K and V, two layers in flight), sized when the sequence opens for a read of every row
-    // (the dense layers read them all; StoreKvCache::SizeStaging), and the dense layers' K/V
-    // where they stay on the device (ResidentLayers).
-    const ModelConfig& c = model.config();
-    const size_t row = static_cast<size_t>(c.num_kv_heads) * c.head_dim * DTypeSize(shape.dtype);
-    size_t per_token =
-        2 * 2 * row + ResidentLayers::BytesPerToken(shape, cache_options.device_resident_layers);
-    if (w->sidecar_) {
-      per_token +=
-          static_cast<size_t>(std::max<int64_t>(0, c.num_layers - selection.dense_layers)) *
-          c.num_kv_heads * w->sidecar_->partial_dim * sizeof(uint16_t);  // bf16 partial keys
-    }
-    engine_config.device_bytes_per_token = per_token;
-    // Less what the backend takes for scratch of its own (the CUDA GEMM prefill's scores).
+    // Admission by device memory: the engine asks the cache (staging, resident dense layers)
+    // and each request's policy (InfiniGen's partial keys) what a sequence holds there
+    // (BatchEngine, EngineConfig::device_memory_bytes). The budget: --device_memory_mb or 90% of
+    // the free memory, less what the backend takes for scratch of its own (the CUDA GEMM
+    // prefill's scores).
     const size_t budget =
         config.device_memory_mb > 0
             ? static_cast<size_t>(config.device_memory_mb) << 20

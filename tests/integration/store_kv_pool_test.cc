@@ -130,7 +130,7 @@ TEST_P(StorePool, TheStoreKeepsTheShareAndAPromptLongerThanItWhole) {
   }
   EXPECT_EQ(cache.Counters(1).evictions, static_cast<int64_t>(tokens.size()) - 24);
   // Its slots are not positions: another worker cannot take it over, nor this one again.
-  const absl::StatusOr<int64_t> attached = cache.Attach(2, cache.StoreId(1), 10);
+  const absl::StatusOr<int64_t> attached = cache.Attach(2, cache.StoreId(1), 10, 10);
   EXPECT_EQ(attached.status().code(), absl::StatusCode::kFailedPrecondition) << attached.status();
   cache.Close(1);
 }

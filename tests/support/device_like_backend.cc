@@ -14,7 +14,9 @@ class DeviceLikeCpuBackend::Tracked final : public Buffer {
       : owner_(owner), inner_(std::move(inner)) {}
   ~Tracked() override {
     std::lock_guard<std::mutex> lock(owner_.mu_);
-    owner_.live_.erase(static_cast<const char*>(inner_->data()));
+    auto it = owner_.live_.find(static_cast<const char*>(inner_->data()));
+    owner_.live_bytes_ -= it->second;
+    owner_.live_.erase(it);
   }
   void* data() override { return inner_->data(); }
   size_t size() const override { return inner_->size(); }
@@ -30,8 +32,25 @@ absl::StatusOr<std::unique_ptr<Buffer>> DeviceLikeCpuBackend::Allocate(size_t by
   {
     std::lock_guard<std::mutex> lock(mu_);
     live_[static_cast<const char*>((*inner)->data())] = std::max<size_t>(bytes, 1);
+    live_bytes_ += std::max<size_t>(bytes, 1);
+    peak_bytes_ = std::max(peak_bytes_, live_bytes_);
   }
   return std::unique_ptr<Buffer>(new Tracked(*this, std::move(*inner)));
+}
+
+size_t DeviceLikeCpuBackend::live_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_bytes_;
+}
+
+size_t DeviceLikeCpuBackend::peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_bytes_;
+}
+
+void DeviceLikeCpuBackend::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_bytes_ = live_bytes_;
 }
 
 bool DeviceLikeCpuBackend::Owns(const void* p) const {

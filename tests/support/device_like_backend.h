@@ -39,6 +39,10 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   absl::Status Synchronize() override;
   // Whether p lies in a live buffer from Allocate().
   bool Owns(const void* p) const;
+  // Bytes of the live buffers from Allocate(), now and at most since the last ResetPeak().
+  size_t live_bytes() const;
+  size_t peak_bytes() const;
+  void ResetPeak();
   int64_t rows_gathered() const { return rows_gathered_; }
   int64_t sparse_choices() const { return sparse_choices_; }
 
@@ -46,6 +50,7 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   class Tracked;
   mutable std::mutex mu_;
   std::map<const char*, size_t> live_;  // start -> bytes
+  size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::vector<std::pair<const char*, size_t>> registered_;
   struct Later {
     void* host;
