@@ -75,7 +75,11 @@ void DecodeStep::ForEachPolicy(absl::FunctionRef<absl::Status(size_t)> work) {
   }
   statuses_.assign(static_cast<size_t>(m), absl::OkStatus());
   if (distinct) {
-#pragma omp parallel for schedule(dynamic, 1)
+    // Static: each thread gets the same sequences of a batch every time, so the selection
+    // kernels' per-thread scratch (kernels/cpu/selection.cc) reaches its size once; dynamic
+    // hand-out gave a thread a longer sequence than it had seen now and then, and a host
+    // allocation in a decode step (decode_step_alloc_test, under load).
+#pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
   } else {
     // Not in a parallel region, not even an inactive one: a policy's own parallel loops would

@@ -85,9 +85,10 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   s.length.assign(shape_.num_layers, 0);
   s.pool = std::move(pool);
   TakeSpareStaging(s, StagingBytes(capacity_tokens));
-  IG_RETURN_IF_ERROR(SizeStaging(s, capacity_tokens));
-  if (resident_layers_ != nullptr) IG_RETURN_IF_ERROR(resident_layers_->Open(seq, capacity_tokens));
-  return absl::OkStatus();
+  absl::Status st = SizeStaging(s, capacity_tokens);
+  if (st.ok() && resident_layers_ != nullptr) st = resident_layers_->Open(seq, capacity_tokens);
+  if (!st.ok()) Close(seq);  // the store's too: a retry (the backend full now) opens it anew
+  return st;
 }
 
 size_t StoreKvCache::StagingBytes(int64_t capacity_tokens) const {
@@ -177,7 +178,11 @@ absl::Status StoreKvCache::OpenWithRows(SequenceId seq, int64_t rows, int64_t ca
   s.length.assign(shape_.num_layers, rows);
   const int64_t capacity = std::max(capacity_tokens, rows);
   TakeSpareStaging(s, StagingBytes(capacity));
-  return SizeStaging(s, capacity);
+  absl::Status st = SizeStaging(s, capacity);
+  // Nothing half open: the caller computes the rows instead (an attached sequence's stored KV
+  // goes with it; a prefill replaces it).
+  if (!st.ok()) Close(seq);
+  return st;
 }
 
 absl::StatusOr<int64_t> StoreKvCache::Attach(SequenceId seq, uint64_t home, int64_t max_length,

@@ -529,6 +529,30 @@ TEST_P(StoreCache, DenseLayersKeptOnTheDeviceGiveTheSameLogitsAndMoveNoBytes) {
             0);
 }
 
+// A sequence whose staging or resident layers the device cannot hold is not left half open:
+// Open fails RESOURCE_EXHAUSTED (the engine waits and retries), and the same sequence opens
+// later, smaller, in the cache and in the store. What it then holds on the device is what
+// admission counts for it (BackendBytesFor), to the byte.
+TEST_P(StoreCache, AnOpenTheDeviceCannotHoldLeavesNothingOpen) {
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  StoreKvCacheOptions options = DeviceStoreOptions();
+  options.device_resident_layers = 1;
+  StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+  // Six buffers of about the capacity's rows each: staging K and V of two layers in flight,
+  // and the resident layer's K and V.
+  device.FailAllocationsOver(cache.BackendBytesFor(200) / 12);
+  const size_t before = device.live_bytes();
+  const absl::Status st = cache.Open(7, 200);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_FALSE(cache.Length(7).ok());
+  EXPECT_EQ(device.live_bytes(), before);
+  ASSERT_TRUE(cache.Open(7, 50).ok());
+  EXPECT_EQ(device.live_bytes() - before, cache.BackendBytesFor(50));
+  cache.Close(7);
+}
+
 TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
   auto h2o = Policy("h2o");
   ASSERT_TRUE(cache_->Open(1, 64).ok());

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace infinigen::testing {
@@ -27,6 +28,10 @@ class DeviceLikeCpuBackend::Tracked final : public Buffer {
 };
 
 absl::StatusOr<std::unique_ptr<Buffer>> DeviceLikeCpuBackend::Allocate(size_t bytes) {
+  if (bytes > fail_over_.load()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the device-like backend is full (", bytes, " bytes asked)"));
+  }
   auto inner = CpuBackend::Allocate(bytes);
   if (!inner.ok()) return inner.status();
   {

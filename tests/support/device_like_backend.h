@@ -5,6 +5,7 @@
 // inside memory this backend allocated, so a test can assert that host code never reads it.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -43,6 +44,8 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   size_t live_bytes() const;
   size_t peak_bytes() const;
   void ResetPeak();
+  // Allocations of more than `bytes` fail RESOURCE_EXHAUSTED from now on (a full device).
+  void FailAllocationsOver(size_t bytes) { fail_over_ = bytes; }
   int64_t rows_gathered() const { return rows_gathered_; }
   int64_t sparse_choices() const { return sparse_choices_; }
 
@@ -51,6 +54,7 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   mutable std::mutex mu_;
   std::map<const char*, size_t> live_;  // start -> bytes
   size_t live_bytes_ = 0, peak_bytes_ = 0;
+  std::atomic<size_t> fail_over_{SIZE_MAX};
   std::vector<std::pair<const char*, size_t>> registered_;
   struct Later {
     void* host;
