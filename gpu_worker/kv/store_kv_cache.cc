@@ -151,6 +151,16 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
   }
 }
 
+size_t StoreKvCache::HostStagingBytes() const {
+  size_t bytes = 0;
+  auto add = [&](const Staging& st) { bytes += st.host_k.capacity() + st.host_v.capacity(); };
+  for (const auto& [seq, s] : sequences_) {
+    for (const Pending& p : s.pending) add(p.staging);
+  }
+  for (const Staging& st : spare_staging_) add(st);
+  return bytes;
+}
+
 void StoreKvCache::ReleaseSpares() {
   spare_staging_.clear();
   spare_bytes_ = 0;
@@ -467,7 +477,7 @@ absl::Status StoreKvCache::EnsureStaging(Staging& st, size_t bytes, bool exact) 
   st.capacity = 0;
   IG_ASSIGN_OR_RETURN(st.k, backend_.Allocate(cap));
   IG_ASSIGN_OR_RETURN(st.v, backend_.Allocate(cap));
-  if (!host_access_) {
+  if (!host_access_ && !device_gathers_) {  // where a GPU gathers by address, it needs none
     st.host_k.resize(cap);
     st.host_v.resize(cap);
   }

@@ -78,6 +78,10 @@ class StoreKvCache final : public StreamedKvCache {
   // token's) where rows are copied, and its resident dense layers.
   size_t BackendBytesFor(int64_t capacity_tokens) const override;
   size_t SpareBackendBytes() const override { return spare_bytes_; }
+  // Host memory the stagings of open sequences and spares hold: bounce buffers of a backend
+  // without host access whose rows are copied (a transport that maps nothing: gRPC, UCX), as
+  // large as the device staging; none where the GPU gathers by address or the backend is host.
+  size_t HostStagingBytes() const;
   void ReleaseSpares() override;
   absl::StatusOr<int64_t> Length(SequenceId seq) const override;
   absl::Status Append(SequenceId seq, int layer, int64_t start, MatView k, MatView v,
@@ -123,8 +127,10 @@ class StoreKvCache final : public StreamedKvCache {
 
  private:
   struct Staging {
-    std::unique_ptr<Buffer> k, v;             // backend memory
-    std::vector<uint8_t> host_k, host_v;      // host bounce buffers (backends without host access)
+    std::unique_ptr<Buffer> k, v;  // backend memory
+    // Host bounce buffers (backends without host access whose rows are copied, not gathered
+    // by the device).
+    std::vector<uint8_t> host_k, host_v;
     size_t capacity = 0;                      // bytes of each
     std::vector<const void*> k_rows, v_rows;  // row tables of a gather in place
   };

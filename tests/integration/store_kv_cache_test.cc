@@ -550,6 +550,11 @@ TEST_P(StoreCache, AnOpenTheDeviceCannotHoldLeavesNothingOpen) {
   EXPECT_EQ(device.live_bytes(), before);
   ASSERT_TRUE(cache.Open(7, 50).ok());
   EXPECT_EQ(device.live_bytes() - before, cache.BackendBytesFor(50));
+  // Host bounce buffers only where rows are copied to the device (the same size as its
+  // staging); none where the device gathers the store's rows by address.
+  const size_t staging =
+      cache.BackendBytesFor(50) - ResidentLayers::BytesPerToken(loaded->kv_shape(), 1) * 50;
+  EXPECT_EQ(cache.HostStagingBytes(), cache.device_gathers() ? 0 : staging);
   cache.Close(7);
 }
 
