@@ -73,7 +73,17 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
       static_cast<int64_t>(request.prompt.size()) + request.options.max_new_tokens;
   size_t device_bytes =
       config_.device_bytes_per_token * static_cast<size_t>(total) + cache_.BackendBytesFor(total);
-  if (request.policy != nullptr) device_bytes += request.policy->BackendBytesFor(total);
+  size_t host_bytes = cache_.HostBytesFor(total);
+  if (request.policy != nullptr) {
+    device_bytes += request.policy->BackendBytesFor(total);
+    host_bytes += request.policy->HostBytesFor(total);
+  }
+  if (config_.host_memory_bytes > 0 && host_bytes > config_.host_memory_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the request needs about ", host_bytes >> 20, " MiB of host memory for ",
+                     total, " tokens; this worker admits ", config_.host_memory_bytes >> 20,
+                     " MiB: use fewer prompt or new tokens"));
+  }
   if (config_.device_memory_bytes > 0 && device_bytes > config_.device_memory_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the request needs about ", device_bytes >> 20, " MiB of device memory for ",
@@ -82,6 +92,7 @@ absl::StatusOr<uint64_t> BatchEngine::Submit(EngineRequest request, EventSink si
   }
   auto a = std::make_unique<Active>();
   a->device_bytes = device_bytes;
+  a->host_bytes = host_bytes;
   a->history = request.prompt;
   a->history.insert(a->history.end(), request.resume_tokens.begin(), request.resume_tokens.end());
   a->prompt_len = static_cast<int64_t>(a->history.size());
@@ -178,6 +189,7 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
     }
     a.opened = false;
     device_bytes_reserved_ -= a.device_bytes;
+    host_bytes_reserved_ -= a.host_bytes;
   }
   if (a.request.policy != nullptr) a.request.policy->Release(a.id);
   Unfollow(a);
@@ -255,6 +267,9 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
     }
     if (limit > 0 && device_bytes_reserved_ + a.device_bytes + cache_.SpareBackendBytes() > limit) {
       st = absl::ResourceExhaustedError("device memory");  // running sequences hold it
+    } else if (config_.host_memory_bytes > 0 &&
+               host_bytes_reserved_ + a.host_bytes > config_.host_memory_bytes) {
+      st = absl::ResourceExhaustedError("host memory");
     } else {
       st = OpenSequence(a);
     }
@@ -276,6 +291,7 @@ void BatchEngine::Admit(std::vector<std::unique_ptr<Active>>& incoming) {
     a.opened = true;
     Unfollow(a);
     device_bytes_reserved_ += a.device_bytes;
+    host_bytes_reserved_ += a.host_bytes;
     if (a.request.policy != nullptr) {
       a.request.policy->Open(a.id, a.max_total);
       if (a.cached > 0) st = step_.Restore(a.id, *a.request.policy, a.cached);

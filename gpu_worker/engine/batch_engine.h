@@ -49,6 +49,10 @@ struct EngineConfig {
   // 0 bytes: no limit.
   size_t device_bytes_per_token = 0;
   size_t device_memory_bytes = 0;
+  // The same for host memory, by what the cache and the policy say a sequence holds there
+  // besides the backend's memory (KvCache::HostBytesFor, KvSelectionPolicy::HostBytesFor: slot
+  // lists, bounce buffers, a host policy's partial keys). 0: no limit.
+  size_t host_memory_bytes = 0;
   // Conversations (EngineRequest::session_id) whose KV stays in a shared cache (the KV store)
   // after a request, so that the next turn prefills only its new tokens: at most this many,
   // each for at most session_ttl after its last request; the least recently used goes first
@@ -168,6 +172,7 @@ class BatchEngine {
     bool prompt_logprobs = false;
     std::vector<TokenLogprobs> prompt_logprobs_so_far;
     size_t device_bytes = 0;  // reserved against config_.device_memory_bytes while running
+    size_t host_bytes = 0;    // ... and against config_.host_memory_bytes
     bool follows = false;     // counted in followers_ (request.prefill_from) until it opens
     // A copy of its leader's whole prompt: the logits its first token is drawn from (the
     // leader's last prompt row), used by the next step instead of a forward pass.
@@ -225,6 +230,7 @@ class BatchEngine {
   std::vector<float> logits_;
   std::vector<float> raw_row_;  // a token's logits before sampling changes them (logprobs)
   size_t device_bytes_reserved_ = 0;
+  size_t host_bytes_reserved_ = 0;
   SessionTable sessions_;
   SamplingScratch scratch_;
   std::thread thread_;

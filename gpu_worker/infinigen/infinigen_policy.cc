@@ -64,6 +64,22 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     }
   }
 
+  // What Open reserves: the partial keys of every sparse layer (whole chunks), every layer's
+  // slot positions, and this policy's scratch (a request's policy serves one sequence).
+  size_t HostBytesFor(int64_t capacity_tokens) const override {
+    const int64_t rows = std::max<int64_t>(capacity_tokens, 0);
+    const size_t heads = static_cast<size_t>(model_.num_heads),
+                 kv_heads = static_cast<size_t>(model_.num_kv_heads);
+    const size_t sparse = static_cast<size_t>(
+        std::max<int64_t>(0, model_.num_layers - std::max(config_.dense_layers, 0)));
+    const size_t chunks = static_cast<size_t>((rows + kChunkRows - 1) / kChunkRows);
+    const size_t n = static_cast<size_t>(rows);
+    return sparse * chunks * kv_heads * partial_dim_ * kChunkRows * sizeof(uint16_t) +
+           static_cast<size_t>(model_.num_layers) * kv_heads * n * sizeof(int64_t) +
+           cpu::ChoiceScratch::Bytes(static_cast<int>(heads), static_cast<int>(kv_heads), rows) +
+           2 * heads * n * sizeof(float) + kv_heads * (n + 1) * sizeof(int32_t);
+  }
+
   // Rotates and cuts every new key of a sparse layer into the partial key cache, at its slot.
   absl::Status OnKeys(const LayerKeys& keys) override {
     positions_.Record(keys, static_cast<int>(model_.num_kv_heads));

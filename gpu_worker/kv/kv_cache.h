@@ -78,6 +78,10 @@ class KvCache {
   // Backend memory kept for reuse by sequences not opened yet (ended sequences' buffers), which
   // admission counts as held; ReleaseSpares frees it when a new sequence needs the room.
   virtual size_t SpareBackendBytes() const { return 0; }
+  // Host memory a sequence opened here with `capacity_tokens` holds besides the backend's (slot
+  // lists, row tables, bounce buffers), at most; 0 where the cache does not say. As
+  // BackendBytesFor: callable from any thread.
+  virtual size_t HostBytesFor(int64_t capacity_tokens) const { return 0; }
   virtual void ReleaseSpares() {}
   // Tokens stored for `seq` in every layer.
   virtual absl::StatusOr<int64_t> Length(SequenceId seq) const = 0;

@@ -108,6 +108,8 @@ class KvSelectionPolicy {
   // Backend memory the state of a sequence opened with `capacity_tokens` takes at most, until
   // Release (what admission reserves for it); 0 where the policy keeps nothing there.
   virtual size_t BackendBytesFor(int64_t capacity_tokens) const { return 0; }
+  // Host memory the same takes at most (a host policy's partial keys, positions, scratch).
+  virtual size_t HostBytesFor(int64_t capacity_tokens) const { return 0; }
   // Every K row the model stores, prefill and decode, in order.
   virtual absl::Status OnKeys(const LayerKeys& keys) { return absl::OkStatus(); }
   // Rows for one decode token at one layer.

@@ -151,6 +151,15 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
   }
 }
 
+size_t StoreKvCache::HostBytesFor(int64_t capacity_tokens) const {
+  const size_t entries = static_cast<size_t>(shape_.num_kv_heads) *
+                         static_cast<size_t>(std::max<int64_t>(capacity_tokens, 0) + 1);
+  size_t per_layer = entries * sizeof(int32_t);
+  if (device_gathers_ || in_place_) per_layer += 2 * entries * sizeof(const void*);
+  if (!host_access_ && !device_gathers_) per_layer += 2 * entries * RowBytes();
+  return 2 * per_layer;
+}
+
 size_t StoreKvCache::HostStagingBytes() const {
   size_t bytes = 0;
   auto add = [&](const Staging& st) { bytes += st.host_k.capacity() + st.host_v.capacity(); };

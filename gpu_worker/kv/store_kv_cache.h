@@ -78,6 +78,9 @@ class StoreKvCache final : public StreamedKvCache {
   // token's) where rows are copied, and its resident dense layers.
   size_t BackendBytesFor(int64_t capacity_tokens) const override;
   size_t SpareBackendBytes() const override { return spare_bytes_; }
+  // Each of the two layers in flight: the gather's slot list, its row tables where rows are
+  // read by address, and its K and V bounce buffers where a device's rows are copied.
+  size_t HostBytesFor(int64_t capacity_tokens) const override;
   // Host memory the stagings of open sequences and spares hold: bounce buffers of a backend
   // without host access whose rows are copied (a transport that maps nothing: gRPC, UCX), as
   // large as the device staging; none where the GPU gathers by address or the backend is host.

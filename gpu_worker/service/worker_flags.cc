@@ -47,6 +47,10 @@ void RegisterWorkerEngineFlags(FlagSet& flags, WorkerConfig& c,
             "device memory for per-sequence state (partial key caches, staging) and the "
             "backend's scratch (the CUDA prefill's attention scores, 384 MiB in bf16); 0: 90% of "
             "what the backend has free after loading");
+  flags.Int("host-memory-mb", &c.host_memory_mb,
+            "host memory for per-sequence state besides the backend's (slot lists, bounce "
+            "buffers of a GPU over grpc/ucx, a host InfiniGen policy's partial keys and "
+            "positions); requests wait while running ones hold it; 0: no limit");
 }
 
 }  // namespace infinigen

@@ -18,7 +18,7 @@ void RegisterWorkerModelFlags(FlagSet& flags, WorkerConfig& config);
 // --max-running, `max_queued_name` (the engine's queue: --max-queued, or in `infinigen serve`,
 // whose --max-queued is the router's, --max-queued-worker), --max-queued-prompt-tokens,
 // --prefill-budget, --max-sessions, --session-ttl-seconds, --kv-capacity-mb, --kv-pool,
-// --kv-pool-tokens, --kv-pool-eviction, --device-memory-mb.
+// --kv-pool-tokens, --kv-pool-eviction, --device-memory-mb, --host-memory-mb.
 void RegisterWorkerEngineFlags(FlagSet& flags, WorkerConfig& config,
                                const std::string& max_queued_name);
 

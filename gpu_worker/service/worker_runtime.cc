@@ -24,6 +24,7 @@ absl::Status WorkerConfig::Validate() const {
     return absl::InvalidArgumentError("--kv_append_linger_ms must be in [0, 1000]");
   }
   if (device_memory_mb < 0) return absl::InvalidArgumentError("--device_memory_mb must be >= 0");
+  if (host_memory_mb < 0) return absl::InvalidArgumentError("--host_memory_mb must be >= 0");
   if (!(kv_pool >= 0.0 && kv_pool <= 1.0)) {
     return absl::InvalidArgumentError(
         "--kv_pool must be in [0, 1]: a sequence's share of its length kept in the store (0: "
@@ -137,6 +138,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
                        "above that, or 0 for 90% of the free memory"));
     }
     engine_config.device_memory_bytes = budget > scratch ? budget - scratch : 0;
+    engine_config.host_memory_bytes = static_cast<size_t>(config.host_memory_mb) << 20;
   }
   w->cache_ =
       std::make_unique<StoreKvCache>(*w->loaded_.backend, shape, *w->client_, cache_options);

@@ -44,6 +44,7 @@ struct WorkerConfig {
   int32_t dense_layers = 2;
   EngineConfig engine;
   int64_t device_memory_mb = 0;  // 0: 90% of the backend's free memory
+  int64_t host_memory_mb = 0;    // 0: host memory is not admitted
   RequestLimits limits = WorkerRequestLimits();
   BackendSpec backend;
 

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 namespace infinigen::cpu {
@@ -358,6 +359,15 @@ void ForEachBuffer(ChoiceScratch& s, int num_heads, int num_kv_heads, int64_t n,
 
 void ChoiceScratch::Reserve(int num_heads, int num_kv_heads, int64_t n) {
   ForEachBuffer(*this, num_heads, num_kv_heads, n, [](auto& v, size_t size) { v.reserve(size); });
+}
+
+size_t ChoiceScratch::Bytes(int num_heads, int num_kv_heads, int64_t n) {
+  ChoiceScratch none;
+  size_t bytes = 0;
+  ForEachBuffer(none, num_heads, num_kv_heads, n, [&bytes](auto& v, size_t size) {
+    bytes += size * sizeof(typename std::decay_t<decltype(v)>::value_type);
+  });
+  return bytes;
 }
 
 void ChoiceScratch::Size(int num_heads, int num_kv_heads, int64_t n) {

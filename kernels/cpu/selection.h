@@ -151,6 +151,8 @@ struct ChoiceScratch {
   std::vector<int64_t> block_counts;
   void Reserve(int num_heads, int num_kv_heads, int64_t n);
   void Size(int num_heads, int num_kv_heads, int64_t n);
+  // What Reserve(num_heads, num_kv_heads, n) holds, in bytes.
+  static size_t Bytes(int num_heads, int num_kv_heads, int64_t n);
 };
 // Where and how many rows a choice writes: per KV head g, k rows at indices + g * stride; none
 // (every row, or no choice) when indices is null.

@@ -1,15 +1,22 @@
-// Admission that matches memory (issue 22, item 10): the engine admits sequences against a
-// device-memory limit, and what the backend really holds for them never passes it. The backend
-// is a GPU's path run on the CPU (memory the host cannot read; it counts every allocation's
-// bytes and their high-water mark); the sequences run InfiniGen over the KV store with their
-// dense layer resident on the device, so that each holds staging, resident K/V, partial keys
-// and the choices' workspace there. Two long conversations fill the limit and are kept as
-// sessions (idle: their stagings become spares), then short requests arrive together and fill
-// it again, then a conversation continues. The backend's high-water mark above what it held
-// before (weights, the model's workspaces at their size) must stay within the limit plus the
-// workspaces the run grew. Fails without either fix it was written for: idle sessions that kept
-// their staging, or spares that admission did not count.
+// Admission that matches memory (issue 22, item 10).
+//
+// Device memory: the engine admits sequences against a device-memory limit, and what the
+// backend really holds for them never passes it. The backend is a GPU's path run on the CPU
+// (memory the host cannot read; it counts every allocation's bytes and their high-water mark);
+// the sequences run InfiniGen over the KV store with their dense layer resident on the device,
+// so that each holds staging, resident K/V, partial keys and the choices' workspace there. Two
+// long conversations fill the limit and are kept as sessions (idle: their stagings become
+// spares), then short requests arrive together and fill it again, then a conversation
+// continues. The backend's high-water mark above what it held before (weights, the model's
+// workspaces at their size) must stay within the limit plus the workspaces the run grew. Fails
+// without either fix it was written for: idle sessions that kept their staging, or spares that
+// admission did not count.
+//
+// Host memory: what the cache and a host policy say a sequence holds is what their Open
+// reserves (the heap's bytes in use, from glibc), and a request waits while running ones hold
+// the host limit.
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include <memory>
 #include <string>
@@ -49,7 +56,7 @@ struct Done {
   }
 };
 
-class DeviceAdmission : public ::testing::Test {
+class Admission : public ::testing::Test {
  protected:
   void SetUp() override {
     ckpt_ = *Checkpoint::Open(testing::FixturePath("hf/llama31_gqa"));
@@ -121,7 +128,7 @@ class DeviceAdmission : public ::testing::Test {
 constexpr int64_t kLongPrompt = 180, kLongNew = 60;  // 240 of the fixture's 256 positions
 constexpr int64_t kShortPrompt = 30, kShortNew = 20;
 
-TEST_F(DeviceAdmission, TheBackendsHighWaterMarkStaysWithinTheLimit) {
+TEST_F(Admission, TheBackendsHighWaterMarkStaysWithinTheDeviceLimit) {
   ASSERT_NE(store_.client, nullptr);
   EngineConfig config;
   config.max_running = 8;
@@ -194,6 +201,84 @@ TEST_F(DeviceAdmission, TheBackendsHighWaterMarkStaysWithinTheLimit) {
       << "the backend held more than admission allows";
   // The limit was really reached: both long sequences ran at once.
   EXPECT_GE(peak, 2 * long_bytes * 9 / 10);
+}
+
+// Heap bytes in use (glibc: small blocks and mmapped ones).
+size_t HeapInUse() {
+  const struct mallinfo2 m = mallinfo2();
+  return m.uordblks + m.hblkhd;
+}
+
+TEST_F(Admission, AHostPolicysHostBytesAreWhatItsOpenReserves) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' allocators do not report through mallinfo2";
+#endif
+  auto policy = MakeSelectionPolicy(selection_, model_->config(), &sidecar_, nullptr);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  ASSERT_EQ((*policy)->Name(), "infinigen");
+  const int64_t capacity = 5000;
+  const size_t said = (*policy)->HostBytesFor(capacity);
+  const size_t before = HeapInUse();
+  (*policy)->Open(1, capacity);
+  const size_t held = HeapInUse() - before;
+  std::printf("host InfiniGen policy, %lld tokens: says %zu B, its Open took %zu B\n",
+              static_cast<long long>(capacity), said, held);
+  EXPECT_GE(held, said * 95 / 100);
+  EXPECT_LE(held, said + said / 20 + 4096);
+  (*policy)->Release(1);
+}
+
+TEST_F(Admission, HostMemoryHoldsRequestsBackUntilRunningOnesEnd) {
+  ASSERT_NE(store_.client, nullptr);
+  StoreKvCacheOptions options = cache_options_;
+  options.read_in_place = false;  // rows copied to the device through host bounce buffers
+  StoreKvCache cache(backend_, model_->kv_shape(), *store_.client, options);
+  ASSERT_FALSE(cache.device_gathers());
+  auto host_policy = [&] {
+    auto p = MakeSelectionPolicy(selection_, model_->config(), &sidecar_, nullptr);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  };
+  const int64_t total = 10 + 40;
+  const size_t one = cache.HostBytesFor(total) + host_policy()->HostBytesFor(total);
+  EngineConfig config;
+  config.host_memory_bytes = one + one / 2;  // one such request fits, two do not
+  BatchEngine engine(*model_, cache, config);
+  EngineRequest huge = Request(200, 40, 1);
+  huge.policy = host_policy();
+  const absl::Status refused = engine.Submit(std::move(huge), {}).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("host memory"), std::string::npos) << refused;
+  absl::Mutex mu;
+  std::vector<std::pair<int, bool>> order;  // (request, done) in event order
+  std::vector<std::unique_ptr<Done>> done;
+  for (int i = 0; i < 2; ++i) {
+    EngineRequest r = Request(10, 40, 2 + i);
+    r.policy = host_policy();
+    done.push_back(std::make_unique<Done>());
+    EventSink sink = done.back()->Sink();
+    auto id = engine.Submit(std::move(r), [&, i, sink](const EngineEvent& e) {
+      {
+        absl::MutexLock l(&mu);
+        order.push_back({i, e.done});
+      }
+      sink(e);
+    });
+    ASSERT_TRUE(id.ok()) << id.status();
+  }
+  for (auto& d : done) ASSERT_TRUE(d->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  absl::MutexLock l(&mu);
+  size_t first_done = 0, second_first = order.size();
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (order[k].first == 0 && order[k].second) first_done = k;
+    if (order[k].first == 1 && second_first == order.size()) second_first = k;
+  }
+  EXPECT_LT(first_done, second_first) << "the second request ran beside the first";
+  for (auto& d : done) {
+    absl::MutexLock dl(&d->mu);
+    EXPECT_TRUE(d->status.ok()) << d->status;
+    EXPECT_EQ(d->tokens.size(), 40u);
+  }
 }
 
 }  // namespace
