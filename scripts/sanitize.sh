@@ -11,13 +11,14 @@
 #   prepare, eval and the policies run under ASan in infinigen_test and the other cli tests).
 #   LeakSanitizer skips the third-party leaks in scripts/lsan_suppressions.txt. ~20 minutes to
 #   build from scratch on 2 cores, ~3 to run (CI of 2026-11-27).
-# thread: ThreadSanitizer (build-tsan/): the batch engine, the engine's attach path, the store
-#   cache, the KV client queue, the KV transports (gRPC, shm, UCX), the router's relay and pool,
-#   and the router and worker process tests (their servers, `infinigen serve` included, are TSan
-#   builds too; a report in a server's log fails the test that ran it). abseil's
-#   synchronization and status libraries are rebuilt with -fsanitize=thread from Debian's own
-#   source of the installed version (same ABI, same SONAME, loaded first through
-#   LD_LIBRARY_PATH) so that TSan sees every absl::Mutex and Status refcount, ours and gRPC's;
+# thread: ThreadSanitizer (build-tsan/): the batch engine, the engine's attach path, memory
+#   admission, the store cache, the KV client queue, the KV transports (gRPC, shm, UCX), the
+#   router's relay and pool, and the router and worker process tests (their servers,
+#   `infinigen serve` included, are TSan builds too; a report in a server's log fails the test
+#   that ran it). abseil's synchronization and status libraries are rebuilt with
+#   -fsanitize=thread from Debian's own source of the installed version (same ABI, same
+#   SONAME, loaded first through LD_LIBRARY_PATH) so that TSan sees every absl::Mutex and
+#   Status refcount, ours and gRPC's;
 #   gRPC itself stays uninstrumented (scripts/tsan_suppressions.txt says what that hides).
 #   OpenMP kernels run on one thread (libgomp is not instrumented either: its barriers would
 #   look like races); UCX's memory hooks are off (they call into TSan from exiting threads).
@@ -48,8 +49,9 @@ address() {
                  request_validation_test frontend_text_test cli_flags_test openai_json_test
                  selection_test kv_store_test queued_client_test router_test
                  hf_fixture_test tokenizer_fixture_test infinigen_test infinigen_reference_test
-                 decode_step_alloc_test speculation_test store_kv_cache_test store_kv_pool_test
-                 engine_attach_test batch_engine_test kv_transport_test kv_store_process_test
+                 decode_step_alloc_test memory_admission_test speculation_test
+                 store_kv_cache_test store_kv_pool_test engine_attach_test batch_engine_test
+                 kv_transport_test kv_store_process_test
                  worker_process_test router_process_test netns_test openai_http_test cli_test)
   suite_args[cli_test]="--gtest_filter=-Cli.PrepareThenEvalEveryPolicy"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINFINIGEN_SANITIZE=ON \
@@ -103,7 +105,8 @@ tsan_abseil() {
 
 thread() {
   local targets=(queued_client_test router_test store_kv_cache_test batch_engine_test
-                 engine_attach_test kv_transport_test router_process_test worker_process_test)
+                 memory_admission_test engine_attach_test kv_transport_test router_process_test
+                 worker_process_test)
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DINFINIGEN_SANITIZE_THREAD=ON -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF \
     >/dev/null
