@@ -20,8 +20,9 @@
 #   SONAME, loaded first through LD_LIBRARY_PATH) so that TSan sees every absl::Mutex and
 #   Status refcount, ours and gRPC's;
 #   gRPC itself stays uninstrumented (scripts/tsan_suppressions.txt says what that hides).
-#   OpenMP kernels run on one thread (libgomp is not instrumented either: its barriers would
-#   look like races); UCX's memory hooks are off (they call into TSan from exiting threads).
+#   The CPU kernels run on one thread (OMP_NUM_THREADS=1 sizes their team, kernels/cpu/team.h;
+#   OpenBLAS's libgomp is not instrumented); UCX's memory hooks are off (they call into TSan
+#   from exiting threads).
 #   ~6 minutes to build on 2 cores (abseil: one), 2 to run.
 # usage: scripts/sanitize.sh [address|thread]...   (default: both)
 set -euo pipefail

@@ -232,13 +232,8 @@ class Backend {
   // Whether buffers from Allocate() are ordinary host memory that other host code (a KV store
   // transport) may write directly.
   virtual bool host_accessible() const { return false; }
-  // Threads: the backend's work runs on the thread that built it, or on another one (a batching
-  // engine's) that calls BindThread before its first step; the building thread then calls
-  // ReleaseThreads, which frees the worker threads it started (the CPU's OpenMP team: two teams
-  // on the same cores make each other sleep between parallel regions, and a decode step is
-  // hundreds of short regions: measured 1.35x slower, docs/benchmarks.md).
-  virtual void BindThread() {}
-  virtual void ReleaseThreads() {}
+  // Threads: a backend's work may run on any one thread at a time (a batching engine's, not the
+  // one that built it). The CPU's kernels run on one team for the process (kernels/cpu/team.h).
 
   virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) = 0;
   // Enqueues the copy; `host` may be reused when it returns.

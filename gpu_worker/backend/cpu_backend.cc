@@ -1,6 +1,5 @@
 #include "gpu_worker/backend/cpu_backend.h"
 
-#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,8 +16,7 @@
 #include "kernels/cpu/q5_1.h"
 #include "kernels/cpu/q6_k.h"
 #include "kernels/cpu/row_gemm.h"
-
-extern "C" void openblas_set_num_threads(int num_threads);
+#include "kernels/cpu/team.h"
 
 namespace infinigen {
 namespace {
@@ -103,21 +101,8 @@ cpu::Q6_KMatrix Q6View(const Weight& w) {
 }  // namespace
 
 CpuBackend::CpuBackend(const CpuBackendOptions& options) : options_(options) {
-  if (options.num_threads > 0) {
-    openblas_set_num_threads(options.num_threads);
-    omp_set_num_threads(options.num_threads);
-  }
-}
-
-void CpuBackend::BindThread() {
-  if (options_.num_threads > 0) omp_set_num_threads(options_.num_threads);
-}
-
-void CpuBackend::ReleaseThreads() {
-  // libgomp counts the threads of every team; with more than there are cores it spins only ~1000
-  // times before a thread sleeps, so a team left idle by the building thread made every region
-  // of the engine's team wake a sleeping thread (futex) instead of one still spinning.
-  omp_pause_resource_all(omp_pause_hard);
+  // One team for the process, whichever thread runs the kernels (kernels/cpu/team.h).
+  cpu::Team::Get().Configure({options.num_threads, options.pinning});
 }
 
 std::string CpuBackend::Name() const {

@@ -5,11 +5,12 @@
 #include <atomic>
 
 #include "gpu_worker/backend/backend.h"
+#include "kernels/cpu/team.h"
 
 namespace infinigen {
 
 struct CpuBackendOptions {
-  int num_threads = 0;  // 0: all cores
+  int num_threads = 0;  // 0: OMP_NUM_THREADS, else every core this process may run on
   // Storage of weight matrices. f32 is exact (the reference); bf16 and q8 trade a little
   // accuracy for 2x / ~3.8x fewer bytes per decode step; q4_1 keeps a GGUF file's 4- and 5-bit
   // matrices' values as they are: Q4_0, Q4_1 and Q4_K in Q4_1 blocks (~5.3x fewer than f32),
@@ -24,6 +25,8 @@ struct CpuBackendOptions {
   // Storage of K/V rows: f32 (exact), or bf16 (half the bytes a long-context decode step reads;
   // every K/V row rounded once as it is stored, and read back widened exactly).
   DType kv_dtype = DType::kF32;
+  // Whether the kernels' threads each stay on one core (kernels/cpu/team.h).
+  cpu::Pinning pinning = cpu::Pinning::kAuto;
 };
 
 class CpuBackend : public Backend {
@@ -35,8 +38,6 @@ class CpuBackend : public Backend {
   DType kv_dtype() const override { return options_.kv_dtype; }
   size_t FreeMemory() const override;
   bool host_accessible() const override { return true; }
-  void BindThread() override;
-  void ReleaseThreads() override;
 
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;

@@ -8,6 +8,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "gpu_worker/backend/cpu_backend.h"
+#include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/selection.h"
 
 namespace infinigen {
@@ -42,8 +43,7 @@ absl::Status CpuBackend::AppendPartialKeys(MatView k, const float* skew, const P
                      s.capacity, ", ", k.cols, " columns for ", kv_heads, " heads of ", d));
   }
   uint16_t* out = static_cast<uint16_t*>(keys);
-#pragma omp parallel for schedule(static) if (k.rows >= 64)
-  for (int64_t t = 0; t < k.rows; ++t) {
+  cpu::ParallelFor(k.rows, k.rows >= 64, [&](int64_t t) {
     thread_local std::vector<float> scratch, partial;
     partial.resize(static_cast<size_t>(p));
     const float* row = RowAsFloat(k, t, scratch);
@@ -55,7 +55,7 @@ absl::Status CpuBackend::AppendPartialKeys(MatView k, const float* skew, const P
             FloatToBf16(partial[c]);
       }
     }
-  }
+  });
   return absl::OkStatus();
 }
 

@@ -42,12 +42,7 @@ BatchEngine::BatchEngine(Model& model, KvCache& cache, const EngineConfig& confi
       config_(config),
       step_(model, cache),
       sessions_(cache, config.max_sessions, config.session_ttl) {
-  // The engine's thread runs the model from now on: this one hands back its worker threads.
-  model_.backend().ReleaseThreads();
-  thread_ = std::thread([this] {
-    model_.backend().BindThread();
-    Loop();
-  });
+  thread_ = std::thread([this] { Loop(); });
 }
 
 BatchEngine::~BatchEngine() {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gpu_worker/engine/step_timing.h"
+#include "kernels/cpu/parallel_for.h"
 
 namespace infinigen {
 
@@ -79,11 +80,9 @@ void DecodeStep::ForEachPolicy(absl::FunctionRef<absl::Status(size_t)> work) {
     // kernels' per-thread scratch (kernels/cpu/selection.cc) reaches its size once; dynamic
     // hand-out gave a thread a longer sequence than it had seen now and then, and a host
     // allocation in a decode step (decode_step_alloc_test, under load).
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
+    cpu::ParallelFor(m, true, [&](int64_t i) { statuses_[i] = work(policy_chunks_[i]); });
   } else {
-    // Not in a parallel region, not even an inactive one: a policy's own parallel loops would
-    // then be nested teams, which libgomp starts on new threads every time (a clone per layer).
+    // On this thread, so that a policy's own parallel loops use the team.
     for (int64_t i = 0; i < m; ++i) statuses_[i] = work(policy_chunks_[i]);
   }
   for (int64_t i = 0; i < m; ++i) {

@@ -145,10 +145,10 @@ class DecodeStep final : private LayerAttention {
   struct Prefetched;
   bool Miss(Prefetched& pre);
   // Runs work(b) for every chunk b whose policy is set and that has not failed, failing the
-  // chunks whose work fails: on several threads (OpenMP) when those chunks' policies are
-  // distinct objects, in order otherwise. `work` calls only its chunk's policy and writes only
-  // that chunk's state. (A FunctionRef, not a std::function: a capturing lambda would be copied
-  // to the heap every layer.)
+  // chunks whose work fails: on the CPU kernels' team (kernels/cpu/team.h) when those chunks'
+  // policies are distinct objects, in order otherwise. `work` calls only its chunk's policy and
+  // writes only that chunk's state. (A FunctionRef, not a std::function: a capturing lambda would
+  // be copied to the heap every layer.)
   void ForEachPolicy(absl::FunctionRef<absl::Status(size_t)> work);
   // Choices made in backend memory (policies that chooses_on_backend()) for some chunks of the
   // batch, launched one after another and read back in one copy that completes at the backend's

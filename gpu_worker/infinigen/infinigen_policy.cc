@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "gpu_worker/infinigen/selection_util.h"
+#include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/selection.h"
 
 namespace infinigen {
@@ -98,8 +99,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
     }
     Reserve(cache, max_slot + 1);
     const float* skew = partial_skew_[keys.layer].data();
-#pragma omp parallel for schedule(static) if (keys.count >= 64)
-    for (int64_t t = 0; t < keys.count; ++t) {
+    cpu::ParallelFor(keys.count, keys.count >= 64, [&](int64_t t) {
       float partial[kMaxPartialDim];
       for (int g = 0; g < kv_heads; ++g) {
         const int32_t slot = keys.slots[t * kv_heads + g];
@@ -107,7 +107,7 @@ class InfinigenPolicy final : public KvSelectionPolicy {
                             skew + static_cast<size_t>(g) * d * p, d, p, partial);
         for (int c = 0; c < p; ++c) *cache.Rows(slot, g, c, p) = FloatToBf16(partial[c]);
       }
-    }
+    });
     return absl::OkStatus();
   }
 
@@ -162,8 +162,8 @@ class InfinigenPolicy final : public KvSelectionPolicy {
   // token may add, and a share for rows whose rank changes once the current token joins the
   // softmax of each head (measured: docs/accuracy.md, "Rows moved").
   static int64_t PrefetchMargin(int64_t counted) { return cpu::PrefetchMargin(counted); }
-  // InfiniGen's choice over rows [0, n), in one parallel region (its phases are the worksharing
-  // loops of kernels/cpu/selection.h):
+  // InfiniGen's choice over rows [0, n), its phases the team's loops of
+  // kernels/cpu/selection.h:
   // - speculated scores s[h, j] = (q_h · A_g[:, P]) · K̃_g[j] / sqrt(d) into scratch_.scores
   //   (`partial`: `query` is q~ = q_h · A_g[:, P] already, [heads, p]; else the whole query,
   //   projected here);

@@ -12,6 +12,7 @@
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/selection_util.h"
+#include "kernels/cpu/team.h"
 
 namespace infinigen {
 namespace {
@@ -208,6 +209,7 @@ class H2oPolicy final : public PositionalPolicy {
         kh = widened.data();
         ldk = d;
       }
+      cpu::SerialBlas();
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, keys.count, ctx, d, scale,
                   keys.q + h * d, keys.q_stride, kh, ldk, 0.0f, s.data(), ctx);
       Head& head = l.heads[g];

@@ -6,7 +6,11 @@ void RegisterBackendFlags(FlagSet& flags, BackendSpec& spec) {
   flags.String("device", &spec.device, "where the model runs: cpu or cuda (GPU 0)");
   flags.String("cuda-dtype", &spec.cuda_dtype,
                "storage of activations, weights and K/V on the GPU: bf16, f16 or f32 (exact)");
-  flags.Int("threads", &spec.threads, "CPU threads (0 = all cores)");
+  flags.Int("threads", &spec.threads, "CPU threads (0 = OMP_NUM_THREADS, else all cores)");
+  flags.String("pin-threads", &spec.pin_threads,
+               "keep each CPU thread on one core: on, off, or auto (OMP_PROC_BIND if set, else "
+               "on when --threads equals the cores this process may use: a cpuset, taskset or "
+               "Kubernetes' static CPU manager)");
   flags.String(
       "cpu-weights", &spec.cpu_weights,
       "weight storage on the CPU: f32 (exact), bf16, q8 (faster decode) or q4_1 (a GGUF "

@@ -1,6 +1,6 @@
-// The flags that choose a model's backend (BackendSpec): --device, --threads, --cpu-weights,
-// --cpu-kv, --cuda-dtype, --batch-invariant, declared once for infinigen-worker, `infinigen
-// serve` and the CLI's commands that run a model (each sets its own defaults first).
+// The flags that choose a model's backend (BackendSpec): --device, --threads, --pin-threads,
+// --cpu-weights, --cpu-kv, --cuda-dtype, --batch-invariant, declared once for infinigen-worker,
+// `infinigen serve` and the CLI's commands that run a model (each sets its own defaults first).
 #pragma once
 
 #include "common/flags.h"

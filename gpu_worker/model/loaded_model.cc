@@ -10,6 +10,14 @@ absl::StatusOr<CpuBackendOptions> BackendSpec::Options() const {
   CpuBackendOptions options;
   if (threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
   options.num_threads = static_cast<int>(threads);
+  if (pin_threads == "auto" || pin_threads == "on" || pin_threads == "off") {
+    options.pinning = pin_threads == "on"    ? cpu::Pinning::kOn
+                      : pin_threads == "off" ? cpu::Pinning::kOff
+                                             : cpu::Pinning::kAuto;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--pin-threads must be auto, on or off, got '", pin_threads, "'"));
+  }
   auto format = ParseWeightFormat(cpu_weights);
   if (!format.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--cpu-weights: ", format.status().message()));

@@ -15,8 +15,9 @@ namespace infinigen {
 
 // Where the model runs and how it is stored there (the worker's and the CLI's backend flags).
 struct BackendSpec {
-  std::string device = "cpu";  // cpu | cuda
-  int64_t threads = 0;         // CPU threads, 0: all cores
+  std::string device = "cpu";        // cpu | cuda
+  int64_t threads = 0;               // CPU threads, 0: all cores
+  std::string pin_threads = "auto";  // CpuBackendOptions::pinning: auto | on | off
   std::string cpu_weights = "f32";
   std::string cpu_kv = "f32";  // CpuBackendOptions::kv_dtype: f32 | bf16
   std::string cuda_dtype = "bf16";

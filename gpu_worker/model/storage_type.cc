@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "kernels/cpu/parallel_for.h"
 
 namespace infinigen {
 namespace {
@@ -308,8 +309,8 @@ void DecodeBlocks(StorageType t, const uint8_t* p, int64_t blocks, float* out) {
       break;
   }
   const int64_t elements = StorageBlockElements(t), bytes = StorageBlockBytes(t);
-#pragma omp parallel for if (blocks * elements > (1 << 17))
-  for (int64_t b = 0; b < blocks; ++b) DecodeBlock(t, p + b * bytes, out + b * elements);
+  cpu::ParallelFor(blocks, blocks * elements > (1 << 17),
+                   [&](int64_t b) { DecodeBlock(t, p + b * bytes, out + b * elements); });
 }
 
 namespace {

@@ -116,27 +116,30 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
                      KvRows v, int num_heads, int num_kv_heads, int head_dim, float scale,
                      float* out, int64_t out_stride) {
   const int group = num_heads / num_kv_heads;
-  for (int h = 0; h < num_heads; ++h) {
+  const int64_t blocks = (num_q + kQueryBlock - 1) / kQueryBlock;
+  // Tasks (head, query block) on the team, each with single-threaded OpenBLAS (CpuBackend);
+  // later blocks see more keys, so each thread takes the next task when it is done.
+  ParallelForDynamic(num_heads * blocks, num_q * (q_start + num_q) > (1 << 15), [&](int64_t t) {
+    const int h = static_cast<int>(t / blocks);
+    const int64_t b0 = t % blocks * kQueryBlock;
     const int g = h / group;
     const float* kh = static_cast<const float*>(k.data) + g * k.head_stride;
     const float* vh = static_cast<const float*>(v.data) + g * v.head_stride;
-    for (int64_t b0 = 0; b0 < num_q; b0 += kQueryBlock) {
-      const int64_t rows = std::min(kQueryBlock, num_q - b0);
-      const int64_t ctx = q_start + b0 + rows;  // keys visible to the block's last row
-      float* s = Scratch(rows * ctx);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, ctx, head_dim, scale,
-                  q + b0 * q_stride + h * head_dim, q_stride, kh, k.row_stride, 0.0f, s, ctx);
-#pragma omp parallel for if (rows * ctx > (1 << 15))
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = s + r * ctx;
-        const int64_t visible = q_start + b0 + r + 1;
-        std::fill(sr + visible, sr + ctx, 0.0f);
-        Softmax(sr, visible);
-      }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, head_dim, ctx, 1.0f, s, ctx, vh,
-                  v.row_stride, 0.0f, out + b0 * out_stride + h * head_dim, out_stride);
+    const int64_t rows = std::min(kQueryBlock, num_q - b0);
+    const int64_t ctx = q_start + b0 + rows;  // keys visible to the block's last row
+    float* s = Scratch(rows * ctx);
+    SerialBlas();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, ctx, head_dim, scale,
+                q + b0 * q_stride + h * head_dim, q_stride, kh, k.row_stride, 0.0f, s, ctx);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * ctx;
+      const int64_t visible = q_start + b0 + r + 1;
+      std::fill(sr + visible, sr + ctx, 0.0f);
+      Softmax(sr, visible);
     }
-  }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, head_dim, ctx, 1.0f, s, ctx, vh,
+                v.row_stride, 0.0f, out + b0 * out_stride + h * head_dim, out_stride);
+  });
 }
 
 namespace {
@@ -369,8 +372,7 @@ void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_
   // chunk's K/V reads; tasks (query block, KV head) in parallel.
   const int group = num_heads / num_kv_heads;
   const int64_t blocks = (num_q + kCausalBlock - 1) / kCausalBlock;
-#pragma omp parallel for schedule(dynamic, 1) if (num_q > 1)
-  for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
+  ParallelForDynamic(blocks * num_kv_heads, num_q > 1, [&](int64_t t) {
     const int64_t b0 = t / num_kv_heads * kCausalBlock;
     const int g = static_cast<int>(t % num_kv_heads);
     const int nq = static_cast<int>(std::min<int64_t>(kCausalBlock, num_q - b0));
@@ -420,7 +422,7 @@ void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_
         }
       }
     }
-  }
+  });
 }
 
 // Decode attention, split like flash-decoding: the rows of each KV head are cut into chunks of

@@ -8,7 +8,7 @@
 
 namespace infinigen::cpu {
 namespace {
-// Below this many elements OpenMP's fork/join costs more than the work.
+// Below this many elements the team's hand-off and join cost more than the work.
 constexpr int64_t kParallelElements = 1 << 15;
 }  // namespace
 
@@ -78,15 +78,14 @@ void Add(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* y,
 }
 
 void FillRandom(float* out, int64_t n, uint64_t seed, float scale, int64_t first) {
-#pragma omp parallel for schedule(static) if (n > (1 << 20))
-  for (int64_t j = 0; j < n; ++j) {
+  ParallelFor(n, n > (1 << 20), [&](int64_t j) {
     const int64_t i = first + j;
     uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
     out[j] = (static_cast<float>(z >> 40) * (1.0f / 8388608.0f) - 1.0f) * scale;
-  }
+  });
 }
 
 void Softmax(float* x, int64_t n) {

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/parallel_for.h"
 
 namespace infinigen::cpu {
 
@@ -21,12 +22,17 @@ void Gemm(const float* x, int64_t ldx, const float* w, int64_t ldw, const float*
       for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
     }
   }
-  if (m == 1) {
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, ldw, x, 1, beta, y, 1);
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y,
-                ldy);
-  }
+  // OpenBLAS runs single-threaded (CpuBackend): the team splits the weight's rows.
+  ParallelRanges(n, 16, m * n * k >= (1 << 16), [&](int64_t j0, int64_t j1) {
+    SerialBlas();
+    if (m == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, j1 - j0, k, 1.0f, w + j0 * ldw, ldw, x, 1, beta,
+                  y + j0, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, j1 - j0, k, 1.0f, x, ldx,
+                  w + j0 * ldw, ldw, beta, y + j0, ldy);
+    }
+  });
 }
 
 }  // namespace infinigen::cpu

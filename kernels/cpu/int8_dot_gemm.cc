@@ -683,11 +683,10 @@ void GemmInt8(const float* x, int64_t ldx, const typename F::Matrix& w, const fl
 // Weights quantize as x rows do, in order (packed_gemm.h's layout): the same arithmetic.
 void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* scales) {
   const int64_t blocks = cols / kBlock;
-#pragma omp parallel for if (rows * cols > (1 << 16))
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * cols > (1 << 16), [&](int64_t r) {
     QuantizeRow(w + r * cols, cols, /*nibble_pairs=*/false, qs + r * cols, scales + r * blocks,
                 nullptr);
-  }
+  });
 }
 
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,

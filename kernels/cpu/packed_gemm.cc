@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/row_gemm.h"  // InitGemmOutput, GemmRowsQ8
 #include "kernels/cpu/simd.h"
 
@@ -56,8 +57,12 @@ void WidenQ8Row(const Q8Matrix& w, int64_t r, float* out) {
 // y[:, j0 : j0 + rows] += x · panelᵀ (panel: float32 [rows, k]).
 void PanelGemm(const float* x, int64_t ldx, const float* panel, int64_t rows, int64_t k, float* y,
                int64_t ldy, int64_t m) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, rows, k, 1.0f, x, ldx, panel, k, 1.0f, y,
-              ldy);
+  // OpenBLAS runs single-threaded (CpuBackend): the team splits the panel's rows.
+  ParallelRanges(rows, 16, true, [&](int64_t r0, int64_t r1) {
+    SerialBlas();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, r1 - r0, k, 1.0f, x, ldx,
+                panel + r0 * k, k, 1.0f, y + r0, ldy);
+  });
 }
 
 }  // namespace
@@ -66,15 +71,14 @@ void GemmBf16(const float* x, int64_t ldx, const uint16_t* w, const float* bias,
               int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
   InitGemmOutput(bias, y, ldy, m, n, accumulate);
   if (m == 1) {
-#pragma omp parallel for schedule(static) if (n >= kParallelRows)
-    for (int64_t j = 0; j < n; ++j) y[j] += DotBf16(x, w + j * k, k);
+    ParallelFor(n, n >= kParallelRows, [&](int64_t j) { y[j] += DotBf16(x, w + j * k, k); });
     return;
   }
   for (int64_t j0 = 0; j0 < n; j0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, n - j0);
     float* panel = Scratch(rows * k);
-#pragma omp parallel for
-    for (int64_t r = 0; r < rows; ++r) WidenBf16Rows(w + (j0 + r) * k, 1, k, panel + r * k);
+    ParallelFor(rows, true,
+                [&](int64_t r) { WidenBf16Rows(w + (j0 + r) * k, 1, k, panel + r * k); });
     PanelGemm(x, ldx, panel, rows, k, y + j0, ldy, m);
   }
 }
@@ -89,8 +93,7 @@ void GemmQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, f
   for (int64_t j0 = 0; j0 < n; j0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, n - j0);
     float* panel = Scratch(rows * k);
-#pragma omp parallel for
-    for (int64_t r = 0; r < rows; ++r) WidenQ8Row(w, j0 + r, panel + r * k);
+    ParallelFor(rows, true, [&](int64_t r) { WidenQ8Row(w, j0 + r, panel + r * k); });
     PanelGemm(x, ldx, panel, rows, k, y + j0, ldy, m);
   }
 }

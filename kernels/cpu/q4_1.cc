@@ -4,13 +4,13 @@
 #include <cmath>
 
 #include "common/dtype.h"
+#include "kernels/cpu/parallel_for.h"
 
 namespace infinigen::cpu {
 
 void QuantizeQ4_1(const float* w, int64_t rows, int64_t cols, uint8_t* qs, float* d, float* m) {
   const int64_t blocks = cols / kQ4Block;
-#pragma omp parallel for if (rows * cols > (1 << 16))
-  for (int64_t r = 0; r < rows; ++r) {
+  ParallelFor(rows, rows * cols > (1 << 16), [&](int64_t r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* src = w + r * cols + b * kQ4Block;
       const int64_t at = r * blocks + b;
@@ -31,7 +31,7 @@ void QuantizeQ4_1(const float* w, int64_t rows, int64_t cols, uint8_t* qs, float
         dst[j] = static_cast<uint8_t>(q(src[j]) | (q(src[j + kQ4Block / 2]) << 4));
       }
     }
-  }
+  });
 }
 
 void WidenQ4_1Row(const Q4_1Matrix& w, int64_t r, float* out) {

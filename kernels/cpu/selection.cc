@@ -142,12 +142,12 @@ void CombineBlockSoftmax(int num_heads, int64_t blocks, const float* block_max,
   }
 }
 
-void GroupMassPhase(const float* scores, const float* max, const float* inv_sum, int num_heads,
-                    int num_kv_heads, int64_t n, float* mass, float alpha, int64_t* block_counts) {
+void GroupMassPhase(bool parallel, const float* scores, const float* max, const float* inv_sum,
+                    int num_heads, int num_kv_heads, int64_t n, float* mass, float alpha,
+                    int64_t* block_counts) {
   const int group = num_heads / num_kv_heads;
   const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
-#pragma omp for schedule(static)
-  for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
+  ParallelFor(blocks * num_kv_heads, parallel, [&](int64_t t) {
     const int g = static_cast<int>(t % num_kv_heads);
     const int64_t b = t / num_kv_heads;
     const int64_t j0 = b * kScoreBlock;
@@ -170,22 +170,21 @@ void GroupMassPhase(const float* scores, const float* max, const float* inv_sum,
         block_counts[h * blocks + b] = count;
       }
     }
-  }
+  });
 }
 
-void TopKPhase(const float* mass, int num_kv_heads, int64_t n, int64_t k,
+void TopKPhase(bool parallel, const float* mass, int num_kv_heads, int64_t n, int64_t k,
                const std::vector<int32_t>* forced, int32_t* out, int64_t out_stride) {
-#pragma omp for schedule(static)
-  for (int g = 0; g < num_kv_heads; ++g) {
+  ParallelFor(num_kv_heads, parallel, [&](int64_t g) {
     TopK(mass + static_cast<size_t>(g) * n, n, k, forced[g], out + g * out_stride);
-  }
+  });
 }
 
 void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
                         std::vector<float>& out) {
   out.resize(static_cast<size_t>(num_kv_heads) * n);
   const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
-  // Scratch of the calling thread, shared with the region's threads through plain pointers.
+  // Scratch of the calling thread, shared with the team through plain pointers.
   thread_local std::vector<float> max, inv_sum, block_max, block_sum;
   max.resize(static_cast<size_t>(num_heads));
   inv_sum.resize(static_cast<size_t>(num_heads));
@@ -194,18 +193,14 @@ void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, in
   float *const mx = max.data(), *const inv = inv_sum.data();
   float *const bmax = block_max.data(), *const bsum = block_sum.data();
   float* const mass = out.data();
-#pragma omp parallel if (num_heads * n >= kParallelWork)
-  {
-    // The softmax from blocks of rows, as a choice makes it (Choose).
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_heads * blocks; ++t) {
-      const int64_t h = t / blocks, b = t % blocks, b0 = b * kScoreBlock;
-      BlockSoftmax(scores + h * n + b0, std::min(n, b0 + kScoreBlock) - b0, bmax + t, bsum + t);
-    }
-#pragma omp single
-    CombineBlockSoftmax(num_heads, blocks, bmax, bsum, mx, inv);
-    GroupMassPhase(scores, mx, inv, num_heads, num_kv_heads, n, mass);
-  }
+  const bool parallel = num_heads * n >= kParallelWork;
+  // The softmax from blocks of rows, as a choice makes it (Choose).
+  ParallelFor(num_heads * blocks, parallel, [&](int64_t t) {
+    const int64_t h = t / blocks, b = t % blocks, b0 = b * kScoreBlock;
+    BlockSoftmax(scores + h * n + b0, std::min(n, b0 + kScoreBlock) - b0, bmax + t, bsum + t);
+  });
+  CombineBlockSoftmax(num_heads, blocks, bmax, bsum, mx, inv);
+  GroupMassPhase(parallel, scores, mx, inv, num_heads, num_kv_heads, n, mass);
 }
 
 namespace {

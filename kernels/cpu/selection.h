@@ -9,6 +9,8 @@
 #include <span>
 #include <vector>
 
+#include "kernels/cpu/parallel_for.h"
+
 namespace infinigen::cpu {
 
 // Rows scored together per query head (accumulators on the stack).
@@ -65,18 +67,18 @@ int64_t TopK(const float* scores, int64_t n, int64_t k, std::span<const int32_t>
              int32_t* out);
 
 // For GQA: per KV head, the sum over its query heads of softmax(scores[h]) (the predicted
-// attention mass). scores: [num_heads, n]; out: [num_kv_heads, n]. Several threads (OpenMP)
-// for large n; the exponentials are within 2 ulp of std::exp.
+// attention mass). scores: [num_heads, n]; out: [num_kv_heads, n]. On the team (team.h) for
+// large n; the exponentials are within 2 ulp of std::exp.
 void GroupAttentionMass(const float* scores, int num_heads, int num_kv_heads, int64_t n,
                         std::vector<float>& out);
 
 // The rows' max and sum of e^(s - max) (rows <= kScoreBlock).
 void BlockSoftmax(const float* s, int64_t rows, float* max, float* sum);
 
-// The phases of one choice as worksharing loops (orphaned `omp for`): called by every thread of
-// the caller's `omp parallel` region they split its work among them (one fork per choice, not
-// one per phase); outside a region they run on the calling thread. Either way the results are
-// the same floats, and the same as AlphaCount and GroupAttentionMass compute. Choose runs them.
+// The phases of one choice, each a loop split over the process's team when `parallel` holds
+// (kernels/cpu/team.h: a hand-off and a join, not a fork) and otherwise run on the calling
+// thread. Either way the results are the same floats, and the same as AlphaCount and
+// GroupAttentionMass compute. Choose runs them.
 //
 // Scores of rows [first, n) of every query head into scores [num_heads, n], in blocks of
 // kScoreBlock rows aligned to multiples of kScoreBlock: keys_at(j0, g) is the PartialKeyLayout
@@ -86,13 +88,12 @@ void BlockSoftmax(const float* s, int64_t rows, float* max, float* sum);
 // block_sum[h * blocks + b] = sum over the block's rows of e^(s - block max) (BlockSoftmax;
 // CombineBlockSoftmax makes the heads' softmax from them). blocks = ceil(n / kScoreBlock).
 template <typename KeysAt>
-void ScorePhase(const float* q_partial, int num_heads, int num_kv_heads, int partial_dim,
-                float scale, int64_t first, int64_t n, const KeysAt& keys_at, float* scores,
-                float* block_max, float* block_sum) {
+void ScorePhase(bool parallel, const float* q_partial, int num_heads, int num_kv_heads,
+                int partial_dim, float scale, int64_t first, int64_t n, const KeysAt& keys_at,
+                float* scores, float* block_max, float* block_sum) {
   const int group = num_heads / num_kv_heads;
   const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
-#pragma omp for schedule(static)
-  for (int64_t t = 0; t < blocks * num_kv_heads; ++t) {
+  ParallelFor(blocks * num_kv_heads, parallel, [&](int64_t t) {
     const int g = static_cast<int>(t % num_kv_heads);
     const int64_t b = t / num_kv_heads;
     const int64_t b0 = b * kScoreBlock, b1 = n < b0 + kScoreBlock ? n : b0 + kScoreBlock;
@@ -106,9 +107,9 @@ void ScorePhase(const float* q_partial, int num_heads, int num_kv_heads, int par
       BlockSoftmax(scores + static_cast<size_t>(h) * n + b0, b1 - b0, block_max + h * blocks + b,
                    block_sum + h * blocks + b);
     }
-  }
+  });
 }
-// Per head h (on the calling thread: inside a region, call it in `omp single`): max[h] over its
+// Per head h (on the calling thread): max[h] over its
 // blocks, and inv_sum[h] = 1 / sum over blocks of block_sum * e^(block_max - max[h]).
 void CombineBlockSoftmax(int num_heads, int64_t blocks, const float* block_max,
                          const float* block_sum, float* max, float* inv_sum);
@@ -117,12 +118,12 @@ void CombineBlockSoftmax(int num_heads, int64_t blocks, const float* block_max,
 // here rather than kept: storing heads x n of them cost more than computing them twice.) With
 // block_counts ([num_heads, blocks] as ScorePhase's), also each block's rows within alpha of
 // max[h] (AlphaCount's, summed by the caller over the blocks).
-void GroupMassPhase(const float* scores, const float* max, const float* inv_sum, int num_heads,
-                    int num_kv_heads, int64_t n, float* mass, float alpha = 0.0f,
+void GroupMassPhase(bool parallel, const float* scores, const float* max, const float* inv_sum,
+                    int num_heads, int num_kv_heads, int64_t n, float* mass, float alpha = 0.0f,
                     int64_t* block_counts = nullptr);
 // TopK of every KV head's row of mass [num_kv_heads, n] (forced[g] first) to
 // out + g * out_stride, KV heads in parallel.
-void TopKPhase(const float* mass, int num_kv_heads, int64_t n, int64_t k,
+void TopKPhase(bool parallel, const float* mass, int num_kv_heads, int64_t n, int64_t k,
                const std::vector<int32_t>* forced, int32_t* out, int64_t out_stride);
 
 // One sequence's choice over n rows of partial keys stored channel-major per KV head (channel
@@ -163,8 +164,8 @@ struct ChoiceTarget {
 };
 
 // One choice over c.rows = n rows (c.capacity, c.margin and c.force_last are the caller's to
-// apply), its phases in one parallel region: scores of rows [first, n) into s.scores (the rows
-// before `first` hold scores already: Size first, then copy them), the heads' softmax from the
+// apply), its phases on the team one after another: scores of rows [first, n) into s.scores (the
+// rows before `first` hold scores already: Size first, then copy them), the heads' softmax from the
 // blocks, the group mass with the alpha counts, then on_budget(k) on one thread with k =
 // BudgetFromCounts(...) (it returns the ChoiceTarget), then the top k rows of each KV head by
 // mass (forced[g] first).
@@ -174,26 +175,22 @@ void Choose(const RowChoice& c, const float* q_partial, int64_t first, const Key
   const int heads = c.num_heads, kv_heads = c.num_kv_heads;
   const int64_t n = c.rows;
   const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
-  // The region's threads reach the scratch through plain pointers.
+  // The team's threads reach the scratch through plain pointers.
   float *const scores = s.scores.data(), *const mass = s.mass.data();
   float *const max = s.max.data(), *const inv_sum = s.inv_sum.data();
   float *const block_max = s.block_max.data(), *const block_sum = s.block_sum.data();
   int64_t* const block_counts = s.block_counts.data();
-  ChoiceTarget target;
-#pragma omp parallel if (heads * n >= kParallelChoice)
-  {
-    ScorePhase(q_partial, heads, kv_heads, c.partial_dim, c.scale, first, n, keys_at, scores,
-               block_max, block_sum);
-#pragma omp single
-    CombineBlockSoftmax(heads, blocks, block_max, block_sum, max, inv_sum);
-    // The group mass of every row (a choice of all rows is rare at any length that matters),
-    // counting each head's rows within alpha on the way.
-    GroupMassPhase(scores, max, inv_sum, heads, kv_heads, n, mass, c.alpha, block_counts);
-#pragma omp single
-    target = on_budget(BudgetFromCounts(HeadCounts(heads, blocks, block_counts), c.k_min, c.k_max));
-    if (target.indices != nullptr) {
-      TopKPhase(mass, kv_heads, n, target.k, forced, target.indices, target.stride);
-    }
+  const bool parallel = heads * n >= kParallelChoice;
+  ScorePhase(parallel, q_partial, heads, kv_heads, c.partial_dim, c.scale, first, n, keys_at,
+             scores, block_max, block_sum);
+  CombineBlockSoftmax(heads, blocks, block_max, block_sum, max, inv_sum);
+  // The group mass of every row (a choice of all rows is rare at any length that matters),
+  // counting each head's rows within alpha on the way.
+  GroupMassPhase(parallel, scores, max, inv_sum, heads, kv_heads, n, mass, c.alpha, block_counts);
+  const ChoiceTarget target =
+      on_budget(BudgetFromCounts(HeadCounts(heads, blocks, block_counts), c.k_min, c.k_max));
+  if (target.indices != nullptr) {
+    TopKPhase(parallel, mass, kv_heads, n, target.k, forced, target.indices, target.stride);
   }
 }
 

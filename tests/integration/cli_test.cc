@@ -72,6 +72,11 @@ TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
     EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
     EXPECT_EQ(Lines(r.err), 1) << args << ": " << r.err;
   }
+  CommandResult pin = Infinigen("bench --model " + testing::FixturePath("hf/llama32_tied") +
+                                " --prompt-tokens 2 --gen-tokens 1 --pin-threads sometimes");
+  EXPECT_EQ(pin.exit_code, 2) << pin.err;
+  EXPECT_NE(pin.err.find("--pin-threads must be auto, on or off"), std::string::npos) << pin.err;
+  EXPECT_EQ(Lines(pin.err), 1) << pin.err;
 }
 
 #if INFINIGEN_TEST_HAVE_SERVICES

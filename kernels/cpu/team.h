@@ -1,0 +1,127 @@
+// Team: the threads the CPU kernels run on, one team for the process, started once and kept.
+//
+// A CPU decode step is a chain of short kernels (a GEMV, a norm, RoPE, attention over a few
+// chunks, the InfiniGen choice), each split over the threads and joined before the next begins.
+// With OpenMP every kernel was a parallel region: libgomp's fork and join cost 0.79 µs a region on
+// the project VM, and a token entered 140 to 513 of them (docs/benchmarks.md, "Where OpenMP's time
+// goes"). A team's threads instead stay awake between kernels: the caller publishes a job on one
+// cache line, takes the first share itself, and waits for the others' counter to reach zero, so a
+// kernel costs what a barrier inside one parallel region costs, and a whole decode step runs as
+// one region whose kernels are its phases. Threads that find no job for `spin_us` sleep on a
+// futex; the next job wakes them.
+//
+// The caller is thread 0; threads 1..size-1 are the team's own. Shares are static (thread t runs
+// [n*t/size, n*(t+1)/size)) or dynamic (indices taken one at a time); which thread runs an index
+// never changes its arithmetic. A job started inside a job (a kernel called from a parallel
+// body), or while another thread's job runs, runs on the calling thread alone.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace infinigen::cpu {
+
+enum class Pinning {
+  kAuto,  // OMP_PROC_BIND if set; otherwise pin when the team has exactly the CPUs it may run on
+  kOn,    // thread t on the t-th CPU this process may run on (the caller's is left to it)
+  kOff,
+};
+
+struct TeamOptions {
+  int threads = 0;  // 0: OMP_NUM_THREADS if set, else the CPUs this process may run on
+  Pinning pinning = Pinning::kAuto;
+  // How long an idle thread spins before it sleeps, and how long the caller spins on a join
+  // before it sleeps; -1: from OMP_WAIT_POLICY (PASSIVE 0, ACTIVE 10 ms, unset 300 µs).
+  int spin_us = -1;
+};
+
+class Team {
+ public:
+  // The process's team, started with TeamOptions{} on first use.
+  static Team& Get();
+
+  // Stops the threads and starts them again with `options` (after a running job ends).
+  void Configure(const TeamOptions& options);
+  int size() const { return size_.load(std::memory_order_relaxed); }
+  bool pinned() const { return pinned_.load(std::memory_order_relaxed); }
+
+  // body(i) for every i in [0, n), on the team when it is free, otherwise on the caller.
+  template <typename Body>
+  void Run(int64_t n, const Body& body, bool dynamic = false) {
+    if (n <= 0) return;
+    if (n == 1 || !Dispatch(n, &body, &Thunk<Body>, dynamic)) Thunk<Body>(&body, 0, n);
+  }
+  // body(i) for every i in [0, n) on the calling thread, through the same code as Run.
+  template <typename Body>
+  static void RunHere(int64_t n, const Body& body) {
+    if (n > 0) Thunk<Body>(&body, 0, n);
+  }
+
+ private:
+  using ThunkFn = void (*)(const void* body, int64_t begin, int64_t end);
+  // The one compiled copy of a loop body, whichever thread runs it and whether or not the loop
+  // is split: GCC contracts a * b + c into an FMA (-ffp-contract=fast, its default) as each copy
+  // of inlined code allows, so a body inlined at a serial call site and again in a parallel one
+  // could round differently, and a row's result would then depend on the batch it came in
+  // (a batch-invariance failure the router's resume test caught). noipa: neither inlined nor
+  // cloned.
+  template <typename Body>
+#if defined(__clang__)
+  __attribute__((noinline))
+#else
+  __attribute__((noipa))
+#endif
+  static void
+  Thunk(const void* body, int64_t begin, int64_t end) {
+    const Body& b = *static_cast<const Body*>(body);
+    for (int64_t i = begin; i < end; ++i) b(i);
+  }
+
+  Team() = default;
+  // Runs the job on the team and returns true, or returns false having run nothing.
+  bool Dispatch(int64_t n, const void* body, ThunkFn thunk, bool dynamic);
+  void Start(const TeamOptions& options);  // run_mu_ held
+  void Stop();                             // run_mu_ held
+  void Share(int thread);
+  void Worker(int thread, uint32_t epoch, int cpu);
+  uint32_t Await(uint32_t seen);
+
+  std::mutex run_mu_;  // one job at a time; held by Configure
+  std::atomic<int> size_{1};
+  std::atomic<bool> pinned_{false};
+  int64_t spin_ns_ = 0;
+  std::vector<std::thread> threads_;
+  uint32_t done_target_ = 0;  // the caller's: done_.shares once the current job's are in
+
+  // A job costs two cache-line transfers between the caller and each thread: this line, which
+  // the caller writes (the job, published by moving epoch) and the threads read, and the next,
+  // which the threads write (their finished shares) and the caller reads.
+  struct alignas(64) Job {
+    std::atomic<uint32_t> epoch{0};
+    std::atomic<int> sleepers{0};  // threads asleep on epoch
+    int workers = 0;               // the team's threads besides the caller
+    bool dynamic = false;
+    bool stop = false;
+    const void* body = nullptr;
+    ThunkFn thunk = nullptr;
+    int64_t n = 0;
+  } job_;
+  struct alignas(64) Done {
+    std::atomic<uint32_t> shares{0};  // shares finished since the team started, wrapping
+    std::atomic<bool> caller_sleeping{false};
+    std::atomic<int64_t> next{0};  // the next index of a dynamic job
+  } done_;
+};
+
+// Makes OpenBLAS run on the calling thread alone; the kernels call it before each cblas call and
+// split the work over the team themselves (a second pool of threads next to the team would spin
+// against it on the same cores, and OpenBLAS's threads change its sums' order with the shape).
+// Debian's OpenMP build of OpenBLAS takes its thread count from the calling thread's OpenMP
+// setting (omp_get_max_threads), which every new thread starts at the core count, not from
+// openblas_set_num_threads alone: both are set, once per thread.
+void SerialBlas();
+
+}  // namespace infinigen::cpu

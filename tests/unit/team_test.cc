@@ -1,0 +1,134 @@
+// The CPU kernels' team (kernels/cpu/team.h): every index runs exactly once, on the team's
+// threads, whatever the share; a job inside a job, or beside another thread's job, runs on its
+// caller; Configure resizes and pins.
+#include "kernels/cpu/team.h"
+
+#include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/parallel_for.h"
+
+namespace infinigen::cpu {
+namespace {
+
+class TeamTest : public ::testing::Test {
+ protected:
+  void TearDown() override { Team::Get().Configure({}); }
+};
+
+std::vector<int> RunCounts(int64_t n, bool dynamic) {
+  std::vector<std::atomic<int>> counts(static_cast<size_t>(n));
+  Team::Get().Run(
+      n, [&](int64_t i) { counts[i].fetch_add(1); }, dynamic);
+  std::vector<int> out;
+  for (auto& c : counts) out.push_back(c.load());
+  return out;
+}
+
+TEST_F(TeamTest, EveryIndexRunsOnceWhateverTheShare) {
+  Team::Get().Configure({.threads = 3, .pinning = Pinning::kOff});
+  ASSERT_EQ(Team::Get().size(), 3);
+  for (int64_t n : {1, 2, 3, 5, 64, 1001}) {
+    for (bool dynamic : {false, true}) {
+      const std::vector<int> counts = RunCounts(n, dynamic);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(counts[i], 1) << "n " << n << " index " << i << " dynamic " << dynamic;
+      }
+    }
+  }
+}
+
+TEST_F(TeamTest, JobsRunOnTheTeamsThreadsAndTheCaller) {
+  Team::Get().Configure({.threads = 3, .pinning = Pinning::kOff});
+  std::mutex mu;
+  std::set<std::thread::id> seen;
+  // Static shares: one contiguous range per thread, so three threads for three long indices.
+  for (int round = 0; round < 20 && seen.size() < 3; ++round) {
+    Team::Get().Run(3, [&](int64_t) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::lock_guard<std::mutex> l(mu);
+      seen.insert(std::this_thread::get_id());
+    });
+  }
+  EXPECT_EQ(seen.size(), 3u);
+  EXPECT_TRUE(seen.count(std::this_thread::get_id()));
+}
+
+TEST_F(TeamTest, AJobInsideAJobRunsOnItsCaller) {
+  Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff});
+  std::atomic<int> wrong{0}, total{0};
+  Team::Get().Run(4, [&](int64_t) {
+    const std::thread::id outer = std::this_thread::get_id();
+    ParallelFor(100, true, [&](int64_t) {
+      if (std::this_thread::get_id() != outer) wrong.fetch_add(1);
+      total.fetch_add(1);
+    });
+  });
+  EXPECT_EQ(total.load(), 400);
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+TEST_F(TeamTest, TwoCallersAtOnceBothFinishEveryIndex) {
+  Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff, .spin_us = 50});
+  std::atomic<int64_t> sums[2] = {0, 0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 2; ++c) {
+    callers.emplace_back([&, c] {
+      for (int job = 0; job < 2000; ++job) {
+        ParallelFor(16, true, [&](int64_t i) { sums[c].fetch_add(i + 1); });
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(sums[0].load(), 2000 * 136);
+  EXPECT_EQ(sums[1].load(), 2000 * 136);
+}
+
+TEST_F(TeamTest, SleepingThreadsWakeForTheNextJob) {
+  // No spinning: every job wakes threads that went to sleep on the futex.
+  Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff, .spin_us = 0});
+  for (int job = 0; job < 200; ++job) {
+    ASSERT_EQ(RunCounts(7, job % 2 == 1), std::vector<int>(7, 1)) << "job " << job;
+    if (job % 50 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+TEST_F(TeamTest, PinnedThreadsStayOnOneCpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  if (CPU_COUNT(&set) < 2) GTEST_SKIP() << "one CPU: nothing to pin";
+  Team::Get().Configure({.threads = 2, .pinning = Pinning::kOn});
+  EXPECT_TRUE(Team::Get().pinned());
+  std::atomic<int> worker_cpus{-1};
+  const std::thread::id caller = std::this_thread::get_id();
+  Team::Get().Run(2, [&](int64_t) {
+    if (std::this_thread::get_id() == caller) return;
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    sched_getaffinity(0, sizeof(mine), &mine);
+    worker_cpus = CPU_COUNT(&mine);
+  });
+  EXPECT_EQ(worker_cpus.load(), 1);
+
+  Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff});
+  EXPECT_FALSE(Team::Get().pinned());
+}
+
+TEST_F(TeamTest, OneThreadRunsOnTheCaller) {
+  Team::Get().Configure({.threads = 1});
+  EXPECT_EQ(Team::Get().size(), 1);
+  std::atomic<int> other{0};
+  const std::thread::id caller = std::this_thread::get_id();
+  ParallelFor(50, true, [&](int64_t) { other += std::this_thread::get_id() != caller; });
+  EXPECT_EQ(other.load(), 0);
+}
+
+}  // namespace
+}  // namespace infinigen::cpu
