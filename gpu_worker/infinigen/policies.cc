@@ -12,7 +12,7 @@
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/selection_util.h"
-#include "kernels/cpu/team.h"
+#include "kernels/cpu/serial_blas.h"
 
 namespace infinigen {
 namespace {

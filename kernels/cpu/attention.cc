@@ -12,6 +12,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/row_gemm.h"
+#include "kernels/cpu/serial_blas.h"
 #include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {

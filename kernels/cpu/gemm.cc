@@ -6,6 +6,7 @@
 
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel_for.h"
+#include "kernels/cpu/serial_blas.h"
 
 namespace infinigen::cpu {
 

@@ -9,6 +9,7 @@
 #include "common/dtype.h"
 #include "kernels/cpu/parallel_for.h"
 #include "kernels/cpu/row_gemm.h"  // InitGemmOutput, GemmRowsQ8
+#include "kernels/cpu/serial_blas.h"
 #include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu {

@@ -1,6 +1,5 @@
 #include "kernels/cpu/team.h"
 
-#include <omp.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -12,8 +11,6 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
-
-extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace infinigen::cpu {
 namespace {
@@ -66,14 +63,6 @@ std::string Env(const char* name) {
 }
 
 }  // namespace
-
-void SerialBlas() {
-  thread_local bool done = false;
-  if (done) return;
-  done = true;
-  openblas_set_num_threads(1);
-  omp_set_num_threads(1);
-}
 
 Team& Team::Get() {
   // Never destroyed: kernels may run until the process exits.
