@@ -477,9 +477,10 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
   ServerProcess loading(
       "infinigen-worker",
       {"--model=" + testing::FixturePath(kModel), "--listen=127.0.0.1:" + std::to_string(port),
-       "--kv_transport=in-process", "--policy=full", "--threads=1", "--hold_loading_ms=6000"},
-      port, /*ready=*/"");  // the port only: the model is not loaded yet (held 6 s: a TSan
-                            // build once reached SERVING before the first check with 3 s)
+       "--kv_transport=in-process", "--policy=full", "--threads=1", "--hold_loading_ms=20000"},
+      port, /*ready=*/"");  // the port only: the model is not loaded yet (held 20 s: TSan
+                            // builds under CI load reached SERVING before the first check
+                            // with 3 s and with 6 s)
   ASSERT_TRUE(loading.running());
   auto channel =
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
@@ -498,7 +499,7 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
   EXPECT_FALSE(loading.Logged("infinigen-worker: serving"));
   // Then SERVING, and the same request streams what the local engine generates.
   auto health = grpc::health::v1::HealthCheckResponse::UNKNOWN;
-  for (int i = 0; i < 600 && health != grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+  for (int i = 0; i < 1200 && health != grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     health = Health(*channel);
   }
