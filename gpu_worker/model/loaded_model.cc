@@ -10,11 +10,11 @@ absl::StatusOr<CpuBackendOptions> BackendSpec::Options() const {
   CpuBackendOptions options;
   if (threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
   options.num_threads = static_cast<int>(threads);
-  if (pin_threads == "auto" || pin_threads == "on" || pin_threads == "off") {
-    options.pinning = pin_threads == "on"    ? cpu::Pinning::kOn
-                      : pin_threads == "off" ? cpu::Pinning::kOff
-                                             : cpu::Pinning::kAuto;
-  } else {
+  if (pin_threads == "on") {
+    options.pinning = cpu::Pinning::kOn;
+  } else if (pin_threads == "off") {
+    options.pinning = cpu::Pinning::kOff;
+  } else if (pin_threads != "auto") {
     return absl::InvalidArgumentError(
         absl::StrCat("--pin-threads must be auto, on or off, got '", pin_threads, "'"));
   }

@@ -118,7 +118,7 @@ void AttentionCausal(const float* q, int64_t q_stride, int64_t num_q, int64_t q_
                      float* out, int64_t out_stride) {
   const int group = num_heads / num_kv_heads;
   const int64_t blocks = (num_q + kQueryBlock - 1) / kQueryBlock;
-  // Tasks (head, query block) on the team, each with single-threaded OpenBLAS (CpuBackend);
+  // Tasks (head, query block) on the team, each with single-threaded OpenBLAS (SerialBlas);
   // later blocks see more keys, so each thread takes the next task when it is done.
   ParallelForDynamic(num_heads * blocks, num_q * (q_start + num_q) > (1 << 15), [&](int64_t t) {
     const int h = static_cast<int>(t / blocks);

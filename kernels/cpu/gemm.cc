@@ -23,7 +23,7 @@ void Gemm(const float* x, int64_t ldx, const float* w, int64_t ldw, const float*
       for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
     }
   }
-  // OpenBLAS runs single-threaded (CpuBackend): the team splits the weight's rows.
+  // OpenBLAS runs single-threaded (SerialBlas): the team splits the weight's rows.
   ParallelRanges(n, 16, m * n * k >= (1 << 16), [&](int64_t j0, int64_t j1) {
     SerialBlas();
     if (m == 1) {

@@ -58,7 +58,7 @@ void WidenQ8Row(const Q8Matrix& w, int64_t r, float* out) {
 // y[:, j0 : j0 + rows] += x · panelᵀ (panel: float32 [rows, k]).
 void PanelGemm(const float* x, int64_t ldx, const float* panel, int64_t rows, int64_t k, float* y,
                int64_t ldy, int64_t m) {
-  // OpenBLAS runs single-threaded (CpuBackend): the team splits the panel's rows.
+  // OpenBLAS runs single-threaded (SerialBlas): the team splits the panel's rows.
   ParallelRanges(rows, 16, true, [&](int64_t r0, int64_t r1) {
     SerialBlas();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, r1 - r0, k, 1.0f, x, ldx,

@@ -5,6 +5,7 @@
 
 #include <cctype>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -76,6 +77,10 @@ Team& Team::Get() {
 }
 
 void Team::Configure(const TeamOptions& options) {
+  if (in_job) {
+    std::fprintf(stderr, "cpu::Team::Configure called from inside a job: it would deadlock\n");
+    std::abort();
+  }
   std::lock_guard<std::mutex> l(run_mu_);
   Stop();
   Start(options);

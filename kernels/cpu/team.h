@@ -5,7 +5,8 @@
 // With OpenMP every kernel was a parallel region: libgomp's fork and join cost 0.79 µs a region on
 // the project VM, and a token entered 140 to 513 of them (docs/benchmarks.md, "Where OpenMP's time
 // goes"). A team's threads instead stay awake between kernels: the caller publishes a job on one
-// cache line, takes the first share itself, and waits for the others' counter to reach zero, so a
+// cache line, takes the first share itself, and waits on another until the threads have counted
+// their shares in, so a
 // kernel costs what a barrier inside one parallel region costs, and a whole decode step runs as
 // one region whose kernels are its phases. Threads that find no job for `spin_us` sleep on a
 // futex; the next job wakes them.
@@ -43,7 +44,8 @@ class Team {
   // The process's team, started with TeamOptions{} on first use.
   static Team& Get();
 
-  // Stops the threads and starts them again with `options` (after a running job ends).
+  // Stops the threads and starts them again with `options` (after a running job ends). Not from
+  // inside a job: that would wait for itself (the process aborts, saying so).
   void Configure(const TeamOptions& options);
   int size() const { return size_.load(std::memory_order_relaxed); }
   bool pinned() const { return pinned_.load(std::memory_order_relaxed); }
@@ -67,7 +69,8 @@ class Team {
   // of inlined code allows, so a body inlined at a serial call site and again in a parallel one
   // could round differently, and a row's result would then depend on the batch it came in
   // (a batch-invariance failure the router's resume test caught). noipa: neither inlined nor
-  // cloned.
+  // cloned. noexcept: a body that throws ends the process, on the caller as on the team's threads
+  // (unwinding the caller would free what the other shares are still reading).
   template <typename Body>
 #if defined(__clang__)
   __attribute__((noinline))
@@ -75,7 +78,7 @@ class Team {
   __attribute__((noipa))
 #endif
   static void
-  Thunk(const void* body, int64_t begin, int64_t end) {
+  Thunk(const void* body, int64_t begin, int64_t end) noexcept {
     const Body& b = *static_cast<const Body*>(body);
     for (int64_t i = begin; i < end; ++i) b(i);
   }
