@@ -135,6 +135,10 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& r, const Request
     return absl::InvalidArgumentError(
         absl::StrCat("request_id and session_id may have at most ", kMaxRequestIdBytes, " bytes"));
   }
+  if (r.user().size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("user may have at most ", kMaxRequestIdBytes, " bytes"));
+  }
   return absl::OkStatus();
 }
 

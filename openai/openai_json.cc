@@ -241,8 +241,9 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
     if (!model->is_string()) return r.Fail("model", "`model` must be a string");
     out.model = model->get<std::string>();
   }
-  if (const json* user = r.Get("user"); user != nullptr && !user->is_string()) {
-    return r.Fail("user", "`user` must be a string");
+  if (const json* user = r.Get("user")) {
+    if (!user->is_string()) return r.Fail("user", "`user` must be a string");
+    out.request.set_user(user->get<std::string>());  // the router's log line names it
   }
   // Not OpenAI's: the gRPC API's conversation (its next turn takes the stored KV over).
   if (const json* session = r.Get("session_id")) {

@@ -7,6 +7,7 @@
 #include "absl/random/distributions.h"
 #include "absl/random/random.h"
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -182,11 +183,17 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
   if (metrics_ != nullptr) metrics_->RequestDone(s.error_code());
   // One line per request (never the prompt, the text or the key): its id, the outcome, what
   // was streamed. One write, so that concurrent requests' lines do not interleave.
+  // The request id and the end user (OpenAI's `user`) escaped: the client chose their bytes (a
+  // newline in them must not forge a line).
+  const std::string user = request->user().empty()
+                               ? ""
+                               : absl::StrCat(" user \"", absl::CHexEscape(request->user()), "\"");
   const std::string line = absl::StrFormat(
-      "request %s: %s%s%s, %d tokens in %.3f s, %d failovers (%d resumed from the KV store)\n",
-      request_id, absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
-      s.ok() ? "" : ": ", s.error_message(), stats.tokens,
-      absl::ToDoubleSeconds(absl::Now() - start), stats.failovers, stats.resumes);
+      "request %s%s: %s%s%s, %d tokens in %.3f s, %d failovers (%d resumed from the KV store)\n",
+      absl::CHexEscape(request_id), user,
+      absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())), s.ok() ? "" : ": ",
+      s.error_message(), stats.tokens, absl::ToDoubleSeconds(absl::Now() - start), stats.failovers,
+      stats.resumes);
   std::fwrite(line.data(), 1, line.size(), stdout);
   std::fflush(stdout);
   return ForClients(s);  // the log line above keeps the internal addresses

@@ -258,11 +258,16 @@ TEST_F(RouterProcess, HealthAnswersByServiceName) {
   }
 }
 
-// One log line per request: its id, the outcome and what was streamed (never the prompt).
+// One log line per request: its id, its end user, the outcome and what was streamed (never the
+// prompt). The client's strings are escaped: a newline in them cannot forge a line.
 TEST_F(RouterProcess, EachRequestIsLoggedByItsId) {
   v1::GenerateRequest r = Request({1, 2, 3}, 5);
   r.set_request_id("log-me-42");
+  r.set_user("alice\nrequest forged: OK");
   ASSERT_TRUE(Stream(*stub_, r).status.ok());
+  v1::GenerateRequest odd = Request({1, 2, 3}, 2);
+  odd.set_request_id("log-me-\n44");
+  ASSERT_TRUE(Stream(*stub_, odd).status.ok());
   v1::GenerateRequest bad = Request({1, 2, 3}, 5);
   bad.set_request_id("log-me-43");
   bad.mutable_sampling()->set_top_p(-1);
@@ -272,7 +277,10 @@ TEST_F(RouterProcess, EachRequestIsLoggedByItsId) {
     logged = router_->Logged("request log-me-43: INVALID_ARGUMENT");
     if (!logged) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  EXPECT_TRUE(router_->Logged("request log-me-42: OK, 5 tokens in "));
+  EXPECT_TRUE(
+      router_->Logged("request log-me-42 user \"alice\\nrequest forged: OK\": OK, 5 tokens in "));
+  EXPECT_TRUE(router_->Logged("request log-me-\\n44: OK, 2 tokens in "));
+  EXPECT_FALSE(router_->Logged("\nrequest forged"));
   EXPECT_TRUE(logged);
 }
 

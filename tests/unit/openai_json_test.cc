@@ -140,6 +140,7 @@ TEST(OpenAiJson, SamplingFieldsMapOntoTheRequestOrAreRefusedByName) {
                            chat, error))
       << error.message;
   EXPECT_EQ(chat.request.stopping().max_new_tokens(), 7);
+  EXPECT_EQ(chat.request.user(), "u-1");  // for the router's log line
   EXPECT_FLOAT_EQ(chat.request.sampling().top_p(), 0.5f);
   EXPECT_EQ(chat.request.sampling().logit_bias().size(), 2u);
   EXPECT_FLOAT_EQ(chat.request.sampling().logit_bias().at(42), -100.0f);

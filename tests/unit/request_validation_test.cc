@@ -176,6 +176,10 @@ TEST(ValidateGenerateRequest, APublicRequestIsCheckedWhole) {
   r.set_request_id(std::string(kMaxRequestIdBytes + 1, 'r'));
   ExpectRefused(ValidateGenerateRequest(r, limits), "request_id");
   r.set_request_id("r");
+  r.set_user(std::string(kMaxRequestIdBytes + 1, 'u'));
+  ExpectRefused(ValidateGenerateRequest(r, limits), "user");
+  r.set_user("u");
+  EXPECT_TRUE(ValidateGenerateRequest(r, limits).ok());
   limits.max_request_bytes = 1024;
   r.set_text(std::string(2000, 'a'));
   ExpectRefused(ValidateGenerateRequest(r, limits), "max_request_bytes");
