@@ -21,8 +21,9 @@
 #   Status refcount, ours and gRPC's;
 #   gRPC itself stays uninstrumented (scripts/tsan_suppressions.txt says what that hides).
 #   The CPU kernels run on one thread (OMP_NUM_THREADS=1 sizes their team, kernels/cpu/team.h;
-#   OpenBLAS's libgomp is not instrumented); UCX's memory hooks are off (they call into TSan
-#   from exiting threads).
+#   OpenBLAS's libgomp is not instrumented), except in the team's own tests (cpu_kernels_test's
+#   TeamTest: teams of 2 and 3 threads, a GEMM split across them); UCX's memory hooks are off
+#   (they call into TSan from exiting threads).
 #   ~6 minutes to build on 2 cores (abseil: one), 2 to run.
 # usage: scripts/sanitize.sh [address|thread]...   (default: both)
 set -euo pipefail
@@ -105,9 +106,10 @@ tsan_abseil() {
 }
 
 thread() {
-  local targets=(queued_client_test router_test store_kv_cache_test batch_engine_test
-                 memory_admission_test engine_attach_test kv_transport_test router_process_test
-                 worker_process_test)
+  local targets=(cpu_kernels_test queued_client_test router_test store_kv_cache_test
+                 batch_engine_test memory_admission_test engine_attach_test kv_transport_test
+                 router_process_test worker_process_test)
+  suite_args[cpu_kernels_test]="--gtest_filter=TeamTest.*"
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DINFINIGEN_SANITIZE_THREAD=ON -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF \
     >/dev/null

@@ -1,6 +1,8 @@
 // The CPU kernels' team (kernels/cpu/team.h): every index runs exactly once, on the team's
 // threads, whatever the share; a job inside a job, or beside another thread's job, runs on its
-// caller; Configure resizes and pins.
+// caller; Configure resizes and pins. A kernel's rows computed split across the team equal the
+// same rows computed alone on the caller, bit for bit (the scripts/sanitize.sh TSan stage runs
+// these cases with a team of several threads).
 #include "kernels/cpu/team.h"
 
 #include <gtest/gtest.h>
@@ -8,11 +10,15 @@
 #include <sched.h>
 
 #include <atomic>
+#include <cstring>
+#include <random>
 #include <set>
 #include <thread>
 #include <vector>
 
 #include "kernels/cpu/parallel_for.h"
+#include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/row_gemm.h"
 
 namespace infinigen::cpu {
 namespace {
@@ -128,6 +134,44 @@ TEST_F(TeamTest, OneThreadRunsOnTheCaller) {
   const std::thread::id caller = std::this_thread::get_id();
   ParallelFor(50, true, [&](int64_t) { other += std::this_thread::get_id() != caller; });
   EXPECT_EQ(other.load(), 0);
+}
+
+// A batch large enough for the team (its GEMMs split across 3 threads, the activations quantized
+// in parallel) against each of its rows alone, small enough to stay on the caller: one compiled
+// copy of every loop body, so the same arithmetic (a body inlined twice may contract a * b + c
+// into FMAs differently in each copy; batch_invariance_test found that once).
+TEST_F(TeamTest, RowsSplitAcrossTheTeamEqualThemselvesAloneOnTheCaller) {
+  constexpr int64_t m = 24, n = 96, k = 256;
+  static_assert(m * n * k > (1 << 16) && n * k <= (1 << 16), "batch on the team, a row alone not");
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(m * k), w(n * k), bias(n);
+  for (float& v : x) v = dist(rng);
+  for (float& v : w) v = dist(rng);
+  for (float& v : bias) v = dist(rng);
+  std::vector<uint8_t> qs(n * k / 2);
+  std::vector<float> d(n * k / kQ4Block), mins(n * k / kQ4Block);
+  QuantizeQ4_1(w.data(), n, k, qs.data(), d.data(), mins.data());
+  const Q4_1Matrix q4{qs.data(), d.data(), mins.data(), n, k};
+  auto gemm = [&](int format, const float* rows, int64_t count, float* y) {
+    if (format == 0) {
+      GemmRowsF32(rows, k, w.data(), k, bias.data(), y, n, count, n, k, false);
+    } else {
+      GemmRowsQ4_1(rows, k, q4, bias.data(), y, n, count, false);
+    }
+  };
+  for (int format : {0, 1}) {
+    Team::Get().Configure({.threads = 3, .pinning = Pinning::kOff});
+    std::vector<float> batch(m * n);
+    gemm(format, x.data(), m, batch.data());
+    Team::Get().Configure({.threads = 1});
+    for (int64_t i = 0; i < m; ++i) {
+      std::vector<float> alone(n);
+      gemm(format, x.data() + i * k, 1, alone.data());
+      ASSERT_EQ(std::memcmp(alone.data(), batch.data() + i * n, n * sizeof(float)), 0)
+          << (format == 0 ? "f32" : "q4_1") << ", row " << i;
+    }
+  }
 }
 
 }  // namespace
