@@ -232,6 +232,34 @@ void BM_Prefill(benchmark::State& state) {
 }
 BENCHMARK(BM_Prefill)->ArgsProduct({{3072}, {576}, {0, 1, 2}, {0, 1}});
 
+// A prefill chunk of 256 rows on the block formats' integer-dot kernels (arg 2: 0 Q4_1, 1 Q5_1,
+// 2 Q8): what a GGUF file's matrices cost a prompt (SmolLM2's gate+up and down shapes).
+void BM_PrefillBlocks(benchmark::State& state) {
+  Problem p(state.range(0), state.range(1));
+  const int64_t m = 256;
+  std::vector<float> x(m * p.k), y(m * p.n);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = p.x[i % p.k] * (1.0f + i % 7);
+  const Q4_1Matrix q4{p.q4_qs.data(), p.q4_d.data(), p.q4_m.data(), p.n, p.k};
+  const Q5_1Matrix q5{p.q5_qs.data(), p.q5_qh.data(), p.q5_d.data(), p.q5_m.data(), p.n, p.k};
+  const Q8Matrix q8{p.qs.data(), p.scales.data(), p.n, p.k};
+  for (auto _ : state) {
+    switch (state.range(2)) {
+      case 0:
+        GemmRowsQ4_1(x.data(), p.k, q4, nullptr, y.data(), p.n, m, false);
+        break;
+      case 1:
+        GemmRowsQ5_1(x.data(), p.k, q5, nullptr, y.data(), p.n, m, false);
+        break;
+      default:
+        GemmRowsQ8(x.data(), p.k, q8, nullptr, y.data(), p.n, m, false);
+    }
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["GFLOPS"] =
+      benchmark::Counter(2.0 * m * p.n * p.k * state.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_PrefillBlocks)->ArgsProduct({{3072}, {576}, {0, 1, 2}})->Args({576, 1536, 1});
+
 // SmolLM2-135M: fused gate+up [3072, 576], down [576, 1536], lm_head [49152, 576];
 // Llama-3.2-1B: gate+up [16384, 2048].
 // The last shape (113 MB in Q8) cannot stay in any cache: it streams from DRAM as decode does.

@@ -62,7 +62,11 @@ struct QuantizedRows {
   const float* xsum;
   int64_t k;       // values per row
   int64_t blocks;  // per row
+  // Per pair of blocks, its two scales spread as the AVX2 kernel's lanes take them (4 x dx[2p],
+  // 4 x dx[2p+1]), so that they are a memory operand; null where not made (Quantize).
+  const float* dx8 = nullptr;
   const int8_t* Values(int64_t r) const { return q + r * k; }
+  const float* Spread(int64_t r) const { return dx8 + r * (blocks / 2) * 8; }
   const float* Scales(int64_t r) const { return dx + r * blocks; }
   const float* Sums(int64_t r) const { return xsum + r * blocks; }
 };
@@ -129,38 +133,57 @@ void QuantizeRow(const float* x, int64_t k, bool nibble_pairs, int8_t* q, float*
   }
 }
 
-// The m rows of x quantized into buffers of the calling thread (the parallel tasks read them).
-QuantizedRows Quantize(const float* x, int64_t ldx, int64_t m, int64_t k, bool nibble_pairs) {
+// Pair p's two scales s[2p], s[2p+1] as 8 lanes (4 of each) at out + 8p: the nibble formats'
+// lanes of a pair of blocks (PairScales8).
+void SpreadPairScales(const float* s, int64_t pairs, float* out) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    _mm256_storeu_ps(out + 8 * p,
+                     _mm256_set_m128(_mm_set1_ps(s[2 * p + 1]), _mm_set1_ps(s[2 * p])));
+  }
+}
+
+// The m rows of x quantized into buffers of the calling thread (the parallel tasks read them);
+// with `spread`, their scales spread too (QuantizedRows::dx8).
+QuantizedRows Quantize(const float* x, int64_t ldx, int64_t m, int64_t k, bool nibble_pairs,
+                       bool spread) {
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> dx, xsum;
-  const int64_t blocks = k / kBlock;
+  thread_local std::vector<float> dx, xsum, dx8;
+  const int64_t blocks = k / kBlock, pairs = blocks / 2;
   if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
   if (static_cast<int64_t>(dx.size()) < m * blocks) {
     dx.resize(m * blocks);
     xsum.resize(m * blocks);
   }
+  if (spread && static_cast<int64_t>(dx8.size()) < m * pairs * 8) dx8.resize(m * pairs * 8);
   int8_t* qp = q.data();
-  float *dp = dx.data(), *sp = xsum.data();
+  float *dp = dx.data(), *sp = xsum.data(), *d8 = dx8.data();
   ParallelFor(m, m >= 16, [&](int64_t r) {
     QuantizeRow(x + r * ldx, k, nibble_pairs, qp + r * k, dp + r * blocks, sp + r * blocks);
+    if (spread) SpreadPairScales(dp + r * blocks, pairs, d8 + r * pairs * 8);
   });
-  return {qp, dp, sp, k, blocks};
+  return {qp, dp, sp, k, blocks, spread ? d8 : nullptr};
+}
+
+// HorizontalSum of each of four vectors, by the same additions in the same order.
+inline __m128 FourHorizontalSums(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m128 s[4];
+  const __m256 v[4] = {a, b, c, d};
+  for (int i = 0; i < 4; ++i) {
+    s[i] = _mm_add_ps(_mm256_castps256_ps128(v[i]), _mm256_extractf128_ps(v[i], 1));
+  }
+  // u01: lanes 0 + 2 and 1 + 3 of s[0], then of s[1] (HorizontalSum's second step).
+  const __m128 u01 = _mm_add_ps(_mm_movelh_ps(s[0], s[1]), _mm_movehl_ps(s[1], s[0]));
+  const __m128 u23 = _mm_add_ps(_mm_movelh_ps(s[2], s[3]), _mm_movehl_ps(s[3], s[2]));
+  const __m128 even = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m128 odd = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 1, 3, 1));
+  return _mm_add_ps(even, odd);
 }
 
 // y[c] += HorizontalSum(v[c]) for c < C: four at once by the same additions in the same order.
 template <int C>
 inline void AddHorizontalSums(const __m256 (&v)[C], float* y) {
   if constexpr (C == 4) {
-    __m128 s[4];
-    for (int c = 0; c < 4; ++c) {
-      s[c] = _mm_add_ps(_mm256_castps256_ps128(v[c]), _mm256_extractf128_ps(v[c], 1));
-    }
-    // u01: lanes 0 + 2 and 1 + 3 of s[0], then of s[1] (HorizontalSum's second step).
-    const __m128 u01 = _mm_add_ps(_mm_movelh_ps(s[0], s[1]), _mm_movehl_ps(s[1], s[0]));
-    const __m128 u23 = _mm_add_ps(_mm_movelh_ps(s[2], s[3]), _mm_movehl_ps(s[3], s[2]));
-    const __m128 even = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(2, 0, 2, 0));
-    const __m128 odd = _mm_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 1, 3, 1));
-    _mm_storeu_ps(y, _mm_add_ps(_mm_loadu_ps(y), _mm_add_ps(even, odd)));
+    _mm_storeu_ps(y, _mm_add_ps(_mm_loadu_ps(y), FourHorizontalSums(v[0], v[1], v[2], v[3])));
   } else {
     for (int c = 0; c < C; ++c) y[c] += HorizontalSum(v[c]);
   }
@@ -362,10 +385,21 @@ struct SixBits {
   }
 };
 
+// A task's weight rows prepared for several x rows (GemmWith): the nibble formats' values, k
+// bytes a row in pair order (row c at values + c * k; null: read from the matrix), and for Q4_1
+// and Q5_1 each pair's scales spread as the AVX2 kernel's lanes take them (row c's pair p at
+// scales + (c * pairs + p) * 8; null: made from the matrix's).
+struct Panel {
+  const uint8_t* values = nullptr;
+  const float* scales = nullptr;
+};
+
 // Several x rows read each weight row many times: the nibble formats' values made once, in
-// pair order, k bytes for each of `cols` weight rows from c0 (Q8's are its bytes already).
+// pair order, k bytes for each of `cols` weight rows from c0 (Q8's are its bytes already), and
+// with `scales` (Q4_1, Q5_1) their pairs' scales spread (Panel).
 template <typename F>
-void PrepareColumns(const typename F::Matrix& w, int64_t c0, int64_t cols, uint8_t* out) {
+void PrepareColumns(const typename F::Matrix& w, int64_t c0, int64_t cols, uint8_t* out,
+                    float* scales) {
   const int64_t blocks = w.cols / kBlock;
   for (int64_t c = 0; c < cols; ++c) {
     uint8_t* o = out + c * w.cols;
@@ -380,6 +414,11 @@ void PrepareColumns(const typename F::Matrix& w, int64_t c0, int64_t cols, uint8
       if (blocks % 2 == 1) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * (blocks - 1)),
                             F::Block8(w, first + blocks - 1));
+      }
+    }
+    if constexpr (F::kMinimums) {  // the formats with one scale per block (Nibbles)
+      if (scales != nullptr) {
+        SpreadPairScales(F::Scales(w) + first, blocks / 2, scales + c * (blocks / 2) * 8);
       }
     }
   }
@@ -412,35 +451,61 @@ inline __m256 PairScales8(const float* v, int h) {
 
 // y[r, c] += x_r . w_c for r < R, c < C, in the order the file's header gives.
 template <typename F, int R, int C>
-void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
-           const uint8_t* panel, float* y, int64_t ldy) {
+void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0, Panel panel,
+           float* y, int64_t ldy) {
   const int64_t blocks = x.blocks, pairs = blocks / 2;
   __m256 acc[R][C][2];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
   }
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m256i q[C][2];
-    __m256 dv[C][2];
-    for (int c = 0; c < C; ++c) {
-      const int64_t at = (c0 + c) * blocks + 2 * p;
-      if (panel != nullptr) {
-        const uint8_t* v = panel + c * x.k + 64 * p;
+  if (panel.scales != nullptr && x.dx8 != nullptr) {
+    // The same operations on spread scales: both scales are memory operands, which leaves the
+    // registers to the accumulators and values (no scale made per pair, nothing spilled).
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m256i q[C][2];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* v = panel.values + c * x.k + 64 * p;
         q[c][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
         q[c][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
-      } else {
-        F::Pair8(w, at, q[c][0], q[c][1], /*prefetch=*/true);
       }
-      F::Scales8(w, at, dv[c]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.Values(r0 + r) + 64 * p;
+        const float* dx = x.Spread(r0 + r) + 8 * p;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
+          for (int c = 0; c < C; ++c) {
+            acc[r][c][h] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q[c][h], xv)), _mm256_loadu_ps(dx)),
+                _mm256_loadu_ps(panel.scales + (c * pairs + p) * 8), acc[r][c][h]);
+          }
+        }
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = x.Values(r0 + r) + 64 * p;
-      for (int h = 0; h < 2; ++h) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
-        const __m256 dxv = PairScales8<F>(x.Scales(r0 + r) + 2 * p, h);
-        for (int c = 0; c < C; ++c) {
-          acc[r][c][h] = _mm256_fmadd_ps(
-              _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q[c][h], xv)), dxv), dv[c][h], acc[r][c][h]);
+  } else {
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m256i q[C][2];
+      __m256 dv[C][2];
+      for (int c = 0; c < C; ++c) {
+        const int64_t at = (c0 + c) * blocks + 2 * p;
+        if (panel.values != nullptr) {
+          const uint8_t* v = panel.values + c * x.k + 64 * p;
+          q[c][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+          q[c][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
+        } else {
+          F::Pair8(w, at, q[c][0], q[c][1], /*prefetch=*/true);
+        }
+        F::Scales8(w, at, dv[c]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.Values(r0 + r) + 64 * p;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
+          const __m256 dxv = PairScales8<F>(x.Scales(r0 + r) + 2 * p, h);
+          for (int c = 0; c < C; ++c) {
+            acc[r][c][h] =
+                _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q[c][h], xv)), dxv),
+                                dv[c][h], acc[r][c][h]);
+          }
         }
       }
     }
@@ -450,7 +515,8 @@ void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int6
       const int64_t b = blocks - 1;
       for (int c = 0; c < C; ++c) {
         const int64_t at = (c0 + c) * blocks + b;
-        const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
+        const __m256i q =
+            OddBlockValues<F>(w, at, panel.values != nullptr ? panel.values + c * x.k : nullptr, b);
         const __m256 dw = _mm256_set1_ps(F::Scales(w)[at]);
         for (int r = 0; r < R; ++r) {
           acc[r][c][0] = _mm256_fmadd_ps(OddBlockProduct<F>(q, x, r0 + r, b), dw, acc[r][c][0]);
@@ -476,10 +542,21 @@ void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int6
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    __m256 v[C];
-    for (int c = 0; c < C; ++c) v[c] = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
-    AddHorizontalSums<C>(v, y + r * ldy);
+  if constexpr (R == 2 && C == 2) {  // the four sums at once: two floats into each row
+    const __m128 sums = FourHorizontalSums(
+        _mm256_add_ps(acc[0][0][0], acc[0][0][1]), _mm256_add_ps(acc[0][1][0], acc[0][1][1]),
+        _mm256_add_ps(acc[1][0][0], acc[1][0][1]), _mm256_add_ps(acc[1][1][0], acc[1][1][1]));
+    __m128 rows = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(y));
+    rows = _mm_loadh_pi(rows, reinterpret_cast<const __m64*>(y + ldy));
+    rows = _mm_add_ps(rows, sums);
+    _mm_storel_pi(reinterpret_cast<__m64*>(y), rows);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(y + ldy), rows);
+  } else {
+    for (int r = 0; r < R; ++r) {
+      __m256 v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
+      AddHorizontalSums<C>(v, y + r * ldy);
+    }
   }
 }
 
@@ -487,9 +564,11 @@ template <typename F>
 struct Avx2Tiles {
   using Format = F;
   static constexpr int kRows = 2, kCols = 2, kGemvCols = 2;
+  // Panel::scales and QuantizedRows::dx8 for the formats with one scale per block (Q4_1, Q5_1).
+  static constexpr bool kSpreadScales = F::kMinimums;
   template <int R, int C>
   static void Run(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
-                  const uint8_t* panel, float* y, int64_t ldy) {
+                  Panel panel, float* y, int64_t ldy) {
     Tile8<F, R, C>(x, r0, w, c0, panel, y, ldy);
   }
 };
@@ -523,7 +602,7 @@ IG_VNNI __m512 PerBlockScales<F>::Scales16(const M& w, int64_t at) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <typename F, int R, int C>
 IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
-                    const uint8_t* panel, float* y, int64_t ldy) {
+                    Panel panel, float* y, int64_t ldy) {
   const int64_t blocks = x.blocks, pairs = blocks / 2;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r) {
@@ -534,7 +613,8 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
     __m512 dv[C];
     for (int c = 0; c < C; ++c) {
       const int64_t at = (c0 + c) * blocks + 2 * p;
-      q[c] = panel != nullptr ? _mm512_loadu_si512(panel + c * x.k + 64 * p) : F::Pair16(w, at);
+      q[c] = panel.values != nullptr ? _mm512_loadu_si512(panel.values + c * x.k + 64 * p)
+                                     : F::Pair16(w, at);
       dv[c] = F::Scales16(w, at);
     }
     for (int r = 0; r < R; ++r) {
@@ -552,7 +632,8 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
       const int64_t b = blocks - 1;
       for (int c = 0; c < C; ++c) {
         const int64_t at = (c0 + c) * blocks + b;
-        const __m256i q = OddBlockValues<F>(w, at, panel != nullptr ? panel + c * x.k : nullptr, b);
+        const __m256i q =
+            OddBlockValues<F>(w, at, panel.values != nullptr ? panel.values + c * x.k : nullptr, b);
         const __m512 dw = _mm512_set1_ps(F::Scales(w)[at]);
         for (int r = 0; r < R; ++r) {
           const __m512 f = _mm512_zextps256_ps512(OddBlockProduct<F>(q, x, r0 + r, b));
@@ -592,9 +673,10 @@ template <typename F>
 struct Avx512Tiles {
   using Format = F;
   static constexpr int kRows = 4, kCols = 4, kGemvCols = 4;
+  static constexpr bool kSpreadScales = false;  // 32 registers: its scales are made per pair
   template <int R, int C>
   static void Run(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
-                  const uint8_t* panel, float* y, int64_t ldy) {
+                  Panel panel, float* y, int64_t ldy) {
     Tile16<F, R, C>(x, r0, w, c0, panel, y, ldy);
   }
 };
@@ -603,7 +685,7 @@ struct Avx512Tiles {
 
 template <typename K, int R>
 void RunCols(const QuantizedRows& x, int64_t r0, const typename K::Format::Matrix& w, int64_t c0,
-             int64_t cols, const uint8_t* panel, float* y, int64_t ldy) {
+             int64_t cols, Panel panel, float* y, int64_t ldy) {
   if constexpr (K::kCols >= 4) {
     if (cols == 4) return K::template Run<R, 4>(x, r0, w, c0, panel, y, ldy);
     if (cols == 3) return K::template Run<R, 3>(x, r0, w, c0, panel, y, ldy);
@@ -614,7 +696,7 @@ void RunCols(const QuantizedRows& x, int64_t r0, const typename K::Format::Matri
 
 template <typename K>
 void RunTile(const QuantizedRows& x, int64_t r0, int64_t rows, const typename K::Format::Matrix& w,
-             int64_t c0, int64_t cols, const uint8_t* panel, float* y, int64_t ldy) {
+             int64_t c0, int64_t cols, Panel panel, float* y, int64_t ldy) {
   if constexpr (K::kRows >= 4) {
     if (rows == 4) return RunCols<K, 4>(x, r0, w, c0, cols, panel, y, ldy);
     if (rows == 3) return RunCols<K, 3>(x, r0, w, c0, cols, panel, y, ldy);
@@ -633,19 +715,24 @@ void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matri
   using F = typename K::Format;
   const int64_t n = w.rows, col_blocks = (n + kColBlock - 1) / kColBlock;
   const bool gemv = m == 1, prepare = F::kPanel && !gemv;
-  const int64_t step = gemv ? K::kGemvCols : K::kCols;
+  const bool spread = K::kSpreadScales && prepare && x.dx8 != nullptr;
+  const int64_t step = gemv ? K::kGemvCols : K::kCols, pairs = w.cols / kBlock / 2;
   ParallelFor(col_blocks, m * n * w.cols > (1 << 16), [&](int64_t cb) {
     const int64_t j0 = cb * kColBlock, j1 = std::min(n, j0 + kColBlock);
     thread_local std::vector<uint8_t> panel;
+    thread_local std::vector<float> panel_scales;
     if (prepare) {
       panel.resize(static_cast<size_t>(kColBlock * w.cols));
-      PrepareColumns<F>(w, j0, j1 - j0, panel.data());
+      if (spread) panel_scales.resize(static_cast<size_t>(kColBlock * pairs * 8));
+      PrepareColumns<F>(w, j0, j1 - j0, panel.data(), spread ? panel_scales.data() : nullptr);
     }
     for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
       const int64_t i1 = std::min(m, i0 + kRowBlock);
       for (int64_t j = j0; j < j1; j += step) {
         const int64_t cols = std::min(step, j1 - j);
-        const uint8_t* prepared = prepare ? panel.data() + (j - j0) * w.cols : nullptr;
+        Panel prepared;
+        if (prepare) prepared.values = panel.data() + (j - j0) * w.cols;
+        if (spread) prepared.scales = panel_scales.data() + (j - j0) * pairs * 8;
         for (int64_t i = i0; i < i1; i += K::kRows) {
           RunTile<K>(x, i, std::min<int64_t>(K::kRows, i1 - i), w, j, cols, prepared,
                      y + i * ldy + j, ldy);
@@ -670,8 +757,10 @@ void GemmInt8(const float* x, int64_t ldx, const typename F::Matrix& w, const fl
   assert(w.cols % kBlock == 0);
   if (m <= 0 || w.rows <= 0) return;
   InitGemmOutput(bias, y, ldy, m, w.rows, accumulate);
-  const QuantizedRows xq = Quantize(x, ldx, m, w.cols, F::kNibblePairs);
-  if (ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Vnni()) {
+  const bool avx512 = ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Vnni();
+  const QuantizedRows xq = Quantize(x, ldx, m, w.cols, F::kNibblePairs,
+                                    /*spread=*/!avx512 && Avx2Tiles<F>::kSpreadScales && m > 1);
+  if (avx512) {
     GemmWith<Avx512Tiles<F>>(xq, m, w, y, ldy);
   } else {
     GemmWith<Avx2Tiles<F>>(xq, m, w, y, ldy);
