@@ -9,8 +9,8 @@
 # merges.txt; seeded with small tokenizers cut from the real ones) and chat template rendering of
 # arbitrary conversations, the InfiniGen sidecar reader (seeded with valid sidecars written
 # here), the public GenerateRequest as bytes through the router's checks, and the
-# OpenAI-compatible API's request bodies and response JSON. Any
-# crash, sanitizer report, leak or timeout fails the run.
+# OpenAI-compatible API's request bodies and response JSON. The targets run side by side, one
+# per core. Any crash, sanitizer report, leak or timeout fails the run.
 # usage: scripts/fuzz.sh [SECONDS (default 60)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -189,10 +189,17 @@ run() {  # target, seconds, corpus, extra flags...
   echo "fuzz: $target: $(grep -o 'stat::number_of_executed_units: *[0-9]*' "build-fuzz/$target.log" |
     grep -o '[0-9]*$') executions in ${seconds}s, no crash"
 }
-INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_fuzz "$SECONDS_LIMIT" \
+# The targets run side by side, one per core (each fuzzer is one process on one core).
+pids=()
+spawn() {  # as run, in the background once fewer than nproc are running
+  while (( $(jobs -rp | wc -l) >= $(nproc) )); do sleep 1; done
+  run "$@" &
+  pids+=("$!")
+}
+INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" spawn tokenizer_fuzz "$SECONDS_LIMIT" \
   build-fuzz/corpus -max_len=4096
-run gguf_fuzz "$FILE_SECONDS" build-fuzz/corpus-gguf -max_len=65536
-run safetensors_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors -max_len=65536
+spawn gguf_fuzz "$FILE_SECONDS" build-fuzz/corpus-gguf -max_len=65536
+spawn safetensors_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors -max_len=65536
 # A sharded checkpoint's index: the fixtures' real one and small variants.
 mkdir -p build-fuzz/corpus-safetensors-index
 cp tests/fixtures/hf/llama2_mha/model.safetensors.index.json build-fuzz/corpus-safetensors-index/real.json
@@ -200,15 +207,15 @@ printf '{"metadata":{"total_size":8},"weight_map":{"a":"m-1.safetensors","b":"m-
   > build-fuzz/corpus-safetensors-index/two.json
 printf '{"weight_map":{"a":"../x","b":3,"c":"","d":"m\\u0000/y"}}' \
   > build-fuzz/corpus-safetensors-index/bad.json
-run safetensors_index_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors-index -max_len=65536
-run npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096
-run kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
-run gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096
-run sidecar_fuzz "$FILE_SECONDS" build-fuzz/corpus-sidecar -max_len=8192
-run generate_request_fuzz "$FILE_SECONDS" build-fuzz/corpus-generate -max_len=4096
-INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" run tokenizer_files_fuzz "$FILE_SECONDS" \
+spawn safetensors_index_fuzz "$FILE_SECONDS" build-fuzz/corpus-safetensors-index -max_len=65536
+spawn npy_fuzz "$FILE_SECONDS" build-fuzz/corpus-npy -max_len=4096
+spawn kv_store_fuzz "$FILE_SECONDS" build-fuzz/corpus-kv-store -max_len=4096
+spawn gather_wire_fuzz "$FILE_SECONDS" build-fuzz/corpus-gather-wire -max_len=4096
+spawn sidecar_fuzz "$FILE_SECONDS" build-fuzz/corpus-sidecar -max_len=8192
+spawn generate_request_fuzz "$FILE_SECONDS" build-fuzz/corpus-generate -max_len=4096
+INFINIGEN_TESTDATA="$(cd ../shared/testdata && pwd)" spawn tokenizer_files_fuzz "$FILE_SECONDS" \
   build-fuzz/corpus-tokenizer-files -max_len=65536
-run chat_template_fuzz "$FILE_SECONDS" build-fuzz/corpus-chat -max_len=4096
+spawn chat_template_fuzz "$FILE_SECONDS" build-fuzz/corpus-chat -max_len=4096
 # The OpenAI-compatible API's bodies: seeded with requests as clients send them (endpoint byte
 # first), with the API's field names as a dictionary.
 mkdir -p build-fuzz/corpus-openai
@@ -218,5 +225,10 @@ printf '\x00{"prompt":[[1,2,3]],"seed":-5,"temperature":0.5,"top_k":4,"min_token
   > build-fuzz/corpus-openai/ids
 printf '\x01{"messages":[{"role":"developer","content":[{"type":"text","text":"x"}]},{"role":"user","content":"y"}],"logprobs":true,"top_logprobs":3,"max_completion_tokens":9,"n":1}' \
   > build-fuzz/corpus-openai/chat
-run openai_request_fuzz "$FILE_SECONDS" build-fuzz/corpus-openai -max_len=4096 \
+spawn openai_request_fuzz "$FILE_SECONDS" build-fuzz/corpus-openai -max_len=4096 \
   -dict=tests/fuzz/openai.dict
+failed=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || failed=1
+done
+exit "$failed"
