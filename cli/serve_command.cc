@@ -69,8 +69,8 @@ int RunServe(int argc, char** argv) {
   }
 
   // The worker behind an in-process channel: no port, the router's calls stay in memory.
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  AddHealthService(builder);
   builder.RegisterService(&(*runtime)->service());
   std::unique_ptr<grpc::Server> internal = builder.BuildAndStart();
   if (internal == nullptr) {

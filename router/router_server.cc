@@ -28,9 +28,9 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
     r->service_->SetMetrics(r->metrics_.get());
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  AddHealthService(builder);
   builder.AddListeningPort(config.listen, credentials, &r->port_);
   // Requests up to 4x the limit reach the service, which names the limit (INVALID_ARGUMENT);
   // larger ones are cut off by gRPC itself (RESOURCE_EXHAUSTED).

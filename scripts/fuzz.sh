@@ -17,7 +17,11 @@ cd "$(dirname "$0")/.."
 SECONDS_LIMIT="${1:-60}"
 FILE_SECONDS=$(( (SECONDS_LIMIT + 1) / 2 ))
 CXX=clang++-14 cmake -S tests/fuzz -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build-fuzz >/dev/null
+if ! cmake --build build-fuzz > build-fuzz/build.log 2>&1; then  # ninja writes errors to stdout
+  grep -E -A12 '^FAILED|error:' build-fuzz/build.log | head -n 80
+  echo "fuzz: building FAILED (log: build-fuzz/build.log)" >&2
+  exit 1
+fi
 rm -rf build-fuzz/corpus build-fuzz/corpus-*
 mkdir -p build-fuzz/corpus build-fuzz/corpus-gguf build-fuzz/corpus-safetensors build-fuzz/corpus-npy \
   build-fuzz/corpus-kv-store build-fuzz/corpus-gather-wire

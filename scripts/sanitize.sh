@@ -11,7 +11,7 @@
 #   prepare, eval and the policies run under ASan in infinigen_test and the other cli tests).
 #   LeakSanitizer skips the third-party leaks in scripts/lsan_suppressions.txt. ~20 minutes to
 #   build from scratch on 2 cores, ~3 to run (CI of 2026-11-27, g++ -O2 -g; clang -O1 now).
-# thread: ThreadSanitizer (build-tsan/): the batch engine, the engine's attach path, memory
+# thread: ThreadSanitizer (build-tsan/): the health service, the batch engine, the engine's attach path, memory
 #   admission, the store cache, the KV client queue, the KV transports (gRPC, shm, UCX), the
 #   router's relay and pool, and the router and worker process tests (their servers,
 #   `infinigen serve` included, are TSan builds too; a report in a server's log fails the test
@@ -31,6 +31,15 @@ cd "$(dirname "$0")/.."
 
 declare -A suite_args=()  # per target: extra gtest arguments
 
+build() {  # build dir, targets...: a failure shows the compiler's words (ninja writes them to stdout)
+  local dir="$1"; shift
+  if ! cmake --build "$dir" --target "$@" > "$dir/build.log" 2>&1; then
+    grep -E -A12 '^FAILED|error:' "$dir/build.log" | head -n 80
+    echo "sanitize: building in $dir FAILED (log: $dir/build.log)" >&2
+    exit 1
+  fi
+}
+
 run_suites() {  # build dir, targets...
   local dir="$1"; shift
   for t in "$@"; do
@@ -47,7 +56,7 @@ run_suites() {  # build dir, targets...
 address() {
   # Every unit suite, then every integration suite.
   local targets=(common_test cpu_kernels_test checkpoint_test proto_test key_limits_test
-                 utf8_fields_test ghz_config_test metrics_exposer_test tokenizer_test
+                 utf8_fields_test health_test ghz_config_test metrics_exposer_test tokenizer_test
                  request_validation_test frontend_text_test cli_flags_test openai_json_test
                  selection_test kv_store_test queued_client_test router_test
                  hf_fixture_test tokenizer_fixture_test infinigen_test infinigen_reference_test
@@ -66,8 +75,7 @@ address() {
     -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG" \
     -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF >/dev/null
-  cmake --build build-asan --target "${targets[@]}" infinigen infinigen-router infinigen-worker \
-    infinigen-kvstore >/dev/null
+  build build-asan "${targets[@]}" infinigen infinigen-router infinigen-worker infinigen-kvstore
   ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     LSAN_OPTIONS="suppressions=$PWD/scripts/lsan_suppressions.txt" \
     run_suites build-asan "${targets[@]}"
@@ -114,7 +122,7 @@ tsan_abseil() {
 }
 
 thread() {
-  local targets=(cpu_kernels_test queued_client_test router_test store_kv_cache_test
+  local targets=(cpu_kernels_test health_test queued_client_test router_test store_kv_cache_test
                  batch_engine_test memory_admission_test engine_attach_test kv_transport_test
                  router_process_test worker_process_test)
   suite_args[cpu_kernels_test]="--gtest_filter=TeamTest.*"
@@ -122,8 +130,7 @@ thread() {
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DINFINIGEN_SANITIZE_THREAD=ON -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF \
     >/dev/null
   tsan_abseil
-  cmake --build build-tsan --target "${targets[@]}" infinigen infinigen-router infinigen-worker \
-    infinigen-kvstore >/dev/null
+  build build-tsan "${targets[@]}" infinigen infinigen-router infinigen-worker infinigen-kvstore
   LD_LIBRARY_PATH="$PWD/build-tsan/absl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     OMP_NUM_THREADS=1 UCX_MEM_EVENTS=no \
     TSAN_OPTIONS="suppressions=$PWD/scripts/tsan_suppressions.txt second_deadlock_stack=1" \

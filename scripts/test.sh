@@ -11,7 +11,10 @@ cd "$(dirname "$0")/.."
 stage() {  # name, command...
   local name="$1" start=$SECONDS
   shift
-  "$@"
+  if ! "$@"; then
+    echo "test.sh: $name FAILED after $((SECONDS - start)) s" >&2
+    exit 1
+  fi
   echo "test.sh: $name took $((SECONDS - start)) s" >&2
 }
 stage setup scripts/setup.sh >/dev/null

@@ -98,10 +98,10 @@ int main(int argc, char** argv) {
 
   // The port opens first, so that probes see NOT_SERVING (not a refused connection) while the
   // model loads, which can take minutes for a large checkpoint.
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   LoadingGate gate;
   grpc::ServerBuilder builder;
+  infinigen::AddHealthService(builder);  // NOT_SERVING from the first probe
   int port = 0;
   builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&gate);

@@ -108,9 +108,9 @@ int main(int argc, char** argv) {
     std::cerr << "infinigen-kvstore: " << credentials.status().message() << "\n";
     return 2;
   }
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  infinigen::AddHealthService(builder);
   int port = 0;
   builder.AddListeningPort(listen, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(infinigen::kMaxKvMessageBytes));

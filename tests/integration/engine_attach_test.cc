@@ -367,7 +367,7 @@ TEST_P(Attach, SamplesOfOnePromptShareItsPrefill) {
     SCOPED_TRACE(absl::StrCat("the first sample generates ", first_tokens));
     std::vector<std::vector<int32_t>> alone;
     for (int i = 0; i < 3; ++i) {
-      Worker w = MakeWorker(absl::StrCat("worker-alone-", i), uint64_t{6 + i} << 20);
+      Worker w = MakeWorker(absl::StrCat("worker-alone-", i), static_cast<uint64_t>(6 + i) << 20);
       EngineRequest r;
       r.prompt = prompt;
       r.options = options(i, first_tokens);

@@ -478,10 +478,9 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
       "infinigen-worker",
       {"--model=" + testing::FixturePath(kModel), "--listen=127.0.0.1:" + std::to_string(port),
        "--kv_transport=in-process", "--policy=full", "--threads=1", "--hold_loading_ms=20000"},
-      port, /*ready=*/"open, loading");  // the port is open and the model not loaded yet
-  // (held 20 s). Not the port alone: gRPC's health service answers "" SERVING from the moment
-  // the server starts until the worker marks it NOT_SERVING just after, and a TSan build's
-  // first check landed in that window (the line is written after the mark).
+      port, /*ready=*/"");  // the port only: the model is not loaded yet (held 20 s). The
+  // health service answers NOT_SERVING from the server's first call (gRPC's default one said
+  // SERVING until the worker marked it otherwise, and a TSan build's first check landed there).
   ASSERT_TRUE(loading.running());
   auto channel =
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
