@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The concurrency-heavy suites under the sanitizers; any report fails the run.
 #
-# address: AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/: g++
+# address: AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/: clang++-14 -O1
 #   -fsanitize=address,undefined, no CUDA, no benchmarks): every unit suite (CTest label unit)
 #   and every integration suite (label integration); the process tests start sanitized servers
 #   (router, workers, store, `infinigen serve` with its HTTP front door), and a report in a
@@ -9,8 +9,9 @@
 #   checked, the test processes' are). One test is left out:
 #   Cli.PrepareThenEvalEveryPolicy (SmolLM2 evaluated through every policy: 400 s under ASan;
 #   prepare, eval and the policies run under ASan in infinigen_test and the other cli tests).
-#   LeakSanitizer skips the third-party leaks in scripts/lsan_suppressions.txt. ~20 minutes to
-#   build from scratch on 2 cores, ~3 to run (CI of 2026-11-27, g++ -O2 -g; clang -O1 now).
+#   LeakSanitizer skips the third-party leaks in scripts/lsan_suppressions.txt. ~15 minutes to
+#   build from scratch on 2 cores with clang -O1 (41 with g++ -O2 -g), ~6 to run (CI of
+#   2026-11-29, AMD EPYC VM).
 # thread: ThreadSanitizer (build-tsan/): the health service, the batch engine, the engine's attach path, memory
 #   admission, the store cache, the KV client queue, the KV transports (gRPC, shm, UCX), the
 #   router's relay and pool, and the router and worker process tests (their servers,
@@ -24,7 +25,7 @@
 #   OpenBLAS's libgomp is not instrumented), except in the team's own tests (cpu_kernels_test's
 #   TeamTest: teams of 2 and 3 threads, a GEMM split across them); UCX's memory hooks are off
 #   (they call into TSan from exiting threads).
-#   ~6 minutes to build on 2 cores (abseil: one), 2 to run.
+#   ~7 minutes to build on 2 cores at -O1 -g1 (abseil: one), ~3 to run (CI of 2026-11-29).
 # usage: scripts/sanitize.sh [address|thread]...   (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
