@@ -9,12 +9,16 @@
 // Batch-invariant like the other GEMMs: each x row is quantized alone, and each output element
 // is one fixed sequence of operations whatever the tile, the number of rows or the instruction
 // set (the AVX-512 VNNI kernel and the AVX2 one give the same bits):
-//   per pair of blocks (2p, 2p+1), 16 int32 lanes of 4-byte dot products in the format's pair
-//   order, each converted to float, times its block's x scale, then acc = fma(that, its weight
-//   scale, acc) (the block's d; Q6_K's d s of the lane's 16 weights); an odd last block's 8 lanes
-//   (elements in order) into lanes 0-7 the same way; then, for the formats with minimums, acc lane
-//   j = fma(m_b, xsum_b, acc) over blocks b = j (mod 16) in order; y += HorizontalSum(lanes 0-7 +
-//   lanes 8-15 of acc).
+//   Q8 and Q6_K (scales that differ between a pair's two registers): per pair of blocks
+//   (2p, 2p+1), 16 int32 lanes of 4-byte dot products in the format's pair order, each converted
+//   to float, times its block's x scale, then acc = fma(that, its weight scale, acc) (the block's
+//   d; Q6_K's d s of the lane's 16 weights); an odd last block's 8 lanes (elements in order) into
+//   lanes 0-7 the same way; y += HorizontalSum(lanes 0-7 + lanes 8-15 of acc).
+//   Q4_1 and Q5_1 (one scale per block, the same for both registers' lane j): per pair, 8 int32
+//   lanes, lane j the sum of the two registers' lane j (integers: exact), converted to float,
+//   times its block's x scale, then acc = fma(that, its block's d, acc) into 8 lanes; an odd last
+//   block's 8 lanes the same way; then acc lane j = fma(m_b, xsum_b, acc) over blocks
+//   b = j (mod 8) in order; y += HorizontalSum(acc). (Half the float work of the 16 lanes.)
 // Pair orders: the nibble formats (Q4_1, Q5_1, Q6_K), as a pair's 32 bytes of nibbles unpack: lanes
 // 0-3 elements 0-15 of block 2p, 4-7 0-15 of 2p+1, 8-11 16-31 of 2p, 12-15 16-31 of 2p+1; Q8,
 // its bytes in order: lanes 0-7 block 2p, 8-15 block 2p+1.
@@ -234,7 +238,7 @@ struct PerBlockScales {
 template <bool kFifth>
 struct Nibbles : PerBlockScales<Nibbles<kFifth>> {
   using Matrix = std::conditional_t<kFifth, Q5_1Matrix, Q4_1Matrix>;
-  static constexpr bool kNibblePairs = true, kMinimums = true, kPanel = true;
+  static constexpr bool kNibblePairs = true, kMinimums = true, kPanel = true, kSummedPairs = true;
   static const float* Scales(const Matrix& w) { return w.d; }
   static const float* Minimums(const Matrix& w) { return w.m; }
   static const uint8_t* Bytes(const Matrix& w, int64_t at) { return w.qs + at * (kBlock / 2); }
@@ -264,6 +268,16 @@ struct Nibbles : PerBlockScales<Nibbles<kFifth>> {
   static __m256i Dot8(__m256i q, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
   }
+  // The pair's 8 summed lanes (the header's): lane j = qa . xa + qb . xb over bytes 4j..4j+3 of
+  // each register (x: the pair's 64 bytes). Each int16 is at most 2 * 31 * 127, the sum of the
+  // two registers' at most 15748: inside int16, so the integers are exact.
+  static __m256i DotPair8(__m256i qa, __m256i qb, const int8_t* x) {
+    const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+    return _mm256_madd_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(qa, xa), _mm256_maddubs_epi16(qb, xb)),
+        _mm256_set1_epi16(1));
+  }
   IG_VNNI static __m512i Pair16(const Matrix& w, int64_t at) {
     const uint8_t* bytes = Bytes(w, at);
     _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
@@ -286,7 +300,8 @@ struct Nibbles : PerBlockScales<Nibbles<kFifth>> {
 struct Signed8 : PerBlockScales<Signed8> {
   using Matrix = Q8Matrix;
   // No panel: its bytes are signed, not VNNI's operand (and need no preparing).
-  static constexpr bool kNibblePairs = false, kMinimums = false, kPanel = false;
+  static constexpr bool kNibblePairs = false, kMinimums = false, kPanel = false,
+                        kSummedPairs = false;
   static const float* Scales(const Matrix& w) { return w.scales; }
   static const float* Minimums(const Matrix&) { return nullptr; }
   static const int8_t* Bytes(const Matrix& w, int64_t at) { return w.qs + at * kBlock; }
@@ -322,7 +337,8 @@ struct Signed8 : PerBlockScales<Signed8> {
 // accumulator starts at -32 times each lane's x bytes: both give the integers (q - 32) . x.
 struct SixBits {
   using Matrix = Q6_KMatrix;
-  static constexpr bool kNibblePairs = true, kMinimums = false, kPanel = true, kOddBlock = false;
+  static constexpr bool kNibblePairs = true, kMinimums = false, kPanel = true, kOddBlock = false,
+                        kSummedPairs = false;
   static const float* Minimums(const Matrix&) { return nullptr; }
 
   static void Pair8(const Matrix& w, int64_t at, __m256i& qa, __m256i& qb, bool prefetch) {
@@ -449,127 +465,182 @@ inline __m256 PairScales8(const float* v, int h) {
   return _mm256_set1_ps(v[h]);
 }
 
-// y[r, c] += x_r . w_c for r < R, c < C, in the order the file's header gives.
+// The tiles' last steps, shared by the AVX2 and AVX-512 kernels (AVX2 instructions, inlined
+// into either) so that both give the same bits: acc holds 8 lanes per output (the summed
+// formats' accumulator; the others' two halves added).
+
+// The odd last block: its elements in order, into lanes 0-7 of acc.
+template <typename F, int R, int C>
+inline void AddOddBlock8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
+                         int64_t c0, Panel panel, __m256 (&acc)[R][C]) {
+  const int64_t b = x.blocks - 1;
+  for (int c = 0; c < C; ++c) {
+    const int64_t at = (c0 + c) * x.blocks + b;
+    const __m256i q =
+        OddBlockValues<F>(w, at, panel.values != nullptr ? panel.values + c * x.k : nullptr, b);
+    const __m256 dw = _mm256_set1_ps(F::Scales(w)[at]);
+    for (int r = 0; r < R; ++r) {
+      acc[r][c] = _mm256_fmadd_ps(OddBlockProduct<F>(q, x, r0 + r, b), dw, acc[r][c]);
+    }
+  }
+}
+
+// The summed formats' minimums: lane j += m_b xsum_b over blocks b = j (mod 8), in order.
+template <typename F, int R, int C>
+inline void AddMinimums8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
+                         int64_t c0, __m256 (&acc)[R][C]) {
+  const float* m = F::Minimums(w);
+  for (int64_t b = 0; b < x.blocks; b += 8) {
+    const int64_t n = std::min<int64_t>(x.blocks - b, 8);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 mv[C];
+    for (int c = 0; c < C; ++c) mv[c] = _mm256_maskload_ps(m + (c0 + c) * x.blocks + b, lanes);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sv = _mm256_maskload_ps(x.Sums(r0 + r) + b, lanes);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(mv[c], sv, acc[r][c]);
+    }
+  }
+}
+
+// y[r, c] += HorizontalSum(v[r][c]); two rows of two at once where the tile allows (the same
+// additions in the same order).
+template <int R, int C>
+inline void AddTileSums(const __m256 (&v)[R][C], float* y, int64_t ldy) {
+  if constexpr (C == 2 && R % 2 == 0) {
+    for (int r = 0; r < R; r += 2) {
+      float* y0 = y + r * ldy;
+      const __m128 sums = FourHorizontalSums(v[r][0], v[r][1], v[r + 1][0], v[r + 1][1]);
+      __m128 rows = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(y0));
+      rows = _mm_loadh_pi(rows, reinterpret_cast<const __m64*>(y0 + ldy));
+      rows = _mm_add_ps(rows, sums);
+      _mm_storel_pi(reinterpret_cast<__m64*>(y0), rows);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(y0 + ldy), rows);
+    }
+  } else {
+    for (int r = 0; r < R; ++r) AddHorizontalSums<C>(v[r], y + r * ldy);
+  }
+}
+
+// y[r, c] += x_r . w_c for r < R, c < C, in the order the file's header gives: Q8 and Q6_K,
+// 16 lanes in two halves.
 template <typename F, int R, int C>
 void Tile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0, Panel panel,
            float* y, int64_t ldy) {
+  static_assert(!F::kMinimums);
   const int64_t blocks = x.blocks, pairs = blocks / 2;
-  __m256 acc[R][C][2];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  __m256 acc[2][R][C];
+  for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) acc[h][r][c] = _mm256_setzero_ps();
+    }
   }
-  if (panel.scales != nullptr && x.dx8 != nullptr) {
-    // The same operations on spread scales: both scales are memory operands, which leaves the
-    // registers to the accumulators and values (no scale made per pair, nothing spilled).
-    for (int64_t p = 0; p < pairs; ++p) {
-      __m256i q[C][2];
-      for (int c = 0; c < C; ++c) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256i q[C][2];
+    __m256 dv[C][2];
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + 2 * p;
+      if (panel.values != nullptr) {
         const uint8_t* v = panel.values + c * x.k + 64 * p;
         q[c][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
         q[c][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
+      } else {
+        F::Pair8(w, at, q[c][0], q[c][1], /*prefetch=*/true);
       }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x.Values(r0 + r) + 64 * p;
-        const float* dx = x.Spread(r0 + r) + 8 * p;
-        for (int h = 0; h < 2; ++h) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
-          for (int c = 0; c < C; ++c) {
-            acc[r][c][h] = _mm256_fmadd_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q[c][h], xv)), _mm256_loadu_ps(dx)),
-                _mm256_loadu_ps(panel.scales + (c * pairs + p) * 8), acc[r][c][h]);
-          }
-        }
-      }
+      F::Scales8(w, at, dv[c]);
     }
-  } else {
-    for (int64_t p = 0; p < pairs; ++p) {
-      __m256i q[C][2];
-      __m256 dv[C][2];
-      for (int c = 0; c < C; ++c) {
-        const int64_t at = (c0 + c) * blocks + 2 * p;
-        if (panel.values != nullptr) {
-          const uint8_t* v = panel.values + c * x.k + 64 * p;
-          q[c][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
-          q[c][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
-        } else {
-          F::Pair8(w, at, q[c][0], q[c][1], /*prefetch=*/true);
-        }
-        F::Scales8(w, at, dv[c]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x.Values(r0 + r) + 64 * p;
-        for (int h = 0; h < 2; ++h) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
-          const __m256 dxv = PairScales8<F>(x.Scales(r0 + r) + 2 * p, h);
-          for (int c = 0; c < C; ++c) {
-            acc[r][c][h] =
-                _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q[c][h], xv)), dxv),
-                                dv[c][h], acc[r][c][h]);
-          }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.Values(r0 + r) + 64 * p;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
+        const __m256 dxv = PairScales8<F>(x.Scales(r0 + r) + 2 * p, h);
+        for (int c = 0; c < C; ++c) {
+          acc[h][r][c] = _mm256_fmadd_ps(
+              _mm256_mul_ps(_mm256_cvtepi32_ps(F::Dot8(q[c][h], xv)), dxv), dv[c][h], acc[h][r][c]);
         }
       }
     }
   }
   if constexpr (F::kOddBlock) {
-    if (blocks % 2 == 1) {  // the odd last block: its elements in order, into lanes 0-7
-      const int64_t b = blocks - 1;
-      for (int c = 0; c < C; ++c) {
-        const int64_t at = (c0 + c) * blocks + b;
-        const __m256i q =
-            OddBlockValues<F>(w, at, panel.values != nullptr ? panel.values + c * x.k : nullptr, b);
-        const __m256 dw = _mm256_set1_ps(F::Scales(w)[at]);
-        for (int r = 0; r < R; ++r) {
-          acc[r][c][0] = _mm256_fmadd_ps(OddBlockProduct<F>(q, x, r0 + r, b), dw, acc[r][c][0]);
-        }
-      }
-    }
+    if (blocks % 2 == 1) AddOddBlock8<F, R, C>(x, r0, w, c0, panel, acc[0]);
   } else {
     assert(blocks % 2 == 0);
   }
-  if constexpr (F::kMinimums) {
-    const float* m = F::Minimums(w);
-    for (int64_t b = 0; b < blocks; b += 16) {
-      for (int h = 0; h < 2; ++h) {
-        const int64_t from = b + 8 * h, n = std::clamp<int64_t>(blocks - from, 0, 8);
-        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 mv[C];
-        for (int c = 0; c < C; ++c) mv[c] = _mm256_maskload_ps(m + (c0 + c) * blocks + from, lanes);
-        for (int r = 0; r < R; ++r) {
-          const __m256 sv = _mm256_maskload_ps(x.Sums(r0 + r) + from, lanes);
-          for (int c = 0; c < C; ++c) acc[r][c][h] = _mm256_fmadd_ps(mv[c], sv, acc[r][c][h]);
-        }
+  __m256 v[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) v[r][c] = _mm256_add_ps(acc[0][r][c], acc[1][r][c]);
+  }
+  AddTileSums<R, C>(v, y, ldy);
+}
+
+// The summed formats' pairs (Q4_1, Q5_1): one 8-lane accumulator per output. kSpread: both
+// scales spread (Panel::scales, QuantizedRows::dx8) and read as memory operands, which leaves
+// the registers to the accumulators and values.
+template <typename F, int R, int C, bool kSpread>
+inline void SummedPairs8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
+                         int64_t c0, Panel panel, __m256 (&acc)[R][C]) {
+  const int64_t blocks = x.blocks, pairs = blocks / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256i q[C][2];
+    __m256 dv[C];
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + 2 * p;
+      if (panel.values != nullptr) {
+        const uint8_t* v = panel.values + c * x.k + 64 * p;
+        q[c][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+        q[c][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
+      } else {
+        F::Pair8(w, at, q[c][0], q[c][1], /*prefetch=*/true);
+      }
+      if constexpr (!kSpread) dv[c] = PairScales8<F>(F::Scales(w) + at, 0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.Values(r0 + r) + 64 * p;
+      const __m256 dxv = kSpread ? _mm256_loadu_ps(x.Spread(r0 + r) + 8 * p)
+                                 : PairScales8<F>(x.Scales(r0 + r) + 2 * p, 0);
+      for (int c = 0; c < C; ++c) {
+        const __m256 dw = kSpread ? _mm256_loadu_ps(panel.scales + (c * pairs + p) * 8) : dv[c];
+        acc[r][c] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(F::DotPair8(q[c][0], q[c][1], xq)), dxv), dw,
+            acc[r][c]);
       }
     }
   }
-  if constexpr (R == 2 && C == 2) {  // the four sums at once: two floats into each row
-    const __m128 sums = FourHorizontalSums(
-        _mm256_add_ps(acc[0][0][0], acc[0][0][1]), _mm256_add_ps(acc[0][1][0], acc[0][1][1]),
-        _mm256_add_ps(acc[1][0][0], acc[1][0][1]), _mm256_add_ps(acc[1][1][0], acc[1][1][1]));
-    __m128 rows = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(y));
-    rows = _mm_loadh_pi(rows, reinterpret_cast<const __m64*>(y + ldy));
-    rows = _mm_add_ps(rows, sums);
-    _mm_storel_pi(reinterpret_cast<__m64*>(y), rows);
-    _mm_storeh_pi(reinterpret_cast<__m64*>(y + ldy), rows);
-  } else {
-    for (int r = 0; r < R; ++r) {
-      __m256 v[C];
-      for (int c = 0; c < C; ++c) v[c] = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
-      AddHorizontalSums<C>(v, y + r * ldy);
-    }
+}
+
+// y[r, c] += x_r . w_c for the summed formats (the header's order).
+template <typename F, int R, int C>
+void SummedTile8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
+                 Panel panel, float* y, int64_t ldy) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   }
+  if (panel.scales != nullptr && x.dx8 != nullptr) {
+    SummedPairs8<F, R, C, true>(x, r0, w, c0, panel, acc);
+  } else {
+    SummedPairs8<F, R, C, false>(x, r0, w, c0, panel, acc);
+  }
+  if (x.blocks % 2 == 1) AddOddBlock8<F, R, C>(x, r0, w, c0, panel, acc);
+  AddMinimums8<F, R, C>(x, r0, w, c0, acc);
+  AddTileSums<R, C>(acc, y, ldy);
 }
 
 template <typename F>
 struct Avx2Tiles {
   using Format = F;
-  static constexpr int kRows = 2, kCols = 2, kGemvCols = 2;
-  // Panel::scales and QuantizedRows::dx8 for the formats with one scale per block (Q4_1, Q5_1).
-  static constexpr bool kSpreadScales = F::kMinimums;
+  // The summed formats' tile holds 8 accumulators as 4 x 2 (the others' 2 x 2 of two halves).
+  static constexpr int kRows = F::kSummedPairs ? 4 : 2, kCols = 2, kGemvCols = 2;
+  // Panel::scales and QuantizedRows::dx8 for the summed formats (Q4_1, Q5_1).
+  static constexpr bool kSpreadScales = F::kSummedPairs;
   template <int R, int C>
   static void Run(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
                   Panel panel, float* y, int64_t ldy) {
-    Tile8<F, R, C>(x, r0, w, c0, panel, y, ldy);
+    if constexpr (F::kSummedPairs) {
+      SummedTile8<F, R, C>(x, r0, w, c0, panel, y, ldy);
+    } else {
+      Tile8<F, R, C>(x, r0, w, c0, panel, y, ldy);
+    }
   }
 };
 
@@ -600,9 +671,11 @@ IG_VNNI __m512 PerBlockScales<F>::Scales16(const M& w, int64_t at) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Q8 and Q6_K: 16 lanes, as Tile8's two halves.
 template <typename F, int R, int C>
 IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
                     Panel panel, float* y, int64_t ldy) {
+  static_assert(!F::kMinimums);
   const int64_t blocks = x.blocks, pairs = blocks / 2;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r) {
@@ -644,28 +717,50 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
   } else {
     assert(blocks % 2 == 0);
   }
-  if constexpr (F::kMinimums) {
-    const float* m = F::Minimums(w);
-    for (int64_t b = 0; b < blocks; b += 16) {
-      const int64_t n = std::min<int64_t>(blocks - b, 16);
-      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
-      __m512 mv[C];
-      for (int c = 0; c < C; ++c) mv[c] = _mm512_maskz_loadu_ps(lanes, m + (c0 + c) * blocks + b);
-      for (int r = 0; r < R; ++r) {
-        const __m512 sv = _mm512_maskz_loadu_ps(lanes, x.Sums(r0 + r) + b);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(mv[c], sv, acc[r][c]);
-      }
-    }
-  }
+  __m256 v[R][C];
   for (int r = 0; r < R; ++r) {
-    __m256 v[C];
     for (int c = 0; c < C; ++c) {
       const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
       const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
-      v[c] = _mm256_add_ps(lo, hi);
+      v[r][c] = _mm256_add_ps(lo, hi);
     }
-    AddHorizontalSums<C>(v, y + r * ldy);
   }
+  AddTileSums<R, C>(v, y, ldy);
+}
+
+// The summed formats (Q4_1, Q5_1): VNNI's 16 lanes of a pair, its two halves added as integers,
+// are SummedTile8's 8 lanes; the rest is SummedTile8's arithmetic (its scales made per pair).
+template <typename F, int R, int C>
+IG_VNNI void SummedTile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
+                          int64_t c0, Panel panel, float* y, int64_t ldy) {
+  const int64_t blocks = x.blocks, pairs = blocks / 2;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i q[C];
+    __m256 dv[C];
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (c0 + c) * blocks + 2 * p;
+      q[c] = panel.values != nullptr ? _mm512_loadu_si512(panel.values + c * x.k + 64 * p)
+                                     : F::Pair16(w, at);
+      dv[c] = PairScales8<F>(F::Scales(w) + at, 0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x.Values(r0 + r) + 64 * p);
+      const __m256 dxv = PairScales8<F>(x.Scales(r0 + r) + 2 * p, 0);
+      for (int c = 0; c < C; ++c) {
+        const __m512i dot16 = _mm512_dpbusd_epi32(F::Start16(xv), q[c], xv);
+        const __m256i dot =
+            _mm256_add_epi32(_mm512_castsi512_si256(dot16), _mm512_extracti64x4_epi64(dot16, 1));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dxv), dv[c], acc[r][c]);
+      }
+    }
+  }
+  if (blocks % 2 == 1) AddOddBlock8<F, R, C>(x, r0, w, c0, panel, acc);
+  AddMinimums8<F, R, C>(x, r0, w, c0, acc);
+  AddTileSums<R, C>(acc, y, ldy);
 }
 #pragma GCC diagnostic pop
 
@@ -677,7 +772,11 @@ struct Avx512Tiles {
   template <int R, int C>
   static void Run(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w, int64_t c0,
                   Panel panel, float* y, int64_t ldy) {
-    Tile16<F, R, C>(x, r0, w, c0, panel, y, ldy);
+    if constexpr (F::kSummedPairs) {
+      SummedTile16<F, R, C>(x, r0, w, c0, panel, y, ldy);
+    } else {
+      Tile16<F, R, C>(x, r0, w, c0, panel, y, ldy);
+    }
   }
 };
 
@@ -699,6 +798,8 @@ void RunTile(const QuantizedRows& x, int64_t r0, int64_t rows, const typename K:
              int64_t c0, int64_t cols, Panel panel, float* y, int64_t ldy) {
   if constexpr (K::kRows >= 4) {
     if (rows == 4) return RunCols<K, 4>(x, r0, w, c0, cols, panel, y, ldy);
+  }
+  if constexpr (K::kRows >= 3) {
     if (rows == 3) return RunCols<K, 3>(x, r0, w, c0, cols, panel, y, ldy);
   }
   if (rows == 2) return RunCols<K, 2>(x, r0, w, c0, cols, panel, y, ldy);
