@@ -213,14 +213,32 @@ inline uint64_t PairFifthBits(const uint32_t* qh) {
   return u ^ (t | (t << 16));
 }
 
+// Byte j: 16 where bit j % 8 of byte `spread`[j] of v (within its 128-bit half) is set, else 0.
+inline __m256i SixteensOfBits(__m256i v, __m256i spread) {
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201ll);
+  const __m256i b = _mm256_shuffle_epi8(v, spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, select), select),
+                          _mm256_set1_epi8(16));
+}
+
 // Byte j: 16 where bit j of `bits` is set, else 0.
 inline __m256i FifthBits(uint32_t bits) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
-                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i select = _mm256_set1_epi64x(0x8040201008040201ll);
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, select), select),
-                          _mm256_set1_epi8(16));
+  return SixteensOfBits(_mm256_set1_epi32(static_cast<int>(bits)),
+                        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                         2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+}
+
+// FifthBits of a pair's two registers (PairFifthBits' order) straight from its two words, in
+// vector registers: register a takes bits 0-15 of each word (bytes 0-1 and 4-5 of the pair's
+// 8 bytes), b bits 16-31 (bytes 2-3 and 6-7).
+inline void PairFifthBits8(const uint32_t* qh, __m256i& fa, __m256i& fb) {
+  long long words;
+  std::memcpy(&words, qh, 8);
+  const __m256i v = _mm256_set1_epi64x(words);
+  fa = SixteensOfBits(v, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 4, 4, 4,
+                                          4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5));
+  fb = SixteensOfBits(v, _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 6, 6, 6,
+                                          6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7));
 }
 
 // The lanes' scales of the formats with one scale per block.
@@ -251,9 +269,10 @@ struct Nibbles : PerBlockScales<Nibbles<kFifth>> {
     qa = _mm256_and_si256(nib, low);
     qb = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low);
     if constexpr (kFifth) {
-      const uint64_t bits = PairFifthBits(w.qh + at);
-      qa = _mm256_or_si256(qa, FifthBits(static_cast<uint32_t>(bits)));
-      qb = _mm256_or_si256(qb, FifthBits(static_cast<uint32_t>(bits >> 32)));
+      __m256i fa, fb;
+      PairFifthBits8(w.qh + at, fa, fb);
+      qa = _mm256_or_si256(qa, fa);
+      qb = _mm256_or_si256(qb, fb);
     }
   }
   static __m256i Block8(const Matrix& w, int64_t at) {
