@@ -1,7 +1,7 @@
 // GGUF's Q6_K weight format, its values kept as the file has them: super-blocks of 256 weights
 // of a row with a float16 scale d (held as float32), an int8 scale s per 16 weights and 6-bit
 // values q; a weight is (d s) (q - 32) in float32, the reference's order. Laid out for the
-// integer dot products of kernels/cpu/int8_dot_gemm.cc, per pair of blocks of 32 (the nibble
+// integer dot products of kernels/cpu/int8_dot.h, per pair of blocks of 32 (the nibble
 // formats' pair order: group 0 elements 0-15 of the first block, group 1 elements 0-15 of the
 // second, group 2 elements 16-31 of the first, group 3 elements 16-31 of the second):
 //   ql: 16 bytes a block, Q4_1's layout of the low nibbles (byte j: element j low, j + 16 high);

@@ -31,7 +31,7 @@ void GemmRowsBf16Table(const float* x, int64_t ldx, const uint16_t* const* w_row
                        bool accumulate);
 // The block formats (k a multiple of 32) on x rows quantized to 8 bits per block of 32 (scale
 // max|x| / 127, round to nearest even), each block's dot product in integers, in the fixed
-// order of kernels/cpu/int8_dot_gemm.cc, equal for every row count and instruction set:
+// order of kernels/cpu/int8_dot.h, equal for every row count and instruction set:
 // Q8 (packed_gemm.h): y = sum over blocks of d dx (q_w . q_x);
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
                 int64_t ldy, int64_t m, bool accumulate);
