@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -347,6 +348,7 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
                                                    "]^T -> [", out.rows, ", ", out.cols, "]"));
   }
   if (!w.segments.empty()) {  // each segment's rows into its columns of out
+    if (MultiplyBlockParts(x, w, F(bias), out, accumulate)) return absl::OkStatus();
     int64_t r0 = 0;
     for (const Weight& part : w.segments) {
       const float* b = F(bias);
@@ -357,6 +359,40 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
   }
   MultiplyRows(x, w, F(bias), out, accumulate);
   return absl::OkStatus();
+}
+
+bool CpuBackend::MultiplyBlockParts(MatView x, const Weight& w, const float* bias, MatView out,
+                                    bool accumulate) {
+  std::array<cpu::BlockPart, cpu::kMaxBlockParts> parts;
+  if (w.segments.size() > parts.size()) return false;
+  int64_t r0 = 0;
+  for (size_t i = 0; i < w.segments.size(); ++i) {
+    const Weight& part = w.segments[i];
+    cpu::BlockPart& p = parts[i];
+    switch (part.format) {
+      case WeightFormat::kQ8:  // GemmRowsQ8's order only where rows are batch-invariant
+        if (!options_.batch_invariant) return false;
+        p.matrix = Q8View(part);
+        break;
+      case WeightFormat::kQ4_1:
+        p.matrix = Q4View(part);
+        break;
+      case WeightFormat::kQ5_1:
+        p.matrix = Q5View(part);
+        break;
+      case WeightFormat::kQ6_K:
+        p.matrix = Q6View(part);
+        break;
+      default:
+        return false;
+    }
+    p.bias = bias == nullptr ? nullptr : bias + r0;
+    p.y = out.Cols(r0, part.rows).As<float>();
+    r0 += part.rows;
+  }
+  cpu::GemmRowsParts(x.As<float>(), x.stride, {parts.data(), w.segments.size()}, out.stride, x.rows,
+                     accumulate);
+  return true;
 }
 
 void CpuBackend::MultiplyRows(MatView x, const Weight& w, const float* bias, MatView out,

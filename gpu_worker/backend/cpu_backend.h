@@ -82,6 +82,11 @@ class CpuBackend : public Backend {
  private:
   // Linear's product for a weight of one format (bias: null or out.cols floats).
   void MultiplyRows(MatView x, const Weight& w, const float* bias, MatView out, bool accumulate);
+  // Linear's product for a weight in parts of block formats (w.segments) as one parallel job
+  // (cpu::GemmRowsParts: the same bits as each part alone); false, having done nothing, where a
+  // part has another format.
+  bool MultiplyBlockParts(MatView x, const Weight& w, const float* bias, MatView out,
+                          bool accumulate);
 
   CpuBackendOptions options_;
   // Whether a weight was kept in Q4_1, Q5_1 or Q6_K blocks (under q4_1, a checkpoint without 4-,

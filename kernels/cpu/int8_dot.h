@@ -509,48 +509,62 @@ void RunTile(const QuantizedRows& x, int64_t r0, int64_t rows, const typename K:
   return RunCols<K, 1>(x, r0, w, c0, cols, panel, y, ldy);
 }
 
-// GEMV (one x row): one pass over the weights, each block's values made as they are read. More
-// rows: the nibble formats' values of the task's weight rows made once into a panel (its 48
-// rows of k bytes stay in L2), then blocks of kRowBlock x rows multiplied by it, a group of
-// weight rows at a time.
+// The output columns of a parallel task: kColBlock weight rows.
+inline int64_t ColumnBlocks(int64_t rows) { return (rows + kColBlock - 1) / kColBlock; }
+
+// Task cb of y += x w^T: weight rows [48 cb, 48 cb + 48). GEMV (one x row): one pass over the
+// weights, each block's values made as they are read. More rows: the nibble formats' values of
+// the task's weight rows made once into a panel (its 48 rows of k bytes stay in L2), then blocks
+// of kRowBlock x rows multiplied by it, a group of weight rows at a time.
 template <typename K>
-void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matrix& w, float* y,
-              int64_t ldy) {
+void RunColumnBlock(const QuantizedRows& x, int64_t m, const typename K::Format::Matrix& w,
+                    float* y, int64_t ldy, int64_t cb) {
   using F = typename K::Format;
-  const int64_t n = w.rows, col_blocks = (n + kColBlock - 1) / kColBlock;
+  const int64_t n = w.rows;
   const bool gemv = m == 1, prepare = F::kPanel && !gemv;
   const bool spread = K::kSpreadScales && prepare && x.dx8 != nullptr;
   const int64_t step = gemv ? K::kGemvCols : K::kCols, pairs = w.cols / kBlock / 2;
-  ParallelFor(col_blocks, m * n * w.cols > (1 << 16), [&](int64_t cb) {
-    const int64_t j0 = cb * kColBlock, j1 = std::min(n, j0 + kColBlock);
-    thread_local std::vector<uint8_t> panel;
-    thread_local std::vector<float> panel_scales;
-    if (prepare) {
-      panel.resize(static_cast<size_t>(kColBlock * w.cols));
-      if (spread) panel_scales.resize(static_cast<size_t>(kColBlock * pairs * 8));
-      PrepareColumns<F>(w, j0, j1 - j0, panel.data(), spread ? panel_scales.data() : nullptr);
-    }
-    for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
-      const int64_t i1 = std::min(m, i0 + kRowBlock);
-      for (int64_t j = j0; j < j1; j += step) {
-        const int64_t cols = std::min(step, j1 - j);
-        Panel prepared;
-        if (prepare) prepared.values = panel.data() + (j - j0) * w.cols;
-        if (spread) prepared.scales = panel_scales.data() + (j - j0) * pairs * 8;
-        for (int64_t i = i0; i < i1; i += K::kRows) {
-          RunTile<K>(x, i, std::min<int64_t>(K::kRows, i1 - i), w, j, cols, prepared,
-                     y + i * ldy + j, ldy);
-        }
+  const int64_t j0 = cb * kColBlock, j1 = std::min(n, j0 + kColBlock);
+  thread_local std::vector<uint8_t> panel;
+  thread_local std::vector<float> panel_scales;
+  if (prepare) {
+    panel.resize(static_cast<size_t>(kColBlock * w.cols));
+    if (spread) panel_scales.resize(static_cast<size_t>(kColBlock * pairs * 8));
+    PrepareColumns<F>(w, j0, j1 - j0, panel.data(), spread ? panel_scales.data() : nullptr);
+  }
+  for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+    const int64_t i1 = std::min(m, i0 + kRowBlock);
+    for (int64_t j = j0; j < j1; j += step) {
+      const int64_t cols = std::min(step, j1 - j);
+      Panel prepared;
+      if (prepare) prepared.values = panel.data() + (j - j0) * w.cols;
+      if (spread) prepared.scales = panel_scales.data() + (j - j0) * pairs * 8;
+      for (int64_t i = i0; i < i1; i += K::kRows) {
+        RunTile<K>(x, i, std::min<int64_t>(K::kRows, i1 - i), w, j, cols, prepared, y + i * ldy + j,
+                   ldy);
       }
     }
-  });
+  }
 }
 
-// The AVX-512 kernel (int8_dot_avx512.cc): whether this CPU has its instructions, and
-// GemmWith over its tiles for format F.
+// Whether a GEMM of m rows by `rows` weight rows of k is worth the team.
+inline bool WorthTheTeam(int64_t m, int64_t rows, int64_t k) { return m * rows * k > (1 << 16); }
+
+template <typename K>
+void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matrix& w, float* y,
+              int64_t ldy) {
+  ParallelFor(ColumnBlocks(w.rows), WorthTheTeam(m, w.rows, w.cols),
+              [&](int64_t cb) { RunColumnBlock<K>(x, m, w, y, ldy, cb); });
+}
+
+// The AVX-512 kernel (int8_dot_avx512.cc): whether this CPU has its instructions, GemmWith
+// over its tiles for format F, and one task of it (RunColumnBlock).
 bool CpuHasAvx512Vnni();
 template <typename F>
 void GemmAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, float* y,
                 int64_t ldy);
+template <typename F>
+void ColumnBlockAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, float* y,
+                       int64_t ldy, int64_t cb);
 
 }  // namespace infinigen::cpu::int8_dot

@@ -144,12 +144,20 @@ void GemmAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, 
   GemmWith<Avx512Tiles<F>>(x, m, w, y, ldy);
 }
 
-template void GemmAvx512<Nibbles<false>>(const QuantizedRows&, int64_t, const Q4_1Matrix&, float*,
-                                         int64_t);
-template void GemmAvx512<Nibbles<true>>(const QuantizedRows&, int64_t, const Q5_1Matrix&, float*,
-                                        int64_t);
-template void GemmAvx512<Signed8>(const QuantizedRows&, int64_t, const Q8Matrix&, float*, int64_t);
-template void GemmAvx512<SixBits>(const QuantizedRows&, int64_t, const Q6_KMatrix&, float*,
-                                  int64_t);
+template <typename F>
+void ColumnBlockAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, float* y,
+                       int64_t ldy, int64_t cb) {
+  RunColumnBlock<Avx512Tiles<F>>(x, m, w, y, ldy, cb);
+}
+
+#define IG_INSTANTIATE(F, M)                                                                   \
+  template void GemmAvx512<F>(const QuantizedRows&, int64_t, const M&, float*, int64_t);       \
+  template void ColumnBlockAvx512<F>(const QuantizedRows&, int64_t, const M&, float*, int64_t, \
+                                     int64_t);
+IG_INSTANTIATE(Nibbles<false>, Q4_1Matrix)
+IG_INSTANTIATE(Nibbles<true>, Q5_1Matrix)
+IG_INSTANTIATE(Signed8, Q8Matrix)
+IG_INSTANTIATE(SixBits, Q6_KMatrix)
+#undef IG_INSTANTIATE
 
 }  // namespace infinigen::cpu::int8_dot

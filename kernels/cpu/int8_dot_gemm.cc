@@ -4,10 +4,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cfloat>
 #include <cstring>
 #include <limits>
+#include <span>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "kernels/cpu/int8_dot.h"
@@ -80,12 +84,17 @@ void QuantizeRow(const float* x, int64_t k, bool nibble_pairs, int8_t* q, float*
   }
 }
 
-// The m rows of x quantized into buffers of the calling thread (the parallel tasks read them);
-// with `spread`, their scales spread too (QuantizedRows::dx8).
+// The m rows of x quantized into buffers of the calling thread (the parallel tasks read them),
+// set `slot` of two (GemmRowsParts quantizes x in both layouts); with `spread`, their scales
+// spread too (QuantizedRows::dx8).
 QuantizedRows Quantize(const float* x, int64_t ldx, int64_t m, int64_t k, bool nibble_pairs,
-                       bool spread) {
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> dx, xsum, dx8;
+                       bool spread, int slot = 0) {
+  struct Buffers {
+    std::vector<int8_t> q;
+    std::vector<float> dx, xsum, dx8;
+  };
+  thread_local Buffers buffers[2];
+  auto& [q, dx, xsum, dx8] = buffers[slot];
   const int64_t blocks = k / kBlock, pairs = blocks / 2;
   if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
   if (static_cast<int64_t>(dx.size()) < m * blocks) {
@@ -242,7 +251,90 @@ void GemmInt8(const float* x, int64_t ldx, const typename F::Matrix& w, const fl
   }
 }
 
+template <typename M>
+struct FormatOf;
+template <>
+struct FormatOf<Q8Matrix> {
+  using type = Signed8;
+};
+template <>
+struct FormatOf<Q4_1Matrix> {
+  using type = Nibbles<false>;
+};
+template <>
+struct FormatOf<Q5_1Matrix> {
+  using type = Nibbles<true>;
+};
+template <>
+struct FormatOf<Q6_KMatrix> {
+  using type = SixBits;
+};
+
+// Task cb of one part of GemmRowsParts, its matrix's type erased.
+using PartTask = void (*)(const QuantizedRows& x, int64_t m, const void* w, float* y, int64_t ldy,
+                          int64_t cb);
+template <typename F, bool kAvx512>
+void RunPartBlock(const QuantizedRows& x, int64_t m, const void* w, float* y, int64_t ldy,
+                  int64_t cb) {
+  const auto& matrix = *static_cast<const typename F::Matrix*>(w);
+  if constexpr (kAvx512) {
+    ColumnBlockAvx512<F>(x, m, matrix, y, ldy, cb);
+  } else {
+    RunColumnBlock<Avx2Tiles<F>>(x, m, matrix, y, ldy, cb);
+  }
+}
+
 }  // namespace
+
+void GemmRowsParts(const float* x, int64_t ldx, std::span<const BlockPart> parts, int64_t ldy,
+                   int64_t m, bool accumulate) {
+  if (m <= 0 || parts.empty()) return;
+  if (parts.size() > kMaxBlockParts) {
+    for (const BlockPart& part : parts) GemmRowsParts(x, ldx, {&part, 1}, ldy, m, accumulate);
+    return;
+  }
+  const bool avx512 = ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Vnni();
+  // Each part's tasks follow the previous part's: part i's are [first, first + its blocks).
+  struct Entry {
+    PartTask run;
+    const void* w;
+    float* y;
+    int64_t first;
+    int layout;  // 0: x in the nibble formats' pair order, 1: in order (Q8)
+  };
+  std::array<Entry, kMaxBlockParts> entries;
+  bool needs[2] = {false, false}, spread = false;
+  int64_t k = -1, rows = 0, tasks = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    std::visit(
+        [&](const auto& w) {
+          using F = typename FormatOf<std::decay_t<decltype(w)>>::type;
+          assert(w.cols % kBlock == 0 && (k < 0 || w.cols == k));
+          if constexpr (std::is_same_v<F, SixBits>) assert(w.cols % kQ6Super == 0);
+          k = w.cols;
+          InitGemmOutput(parts[i].bias, parts[i].y, ldy, m, w.rows, accumulate);
+          const int layout = F::kNibblePairs ? 0 : 1;
+          needs[layout] = true;
+          // Spread scales are read only by the tiles that take them (kSpreadScales).
+          spread = spread || (!avx512 && Avx2Tiles<F>::kSpreadScales && m > 1);
+          PartTask run = avx512 ? &RunPartBlock<F, true> : &RunPartBlock<F, false>;
+          entries[i] = {run, &w, parts[i].y, tasks, layout};
+          tasks += ColumnBlocks(w.rows);
+          rows += w.rows;
+        },
+        parts[i].matrix);
+  }
+  std::array<QuantizedRows, 2> xq{};
+  if (needs[0]) xq[0] = Quantize(x, ldx, m, k, /*nibble_pairs=*/true, spread, /*slot=*/0);
+  if (needs[1]) xq[1] = Quantize(x, ldx, m, k, /*nibble_pairs=*/false, false, /*slot=*/1);
+  const size_t count = parts.size();
+  ParallelFor(tasks, WorthTheTeam(m, rows, k), [&](int64_t cb) {
+    size_t i = 0;
+    while (i + 1 < count && entries[i + 1].first <= cb) ++i;
+    const Entry& e = entries[i];
+    e.run(xq[e.layout], m, e.w, e.y, ldy, cb - e.first);
+  });
+}
 
 // Weights quantize as x rows do, in order (packed_gemm.h's layout): the same arithmetic.
 void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* scales) {

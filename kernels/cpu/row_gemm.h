@@ -7,7 +7,10 @@
 // the block formats (q8, Q4_1, Q5_1, Q6_K) have int8_dot_gemm.cc's.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
+#include <variant>
 
 #include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/q4_1.h"
@@ -44,6 +47,21 @@ void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float*
 // lanes of d s dx ((q_w - 32) . q_x) (the 4 lanes of a group of 16 share its d s).
 void GemmRowsQ6_K(const float* x, int64_t ldx, const Q6_KMatrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate);
+
+// One part of a weight whose rows come in parts of different block formats (q, k and v, or
+// gate and up, each as its file stores it), and the part's bias (or null) and first output
+// column.
+struct BlockPart {
+  std::variant<Q8Matrix, Q4_1Matrix, Q5_1Matrix, Q6_KMatrix> matrix;
+  const float* bias = nullptr;
+  float* y = nullptr;
+};
+// Each part's GEMM above (the same bits) as one parallel job, x quantized once per layout: one
+// hand-off to the threads and one join for all the parts instead of one each. Every part has
+// the same k. More than kMaxBlockParts parts run as one job each.
+inline constexpr size_t kMaxBlockParts = 8;
+void GemmRowsParts(const float* x, int64_t ldx, std::span<const BlockPart> parts, int64_t ldy,
+                   int64_t m, bool accumulate);
 
 // Every GEMM's first step: y's m rows of n set to bias (or 0), or bias added when accumulate.
 void InitGemmOutput(const float* bias, float* y, int64_t ldy, int64_t m, int64_t n,

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <iterator>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -375,6 +377,60 @@ TEST(BlockFormats, ANonFiniteActivationMakesItsRowsOutputsNaN) {
     }
   }
   CapIsaForTesting(Isa::kAvx512);
+}
+
+// A weight stacked from parts of different block formats, multiplied as one job, equals each
+// part multiplied alone bit for bit: a row count that takes the GEMV, one that takes the panels,
+// parts of every format (two layouts of x) in an order that mixes them, odd part sizes.
+TEST(GemmRowsParts, EqualsEachPartMultipliedAloneBitForBit) {
+  const int64_t k = 512;
+  const int64_t rows[] = {97, 13, 50, 211, 1};
+  const Format formats[] = {Format::kQ5_1, Format::kQ8, Format::kQ6_K, Format::kQ4_1,
+                            Format::kQ5_1};
+  std::vector<std::unique_ptr<Weights>> weights;
+  int64_t n = 0;
+  for (size_t i = 0; i < std::size(rows); ++i) {
+    weights.push_back(std::make_unique<Weights>(rows[i], k, static_cast<unsigned>(31 + i)));
+    n += rows[i];
+  }
+  std::mt19937 rng(5);
+  std::normal_distribution<float> d;
+  std::vector<float> bias(n);
+  for (auto& v : bias) v = d(rng);
+  for (int64_t m : {1, 3, 70}) {
+    for (bool accumulate : {false, true}) {
+      const int64_t ldx = k + 3, ldy = n + 7;
+      std::vector<float> x(m * ldx);
+      for (auto& v : x) v = d(rng);
+      std::vector<float> alone(m * ldy, 0.5f), together(m * ldy, 0.5f);
+      std::vector<BlockPart> parts;
+      int64_t c0 = 0;
+      for (size_t i = 0; i < std::size(rows); ++i) {
+        const Weights& w = *weights[i];
+        Multiply(formats[i], w, x.data(), ldx, bias.data() + c0, alone.data() + c0, ldy, m,
+                 accumulate);
+        BlockPart part{Q8Matrix{}, bias.data() + c0, together.data() + c0};
+        switch (formats[i]) {
+          case Format::kQ8:
+            part.matrix = Q8Matrix{w.q8_qs.data(), w.q8_scales.data(), w.n, w.k};
+            break;
+          case Format::kQ4_1:
+            part.matrix = w.q4();
+            break;
+          case Format::kQ5_1:
+            part.matrix = w.q5();
+            break;
+          default:
+            part.matrix = w.q6();
+        }
+        parts.push_back(part);
+        c0 += rows[i];
+      }
+      GemmRowsParts(x.data(), ldx, parts, ldy, m, accumulate);
+      ASSERT_EQ(std::memcmp(alone.data(), together.data(), alone.size() * sizeof(float)), 0)
+          << m << " rows, accumulate " << accumulate;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(OddSizes, RowGemm,
