@@ -40,28 +40,10 @@ inline __m256 Load8(const uint16_t* p) { return WidenBf16x8(p); }
 inline float At(const float* p, int i) { return p[i]; }
 inline float At(const uint16_t* p, int i) { return Bf16ToFloat(p[i]); }
 
-// exp(x) for x <= 0, 8 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
-// polynomial for e^r, times 2^n; within 2 ulp of the exact value). Below -87.3 it gives the
-// smallest normal float (1.2e-38), not 0. Each lane depends only on its own input, so a score's
-// probability is the same number wherever it sits in a chunk.
-inline __m256 ExpNonPositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^n from the exponent bits: n in [-126, 0] here, a normal float.
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+// exp(x) for x <= 0, 8 lanes: Exp8 (simd.h), whose upper clamp never applies here. Below -87.3
+// it gives the smallest normal float (1.2e-38), not 0. Each lane depends only on its own input,
+// so a score's probability is the same number wherever it sits in a chunk.
+inline __m256 ExpNonPositive8(__m256 x) { return Exp8(x); }
 
 // p[j] = s[j] * scale for j < n; returns their maximum (-inf when n is 0). A maximum is the
 // same whatever order the values are compared in.

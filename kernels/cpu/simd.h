@@ -1,6 +1,6 @@
 // The small vector pieces the CPU kernels share: bfloat16 widened exactly to float32, 8 or 16 at
-// a time, and the one horizontal sum of 8 lanes. Internal to kernels/cpu (x86-64-v3; the 16-lane
-// form only where ActiveIsa() allows AVX-512).
+// a time, the one horizontal sum of 8 lanes, and exp of 8 lanes. Internal to kernels/cpu
+// (x86-64-v3; the 16-lane form only where ActiveIsa() allows AVX-512).
 #pragma once
 
 #include <immintrin.h>
@@ -31,6 +31,29 @@ inline float HorizontalSum(__m256 v) {
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
+}
+
+// exp(x), 8 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r,
+// times 2^n; within 2 ulp of the exact value) for x in [-87.33654, 88]; below, the smallest
+// normal float (1.2e-38) instead of smaller values or 0, above, exp(88) = 1.65e38 instead of
+// larger values or infinity; a NaN lane as -87.33654. Each lane depends only on its own input.
+inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n from the exponent bits: n in [-126, 127] here, a normal float.
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 }  // namespace infinigen::cpu
