@@ -550,11 +550,24 @@ void RunColumnBlock(const QuantizedRows& x, int64_t m, const typename K::Format:
 // Whether a GEMM of m rows by `rows` weight rows of k is worth the team.
 inline bool WorthTheTeam(int64_t m, int64_t rows, int64_t k) { return m * rows * k > (1 << 16); }
 
+// The GEMM's column blocks over the team. A GEMV in static shares (each thread streams one
+// contiguous half of the weights: faster on the project VM than taking the other's blocks,
+// docs/benchmarks.md); more rows with stealing (a thread that finishes first takes the blocks
+// left in the other's share).
+template <typename Body>
+void ForColumnBlocks(int64_t m, int64_t blocks, bool parallel, const Body& body) {
+  if (m == 1) {
+    ParallelFor(blocks, parallel, body);
+  } else {
+    ParallelForStealing(blocks, parallel, body);
+  }
+}
+
 template <typename K>
 void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matrix& w, float* y,
               int64_t ldy) {
-  ParallelFor(ColumnBlocks(w.rows), WorthTheTeam(m, w.rows, w.cols),
-              [&](int64_t cb) { RunColumnBlock<K>(x, m, w, y, ldy, cb); });
+  ForColumnBlocks(m, ColumnBlocks(w.rows), WorthTheTeam(m, w.rows, w.cols),
+                  [&](int64_t cb) { RunColumnBlock<K>(x, m, w, y, ldy, cb); });
 }
 
 // The AVX-512 kernel (int8_dot_avx512.cc): whether this CPU has its instructions, GemmWith

@@ -121,6 +121,7 @@ void Team::Start(const TeamOptions& options) {
   pinned_.store(pin, std::memory_order_relaxed);
   job_.stop = false;
   job_.workers = threads - 1;
+  cursors_ = std::make_unique<Cursor[]>(static_cast<size_t>(threads));
   done_target_ = done_.shares.load(std::memory_order_relaxed);
   const uint32_t epoch = job_.epoch.load(std::memory_order_relaxed);
   for (int t = 1; t < threads; ++t) {
@@ -140,15 +141,20 @@ void Team::Stop() {
   job_.workers = 0;
 }
 
-bool Team::Dispatch(int64_t n, const void* body, ThunkFn thunk, bool dynamic) {
+bool Team::Dispatch(int64_t n, const void* body, ThunkFn thunk, Schedule schedule) {
   if (in_job) return false;
   std::unique_lock<std::mutex> lock(run_mu_, std::try_to_lock);
   if (!lock.owns_lock() || job_.workers == 0) return false;
   job_.body = body;
   job_.thunk = thunk;
   job_.n = n;
-  job_.dynamic = dynamic;
-  if (dynamic) done_.next.store(0, std::memory_order_relaxed);
+  job_.schedule = schedule;
+  if (schedule == Schedule::kDynamic) done_.next.store(0, std::memory_order_relaxed);
+  if (schedule == Schedule::kStealing) {
+    const int64_t size = job_.workers + 1;
+    for (int64_t t = 0; t < size; ++t)
+      cursors_[t].next.store(n * t / size, std::memory_order_relaxed);
+  }
   done_target_ += static_cast<uint32_t>(job_.workers);
   job_.epoch.fetch_add(1, std::memory_order_seq_cst);
   if (job_.sleepers.load(std::memory_order_seq_cst) > 0) job_.epoch.notify_all();
@@ -172,13 +178,24 @@ bool Team::Dispatch(int64_t n, const void* body, ThunkFn thunk, bool dynamic) {
 
 void Team::Share(int thread) {
   const int64_t n = job_.n;
-  if (job_.dynamic) {
+  const int64_t size = job_.workers + 1;
+  if (job_.schedule == Schedule::kDynamic) {
     for (int64_t i; (i = done_.next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       job_.thunk(job_.body, i, i + 1);
     }
     return;
   }
-  const int64_t size = job_.workers + 1;
+  if (job_.schedule == Schedule::kStealing) {  // its own share first, then the others' rest
+    for (int64_t k = 0; k < size; ++k) {
+      const int64_t owner = (thread + k) % size, end = n * (owner + 1) / size;
+      std::atomic<int64_t>& next = cursors_[owner].next;
+      for (int64_t i; next.load(std::memory_order_relaxed) < end &&
+                      (i = next.fetch_add(1, std::memory_order_relaxed)) < end;) {
+        job_.thunk(job_.body, i, i + 1);
+      }
+    }
+    return;
+  }
   const int64_t begin = n * thread / size, end = n * (thread + 1) / size;
   if (begin < end) job_.thunk(job_.body, begin, end);
 }

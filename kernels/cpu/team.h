@@ -12,13 +12,17 @@
 // futex; the next job wakes them.
 //
 // The caller is thread 0; threads 1..size-1 are the team's own. Shares are static (thread t runs
-// [n*t/size, n*(t+1)/size)) or dynamic (indices taken one at a time); which thread runs an index
-// never changes its arithmetic. A job started inside a job (a kernel called from a parallel
-// body), or while another thread's job runs, runs on the calling thread alone.
+// [n*t/size, n*(t+1)/size)), dynamic (indices taken one at a time), or stealing (thread t takes
+// the indices of its static share one at a time, in order, then those still left in the other
+// threads' shares: a contiguous stream each, and no thread idle while another has work left);
+// which thread runs an index never changes its arithmetic. A job started inside a job (a kernel
+// called from a parallel body), or while another thread's job runs, runs on the calling thread
+// alone.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -39,6 +43,8 @@ struct TeamOptions {
   int spin_us = -1;
 };
 
+enum class Schedule { kStatic, kDynamic, kStealing };
+
 class Team {
  public:
   // The process's team, started with TeamOptions{} on first use.
@@ -52,9 +58,9 @@ class Team {
 
   // body(i) for every i in [0, n), on the team when it is free, otherwise on the caller.
   template <typename Body>
-  void Run(int64_t n, const Body& body, bool dynamic = false) {
+  void Run(int64_t n, const Body& body, Schedule schedule = Schedule::kStatic) {
     if (n <= 0) return;
-    if (n == 1 || !Dispatch(n, &body, &Thunk<Body>, dynamic)) Thunk<Body>(&body, 0, n);
+    if (n == 1 || !Dispatch(n, &body, &Thunk<Body>, schedule)) Thunk<Body>(&body, 0, n);
   }
   // body(i) for every i in [0, n) on the calling thread, through the same code as Run.
   template <typename Body>
@@ -85,7 +91,7 @@ class Team {
 
   Team() = default;
   // Runs the job on the team and returns true, or returns false having run nothing.
-  bool Dispatch(int64_t n, const void* body, ThunkFn thunk, bool dynamic);
+  bool Dispatch(int64_t n, const void* body, ThunkFn thunk, Schedule schedule);
   void Start(const TeamOptions& options);  // run_mu_ held
   void Stop();                             // run_mu_ held
   void Share(int thread);
@@ -106,7 +112,7 @@ class Team {
     std::atomic<uint32_t> epoch{0};
     std::atomic<int> sleepers{0};  // threads asleep on epoch
     int workers = 0;               // the team's threads besides the caller
-    bool dynamic = false;
+    Schedule schedule = Schedule::kStatic;
     bool stop = false;
     const void* body = nullptr;
     ThunkFn thunk = nullptr;
@@ -117,6 +123,11 @@ class Team {
     std::atomic<bool> caller_sleeping{false};
     std::atomic<int64_t> next{0};  // the next index of a dynamic job
   } done_;
+  // A stealing job's next index of each thread's share, one cache line each (Start sizes it).
+  struct alignas(64) Cursor {
+    std::atomic<int64_t> next{0};
+  };
+  std::unique_ptr<Cursor[]> cursors_;
 };
 
 }  // namespace infinigen::cpu

@@ -28,10 +28,10 @@ class TeamTest : public ::testing::Test {
   void TearDown() override { Team::Get().Configure({}); }
 };
 
-std::vector<int> RunCounts(int64_t n, bool dynamic) {
+std::vector<int> RunCounts(int64_t n, Schedule schedule) {
   std::vector<std::atomic<int>> counts(static_cast<size_t>(n));
   Team::Get().Run(
-      n, [&](int64_t i) { counts[i].fetch_add(1); }, dynamic);
+      n, [&](int64_t i) { counts[i].fetch_add(1); }, schedule);
   std::vector<int> out;
   for (auto& c : counts) out.push_back(c.load());
   return out;
@@ -41,10 +41,11 @@ TEST_F(TeamTest, EveryIndexRunsOnceWhateverTheShare) {
   Team::Get().Configure({.threads = 3, .pinning = Pinning::kOff});
   ASSERT_EQ(Team::Get().size(), 3);
   for (int64_t n : {1, 2, 3, 5, 64, 1001}) {
-    for (bool dynamic : {false, true}) {
-      const std::vector<int> counts = RunCounts(n, dynamic);
+    for (Schedule schedule : {Schedule::kStatic, Schedule::kDynamic, Schedule::kStealing}) {
+      const std::vector<int> counts = RunCounts(n, schedule);
       for (int64_t i = 0; i < n; ++i) {
-        ASSERT_EQ(counts[i], 1) << "n " << n << " index " << i << " dynamic " << dynamic;
+        ASSERT_EQ(counts[i], 1) << "n " << n << " index " << i << " schedule "
+                                << static_cast<int>(schedule);
       }
     }
   }
@@ -100,7 +101,8 @@ TEST_F(TeamTest, SleepingThreadsWakeForTheNextJob) {
   // No spinning: every job wakes threads that went to sleep on the futex.
   Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff, .spin_us = 0});
   for (int job = 0; job < 200; ++job) {
-    ASSERT_EQ(RunCounts(7, job % 2 == 1), std::vector<int>(7, 1)) << "job " << job;
+    const Schedule schedule = static_cast<Schedule>(job % 3);
+    ASSERT_EQ(RunCounts(7, schedule), std::vector<int>(7, 1)) << "job " << job;
     if (job % 50 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
