@@ -550,23 +550,18 @@ void RunColumnBlock(const QuantizedRows& x, int64_t m, const typename K::Format:
 // Whether a GEMM of m rows by `rows` weight rows of k is worth the team.
 inline bool WorthTheTeam(int64_t m, int64_t rows, int64_t k) { return m * rows * k > (1 << 16); }
 
-// The GEMM's column blocks over the team. A GEMV in static shares (each thread streams one
-// contiguous half of the weights: faster on the project VM than taking the other's blocks,
-// docs/benchmarks.md); more rows with stealing (a thread that finishes first takes the blocks
-// left in the other's share).
+// The GEMM's column blocks over the team, with stealing: each thread streams its contiguous
+// share of the weights, and one that finishes first takes the blocks left at the end of the
+// other's (the project VM's two threads run at unequal speeds; docs/benchmarks.md).
 template <typename Body>
-void ForColumnBlocks(int64_t m, int64_t blocks, bool parallel, const Body& body) {
-  if (m == 1) {
-    ParallelFor(blocks, parallel, body);
-  } else {
-    ParallelForStealing(blocks, parallel, body);
-  }
+void ForColumnBlocks(int64_t blocks, bool parallel, const Body& body) {
+  ParallelForStealing(blocks, parallel, body);
 }
 
 template <typename K>
 void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matrix& w, float* y,
               int64_t ldy) {
-  ForColumnBlocks(m, ColumnBlocks(w.rows), WorthTheTeam(m, w.rows, w.cols),
+  ForColumnBlocks(ColumnBlocks(w.rows), WorthTheTeam(m, w.rows, w.cols),
                   [&](int64_t cb) { RunColumnBlock<K>(x, m, w, y, ldy, cb); });
 }
 

@@ -328,7 +328,7 @@ void GemmRowsParts(const float* x, int64_t ldx, std::span<const BlockPart> parts
   if (needs[0]) xq[0] = Quantize(x, ldx, m, k, /*nibble_pairs=*/true, spread, /*slot=*/0);
   if (needs[1]) xq[1] = Quantize(x, ldx, m, k, /*nibble_pairs=*/false, false, /*slot=*/1);
   const size_t count = parts.size();
-  ForColumnBlocks(m, tasks, WorthTheTeam(m, rows, k), [&](int64_t cb) {
+  ForColumnBlocks(tasks, WorthTheTeam(m, rows, k), [&](int64_t cb) {
     size_t i = 0;
     while (i + 1 < count && entries[i + 1].first <= cb) ++i;
     const Entry& e = entries[i];

@@ -25,9 +25,9 @@ inline void ParallelForDynamic(int64_t n, bool parallel, const Body& body) {
   Team::Get().Run(n, body, Schedule::kDynamic);
 }
 
-// As ParallelFor, but a thread that finishes its share takes the indices still left in the
-// others' (Team's stealing schedule): for a memory-bound loop whose threads run at different
-// speeds (a GEMV), each thread still streams one contiguous range.
+// As ParallelFor, but a thread that finishes its share takes the indices still left at the back
+// of the others' (Team's stealing schedule): for a memory-bound loop whose threads run at
+// different speeds (a GEMV), each thread still streams one contiguous range.
 template <typename Body>
 inline void ParallelForStealing(int64_t n, bool parallel, const Body& body) {
   if (!parallel || n <= 1) return Team::RunHere(n, body);

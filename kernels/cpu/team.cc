@@ -145,6 +145,8 @@ bool Team::Dispatch(int64_t n, const void* body, ThunkFn thunk, Schedule schedul
   if (in_job) return false;
   std::unique_lock<std::mutex> lock(run_mu_, std::try_to_lock);
   if (!lock.owns_lock() || job_.workers == 0) return false;
+  // A stealing job's ranges pack two 32-bit indices.
+  if (schedule == Schedule::kStealing && n > int64_t{0xffffffff}) schedule = Schedule::kDynamic;
   job_.body = body;
   job_.thunk = thunk;
   job_.n = n;
@@ -152,8 +154,11 @@ bool Team::Dispatch(int64_t n, const void* body, ThunkFn thunk, Schedule schedul
   if (schedule == Schedule::kDynamic) done_.next.store(0, std::memory_order_relaxed);
   if (schedule == Schedule::kStealing) {
     const int64_t size = job_.workers + 1;
-    for (int64_t t = 0; t < size; ++t)
-      cursors_[t].next.store(n * t / size, std::memory_order_relaxed);
+    for (int64_t t = 0; t < size; ++t) {
+      const uint64_t front = static_cast<uint64_t>(n * t / size);
+      const uint64_t back = static_cast<uint64_t>(n * (t + 1) / size);
+      cursors_[t].range.store(front << 32 | back, std::memory_order_relaxed);
+    }
   }
   done_target_ += static_cast<uint32_t>(job_.workers);
   job_.epoch.fetch_add(1, std::memory_order_seq_cst);
@@ -187,17 +192,25 @@ void Team::Share(int thread) {
   }
   if (job_.schedule == Schedule::kStealing) {  // its own share first, then the others' rest
     for (int64_t k = 0; k < size; ++k) {
-      const int64_t owner = (thread + k) % size, end = n * (owner + 1) / size;
-      std::atomic<int64_t>& next = cursors_[owner].next;
-      for (int64_t i; next.load(std::memory_order_relaxed) < end &&
-                      (i = next.fetch_add(1, std::memory_order_relaxed)) < end;) {
-        job_.thunk(job_.body, i, i + 1);
-      }
+      Cursor& c = cursors_[(thread + k) % size];
+      for (int64_t i; (i = Take(c, /*front=*/k == 0)) >= 0;) job_.thunk(job_.body, i, i + 1);
     }
     return;
   }
   const int64_t begin = n * thread / size, end = n * (thread + 1) / size;
   if (begin < end) job_.thunk(job_.body, begin, end);
+}
+
+int64_t Team::Take(Cursor& c, bool front) {
+  uint64_t r = c.range.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t f = r >> 32, b = r & 0xffffffffu;
+    if (f >= b) return -1;
+    const uint64_t taken = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+    if (c.range.compare_exchange_weak(r, taken, std::memory_order_relaxed)) {
+      return static_cast<int64_t>(front ? f : b - 1);
+    }
+  }
 }
 
 uint32_t Team::Await(uint32_t seen) {

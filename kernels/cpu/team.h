@@ -15,7 +15,8 @@
 // [n*t/size, n*(t+1)/size)), dynamic (indices taken one at a time), or stealing (thread t takes
 // the indices of its static share one at a time, in order, then those still left in the other
 // threads' shares: a contiguous stream each, and no thread idle while another has work left);
-// which thread runs an index never changes its arithmetic. A job started inside a job (a kernel
+// which thread runs an index never changes its arithmetic. (A thread takes the others' indices
+// from the back: their own streams go on undisturbed.) A job started inside a job (a kernel
 // called from a parallel body), or while another thread's job runs, runs on the calling thread
 // alone.
 #pragma once
@@ -123,10 +124,14 @@ class Team {
     std::atomic<bool> caller_sleeping{false};
     std::atomic<int64_t> next{0};  // the next index of a dynamic job
   } done_;
-  // A stealing job's next index of each thread's share, one cache line each (Start sizes it).
+  // A stealing job's indices not yet taken of each thread's share, [front, back) packed as
+  // front << 32 | back (the owner takes the front, the others the back), one cache line each
+  // (Start sizes it).
   struct alignas(64) Cursor {
-    std::atomic<int64_t> next{0};
+    std::atomic<uint64_t> range{0};
   };
+  // Takes the front (owner) or back index of `c`'s range, or returns -1 when it is empty.
+  static int64_t Take(Cursor& c, bool front);
   std::unique_ptr<Cursor[]> cursors_;
 };
 
