@@ -40,11 +40,6 @@ inline __m256 Load8(const uint16_t* p) { return WidenBf16x8(p); }
 inline float At(const float* p, int i) { return p[i]; }
 inline float At(const uint16_t* p, int i) { return Bf16ToFloat(p[i]); }
 
-// exp(x) for x <= 0, 8 lanes: Exp8 (simd.h), whose upper clamp never applies here. Below -87.3
-// it gives the smallest normal float (1.2e-38), not 0. Each lane depends only on its own input,
-// so a score's probability is the same number wherever it sits in a chunk.
-inline __m256 ExpNonPositive8(__m256 x) { return Exp8(x); }
-
 // p[j] = s[j] * scale for j < n; returns their maximum (-inf when n is 0). A maximum is the
 // same whatever order the values are compared in.
 inline float ScaleAndMax(const float* s, float scale, float* p, int64_t n) {
@@ -73,7 +68,7 @@ inline double ExpAndSum(float* p, int64_t n, float m) {
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
     _mm256_storeu_ps(p + j, e);
     acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
     acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
@@ -84,7 +79,7 @@ inline double ExpAndSum(float* p, int64_t n, float m) {
   if (j < n) {
     alignas(32) float tail[8];
     for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? p[j + t] : m;
-    _mm256_store_ps(tail, ExpNonPositive8(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
+    _mm256_store_ps(tail, Exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
     for (int64_t t = 0; j + t < n; ++t) {
       p[j + t] = tail[t];
       sum += tail[t];

@@ -340,7 +340,7 @@ struct SixBits {
   }
 };
 
-// A task's weight rows prepared for several x rows (GemmWith): the nibble formats' values, k
+// A task's weight rows prepared for several x rows (RunColumnBlock): the nibble formats' values, k
 // bytes a row in pair order (row c at values + c * k; null: read from the matrix), and for Q4_1
 // and Q5_1 each pair's scales spread as the AVX2 kernel's lanes take them (row c's pair p at
 // scales + (c * pairs + p) * 8; null: made from the matrix's).
@@ -558,19 +558,9 @@ void ForColumnBlocks(int64_t blocks, bool parallel, const Body& body) {
   ParallelForStealing(blocks, parallel, body);
 }
 
-template <typename K>
-void GemmWith(const QuantizedRows& x, int64_t m, const typename K::Format::Matrix& w, float* y,
-              int64_t ldy) {
-  ForColumnBlocks(ColumnBlocks(w.rows), WorthTheTeam(m, w.rows, w.cols),
-                  [&](int64_t cb) { RunColumnBlock<K>(x, m, w, y, ldy, cb); });
-}
-
-// The AVX-512 kernel (int8_dot_avx512.cc): whether this CPU has its instructions, GemmWith
-// over its tiles for format F, and one task of it (RunColumnBlock).
+// The AVX-512 kernel (int8_dot_avx512.cc): whether this CPU has its instructions, and one task
+// (RunColumnBlock) over its tiles for format F.
 bool CpuHasAvx512Vnni();
-template <typename F>
-void GemmAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, float* y,
-                int64_t ldy);
 template <typename F>
 void ColumnBlockAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, float* y,
                        int64_t ldy, int64_t cb);

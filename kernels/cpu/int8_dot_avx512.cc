@@ -139,19 +139,12 @@ bool CpuHasAvx512Vnni() {
 }
 
 template <typename F>
-void GemmAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, float* y,
-                int64_t ldy) {
-  GemmWith<Avx512Tiles<F>>(x, m, w, y, ldy);
-}
-
-template <typename F>
 void ColumnBlockAvx512(const QuantizedRows& x, int64_t m, const typename F::Matrix& w, float* y,
                        int64_t ldy, int64_t cb) {
   RunColumnBlock<Avx512Tiles<F>>(x, m, w, y, ldy, cb);
 }
 
 #define IG_INSTANTIATE(F, M)                                                                   \
-  template void GemmAvx512<F>(const QuantizedRows&, int64_t, const M&, float*, int64_t);       \
   template void ColumnBlockAvx512<F>(const QuantizedRows&, int64_t, const M&, float*, int64_t, \
                                      int64_t);
 IG_INSTANTIATE(Nibbles<false>, Q4_1Matrix)

@@ -1,6 +1,6 @@
-// GemmRowsQ4_1, GemmRowsQ5_1, GemmRowsQ6_K and GemmRowsQ8 (row_gemm.h): the int8 dot-product
-// GEMM (int8_dot.h defines its arithmetic). This file: the x rows' quantization, the AVX2 kernel,
-// and the choice between it and the AVX-512 one (int8_dot_avx512.cc).
+// GemmRowsQ4_1, GemmRowsQ5_1, GemmRowsQ6_K, GemmRowsQ8 and GemmRowsParts (row_gemm.h): the int8
+// dot-product GEMM (int8_dot.h defines its arithmetic). This file: the x rows' quantization, the
+// AVX2 kernel, and the choice between it and the AVX-512 one (int8_dot_avx512.cc).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -235,22 +235,6 @@ struct Avx2Tiles {
   }
 };
 
-template <typename F>
-void GemmInt8(const float* x, int64_t ldx, const typename F::Matrix& w, const float* bias, float* y,
-              int64_t ldy, int64_t m, bool accumulate) {
-  assert(w.cols % kBlock == 0);
-  if (m <= 0 || w.rows <= 0) return;
-  InitGemmOutput(bias, y, ldy, m, w.rows, accumulate);
-  const bool avx512 = ActiveIsa() == Isa::kAvx512 && CpuHasAvx512Vnni();
-  const QuantizedRows xq = Quantize(x, ldx, m, w.cols, F::kNibblePairs,
-                                    /*spread=*/!avx512 && Avx2Tiles<F>::kSpreadScales && m > 1);
-  if (avx512) {
-    GemmAvx512<F>(xq, m, w, y, ldy);
-  } else {
-    GemmWith<Avx2Tiles<F>>(xq, m, w, y, ldy);
-  }
-}
-
 template <typename M>
 struct FormatOf;
 template <>
@@ -282,6 +266,14 @@ void RunPartBlock(const QuantizedRows& x, int64_t m, const void* w, float* y, in
   } else {
     RunColumnBlock<Avx2Tiles<F>>(x, m, matrix, y, ldy, cb);
   }
+}
+
+// A single-format GEMM: GemmRowsParts with one part.
+template <typename M>
+void OnePart(const float* x, int64_t ldx, const M& w, const float* bias, float* y, int64_t ldy,
+             int64_t m, bool accumulate) {
+  const BlockPart part{w, bias, y};
+  GemmRowsParts(x, ldx, {&part, 1}, ldy, m, accumulate);
 }
 
 }  // namespace
@@ -347,23 +339,23 @@ void QuantizeQ8(const float* w, int64_t rows, int64_t cols, int8_t* qs, float* s
 
 void GemmRowsQ4_1(const float* x, int64_t ldx, const Q4_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {
-  GemmInt8<Nibbles<false>>(x, ldx, w, bias, y, ldy, m, accumulate);
+  OnePart(x, ldx, w, bias, y, ldy, m, accumulate);
 }
 
 void GemmRowsQ5_1(const float* x, int64_t ldx, const Q5_1Matrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {
-  GemmInt8<Nibbles<true>>(x, ldx, w, bias, y, ldy, m, accumulate);
+  OnePart(x, ldx, w, bias, y, ldy, m, accumulate);
 }
 
 void GemmRowsQ6_K(const float* x, int64_t ldx, const Q6_KMatrix& w, const float* bias, float* y,
                   int64_t ldy, int64_t m, bool accumulate) {
   assert(w.cols % kQ6Super == 0);
-  GemmInt8<SixBits>(x, ldx, w, bias, y, ldy, m, accumulate);
+  OnePart(x, ldx, w, bias, y, ldy, m, accumulate);
 }
 
 void GemmRowsQ8(const float* x, int64_t ldx, const Q8Matrix& w, const float* bias, float* y,
                 int64_t ldy, int64_t m, bool accumulate) {
-  GemmInt8<Signed8>(x, ldx, w, bias, y, ldy, m, accumulate);
+  OnePart(x, ldx, w, bias, y, ldy, m, accumulate);
 }
 
 }  // namespace infinigen::cpu
