@@ -161,7 +161,8 @@ CaseResult RunLocal(BatchEngine& engine, int streams, int64_t vocab, int64_t pro
 }
 
 // One line, "profile | label | streams | ...": the decode-only steps of a case (engine counters
-// after minus before), per step in ms, and the backend's copies and waits per layer.
+// after minus before): how many and their mean batch (streams finish at different steps, so it
+// is below `streams`), per step in ms, and the backend's copies and waits per layer.
 void PrintProfile(const std::string& label, int streams, const StepProfile& a,
                   const StepProfile& b) {
   const double steps = static_cast<double>(b.steps - a.steps);
@@ -174,13 +175,15 @@ void PrintProfile(const std::string& label, int streams, const StepProfile& a,
                         ms(&StepProfile::select) + ms(&StepProfile::fetch) +
                         ms(&StepProfile::attend);
   std::printf(
-      "profile | %s | %d | %.0f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | "
+      "profile | %s | %d | %.0f | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | "
+      "%.2f | "
       "%.2f | %.1f | %.1f | %.1f | %.1f |\n",
-      label.c_str(), streams, steps, ms(&StepProfile::total), ms(&StepProfile::speculate),
-      ms(&StepProfile::preselect), ms(&StepProfile::prefetch), ms(&StepProfile::append),
-      ms(&StepProfile::select), ms(&StepProfile::fetch), ms(&StepProfile::fetch_wait),
-      ms(&StepProfile::attend), ms(&StepProfile::total) - phases, c.synchronizations / layers,
-      c.copies_to_host / layers, c.copies_to_device / layers, c.allocations / steps);
+      label.c_str(), streams, steps, static_cast<double>(b.sequences - a.sequences) / steps,
+      ms(&StepProfile::total), ms(&StepProfile::speculate), ms(&StepProfile::preselect),
+      ms(&StepProfile::prefetch), ms(&StepProfile::append), ms(&StepProfile::select),
+      ms(&StepProfile::fetch), ms(&StepProfile::fetch_wait), ms(&StepProfile::attend),
+      ms(&StepProfile::total) - phases, c.synchronizations / layers, c.copies_to_host / layers,
+      c.copies_to_device / layers, c.allocations / steps);
 }
 
 }  // namespace

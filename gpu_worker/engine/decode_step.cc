@@ -281,6 +281,7 @@ absl::Status DecodeStep::Forward(std::span<const ForwardChunk> batch, std::span<
   if (profiling_) {
     profile_.steps += 1;
     profile_.layers += model_.config().num_layers;
+    profile_.sequences += static_cast<int64_t>(batch.size());
     profile_.total += Since(t0);
     profile_.backend += model_.backend().counters() - counters0;
   }

@@ -40,6 +40,7 @@ namespace infinigen {
 struct StepProfile {
   int64_t steps = 0;
   int64_t layers = 0;       // layers those steps ran (steps x the model's layers)
+  int64_t sequences = 0;    // sequences those steps decoded (their batches summed)
   double total = 0;         // seconds in Forward
   double speculate = 0;     // the next layer's partial queries
   double preselect = 0;     // the policies' guesses of the next layer's rows (and their copies)

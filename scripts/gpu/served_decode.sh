@@ -85,8 +85,8 @@ for c in $CASES; do
 done
 echo
 echo "Decode steps' host time per step (ms) and backend calls per layer (syncs, copies) or step (allocations):"
-echo "| context | mode | batch | steps | step | speculate | preselect | prefetch | append | select | fetch | of which transport wait | attend | rest (layers) | syncs/layer | to host/layer | to device/layer | allocs/step |"
-echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| context | mode | batch | steps | their mean batch | step | speculate | preselect | prefetch | append | select | fetch | of which transport wait | attend | rest (layers) | syncs/layer | to host/layer | to device/layer | allocs/step |"
+echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for p in "${profiles[@]}"; do echo "$p"; done
 echo
 echo "Time to first token (s), every stream submitted at once (the last waits for all prefills):"

@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "common/npy.h"
 #include "gpu_worker/backend/cuda_backend.h"
@@ -106,12 +108,16 @@ TEST_P(CudaModel, HalfPrecisionLogitsStayWithinTolerance) {
   }
 }
 
-// A prompt long enough (128 rows and more) that bf16 prefill attention runs through the GEMMs
-// (the default) instead of the tiles: every row's logits within bf16 tolerance of the CPU's
-// float32 model, as the tiles' are, in one chunk and, where the fixture's context holds 256
-// tokens, in two chunks of 128 (the second's GEMMs over keys before its queries). The fixtures'
-// own prompts, 24 tokens, never reach the GEMMs.
-TEST_P(CudaModel, LongBf16PromptsThroughTheGemmsMatchTheCpu) {
+// A prompt long enough (128 rows and more) that 16-bit prefill attention runs through the GEMMs
+// (the default) instead of the tiles: every row's logits near the CPU's float32 model, in one
+// chunk and, where the fixture's context holds 256 tokens, in two chunks of 128 (the second's
+// GEMMs over keys before its queries). The fixtures' own prompts, 24 tokens, never reach the
+// GEMMs. The bounds are measured (H200, 2026-11-29, seed 17): the largest |GPU - CPU| over the
+// fixtures was 6.1% of the largest |logit| in bf16 (the Llama fixtures 3.9-6.1%, the tiles as
+// far off as the GEMMs; the 5% that holds for the fixtures' 24 tokens did not) and 0.8% in f16,
+// whose 3 more mantissa bits round 8x finer. And the GEMMs may not be much worse than the tiles
+// on the same prompt.
+TEST_P(CudaModel, LongHalfPrecisionPromptsThroughTheGemmsMatchTheCpu) {
   unsetenv("INFINIGEN_CUDA_CAUSAL");  // which path runs is this test's choice
   const std::string dir = FixturePath("hf/" + GetParam());
   testing::LoadedModel cpu = testing::LoadModel(dir);
@@ -120,15 +126,24 @@ TEST_P(CudaModel, LongBf16PromptsThroughTheGemmsMatchTheCpu) {
   ASSERT_GE(n, 128) << "the fixture's context is too short to reach the GEMMs";
   const auto tokens = testing::RandomTokens(n, cpu.model->config().vocab_size, 17);
   const auto want = ChunkedLogits(*cpu.model, tokens, n);
-  const float tol = 0.05f * std::max(1.0f, MaxAbs(want));
-  for (bool gemm : {true, false}) {
-    SCOPED_TRACE(gemm ? "gemms" : "tiles");
-    OnGpu g = LoadOnGpu(dir, DType::kBF16, gemm);
-    ASSERT_NE(g.model, nullptr);
-    EXPECT_LE(MaxAbsDiff(ChunkedLogits(*g.model, tokens, n), want), tol);
-    if (n == 256) {
-      EXPECT_LE(MaxAbsDiff(ChunkedLogits(*g.model, tokens, 128), want), tol);
+  const float scale = std::max(1.0f, MaxAbs(want));
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const float tol = (dtype == DType::kBF16 ? 0.08f : 0.02f) * scale;
+    float err[2] = {0.0f, 0.0f};  // tiles, GEMMs
+    for (bool gemm : {true, false}) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + (gemm ? " gemms" : " tiles"));
+      OnGpu g = LoadOnGpu(dir, dtype, gemm);
+      ASSERT_NE(g.model, nullptr);
+      err[gemm] = MaxAbsDiff(ChunkedLogits(*g.model, tokens, n), want);
+      EXPECT_LE(err[gemm], tol);
+      if (n == 256) {
+        EXPECT_LE(MaxAbsDiff(ChunkedLogits(*g.model, tokens, 128), want), tol);
+      }
     }
+    std::printf("%s %s: max |GPU - CPU| / max |logit|: tiles %.4f, GEMMs %.4f\n",
+                GetParam().c_str(), std::string(DTypeName(dtype)).c_str(), err[0] / scale,
+                err[1] / scale);
+    EXPECT_LE(err[1], 1.25f * err[0] + 0.01f * scale) << DTypeName(dtype);
   }
 }
 
