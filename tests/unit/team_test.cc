@@ -10,6 +10,7 @@
 #include <sched.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <set>
@@ -95,6 +96,51 @@ TEST_F(TeamTest, TwoCallersAtOnceBothFinishEveryIndex) {
   for (auto& t : callers) t.join();
   EXPECT_EQ(sums[0].load(), 2000 * 136);
   EXPECT_EQ(sums[1].load(), 2000 * 136);
+}
+
+// Stealing: while one thread is held on its first index, the other runs its own share and then
+// the held thread's remaining indices (from the back), in both directions: the caller taking the
+// team thread's share and the team thread the caller's. The held thread is released once the
+// other has run 5 of the 8 indices, or after 10 s, when stealing did not happen (the test then
+// fails instead of hanging).
+TEST_F(TeamTest, AThreadHeldOnItsShareHasTheRestTakenByTheOther) {
+  Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff});
+  ASSERT_EQ(Team::Get().size(), 2);
+  const std::thread::id caller = std::this_thread::get_id();
+  for (bool hold_caller : {false, true}) {
+    SCOPED_TRACE(hold_caller ? "the caller held" : "the team's thread held");
+    std::atomic<int> by_caller[8];
+    std::atomic<int> runs[8];
+    for (int i = 0; i < 8; ++i) by_caller[i] = runs[i] = 0;
+    std::atomic<int> by_free{0};  // indices run by the thread not held
+    std::atomic<bool> held{false};
+    Team::Get().Run(
+        8,
+        [&](int64_t i) {
+          const bool on_caller = std::this_thread::get_id() == caller;
+          runs[i].fetch_add(1);
+          by_caller[i] = on_caller ? 1 : 0;
+          if (on_caller != hold_caller) {
+            by_free.fetch_add(1);
+            return;
+          }
+          if (held.exchange(true)) return;  // only the held thread's first index waits
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (by_free.load() < 5 && std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+          }
+        },
+        Schedule::kStealing);
+    for (int i = 0; i < 8; ++i) ASSERT_EQ(runs[i].load(), 1) << "index " << i;
+    // The free thread ran its own share of 4 and at least one of the held thread's.
+    EXPECT_GE(by_free.load(), 5);
+    int taken = 0;  // indices of the held thread's share run by the other
+    for (int i = 0; i < 8; ++i) {
+      const bool held_share = hold_caller ? i < 4 : i >= 4;
+      if (held_share && by_caller[i].load() != (hold_caller ? 1 : 0)) ++taken;
+    }
+    EXPECT_GE(taken, 1);
+  }
 }
 
 TEST_F(TeamTest, SleepingThreadsWakeForTheNextJob) {
