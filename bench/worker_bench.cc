@@ -160,9 +160,10 @@ CaseResult RunLocal(BatchEngine& engine, int streams, int64_t vocab, int64_t pro
   return r;
 }
 
-// One line, "profile | label | streams | ...": the decode-only steps of a case (engine counters
-// after minus before): how many and their mean batch (streams finish at different steps, so it
-// is below `streams`), per step in ms, and the backend's copies and waits per layer.
+// One line, "profile | label | streams | ...": the decode-only steps of a case with every stream
+// in them (engine counters after minus before; the streams that are left after the first ones
+// end are not the case's batch): how many and their mean batch, per step in ms, and the
+// backend's copies and waits per layer.
 void PrintProfile(const std::string& label, int streams, const StepProfile& a,
                   const StepProfile& b) {
   const double steps = static_cast<double>(b.steps - a.steps);
@@ -404,6 +405,7 @@ int main(int argc, char** argv) {
     RunLocal(*engine, 1, vocab, 16, 4, make_policy);
   }
   for (int n : streams) {
+    if (engine) engine->ProfileStepsOfAtLeast(n);  // the case's batch, not its stragglers
     const StepProfile before = engine ? engine->Stats().decode_profile : StepProfile();
     CaseResult r = stub ? RunRemote(*stub, n, vocab, prompt, new_tokens, policy)
                         : RunLocal(*engine, n, vocab, prompt, new_tokens, make_policy);

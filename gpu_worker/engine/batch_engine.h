@@ -151,6 +151,9 @@ class BatchEngine {
   // Ends a request at the next step boundary (finish reason CANCELLED); unknown ids are ignored.
   void Cancel(uint64_t id);
   EngineStats Stats() const;
+  // Stats().decode_profile counts the decode-only steps of at least `n` sequences from now on
+  // (DecodeStep::set_profile_min_batch; benchmarks).
+  void ProfileStepsOfAtLeast(int64_t n) { step_.set_profile_min_batch(n); }
 
  private:
   struct Active {

@@ -269,9 +269,9 @@ absl::Status DecodeStep::Forward(std::span<const ForwardChunk> batch, std::span<
   completed_ = false;
   const Clock::time_point t0 = Clock::now();
   const BackendCounters counters0 = model_.backend().counters();
-  profiling_ = !batch.empty() && std::all_of(batch.begin(), batch.end(), [](const ForwardChunk& c) {
-    return c.tokens.size() == 1;
-  });
+  profiling_ = !batch.empty() && static_cast<int64_t>(batch.size()) >= profile_min_batch() &&
+               std::all_of(batch.begin(), batch.end(),
+                           [](const ForwardChunk& c) { return c.tokens.size() == 1; });
   IG_RETURN_IF_ERROR(Plan(batch));
   // Layer 0's rows start moving before the embedding; every later layer's during the one
   // before it.

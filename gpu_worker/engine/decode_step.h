@@ -19,6 +19,7 @@
 // Not thread-safe: one engine thread owns a step, its model and its cache.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -100,8 +101,12 @@ class DecodeStep final : private LayerAttention {
   // (hits), and those that had to fetch again (misses). Streamed caches only.
   int64_t prefetch_hits() const { return prefetch_hits_; }
   int64_t prefetch_misses() const { return prefetch_misses_; }
-  // Since the step was made.
+  // Since the step was made: the decode-only steps of at least profile_min_batch() sequences.
   const StepProfile& profile() const { return profile_; }
+  // A benchmark that wants its batch's steps alone (streams finish at different steps, and the
+  // last ones decode alone) raises it; 1 (every decode-only step) by default.
+  int64_t profile_min_batch() const { return profile_min_batch_.load(std::memory_order_relaxed); }
+  void set_profile_min_batch(int64_t n) { profile_min_batch_.store(n, std::memory_order_relaxed); }
 
  private:
   // LayerAttention.
@@ -250,7 +255,8 @@ class DecodeStep final : private LayerAttention {
   bool completed_ = false;
   int64_t prefetch_hits_ = 0, prefetch_misses_ = 0;
   StepProfile profile_;
-  bool profiling_ = false;        // the current batch is decode tokens only
+  bool profiling_ = false;  // the current batch is decode tokens only, and large enough
+  std::atomic<int64_t> profile_min_batch_{1};
   bool speculating_ = false;      // some chunk of the current batch speculates
   int spec_layer_[2] = {-1, -1};  // the layer whose partial queries spec_q_[parity] holds
 };

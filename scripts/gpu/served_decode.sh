@@ -6,6 +6,9 @@
 # all K/V resident on the GPU, per context and batch. One markdown table, last.
 #   BIN=build/bin scripts/gpu/served_decode.sh [contexts="8192 32768"] [batches="1 8 16"]
 #       [new_tokens=16] [config=scripts/gpu/llama31_8b.json]
+# Streams are submitted at once and prefilled one per step while the others decode, so each asks
+# for new_tokens + batch - 1 tokens: new_tokens - 1 decode-only steps then have every stream in
+# them, and the profile (DecodeStep's) counts those alone.
 # CASES="8192:1 32768:1 ..." runs those context:batch pairs in that order instead of every pair;
 # DEADLINE (epoch seconds) skips the cases that would start after it and stops one at it; CASE_TIMEOUT (s) bounds one
 # worker_bench run; KV_MB sets the store's host RAM (default: the case's K/V at Llama-3.1-8B's
@@ -63,7 +66,7 @@ for c in $CASES; do
       *) echo "unknown mode $mode" >&2; exit 2 ;;
     esac
     out=$(timeout "$limit" env ${run_env[@]+"${run_env[@]}"} "$BIN/worker_bench" --random "$CONFIG" --device "$DEVICE" \
-      --streams "$batch" --prompt-tokens "$ctx" --new-tokens "$NEW" --prefill-budget "$ctx" \
+      --streams "$batch" --prompt-tokens "$ctx" --new-tokens "$((NEW + batch - 1))" --prefill-budget "$ctx" \
       --kv-capacity-mb "$kv_mb" --label "$mode" "${flags[@]}" 2>&1)
     rc=$?
     row=$(grep '^|' <<< "$out" | tail -1)
