@@ -361,6 +361,26 @@ absl::Status CpuBackend::Linear(MatView x, const Weight& w, const Weight* bias, 
   return absl::OkStatus();
 }
 
+bool CpuBackend::BlockMatrixOf(const Weight& w, cpu::BlockMatrix& m) const {
+  switch (w.format) {
+    case WeightFormat::kQ8:  // GemmRowsQ8's order only where rows are batch-invariant
+      if (!options_.batch_invariant) return false;
+      m = Q8View(w);
+      return true;
+    case WeightFormat::kQ4_1:
+      m = Q4View(w);
+      return true;
+    case WeightFormat::kQ5_1:
+      m = Q5View(w);
+      return true;
+    case WeightFormat::kQ6_K:
+      m = Q6View(w);
+      return true;
+    default:
+      return false;
+  }
+}
+
 bool CpuBackend::MultiplyBlockParts(MatView x, const Weight& w, const float* bias, MatView out,
                                     bool accumulate) {
   std::array<cpu::BlockPart, cpu::kMaxBlockParts> parts;
@@ -369,23 +389,7 @@ bool CpuBackend::MultiplyBlockParts(MatView x, const Weight& w, const float* bia
   for (size_t i = 0; i < w.segments.size(); ++i) {
     const Weight& part = w.segments[i];
     cpu::BlockPart& p = parts[i];
-    switch (part.format) {
-      case WeightFormat::kQ8:  // GemmRowsQ8's order only where rows are batch-invariant
-        if (!options_.batch_invariant) return false;
-        p.matrix = Q8View(part);
-        break;
-      case WeightFormat::kQ4_1:
-        p.matrix = Q4View(part);
-        break;
-      case WeightFormat::kQ5_1:
-        p.matrix = Q5View(part);
-        break;
-      case WeightFormat::kQ6_K:
-        p.matrix = Q6View(part);
-        break;
-      default:
-        return false;
-    }
+    if (!BlockMatrixOf(part, p.matrix)) return false;
     p.bias = bias == nullptr ? nullptr : bias + r0;
     p.y = out.Cols(r0, part.rows).As<float>();
     r0 += part.rows;
@@ -397,6 +401,13 @@ bool CpuBackend::MultiplyBlockParts(MatView x, const Weight& w, const float* bia
 
 void CpuBackend::MultiplyRows(MatView x, const Weight& w, const float* bias, MatView out,
                               bool accumulate) {
+  cpu::BlockPart part;
+  if (BlockMatrixOf(w, part.matrix)) {
+    part.bias = bias;
+    part.y = out.As<float>();
+    cpu::GemmRowsParts(x.As<float>(), x.stride, {&part, 1}, out.stride, x.rows, accumulate);
+    return;
+  }
   switch (w.format) {
     case WeightFormat::kBF16:
       if (options_.batch_invariant) {
@@ -407,26 +418,9 @@ void CpuBackend::MultiplyRows(MatView x, const Weight& w, const float* bias, Mat
                       out.As<float>(), out.stride, x.rows, w.rows, w.cols, accumulate);
       }
       break;
-    case WeightFormat::kQ8:
-      if (options_.batch_invariant) {
-        cpu::GemmRowsQ8(x.As<float>(), x.stride, Q8View(w), bias, out.As<float>(), out.stride,
-                        x.rows, accumulate);
-      } else {
-        cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), bias, out.As<float>(), out.stride, x.rows,
-                    accumulate);
-      }
-      break;
-    case WeightFormat::kQ4_1:
-      cpu::GemmRowsQ4_1(x.As<float>(), x.stride, Q4View(w), bias, out.As<float>(), out.stride,
-                        x.rows, accumulate);
-      break;
-    case WeightFormat::kQ5_1:
-      cpu::GemmRowsQ5_1(x.As<float>(), x.stride, Q5View(w), bias, out.As<float>(), out.stride,
-                        x.rows, accumulate);
-      break;
-    case WeightFormat::kQ6_K:
-      cpu::GemmRowsQ6_K(x.As<float>(), x.stride, Q6View(w), bias, out.As<float>(), out.stride,
-                        x.rows, accumulate);
+    case WeightFormat::kQ8:  // rows need not be batch-invariant: the packed order
+      cpu::GemmQ8(x.As<float>(), x.stride, Q8View(w), bias, out.As<float>(), out.stride, x.rows,
+                  accumulate);
       break;
     default:
       if (options_.batch_invariant) {

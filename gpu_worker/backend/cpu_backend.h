@@ -5,6 +5,7 @@
 #include <atomic>
 
 #include "gpu_worker/backend/backend.h"
+#include "kernels/cpu/row_gemm.h"
 #include "kernels/cpu/team.h"
 
 namespace infinigen {
@@ -87,6 +88,9 @@ class CpuBackend : public Backend {
   // part has another format.
   bool MultiplyBlockParts(MatView x, const Weight& w, const float* bias, MatView out,
                           bool accumulate);
+  // The block-format view of `w` that cpu::GemmRowsParts multiplies, or false: f32 and bf16,
+  // and Q8 where rows need not be batch-invariant (GemmQ8's packed order).
+  bool BlockMatrixOf(const Weight& w, cpu::BlockMatrix& m) const;
 
   CpuBackendOptions options_;
   // Whether a weight was kept in Q4_1, Q5_1 or Q6_K blocks (under q4_1, a checkpoint without 4-,

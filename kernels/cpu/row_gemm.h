@@ -51,8 +51,9 @@ void GemmRowsQ6_K(const float* x, int64_t ldx, const Q6_KMatrix& w, const float*
 // One part of a weight whose rows come in parts of different block formats (q, k and v, or
 // gate and up, each as its file stores it), and the part's bias (or null) and first output
 // column.
+using BlockMatrix = std::variant<Q8Matrix, Q4_1Matrix, Q5_1Matrix, Q6_KMatrix>;
 struct BlockPart {
-  std::variant<Q8Matrix, Q4_1Matrix, Q5_1Matrix, Q6_KMatrix> matrix;
+  BlockMatrix matrix;
   const float* bias = nullptr;
   float* y = nullptr;
 };
