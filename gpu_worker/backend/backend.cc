@@ -22,6 +22,8 @@ const char* WeightFormatName(WeightFormat f) {
       return "q5_1";
     case WeightFormat::kQ6_K:
       return "q6_k";
+    case WeightFormat::kQ5_0:
+      return "q5_0";
   }
   return "?";
 }

@@ -94,6 +94,9 @@ enum class WeightFormat : uint8_t {
   // A file's Q6_K matrix in the CPU's Q6_K layout (kernels/cpu/q6_k.h; chosen per matrix under
   // kQ4_1, never as an option).
   kQ6_K,
+  // A file's Q5_0 matrix in Q5_1 blocks that keep no minimums (each is -16 times the block's
+  // scale; kernels/cpu/q5_1.h): 24 bytes a block, not 28 (chosen per matrix under kQ4_1).
+  kQ5_0,
 };
 const char* WeightFormatName(WeightFormat f);
 
@@ -117,6 +120,9 @@ class StoredWeight {
   virtual bool ConvertsToQ5_1() const { return false; }
   virtual void ToQ5_1(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*qs*/, uint32_t* /*qh*/,
                       float* /*d*/, float* /*m*/) const {}
+  // Whether those Q5_1 blocks' minimums are all -16 times their scales (the file's Q5_0): ToQ5_1
+  // then takes m = nullptr and writes none.
+  virtual bool ConvertsToQ5_0() const { return false; }
   // The same for the CPU's Q6_K layout (kernels/cpu/q6_k.h: the file's Q6_K super-blocks; rows
   // of whole super-blocks).
   virtual bool ConvertsToQ6_K() const { return false; }

@@ -67,7 +67,8 @@ cpu::Q4_1Matrix Q4View(const Weight& w) {
 }
 
 // A Q5_1 weight's buffer holds the low nibbles (16 bytes a block), then (64-byte aligned) the
-// blocks' fifth bits (a 32-bit word each), then their scales, then their minimums.
+// blocks' fifth bits (a 32-bit word each), then their scales, then their minimums (a Q5_0
+// weight's, none: each is -16 times the scale).
 size_t Q5BitsOffset(int64_t rows, int64_t cols) { return (rows * cols / 2 + 63) / 64 * 64; }
 size_t Q5ScalesOffset(int64_t rows, int64_t cols) {
   return Q5BitsOffset(rows, cols) + (rows * cols / cpu::kQ5Block * 4 + 63) / 64 * 64;
@@ -77,7 +78,7 @@ cpu::Q5_1Matrix Q5View(const Weight& w) {
   const auto* base = static_cast<const uint8_t*>(w.data());
   const auto* d = reinterpret_cast<const float*>(base + Q5ScalesOffset(w.rows, w.cols));
   return {base,   reinterpret_cast<const uint32_t*>(base + Q5BitsOffset(w.rows, w.cols)),
-          d,      d + w.rows * w.cols / cpu::kQ5Block,
+          d,      w.format == WeightFormat::kQ5_0 ? nullptr : d + w.rows * w.cols / cpu::kQ5Block,
           w.rows, w.cols};
 }
 
@@ -175,7 +176,9 @@ int64_t RowsPerChunk(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 
 // Under q4_1: the block layout that keeps `stored`'s values as they are, or q8.
 WeightFormat KeptFormat(const StoredWeight& stored) {
   if (stored.ConvertsToQ4_1()) return WeightFormat::kQ4_1;
-  if (stored.ConvertsToQ5_1()) return WeightFormat::kQ5_1;
+  if (stored.ConvertsToQ5_1()) {
+    return stored.ConvertsToQ5_0() ? WeightFormat::kQ5_0 : WeightFormat::kQ5_1;
+  }
   if (stored.ConvertsToQ6_K() && stored.cols() % cpu::kQ6Super == 0) return WeightFormat::kQ6_K;
   return WeightFormat::kQ8;
 }
@@ -235,7 +238,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
     if (!runs.empty()) return w;
   }
   if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1 ||
-       w.format == WeightFormat::kQ5_1) &&
+       w.format == WeightFormat::kQ5_1 || w.format == WeightFormat::kQ5_0) &&
       cols % cpu::kQ8Block != 0) {
     w.format = WeightFormat::kF32;
   }
@@ -246,6 +249,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
   if (w.format == WeightFormat::kQ8) bytes = Q8ScalesOffset(rows, cols) + n / cpu::kQ8Block * 4;
   if (w.format == WeightFormat::kQ4_1) bytes = Q4ScalesOffset(rows, cols) + n / cpu::kQ4Block * 8;
   if (w.format == WeightFormat::kQ5_1) bytes = Q5ScalesOffset(rows, cols) + n / cpu::kQ5Block * 8;
+  if (w.format == WeightFormat::kQ5_0) bytes = Q5ScalesOffset(rows, cols) + n / cpu::kQ5Block * 4;
   if (w.format == WeightFormat::kQ6_K) {
     bytes = Q6SuperOffset(static_cast<int64_t>(n)) + n / cpu::kQ6Super * 4;
   }
@@ -271,7 +275,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
                   const_cast<int8_t*>(q.s), const_cast<float*>(q.d));
     return w;
   }
-  if (w.format == WeightFormat::kQ5_1) {
+  if (w.format == WeightFormat::kQ5_1 || w.format == WeightFormat::kQ5_0) {
     kept_blocks_.store(true);
     const cpu::Q5_1Matrix q = Q5View(w);
     stored.ToQ5_1(0, rows, const_cast<uint8_t*>(q.qs), const_cast<uint32_t*>(q.qh),
@@ -313,6 +317,7 @@ absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatV
       cpu::EmbeddingQ4_1(Q4View(table), ids, out.rows, out.As<float>(), out.stride);
       break;
     case WeightFormat::kQ5_1:
+    case WeightFormat::kQ5_0:
       cpu::EmbeddingQ5_1(Q5View(table), ids, out.rows, out.As<float>(), out.stride);
       break;
     case WeightFormat::kQ6_K:
@@ -371,6 +376,7 @@ bool CpuBackend::BlockMatrixOf(const Weight& w, cpu::BlockMatrix& m) const {
       m = Q4View(w);
       return true;
     case WeightFormat::kQ5_1:
+    case WeightFormat::kQ5_0:
       m = Q5View(w);
       return true;
     case WeightFormat::kQ6_K:

@@ -26,7 +26,8 @@ using CreateCudaBackendFn = Backend* (*)(int abi, size_t backend_size, int devic
                                          char* error, size_t error_size);
 inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // Bumped whenever Backend's or StoredWeight's virtual functions or Weight's layout change (2:
-// ScratchBytes; 3: StoredWeight::ToQ6_K, PartEnds and Rows, Weight::segments).
-inline constexpr int kCudaPluginAbi = 3;
+// ScratchBytes; 3: StoredWeight::ToQ6_K, PartEnds and Rows, Weight::segments; 4:
+// StoredWeight::ConvertsToQ5_0).
+inline constexpr int kCudaPluginAbi = 4;
 
 }  // namespace infinigen

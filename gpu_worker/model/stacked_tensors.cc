@@ -73,12 +73,14 @@ void StackedTensors::ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float
 
 bool StackedTensors::ConvertsToQ5_1() const { return EveryPart(infinigen::ConvertsToQ5_1); }
 
+bool StackedTensors::ConvertsToQ5_0() const { return EveryPart(infinigen::ConvertsToQ5_0); }
+
 void StackedTensors::ToQ5_1(int64_t r0, int64_t r1, uint8_t* qs, uint32_t* qh, float* d,
                             float* m) const {
   ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
     const int64_t block = StorageBlockElements(t.type), q5 = at / cpu::kQ5Block;
     ConvertToQ5_1(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
-                  qs + q5 * (cpu::kQ5Block / 2), qh + q5, d + q5, m + q5);
+                  qs + q5 * (cpu::kQ5Block / 2), qh + q5, d + q5, m == nullptr ? nullptr : m + q5);
   });
 }
 

@@ -23,6 +23,7 @@ class StackedTensors : public StoredWeight {
   bool ConvertsToQ4_1() const override;
   void ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const override;
   bool ConvertsToQ5_1() const override;
+  bool ConvertsToQ5_0() const override;
   void ToQ5_1(int64_t r0, int64_t r1, uint8_t* qs, uint32_t* qh, float* d, float* m) const override;
   bool ConvertsToQ6_K() const override;
   void ToQ6_K(int64_t r0, int64_t r1, uint8_t* ql, uint8_t* qh, int8_t* s, float* d) const override;

@@ -384,7 +384,7 @@ void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
       case StorageType::kQ5_0:
         // fma(q, d, -16d) is (q - 16) * d rounded once, as the reference rounds it.
         d[b] = Half(blk);
-        m[b] = -16.0f * d[b];
+        if (m != nullptr) m[b] = -16.0f * d[b];
         std::memcpy(&qh[b], blk + 2, 4);
         std::memcpy(qs + 16 * b, blk + 6, 16);
         break;
@@ -410,6 +410,8 @@ void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
     }
   }
 }
+
+bool ConvertsToQ5_0(StorageType t) { return t == StorageType::kQ5_0; }
 
 bool ConvertsToQ6_K(StorageType t) { return t == StorageType::kQ6_K || t == StorageType::kQ3_K; }
 

@@ -58,6 +58,10 @@ bool ConvertsToQ5_1(StorageType t);
 // and minimum m[i], so that fma(q, d, m) is exactly the value DecodeBlocks gives.
 void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs, uint32_t* qh,
                    float* d, float* m);
+// Whether blocks of t convert to Q5_1 blocks whose minimum is always -16 times their scale (the
+// file's Q5_0: (q - 16) d): ConvertToQ5_1 then takes m = nullptr and writes no minimums, and a
+// CPU matrix keeps none (kernels/cpu/q5_1.h).
+bool ConvertsToQ5_0(StorageType t);
 
 // Whether blocks of t convert exactly to the CPU's Q6_K layout (kernels/cpu/q6_k.h): Q6_K, and
 // Q3_K (its signed 3-bit values plus 32, its 6-bit scales as they are).

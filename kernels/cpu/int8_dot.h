@@ -24,7 +24,8 @@
 //   lanes, lane j the sum of the two registers' lane j (integers: exact), converted to float,
 //   times its block's x scale, then acc = fma(that, its block's d, acc) into 8 lanes; an odd last
 //   block's 8 lanes the same way; then acc lane j = fma(m_b, xsum_b, acc) over blocks
-//   b = j (mod 8) in order; y += HorizontalSum(acc). (Half the float work of the 16 lanes.)
+//   b = j (mod 8) in order (m_b = -16 d_b, exact, for a Q5_0 matrix that keeps no minimums);
+//   y += HorizontalSum(acc). (Half the float work of the 16 lanes.)
 // Pair orders: the nibble formats (Q4_1, Q5_1, Q6_K), as a pair's 32 bytes of nibbles unpack: lanes
 // 0-3 elements 0-15 of block 2p, 4-7 0-15 of 2p+1, 8-11 16-31 of 2p, 12-15 16-31 of 2p+1; Q8,
 // its bytes in order: lanes 0-7 block 2p, 8-15 block 2p+1.
@@ -179,6 +180,9 @@ struct Nibbles : PerBlockScales<Nibbles<kFifth>> {
   static constexpr bool kNibblePairs = true, kMinimums = true, kPanel = true, kSummedPairs = true;
   static const float* Scales(const Matrix& w) { return w.d; }
   static const float* Minimums(const Matrix& w) { return w.m; }
+  // A minimum per unit of scale where the matrix keeps none (Q5_1Matrix; Q4_1's always keeps
+  // them).
+  static constexpr float kCentered = kFifth ? kQ5Centered : 0.0f;
   static const uint8_t* Bytes(const Matrix& w, int64_t at) { return w.qs + at * (kBlock / 2); }
 
   static void Pair8(const Matrix& w, int64_t at, __m256i& qa, __m256i& qb, bool prefetch) {
@@ -424,17 +428,24 @@ inline void AddOddBlock8(const QuantizedRows& x, int64_t r0, const typename F::M
   }
 }
 
-// The summed formats' minimums: lane j += m_b xsum_b over blocks b = j (mod 8), in order.
+// The summed formats' minimums: lane j += m_b xsum_b over blocks b = j (mod 8), in order. A
+// matrix with no minimums (Q5_1Matrix::m null: the file's Q5_0) has m_b = kCentered d_b, made
+// here with the bits a stored one has (a power of two times d is exact).
 template <typename F, int R, int C>
 inline void AddMinimums8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
                          int64_t c0, __m256 (&acc)[R][C]) {
   const float* m = F::Minimums(w);
+  const bool centered = m == nullptr;
+  const float* from = centered ? F::Scales(w) : m;
   for (int64_t b = 0; b < x.blocks; b += 8) {
     const int64_t n = std::min<int64_t>(x.blocks - b, 8);
     const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     __m256 mv[C];
-    for (int c = 0; c < C; ++c) mv[c] = _mm256_maskload_ps(m + (c0 + c) * x.blocks + b, lanes);
+    for (int c = 0; c < C; ++c) {
+      mv[c] = _mm256_maskload_ps(from + (c0 + c) * x.blocks + b, lanes);
+      if (centered) mv[c] = _mm256_mul_ps(mv[c], _mm256_set1_ps(F::kCentered));
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 sv = _mm256_maskload_ps(x.Sums(r0 + r) + b, lanes);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(mv[c], sv, acc[r][c]);

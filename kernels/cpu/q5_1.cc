@@ -10,7 +10,7 @@ void WidenQ5_1Row(const Q5_1Matrix& w, int64_t r, float* out) {
     const int64_t at = r * blocks + b;
     const uint8_t* q = w.qs + at * (kQ5Block / 2);
     const uint32_t hi = w.qh[at];
-    const float d = w.d[at], m = w.m[at];
+    const float d = w.d[at], m = w.m != nullptr ? w.m[at] : kQ5Centered * d;
     float* o = out + b * kQ5Block;
     for (int64_t j = 0; j < kQ5Block / 2; ++j) {
       const uint32_t q0 = (q[j] & 0x0fu) | (((hi >> j) & 1u) << 4);

@@ -210,10 +210,12 @@ std::vector<float> EmbeddedRows(CpuBackend& cpu, const Weight& w, const std::vec
   return out;
 }
 
-TEST(GgufQuants, CpuBackendKeepsQ4KAndQ6KValuesUnderQ4_1) {
+TEST(GgufQuants, CpuBackendKeepsEachFilesValuesUnderQ4_1) {
+  // Q5_0 in Q5_1 blocks without minimums (kQ5_0): the kernels make -16 d for each.
   for (const auto& [format, kept] :
        {std::pair{"Q4_K", WeightFormat::kQ4_1}, std::pair{"Q6_K", WeightFormat::kQ6_K},
-        std::pair{"Q3_K", WeightFormat::kQ6_K}}) {
+        std::pair{"Q3_K", WeightFormat::kQ6_K}, std::pair{"Q5_0", WeightFormat::kQ5_0},
+        std::pair{"Q5_1", WeightFormat::kQ5_1}, std::pair{"Q5_K", WeightFormat::kQ5_1}}) {
     SCOPED_TRACE(format);
     Loaded l = Open(FixturePath(std::string("quants/") + format + ".gguf"));
     const StoredTensor& t = l.gguf.tensors[0];
@@ -225,9 +227,14 @@ TEST(GgufQuants, CpuBackendKeepsQ4KAndQ6KValuesUnderQ4_1) {
     auto w = cpu.UploadStoredWeight(StackedTensors({&t, &t}, 6, 512));
     ASSERT_TRUE(w.ok()) << w.status();
     EXPECT_EQ(w->format, kept);
+    if (kept == WeightFormat::kQ5_0) {  // 24 bytes a block of 32 (and two 64-byte alignments)
+      EXPECT_LE(w->buffer->size(), 6 * 512 / 32 * 24 + 128);
+    }
     std::vector<float> want = NpyFloats(FixturePath(std::string("quants/") + format + ".npy"));
     want.insert(want.end(), want.begin(), want.end());
-    ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, format);
+    // Q5's fma(q, d, m) is +0 where the reference's (q - 16) d or q d + m may be -0.
+    ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, format,
+                   /*zero_sign_matters=*/format[1] != '5');
     EXPECT_EQ(cpu.Name(), "cpu-q4_1");
   }
 }
@@ -283,9 +290,9 @@ TEST(GgufQuants, CpuBackendKeepsEachPartOfAMixedStackInItsOwnLayout) {
   for (float& f : x) f = normal(rng);
   for (const auto& [parts, formats] :
        {std::pair{std::vector<const StoredTensor*>{a, a, v},
-                  std::vector<WeightFormat>{WeightFormat::kQ5_1, WeightFormat::kQ8}},
+                  std::vector<WeightFormat>{WeightFormat::kQ5_0, WeightFormat::kQ8}},
         std::pair{std::vector<const StoredTensor*>{a, six, three},
-                  std::vector<WeightFormat>{WeightFormat::kQ5_1, WeightFormat::kQ6_K}}}) {
+                  std::vector<WeightFormat>{WeightFormat::kQ5_0, WeightFormat::kQ6_K}}}) {
     const StackedTensors stacked(parts, 3 * static_cast<int64_t>(parts.size()), 512);
     auto w = cpu.UploadStoredWeight(stacked);
     ASSERT_TRUE(w.ok()) << w.status();

@@ -94,6 +94,8 @@ struct Weights {
   std::vector<uint32_t> q5_qh;
   std::vector<float> q5_d, q5_m;
   Q5_1Matrix q5() const { return {q5_qs.data(), q5_qh.data(), q5_d.data(), q5_m.data(), n, k}; }
+  // The same values and scales as a Q5_0 file's: no minimums, each -16 d.
+  Q5_1Matrix q5_0() const { return {q5_qs.data(), q5_qh.data(), q5_d.data(), nullptr, n, k}; }
   std::vector<uint8_t> q6_ql, q6_qh;
   std::vector<int8_t> q6_s;
   std::vector<float> q6_d;
@@ -102,10 +104,12 @@ struct Weights {
   std::vector<const uint16_t*> bf16_rows;
 };
 
-enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1, kQ5_1, kQ6_K };
-const Format kFormats[] = {Format::kF32, Format::kBf16, Format::kF32Table, Format::kBf16Table,
-                           Format::kQ8,  Format::kQ4_1, Format::kQ5_1,     Format::kQ6_K};
-const Format kBlockFormats[] = {Format::kQ8, Format::kQ4_1, Format::kQ5_1, Format::kQ6_K};
+enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1, kQ5_1, kQ5_0, kQ6_K };
+const Format kFormats[] = {Format::kF32,       Format::kBf16, Format::kF32Table,
+                           Format::kBf16Table, Format::kQ8,   Format::kQ4_1,
+                           Format::kQ5_1,      Format::kQ5_0, Format::kQ6_K};
+const Format kBlockFormats[] = {Format::kQ8, Format::kQ4_1, Format::kQ5_1, Format::kQ5_0,
+                                Format::kQ6_K};
 
 // y[m, n] (+)= x · wᵀ + bias in `format`.
 void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, const float* bias,
@@ -124,6 +128,8 @@ void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, cons
       return GemmRowsQ4_1(x, ldx, w.q4(), bias, y, ldy, m, accumulate);
     case Format::kQ5_1:
       return GemmRowsQ5_1(x, ldx, w.q5(), bias, y, ldy, m, accumulate);
+    case Format::kQ5_0:
+      return GemmRowsQ5_1(x, ldx, w.q5_0(), bias, y, ldy, m, accumulate);
     case Format::kQ6_K:
       return GemmRowsQ6_K(x, ldx, w.q6(), bias, y, ldy, m, accumulate);
     case Format::kQ8:
@@ -146,12 +152,14 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
       WidenQ4_1Row(w.q4(), j, row.data());
       return row[p];
     }
-    case Format::kQ5_1: {
+    case Format::kQ5_1:
+    case Format::kQ5_0: {
       // Written out here, not through WidenQ5_1Row: bit p % 32 of the block's word is the
       // fifth bit, the nibble is byte p % 16's low (first half) or high (second half) one.
       const int64_t at = j * (w.k / kQ5Block) + p / kQ5Block, o = p % kQ5Block;
       const uint8_t byte = w.q5_qs[at * 16 + o % 16];
       const int q = (o < 16 ? byte & 15 : byte >> 4) | (((w.q5_qh[at] >> o) & 1) << 4);
+      if (format == Format::kQ5_0) return static_cast<double>(q - 16) * w.q5_d[at];
       return static_cast<double>(q) * w.q5_d[at] + w.q5_m[at];
     }
     case Format::kQ6_K: {
@@ -170,7 +178,7 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
 // The block formats multiply activations quantized to 8 bits (kernels/cpu/int8_dot_gemm.cc).
 bool QuantizesActivations(Format format) {
   return format == Format::kQ8 || format == Format::kQ4_1 || format == Format::kQ5_1 ||
-         format == Format::kQ6_K;
+         format == Format::kQ5_0 || format == Format::kQ6_K;
 }
 
 // The activations the format's kernel multiplies: x itself, or for the block formats x quantized
@@ -379,14 +387,48 @@ TEST(BlockFormats, ANonFiniteActivationMakesItsRowsOutputsNaN) {
   CapIsaForTesting(Isa::kAvx512);
 }
 
+// A Q5_0 matrix that keeps no minimums gives the bits of the same matrix whose minimums are
+// stored as -16 d (what the loader kept before kQ5_0): widened, and multiplied by the GEMV and
+// the panels under each instruction set this CPU has.
+TEST(Q5_0, NoMinimumsGiveTheBitsOfStoredMinusSixteenScales) {
+  const int64_t n = 53, k = 576;
+  const Weights w(n, k, 9);
+  std::vector<float> centered(w.q5_d.size());
+  for (size_t b = 0; b < centered.size(); ++b) centered[b] = -16.0f * w.q5_d[b];
+  const Q5_1Matrix stored{w.q5_qs.data(), w.q5_qh.data(), w.q5_d.data(), centered.data(), n, k};
+  std::vector<float> a(k), b(k);
+  for (int64_t r = 0; r < n; ++r) {
+    WidenQ5_1Row(stored, r, a.data());
+    WidenQ5_1Row(w.q5_0(), r, b.data());
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), k * sizeof(float)), 0) << "row " << r;
+  }
+  std::mt19937 rng(4);
+  std::normal_distribution<float> d;
+  std::vector<Isa> isas = {Isa::kAvx2};
+  if (CpuHasAvx512()) isas.push_back(Isa::kAvx512);
+  for (Isa isa : isas) {
+    CapIsaForTesting(isa);
+    for (int64_t m : {1, 3, 70}) {
+      std::vector<float> x(m * k);
+      for (auto& v : x) v = d(rng);
+      std::vector<float> want(m * n, 0.5f), got(m * n, 0.5f);
+      GemmRowsQ5_1(x.data(), k, stored, nullptr, want.data(), n, m, /*accumulate=*/true);
+      GemmRowsQ5_1(x.data(), k, w.q5_0(), nullptr, got.data(), n, m, /*accumulate=*/true);
+      ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+          << m << " rows, isa " << static_cast<int>(isa);
+    }
+  }
+  CapIsaForTesting(CpuHasAvx512() ? Isa::kAvx512 : Isa::kAvx2);
+}
+
 // A weight stacked from parts of different block formats, multiplied as one job, equals each
 // part multiplied alone bit for bit: a row count that takes the GEMV, one that takes the panels,
 // parts of every format (two layouts of x) in an order that mixes them, odd part sizes.
 TEST(GemmRowsParts, EqualsEachPartMultipliedAloneBitForBit) {
   const int64_t k = 512;
-  const int64_t rows[] = {97, 13, 50, 211, 1};
-  const Format formats[] = {Format::kQ5_1, Format::kQ8, Format::kQ6_K, Format::kQ4_1,
-                            Format::kQ5_1};
+  const int64_t rows[] = {97, 13, 50, 211, 1, 33};
+  const Format formats[] = {Format::kQ5_1, Format::kQ8,   Format::kQ6_K,
+                            Format::kQ4_1, Format::kQ5_1, Format::kQ5_0};
   std::vector<std::unique_ptr<Weights>> weights;
   int64_t n = 0;
   for (size_t i = 0; i < std::size(rows); ++i) {
@@ -419,6 +461,9 @@ TEST(GemmRowsParts, EqualsEachPartMultipliedAloneBitForBit) {
             break;
           case Format::kQ5_1:
             part.matrix = w.q5();
+            break;
+          case Format::kQ5_0:
+            part.matrix = w.q5_0();
             break;
           default:
             part.matrix = w.q6();
