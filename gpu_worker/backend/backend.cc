@@ -24,6 +24,8 @@ const char* WeightFormatName(WeightFormat f) {
       return "q6_k";
     case WeightFormat::kQ5_0:
       return "q5_0";
+    case WeightFormat::kQ4_0:
+      return "q4_0";
   }
   return "?";
 }

@@ -97,6 +97,9 @@ enum class WeightFormat : uint8_t {
   // A file's Q5_0 matrix in Q5_1 blocks that keep no minimums (each is -16 times the block's
   // scale; kernels/cpu/q5_1.h): 24 bytes a block, not 28 (chosen per matrix under kQ4_1).
   kQ5_0,
+  // A file's Q4_0 matrix in Q4_1 blocks that keep no minimums (each is -8 times the block's
+  // scale; kernels/cpu/q4_1.h): 20 bytes a block, not 24 (chosen per matrix under kQ4_1).
+  kQ4_0,
 };
 const char* WeightFormatName(WeightFormat f);
 
@@ -115,6 +118,9 @@ class StoredWeight {
   virtual bool ConvertsToQ4_1() const { return false; }
   virtual void ToQ4_1(int64_t /*r0*/, int64_t /*r1*/, uint8_t* /*qs*/, float* /*d*/,
                       float* /*m*/) const {}
+  // Whether those Q4_1 blocks' minimums are all -8 times their scales (the file's Q4_0): ToQ4_1
+  // then takes m = nullptr and writes none.
+  virtual bool ConvertsToQ4_0() const { return false; }
   // The same for Q5_1 blocks (kernels/cpu/q5_1.h: the Q4_1 ones and the file's Q5_0, Q5_1 and
   // Q5_K blocks).
   virtual bool ConvertsToQ5_1() const { return false; }

@@ -57,13 +57,14 @@ cpu::Q8Matrix Q8View(const Weight& w) {
 }
 
 // A Q4_1 weight's buffer holds the packed values (16 bytes a block), then (64-byte aligned) the
-// blocks' scales, then their minimums.
+// blocks' scales, then their minimums (a Q4_0 weight's, none: each is -8 times the scale).
 size_t Q4ScalesOffset(int64_t rows, int64_t cols) { return (rows * cols / 2 + 63) / 64 * 64; }
 
 cpu::Q4_1Matrix Q4View(const Weight& w) {
   const auto* base = static_cast<const uint8_t*>(w.data());
   const auto* d = reinterpret_cast<const float*>(base + Q4ScalesOffset(w.rows, w.cols));
-  return {base, d, d + w.rows * w.cols / cpu::kQ4Block, w.rows, w.cols};
+  return {base, d, w.format == WeightFormat::kQ4_0 ? nullptr : d + w.rows * w.cols / cpu::kQ4Block,
+          w.rows, w.cols};
 }
 
 // A Q5_1 weight's buffer holds the low nibbles (16 bytes a block), then (64-byte aligned) the
@@ -175,7 +176,9 @@ int64_t RowsPerChunk(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 
 
 // Under q4_1: the block layout that keeps `stored`'s values as they are, or q8.
 WeightFormat KeptFormat(const StoredWeight& stored) {
-  if (stored.ConvertsToQ4_1()) return WeightFormat::kQ4_1;
+  if (stored.ConvertsToQ4_1()) {
+    return stored.ConvertsToQ4_0() ? WeightFormat::kQ4_0 : WeightFormat::kQ4_1;
+  }
   if (stored.ConvertsToQ5_1()) {
     return stored.ConvertsToQ5_0() ? WeightFormat::kQ5_0 : WeightFormat::kQ5_1;
   }
@@ -238,7 +241,8 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
     if (!runs.empty()) return w;
   }
   if ((w.format == WeightFormat::kQ8 || w.format == WeightFormat::kQ4_1 ||
-       w.format == WeightFormat::kQ5_1 || w.format == WeightFormat::kQ5_0) &&
+       w.format == WeightFormat::kQ4_0 || w.format == WeightFormat::kQ5_1 ||
+       w.format == WeightFormat::kQ5_0) &&
       cols % cpu::kQ8Block != 0) {
     w.format = WeightFormat::kF32;
   }
@@ -248,6 +252,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
   if (w.format == WeightFormat::kBF16) bytes = n * 2;
   if (w.format == WeightFormat::kQ8) bytes = Q8ScalesOffset(rows, cols) + n / cpu::kQ8Block * 4;
   if (w.format == WeightFormat::kQ4_1) bytes = Q4ScalesOffset(rows, cols) + n / cpu::kQ4Block * 8;
+  if (w.format == WeightFormat::kQ4_0) bytes = Q4ScalesOffset(rows, cols) + n / cpu::kQ4Block * 4;
   if (w.format == WeightFormat::kQ5_1) bytes = Q5ScalesOffset(rows, cols) + n / cpu::kQ5Block * 8;
   if (w.format == WeightFormat::kQ5_0) bytes = Q5ScalesOffset(rows, cols) + n / cpu::kQ5Block * 4;
   if (w.format == WeightFormat::kQ6_K) {
@@ -261,7 +266,7 @@ absl::StatusOr<Weight> CpuBackend::UploadStoredWeight(const StoredWeight& stored
     stored.Decode(0, rows, reinterpret_cast<float*>(base));
     return w;
   }
-  if (w.format == WeightFormat::kQ4_1) {
+  if (w.format == WeightFormat::kQ4_1 || w.format == WeightFormat::kQ4_0) {
     kept_blocks_.store(true);
     const cpu::Q4_1Matrix q = Q4View(w);
     stored.ToQ4_1(0, rows, const_cast<uint8_t*>(q.qs), const_cast<float*>(q.d),
@@ -314,6 +319,7 @@ absl::Status CpuBackend::Embedding(const Weight& table, const int32_t* ids, MatV
       cpu::EmbeddingQ8(Q8View(table), ids, out.rows, out.As<float>(), out.stride);
       break;
     case WeightFormat::kQ4_1:
+    case WeightFormat::kQ4_0:
       cpu::EmbeddingQ4_1(Q4View(table), ids, out.rows, out.As<float>(), out.stride);
       break;
     case WeightFormat::kQ5_1:
@@ -373,6 +379,7 @@ bool CpuBackend::BlockMatrixOf(const Weight& w, cpu::BlockMatrix& m) const {
       m = Q8View(w);
       return true;
     case WeightFormat::kQ4_1:
+    case WeightFormat::kQ4_0:
       m = Q4View(w);
       return true;
     case WeightFormat::kQ5_1:

@@ -63,11 +63,13 @@ void StackedTensors::Decode(int64_t r0, int64_t r1, float* out) const {
 
 bool StackedTensors::ConvertsToQ4_1() const { return EveryPart(infinigen::ConvertsToQ4_1); }
 
+bool StackedTensors::ConvertsToQ4_0() const { return EveryPart(infinigen::ConvertsToQ4_0); }
+
 void StackedTensors::ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const {
   ForEachRange(r0, r1, [&](const StoredTensor& t, int64_t first, int64_t count, int64_t at) {
     const int64_t block = StorageBlockElements(t.type), q4 = at / cpu::kQ4Block;
     ConvertToQ4_1(t.type, t.data + first / block * StorageBlockBytes(t.type), count / block,
-                  qs + q4 * (cpu::kQ4Block / 2), d + q4, m + q4);
+                  qs + q4 * (cpu::kQ4Block / 2), d + q4, m == nullptr ? nullptr : m + q4);
   });
 }
 

@@ -21,6 +21,7 @@ class StackedTensors : public StoredWeight {
   int64_t cols() const override { return cols_; }
   void Decode(int64_t r0, int64_t r1, float* out) const override;
   bool ConvertsToQ4_1() const override;
+  bool ConvertsToQ4_0() const override;
   void ToQ4_1(int64_t r0, int64_t r1, uint8_t* qs, float* d, float* m) const override;
   bool ConvertsToQ5_1() const override;
   bool ConvertsToQ5_0() const override;

@@ -346,7 +346,7 @@ void ConvertToQ4_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
       case StorageType::kQ4_0:
         // fma(q, d, -8d) is (q - 8) * d exactly: both products are exact in float32.
         d[b] = Half(blk);
-        m[b] = -8.0f * d[b];
+        if (m != nullptr) m[b] = -8.0f * d[b];
         std::memcpy(qs + 16 * b, blk + 2, 16);
         break;
       case StorageType::kQ4_1:
@@ -410,6 +410,8 @@ void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
     }
   }
 }
+
+bool ConvertsToQ4_0(StorageType t) { return t == StorageType::kQ4_0; }
 
 bool ConvertsToQ5_0(StorageType t) { return t == StorageType::kQ5_0; }
 

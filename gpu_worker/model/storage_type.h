@@ -50,6 +50,10 @@ bool ConvertsToQ4_1(StorageType t);
 // fma(q, d, m) is exactly the value DecodeBlocks gives.
 void ConvertToQ4_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs, float* d,
                    float* m);
+// Whether blocks of t convert to Q4_1 blocks whose minimum is always -8 times their scale (the
+// file's Q4_0: (q - 8) d): ConvertToQ4_1 then takes m = nullptr and writes no minimums, and a
+// CPU matrix keeps none (kernels/cpu/q4_1.h).
+bool ConvertsToQ4_0(StorageType t);
 
 // Whether blocks of t convert exactly to Q5_1 blocks: the Q4_1 ones and Q5_0, Q5_1 and Q5_K.
 bool ConvertsToQ5_1(StorageType t);

@@ -24,7 +24,8 @@
 //   lanes, lane j the sum of the two registers' lane j (integers: exact), converted to float,
 //   times its block's x scale, then acc = fma(that, its block's d, acc) into 8 lanes; an odd last
 //   block's 8 lanes the same way; then acc lane j = fma(m_b, xsum_b, acc) over blocks
-//   b = j (mod 8) in order (m_b = -16 d_b, exact, for a Q5_0 matrix that keeps no minimums);
+//   b = j (mod 8) in order (m_b = -16 d_b or -8 d_b, exact, for a Q5_0 or Q4_0 matrix that keeps
+//   no minimums);
 //   y += HorizontalSum(acc). (Half the float work of the 16 lanes.)
 // Pair orders: the nibble formats (Q4_1, Q5_1, Q6_K), as a pair's 32 bytes of nibbles unpack: lanes
 // 0-3 elements 0-15 of block 2p, 4-7 0-15 of 2p+1, 8-11 16-31 of 2p, 12-15 16-31 of 2p+1; Q8,
@@ -180,9 +181,8 @@ struct Nibbles : PerBlockScales<Nibbles<kFifth>> {
   static constexpr bool kNibblePairs = true, kMinimums = true, kPanel = true, kSummedPairs = true;
   static const float* Scales(const Matrix& w) { return w.d; }
   static const float* Minimums(const Matrix& w) { return w.m; }
-  // A minimum per unit of scale where the matrix keeps none (Q5_1Matrix; Q4_1's always keeps
-  // them).
-  static constexpr float kCentered = kFifth ? kQ5Centered : 0.0f;
+  // A minimum per unit of scale where the matrix keeps none (the file's Q5_0 and Q4_0).
+  static constexpr float kCentered = kFifth ? kQ5Centered : kQ4Centered;
   static const uint8_t* Bytes(const Matrix& w, int64_t at) { return w.qs + at * (kBlock / 2); }
 
   static void Pair8(const Matrix& w, int64_t at, __m256i& qa, __m256i& qb, bool prefetch) {
@@ -429,8 +429,8 @@ inline void AddOddBlock8(const QuantizedRows& x, int64_t r0, const typename F::M
 }
 
 // The summed formats' minimums: lane j += m_b xsum_b over blocks b = j (mod 8), in order. A
-// matrix with no minimums (Q5_1Matrix::m null: the file's Q5_0) has m_b = kCentered d_b, made
-// here with the bits a stored one has (a power of two times d is exact).
+// matrix with no minimums (m null: the file's Q5_0 or Q4_0) has m_b = kCentered d_b, made here
+// with the bits a stored one has (a power of two times d is exact).
 template <typename F, int R, int C>
 inline void AddMinimums8(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
                          int64_t c0, __m256 (&acc)[R][C]) {

@@ -39,7 +39,7 @@ void WidenQ4_1Row(const Q4_1Matrix& w, int64_t r, float* out) {
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = r * blocks + b;
     const uint8_t* q = w.qs + at * (kQ4Block / 2);
-    const float d = w.d[at], m = w.m[at];
+    const float d = w.d[at], m = w.m != nullptr ? w.m[at] : kQ4Centered * d;
     float* o = out + b * kQ4Block;
     for (int64_t j = 0; j < kQ4Block / 2; ++j) {
       o[j] = std::fma(static_cast<float>(q[j] & 0x0f), d, m);

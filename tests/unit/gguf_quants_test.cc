@@ -211,9 +211,11 @@ std::vector<float> EmbeddedRows(CpuBackend& cpu, const Weight& w, const std::vec
 }
 
 TEST(GgufQuants, CpuBackendKeepsEachFilesValuesUnderQ4_1) {
-  // Q5_0 in Q5_1 blocks without minimums (kQ5_0): the kernels make -16 d for each.
+  // Q5_0 and Q4_0 in Q5_1 and Q4_1 blocks without minimums (kQ5_0, kQ4_0): the kernels make
+  // -16 d and -8 d for each.
   for (const auto& [format, kept] :
-       {std::pair{"Q4_K", WeightFormat::kQ4_1}, std::pair{"Q6_K", WeightFormat::kQ6_K},
+       {std::pair{"Q4_K", WeightFormat::kQ4_1}, std::pair{"Q4_0", WeightFormat::kQ4_0},
+        std::pair{"Q4_1", WeightFormat::kQ4_1}, std::pair{"Q6_K", WeightFormat::kQ6_K},
         std::pair{"Q3_K", WeightFormat::kQ6_K}, std::pair{"Q5_0", WeightFormat::kQ5_0},
         std::pair{"Q5_1", WeightFormat::kQ5_1}, std::pair{"Q5_K", WeightFormat::kQ5_1}}) {
     SCOPED_TRACE(format);
@@ -230,11 +232,14 @@ TEST(GgufQuants, CpuBackendKeepsEachFilesValuesUnderQ4_1) {
     if (kept == WeightFormat::kQ5_0) {  // 24 bytes a block of 32 (and two 64-byte alignments)
       EXPECT_LE(w->buffer->size(), 6 * 512 / 32 * 24 + 128);
     }
+    if (kept == WeightFormat::kQ4_0) {  // 20 bytes a block of 32 (and a 64-byte alignment)
+      EXPECT_LE(w->buffer->size(), 6 * 512 / 32 * 20 + 64);
+    }
     std::vector<float> want = NpyFloats(FixturePath(std::string("quants/") + format + ".npy"));
     want.insert(want.end(), want.begin(), want.end());
-    // Q5's fma(q, d, m) is +0 where the reference's (q - 16) d or q d + m may be -0.
+    // fma(q, d, m) is +0 where the reference's (q - 16) d, (q - 8) d or q d + m may be -0.
     ExpectSameBits(EmbeddedRows(cpu, *w, {0, 1, 2, 3, 4, 5}), want, format,
-                   /*zero_sign_matters=*/format[1] != '5');
+                   /*zero_sign_matters=*/false);
     EXPECT_EQ(cpu.Name(), "cpu-q4_1");
   }
 }

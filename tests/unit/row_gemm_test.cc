@@ -90,6 +90,8 @@ struct Weights {
   std::vector<uint8_t> q4_qs;
   std::vector<float> q4_d, q4_m;
   Q4_1Matrix q4() const { return {q4_qs.data(), q4_d.data(), q4_m.data(), n, k}; }
+  // The same values and scales as a Q4_0 file's: no minimums, each -8 d.
+  Q4_1Matrix q4_0() const { return {q4_qs.data(), q4_d.data(), nullptr, n, k}; }
   std::vector<uint8_t> q5_qs;
   std::vector<uint32_t> q5_qh;
   std::vector<float> q5_d, q5_m;
@@ -104,12 +106,12 @@ struct Weights {
   std::vector<const uint16_t*> bf16_rows;
 };
 
-enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1, kQ5_1, kQ5_0, kQ6_K };
-const Format kFormats[] = {Format::kF32,       Format::kBf16, Format::kF32Table,
-                           Format::kBf16Table, Format::kQ8,   Format::kQ4_1,
-                           Format::kQ5_1,      Format::kQ5_0, Format::kQ6_K};
-const Format kBlockFormats[] = {Format::kQ8, Format::kQ4_1, Format::kQ5_1, Format::kQ5_0,
-                                Format::kQ6_K};
+enum class Format { kF32, kBf16, kF32Table, kBf16Table, kQ8, kQ4_1, kQ4_0, kQ5_1, kQ5_0, kQ6_K };
+const Format kFormats[] = {Format::kF32,  Format::kBf16, Format::kF32Table, Format::kBf16Table,
+                           Format::kQ8,   Format::kQ4_1, Format::kQ4_0,     Format::kQ5_1,
+                           Format::kQ5_0, Format::kQ6_K};
+const Format kBlockFormats[] = {Format::kQ8,   Format::kQ4_1, Format::kQ4_0,
+                                Format::kQ5_1, Format::kQ5_0, Format::kQ6_K};
 
 // y[m, n] (+)= x · wᵀ + bias in `format`.
 void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, const float* bias,
@@ -126,6 +128,8 @@ void Multiply(Format format, const Weights& w, const float* x, int64_t ldx, cons
       return GemmRowsBf16Table(x, ldx, w.bf16_rows.data(), bias, y, ldy, m, n, k, accumulate);
     case Format::kQ4_1:
       return GemmRowsQ4_1(x, ldx, w.q4(), bias, y, ldy, m, accumulate);
+    case Format::kQ4_0:
+      return GemmRowsQ4_1(x, ldx, w.q4_0(), bias, y, ldy, m, accumulate);
     case Format::kQ5_1:
       return GemmRowsQ5_1(x, ldx, w.q5(), bias, y, ldy, m, accumulate);
     case Format::kQ5_0:
@@ -152,6 +156,11 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
       WidenQ4_1Row(w.q4(), j, row.data());
       return row[p];
     }
+    case Format::kQ4_0: {  // written out: (q - 8) d
+      const int64_t at = j * (w.k / kQ4Block) + p / kQ4Block, o = p % kQ4Block;
+      const uint8_t byte = w.q4_qs[at * 16 + o % 16];
+      return static_cast<double>((o < 16 ? byte & 15 : byte >> 4) - 8) * w.q4_d[at];
+    }
     case Format::kQ5_1:
     case Format::kQ5_0: {
       // Written out here, not through WidenQ5_1Row: bit p % 32 of the block's word is the
@@ -177,8 +186,8 @@ double WeightValue(Format format, const Weights& w, int64_t j, int64_t p) {
 
 // The block formats multiply activations quantized to 8 bits (kernels/cpu/int8_dot_gemm.cc).
 bool QuantizesActivations(Format format) {
-  return format == Format::kQ8 || format == Format::kQ4_1 || format == Format::kQ5_1 ||
-         format == Format::kQ5_0 || format == Format::kQ6_K;
+  return format == Format::kQ8 || format == Format::kQ4_1 || format == Format::kQ4_0 ||
+         format == Format::kQ5_1 || format == Format::kQ5_0 || format == Format::kQ6_K;
 }
 
 // The activations the format's kernel multiplies: x itself, or for the block formats x quantized
@@ -387,20 +396,25 @@ TEST(BlockFormats, ANonFiniteActivationMakesItsRowsOutputsNaN) {
   CapIsaForTesting(Isa::kAvx512);
 }
 
-// A Q5_0 matrix that keeps no minimums gives the bits of the same matrix whose minimums are
-// stored as -16 d (what the loader kept before kQ5_0): widened, and multiplied by the GEMV and
-// the panels under each instruction set this CPU has.
-TEST(Q5_0, NoMinimumsGiveTheBitsOfStoredMinusSixteenScales) {
+// A Q5_0 or Q4_0 matrix that keeps no minimums gives the bits of the same matrix whose
+// minimums are stored as -16 d or -8 d (what the loader kept before kQ5_0 and kQ4_0): widened,
+// and multiplied by the GEMV and the panels under each instruction set this CPU has.
+TEST(CenteredBlocks, NoMinimumsGiveTheBitsOfStoredOnes) {
   const int64_t n = 53, k = 576;
   const Weights w(n, k, 9);
-  std::vector<float> centered(w.q5_d.size());
-  for (size_t b = 0; b < centered.size(); ++b) centered[b] = -16.0f * w.q5_d[b];
-  const Q5_1Matrix stored{w.q5_qs.data(), w.q5_qh.data(), w.q5_d.data(), centered.data(), n, k};
-  std::vector<float> a(k), b(k);
+  std::vector<float> q5_m(w.q5_d.size()), q4_m(w.q4_d.size());
+  for (size_t b = 0; b < q5_m.size(); ++b) q5_m[b] = -16.0f * w.q5_d[b];
+  for (size_t b = 0; b < q4_m.size(); ++b) q4_m[b] = -8.0f * w.q4_d[b];
+  const Q5_1Matrix q5{w.q5_qs.data(), w.q5_qh.data(), w.q5_d.data(), q5_m.data(), n, k};
+  const Q4_1Matrix q4{w.q4_qs.data(), w.q4_d.data(), q4_m.data(), n, k};
+  std::vector<float> a(k), b(k), c(k), e(k);
   for (int64_t r = 0; r < n; ++r) {
-    WidenQ5_1Row(stored, r, a.data());
+    WidenQ5_1Row(q5, r, a.data());
     WidenQ5_1Row(w.q5_0(), r, b.data());
-    ASSERT_EQ(std::memcmp(a.data(), b.data(), k * sizeof(float)), 0) << "row " << r;
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), k * sizeof(float)), 0) << "Q5_0 row " << r;
+    WidenQ4_1Row(q4, r, c.data());
+    WidenQ4_1Row(w.q4_0(), r, e.data());
+    ASSERT_EQ(std::memcmp(c.data(), e.data(), k * sizeof(float)), 0) << "Q4_0 row " << r;
   }
   std::mt19937 rng(4);
   std::normal_distribution<float> d;
@@ -412,10 +426,14 @@ TEST(Q5_0, NoMinimumsGiveTheBitsOfStoredMinusSixteenScales) {
       std::vector<float> x(m * k);
       for (auto& v : x) v = d(rng);
       std::vector<float> want(m * n, 0.5f), got(m * n, 0.5f);
-      GemmRowsQ5_1(x.data(), k, stored, nullptr, want.data(), n, m, /*accumulate=*/true);
+      GemmRowsQ5_1(x.data(), k, q5, nullptr, want.data(), n, m, /*accumulate=*/true);
       GemmRowsQ5_1(x.data(), k, w.q5_0(), nullptr, got.data(), n, m, /*accumulate=*/true);
       ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
-          << m << " rows, isa " << static_cast<int>(isa);
+          << "Q5_0, " << m << " rows, isa " << static_cast<int>(isa);
+      GemmRowsQ4_1(x.data(), k, q4, nullptr, want.data(), n, m, /*accumulate=*/true);
+      GemmRowsQ4_1(x.data(), k, w.q4_0(), nullptr, got.data(), n, m, /*accumulate=*/true);
+      ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+          << "Q4_0, " << m << " rows, isa " << static_cast<int>(isa);
     }
   }
   CapIsaForTesting(CpuHasAvx512() ? Isa::kAvx512 : Isa::kAvx2);
@@ -426,9 +444,9 @@ TEST(Q5_0, NoMinimumsGiveTheBitsOfStoredMinusSixteenScales) {
 // parts of every format (two layouts of x) in an order that mixes them, odd part sizes.
 TEST(GemmRowsParts, EqualsEachPartMultipliedAloneBitForBit) {
   const int64_t k = 512;
-  const int64_t rows[] = {97, 13, 50, 211, 1, 33};
-  const Format formats[] = {Format::kQ5_1, Format::kQ8,   Format::kQ6_K,
-                            Format::kQ4_1, Format::kQ5_1, Format::kQ5_0};
+  const int64_t rows[] = {97, 13, 50, 211, 1, 33, 17};
+  const Format formats[] = {Format::kQ5_1, Format::kQ8,   Format::kQ6_K, Format::kQ4_1,
+                            Format::kQ5_1, Format::kQ5_0, Format::kQ4_0};
   std::vector<std::unique_ptr<Weights>> weights;
   int64_t n = 0;
   for (size_t i = 0; i < std::size(rows); ++i) {
@@ -464,6 +482,9 @@ TEST(GemmRowsParts, EqualsEachPartMultipliedAloneBitForBit) {
             break;
           case Format::kQ5_0:
             part.matrix = w.q5_0();
+            break;
+          case Format::kQ4_0:
+            part.matrix = w.q4_0();
             break;
           default:
             part.matrix = w.q6();
