@@ -15,7 +15,8 @@ void RegisterBackendFlags(FlagSet& flags, BackendSpec& spec) {
       "cpu-weights", &spec.cpu_weights,
       "weight storage on the CPU: f32 (exact), bf16, q8 (faster decode) or q4_1 (a GGUF "
       "file's 3- to 6-bit matrices' values as they are, Q4_0/Q4_1/Q4_K in Q4_1 blocks, "
-      "Q5_0/Q5_1/Q5_K in Q5_1 blocks, Q6_K/Q3_K in Q6_K blocks, the others q8: fastest decode)");
+      "Q5_0/Q5_1/Q5_K in Q5_1 blocks (Q4_0 and Q5_0 without stored minimums), Q6_K/Q3_K in "
+      "Q6_K blocks, the others q8: fastest decode)");
   flags.String("cpu-kv", &spec.cpu_kv,
                "K/V storage on the CPU: f32 (exact) or bf16 (half the bytes a long-context decode "
                "step reads)");
