@@ -5,6 +5,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "kernels/cpu/parallel_for.h"
+#include "kernels/cpu/q4_1.h"
+#include "kernels/cpu/q5_1.h"
 
 namespace infinigen {
 namespace {
@@ -346,7 +348,7 @@ void ConvertToQ4_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
       case StorageType::kQ4_0:
         // fma(q, d, -8d) is (q - 8) * d exactly: both products are exact in float32.
         d[b] = Half(blk);
-        if (m != nullptr) m[b] = -8.0f * d[b];
+        if (m != nullptr) m[b] = cpu::kQ4Centered * d[b];
         std::memcpy(qs + 16 * b, blk + 2, 16);
         break;
       case StorageType::kQ4_1:
@@ -384,7 +386,7 @@ void ConvertToQ5_1(StorageType t, const uint8_t* p, int64_t blocks, uint8_t* qs,
       case StorageType::kQ5_0:
         // fma(q, d, -16d) is (q - 16) * d rounded once, as the reference rounds it.
         d[b] = Half(blk);
-        if (m != nullptr) m[b] = -16.0f * d[b];
+        if (m != nullptr) m[b] = cpu::kQ5Centered * d[b];
         std::memcpy(&qh[b], blk + 2, 4);
         std::memcpy(qs + 16 * b, blk + 6, 16);
         break;

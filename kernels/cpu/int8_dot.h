@@ -25,8 +25,7 @@
 //   times its block's x scale, then acc = fma(that, its block's d, acc) into 8 lanes; an odd last
 //   block's 8 lanes the same way; then acc lane j = fma(m_b, xsum_b, acc) over blocks
 //   b = j (mod 8) in order (m_b = -16 d_b or -8 d_b, exact, for a Q5_0 or Q4_0 matrix that keeps
-//   no minimums);
-//   y += HorizontalSum(acc). (Half the float work of the 16 lanes.)
+//   no minimums); y += HorizontalSum(acc). (Half the float work of the 16 lanes.)
 // Pair orders: the nibble formats (Q4_1, Q5_1, Q6_K), as a pair's 32 bytes of nibbles unpack: lanes
 // 0-3 elements 0-15 of block 2p, 4-7 0-15 of 2p+1, 8-11 16-31 of 2p, 12-15 16-31 of 2p+1; Q8,
 // its bytes in order: lanes 0-7 block 2p, 8-15 block 2p+1.
