@@ -11,6 +11,7 @@
 #include "cli/sampling_flags.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
+#include "kernels/cpu/team.h"
 
 namespace infinigen::cli {
 namespace {
@@ -68,6 +69,7 @@ int RunBench(int argc, char** argv) {
   DecodeStep step(model, cache);
 
   double best_pp = 0, best_tg = 0;
+  double tg_jobs = 0;  // the CPU team's jobs (barriers) per decode token
   for (int64_t r = 0; r < repetitions; ++r) {
     if (prompt_tokens > 0) {
       std::vector<int32_t> prompt(prompt_tokens);
@@ -85,6 +87,7 @@ int RunBench(int argc, char** argv) {
       if (auto st = cache.Open(1, gen_tokens); !st.ok()) return ReportError("bench", st);
       int32_t next = c.bos_token_id >= 0 ? c.bos_token_id : 0;
       const double t0 = Now();
+      const uint64_t jobs0 = cpu::Team::Get().jobs();
       for (int64_t pos = 0; pos < gen_tokens; ++pos) {
         ForwardChunk chunk{1, pos, std::span<const int32_t>(&next, 1), false};
         if (auto st = step.Forward({&chunk, 1}, logits); !st.ok()) {
@@ -94,14 +97,15 @@ int RunBench(int argc, char** argv) {
             static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
       }
       best_tg = std::max(best_tg, gen_tokens / (Now() - t0));
+      tg_jobs = static_cast<double>(cpu::Team::Get().jobs() - jobs0) / gen_tokens;
       cache.Close(1);
     }
   }
   std::cout << absl::StrFormat(
       "{\"engine\": \"infinigen\", \"backend\": \"%s\", \"threads\": %d, \"prompt_tokens\": %d, "
       "\"gen_tokens\": %d, \"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, "
-      "\"load_seconds\": %.3f, \"peak_rss_mib\": %.1f}\n",
-      model.backend().Name(), backend.threads, prompt_tokens, gen_tokens, best_pp, best_tg,
+      "\"team_jobs_per_decode_token\": %.1f, \"load_seconds\": %.3f, \"peak_rss_mib\": %.1f}\n",
+      model.backend().Name(), backend.threads, prompt_tokens, gen_tokens, best_pp, best_tg, tg_jobs,
       load_seconds, PeakRssMiB());
   return 0;
 }

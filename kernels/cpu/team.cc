@@ -145,6 +145,7 @@ bool Team::Dispatch(int64_t n, const void* body, ThunkFn thunk, Schedule schedul
   if (in_job) return false;
   std::unique_lock<std::mutex> lock(run_mu_, std::try_to_lock);
   if (!lock.owns_lock() || job_.workers == 0) return false;
+  jobs_.fetch_add(1, std::memory_order_relaxed);
   // A stealing job's ranges pack two 32-bit indices.
   if (schedule == Schedule::kStealing && n > int64_t{0xffffffff}) schedule = Schedule::kDynamic;
   job_.body = body;

@@ -56,6 +56,10 @@ class Team {
   void Configure(const TeamOptions& options);
   int size() const { return size_.load(std::memory_order_relaxed); }
   bool pinned() const { return pinned_.load(std::memory_order_relaxed); }
+  // Jobs the team has run since the process started; a loop run on its caller alone (n == 1, a
+  // job inside a job, a team of one) is not one. A decode step's count of these is its count of
+  // barriers (`infinigen bench` reports it per token).
+  uint64_t jobs() const { return jobs_.load(std::memory_order_relaxed); }
 
   // body(i) for every i in [0, n), on the team when it is free, otherwise on the caller.
   template <typename Body>
@@ -102,6 +106,7 @@ class Team {
   std::mutex run_mu_;  // one job at a time; held by Configure
   std::atomic<int> size_{1};
   std::atomic<bool> pinned_{false};
+  std::atomic<uint64_t> jobs_{0};  // written by the caller holding run_mu_
   int64_t spin_ns_ = 0;
   std::vector<std::thread> threads_;
   uint32_t done_target_ = 0;  // the caller's: done_.shares once the current job's are in

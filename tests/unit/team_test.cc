@@ -82,6 +82,25 @@ TEST_F(TeamTest, AJobInsideAJobRunsOnItsCaller) {
   EXPECT_EQ(wrong.load(), 0);
 }
 
+// jobs() counts the loops the team's threads joined: not one run on the caller alone.
+TEST_F(TeamTest, JobsCountOnlyTheLoopsTheTeamRan) {
+  Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff});
+  Team& team = Team::Get();
+  std::atomic<int> total{0};
+  const uint64_t before = team.jobs();
+  team.Run(8, [&](int64_t) { total.fetch_add(1); });
+  EXPECT_EQ(team.jobs(), before + 1);
+  team.Run(1, [&](int64_t) { total.fetch_add(1); });            // one index: the caller's
+  ParallelFor(8, false, [&](int64_t) { total.fetch_add(1); });  // too small for the team
+  EXPECT_EQ(team.jobs(), before + 1);
+  team.Run(4, [&](int64_t) { ParallelFor(8, true, [&](int64_t) { total.fetch_add(1); }); });
+  EXPECT_EQ(team.jobs(), before + 2);  // the nested loops ran on their callers
+  EXPECT_EQ(total.load(), 8 + 1 + 8 + 32);
+  Team::Get().Configure({.threads = 1, .pinning = Pinning::kOff});
+  team.Run(8, [&](int64_t) { total.fetch_add(1); });
+  EXPECT_EQ(team.jobs(), before + 2);
+}
+
 TEST_F(TeamTest, TwoCallersAtOnceBothFinishEveryIndex) {
   Team::Get().Configure({.threads = 2, .pinning = Pinning::kOff, .spin_us = 50});
   std::atomic<int64_t> sums[2] = {0, 0};
