@@ -10,6 +10,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -339,6 +340,49 @@ TEST(GgufQuants, CpuBackendKeepsEachPartOfAMixedStackInItsOwnLayout) {
     }
   }
   EXPECT_EQ(cpu.Name(), "cpu-q4_1");
+}
+
+TEST(GgufQuants, CpuBackendMultipliesQ4_0AndQ5_0AsWithStoredMinimums) {
+  // A file's Q4_0 (Q5_0) matrix alone is kept without minimums (kQ4_0, kQ5_0); stacked with a
+  // Q4_1 (Q5_1) part it is kept in Q4_1 (Q5_1) blocks with m = -8 d (-16 d) stored. Linear gives
+  // the same bits either way, on the file's own blocks, and the product of the file's values.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(3 * 512);
+  for (float& f : x) f = normal(rng);
+  for (const auto& [bare, summed, alone, stacked] :
+       {std::tuple{"Q4_0", "Q4_1", WeightFormat::kQ4_0, WeightFormat::kQ4_1},
+        std::tuple{"Q5_0", "Q5_1", WeightFormat::kQ5_0, WeightFormat::kQ5_1}}) {
+    SCOPED_TRACE(bare);
+    Loaded a = Open(FixturePath(std::string("quants/") + bare + ".gguf"));
+    Loaded b = Open(FixturePath(std::string("quants/") + summed + ".gguf"));
+    const StoredTensor *t = &a.gguf.tensors[0], *u = &b.gguf.tensors[0];
+    CpuBackendOptions options;
+    options.weight_format = WeightFormat::kQ4_1;
+    CpuBackend cpu(options);
+    const StackedTensors one({t}, 3, 512);
+    auto w = cpu.UploadStoredWeight(one);
+    auto with_m = cpu.UploadStoredWeight(StackedTensors({t, u}, 6, 512));
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_TRUE(with_m.ok()) << with_m.status();
+    ASSERT_EQ(w->format, alone);
+    ASSERT_EQ(with_m->format, stacked);
+    const std::vector<float> y = Multiplied(cpu, *w, x, nullptr);
+    const std::vector<float> y_m = Multiplied(cpu, *with_m, x, nullptr);
+    std::vector<float> values(3 * 512);
+    one.Decode(0, 3, values.data());
+    for (int64_t i = 0; i < 3; ++i) {
+      for (int64_t j = 0; j < 3; ++j) {
+        ASSERT_EQ(y[i * 3 + j], y_m[i * 6 + j]) << i << "," << j;
+        double want = 0.0, scale = 0.0;
+        for (int64_t k = 0; k < 512; ++k) {
+          want += double(x[i * 512 + k]) * values[j * 512 + k];
+          scale += std::abs(double(x[i * 512 + k]) * values[j * 512 + k]);
+        }
+        EXPECT_NEAR(y[i * 3 + j], want, 0.02 * scale + 1e-5) << i << "," << j;
+      }
+    }
+  }
 }
 
 TEST(GgufQuants, CpuBackendPacksLargeMatricesARowBlockAtATime) {
