@@ -30,6 +30,32 @@ const char* WeightFormatName(WeightFormat f) {
   return "?";
 }
 
+absl::Status CheckBlockRowsGather(const BlockRowsGather& g) {
+  auto bad = [](auto... what) {
+    return absl::InvalidArgumentError(absl::StrCat("GatherBlockRows: ", what...));
+  };
+  if (g.batch < 0 || g.max_count < 0) return bad("batch and max_count must not be negative");
+  if (g.batch == 0 || g.max_count == 0) return absl::OkStatus();  // nothing to gather
+  if (g.num_kv_heads < 1) return bad("num_kv_heads ", g.num_kv_heads, " must be at least 1");
+  if (g.row_bytes < 1 || g.rows_per_block < 1) {
+    return bad("row_bytes ", g.row_bytes, " and rows_per_block ", g.rows_per_block,
+               " must be at least 1");
+  }
+  if (g.block_bytes < static_cast<size_t>(g.rows_per_block * g.row_bytes)) {
+    return bad("block_bytes ", g.block_bytes, " is less than rows_per_block x row_bytes (",
+               g.rows_per_block * g.row_bytes, ")");
+  }
+  if (g.arena == nullptr || g.tables == nullptr || g.slots == nullptr || g.dst == nullptr) {
+    return bad("arena, tables, slots and dst must be set");
+  }
+  if (g.table_capacity < 1) return bad("table_capacity must be at least 1");
+  if (g.slot_capacity < g.max_count || g.dst_rows_per_list < g.max_count) {
+    return bad("slot_capacity ", g.slot_capacity, " and dst_rows_per_list ", g.dst_rows_per_list,
+               " must hold max_count (", g.max_count, ") rows");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name) {
   for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kF16, WeightFormat::kBF16,
                          WeightFormat::kQ8, WeightFormat::kQ4_1}) {

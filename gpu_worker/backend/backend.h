@@ -216,6 +216,37 @@ struct RowChoiceRequest {
   int32_t* count = nullptr;
 };
 
+// A layer's chosen K or V rows of a batch, gathered from host memory by block table: the KV
+// store's arena (registered with RegisterHostMemory), with everything that says which rows in
+// backend memory, so that a choice made on the device is gathered without the host reading it
+// (kv_store/row_copy.h HeadRowsView is the same layout, one list at a time). List l = b *
+// num_kv_heads + g (sequence b, KV head g); its row j < counts[b] (counts null: max_count) is slot
+// s = slots[l * slot_capacity + j], at arena + tables[l * table_capacity + s / rows_per_block] *
+// block_bytes + (s % rows_per_block) * row_bytes, and lands at dst + (l * dst_rows_per_list + j)
+// * row_bytes; rows j >= counts[b] are left as they are. A slot outside the table, a block
+// outside the arena, or a count above max_count (taken as max_count) adds one to *errors (null:
+// not counted) and gives a row of zeros: bad device data cannot read outside the arena or write
+// outside dst.
+struct BlockRowsGather {
+  const void* arena = nullptr;
+  size_t arena_bytes = 0, block_bytes = 0;
+  int64_t rows_per_block = 0, row_bytes = 0;
+  int batch = 0, num_kv_heads = 0;
+  const int32_t* tables = nullptr;  // [lists, table_capacity] block ids
+  int64_t table_capacity = 0;
+  const int32_t* slots = nullptr;  // [lists, slot_capacity]
+  int64_t slot_capacity = 0;
+  const int32_t* counts = nullptr;  // [batch]
+  int64_t max_count = 0;            // sizes the work: no count above it is gathered
+  int32_t* errors = nullptr;
+  void* dst = nullptr;
+  int64_t dst_rows_per_list = 0;
+};
+
+// INVALID_ARGUMENT, saying what to fix, for a BlockRowsGather whose sizes do not fit (what
+// every backend's GatherBlockRows checks before it queues anything).
+absl::Status CheckBlockRowsGather(const BlockRowsGather& g);
+
 class Backend {
  public:
   // Adding, removing or reordering a virtual function changes the CUDA plugin's ABI: bump
@@ -277,6 +308,12 @@ class Backend {
   // addresses inside registered memory). INVALID_ARGUMENT for an address outside it.
   virtual absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) {
     return absl::UnimplementedError(Name() + " does not gather rows by address");
+  }
+  // BlockRowsGather's rows, queued on the backend's stream (no wait). INVALID_ARGUMENT for a
+  // shape that does not fit (checked on the host: sizes, capacities, an arena not registered);
+  // what the device memory holds is checked row by row, as BlockRowsGather says.
+  virtual absl::Status GatherBlockRows(const BlockRowsGather& g) {
+    return absl::UnimplementedError(Name() + " does not gather rows by block table");
   }
 
   // Uploads a float32 host matrix [rows, cols] in the backend's weight format.

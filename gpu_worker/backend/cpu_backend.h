@@ -79,6 +79,8 @@ class CpuBackend : public Backend {
   absl::Status AppendPartialKeys(MatView k, const float* skew, const PartialKeysShape& shape,
                                  void* keys, int64_t first_row) override;
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
+  // The plain loop BlockRowsGather describes (cpu_block_gather.cc): the CUDA kernel's reference.
+  absl::Status GatherBlockRows(const BlockRowsGather& g) override;
 
  private:
   // Linear's product for a weight of one format (bias: null or out.cols floats).

@@ -309,6 +309,40 @@ absl::Status CudaBackend::GatherRows(const void* const* rows, int64_t n, size_t 
                "GatherRows");
 }
 
+absl::Status CudaBackend::GatherBlockRows(const BlockRowsGather& g) {
+  IG_RETURN_IF_ERROR(CheckBlockRowsGather(g));
+  if (g.batch == 0 || g.max_count == 0) return absl::OkStatus();
+  const char* arena = static_cast<const char*>(g.arena);
+  const HostRegion* region = nullptr;
+  for (const HostRegion& r : host_regions_) {
+    if (arena >= r.host && arena + g.arena_bytes <= r.host + r.bytes) region = &r;
+  }
+  if (region == nullptr) {
+    return absl::InvalidArgumentError(
+        "cuda backend: the arena of a block-table gather is not in host memory registered with "
+        "RegisterHostMemory");
+  }
+  cuda::Gather k;
+  k.batch = g.batch;
+  k.num_kv_heads = g.num_kv_heads;
+  k.row_bytes = g.row_bytes;
+  k.src = region->device + (arena - region->host);
+  k.src_bytes = static_cast<int64_t>(g.arena_bytes);
+  k.indices = g.slots;
+  k.index_capacity = g.slot_capacity;
+  k.counts = g.counts;
+  k.count = g.max_count;
+  k.max_count = g.max_count;
+  k.dst = g.dst;
+  k.dst_rows_per_head = g.dst_rows_per_list;
+  k.tables = g.tables;
+  k.table_capacity = g.table_capacity;
+  k.table_rows = g.rows_per_block;
+  k.block_bytes = static_cast<int64_t>(g.block_bytes);
+  k.errors = g.errors;
+  return Check(cuda::RunGather(k, S(stream_)), "GatherBlockRows");
+}
+
 absl::StatusOr<Weight> CudaBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {
   Weight w;
   w.rows = rows;

@@ -42,6 +42,9 @@ class CudaBackend final : public Backend {
   // is mapped read-only) and GatherRows by one kernel reading the rows over the host link.
   absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
   absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
+  // One kernel over the batch's lists, reading the registered arena by its device alias; the
+  // tables, slots and counts never leave the device.
+  absl::Status GatherBlockRows(const BlockRowsGather& g) override;
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
 

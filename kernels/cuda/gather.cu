@@ -12,23 +12,47 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kBytesPerBlock = 8192;
 
+// Byte offset in the arena of row index `slot` of a block-table list, or -1 where the slot or
+// its block falls outside the table or the arena.
+__device__ inline int64_t TableRowOffset(const Gather& g, const int32_t* table, int64_t slot) {
+  if (slot < 0 || slot / g.table_rows >= g.table_capacity) return -1;
+  const int64_t block = table[slot / g.table_rows];
+  const int64_t at = block * g.block_bytes + (slot % g.table_rows) * g.row_bytes;
+  return block < 0 || at + g.row_bytes > g.src_bytes ? -1 : at;
+}
+
 template <typename V>
 __global__ void GatherKernel(Gather g, int64_t rows_per_block) {
   const int head = blockIdx.y, b = blockIdx.z;
-  const int64_t count = g.counts != nullptr ? g.counts[b] : g.count;
+  const bool by_table = g.tables != nullptr;
+  int64_t count = g.counts != nullptr ? g.counts[b] : g.count;
+  const int64_t bound = g.max_count > 0 ? g.max_count : g.count;
+  if (count > bound) {  // the grid stops at the bound: rows past it are not gathered
+    if (by_table && g.errors != nullptr && head == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+      atomicAdd(g.errors, 1);
+    }
+    count = bound;
+  }
   const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_block;
   const int64_t rows = Min64(rows_per_block, count - first);
   if (rows <= 0) return;
   const int64_t vecs = g.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t list = static_cast<int64_t>(b) * g.num_kv_heads + head;
   const int32_t* idx = g.indices + list * g.index_capacity + first;
-  const char* src =
-      static_cast<const char*>(g.src) + b * g.src_seq_stride + head * g.src_head_stride;
+  const int32_t* table = by_table ? g.tables + list * g.table_capacity : nullptr;
+  const char* src = static_cast<const char*>(g.src) +
+                    (by_table ? 0 : b * g.src_seq_stride + head * g.src_head_stride);
   char* dst = static_cast<char*>(g.dst) + (list * g.dst_rows_per_head + first) * g.row_bytes;
   for (int64_t t = threadIdx.x; t < rows * vecs; t += blockDim.x) {
     const int64_t r = t / vecs, v = t % vecs;
-    const V* s = reinterpret_cast<const V*>(src + static_cast<int64_t>(idx[r]) * g.row_bytes) + v;
-    reinterpret_cast<V*>(dst + r * g.row_bytes)[v] = *s;
+    V* out = reinterpret_cast<V*>(dst + r * g.row_bytes) + v;
+    int64_t at = static_cast<int64_t>(idx[r]) * g.row_bytes;
+    if (by_table && (at = TableRowOffset(g, table, idx[r])) < 0) {
+      *out = V{};
+      if (v == 0 && g.errors != nullptr) atomicAdd(g.errors, 1);
+      continue;
+    }
+    *out = reinterpret_cast<const V*>(src + at)[v];
   }
 }
 
@@ -75,8 +99,11 @@ cudaError_t RunGather(const Gather& g, cudaStream_t stream) {
   const int64_t max_count = g.max_count > 0 ? g.max_count : g.count;
   if (g.batch <= 0 || g.num_kv_heads <= 0 || max_count <= 0) return cudaSuccess;
   const int w = Width({reinterpret_cast<int64_t>(g.src), reinterpret_cast<int64_t>(g.dst),
-                       g.row_bytes, g.src_seq_stride, g.src_head_stride});
+                       g.row_bytes, g.src_seq_stride, g.src_head_stride, g.block_bytes});
   if (w == 0 || g.row_bytes <= 0) return cudaErrorInvalidValue;
+  if (g.tables != nullptr && (g.table_rows <= 0 || g.table_capacity <= 0)) {
+    return cudaErrorInvalidValue;
+  }
   const int64_t rows_per_block = std::max<int64_t>(1, kBytesPerBlock / g.row_bytes);
   const dim3 grid(Blocks(max_count, static_cast<int>(rows_per_block)), g.num_kv_heads, g.batch);
   switch (w) {

@@ -198,6 +198,15 @@ struct Gather {
   int64_t max_count = 0;  // bound of the counts (sizes the launch); 0 means count
   void* dst = nullptr;
   int64_t dst_rows_per_head = 0;
+  // Block-table addressing (tables non-null; src is then an arena, src_bytes long, and the
+  // strides are unused): row index s of list l lives at src + tables[l * table_capacity + s /
+  // table_rows] * block_bytes + (s % table_rows) * row_bytes. A row whose slot or block falls
+  // outside the table or the arena is written as zeros, and a count above max_count is taken as
+  // max_count; each adds one to *errors where errors is set (the layout and checks of the
+  // backend's BlockRowsGather, gpu_worker/backend/backend.h).
+  const int32_t* tables = nullptr;
+  int64_t table_capacity = 0, table_rows = 0, block_bytes = 0, src_bytes = 0;
+  int32_t* errors = nullptr;
 };
 cudaError_t RunGather(const Gather& g, cudaStream_t stream);
 

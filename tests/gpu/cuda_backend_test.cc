@@ -482,6 +482,128 @@ TEST(CudaBackend, GatherRowsReadsRegisteredReadOnlyHostMemory) {
   ::munmap(map, bytes.size());
 }
 
+// GatherBlockRows on the GPU equals the CPU backend's loop (its reference) byte for byte, errors
+// counted alike: a batch's lists read from a registered read-only mapping by block table, with
+// per-sequence counts (0, short, full, above the bound), bad slots and bad blocks; 16-byte and
+// 2-byte accesses. An arena outside registered memory is refused.
+TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  struct Layout {
+    int64_t row_bytes, rows_per_block;
+    size_t block_bytes;
+  };
+  for (const Layout& layout : {Layout{256, 16, 16 * 256 + 256}, Layout{6, 5, 34}}) {
+    SCOPED_TRACE(layout.row_bytes);
+    auto gpu = CudaBackend::Create({0, DType::kBF16});
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    constexpr int kBatch = 4, kHeads = 8;
+    constexpr int64_t kTable = 24, kCapacity = 300;
+    const int64_t lists = kBatch * kHeads, blocks = lists * kTable;
+    const size_t arena_bytes = static_cast<size_t>(blocks) * layout.block_bytes;
+    const int fd = ::memfd_create("gather-block-rows-test", MFD_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(arena_bytes)), 0);
+    std::mt19937 rng(11);
+    std::vector<uint8_t> bytes(arena_bytes);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+    ASSERT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+    void* map = ::mmap(nullptr, arena_bytes, PROT_READ, MAP_SHARED, fd, 0);
+    ::close(fd);
+    ASSERT_NE(map, MAP_FAILED);
+    ASSERT_TRUE((*gpu)->RegisterHostMemory(map, arena_bytes).ok());
+
+    std::vector<int32_t> tables(static_cast<size_t>(blocks));
+    std::iota(tables.begin(), tables.end(), 0);
+    std::shuffle(tables.begin(), tables.end(), rng);
+    tables[5] = -1;                                     // list 0: a block that is not there
+    tables[kTable + 2] = static_cast<int32_t>(blocks);  // list 1: one past the arena
+    std::vector<int32_t> slots(static_cast<size_t>(lists * kCapacity));
+    std::uniform_int_distribution<int32_t> slot(
+        0, static_cast<int32_t>(kTable * layout.rows_per_block) - 1);
+    for (int32_t& s : slots) s = slot(rng);
+    for (int64_t j = 0; j < 40; ++j) slots[2 * kCapacity + j] = static_cast<int32_t>(j);  // a run
+    slots[3] = -7;
+    slots[4] = static_cast<int32_t>(kTable * layout.rows_per_block);
+    const std::vector<int32_t> counts = {kCapacity, 0, 17, kCapacity + 40};
+
+    BlockRowsGather g;
+    g.arena = map;
+    g.arena_bytes = arena_bytes;
+    g.block_bytes = layout.block_bytes;
+    g.rows_per_block = layout.rows_per_block;
+    g.row_bytes = layout.row_bytes;
+    g.batch = kBatch;
+    g.num_kv_heads = kHeads;
+    g.table_capacity = kTable;
+    g.slot_capacity = kCapacity;
+    g.max_count = kCapacity;
+    g.dst_rows_per_list = kCapacity;
+    const size_t dst_bytes = static_cast<size_t>(lists * kCapacity * layout.row_bytes);
+
+    // The reference on the host.
+    std::vector<uint8_t> want(dst_bytes, 0xab);
+    int32_t want_errors = 0;
+    BlockRowsGather host = g;
+    host.tables = tables.data();
+    host.slots = slots.data();
+    host.counts = counts.data();
+    host.errors = &want_errors;
+    host.dst = want.data();
+    CpuBackend cpu;
+    ASSERT_TRUE(cpu.GatherBlockRows(host).ok());
+    EXPECT_GT(want_errors, 2);
+
+    auto upload = [&](const void* data, size_t n) {
+      auto b = (*gpu)->Allocate(n);
+      EXPECT_TRUE(b.ok());
+      EXPECT_TRUE((*gpu)->CopyToDevice(data, (*b)->data(), n).ok());
+      return std::move(*b);
+    };
+    const int32_t zero = 0;
+    std::vector<uint8_t> pattern(dst_bytes, 0xab);
+    auto d_tables = upload(tables.data(), tables.size() * 4);
+    auto d_slots = upload(slots.data(), slots.size() * 4);
+    auto d_counts = upload(counts.data(), counts.size() * 4);
+    auto d_errors = upload(&zero, 4);
+    auto d_dst = upload(pattern.data(), dst_bytes);
+    BlockRowsGather dev = g;
+    dev.tables = static_cast<const int32_t*>(d_tables->data());
+    dev.slots = static_cast<const int32_t*>(d_slots->data());
+    dev.counts = static_cast<const int32_t*>(d_counts->data());
+    dev.errors = static_cast<int32_t*>(d_errors->data());
+    dev.dst = d_dst->data();
+    const BackendCounters before = (*gpu)->counters();
+    ASSERT_TRUE((*gpu)->GatherBlockRows(dev).ok());
+    const BackendCounters used = (*gpu)->counters() - before;
+    EXPECT_EQ(
+        used.synchronizations + used.copies_to_host + used.copies_to_device + used.allocations, 0)
+        << "queued: no wait, no copy, no allocation";
+    std::vector<uint8_t> got(dst_bytes);
+    int32_t errors = -1;
+    ASSERT_TRUE((*gpu)->CopyToHost(d_dst->data(), got.data(), dst_bytes).ok());
+    ASSERT_TRUE((*gpu)->CopyToHost(d_errors->data(), &errors, 4).ok());
+    EXPECT_EQ(errors, want_errors);
+    for (int64_t r = 0; r < lists * kCapacity; ++r) {
+      ASSERT_EQ(std::memcmp(got.data() + r * layout.row_bytes, want.data() + r * layout.row_bytes,
+                            static_cast<size_t>(layout.row_bytes)),
+                0)
+          << "list " << r / kCapacity << " row " << r % kCapacity;
+    }
+
+    std::vector<uint8_t> elsewhere(arena_bytes);
+    BlockRowsGather outside = dev;
+    outside.arena = elsewhere.data();
+    EXPECT_EQ((*gpu)->GatherBlockRows(outside).code(), absl::StatusCode::kInvalidArgument);
+    d_tables.reset();
+    d_slots.reset();
+    d_counts.reset();
+    d_errors.reset();
+    d_dst.reset();
+    gpu->reset();  // unregisters before the mapping goes
+    ::munmap(map, arena_bytes);
+  }
+}
+
 TEST(CudaBackend, WithoutADeviceCreateFailsCleanly) {
   auto backend = CudaBackend::Create({/*device=*/cuda::DeviceCount() + 3, DType::kBF16});
   EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition);
