@@ -271,6 +271,13 @@ absl::Status CudaBackend::RegisterHostMemory(const void* data, size_t bytes) {
   return absl::OkStatus();
 }
 
+const CudaBackend::HostRegion* CudaBackend::RegionOf(const char* p, size_t bytes) const {
+  for (const HostRegion& r : host_regions_) {
+    if (p >= r.host && p + bytes <= r.host + r.bytes) return &r;
+  }
+  return nullptr;
+}
+
 absl::Status CudaBackend::GatherRows(const void* const* rows, int64_t n, size_t row_bytes,
                                      void* dst) {
   if (n <= 0) return absl::OkStatus();
@@ -280,10 +287,7 @@ absl::Status CudaBackend::GatherRows(const void* const* rows, int64_t n, size_t 
   for (int64_t i = 0; i < n; ++i) {
     const char* p = static_cast<const char*>(rows[i]);
     if (region == nullptr || p < region->host || p + row_bytes > region->host + region->bytes) {
-      region = nullptr;
-      for (const HostRegion& r : host_regions_) {
-        if (p >= r.host && p + row_bytes <= r.host + r.bytes) region = &r;
-      }
+      region = RegionOf(p, row_bytes);
       if (region == nullptr) {
         return absl::InvalidArgumentError(
             absl::StrCat("cuda backend: row ", i,
@@ -313,10 +317,7 @@ absl::Status CudaBackend::GatherBlockRows(const BlockRowsGather& g) {
   IG_RETURN_IF_ERROR(CheckBlockRowsGather(g));
   if (g.batch == 0 || g.max_count == 0) return absl::OkStatus();
   const char* arena = static_cast<const char*>(g.arena);
-  const HostRegion* region = nullptr;
-  for (const HostRegion& r : host_regions_) {
-    if (arena >= r.host && arena + g.arena_bytes <= r.host + r.bytes) region = &r;
-  }
+  const HostRegion* region = RegionOf(arena, g.arena_bytes);
   if (region == nullptr) {
     return absl::InvalidArgumentError(
         "cuda backend: the arena of a block-table gather is not in host memory registered with "

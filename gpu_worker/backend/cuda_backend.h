@@ -102,6 +102,8 @@ class CudaBackend final : public Backend {
     size_t bytes;
   };
   std::vector<HostRegion> host_regions_;
+  // The registered region holding [p, p + bytes), or null.
+  const HostRegion* RegionOf(const char* p, size_t bytes) const;
   std::vector<const void*> row_table_;  // GatherRows' device addresses, staged here
   std::unique_ptr<Buffer> row_table_device_;
   // Pinned staging of copies to the device. From pageable memory a copy is staged by the
