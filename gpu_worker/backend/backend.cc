@@ -41,12 +41,26 @@ absl::Status CheckBlockRowsGather(const BlockRowsGather& g) {
     return bad("row_bytes ", g.row_bytes, " and rows_per_block ", g.rows_per_block,
                " must be at least 1");
   }
-  if (g.block_bytes < static_cast<size_t>(g.rows_per_block * g.row_bytes)) {
-    return bad("block_bytes ", g.block_bytes, " is less than rows_per_block x row_bytes (",
-               g.rows_per_block * g.row_bytes, ")");
+  // Divided, not multiplied: nothing here may overflow whatever the sizes.
+  if (static_cast<uint64_t>(g.rows_per_block) >
+      g.block_bytes / static_cast<uint64_t>(g.row_bytes)) {
+    return bad("block_bytes ", g.block_bytes, " is less than rows_per_block (", g.rows_per_block,
+               ") x row_bytes (", g.row_bytes, ")");
+  }
+  if (g.block_bytes > g.arena_bytes) {
+    return bad("block_bytes ", g.block_bytes, " is more than the arena's ", g.arena_bytes);
   }
   if (g.arena == nullptr || g.tables == nullptr || g.slots == nullptr || g.dst == nullptr) {
     return bad("arena, tables, slots and dst must be set");
+  }
+  // Rows of 16-bit or wider elements (what a device's copy is made of), lists within a launch.
+  const auto odd = [](auto v) { return (static_cast<uint64_t>(v) & 1) != 0; };
+  if (odd(g.row_bytes) || odd(g.block_bytes) || odd(reinterpret_cast<uintptr_t>(g.arena)) ||
+      odd(reinterpret_cast<uintptr_t>(g.dst))) {
+    return bad("row_bytes, block_bytes and the arena and dst addresses must be even");
+  }
+  if (g.batch > 65535 || g.num_kv_heads > 65535) {
+    return bad("batch ", g.batch, " and num_kv_heads ", g.num_kv_heads, " must be at most 65535");
   }
   if (g.table_capacity < 1) return bad("table_capacity must be at least 1");
   if (g.slot_capacity < g.max_count || g.dst_rows_per_list < g.max_count) {

@@ -226,7 +226,8 @@ struct RowChoiceRequest {
 // * row_bytes; rows j >= counts[b] are left as they are. A slot outside the table, a block
 // outside the arena, or a count above max_count (taken as max_count) adds one to *errors (null:
 // not counted) and gives a row of zeros: bad device data cannot read outside the arena or write
-// outside dst.
+// outside dst. With batch or max_count 0 nothing is read, written or counted. Rows are of 16-bit
+// or wider elements: row_bytes, block_bytes and the arena and dst addresses are even.
 struct BlockRowsGather {
   const void* arena = nullptr;
   size_t arena_bytes = 0, block_bytes = 0;

@@ -14,6 +14,7 @@ absl::Status CpuBackend::GatherBlockRows(const BlockRowsGather& g) {
   const auto* arena = static_cast<const uint8_t*>(g.arena);
   auto* dst = static_cast<uint8_t*>(g.dst);
   const size_t row_bytes = static_cast<size_t>(g.row_bytes);
+  const int64_t arena_blocks = static_cast<int64_t>(g.arena_bytes / g.block_bytes);
   int32_t errors = 0;
   for (int b = 0; b < g.batch; ++b) {
     int64_t count = g.counts != nullptr ? g.counts[b] : g.max_count;
@@ -30,9 +31,12 @@ absl::Status CpuBackend::GatherBlockRows(const BlockRowsGather& g) {
         const int64_t slot = slots[j];
         const int64_t block = slot >= 0 ? slot / g.rows_per_block : -1;
         const int64_t id = block >= 0 && block < g.table_capacity ? table[block] : -1;
-        const size_t at = static_cast<size_t>(id) * g.block_bytes +
-                          static_cast<size_t>(slot % g.rows_per_block) * row_bytes;
-        if (id < 0 || at + row_bytes > g.arena_bytes) {
+        // A block id is checked against the arena's blocks before it is multiplied.
+        const size_t at = id >= 0 && id < arena_blocks
+                              ? static_cast<size_t>(id) * g.block_bytes +
+                                    static_cast<size_t>(slot % g.rows_per_block) * row_bytes
+                              : g.arena_bytes;
+        if (at + row_bytes > g.arena_bytes) {
           ++errors;
           std::memset(out, 0, row_bytes);
           continue;

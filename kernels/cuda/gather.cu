@@ -14,11 +14,15 @@ constexpr int64_t kBytesPerBlock = 8192;
 
 // Byte offset in the arena of row index `slot` of a block-table list, or -1 where the slot or
 // its block falls outside the table or the arena.
-__device__ inline int64_t TableRowOffset(const Gather& g, const int32_t* table, int64_t slot) {
+// (arena_blocks: the blocks that fit in the arena; a block id is checked against them before it
+// is multiplied.)
+__device__ inline int64_t TableRowOffset(const Gather& g, const int32_t* table, int64_t slot,
+                                         int64_t arena_blocks) {
   if (slot < 0 || slot / g.table_rows >= g.table_capacity) return -1;
   const int64_t block = table[slot / g.table_rows];
+  if (block < 0 || block >= arena_blocks) return -1;
   const int64_t at = block * g.block_bytes + (slot % g.table_rows) * g.row_bytes;
-  return block < 0 || at + g.row_bytes > g.src_bytes ? -1 : at;
+  return at + g.row_bytes > g.src_bytes ? -1 : at;
 }
 
 template <typename V>
@@ -40,6 +44,7 @@ __global__ void GatherKernel(Gather g, int64_t rows_per_block) {
   const int64_t list = static_cast<int64_t>(b) * g.num_kv_heads + head;
   const int32_t* idx = g.indices + list * g.index_capacity + first;
   const int32_t* table = by_table ? g.tables + list * g.table_capacity : nullptr;
+  const int64_t arena_blocks = by_table ? g.src_bytes / g.block_bytes : 0;
   const char* src = static_cast<const char*>(g.src) +
                     (by_table ? 0 : b * g.src_seq_stride + head * g.src_head_stride);
   char* dst = static_cast<char*>(g.dst) + (list * g.dst_rows_per_head + first) * g.row_bytes;
@@ -47,7 +52,7 @@ __global__ void GatherKernel(Gather g, int64_t rows_per_block) {
     const int64_t r = t / vecs, v = t % vecs;
     V* out = reinterpret_cast<V*>(dst + r * g.row_bytes) + v;
     int64_t at = static_cast<int64_t>(idx[r]) * g.row_bytes;
-    if (by_table && (at = TableRowOffset(g, table, idx[r])) < 0) {
+    if (by_table && (at = TableRowOffset(g, table, idx[r], arena_blocks)) < 0) {
       *out = V{};
       if (v == 0 && g.errors != nullptr) atomicAdd(g.errors, 1);
       continue;
@@ -101,7 +106,7 @@ cudaError_t RunGather(const Gather& g, cudaStream_t stream) {
   const int w = Width({reinterpret_cast<int64_t>(g.src), reinterpret_cast<int64_t>(g.dst),
                        g.row_bytes, g.src_seq_stride, g.src_head_stride, g.block_bytes});
   if (w == 0 || g.row_bytes <= 0) return cudaErrorInvalidValue;
-  if (g.tables != nullptr && (g.table_rows <= 0 || g.table_capacity <= 0)) {
+  if (g.tables != nullptr && (g.table_rows <= 0 || g.table_capacity <= 0 || g.block_bytes <= 0)) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows_per_block = std::max<int64_t>(1, kBytesPerBlock / g.row_bytes);

@@ -484,8 +484,8 @@ TEST(CudaBackend, GatherRowsReadsRegisteredReadOnlyHostMemory) {
 
 // GatherBlockRows on the GPU equals the CPU backend's loop (its reference) byte for byte, errors
 // counted alike: a batch's lists read from a registered read-only mapping by block table, with
-// per-sequence counts (0, short, full, above the bound), bad slots and bad blocks; 16-byte and
-// 2-byte accesses. An arena outside registered memory is refused.
+// per-sequence counts (negative, short, full, above the bound), bad slots and bad blocks; 16-byte
+// and 2-byte accesses. An arena outside registered memory is refused.
 TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   struct Layout {
@@ -497,7 +497,8 @@ TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
     auto gpu = CudaBackend::Create({0, DType::kBF16});
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     constexpr int kBatch = 4, kHeads = 8;
-    constexpr int64_t kTable = 24, kCapacity = 300;
+    // Three different sizes, so that a stride taken for another fails.
+    constexpr int64_t kTable = 24, kMax = 300, kSlots = 310, kDstRows = 305;
     const int64_t lists = kBatch * kHeads, blocks = lists * kTable;
     const size_t arena_bytes = static_cast<size_t>(blocks) * layout.block_bytes;
     const int fd = ::memfd_create("gather-block-rows-test", MFD_CLOEXEC);
@@ -517,14 +518,14 @@ TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
     std::shuffle(tables.begin(), tables.end(), rng);
     tables[5] = -1;                                     // list 0: a block that is not there
     tables[kTable + 2] = static_cast<int32_t>(blocks);  // list 1: one past the arena
-    std::vector<int32_t> slots(static_cast<size_t>(lists * kCapacity));
+    std::vector<int32_t> slots(static_cast<size_t>(lists * kSlots));
     std::uniform_int_distribution<int32_t> slot(
         0, static_cast<int32_t>(kTable * layout.rows_per_block) - 1);
     for (int32_t& s : slots) s = slot(rng);
-    for (int64_t j = 0; j < 40; ++j) slots[2 * kCapacity + j] = static_cast<int32_t>(j);  // a run
+    for (int64_t j = 0; j < 40; ++j) slots[2 * kSlots + j] = static_cast<int32_t>(j);  // a run
     slots[3] = -7;
     slots[4] = static_cast<int32_t>(kTable * layout.rows_per_block);
-    const std::vector<int32_t> counts = {kCapacity, 0, 17, kCapacity + 40};
+    const std::vector<int32_t> counts = {kMax, -5, 17, kMax + 40};
 
     BlockRowsGather g;
     g.arena = map;
@@ -535,10 +536,10 @@ TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
     g.batch = kBatch;
     g.num_kv_heads = kHeads;
     g.table_capacity = kTable;
-    g.slot_capacity = kCapacity;
-    g.max_count = kCapacity;
-    g.dst_rows_per_list = kCapacity;
-    const size_t dst_bytes = static_cast<size_t>(lists * kCapacity * layout.row_bytes);
+    g.slot_capacity = kSlots;
+    g.max_count = kMax;
+    g.dst_rows_per_list = kDstRows;
+    const size_t dst_bytes = static_cast<size_t>(lists * kDstRows * layout.row_bytes);
 
     // The reference on the host.
     std::vector<uint8_t> want(dst_bytes, 0xab);
@@ -583,11 +584,11 @@ TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
     ASSERT_TRUE((*gpu)->CopyToHost(d_dst->data(), got.data(), dst_bytes).ok());
     ASSERT_TRUE((*gpu)->CopyToHost(d_errors->data(), &errors, 4).ok());
     EXPECT_EQ(errors, want_errors);
-    for (int64_t r = 0; r < lists * kCapacity; ++r) {
+    for (int64_t r = 0; r < lists * kDstRows; ++r) {
       ASSERT_EQ(std::memcmp(got.data() + r * layout.row_bytes, want.data() + r * layout.row_bytes,
                             static_cast<size_t>(layout.row_bytes)),
                 0)
-          << "list " << r / kCapacity << " row " << r % kCapacity;
+          << "list " << r / kDstRows << " row " << r % kDstRows;
     }
 
     std::vector<uint8_t> elsewhere(arena_bytes);

@@ -19,7 +19,10 @@ namespace {
 constexpr int64_t kRowBytes = 24, kRowsPerBlock = 5;
 constexpr size_t kBlockBytes = 128;  // more than 5 x 24: the arena's blocks may be padded
 constexpr int kBatch = 3, kHeads = 2;
-constexpr int64_t kTable = 4, kCapacity = 7;
+constexpr int64_t kTable = 4;
+// Three different sizes, so that a stride taken for another fails: rows gathered at most, slots
+// per list, rows per list of dst.
+constexpr int64_t kMax = 7, kSlots = 9, kDstRows = 8;
 
 struct Fixture {
   std::vector<uint8_t> arena;
@@ -35,11 +38,11 @@ struct Fixture {
     tables.resize(static_cast<size_t>(blocks));
     std::iota(tables.begin(), tables.end(), 0);
     std::shuffle(tables.begin(), tables.end(), rng);  // each list's blocks anywhere in the arena
-    slots.resize(static_cast<size_t>(kBatch * kHeads * kCapacity));
+    slots.resize(static_cast<size_t>(kBatch * kHeads * kSlots));
     std::uniform_int_distribution<int32_t> slot(0, kTable * kRowsPerBlock - 1);
     for (int32_t& s : slots) s = slot(rng);
-    counts = {kCapacity, 3, 0};
-    dst.assign(static_cast<size_t>(kBatch * kHeads * kCapacity * kRowBytes), 0xab);
+    counts = {kMax, 3, -5};  // full, short, negative (nothing)
+    dst.assign(static_cast<size_t>(kBatch * kHeads * kDstRows * kRowBytes), 0xab);
   }
 
   BlockRowsGather Request() {
@@ -54,17 +57,17 @@ struct Fixture {
     g.tables = tables.data();
     g.table_capacity = kTable;
     g.slots = slots.data();
-    g.slot_capacity = kCapacity;
+    g.slot_capacity = kSlots;
     g.counts = counts.data();
-    g.max_count = kCapacity;
+    g.max_count = kMax;
     g.errors = &errors;
     g.dst = dst.data();
-    g.dst_rows_per_list = kCapacity;
+    g.dst_rows_per_list = kDstRows;
     return g;
   }
 
   const uint8_t* Out(int64_t list, int64_t j) const {
-    return dst.data() + (list * kCapacity + j) * kRowBytes;
+    return dst.data() + (list * kDstRows + j) * kRowBytes;
   }
 };
 
@@ -83,10 +86,10 @@ TEST(GatherBlockRows, FindsEachRowWhereTheStoresHostPathDoes) {
                               f.tables.data() + list * kTable,
                               kRowBytes,
                               kRowsPerBlock};
-      std::vector<const void*> k(kCapacity), v(kCapacity);
-      HeadRowAddresses(view, f.slots.data() + list * kCapacity, kCapacity, k.data(), v.data());
-      for (int64_t j = 0; j < kCapacity; ++j) {
-        if (j < f.counts[b]) {
+      std::vector<const void*> k(kMax), v(kMax);
+      HeadRowAddresses(view, f.slots.data() + list * kSlots, kMax, k.data(), v.data());
+      for (int64_t j = 0; j < kDstRows; ++j) {
+        if (j < f.counts[b]) {  // (j < kMax)
           EXPECT_EQ(std::memcmp(f.Out(list, j), k[j], kRowBytes), 0) << list << "," << j;
         } else {  // past the sequence's count: as it was
           EXPECT_EQ(f.Out(list, j)[0], 0xab) << list << "," << j;
@@ -99,17 +102,17 @@ TEST(GatherBlockRows, FindsEachRowWhereTheStoresHostPathDoes) {
 
 TEST(GatherBlockRows, RowsOutOfRangeAreZerosAndCounted) {
   Fixture f(2);
-  f.counts = {kCapacity, kCapacity + 5, 2};    // sequence 1's count above the bound: one error
-  f.slots[0] = -1;                             // list 0: a negative slot
-  f.slots[1] = kTable * kRowsPerBlock;         // past the table
-  f.tables[2 * kTable + 1] = -3;               // list 2 (sequence 1), block 1: no block
-  f.tables[3 * kTable + 0] = 1 << 20;          // list 3, block 0: past the arena
-  f.slots[2 * kCapacity + 0] = kRowsPerBlock;  // list 2 row 0 in block 1
-  f.slots[3 * kCapacity + 0] = 0;              // list 3 row 0 in block 0
+  f.counts = {kMax, kMax + 5, 2};           // sequence 1's count above the bound: one error
+  f.slots[0] = -1;                          // list 0: a negative slot
+  f.slots[1] = kTable * kRowsPerBlock;      // past the table
+  f.tables[2 * kTable + 1] = -3;            // list 2 (sequence 1), block 1: no block
+  f.tables[3 * kTable + 0] = 1 << 20;       // list 3, block 0: past the arena
+  f.slots[2 * kSlots + 0] = kRowsPerBlock;  // list 2 row 0 in block 1
+  f.slots[3 * kSlots + 0] = 0;              // list 3 row 0 in block 0
   int expected = 1 + 4;
-  for (int64_t j = 1; j < kCapacity; ++j) {  // other rows that also land in the bad blocks
-    if (f.slots[2 * kCapacity + j] / kRowsPerBlock == 1) ++expected;
-    if (f.slots[3 * kCapacity + j] / kRowsPerBlock == 0) ++expected;
+  for (int64_t j = 1; j < kMax; ++j) {  // other rows that also land in the bad blocks
+    if (f.slots[2 * kSlots + j] / kRowsPerBlock == 1) ++expected;
+    if (f.slots[3 * kSlots + j] / kRowsPerBlock == 0) ++expected;
   }
   CpuBackend cpu;
   ASSERT_TRUE(cpu.GatherBlockRows(f.Request()).ok());
@@ -118,12 +121,12 @@ TEST(GatherBlockRows, RowsOutOfRangeAreZerosAndCounted) {
   for (auto [list, j] : {std::pair{0, 0}, std::pair{0, 1}, std::pair{2, 0}, std::pair{3, 0}}) {
     EXPECT_EQ(std::memcmp(f.Out(list, j), zeros.data(), kRowBytes), 0) << list << "," << j;
   }
-  // Sequence 1 was taken at max_count rows, every one written: zeros in the bad blocks, the
-  // arena's row elsewhere.
+  // Sequence 1 was taken at max_count rows, every one written (zeros in the bad blocks, the
+  // arena's row elsewhere), and dst's row past them left as it was.
   for (int64_t list : {2, 3}) {
     const int64_t bad_block = list == 2 ? 1 : 0;
-    for (int64_t j = 0; j < kCapacity; ++j) {
-      const int32_t slot = f.slots[list * kCapacity + j];
+    for (int64_t j = 0; j < kMax; ++j) {
+      const int32_t slot = f.slots[list * kSlots + j];
       const uint8_t* want = zeros.data();
       if (slot / kRowsPerBlock != bad_block) {
         want = f.arena.data() + f.tables[list * kTable + slot / kRowsPerBlock] * kBlockBytes +
@@ -131,6 +134,7 @@ TEST(GatherBlockRows, RowsOutOfRangeAreZerosAndCounted) {
       }
       EXPECT_EQ(std::memcmp(f.Out(list, j), want, kRowBytes), 0) << list << "," << j;
     }
+    EXPECT_EQ(f.Out(list, kMax)[0], 0xab);
   }
 }
 
@@ -142,11 +146,16 @@ TEST(GatherBlockRows, ShapesThatDoNotFitAreRefused) {
     mutate(g);
     return cpu.GatherBlockRows(g).code() == absl::StatusCode::kInvalidArgument;
   };
-  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.block_bytes = kRowsPerBlock * kRowBytes - 1; }));
-  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.slot_capacity = kCapacity - 1; }));
-  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.dst_rows_per_list = kCapacity - 1; }));
+  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.block_bytes = kRowsPerBlock * kRowBytes - 2; }));
+  EXPECT_TRUE(refused([&](BlockRowsGather& g) { g.block_bytes = f.arena.size() + 2; }));
+  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.row_bytes = kRowBytes - 1; }));  // odd
+  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.dst = static_cast<uint8_t*>(g.dst) + 1; }));
+  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.slot_capacity = kMax - 1; }));
+  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.dst_rows_per_list = kMax - 1; }));
   EXPECT_TRUE(refused([](BlockRowsGather& g) { g.rows_per_block = 0; }));
+  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.rows_per_block = int64_t{1} << 62; }));
   EXPECT_TRUE(refused([](BlockRowsGather& g) { g.num_kv_heads = 0; }));
+  EXPECT_TRUE(refused([](BlockRowsGather& g) { g.batch = 70000; }));
   EXPECT_TRUE(refused([](BlockRowsGather& g) { g.tables = nullptr; }));
   EXPECT_TRUE(refused([](BlockRowsGather& g) { g.max_count = -1; }));
   BlockRowsGather none = f.Request();
