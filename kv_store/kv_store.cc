@@ -442,7 +442,13 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
                        item.head_begin + heads, ") are outside [0, ", spec.num_kv_heads, ")"));
       break;
     }
-    const bool in_place = item.k_rows != nullptr && item.v_rows != nullptr;
+    const bool in_place = item.in_place();
+    if (item.block_table.requested() && (item.head_begin != 0 || heads != spec.num_kv_heads)) {
+      status = absl::InvalidArgumentError(
+          absl::StrCat("sequence ", item.seq, " layer ", item.layer,
+                       ": a gather by block table answers every KV head, not a part of them"));
+      break;
+    }
     if (!CountMatches(item.count, heads, item.slots.size()) ||
         (item.count > 0 && !in_place && (item.k_out == nullptr || item.v_out == nullptr))) {
       status = absl::InvalidArgumentError(
@@ -471,10 +477,22 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
     if (!in_place) copy_bytes += 2 * static_cast<int64_t>(item.slots.size()) * spec.row_bytes();
   }
   if (status.ok()) {
-    // Work units: one (item, KV head) each.
+    // Work units: one (item, KV head) each, of the items that want rows or their addresses;
+    // those by block table are answered here.
     work.reserve(units);
     for (const GatherItem& item : items) {
-      for (int g = 0; g < HeadsOf(item, seq_of(item.seq).spec); ++g) work.emplace_back(&item, g);
+      const Sequence& s = seq_of(item.seq);
+      if (item.block_table.requested()) {
+        const Layer& l = s.layers[item.layer];
+        for (int g = 0; g < s.spec.num_kv_heads; ++g) {
+          const HeadRows& h = l.heads[g];
+          AnswerHeadBlocks(item.block_table, s.spec.num_kv_heads, g, h.k_blocks.data(),
+                           h.v_blocks.data(), static_cast<int64_t>(h.k_blocks.size()));
+        }
+        *item.block_table.blocks = static_cast<int64_t>(l.heads[0].k_blocks.size());
+        continue;
+      }
+      for (int g = 0; g < HeadsOf(item, s.spec); ++g) work.emplace_back(&item, g);
     }
     auto copy = [&](int64_t u) ABSL_NO_THREAD_SAFETY_ANALYSIS {
       const GatherItem& item = *work[u].first;

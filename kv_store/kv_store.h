@@ -25,6 +25,7 @@
 #include "common/dtype.h"
 #include "common/thread_pool.h"
 #include "kv_store/arena.h"
+#include "kv_store/row_copy.h"
 #include "kv_store/slot_table.h"
 
 namespace infinigen {
@@ -80,6 +81,11 @@ struct GatherItem {
   // with other rows between the caller's sizing and the gather then fails (FAILED_PRECONDITION)
   // instead of overrunning them.
   int64_t row_bytes = 0;
+  // By block table instead of rows or addresses (every KV head of the layer; see BlockTableOut).
+  BlockTableOut block_table{};
+  bool in_place() const {
+    return (k_rows != nullptr && v_rows != nullptr) || block_table.requested();
+  }
 };
 
 // True when `indices` slots are `count` rows for each of `heads` KV heads. Counts come from the

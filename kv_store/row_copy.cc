@@ -1,5 +1,6 @@
 #include "kv_store/row_copy.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace infinigen {
@@ -106,6 +107,17 @@ void CopyHeadRows(const HeadRowsView& head, const int32_t* slots, int64_t count,
     default:
       return CopyRowsOf<0>(head, shift, slots, count, k_out, v_out);
   }
+}
+
+void AnswerHeadBlocks(const BlockTableOut& out, int num_kv_heads, int head, const int32_t* k_blocks,
+                      const int32_t* v_blocks, int64_t n) {
+  const int64_t end = std::min(n, out.capacity);
+  if (out.known >= end) return;
+  const size_t count = static_cast<size_t>(end - out.known);
+  int32_t* k = out.table + static_cast<size_t>(head) * out.capacity + out.known;
+  int32_t* v = out.table + static_cast<size_t>(num_kv_heads + head) * out.capacity + out.known;
+  std::memcpy(k, k_blocks + out.known, count * sizeof(int32_t));
+  std::memcpy(v, v_blocks + out.known, count * sizeof(int32_t));
 }
 
 }  // namespace infinigen

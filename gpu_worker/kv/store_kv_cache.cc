@@ -19,7 +19,7 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
       in_place_(host_access_ && options.read_in_place && client.reads_in_place()) {
   // Without registration (a backend or device that cannot) prefetches copy as before.
   device_gathers_ = !host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
-                    client.reads_in_place() && RegisterMapped().ok();
+                    client.reads_in_place() && RegisterMapped().ok() && rows_per_block_ > 0;
   if (!host_access_ && !options.pool && options.device_resident_layers > 0) {
     resident_layers_ =
         std::make_unique<ResidentLayers>(backend, shape, options.device_resident_layers);
@@ -32,6 +32,8 @@ absl::Status StoreKvCache::RegisterMapped() {
   if (m.data == registered_) return absl::OkStatus();
   IG_RETURN_IF_ERROR(backend_.RegisterHostMemory(m.data, m.bytes));
   registered_ = m.data;
+  rows_per_block_ =
+      m.block_bytes >= RowBytes() ? static_cast<int64_t>(m.block_bytes / RowBytes()) : 0;
   return absl::OkStatus();
 }
 
@@ -98,9 +100,18 @@ size_t StoreKvCache::StagingBytes(int64_t capacity_tokens) const {
   return 2 * entries * RowBytes();
 }
 
+size_t StoreKvCache::GatherTableBytes(int64_t capacity_tokens) const {
+  if (!device_gathers_) return 0;
+  const size_t entries =
+      static_cast<size_t>(shape_.num_kv_heads) * static_cast<size_t>(capacity_tokens + 1);
+  return 2 * entries * sizeof(int32_t) +
+         DeviceBlockTables(shape_.num_layers, shape_.num_kv_heads, rows_per_block_)
+             .BytesFor(capacity_tokens + 1);
+}
+
 size_t StoreKvCache::BackendBytesFor(int64_t capacity_tokens) const {
   const int64_t capacity = std::max<int64_t>(capacity_tokens, 0);
-  size_t bytes = 2 * StagingBytes(capacity);
+  size_t bytes = 2 * StagingBytes(capacity) + GatherTableBytes(capacity);
   if (resident_layers_ != nullptr) {
     bytes += ResidentLayers::BytesPerToken(shape_, resident_layers_->layers()) *
              static_cast<size_t>(capacity);
@@ -112,11 +123,23 @@ absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
   // The most one read of a layer moves: every row (a dense layer, a full fetch) and the current
   // token's, so that no decode step allocates (or, on a GPU, waits for a free).
   const size_t entries = static_cast<size_t>(shape_.num_kv_heads) * (capacity_tokens + 1);
+  if (device_gathers_) {
+    if (s.tables == nullptr) {
+      s.tables = std::make_shared<DeviceBlockTables>(shape_.num_layers, shape_.num_kv_heads,
+                                                     rows_per_block_);
+    }
+    IG_RETURN_IF_ERROR(s.tables->Reserve(backend_, capacity_tokens + 1));
+  }
   for (Pending& p : s.pending) {
     p.item.slots.reserve(entries);
-    if (device_gathers_ || in_place_) {
+    if (in_place_) {
       p.staging.k_rows.reserve(entries);
       p.staging.v_rows.reserve(entries);
+    }
+    if (device_gathers_ &&
+        (p.device_slots == nullptr || p.device_slots->size() < entries * sizeof(int32_t))) {
+      p.device_slots.reset();
+      IG_ASSIGN_OR_RETURN(p.device_slots, backend_.Allocate(entries * sizeof(int32_t)));
     }
     if (!in_place_) IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes(), true));
   }
@@ -140,8 +163,11 @@ void StoreKvCache::TakeSpareStaging(Sequence& s, size_t bytes) {
 }
 
 void StoreKvCache::KeepSpareStaging(Sequence& s) {
+  // Its backend memory besides the staging goes too (until an Attach opens it again).
+  if (s.tables != nullptr) s.tables->Release();
   for (Pending& p : s.pending) {
     DropTicket(p);  // nothing writes into it any more (both Pendings, even when not kept)
+    p.device_slots.reset();
     Staging staging = std::move(p.staging);
     p.staging = Staging{};
     if (staging.capacity == 0 && staging.k_rows.capacity() == 0) continue;
@@ -155,9 +181,14 @@ size_t StoreKvCache::HostBytesFor(int64_t capacity_tokens) const {
   const size_t entries = static_cast<size_t>(shape_.num_kv_heads) *
                          static_cast<size_t>(std::max<int64_t>(capacity_tokens, 0) + 1);
   size_t per_layer = entries * sizeof(int32_t);
-  if (device_gathers_ || in_place_) per_layer += 2 * entries * sizeof(const void*);
+  if (in_place_) per_layer += 2 * entries * sizeof(const void*);
   if (!host_access_ && !device_gathers_) per_layer += 2 * entries * RowBytes();
-  return 2 * per_layer;
+  // Where the GPU gathers by block table, the tables' host copy (as large as the device's).
+  const size_t tables =
+      device_gathers_ ? DeviceBlockTables(shape_.num_layers, shape_.num_kv_heads, rows_per_block_)
+                            .BytesFor(std::max<int64_t>(capacity_tokens, 0) + 1)
+                      : 0;
+  return 2 * per_layer + tables;
 }
 
 size_t StoreKvCache::HostStagingBytes() const {
@@ -511,6 +542,11 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   p.count = count;
   p.extra_rows = extra_rows;
   p.in_place = in_place;
+  p.item.block_table = BlockTableOut{};
+  if (in_place && !host_access_) {  // the GPU gathers by block table: the store answers them
+    IG_RETURN_IF_ERROR(ReserveTables(s, s.Rows(layer)));
+    p.item.block_table = s.tables->Out(layer);
+  }
   IG_RETURN_IF_ERROR(BindStaging(p));
   if (deferring_) {
     p.deferred = true;
@@ -531,6 +567,7 @@ absl::Status StoreKvCache::BindStaging(Pending& p) {
   ClientGatherItem& item = p.item;
   const size_t entries = static_cast<size_t>(shape_.num_kv_heads * (p.count + p.extra_rows));
   if (p.in_place) {
+    if (!host_access_) return absl::OkStatus();  // by block table (StartGather), no row tables
     p.staging.k_rows.resize(entries);
     p.staging.v_rows.resize(entries);
     item.k_rows = p.staging.k_rows.data();
@@ -570,7 +607,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
     }
     p.ticket.reset();  // done; p.layer stays, so a second Fetch of the layer still works
     if (!host_access_ && p.in_place) {  // addresses in registered store memory: the GPU reads
-      IG_RETURN_IF_ERROR(GatherOnDevice(p));
+      IG_RETURN_IF_ERROR(GatherOnDevice(s, p));
     } else if (!host_access_) {
       const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
       IG_RETURN_IF_ERROR(
@@ -591,21 +628,68 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
   return view;
 }
 
-absl::Status StoreKvCache::GatherOnDevice(Pending& p) {
-  const size_t entries = p.staging.k_rows.size();  // count + extra rows per head
+absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p) {
+  const int64_t heads = shape_.num_kv_heads;
+  const size_t entries = static_cast<size_t>(heads * (p.count + p.extra_rows));
   IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
-  const int64_t rows = static_cast<int64_t>(shape_.num_kv_heads) * p.count;
+  if (p.count == 0) return absl::OkStatus();
+  const size_t slot_bytes = static_cast<size_t>(heads * p.count) * sizeof(int32_t);
+  if (p.device_slots == nullptr || p.device_slots->size() < slot_bytes) {  // past the capacity
+    p.device_slots.reset();
+    IG_ASSIGN_OR_RETURN(p.device_slots, backend_.Allocate(slot_bytes));
+  }
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToDevice(p.item.slots.data(), p.device_slots->data(), slot_bytes));
+  IG_ASSIGN_OR_RETURN(const int32_t* tables, s.tables->OnDevice(backend_, p.layer));
   auto gather = [&] {
-    IG_RETURN_IF_ERROR(
-        backend_.GatherRows(p.staging.k_rows.data(), rows, RowBytes(), p.staging.k->data()));
-    return backend_.GatherRows(p.staging.v_rows.data(), rows, RowBytes(), p.staging.v->data());
+    const KvStoreClient::Span arena = client_.mapped_memory();
+    BlockRowsGather g;
+    g.arena = arena.data;
+    g.arena_bytes = arena.bytes;
+    g.block_bytes = arena.block_bytes;
+    g.rows_per_block = rows_per_block_;
+    g.row_bytes = static_cast<int64_t>(RowBytes());
+    g.batch = 1;
+    g.num_kv_heads = shape_.num_kv_heads;
+    g.tables = tables;
+    g.table_capacity = s.tables->capacity();
+    g.slots = static_cast<const int32_t*>(p.device_slots->data());
+    g.slot_capacity = p.count;
+    g.max_count = p.count;
+    g.dst = p.staging.k->data();
+    g.dst_rows_per_list = p.count;
+    IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
+    g.tables = tables + heads * s.tables->capacity();  // the V tables follow the K tables
+    g.dst = p.staging.v->data();
+    return backend_.GatherBlockRows(g);
   };
   absl::Status st = gather();
-  if (absl::IsInvalidArgument(st)) {  // rows outside what was registered: a remapped arena
+  if (absl::IsInvalidArgument(st)) {  // an arena not registered: a restarted store's, remapped
     IG_RETURN_IF_ERROR(RegisterMapped());
     st = gather();
   }
   return st;
+}
+
+absl::Status StoreKvCache::ReserveTables(Sequence& s, int64_t rows) {
+  if (s.tables->BlocksFor(rows) <= s.tables->capacity()) {
+    // Idle since it was sized (KvCache::Idle gives its device copy back): made again.
+    return s.tables->on_device() ? absl::OkStatus() : s.tables->Reserve(backend_, rows);
+  }
+  // Gathers of this sequence still to answer into the tables: sent and waited for; gathers
+  // abandoned late too (of any sequence: rare, and they are over by their own deadline).
+  for (const Pending& q : s.pending) {
+    if (q.deferred) SubmitPrefetches();
+  }
+  for (Pending& q : s.pending) {
+    if (q.ticket != nullptr) q.ticket->Wait(absl::InfiniteFuture()).IgnoreError();
+  }
+  ReapAbandoned(/*wait=*/true);
+  IG_RETURN_IF_ERROR(s.tables->Reserve(backend_, rows));
+  for (Pending& q : s.pending) {  // a retry of either answers into the moved tables
+    if (q.item.block_table.requested()) q.item.block_table = s.tables->Out(q.item.layer);
+  }
+  return absl::OkStatus();
 }
 
 void StoreKvCache::SubmitPrefetches() {
@@ -674,7 +758,7 @@ void StoreKvCache::RegatherAlone(const std::shared_ptr<GatherTicket>& late) {
       // New staging the size of the old (sized at Open for every row: later steps allocate
       // nothing), the old kept until the late transfer ends.
       const size_t capacity = q.staging.capacity, rows = q.staging.k_rows.capacity();
-      abandoned_.push_back({std::move(q.staging), late});
+      abandoned_.push_back({std::move(q.staging), late, s.tables});
       q.staging = Staging();
       q.staging.k_rows.reserve(rows);
       q.staging.v_rows.reserve(rows);

@@ -20,6 +20,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+#include "gpu_worker/kv/device_block_tables.h"
 #include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/kv/kv_pool.h"
 #include "gpu_worker/kv/resident_layers.h"
@@ -42,11 +43,14 @@ struct StoreKvCacheOptions {
   // already be attended as the later ones move.
   size_t max_batched_gather_bytes = 1 << 20;
   // A GPU backend over a client that maps the store's memory (in-process, shm) registers that
-  // memory with the backend and gathers a prefetch's rows by address with one kernel reading
-  // them over the host link (Backend::GatherRows), instead of copying them on the CPU into
-  // staging and then to the device. Verified on an H200 (tests/gpu/cuda_model_test.cc) and 6.5x
-  // faster there for a full fetch at 8K tokens (docs/cuda.md); without registration (a transport
-  // that maps nothing: grpc, ucx) prefetches copy.
+  // memory with the backend and gathers a prefetch's rows with one kernel reading them over the
+  // host link, instead of copying them on the CPU into staging and then to the device. The
+  // kernel finds each row by slot in the sequence's block tables, which are kept on the device
+  // (DeviceBlockTables, Backend::GatherBlockRows): the host copies the slot list, and the tables
+  // when a layer reaches a new block, and makes no address per row. (The first form, rows by
+  // host address through Backend::GatherRows, was 6.5x faster on an H200 than staging copies
+  // for a full fetch at 8K tokens: docs/cuda.md.) Without registration (a transport that maps
+  // nothing: grpc, ucx) prefetches copy.
   bool device_reads_mapped_rows = true;
   // A KV pool (INFINIGEN.md): each sequence keeps at most its share of tokens per (layer, KV
   // head) in the store, and a decode token past it evicts one of its own (counter, fifo, lru)
@@ -109,7 +113,8 @@ class StoreKvCache final : public StreamedKvCache {
   absl::StatusOr<bool> HasRoomFor(int64_t tokens) override;
 
   bool addresses_only() const override { return in_place_; }
-  // Whether prefetches reach a GPU backend by Backend::GatherRows from registered store memory.
+  // Whether prefetches reach a GPU backend by Backend::GatherBlockRows from registered store
+  // memory.
   bool device_gathers() const { return device_gathers_; }
   // The layers whose K/V are kept in backend memory too (StoreKvCacheOptions; 0 where not).
   int device_resident_layers() const {
@@ -141,6 +146,9 @@ class StoreKvCache final : public StreamedKvCache {
   // while this layer's are being used.
   struct Pending {
     Staging staging;
+    // Where the GPU gathers by block table: the gather's slot list in backend memory
+    // ([num_kv_heads, count] int32), sized when the sequence opens.
+    std::unique_ptr<Buffer> device_slots;
     ClientGatherItem item;                 // what it gathers (kept to retry it alone)
     std::shared_ptr<GatherTicket> ticket;  // shared by the prefetches submitted together
     bool deferred = false;                 // held for SubmitPrefetches
@@ -156,12 +164,16 @@ class StoreKvCache final : public StreamedKvCache {
   struct Abandoned {
     Staging staging;
     std::shared_ptr<GatherTicket> ticket;
+    std::shared_ptr<DeviceBlockTables> tables;  // ... and the block tables it answers into
   };
   struct Sequence {
     std::vector<int64_t> length;  // per layer
     Pending pending[2];
     FetchCounters counters;
     std::unique_ptr<PooledSlots> pool;  // with options.pool: where each token is stored
+    // Where the GPU gathers by block table (device_gathers_): the store's block tables of every
+    // layer, mirrored on the device. Shared with gathers abandoned late, which may still write.
+    std::shared_ptr<DeviceBlockTables> tables;
     // Slots stored in `layer`: its length, or in a KV pool the slots in use.
     int64_t Rows(int layer) const { return pool ? pool->rows(layer) : length[layer]; }
   };
@@ -201,8 +213,15 @@ class StoreKvCache final : public StreamedKvCache {
   bool StartResident(SequenceId seq, Sequence& s, int layer, int64_t count, int64_t extra_rows);
   // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
   static void DropTicket(Pending& p);
-  // A GPU backend's in-place prefetch: the rows at p's addresses into p's device staging.
-  absl::Status GatherOnDevice(Pending& p);
+  // A GPU backend's in-place prefetch: p's slots, found in s's block tables on the device, read
+  // from the registered arena into p's device staging (Backend::GatherBlockRows).
+  absl::Status GatherOnDevice(Sequence& s, Pending& p);
+  // Room in s's block tables for `rows` rows a layer, on the device (again after Idle). Past
+  // what the sequence was opened with (rare: the capacity is a hint) the tables move, so that
+  // gathers writing into them are waited for first.
+  absl::Status ReserveTables(Sequence& s, int64_t rows);
+  // Backend bytes of a sequence's block tables and slot lists at this capacity (device gathers).
+  size_t GatherTableBytes(int64_t capacity_tokens) const;
   // Waits for p's gather; retries it alone if a gather it shared failed or did not finish in
   // time (then every sequence of that gather retries alone, at once: RegatherAlone).
   absl::Status WaitGather(Sequence& s, Pending& p);
@@ -242,6 +261,7 @@ class StoreKvCache final : public StreamedKvCache {
   bool host_access_;  // the backend's memory is host memory (CPU): gather straight into it
   bool in_place_;     // prefetches answer row addresses (see StoreKvCacheOptions)
   bool device_gathers_ = false;       // ... which a GPU backend gathers (device_reads_mapped_rows)
+  int64_t rows_per_block_ = 0;        // ... by block table: the store's rows per arena block
   const void* registered_ = nullptr;  // the client's mapped memory registered with the backend
   // Registers the client's mapped memory with the backend if it is not (again after a store
   // restart remapped it).

@@ -131,7 +131,7 @@ absl::StatusOr<std::vector<int64_t>> CopiedRowBytes(const std::vector<ClientGath
   std::vector<int64_t> row_bytes;
   row_bytes.reserve(items.size());
   for (const auto& it : items) {
-    if (it.k_rows != nullptr || it.v_rows != nullptr) {
+    if (it.k_rows != nullptr || it.v_rows != nullptr || it.block_table.requested()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the ", transport, " transport copies rows; it cannot gather them in place"));
     }

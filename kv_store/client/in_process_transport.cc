@@ -79,7 +79,7 @@ class InProcessClient final : public KvStoreClient {
     g.clear();
     for (const auto& it : items) {
       g.push_back({it.seq, it.layer, it.count, it.slots, it.k_out, it.v_out, /*head_begin=*/0,
-                   /*heads=*/-1, it.k_rows, it.v_rows});
+                   /*heads=*/-1, it.k_rows, it.v_rows, /*row_bytes=*/0, it.block_table});
     }
     absl::Status st = store_.Gather(g);
     if (st.ok()) {
@@ -92,7 +92,7 @@ class InProcessClient final : public KvStoreClient {
   bool reads_in_place() const override { return true; }
   Span mapped_memory() const override {
     const Arena& a = store_.arena();
-    return {a.base(), static_cast<size_t>(a.num_blocks()) * a.block_bytes()};
+    return {a.base(), static_cast<size_t>(a.num_blocks()) * a.block_bytes(), a.block_bytes()};
   }
   absl::StatusOr<KvStoreStats> Stats() override { return store_.Stats(); }
 

@@ -36,6 +36,13 @@ struct ClientGatherItem {
   // here ([num_kv_heads, count]) instead of its bytes to k_out / v_out; see GatherItem.
   const void** k_rows = nullptr;
   const void** v_rows = nullptr;
+  // In place by block table instead (clients that reads_in_place(); every KV head): the
+  // layer's block ids, as kv_store/row_copy.h BlockTableOut says, for a device that reads the
+  // mapped arena itself (Backend::GatherBlockRows). Nothing is copied and no address written.
+  BlockTableOut block_table{};
+  bool in_place() const {
+    return (k_rows != nullptr && v_rows != nullptr) || block_table.requested();
+  }
 };
 
 class GatherTicket {
@@ -112,6 +119,7 @@ class KvStoreClient {
   struct Span {
     const void* data = nullptr;
     size_t bytes = 0;
+    size_t block_bytes = 0;  // the arena's blocks: block id b starts at data + b * block_bytes
   };
   virtual Span mapped_memory() const { return {}; }
   virtual absl::StatusOr<KvStoreStats> Stats() = 0;

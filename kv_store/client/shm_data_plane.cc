@@ -36,7 +36,9 @@ class ShmDataPlane final : public KvDataPlane {
 
   std::string name() const override { return "shm"; }
   bool reads_in_place() const override { return true; }
-  KvStoreClient::Span mapped_memory() const override { return {arena_, arena_bytes_}; }
+  KvStoreClient::Span mapped_memory() const override {
+    return {arena_, arena_bytes_, static_cast<size_t>(block_bytes_)};
+  }
 
   // Maps the store's arena.
   absl::Status Connect() override {
@@ -133,6 +135,14 @@ class ShmDataPlane final : public KvDataPlane {
           return absl::InvalidArgumentError(
               absl::StrCat("token index ", slot, " is outside [0, ", rows, ")"));
         }
+      }
+      if (it.block_table.requested()) {
+        for (int g = 0; g < heads; ++g) {
+          AnswerHeadBlocks(it.block_table, heads, g, t.k_blocks.data() + g * t.blocks_per_head,
+                           t.v_blocks.data() + g * t.blocks_per_head, t.blocks_per_head);
+        }
+        *it.block_table.blocks = t.blocks_per_head;
+        continue;
       }
       const bool in_place = it.k_rows != nullptr && it.v_rows != nullptr;
       for (int g = 0; g < heads; ++g) {

@@ -304,6 +304,76 @@ TEST_P(KvTransport, InPlaceGathersAnswerRowAddressesOrAreRefused) {
   EXPECT_TRUE(client_->Close(1).ok());
 }
 
+// By block table: the transports that map the store's memory answer the layer's block ids
+// (after every append queued before), from the first block the caller does not know yet and
+// no further than its table's capacity, and the rows lie in the mapped arena where those ids
+// say; bad slots are refused as for any gather; the transports that copy refuse it.
+TEST_P(KvTransport, GathersByBlockTableAnswerTheBlocksTheRowsLieIn) {
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  // Rows of 32 bytes in blocks of 16 x 256 bytes: 128 rows a block; 300 rows take 3.
+  client_->AppendAsync(1, 1, 0, 290, TokenRows(0, 290, 0), TokenRows(0, 290, 1));
+  for (int64_t t = 290; t < 300; ++t) {
+    client_->AppendAsync(1, 1, t, 1, TokenRows(t, 1, 0), TokenRows(t, 1, 1));
+  }
+  constexpr int64_t kCapacity = 4, kHeads = 2;
+  std::vector<int32_t> table(2 * kHeads * kCapacity, -7);
+  int64_t blocks = -1;
+  const std::vector<int32_t> slots = {299, 0, 130, 5, 256, 299};  // [2 heads, 3]
+  ClientGatherItem item{1, 1, 3, slots};
+  item.block_table = {table.data(), kCapacity, /*known=*/0, &blocks};
+  absl::Status st = client_->GatherAsync({item})->Wait(Soon());
+  const bool maps = GetParam() == KvClientConfig::Transport::kInProcess ||
+                    GetParam() == KvClientConfig::Transport::kShm;
+  if (!maps) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("in place"), std::string::npos) << st;
+    EXPECT_TRUE(client_->Close(1).ok());
+    return;
+  }
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_EQ(blocks, 3);
+  const KvStoreClient::Span arena = client_->mapped_memory();
+  ASSERT_EQ(arena.block_bytes, 16u * 256u);
+  const int64_t per_block = static_cast<int64_t>(arena.block_bytes) / 32;
+  auto row = [&](int kv, int64_t g, int64_t slot) {
+    const int32_t id = table[(kv * kHeads + g) * kCapacity + slot / per_block];
+    EXPECT_GE(id, 0);
+    EXPECT_LT(static_cast<size_t>(id + 1) * arena.block_bytes, arena.bytes + 1);
+    return static_cast<const uint8_t*>(arena.data) + static_cast<size_t>(id) * arena.block_bytes +
+           (slot % per_block) * 32;
+  };
+  for (int64_t g = 0; g < kHeads; ++g) {
+    for (int64_t slot : {int64_t{0}, int64_t{127}, int64_t{128}, int64_t{255}, int64_t{299}}) {
+      EXPECT_EQ(0, std::memcmp(row(0, g, slot), TokenRows(slot, 1, 0).data() + g * 32, 32)) << slot;
+      EXPECT_EQ(0, std::memcmp(row(1, g, slot), TokenRows(slot, 1, 1).data() + g * 32, 32)) << slot;
+    }
+    EXPECT_EQ(table[g * kCapacity + 3], -7) << "no block past the layer's";
+  }
+  // Two more blocks, answered from the first one the caller lacks; the table has room for 4.
+  client_->AppendAsync(1, 1, 300, 260, TokenRows(300, 260, 0), TokenRows(300, 260, 1));
+  std::vector<int32_t> answered = table;
+  std::fill(table.begin(), table.end(), -7);
+  item.slots = {559, 559};
+  item.count = 1;
+  item.block_table = {table.data(), kCapacity, /*known=*/3, &blocks};
+  ASSERT_TRUE(client_->GatherAsync({item})->Wait(Soon()).ok());
+  EXPECT_EQ(blocks, 5) << "the layer's blocks, also those past the table's capacity";
+  for (int64_t g = 0; g < 2 * kHeads; ++g) {
+    for (int64_t i = 0; i < 3; ++i) EXPECT_EQ(table[g * kCapacity + i], -7) << "known: not written";
+    EXPECT_GE(table[g * kCapacity + 3], 0);
+    answered[g * kCapacity + 3] = table[g * kCapacity + 3];
+  }
+  table = answered;
+  EXPECT_EQ(0, std::memcmp(row(0, 1, 400), TokenRows(400, 1, 0).data() + 32, 32));
+  // A slot the layer does not hold is refused, and nothing is answered.
+  item.slots = {0, 560};
+  blocks = -1;
+  st = client_->GatherAsync({item})->Wait(Soon());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(blocks, -1);
+  EXPECT_TRUE(client_->Close(1).ok());
+}
+
 // Many write-behind appends to both layers, interleaved with gathers of layer 0 that must not
 // wait for layer 1's appends but must see every layer-0 append queued before them; the append
 // thread sends what piled up in batches. A bad append in the stream fails Flush, naming it.

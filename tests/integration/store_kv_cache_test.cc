@@ -252,8 +252,9 @@ TEST_P(StoreCache, APrefetchBatchWithAFailingSequenceFailsOnlyThatOne) {
 
 // The GPU path of the store cache (device_reads_mapped_rows) on a backend that is a device
 // only in name: batches decode to the resident cache's logits bit for bit, every decode step's
-// rows gathered by address from the registered arena.
-TEST_P(StoreCache, RowsGatheredByAddressOnADeviceBackendMatchTheResidentCache) {
+// rows gathered by block table from the registered arena (DeviceLikeCpuBackend refuses tables,
+// slots or staging outside its own memory, and an arena that is not registered).
+TEST_P(StoreCache, RowsGatheredByBlockTableOnADeviceBackendMatchTheResidentCache) {
   BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   const auto prompts = Prompts(2);
   const DecodeRun want = Decode(*l_.model, resident, {nullptr, nullptr}, prompts, 10, 1000);
@@ -272,6 +273,60 @@ TEST_P(StoreCache, RowsGatheredByAddressOnADeviceBackendMatchTheResidentCache) {
     EXPECT_GT(device.rows_gathered(), 9 * 2 * l_.model->config().num_layers);
   } else {
     EXPECT_EQ(device.rows_gathered(), 0);
+  }
+}
+
+// The same over a store whose blocks hold 4 rows: each sequence's rows span several blocks of
+// every layer and decode steps cross into new ones (the block tables on the device grow
+// between steps), with InfiniGen choosing rows on the device; and sequences opened with room
+// for 2 tokens only, whose tables (and staging) must grow past what they were opened with.
+// Tokens and logits equal the resident cache's bit for bit either way.
+TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacity) {
+  if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: no block tables";
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  Model& on_device = *loaded;
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const KvCacheShape shape = on_device.kv_shape();
+  KvStoreConfig sc;
+  sc.capacity_bytes = 16 << 20;
+  sc.shared_memory = false;
+  sc.huge_pages = false;
+  sc.block_tokens = 4;
+  sc.max_row_bytes = static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
+  auto small_store = KvStore::Create(sc);
+  ASSERT_TRUE(small_store.ok()) << small_store.status();
+  KvClientConfig cc;
+  cc.transport = KvClientConfig::Transport::kInProcess;
+  cc.store = small_store->get();
+  auto client = MakeKvStoreClient(cc);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_EQ((*client)->mapped_memory().block_bytes, 4 * static_cast<size_t>(sc.max_row_bytes));
+  const auto prompts = Prompts(2);  // 20 and 27 tokens: 5 and 7 blocks, then 3 more decoded
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+  {
+    SCOPED_TRACE("InfiniGen, room for every token");
+    auto a = Policy("infinigen"), b = Policy("infinigen");
+    const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 12, 8);
+    StoreKvCache cache(device, shape, **client, DeviceStoreOptions());
+    ASSERT_TRUE(cache.device_gathers());
+    auto c = Policy("infinigen", *skew), d = Policy("infinigen", *skew);
+    const int64_t gathered_before = device.rows_gathered();
+    const DecodeRun got = Decode(on_device, cache, {c.get(), d.get()}, prompts, 12, 8);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
+    EXPECT_GT(device.rows_gathered(), gathered_before);
+  }
+  {
+    SCOPED_TRACE("dense, opened with room for 2 tokens");
+    const DecodeRun want = Decode(*l_.model, resident, {nullptr, nullptr}, prompts, 12, 8);
+    StoreKvCache cache(device, shape, **client, DeviceStoreOptions());
+    const DecodeRun got =
+        Decode(on_device, cache, {nullptr, nullptr}, prompts, 12, 8, /*capacity=*/2);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
   }
 }
 

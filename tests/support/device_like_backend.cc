@@ -117,6 +117,33 @@ absl::Status DeviceLikeCpuBackend::GatherRows(const void* const* rows, int64_t n
   return absl::OkStatus();
 }
 
+absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
+  if (g.batch == 0 || g.max_count == 0) return CpuBackend::GatherBlockRows(g);
+  const char* arena = static_cast<const char*>(g.arena);
+  const bool registered = std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {
+    return arena >= r.first && arena + g.arena_bytes <= r.first + r.second;
+  });
+  if (!registered)
+    return absl::InvalidArgumentError("block-table gather outside registered memory");
+  for (const void* p : {static_cast<const void*>(g.tables), static_cast<const void*>(g.slots),
+                        static_cast<const void*>(g.dst)}) {
+    if (!Owns(p))
+      return absl::InvalidArgumentError("GatherBlockRows: memory outside the backend's");
+  }
+  if (g.counts != nullptr && !Owns(g.counts)) {
+    return absl::InvalidArgumentError("GatherBlockRows: counts outside the backend's memory");
+  }
+  IG_RETURN_IF_ERROR(CpuBackend::GatherBlockRows(g));
+  int64_t rows = 0;
+  for (int b = 0; b < g.batch; ++b) {
+    rows += g.num_kv_heads * (g.counts != nullptr
+                                  ? std::min<int64_t>(std::max(g.counts[b], 0), g.max_count)
+                                  : g.max_count);
+  }
+  rows_gathered_ += rows;
+  return absl::OkStatus();
+}
+
 absl::Status DeviceLikeCpuBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
   for (const void* p : {static_cast<const void*>(r.q_partial.data), r.keys,
                         static_cast<const void*>(r.indices), static_cast<const void*>(r.count)}) {

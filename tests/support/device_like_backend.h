@@ -1,8 +1,9 @@
 // A CPU backend that presents its memory as a device's (host_accessible() is false), for tests
 // of the code paths a GPU takes, run where there is none: the model copies what host code must
-// read out of "device" memory, and a store cache gathers rows by address into device staging
-// (GatherRows is a checked memcpy from registered memory). Owns() tells whether a pointer is
-// inside memory this backend allocated, so a test can assert that host code never reads it.
+// read out of "device" memory, and a store cache gathers rows from registered memory into
+// device staging (GatherBlockRows, and GatherRows by address: checked copies). Owns() tells
+// whether a pointer is inside memory this backend allocated, so a test can assert that host code
+// never reads it.
 #pragma once
 
 #include <atomic>
@@ -24,6 +25,9 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
   absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
+  // CpuBackend's, refusing an arena outside registered memory (INVALID_ARGUMENT, as a GPU's)
+  // and tables, slots, counts or dst outside this backend's memory (what a GPU reads there).
+  absl::Status GatherBlockRows(const BlockRowsGather& g) override;
   // CpuBackend's, counting the choices that took fewer rows than they chose among; the keys,
   // query and outputs must be this backend's memory.
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;

@@ -68,14 +68,15 @@ std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed) {
 }
 
 DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
-                 const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk) {
+                 const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk,
+                 int64_t capacity) {
   const int64_t vocab = model.config().vocab_size;
   const size_t n = prompts.size();
   DecodeRun run;
   run.tokens.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    EXPECT_TRUE(cache.Open(i + 1, 256).ok());
-    if (policies[i] != nullptr) policies[i]->Open(i + 1, 256);
+    EXPECT_TRUE(cache.Open(i + 1, capacity).ok());
+    if (policies[i] != nullptr) policies[i]->Open(i + 1, capacity);
   }
   std::vector<float> logits(n * vocab);
   std::vector<int32_t> next(n);

@@ -45,9 +45,11 @@ struct DecodeRun {
 // Greedy decode of `prompts` as sequences 1, 2, ... of `cache`, one batch per step, with
 // policies[i] selecting the rows of sequence i + 1 (null: dense). Prefill in chunks of `chunk`
 // tokens, one sequence at a time, or (chunk >= 1000) every whole prompt in one forward pass.
+// Each sequence is opened with room for `capacity` tokens (a hint the run may pass).
 // Records test failures; closes the sequences and releases them from their policies at the end.
 DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
-                 const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk);
+                 const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk,
+                 int64_t capacity = 256);
 
 // `n` token ids in [0, vocab), the same for the same seed.
 std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed);
