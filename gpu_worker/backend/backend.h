@@ -242,6 +242,8 @@ struct BlockRowsGather {
   int32_t* errors = nullptr;
   void* dst = nullptr;
   int64_t dst_rows_per_list = 0;
+  // Queued on the backend's side queue (Backend::ForkSideQueue) instead of its own.
+  bool on_side_queue = false;
 };
 
 // INVALID_ARGUMENT, saying what to fix, for a BlockRowsGather whose sizes do not fit (what
@@ -310,12 +312,24 @@ class Backend {
   virtual absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) {
     return absl::UnimplementedError(Name() + " does not gather rows by address");
   }
-  // BlockRowsGather's rows, queued on the backend's stream (no wait). INVALID_ARGUMENT for a
-  // shape that does not fit (checked on the host: sizes, capacities, an arena not registered);
-  // what the device memory holds is checked row by row, as BlockRowsGather says.
+  // BlockRowsGather's rows, queued on the backend's stream (no wait), or on its side queue.
+  // INVALID_ARGUMENT for a shape that does not fit (checked on the host: sizes, capacities, an
+  // arena not registered); what the device memory holds is checked row by row, as
+  // BlockRowsGather says.
   virtual absl::Status GatherBlockRows(const BlockRowsGather& g) {
     return absl::UnimplementedError(Name() + " does not gather rows by block table");
   }
+  // A second queue beside the backend's own (a GPU's copy stream), for gathers over the host
+  // link that may run while the layers compute (INFINIGEN.md, decode step 6). Work queued on it
+  // after ForkSideQueue starts after everything queued on the backend's own queue before the
+  // fork; work queued on the backend's own queue after JoinSideQueue starts after everything
+  // queued on the side queue before the join. Neither waits on the host. Synchronize and
+  // CopyToHost wait for the backend's own queue, so for side work joined before them; freeing
+  // a Buffer waits for both queues. Side work's memory must not be written, nor read for its
+  // output, by other work until a join orders them. A backend without a side queue (the CPU)
+  // runs such work at once, in order: both are no-ops.
+  virtual absl::Status ForkSideQueue() { return absl::OkStatus(); }
+  virtual absl::Status JoinSideQueue() { return absl::OkStatus(); }
 
   // Uploads a float32 host matrix [rows, cols] in the backend's weight format.
   virtual absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) = 0;

@@ -98,6 +98,12 @@ CudaBackend::CudaBackend(const CudaBackendOptions& options, std::unique_ptr<Hand
 
 CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(S(stream_));
+  if (side_stream_ != nullptr) {
+    cudaStreamSynchronize(S(side_stream_));
+    cudaEventDestroy(static_cast<cudaEvent_t>(fork_event_));
+    cudaEventDestroy(static_cast<cudaEvent_t>(join_event_));
+    cudaStreamDestroy(S(side_stream_));
+  }
   for (PinnedHalf& h : pinned_) {
     if (h.host != nullptr) cudaFreeHost(h.host);
     if (h.copied != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(h.copied));
@@ -245,6 +251,42 @@ absl::Status CudaBackend::Synchronize() {
   return waited;
 }
 
+absl::Status CudaBackend::ForkSideQueue() {
+  if (side_stream_ == nullptr) {
+    cudaStream_t side = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+    IG_RETURN_IF_ERROR(
+        Check(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "side queue stream"));
+    if (absl::Status st =
+            Check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "side queue event");
+        !st.ok()) {
+      cudaStreamDestroy(side);
+      return st;
+    }
+    if (absl::Status st =
+            Check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "side queue event");
+        !st.ok()) {
+      cudaEventDestroy(fork);
+      cudaStreamDestroy(side);
+      return st;
+    }
+    side_stream_ = side;
+    fork_event_ = fork;
+    join_event_ = join;
+  }
+  IG_RETURN_IF_ERROR(
+      Check(cudaEventRecord(static_cast<cudaEvent_t>(fork_event_), S(stream_)), "fork"));
+  return Check(cudaStreamWaitEvent(S(side_stream_), static_cast<cudaEvent_t>(fork_event_), 0),
+               "fork");
+}
+
+absl::Status CudaBackend::JoinSideQueue() {
+  if (side_stream_ == nullptr) return absl::OkStatus();
+  IG_RETURN_IF_ERROR(
+      Check(cudaEventRecord(static_cast<cudaEvent_t>(join_event_), S(side_stream_)), "join"));
+  return Check(cudaStreamWaitEvent(S(stream_), static_cast<cudaEvent_t>(join_event_), 0), "join");
+}
+
 absl::Status CudaBackend::RegisterHostMemory(const void* data, size_t bytes) {
   const char* host = static_cast<const char*>(data);
   for (const HostRegion& r : host_regions_) {
@@ -341,7 +383,9 @@ absl::Status CudaBackend::GatherBlockRows(const BlockRowsGather& g) {
   k.table_rows = g.rows_per_block;
   k.block_bytes = static_cast<int64_t>(g.block_bytes);
   k.errors = g.errors;
-  return Check(cuda::RunGather(k, S(stream_)), "GatherBlockRows");
+  // On the side queue once it exists (ForkSideQueue made it); on the backend's stream before.
+  void* stream = g.on_side_queue && side_stream_ != nullptr ? side_stream_ : stream_;
+  return Check(cuda::RunGather(k, S(stream)), "GatherBlockRows");
 }
 
 absl::StatusOr<Weight> CudaBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {

@@ -45,6 +45,9 @@ class CudaBackend final : public Backend {
   // One kernel over the batch's lists, reading the registered arena by its device alias; the
   // tables, slots and counts never leave the device.
   absl::Status GatherBlockRows(const BlockRowsGather& g) override;
+  // The side queue is a second stream (made at the first fork), ordered by events.
+  absl::Status ForkSideQueue() override;
+  absl::Status JoinSideQueue() override;
 
   absl::StatusOr<Weight> UploadWeight(const float* host, int64_t rows, int64_t cols) override;
 
@@ -94,6 +97,11 @@ class CudaBackend final : public Backend {
   CudaBackendOptions options_;
   std::unique_ptr<Handles> handles_;
   void* stream_;
+  // The side queue's stream and the events that order it against stream_ (cudaStream_t,
+  // cudaEvent_t); null until the first ForkSideQueue.
+  void* side_stream_ = nullptr;
+  void* fork_event_ = nullptr;
+  void* join_event_ = nullptr;
   std::unique_ptr<Buffer> workspace_;  // decode attention partials; grows, never per step
   std::unique_ptr<Buffer> scores_;     // GemmAttentionCausal's scores and probabilities
   struct HostRegion {

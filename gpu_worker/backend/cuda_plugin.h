@@ -27,7 +27,8 @@ using CreateCudaBackendFn = Backend* (*)(int abi, size_t backend_size, int devic
 inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // Bumped whenever Backend's or StoredWeight's virtual functions or Weight's layout change (2:
 // ScratchBytes; 3: StoredWeight::ToQ6_K, PartEnds and Rows, Weight::segments; 4:
-// StoredWeight::ConvertsToQ5_0 and ConvertsToQ4_0; 5: GatherBlockRows).
-inline constexpr int kCudaPluginAbi = 5;
+// StoredWeight::ConvertsToQ5_0 and ConvertsToQ4_0; 5: GatherBlockRows; 6: ForkSideQueue,
+// JoinSideQueue, BlockRowsGather::on_side_queue).
+inline constexpr int kCudaPluginAbi = 6;
 
 }  // namespace infinigen

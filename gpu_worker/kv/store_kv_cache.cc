@@ -265,6 +265,11 @@ absl::StatusOr<int64_t> StoreKvCache::Fork(SequenceId seq, SequenceId parent, in
 }
 
 void StoreKvCache::DropTicket(Pending& p) {
+  if (p.launched) {
+    if (side_unjoined_) backend_.JoinSideQueue().IgnoreError();
+    side_unjoined_ = false;
+    p.launched = false;
+  }
   if (p.ticket != nullptr) {
     // The transfer writes into our staging buffers: wait for it whoever else holds the ticket.
     p.ticket->Wait(absl::InfiniteFuture()).IgnoreError();
@@ -542,6 +547,7 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   p.count = count;
   p.extra_rows = extra_rows;
   p.in_place = in_place;
+  p.seq = seq;
   p.item.block_table = BlockTableOut{};
   if (in_place && !host_access_) {  // the GPU gathers by block table: the store answers them
     IG_RETURN_IF_ERROR(ReserveTables(s, s.Rows(layer)));
@@ -606,7 +612,11 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
       return st;
     }
     p.ticket.reset();  // done; p.layer stays, so a second Fetch of the layer still works
-    if (!host_access_ && p.in_place) {  // addresses in registered store memory: the GPU reads
+    if (p.launched) {  // on the side queue since SubmitPrefetches: ordered before what follows
+      p.launched = false;
+      if (side_unjoined_) IG_RETURN_IF_ERROR(backend_.JoinSideQueue());
+      side_unjoined_ = false;
+    } else if (!host_access_ && p.in_place) {  // the GPU reads registered store memory
       IG_RETURN_IF_ERROR(GatherOnDevice(s, p));
     } else if (!host_access_) {
       const size_t bytes = static_cast<size_t>(shape_.num_kv_heads) * count * RowBytes();
@@ -628,7 +638,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
   return view;
 }
 
-absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p) {
+absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p, bool on_side_queue) {
   const int64_t heads = shape_.num_kv_heads;
   const size_t entries = static_cast<size_t>(heads * (p.count + p.extra_rows));
   IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
@@ -658,6 +668,8 @@ absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p) {
     g.max_count = p.count;
     g.dst = p.staging.k->data();
     g.dst_rows_per_list = p.count;
+    g.on_side_queue = on_side_queue;
+    if (on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
     IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
     g.tables = tables + heads * s.tables->capacity();  // the V tables follow the K tables
     g.dst = p.staging.v->data();
@@ -712,12 +724,14 @@ void StoreKvCache::SubmitPrefetches() {
     group.clear();
     bytes = 0;
   };
+  side_launch_.clear();
   for (const auto& [seq, parity] : deferred_) {
     auto it = sequences_.find(seq);
     if (it == sequences_.end()) continue;  // closed since
     Pending& p = it->second.pending[parity];
     if (!p.deferred) continue;  // dropped, or listed twice
     p.deferred = false;
+    if (p.in_place && !host_access_) side_launch_.push_back(&p);
     const size_t item_bytes =
         p.in_place ? 0 : 2 * static_cast<size_t>(shape_.num_kv_heads) * p.count * RowBytes();
     if (count > 0 && bytes + item_bytes > options_.max_batched_gather_bytes) submit();
@@ -728,6 +742,21 @@ void StoreKvCache::SubmitPrefetches() {
   }
   deferred_.clear();
   submit();
+  LaunchOnSideQueue(side_launch_);
+}
+
+void StoreKvCache::LaunchOnSideQueue(std::span<Pending* const> pendings) {
+  for (Pending* p : pendings) {
+    // Only a gather the store has answered (its block tables, after the appends before it: the
+    // in-process transport's at once); the others go at their fetch, which waits for them.
+    if (p->ticket == nullptr || !p->ticket->Done() || !p->ticket->Wait(absl::Now()).ok()) continue;
+    Sequence& s = sequences_.find(p->seq)->second;
+    // A launch that fails leaves the gather to the fetch, which reports what fails there.
+    if (GatherOnDevice(s, *p, /*on_side_queue=*/true).ok()) {
+      p->launched = true;
+      side_unjoined_ = true;
+    }
+  }
 }
 
 absl::Status StoreKvCache::WaitGather(Sequence& s, Pending& p) {

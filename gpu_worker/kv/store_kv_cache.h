@@ -157,8 +157,9 @@ class StoreKvCache final : public StreamedKvCache {
     int64_t count = 0;
     int64_t extra_rows = 0;  // rows per head left free after the gathered ones
     bool in_place = false;
+    bool launched = false;  // its device gather is queued on the backend's side queue
     bool resident = false;  // every row, copied from resident_layers_ at the fetch
-    SequenceId seq = 0;     // ... of this sequence
+    SequenceId seq = 0;     // the sequence it reads for
   };
   // Staging a gather that did not finish in time may still write into: kept until it ends.
   struct Abandoned {
@@ -211,11 +212,17 @@ class StoreKvCache final : public StreamedKvCache {
   // counterpart: nothing crosses the link, the rows are copied at FinishGather); false when
   // they are not all there (the store's then).
   bool StartResident(SequenceId seq, Sequence& s, int layer, int64_t count, int64_t extra_rows);
-  // Ends an outstanding gather (waits for it so its buffers can be reused or freed).
-  static void DropTicket(Pending& p);
+  // Ends an outstanding gather (waits for it so its buffers can be reused or freed; a device
+  // gather on the side queue is joined, so that later work on its staging comes after it).
+  void DropTicket(Pending& p);
   // A GPU backend's in-place prefetch: p's slots, found in s's block tables on the device, read
-  // from the registered arena into p's device staging (Backend::GatherBlockRows).
-  absl::Status GatherOnDevice(Sequence& s, Pending& p);
+  // from the registered arena into p's device staging (Backend::GatherBlockRows), on the
+  // backend's queue (at the fetch) or its side queue (launched with the batch's prefetches, so
+  // that the rows cross the link while the layer before computes).
+  absl::Status GatherOnDevice(Sequence& s, Pending& p, bool on_side_queue = false);
+  // SubmitPrefetches' device gathers whose tickets are done: launched on the side queue after
+  // one fork, joined at the first Fetch after them.
+  void LaunchOnSideQueue(std::span<Pending* const> pendings);
   // Room in s's block tables for `rows` rows a layer, on the device (again after Idle). Past
   // what the sequence was opened with (rare: the capacity is a hint) the tables move, so that
   // gathers writing into them are waited for first.
@@ -277,6 +284,8 @@ class StoreKvCache final : public StreamedKvCache {
   // KV pool slots.
   std::vector<ClientGatherItem> batch_items_;
   std::vector<Pending*> batch_group_;
+  std::vector<Pending*> side_launch_;  // ... and those whose device gathers may go early
+  bool side_unjoined_ = false;         // side-queue gathers were launched since the last join
   std::vector<int32_t> every_slot_;
   std::vector<uint8_t> host_k_, host_v_;
   std::vector<int32_t> place_slots_;

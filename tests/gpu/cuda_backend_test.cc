@@ -485,7 +485,8 @@ TEST(CudaBackend, GatherRowsReadsRegisteredReadOnlyHostMemory) {
 // GatherBlockRows on the GPU equals the CPU backend's loop (its reference) byte for byte, errors
 // counted alike: a batch's lists read from a registered read-only mapping by block table, with
 // per-sequence counts (negative, short, full, above the bound), bad slots and bad blocks; 16-byte
-// and 2-byte accesses. An arena outside registered memory is refused.
+// and 2-byte accesses; on the backend's stream and on its side queue (forked and joined). An
+// arena outside registered memory is refused.
 TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   struct Layout {
@@ -590,6 +591,26 @@ TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
                 0)
           << "list " << r / kDstRows << " row " << r % kDstRows;
     }
+
+    // The same on the side queue: forked after the pattern is written again, joined before the
+    // copy out (an enqueued order only: no wait).
+    std::vector<uint8_t> side_got(dst_bytes);
+    ASSERT_TRUE((*gpu)->CopyToDevice(pattern.data(), d_dst->data(), dst_bytes).ok());
+    ASSERT_TRUE((*gpu)->CopyToDevice(&zero, d_errors->data(), 4).ok());
+    BlockRowsGather side = dev;
+    side.on_side_queue = true;
+    const BackendCounters side_before = (*gpu)->counters();
+    ASSERT_TRUE((*gpu)->ForkSideQueue().ok());
+    ASSERT_TRUE((*gpu)->GatherBlockRows(side).ok());
+    ASSERT_TRUE((*gpu)->JoinSideQueue().ok());
+    const BackendCounters side_used = (*gpu)->counters() - side_before;
+    EXPECT_EQ(side_used.synchronizations + side_used.copies_to_host + side_used.copies_to_device +
+                  side_used.allocations,
+              0);
+    ASSERT_TRUE((*gpu)->CopyToHost(d_dst->data(), side_got.data(), dst_bytes).ok());
+    ASSERT_TRUE((*gpu)->CopyToHost(d_errors->data(), &errors, 4).ok());
+    EXPECT_EQ(errors, want_errors);
+    EXPECT_EQ(side_got, want) << "the side queue's gather, joined";
 
     std::vector<uint8_t> elsewhere(arena_bytes);
     BlockRowsGather outside = dev;

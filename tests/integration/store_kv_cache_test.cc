@@ -269,8 +269,12 @@ TEST_P(StoreCache, RowsGatheredByBlockTableOnADeviceBackendMatchTheResidentCache
   EXPECT_EQ(got.tokens, want.tokens);
   EXPECT_EQ(got.logits, want.logits);
   if (cache.device_gathers()) {
-    // 9 of the 10 steps read every stored row of both layers by address, for both sequences.
+    // 9 of the 10 steps read every stored row of both layers, for both sequences; the decode
+    // steps' prefetches on the side queue (which runs them only when the cache joins it), one
+    // fork for each.
     EXPECT_GT(device.rows_gathered(), 9 * 2 * l_.model->config().num_layers);
+    EXPECT_GE(device.side_gathers(), 2 * 9 * 2 * l_.model->config().num_layers);
+    EXPECT_EQ(device.side_forks(), device.side_gathers() / 2);
   } else {
     EXPECT_EQ(device.rows_gathered(), 0);
   }
@@ -314,10 +318,12 @@ TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacit
     ASSERT_TRUE(cache.device_gathers());
     auto c = Policy("infinigen", *skew), d = Policy("infinigen", *skew);
     const int64_t gathered_before = device.rows_gathered();
+    const int64_t side_before = device.side_gathers();
     const DecodeRun got = Decode(on_device, cache, {c.get(), d.get()}, prompts, 12, 8);
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.logits, want.logits);
     EXPECT_GT(device.rows_gathered(), gathered_before);
+    EXPECT_GT(device.side_gathers(), side_before);
   }
   {
     SCOPED_TRACE("dense, opened with room for 2 tokens");

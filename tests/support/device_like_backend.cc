@@ -14,6 +14,7 @@ class DeviceLikeCpuBackend::Tracked final : public Buffer {
   Tracked(DeviceLikeCpuBackend& owner, std::unique_ptr<Buffer> inner)
       : owner_(owner), inner_(std::move(inner)) {}
   ~Tracked() override {
+    owner_.RunSideQueue().IgnoreError();  // as cudaFree waits for the device
     std::lock_guard<std::mutex> lock(owner_.mu_);
     auto it = owner_.live_.find(static_cast<const char*>(inner_->data()));
     owner_.live_bytes_ -= it->second;
@@ -119,6 +120,7 @@ absl::Status DeviceLikeCpuBackend::GatherRows(const void* const* rows, int64_t n
 
 absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
   if (g.batch == 0 || g.max_count == 0) return CpuBackend::GatherBlockRows(g);
+  IG_RETURN_IF_ERROR(CheckBlockRowsGather(g));
   const char* arena = static_cast<const char*>(g.arena);
   const bool registered = std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {
     return arena >= r.first && arena + g.arena_bytes <= r.first + r.second;
@@ -133,6 +135,14 @@ absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
   if (g.counts != nullptr && !Owns(g.counts)) {
     return absl::InvalidArgumentError("GatherBlockRows: counts outside the backend's memory");
   }
+  if (!g.on_side_queue) return RunBlockRows(g);
+  if (side_.capacity() == 0) side_.reserve(64);
+  side_.push_back(g);
+  ++side_gathers_;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLikeCpuBackend::RunBlockRows(const BlockRowsGather& g) {
   IG_RETURN_IF_ERROR(CpuBackend::GatherBlockRows(g));
   int64_t rows = 0;
   for (int b = 0; b < g.batch; ++b) {
@@ -143,6 +153,22 @@ absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
   rows_gathered_ += rows;
   return absl::OkStatus();
 }
+
+absl::Status DeviceLikeCpuBackend::RunSideQueue() {
+  absl::Status status;
+  for (const BlockRowsGather& g : side_) {
+    if (absl::Status st = RunBlockRows(g); status.ok()) status = st;
+  }
+  side_.clear();
+  return status;
+}
+
+absl::Status DeviceLikeCpuBackend::ForkSideQueue() {
+  ++side_forks_;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLikeCpuBackend::JoinSideQueue() { return RunSideQueue(); }
 
 absl::Status DeviceLikeCpuBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
   for (const void* p : {static_cast<const void*>(r.q_partial.data), r.keys,

@@ -27,7 +27,12 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
   // CpuBackend's, refusing an arena outside registered memory (INVALID_ARGUMENT, as a GPU's)
   // and tables, slots, counts or dst outside this backend's memory (what a GPU reads there).
+  // On the side queue, as late as a GPU may run it: at the next JoinSideQueue, or when a
+  // buffer is freed (so that code reading its rows before the join reads what was there
+  // before).
   absl::Status GatherBlockRows(const BlockRowsGather& g) override;
+  absl::Status ForkSideQueue() override;
+  absl::Status JoinSideQueue() override;
   // CpuBackend's, counting the choices that took fewer rows than they chose among; the keys,
   // query and outputs must be this backend's memory.
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
@@ -51,6 +56,9 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   // Allocations of more than `bytes` fail RESOURCE_EXHAUSTED from now on (a full device).
   void FailAllocationsOver(size_t bytes) { fail_over_ = bytes; }
   int64_t rows_gathered() const { return rows_gathered_; }
+  // Gathers queued on the side queue, and forks of it.
+  int64_t side_gathers() const { return side_gathers_; }
+  int64_t side_forks() const { return side_forks_; }
   int64_t sparse_choices() const { return sparse_choices_; }
 
  private:
@@ -68,6 +76,11 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   std::vector<Later> later_;  // the first later_count_ are pending
   size_t later_count_ = 0;
   int64_t rows_gathered_ = 0;
+  // The side queue's gathers not yet run (capacity kept: the fake allocates nothing per step).
+  std::vector<BlockRowsGather> side_;
+  int64_t side_gathers_ = 0, side_forks_ = 0;
+  absl::Status RunSideQueue();
+  absl::Status RunBlockRows(const BlockRowsGather& g);
   int64_t sparse_choices_ = 0;
 };
 
