@@ -239,28 +239,28 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       }
       KvLayerView& kv = *fetched;
       const int64_t hd = c.head_dim;
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const int64_t dst = kv_heads * pre.count + g;
-        MatView k_row = k.Rows(row, 1).Cols(g * hd, hd);
-        MatView v_row = v.Rows(row, 1).Cols(g * hd, hd);
-        if (kv.k.rows != nullptr) {   // rows read in place: point at the activations
-          if (k.dtype != kv_dtype) {  // or at their copy in the cache's dtype
-            const int64_t at = (static_cast<int64_t>(b) * 2 * kv_heads + g) * hd;
-            uint8_t* base = static_cast<uint8_t*>(current_kv_->data());
-            const size_t e = DTypeSize(kv_dtype);
-            const MatView k_cur{base + at * e, kv_dtype, 1, hd, hd};
-            const MatView v_cur{base + (at + kv_heads * hd) * e, kv_dtype, 1, hd, hd};
-            IG_RETURN_IF_ERROR(backend.Copy(k_row, k_cur));
-            IG_RETURN_IF_ERROR(backend.Copy(v_row, v_cur));
-            k_row = k_cur;
-            v_row = v_cur;
-          }
-          kv.k.rows[dst] = k_row.data;
-          kv.v.rows[dst] = v_row.data;
-          continue;
+      // The current token's K and V, every KV head's row in turn: [kv_heads, head_dim].
+      MatView k_cur{k.Rows(row, 1).data, k.dtype, kv_heads, hd, hd};
+      MatView v_cur{v.Rows(row, 1).data, v.dtype, kv_heads, hd, hd};
+      if (kv.k.rows != nullptr) {   // rows read in place: point at the activations
+        if (k.dtype != kv_dtype) {  // or at their copy in the cache's dtype
+          uint8_t* base = static_cast<uint8_t*>(current_kv_->data()) +
+                          static_cast<size_t>(b) * 2 * kv_heads * hd * DTypeSize(kv_dtype);
+          const MatView k_copy{base, kv_dtype, kv_heads, hd, hd};
+          const MatView v_copy{base + kv_heads * hd * DTypeSize(kv_dtype), kv_dtype, kv_heads, hd,
+                               hd};
+          IG_RETURN_IF_ERROR(backend.Copy(k_cur, k_copy));
+          IG_RETURN_IF_ERROR(backend.Copy(v_cur, v_copy));
+          k_cur = k_copy;
+          v_cur = v_copy;
         }
-        IG_RETURN_IF_ERROR(backend.Copy(k_row, kv.k.Head(0, dst, 1, hd)));
-        IG_RETURN_IF_ERROR(backend.Copy(v_row, kv.v.Head(0, dst, 1, hd)));
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          kv.k.rows[kv_heads * pre.count + g] = k_cur.Rows(g, 1).data;
+          kv.v.rows[kv_heads * pre.count + g] = v_cur.Rows(g, 1).data;
+        }
+      } else {  // the rows after the packed ones, one per KV head: one copy each for K and V
+        IG_RETURN_IF_ERROR(backend.Copy(k_cur, kv.k.Head(0, kv_heads * pre.count, kv_heads, hd)));
+        IG_RETURN_IF_ERROR(backend.Copy(v_cur, kv.v.Head(0, kv_heads * pre.count, kv_heads, hd)));
       }
       cache_.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
                          selection.all ? pre.count : selection.count);
