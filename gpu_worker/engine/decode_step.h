@@ -211,7 +211,7 @@ class DecodeStep final : private LayerAttention {
 
   // Workspaces (backend memory; grow only): the speculation's input, scratch and partial
   // queries of layer i in spec_q_[i % 2] (layer i-1 writes layer i's while its own is in use),
-  // the positions of the speculating rows, decode row indices and attention weights.
+  // the positions of the speculating rows, the batch's decode row indices and attention weights.
   std::unique_ptr<Buffer> spec_in_, spec_scratch_, spec_q_[2], spec_positions_, indices_, weights_;
   // Float32 staging of activations the host policies read, on backends the host cannot read.
   std::unique_ptr<Buffer> mirror_;
@@ -225,6 +225,10 @@ class DecodeStep final : private LayerAttention {
   std::vector<size_t> append_chunks_;          // ... their chunks
   std::vector<absl::Status> append_status_;    // ... and what each came to
   std::vector<float> host_weights_;
+  // A layer's row indices of every decode token ([kv_heads, rows] each, chunk b's from
+  // index_at_[b], -1: none), copied to indices_ together.
+  std::vector<int32_t> host_indices_;
+  std::vector<int64_t> index_at_;
   std::vector<float> host_q_, host_k_, host_spec_q_;  // ToHost copies
   std::vector<Selection> selections_;  // per chunk of the current batch, at the current layer
   std::vector<int32_t> all_slots_;     // every slot, for dense reads of a streamed cache

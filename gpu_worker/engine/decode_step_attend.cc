@@ -186,6 +186,38 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     if (!st.ok()) FailKv(b, layer, st);
   }
 
+  // Every decode token's row indices into its rows (the prefetched rows mapped onto its
+  // selection, or the selection itself over a resident cache), the batch's in one copy.
+  index_at_.assign(batch.size(), -1);
+  host_indices_.clear();
+  // Room for every row of every decode token, twice (as ReserveRowLists: a warmed-up step
+  // allocates nothing while its sequences grow a row a step).
+  size_t most = 0;
+  for (const ForwardChunk& chunk : batch) {
+    if (chunk.tokens.size() == 1) most += static_cast<size_t>(kv_heads * (chunk.start + 1));
+  }
+  if (host_indices_.capacity() < most) host_indices_.reserve(2 * most);
+  for (size_t b = 0; b < batch.size(); ++b) {
+    if (batch[b].tokens.size() != 1 || Failed(b)) continue;
+    const std::vector<int32_t>* list = nullptr;
+    if (streamed_ != nullptr && prefetched_[layer % 2][b].layer == layer) {
+      list = &prefetched_[layer % 2][b].map;
+    } else if (resident_ != nullptr && !selections_[b].all) {
+      list = &selections_[b].indices;
+    }
+    if (list == nullptr) continue;
+    index_at_[b] = static_cast<int64_t>(host_indices_.size());
+    host_indices_.insert(host_indices_.end(), list->begin(), list->end());
+  }
+  if (!host_indices_.empty()) {
+    const size_t bytes = host_indices_.size() * sizeof(int32_t);
+    IG_RETURN_IF_ERROR(EnsureBuffer(indices_, bytes));
+    IG_RETURN_IF_ERROR(backend.CopyToDevice(host_indices_.data(), indices_->data(), bytes));
+  }
+  auto indices_of = [&](size_t b) {
+    return static_cast<const int32_t*>(indices_->data()) + index_at_[b];
+  };
+
   // Pass 2: attention of every chunk over its rows (the fetches in it timed apart).
   timing.reset();
   const double fetch_before = profile_.fetch;
@@ -264,12 +296,9 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       }
       cache_.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
                          selection.all ? pre.count : selection.count);
-      const size_t bytes = pre.map.size() * sizeof(int32_t);
-      IG_RETURN_IF_ERROR(EnsureBuffer(indices_, bytes));
-      IG_RETURN_IF_ERROR(backend.CopyToDevice(pre.map.data(), indices_->data(), bytes));
-      IG_RETURN_IF_ERROR(AttentionStep(
-          b, layer, q.Rows(row, 1), kv, static_cast<const int32_t*>(indices_->data()),
-          static_cast<int64_t>(pre.map.size()) / kv_heads, selection, out.Rows(row, 1)));
+      IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv, indices_of(b),
+                                       static_cast<int64_t>(pre.map.size()) / kv_heads, selection,
+                                       out.Rows(row, 1)));
     } else if (streamed_ != nullptr) {
       // The rows fetched in pass 1 (all of them, or the selection), packed in selection order.
       absl::StatusOr<KvLayerView> fetched = TimedFetch(chunk.seq, layer);
@@ -296,12 +325,8 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       }
       const int64_t rows = selection.count;
       cache_.RecordFetch(chunk.seq, layer, selection.indices.data(), rows);
-      const size_t bytes = selection.indices.size() * sizeof(int32_t);
-      IG_RETURN_IF_ERROR(EnsureBuffer(indices_, bytes));
-      IG_RETURN_IF_ERROR(backend.CopyToDevice(selection.indices.data(), indices_->data(), bytes));
-      IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv,
-                                       static_cast<const int32_t*>(indices_->data()), rows,
-                                       selection, out.Rows(row, 1)));
+      IG_RETURN_IF_ERROR(AttentionStep(b, layer, q.Rows(row, 1), kv, indices_of(b), rows, selection,
+                                       out.Rows(row, 1)));
     }
   }
   return absl::OkStatus();
