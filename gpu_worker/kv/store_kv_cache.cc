@@ -163,8 +163,6 @@ void StoreKvCache::TakeSpareStaging(Sequence& s, size_t bytes) {
 }
 
 void StoreKvCache::KeepSpareStaging(Sequence& s) {
-  // Its backend memory besides the staging goes too (until an Attach opens it again).
-  if (s.tables != nullptr) s.tables->Release();
   for (Pending& p : s.pending) {
     DropTicket(p);  // nothing writes into it any more (both Pendings, even when not kept)
     p.device_slots.reset();
@@ -175,6 +173,8 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
     spare_bytes_ += 2 * staging.capacity;
     spare_staging_.push_back(std::move(staging));
   }
+  // Its other backend memory goes too (until an Attach opens it again).
+  if (s.tables != nullptr) s.tables->Release();
 }
 
 size_t StoreKvCache::HostBytesFor(int64_t capacity_tokens) const {
