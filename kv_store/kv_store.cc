@@ -443,6 +443,14 @@ absl::Status KvStore::Gather(std::span<const GatherItem> items, int pieces_left)
       break;
     }
     const bool in_place = item.in_place();
+    if (item.block_table.requested() &&
+        (item.block_table.known < 0 || item.block_table.capacity < 0)) {
+      status = absl::InvalidArgumentError(
+          absl::StrCat("sequence ", item.seq, " layer ", item.layer,
+                       ": a block table's known blocks (", item.block_table.known,
+                       ") and capacity (", item.block_table.capacity, ") must not be negative"));
+      break;
+    }
     if (item.block_table.requested() && (item.head_begin != 0 || heads != spec.num_kv_heads)) {
       status = absl::InvalidArgumentError(
           absl::StrCat("sequence ", item.seq, " layer ", item.layer,

@@ -251,6 +251,8 @@ absl::Status CudaBackend::Synchronize() {
   return waited;
 }
 
+// Buffers are freed with cudaFree, which waits for the whole device (both streams): what
+// Backend says of a freed Buffer and the side queue.
 absl::Status CudaBackend::ForkSideQueue() {
   if (side_stream_ == nullptr) {
     cudaStream_t side = nullptr;

@@ -6,23 +6,39 @@
 
 namespace infinigen {
 
-absl::Status DeviceBlockTables::Reserve(Backend& backend, int64_t rows) {
-  const int64_t capacity = std::max<int64_t>(BlocksFor(rows), 1);
-  if (capacity <= capacity_ && device_ != nullptr) return absl::OkStatus();
-  if (capacity > capacity_) {
-    // Each layer's K and V tables re-laid for the new capacity (the blocks answered so far kept).
-    std::vector<int32_t> host(static_cast<size_t>(num_layers_) * 2 * num_kv_heads_ * capacity, -1);
-    for (int64_t list = 0; list < int64_t{num_layers_} * 2 * num_kv_heads_ && capacity_ > 0;
-         ++list) {
-      std::copy_n(host_.begin() + list * capacity_, capacity_, host.begin() + list * capacity);
-    }
-    host_ = std::move(host);
-    capacity_ = capacity;
-    blocks_.resize(num_layers_, 0);
+absl::Status DeviceBlockTables::Reserve(Backend& backend, int64_t rows, bool grow) {
+  int64_t capacity = std::max<int64_t>(BlocksFor(rows), 1);
+  if (capacity <= capacity_) {
+    if (device_ != nullptr) return absl::OkStatus();
+    IG_ASSIGN_OR_RETURN(device_, backend.Allocate(LayerEntries() * num_layers_ * sizeof(int32_t)));
+    copied_.assign(num_layers_, 0);
+    return absl::OkStatus();
   }
-  device_.reset();  // the old freed first: the peak is no higher than what admission counts
-  IG_ASSIGN_OR_RETURN(device_, backend.Allocate(host_.size() * sizeof(int32_t)));
+  if (grow) capacity = std::max(capacity, 2 * capacity_);  // past the opened size: by doubling
+  // The device copy first (the old freed before: the peak is no higher than admission counts),
+  // so that a failure leaves the host tables, and the gathers answering into them, as they were.
+  const size_t entries = static_cast<size_t>(num_layers_) * 2 * num_kv_heads_ * capacity;
+  device_.reset();
   copied_.assign(num_layers_, 0);
+  IG_ASSIGN_OR_RETURN(device_, backend.Allocate(entries * sizeof(int32_t)));
+  // Each layer's K and V tables re-laid for the new capacity: what the store answered so far
+  // kept (at most the old capacity's blocks: an answer wrote no more). The old tables stay
+  // alive for gathers that may still answer into them (abandoned late).
+  auto next = std::make_unique<Generation>();
+  next->host.assign(entries, -1);
+  next->blocks.assign(num_layers_, 0);
+  if (current_ != nullptr) {
+    for (int64_t list = 0; list < int64_t{num_layers_} * 2 * num_kv_heads_; ++list) {
+      std::copy_n(current_->host.begin() + list * capacity_, capacity_,
+                  next->host.begin() + list * capacity);
+    }
+    for (int l = 0; l < num_layers_; ++l) {
+      next->blocks[l] = std::min(current_->blocks[l], capacity_);
+    }
+    retired_.push_back(std::move(current_));
+  }
+  current_ = std::move(next);
+  capacity_ = capacity;
   return absl::OkStatus();
 }
 
@@ -32,8 +48,9 @@ void DeviceBlockTables::Release() {
 }
 
 BlockTableOut DeviceBlockTables::Out(int layer) {
-  return {host_.data() + static_cast<size_t>(layer) * LayerEntries(), capacity_, blocks_[layer],
-          &blocks_[layer]};
+  // What is held: the store may have answered more blocks than there was room for.
+  return {current_->host.data() + static_cast<size_t>(layer) * LayerEntries(), capacity_,
+          std::min(current_->blocks[layer], capacity_), &current_->blocks[layer]};
 }
 
 absl::StatusOr<const int32_t*> DeviceBlockTables::OnDevice(Backend& backend, int layer) {
@@ -42,10 +59,10 @@ absl::StatusOr<const int32_t*> DeviceBlockTables::OnDevice(Backend& backend, int
   }
   const size_t at = static_cast<size_t>(layer) * LayerEntries();
   int32_t* device = static_cast<int32_t*>(device_->data()) + at;
-  const int64_t blocks = std::min(blocks_[layer], capacity_);
+  const int64_t blocks = std::min(current_->blocks[layer], capacity_);
   if (blocks > copied_[layer]) {
     IG_RETURN_IF_ERROR(
-        backend.CopyToDevice(host_.data() + at, device, LayerEntries() * sizeof(int32_t)));
+        backend.CopyToDevice(current_->host.data() + at, device, LayerEntries() * sizeof(int32_t)));
     copied_[layer] = blocks;
   }
   return device;

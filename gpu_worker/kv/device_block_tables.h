@@ -38,12 +38,17 @@ class DeviceBlockTables {
   int64_t capacity() const { return capacity_; }
   bool on_device() const { return device_ != nullptr; }
 
-  // Room for `rows` rows in every layer: allocated now when the tables have less (what the
-  // store answered so far is kept, and copied to the device again at the next OnDevice).
-  absl::Status Reserve(Backend& backend, int64_t rows);
+  // Room for `rows` rows in every layer, on the device too: allocated now when the tables have
+  // less (what the store answered so far is kept, and copied to the device again at the next
+  // OnDevice), to twice the old room with `grow` (a sequence past its opened capacity). Gathers
+  // answering into the old tables must be over or abandoned (those keep writing where they
+  // did, harmlessly: the old tables live as long as this object); Out() then says where the
+  // new ones are. A failure leaves the tables as they were.
+  absl::Status Reserve(Backend& backend, int64_t rows, bool grow = false);
   // Frees the device copy (an idle sequence); Reserve makes it again.
   void Release();
-  // Where a gather of `layer` has the store answer its blocks (BlockTableOut).
+  // Where a gather of `layer` has the store answer its blocks (BlockTableOut), from the first
+  // block not held yet.
   BlockTableOut Out(int layer);
   // `layer`'s K tables in backend memory ([num_kv_heads, capacity()]; its V tables follow),
   // copied there first if the store answered blocks since (an enqueued copy: no wait). Blocks
@@ -57,10 +62,16 @@ class DeviceBlockTables {
 
   const int num_layers_, num_kv_heads_;
   const int64_t rows_per_block_;
-  int64_t capacity_ = 0;            // blocks per KV head each layer's tables have room for
-  std::vector<int32_t> host_;       // [layers, 2, num_kv_heads, capacity]: the store's answers
-  std::vector<int64_t> blocks_;     // per layer: blocks per head the store answered
-  std::vector<int64_t> copied_;     // per layer: ... of which are in device_
+  int64_t capacity_ = 0;  // blocks per KV head each layer's tables have room for
+  // The store's answers: tables [layers, 2, num_kv_heads, capacity] and, per layer, the blocks
+  // per head it holds (which may pass the capacity: then only the capacity's are in the tables).
+  struct Generation {
+    std::vector<int32_t> host;
+    std::vector<int64_t> blocks;
+  };
+  std::unique_ptr<Generation> current_;
+  std::vector<std::unique_ptr<Generation>> retired_;  // before a growth (late answers land there)
+  std::vector<int64_t> copied_;     // per layer: blocks of current_ that are in device_
   std::unique_ptr<Buffer> device_;  // [layers, 2, num_kv_heads, capacity]
 };
 

@@ -264,10 +264,17 @@ absl::StatusOr<int64_t> StoreKvCache::Fork(SequenceId seq, SequenceId parent, in
   return copied;
 }
 
+absl::Status StoreKvCache::JoinSideQueue(const Pending& p) {
+  if (!p.launched || p.side_batch <= side_joined_) return absl::OkStatus();
+  // The join orders after it every side gather queued so far (later batches' too).
+  const absl::Status st = backend_.JoinSideQueue();
+  if (st.ok()) side_joined_ = side_batches_;
+  return st;
+}
+
 void StoreKvCache::DropTicket(Pending& p) {
   if (p.launched) {
-    if (side_unjoined_) backend_.JoinSideQueue().IgnoreError();
-    side_unjoined_ = false;
+    JoinSideQueue(p).IgnoreError();
     p.launched = false;
   }
   if (p.ticket != nullptr) {
@@ -613,9 +620,9 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
     }
     p.ticket.reset();  // done; p.layer stays, so a second Fetch of the layer still works
     if (p.launched) {  // on the side queue since SubmitPrefetches: ordered before what follows
+      const absl::Status joined = JoinSideQueue(p);
       p.launched = false;
-      if (side_unjoined_) IG_RETURN_IF_ERROR(backend_.JoinSideQueue());
-      side_unjoined_ = false;
+      IG_RETURN_IF_ERROR(joined);
     } else if (!host_access_ && p.in_place) {  // the GPU reads registered store memory
       IG_RETURN_IF_ERROR(GatherOnDevice(s, p));
     } else if (!host_access_) {
@@ -644,9 +651,12 @@ absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p, bool on_side_
   IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
   if (p.count == 0) return absl::OkStatus();
   const size_t slot_bytes = static_cast<size_t>(heads * p.count) * sizeof(int32_t);
-  if (p.device_slots == nullptr || p.device_slots->size() < slot_bytes) {  // past the capacity
+  if (p.device_slots == nullptr || p.device_slots->size() < slot_bytes) {
+    // Past the capacity, or read after Idle: room for every row the tables hold.
+    const size_t rows = static_cast<size_t>(s.tables->capacity() * rows_per_block_) + 1;
     p.device_slots.reset();
-    IG_ASSIGN_OR_RETURN(p.device_slots, backend_.Allocate(slot_bytes));
+    IG_ASSIGN_OR_RETURN(p.device_slots,
+                        backend_.Allocate(std::max(slot_bytes, heads * rows * sizeof(int32_t))));
   }
   IG_RETURN_IF_ERROR(
       backend_.CopyToDevice(p.item.slots.data(), p.device_slots->data(), slot_bytes));
@@ -688,20 +698,22 @@ absl::Status StoreKvCache::ReserveTables(Sequence& s, int64_t rows) {
     // Idle since it was sized (KvCache::Idle gives its device copy back): made again.
     return s.tables->on_device() ? absl::OkStatus() : s.tables->Reserve(backend_, rows);
   }
-  // Gathers of this sequence still to answer into the tables: sent and waited for; gathers
-  // abandoned late too (of any sequence: rare, and they are over by their own deadline).
+  // Gathers of this sequence still to answer into the tables: sent and waited for, as a fetch
+  // would (gathers abandoned late answer into the old tables, which stay).
   for (const Pending& q : s.pending) {
     if (q.deferred) SubmitPrefetches();
   }
   for (Pending& q : s.pending) {
-    if (q.ticket != nullptr) q.ticket->Wait(absl::InfiniteFuture()).IgnoreError();
+    if (q.ticket == nullptr) continue;
+    if (absl::Status st = q.ticket->Wait(absl::Now() + options_.fetch_timeout); !st.ok()) {
+      if (absl::IsDeadlineExceeded(st)) return st;  // the sequence fails; its tables stay
+    }
   }
-  ReapAbandoned(/*wait=*/true);
-  IG_RETURN_IF_ERROR(s.tables->Reserve(backend_, rows));
+  const absl::Status st = s.tables->Reserve(backend_, rows, /*grow=*/true);
   for (Pending& q : s.pending) {  // a retry of either answers into the moved tables
     if (q.item.block_table.requested()) q.item.block_table = s.tables->Out(q.item.layer);
   }
-  return absl::OkStatus();
+  return st;
 }
 
 void StoreKvCache::SubmitPrefetches() {
@@ -746,16 +758,26 @@ void StoreKvCache::SubmitPrefetches() {
 }
 
 void StoreKvCache::LaunchOnSideQueue(std::span<Pending* const> pendings) {
+  // The gathers launched before (the layer about to be attended) are joined first, so that this
+  // batch's (the next layer's) overlap the layer's attention and what follows it, not
+  // the other way round. While they run, the next layer's appends reach the store: only the
+  // current token's slot is written (in a KV pool, over a token it evicts), and a decode step
+  // attends to the current token's own row for that slot, never to what was gathered there.
+  if (side_joined_ < side_batches_) {
+    if (!backend_.JoinSideQueue().ok()) return;  // nothing launched: the fetches gather
+    side_joined_ = side_batches_;
+  }
+  const int64_t batch = ++side_batches_;
   for (Pending* p : pendings) {
     // Only a gather the store has answered (its block tables, after the appends before it: the
     // in-process transport's at once); the others go at their fetch, which waits for them.
     if (p->ticket == nullptr || !p->ticket->Done() || !p->ticket->Wait(absl::Now()).ok()) continue;
     Sequence& s = sequences_.find(p->seq)->second;
-    // A launch that fails leaves the gather to the fetch, which reports what fails there.
-    if (GatherOnDevice(s, *p, /*on_side_queue=*/true).ok()) {
-      p->launched = true;
-      side_unjoined_ = true;
-    }
+    // A launch that fails leaves the gather to the fetch, which reports what fails there,
+    // after a join (a part of it may be queued: the K rows, not the V rows).
+    p->side_batch = batch;
+    p->launched = GatherOnDevice(s, *p, /*on_side_queue=*/true).ok();
+    if (!p->launched && backend_.JoinSideQueue().ok()) side_joined_ = side_batches_;
   }
 }
 

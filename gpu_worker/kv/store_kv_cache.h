@@ -157,9 +157,10 @@ class StoreKvCache final : public StreamedKvCache {
     int64_t count = 0;
     int64_t extra_rows = 0;  // rows per head left free after the gathered ones
     bool in_place = false;
-    bool launched = false;  // its device gather is queued on the backend's side queue
-    bool resident = false;  // every row, copied from resident_layers_ at the fetch
-    SequenceId seq = 0;     // the sequence it reads for
+    bool launched = false;   // its device gather is queued on the backend's side queue
+    int64_t side_batch = 0;  // ... with the side_batches_-th batch
+    bool resident = false;   // every row, copied from resident_layers_ at the fetch
+    SequenceId seq = 0;      // the sequence it reads for
   };
   // Staging a gather that did not finish in time may still write into: kept until it ends.
   struct Abandoned {
@@ -220,9 +221,12 @@ class StoreKvCache final : public StreamedKvCache {
   // backend's queue (at the fetch) or its side queue (launched with the batch's prefetches, so
   // that the rows cross the link while the layer before computes).
   absl::Status GatherOnDevice(Sequence& s, Pending& p, bool on_side_queue = false);
-  // SubmitPrefetches' device gathers whose tickets are done: launched on the side queue after
-  // one fork, joined at the first Fetch after them.
+  // SubmitPrefetches' device gathers whose tickets are done: launched on the side queue (a
+  // fork before each, after its slot list's copy), joined at their first Fetch, or before the
+  // next batch is launched, whichever comes first.
   void LaunchOnSideQueue(std::span<Pending* const> pendings);
+  // Joins the side queue if p's gather is on it and not joined yet.
+  absl::Status JoinSideQueue(const Pending& p);
   // Room in s's block tables for `rows` rows a layer, on the device (again after Idle). Past
   // what the sequence was opened with (rare: the capacity is a hint) the tables move, so that
   // gathers writing into them are waited for first.
@@ -285,7 +289,8 @@ class StoreKvCache final : public StreamedKvCache {
   std::vector<ClientGatherItem> batch_items_;
   std::vector<Pending*> batch_group_;
   std::vector<Pending*> side_launch_;  // ... and those whose device gathers may go early
-  bool side_unjoined_ = false;         // side-queue gathers were launched since the last join
+  // Batches of gathers launched on the side queue, and the last one a join covers.
+  int64_t side_batches_ = 0, side_joined_ = 0;
   std::vector<int32_t> every_slot_;
   std::vector<uint8_t> host_k_, host_v_;
   std::vector<int32_t> place_slots_;

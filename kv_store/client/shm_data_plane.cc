@@ -137,6 +137,10 @@ class ShmDataPlane final : public KvDataPlane {
         }
       }
       if (it.block_table.requested()) {
+        if (it.block_table.known < 0 || it.block_table.capacity < 0) {
+          return absl::InvalidArgumentError(
+              "a block table's known blocks and capacity must not be negative");
+        }
         for (int g = 0; g < heads; ++g) {
           AnswerHeadBlocks(it.block_table, heads, g, t.k_blocks.data() + g * t.blocks_per_head,
                            t.v_blocks.data() + g * t.blocks_per_head, t.blocks_per_head);

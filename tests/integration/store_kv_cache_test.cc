@@ -275,6 +275,9 @@ TEST_P(StoreCache, RowsGatheredByBlockTableOnADeviceBackendMatchTheResidentCache
     EXPECT_GT(device.rows_gathered(), 9 * 2 * l_.model->config().num_layers);
     EXPECT_GE(device.side_gathers(), 2 * 9 * 2 * l_.model->config().num_layers);
     EXPECT_EQ(device.side_forks(), device.side_gathers() / 2);
+    // A join runs one layer's gathers (K and V of each sequence), never the next layer's too:
+    // those overlap the layer being attended.
+    EXPECT_EQ(device.most_gathers_joined(), 2 * 2);
   } else {
     EXPECT_EQ(device.rows_gathered(), 0);
   }

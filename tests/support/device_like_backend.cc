@@ -136,6 +136,10 @@ absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
     return absl::InvalidArgumentError("GatherBlockRows: counts outside the backend's memory");
   }
   if (!g.on_side_queue) return RunBlockRows(g);
+  if (copied_since_fork_) {
+    return absl::FailedPreconditionError(
+        "GatherBlockRows: side-queue work queued after a copy to the device without a fork");
+  }
   if (side_.capacity() == 0) side_.reserve(64);
   side_.push_back(g);
   ++side_gathers_;
@@ -154,6 +158,11 @@ absl::Status DeviceLikeCpuBackend::RunBlockRows(const BlockRowsGather& g) {
   return absl::OkStatus();
 }
 
+absl::Status DeviceLikeCpuBackend::CopyToDevice(const void* host, void* device, size_t bytes) {
+  copied_since_fork_ = true;
+  return CpuBackend::CopyToDevice(host, device, bytes);
+}
+
 absl::Status DeviceLikeCpuBackend::RunSideQueue() {
   absl::Status status;
   for (const BlockRowsGather& g : side_) {
@@ -165,10 +174,14 @@ absl::Status DeviceLikeCpuBackend::RunSideQueue() {
 
 absl::Status DeviceLikeCpuBackend::ForkSideQueue() {
   ++side_forks_;
+  copied_since_fork_ = false;
   return absl::OkStatus();
 }
 
-absl::Status DeviceLikeCpuBackend::JoinSideQueue() { return RunSideQueue(); }
+absl::Status DeviceLikeCpuBackend::JoinSideQueue() {
+  most_joined_ = std::max(most_joined_, static_cast<int64_t>(side_.size()));
+  return RunSideQueue();
+}
 
 absl::Status DeviceLikeCpuBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
   for (const void* p : {static_cast<const void*>(r.q_partial.data), r.keys,

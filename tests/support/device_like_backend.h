@@ -56,9 +56,15 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   // Allocations of more than `bytes` fail RESOURCE_EXHAUSTED from now on (a full device).
   void FailAllocationsOver(size_t bytes) { fail_over_ = bytes; }
   int64_t rows_gathered() const { return rows_gathered_; }
-  // Gathers queued on the side queue, and forks of it.
+  // Gathers queued on the side queue, forks of it, and the most gathers one join ran (a
+  // join that runs the next layer's too has taken their overlap away). A side-queue gather
+  // queued with a copy to the device after the last fork is refused (FAILED_PRECONDITION): on
+  // a GPU it could read what that copy had not written yet.
   int64_t side_gathers() const { return side_gathers_; }
   int64_t side_forks() const { return side_forks_; }
+  int64_t most_gathers_joined() const { return most_joined_; }
+  void ResetMostGathersJoined() { most_joined_ = 0; }
+  absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
   int64_t sparse_choices() const { return sparse_choices_; }
 
  private:
@@ -78,7 +84,8 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   int64_t rows_gathered_ = 0;
   // The side queue's gathers not yet run (capacity kept: the fake allocates nothing per step).
   std::vector<BlockRowsGather> side_;
-  int64_t side_gathers_ = 0, side_forks_ = 0;
+  int64_t side_gathers_ = 0, side_forks_ = 0, most_joined_ = 0;
+  bool copied_since_fork_ = false;
   absl::Status RunSideQueue();
   absl::Status RunBlockRows(const BlockRowsGather& g);
   int64_t sparse_choices_ = 0;
