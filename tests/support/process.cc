@@ -99,7 +99,9 @@ ServerProcess::ServerProcess(const std::string& binary, std::vector<std::string>
     ::execv(path.c_str(), argv.data());
     ::_exit(127);
   }
-  for (int i = 0; i < 200 && !(PortOpen(where.host, port) && Logged(ready)); ++i) {
+  // Up to 30 s: a sanitized server on a loaded 2-core machine took over 10 s to load a fixture
+  // (WorkerProcess.AKvPoolKeepsEachSequenceWithinItsShare under ASan, CI of 2026-12-01).
+  for (int i = 0; i < 600 && !(PortOpen(where.host, port) && Logged(ready)); ++i) {
     int status;
     if (::waitpid(pid_, &status, WNOHANG) == pid_) {
       pid_ = -1;

@@ -23,7 +23,7 @@ struct Placement {
 
 class ServerProcess {
  public:
-  // Starts build/bin/<binary> with `args`; waits up to 10 s for 127.0.0.1:port to accept and
+  // Starts build/bin/<binary> with `args`; waits up to 30 s for 127.0.0.1:port to accept and
   // the log to hold `ready` (every server of the project writes ": serving " once it is ready;
   // the worker's port opens before its model is loaded; "" waits for the port only).
   ServerProcess(const std::string& binary, std::vector<std::string> args, int port,
