@@ -2,7 +2,8 @@
 // mirrored in backend (device) memory, so that a GPU gathers the rows a step chose straight out
 // of the store's arena (mapped here and registered with the backend) by slot and block id
 // (Backend::GatherBlockRows): no address per row is made on the host, and the tables cross the
-// link only when a layer's rows reach a new block (every rows_per_block tokens, 64 by default).
+// link only when a layer's rows reach a new block (every block_bytes / row_bytes tokens: 256 for
+// head_dim 128 in bf16 with the store's default 64 KiB blocks).
 // The store answers them with a gather (kv_store/row_copy.h BlockTableOut): the blocks a layer
 // gained since the last answer, after the appends queued before it, so they always cover the
 // rows the gather's slots name.
@@ -32,8 +33,11 @@ class DeviceBlockTables {
   int64_t BlocksFor(int64_t rows) const { return (rows + rows_per_block_ - 1) / rows_per_block_; }
   // Backend bytes (and as many host bytes) the tables of a sequence of `rows` rows a layer take.
   size_t BytesFor(int64_t rows) const {
-    return static_cast<size_t>(num_layers_) * 2 * num_kv_heads_ *
-           static_cast<size_t>(BlocksFor(rows)) * sizeof(int32_t);
+    return BytesFor(num_layers_, num_kv_heads_, rows_per_block_, rows);
+  }
+  static size_t BytesFor(int num_layers, int num_kv_heads, int64_t rows_per_block, int64_t rows) {
+    return static_cast<size_t>(num_layers) * 2 * num_kv_heads *
+           static_cast<size_t>((rows + rows_per_block - 1) / rows_per_block) * sizeof(int32_t);
   }
   int64_t capacity() const { return capacity_; }
   bool on_device() const { return device_ != nullptr; }

@@ -233,6 +233,8 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status ReserveTables(Sequence& s, int64_t rows);
   // Backend bytes of a sequence's block tables and slot lists at this capacity (device gathers).
   size_t GatherTableBytes(int64_t capacity_tokens) const;
+  // ... of its block tables alone (as many on the host); 0 without device gathers.
+  size_t TableBytes(int64_t capacity_tokens) const;
   // Waits for p's gather; retries it alone if a gather it shared failed or did not finish in
   // time (then every sequence of that gather retries alone, at once: RegatherAlone).
   absl::Status WaitGather(Sequence& s, Pending& p);

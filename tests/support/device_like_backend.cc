@@ -104,14 +104,19 @@ absl::Status DeviceLikeCpuBackend::RegisterHostMemory(const void* data, size_t b
   return absl::OkStatus();
 }
 
+bool DeviceLikeCpuBackend::Registered(const void* data, size_t bytes) const {
+  const char* p = static_cast<const char*>(data);
+  return std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {
+    return p >= r.first && p + bytes <= r.first + r.second;
+  });
+}
+
 absl::Status DeviceLikeCpuBackend::GatherRows(const void* const* rows, int64_t n, size_t row_bytes,
                                               void* dst) {
   for (int64_t i = 0; i < n; ++i) {
     const char* p = static_cast<const char*>(rows[i]);
-    const bool registered = std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {
-      return p >= r.first && p + row_bytes <= r.first + r.second;
-    });
-    if (!registered) return absl::InvalidArgumentError("row outside registered memory");
+    if (!Registered(p, row_bytes))
+      return absl::InvalidArgumentError("row outside registered memory");
     std::memcpy(static_cast<char*>(dst) + i * row_bytes, p, row_bytes);
   }
   rows_gathered_ += n;
@@ -121,12 +126,9 @@ absl::Status DeviceLikeCpuBackend::GatherRows(const void* const* rows, int64_t n
 absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
   if (g.batch == 0 || g.max_count == 0) return CpuBackend::GatherBlockRows(g);
   IG_RETURN_IF_ERROR(CheckBlockRowsGather(g));
-  const char* arena = static_cast<const char*>(g.arena);
-  const bool registered = std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {
-    return arena >= r.first && arena + g.arena_bytes <= r.first + r.second;
-  });
-  if (!registered)
+  if (!Registered(g.arena, g.arena_bytes)) {
     return absl::InvalidArgumentError("block-table gather outside registered memory");
+  }
   for (const void* p : {static_cast<const void*>(g.tables), static_cast<const void*>(g.slots),
                         static_cast<const void*>(g.dst)}) {
     if (!Owns(p))

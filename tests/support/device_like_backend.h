@@ -87,6 +87,8 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   int64_t side_gathers_ = 0, side_forks_ = 0, most_joined_ = 0;
   bool copied_since_fork_ = false;
   absl::Status RunSideQueue();
+  // Whether [data, data + bytes) lies in memory registered with RegisterHostMemory.
+  bool Registered(const void* data, size_t bytes) const;
   absl::Status RunBlockRows(const BlockRowsGather& g);
   int64_t sparse_choices_ = 0;
 };

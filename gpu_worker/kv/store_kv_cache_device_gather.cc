@@ -1,0 +1,141 @@
+// StoreKvCache's gathers on a GPU that reads the store's memory (StoreKvCacheOptions::
+// device_reads_mapped_rows): the arena registered with the backend, each sequence's block tables
+// kept on the device (DeviceBlockTables), a prefetch's rows gathered by slot through
+// Backend::GatherBlockRows, and a batch's gathers launched on the backend's side queue so that
+// they cross the link while the layer before computes.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+
+namespace infinigen {
+
+absl::Status StoreKvCache::RegisterMapped() {
+  const KvStoreClient::Span m = client_.mapped_memory();
+  if (m.data == nullptr) return absl::FailedPreconditionError("the client maps no store memory");
+  if (m.data == registered_) return absl::OkStatus();
+  IG_RETURN_IF_ERROR(backend_.RegisterHostMemory(m.data, m.bytes));
+  registered_ = m.data;
+  rows_per_block_ =
+      m.block_bytes >= RowBytes() ? static_cast<int64_t>(m.block_bytes / RowBytes()) : 0;
+  return absl::OkStatus();
+}
+
+size_t StoreKvCache::GatherTableBytes(int64_t capacity_tokens) const {
+  if (!device_gathers_) return 0;
+  const size_t entries =
+      static_cast<size_t>(shape_.num_kv_heads) * static_cast<size_t>(capacity_tokens + 1);
+  return 2 * entries * sizeof(int32_t) + TableBytes(capacity_tokens);
+}
+
+size_t StoreKvCache::TableBytes(int64_t capacity_tokens) const {
+  if (!device_gathers_) return 0;
+  return DeviceBlockTables::BytesFor(shape_.num_layers, shape_.num_kv_heads, rows_per_block_,
+                                     capacity_tokens + 1);
+}
+
+absl::Status StoreKvCache::JoinSideQueue(const Pending& p) {
+  if (!p.launched || p.side_batch <= side_joined_) return absl::OkStatus();
+  // The join orders after it every side gather queued so far (later batches' too).
+  const absl::Status st = backend_.JoinSideQueue();
+  if (st.ok()) side_joined_ = side_batches_;
+  return st;
+}
+
+absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p, bool on_side_queue) {
+  const int64_t heads = shape_.num_kv_heads;
+  const size_t entries = static_cast<size_t>(heads * (p.count + p.extra_rows));
+  IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));
+  if (p.count == 0) return absl::OkStatus();
+  const size_t slot_bytes = static_cast<size_t>(heads * p.count) * sizeof(int32_t);
+  if (p.device_slots == nullptr || p.device_slots->size() < slot_bytes) {
+    // Past the capacity, or read after Idle: room for every row the tables hold.
+    const size_t rows = static_cast<size_t>(s.tables->capacity() * rows_per_block_) + 1;
+    p.device_slots.reset();
+    IG_ASSIGN_OR_RETURN(p.device_slots,
+                        backend_.Allocate(std::max(slot_bytes, heads * rows * sizeof(int32_t))));
+  }
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToDevice(p.item.slots.data(), p.device_slots->data(), slot_bytes));
+  IG_ASSIGN_OR_RETURN(const int32_t* tables, s.tables->OnDevice(backend_, p.layer));
+  auto gather = [&] {
+    const KvStoreClient::Span arena = client_.mapped_memory();
+    BlockRowsGather g;
+    g.arena = arena.data;
+    g.arena_bytes = arena.bytes;
+    g.block_bytes = arena.block_bytes;
+    g.rows_per_block = rows_per_block_;
+    g.row_bytes = static_cast<int64_t>(RowBytes());
+    g.batch = 1;
+    g.num_kv_heads = shape_.num_kv_heads;
+    g.tables = tables;
+    g.table_capacity = s.tables->capacity();
+    g.slots = static_cast<const int32_t*>(p.device_slots->data());
+    g.slot_capacity = p.count;
+    g.max_count = p.count;
+    g.dst = p.staging.k->data();
+    g.dst_rows_per_list = p.count;
+    g.on_side_queue = on_side_queue;
+    if (on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
+    IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
+    g.tables = tables + heads * s.tables->capacity();  // the V tables follow the K tables
+    g.dst = p.staging.v->data();
+    return backend_.GatherBlockRows(g);
+  };
+  absl::Status st = gather();
+  if (absl::IsInvalidArgument(st)) {  // an arena not registered: a restarted store's, remapped
+    IG_RETURN_IF_ERROR(RegisterMapped());
+    st = gather();
+  }
+  return st;
+}
+
+absl::Status StoreKvCache::ReserveTables(Sequence& s, int64_t rows) {
+  if (s.tables->BlocksFor(rows) <= s.tables->capacity()) {
+    // Idle since it was sized (KvCache::Idle gives its device copy back): made again.
+    return s.tables->on_device() ? absl::OkStatus() : s.tables->Reserve(backend_, rows);
+  }
+  // Gathers of this sequence still to answer into the tables: sent and waited for, as a fetch
+  // would (gathers abandoned late answer into the old tables, which stay).
+  for (const Pending& q : s.pending) {
+    if (q.deferred) SubmitPrefetches();
+  }
+  for (Pending& q : s.pending) {
+    if (q.ticket == nullptr) continue;
+    if (absl::Status st = q.ticket->Wait(absl::Now() + options_.fetch_timeout); !st.ok()) {
+      if (absl::IsDeadlineExceeded(st)) return st;  // the sequence fails; its tables stay
+    }
+  }
+  const absl::Status st = s.tables->Reserve(backend_, rows, /*grow=*/true);
+  for (Pending& q : s.pending) {  // a retry of either answers into the moved tables
+    if (q.item.block_table.requested()) q.item.block_table = s.tables->Out(q.item.layer);
+  }
+  return st;
+}
+
+void StoreKvCache::LaunchOnSideQueue(std::span<Pending* const> pendings) {
+  // The gathers launched before (the layer about to be attended) are joined first, so that this
+  // batch's (the next layer's) overlap the layer's attention and what follows it, not
+  // the other way round. While they run, the next layer's appends reach the store: only the
+  // current token's slot is written (in a KV pool, over a token it evicts), and a decode step
+  // attends to the current token's own row for that slot, never to what was gathered there.
+  if (side_joined_ < side_batches_) {
+    if (!backend_.JoinSideQueue().ok()) return;  // nothing launched: the fetches gather
+    side_joined_ = side_batches_;
+  }
+  const int64_t batch = ++side_batches_;
+  for (Pending* p : pendings) {
+    // Only a gather the store has answered (its block tables, after the appends before it: the
+    // in-process transport's at once); the others go at their fetch, which waits for them.
+    if (p->ticket == nullptr || !p->ticket->Done() || !p->ticket->Wait(absl::Now()).ok()) continue;
+    Sequence& s = sequences_.find(p->seq)->second;
+    // A launch that fails leaves the gather to the fetch, which reports what fails there,
+    // after a join (a part of it may be queued: the K rows, not the V rows).
+    p->side_batch = batch;
+    p->launched = GatherOnDevice(s, *p, /*on_side_queue=*/true).ok();
+    if (!p->launched && backend_.JoinSideQueue().ok()) side_joined_ = side_batches_;
+  }
+}
+
+}  // namespace infinigen
