@@ -16,8 +16,11 @@
 // memory, the default, or the store copies them into staging; --kv-resident-layers N keeps the
 // first N layers' K/V on the device too, by default InfiniGen's dense layers as the worker does
 // and none for other policies) instead of the resident cache
-// (--kv resident, the all-on-device baseline); --prefill-budget sets the engine's prompt tokens
-// per step (a whole long prompt in one step: its K/V are not read back).
+// (--kv resident, the all-on-device baseline); --kv-row-reuse true|false (with InfiniGen over
+// the store where the GPU gathers: each sequence keeps its last prefetched rows on the device,
+// the worker's default) and a `link` row per case: KV MiB moved over the link and read where the
+// device kept them, per generated token, and the reused fraction; --prefill-budget sets the
+// engine's prompt tokens per step (a whole long prompt in one step: its K/V are not read back).
 // Each case starts `streams` requests at once (random prompt ids, greedy, EOS ignored) and
 // waits for all; tokens/s = generated tokens / wall time of the case; TPOT = the gaps between
 // consecutive tokens of a stream after its first, over all streams (p50, p99). One markdown row
@@ -229,7 +232,7 @@ int main(int argc, char** argv) {
   std::string target, local, random, streams_list = "1,4,16", policy, label, cpu_weights = "q8";
   std::string device = "cpu", cuda_dtype = "bf16", kv = "resident", cpu_kv = "f32";
   int64_t prompt = 128, new_tokens = 64, threads = 0, kv_capacity_mb = 4096, prefill_budget = 256;
-  bool kv_device_gather = true;
+  bool kv_device_gather = true, kv_row_reuse = true;
   int64_t kv_resident_layers = -1;  // -1: as the worker (InfiniGen's dense layers on a GPU)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -265,6 +268,8 @@ int main(int argc, char** argv) {
       (void)absl::SimpleAtoi(v, &kv_capacity_mb);
     else if (k == "--kv-device-gather")
       kv_device_gather = v == "true" || v == "1";
+    else if (k == "--kv-row-reuse")
+      kv_row_reuse = v == "true" || v == "1";
     else if (k == "--kv-resident-layers")
       (void)absl::SimpleAtoi(v, &kv_resident_layers);
     else if (k == "--prefill-budget")
@@ -354,6 +359,9 @@ int main(int argc, char** argv) {
       StoreKvCacheOptions options;
       options.device_reads_mapped_rows = kv_device_gather;
       WorkerConfig as_worker;
+      if (kv_row_reuse && policy == "infinigen") {
+        options.reuse_rows = ReuseRowsFor(as_worker.Selection(true));
+      }
       options.device_resident_layers =
           kv_resident_layers >= 0 ? static_cast<int>(kv_resident_layers)
                                   : (policy == "infinigen" && as_worker.kv_resident_dense_layers
@@ -406,10 +414,22 @@ int main(int argc, char** argv) {
   }
   for (int n : streams) {
     if (engine) engine->ProfileStepsOfAtLeast(n);  // the case's batch, not its stragglers
-    const StepProfile before = engine ? engine->Stats().decode_profile : StepProfile();
+    const EngineStats stats_before = engine ? engine->Stats() : EngineStats();
+    const StepProfile before = stats_before.decode_profile;
     CaseResult r = stub ? RunRemote(*stub, n, vocab, prompt, new_tokens, policy)
                         : RunLocal(*engine, n, vocab, prompt, new_tokens, make_policy);
-    if (engine) PrintProfile(label, n, before, engine->Stats().decode_profile);
+    if (engine) {
+      const EngineStats stats = engine->Stats();
+      PrintProfile(label, n, before, stats.decode_profile);
+      // KV bytes over the link (fetched) and read where the device kept them (reused), per
+      // generated token of this case (its prefills' reads included), of its finished requests.
+      const double tokens = std::max<double>(1, static_cast<double>(r.tokens));
+      const double fetched = static_cast<double>(stats.bytes_fetched - stats_before.bytes_fetched);
+      const double reused = static_cast<double>(stats.bytes_reused - stats_before.bytes_reused);
+      std::printf("link | %s | %d | %.3f | %.3f | %.3f |\n", label.c_str(), n,
+                  fetched / tokens / (1 << 20), reused / tokens / (1 << 20),
+                  fetched + reused > 0 ? reused / (fetched + reused) : 0.0);
+    }
     std::printf("| %s | %d | %.1f | %.2f | %.2f | %d |\n", label.c_str(), n,
                 static_cast<double>(r.tokens) / r.seconds, 1e3 * Percentile(r.gaps, 0.5),
                 1e3 * Percentile(r.gaps, 0.99), r.errors);

@@ -222,12 +222,15 @@ struct RowChoiceRequest {
 // (kv_store/row_copy.h HeadRowsView is the same layout, one list at a time). List l = b *
 // num_kv_heads + g (sequence b, KV head g); its row j < counts[b] (counts null: max_count) is slot
 // s = slots[l * slot_capacity + j], at arena + tables[l * table_capacity + s / rows_per_block] *
-// block_bytes + (s % rows_per_block) * row_bytes, and lands at dst + (l * dst_rows_per_list + j)
-// * row_bytes; rows j >= counts[b] are left as they are. A slot outside the table, a block
-// outside the arena, or a count above max_count (taken as max_count) adds one to *errors (null:
-// not counted) and gives a row of zeros: bad device data cannot read outside the arena or write
-// outside dst. With batch or max_count 0 nothing is read, written or counted. Rows are of 16-bit
-// or wider elements: row_bytes, block_bytes and the arena and dst addresses are even.
+// block_bytes + (s % rows_per_block) * row_bytes, and lands at dst + (l * dst_rows_per_list + d)
+// * row_bytes, d = j (dst_rows null) or dst_rows[l * slot_capacity + j] (rows kept between steps
+// that a gather fills in where they are free: StoreKvCache's row reuse); rows j >= counts[b] are
+// left as they are. A slot outside the table, a block outside the arena, or a count above
+// max_count (taken as max_count) adds one to *errors (null: not counted) and gives a row of
+// zeros; a d outside [0, dst_rows_per_list) adds one and writes nothing: bad device data cannot
+// read outside the arena or write outside dst. With batch or max_count 0 nothing is read, written
+// or counted. Rows are of 16-bit or wider elements: row_bytes, block_bytes and the arena and dst
+// addresses are even.
 struct BlockRowsGather {
   const void* arena = nullptr;
   size_t arena_bytes = 0, block_bytes = 0;
@@ -242,6 +245,7 @@ struct BlockRowsGather {
   int32_t* errors = nullptr;
   void* dst = nullptr;
   int64_t dst_rows_per_list = 0;
+  const int32_t* dst_rows = nullptr;  // [lists, slot_capacity]; null: row j at row j
   // Queued on the backend's side queue (Backend::ForkSideQueue) instead of its own.
   bool on_side_queue = false;
 };

@@ -26,8 +26,15 @@ absl::Status CpuBackend::GatherBlockRows(const BlockRowsGather& g) {
       const int64_t list = int64_t{b} * g.num_kv_heads + h;
       const int32_t* table = g.tables + list * g.table_capacity;
       const int32_t* slots = g.slots + list * g.slot_capacity;
+      const int32_t* dst_rows =
+          g.dst_rows != nullptr ? g.dst_rows + list * g.slot_capacity : nullptr;
       for (int64_t j = 0; j < count; ++j) {
-        uint8_t* out = dst + static_cast<size_t>(list * g.dst_rows_per_list + j) * row_bytes;
+        const int64_t d = dst_rows != nullptr ? dst_rows[j] : j;
+        if (d < 0 || d >= g.dst_rows_per_list) {  // nowhere to write it
+          ++errors;
+          continue;
+        }
+        uint8_t* out = dst + static_cast<size_t>(list * g.dst_rows_per_list + d) * row_bytes;
         const int64_t slot = slots[j];
         const int64_t block = slot >= 0 ? slot / g.rows_per_block : -1;
         const int64_t id = block >= 0 && block < g.table_capacity ? table[block] : -1;

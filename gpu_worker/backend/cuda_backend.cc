@@ -380,6 +380,7 @@ absl::Status CudaBackend::GatherBlockRows(const BlockRowsGather& g) {
   k.max_count = g.max_count;
   k.dst = g.dst;
   k.dst_rows_per_head = g.dst_rows_per_list;
+  k.dst_rows = g.dst_rows;
   k.tables = g.tables;
   k.table_capacity = g.table_capacity;
   k.table_rows = g.rows_per_block;

@@ -29,6 +29,6 @@ inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // ScratchBytes; 3: StoredWeight::ToQ6_K, PartEnds and Rows, Weight::segments; 4:
 // StoredWeight::ConvertsToQ5_0 and ConvertsToQ4_0; 5: GatherBlockRows; 6: ForkSideQueue,
 // JoinSideQueue, BlockRowsGather::on_side_queue).
-inline constexpr int kCudaPluginAbi = 6;
+inline constexpr int kCudaPluginAbi = 7;
 
 }  // namespace infinigen

@@ -202,6 +202,7 @@ void BatchEngine::Finish(Active& a, FinishReason reason, absl::Status status) {
     stats_.gather_wait_seconds += u.fetch.wait_seconds;
     stats_.bytes_fetched += u.fetch.bytes_fetched;
     stats_.bytes_full += u.fetch.bytes_full;
+    stats_.bytes_reused += u.fetch.bytes_reused;
     stats_.kv_pool_evictions += u.fetch.evictions;
   }
   if (a.sink) a.sink(e);

@@ -131,6 +131,7 @@ struct EngineStats {
   double gather_wait_seconds = 0;
   int64_t bytes_fetched = 0;
   int64_t bytes_full = 0;
+  int64_t bytes_reused = 0;       // read where a device kept them (FetchCounters::bytes_reused)
   int64_t kv_pool_evictions = 0;  // tokens a KV pool evicted (finished requests)
   // Decode steps whose selection was among the rows prefetched during the previous layer, and
   // those that fetched again (DecodeStep::prefetch_hits).

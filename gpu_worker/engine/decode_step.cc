@@ -503,7 +503,8 @@ absl::Status DecodeStep::PrefetchEnd(int next_layer) {
     pre.dense = w.candidates.all;
     // One row per head is left free for the current token, which the step computes itself.
     const absl::Status st =
-        cache.Prefetch(batch_[b].seq, next_layer, pre.slots.data(), pre.count, /*extra_rows=*/1);
+        cache.Prefetch(batch_[b].seq, next_layer, pre.slots.data(), pre.count, /*extra_rows=*/1,
+                       /*placed=*/true);
     if (!st.ok()) {
       FailKv(b, next_layer, st);
       continue;

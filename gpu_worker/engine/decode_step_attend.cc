@@ -290,9 +290,10 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
           kv.k.rows[kv_heads * pre.count + g] = k_cur.Rows(g, 1).data;
           kv.v.rows[kv_heads * pre.count + g] = v_cur.Rows(g, 1).data;
         }
-      } else {  // the rows after the packed ones, one per KV head: one copy each for K and V
-        IG_RETURN_IF_ERROR(backend.Copy(k_cur, kv.k.Head(0, kv_heads * pre.count, kv_heads, hd)));
-        IG_RETURN_IF_ERROR(backend.Copy(v_cur, kv.v.Head(0, kv_heads * pre.count, kv_heads, hd)));
+      } else {  // the rows after every head's, one per KV head: one copy each for K and V
+        const int64_t after = kv_heads * (kv.k.head_stride / kv.k.row_stride);
+        IG_RETURN_IF_ERROR(backend.Copy(k_cur, kv.k.Head(0, after, kv_heads, hd)));
+        IG_RETURN_IF_ERROR(backend.Copy(v_cur, kv.v.Head(0, after, kv_heads, hd)));
       }
       cache_.RecordFetch(chunk.seq, layer, selection.all ? nullptr : selection.indices.data(),
                          selection.all ? pre.count : selection.count);
@@ -346,9 +347,16 @@ bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
   Prefetched& pre = prefetched_[layer % 2][b];
   if (pre.layer != layer) return false;
   const int64_t kv_heads = model_.config().num_kv_heads;
+  // Where the cache answers the prefetched rows: packed in list order, or where it keeps them
+  // (row reuse): the j-th candidate of head g at row_of(g, j) of head g's rows.
+  const StreamedKvCache::RowPlacement placed = streamed_->Placement(batch_[b].seq, layer);
+  const int64_t per_head = placed.rows != nullptr ? placed.rows_per_head : pre.count;
+  auto row_of = [&](int64_t g, int64_t j) {
+    return placed.rows != nullptr ? placed.rows[g * pre.count + j] : static_cast<int32_t>(j);
+  };
   // Row of the staging, relative to head g's first row, that holds the current token.
   auto current = [&](int64_t g) {
-    return static_cast<int32_t>(kv_heads * pre.count + g - g * pre.count);
+    return static_cast<int32_t>(kv_heads * per_head + g - g * per_head);
   };
   if (selection.all) {
     if (!pre.dense) return Miss(pre);
@@ -358,7 +366,7 @@ bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
     const int64_t rows = next_slot ? pre.count + 1 : pre.count;
     pre.map.resize(static_cast<size_t>(kv_heads * rows));
     for (int64_t g = 0; g < kv_heads; ++g) {
-      std::iota(pre.map.begin() + g * rows, pre.map.begin() + g * rows + pre.count, 0);
+      for (int64_t j = 0; j < pre.count; ++j) pre.map[g * rows + j] = row_of(g, j);
       pre.map[g * rows + (next_slot ? pre.count : current_slots[g])] = current(g);
     }
     ++prefetch_hits_;
@@ -380,11 +388,11 @@ bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
         at = current(g);
       } else if (pre.dense) {  // every stored slot, in slot order
         if (slot < 0 || slot >= pre.count) return Miss(pre);
-        at = slot;
+        at = row_of(g, slot);
       } else {
         while (it != end && *it < slot) ++it;
         if (it == end || *it != slot) return Miss(pre);
-        at = static_cast<int32_t>(it - begin);
+        at = row_of(g, it - begin);
       }
       pre.map[g * count + j] = at;
     }

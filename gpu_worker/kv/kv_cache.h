@@ -41,6 +41,9 @@ struct KvCacheShape {
 struct FetchCounters {
   int64_t bytes_fetched = 0;
   int64_t bytes_full = 0;
+  // Rows a prefetch found on the device already (StoreKvCacheOptions::reuse_rows): read, but not
+  // moved, and not in bytes_fetched.
+  int64_t bytes_reused = 0;
   int64_t fetches = 0;
   double wait_seconds = 0;  // time steps waited for prefetched rows
   int64_t evictions = 0;    // tokens a KV pool evicted to make room for later ones
@@ -183,8 +186,21 @@ class StreamedKvCache : public KvCache {
   // head's list in the order attention will see them). At most one prefetch per sequence and
   // layer parity is outstanding; Fetch() returns it. `extra_rows` more rows per head are left
   // free after the packed rows (rows num_kv_heads * count + ...) for the caller to fill.
+  // `placed`: the caller finds the rows through Placement(), so the cache may answer them where
+  // it keeps them rather than packed.
   virtual absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
-                                int64_t extra_rows = 0) = 0;
+                                int64_t extra_rows = 0, bool placed = false) = 0;
+  // Where Fetch will answer the rows of the last Prefetch of (seq, layer) if not packed (a
+  // prefetch made `placed`, of rows a cache keeps between steps: StoreKvCacheOptions::
+  // reuse_rows): head g's j-th listed slot at row rows[g * count + j] of head g, heads
+  // rows_per_head rows apart (the views' head_stride), and the extra rows after every head's
+  // (rows num_kv_heads * rows_per_head + ...). rows null: packed (row j; rows_per_head = count).
+  // Valid until the next Prefetch or Close of `seq`.
+  struct RowPlacement {
+    const int32_t* rows = nullptr;
+    int64_t rows_per_head = 0;
+  };
+  virtual RowPlacement Placement(SequenceId seq, int layer) const { return {}; }
   // Prefetches made between these two calls may travel together (a batch's sequences in one
   // request to the store). Fetch submits any still held.
   virtual void BeginPrefetches() {}

@@ -24,6 +24,7 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
     resident_layers_ =
         std::make_unique<ResidentLayers>(backend, shape, options.device_resident_layers);
   }
+  reuse_first_layer_ = device_resident_layers();
 }
 
 StoreKvCache::~StoreKvCache() {
@@ -77,6 +78,7 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   s.pool = std::move(pool);
   TakeSpareStaging(s, StagingBytes(capacity_tokens));
   absl::Status st = SizeStaging(s, capacity_tokens);
+  if (st.ok()) st = OpenReuse(s, capacity_tokens);
   if (st.ok() && resident_layers_ != nullptr) st = resident_layers_->Open(seq, capacity_tokens);
   if (!st.ok()) Close(seq);  // the store's too: a retry (the backend full now) opens it anew
   return st;
@@ -91,7 +93,8 @@ size_t StoreKvCache::StagingBytes(int64_t capacity_tokens) const {
 
 size_t StoreKvCache::BackendBytesFor(int64_t capacity_tokens) const {
   const int64_t capacity = std::max<int64_t>(capacity_tokens, 0);
-  size_t bytes = 2 * StagingBytes(capacity) + GatherTableBytes(capacity);
+  size_t bytes = 2 * StagingBytes(capacity) + GatherTableBytes(capacity) +
+                 ReuseBufferBytes(ReuseRows(capacity));
   if (resident_layers_ != nullptr) {
     bytes += ResidentLayers::BytesPerToken(shape_, resident_layers_->layers()) *
              static_cast<size_t>(capacity);
@@ -155,6 +158,8 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
   }
   // Its other backend memory goes too (until an Attach opens it again).
   if (s.tables != nullptr) s.tables->Release();
+  s.reuse_buffer.reset();
+  if (s.reused != nullptr) s.reused->ForgetAll();
 }
 
 size_t StoreKvCache::HostBytesFor(int64_t capacity_tokens) const {
@@ -163,8 +168,14 @@ size_t StoreKvCache::HostBytesFor(int64_t capacity_tokens) const {
   size_t per_layer = entries * sizeof(int32_t);
   if (in_place_) per_layer += 2 * entries * sizeof(const void*);
   if (!host_access_ && !device_gathers_) per_layer += 2 * entries * RowBytes();
-  // Where the GPU gathers by block table, the tables' host copy (as large as the device's).
-  return 2 * per_layer + TableBytes(std::max<int64_t>(capacity_tokens, 0));
+  // Where the GPU gathers by block table, the tables' host copy (as large as the device's), and
+  // row reuse's bookkeeping and the two layers' plans.
+  const int64_t reused = ReuseRows(std::max<int64_t>(capacity_tokens, 0));
+  const size_t reuse = reused > 0
+                           ? ReusedRows::BytesFor(shape_.num_layers, shape_.num_kv_heads, reused) +
+                                 2 * ReusedRows::PlanBytesFor(shape_.num_kv_heads, reused)
+                           : 0;
+  return 2 * per_layer + TableBytes(std::max<int64_t>(capacity_tokens, 0)) + reuse;
 }
 
 size_t StoreKvCache::HostStagingBytes() const {
@@ -205,6 +216,7 @@ absl::Status StoreKvCache::OpenWithRows(SequenceId seq, int64_t rows, int64_t ca
   const int64_t capacity = std::max(capacity_tokens, rows);
   TakeSpareStaging(s, StagingBytes(capacity));
   absl::Status st = SizeStaging(s, capacity);
+  if (st.ok()) st = OpenReuse(s, capacity);
   // Nothing half open: the caller computes the rows instead (an attached sequence's stored KV
   // goes with it; a prefill replaces it).
   if (!st.ok()) Close(seq);
@@ -241,6 +253,9 @@ absl::StatusOr<int64_t> StoreKvCache::Fork(SequenceId seq, SequenceId parent, in
 }
 
 void StoreKvCache::DropTicket(Pending& p) {
+  // Misses that may not have reached the layer's rows: what the rows hold is not known.
+  if (p.reuse && p.unsettled && p.reused != nullptr) p.reused->Forget(p.layer);
+  p.reuse = p.unsettled = false;
   if (p.launched) {
     JoinSideQueue(p).IgnoreError();
     p.launched = false;
@@ -567,6 +582,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
     return absl::FailedPreconditionError(
         absl::StrCat("no rows of layer ", layer, " were prefetched"));
   }
+  if (p.reuse) return FinishReuse(s, p);
   const int64_t count = p.count;
   if (p.resident) {  // a copy inside the device, after this step's appends
     const int64_t per_head = count + p.extra_rows;
@@ -746,7 +762,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadAll(SequenceId seq, int layer) {
 }
 
 absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
-                                    int64_t extra_rows) {
+                                    int64_t extra_rows, bool placed) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
   if (layer < 0 || layer >= shape_.num_layers || count <= 0) {
     return absl::InvalidArgumentError(
@@ -766,6 +782,10 @@ absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* sl
       count == s->length[layer] && every_row() &&
       StartResident(seq, *s, layer, count, extra_rows)) {
     return absl::OkStatus();
+  }
+  if (placed) {
+    IG_ASSIGN_OR_RETURN(const bool reused, StartReuse(seq, *s, layer, slots, count, extra_rows));
+    if (reused) return absl::OkStatus();
   }
   return StartGather(seq, *s, layer, std::span<const int32_t>(slots, shape_.num_kv_heads * count),
                      count, extra_rows, in_place_ || device_gathers_);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -24,6 +25,7 @@
 #include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/kv/kv_pool.h"
 #include "gpu_worker/kv/resident_layers.h"
+#include "gpu_worker/kv/row_reuse.h"
 #include "kv_store/client/kv_store_client.h"
 
 namespace infinigen {
@@ -64,6 +66,14 @@ struct StoreKvCacheOptions {
   // layers): a read of every stored row of those layers copies inside the device and moves no
   // bytes over the link. Only for sequences opened here (not attached or forked; no KV pool).
   int device_resident_layers = 0;
+  // Row reuse (where the GPU gathers by block table, without a KV pool): each sequence keeps, for
+  // every layer past the resident ones and each KV head, the rows of its last prefetch in a
+  // device buffer of reuse_rows(capacity_tokens) rows (ReusedRows), so that a decode step's
+  // prefetch moves over the host link only the rows the last one did not (misses), into rows
+  // the last one held that this one does not list. The rest are read where they are
+  // (FetchCounters::bytes_reused). A prefetch listing more rows (a dense read, a larger budget
+  // than the function assumed) moves them all, as without reuse. Unset or 0: no reuse.
+  std::function<int64_t(int64_t capacity_tokens)> reuse_rows;
 };
 
 class StoreKvCache final : public StreamedKvCache {
@@ -122,7 +132,10 @@ class StoreKvCache final : public StreamedKvCache {
   }
   absl::StatusOr<int64_t> NumSlots(SequenceId seq, int layer) override;
   absl::Status Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,
-                        int64_t extra_rows = 0) override;
+                        int64_t extra_rows = 0, bool placed = false) override;
+  RowPlacement Placement(SequenceId seq, int layer) const override;
+  // Rows kept per (layer, KV head) for a sequence opened with this capacity (0: no reuse).
+  int64_t ReuseRows(int64_t capacity_tokens) const;
   void BeginPrefetches() override { deferring_ = true; }
   void SubmitPrefetches() override;
   absl::StatusOr<KvLayerView> Fetch(SequenceId seq, int layer) override;
@@ -161,6 +174,12 @@ class StoreKvCache final : public StreamedKvCache {
     int64_t side_batch = 0;  // ... with the side_batches_-th batch
     bool resident = false;   // every row, copied from resident_layers_ at the fetch
     SequenceId seq = 0;      // the sequence it reads for
+    // Row reuse: the misses of `plan` go into the layer's rows of `reused`' buffer (the item
+    // asks the store for their block tables); `unsettled` until they are there, so that a
+    // gather dropped or failed before makes the layer's rows unknown.
+    bool reuse = false, unsettled = false;
+    ReusedRows::Plan plan;
+    ReusedRows* reused = nullptr;
   };
   // Staging a gather that did not finish in time may still write into: kept until it ends.
   struct Abandoned {
@@ -176,6 +195,11 @@ class StoreKvCache final : public StreamedKvCache {
     // Where the GPU gathers by block table (device_gathers_): the store's block tables of every
     // layer, mirrored on the device. Shared with gathers abandoned late, which may still write.
     std::shared_ptr<DeviceBlockTables> tables;
+    // Row reuse (StoreKvCacheOptions::reuse_rows): what is kept, and where: K then V of each
+    // layer from reuse_first_layer_, [num_kv_heads, rows + 1] each (a row per head after them
+    // for the caller's extra row). The buffer is dropped when the sequence idles.
+    std::unique_ptr<ReusedRows> reused;
+    std::unique_ptr<Buffer> reuse_buffer;
     // Slots stored in `layer`: its length, or in a KV pool the slots in use.
     int64_t Rows(int layer) const { return pool ? pool->rows(layer) : length[layer]; }
   };
@@ -221,6 +245,22 @@ class StoreKvCache final : public StreamedKvCache {
   // backend's queue (at the fetch) or its side queue (launched with the batch's prefetches, so
   // that the rows cross the link while the layer before computes).
   absl::Status GatherOnDevice(Sequence& s, Pending& p, bool on_side_queue = false);
+  // ... of a reuse prefetch: the plan's misses into the rows it freed for them.
+  absl::Status GatherMissesOnDevice(Sequence& s, Pending& p, bool on_side_queue);
+  // Row reuse's prefetch (StoreKvCacheOptions::reuse_rows): the list planned against the rows
+  // the layer keeps, the store asked for the misses' block tables only, nothing asked when
+  // every row is kept. false (nothing started) where reuse does not apply: the caller gathers.
+  absl::StatusOr<bool> StartReuse(SequenceId seq, Sequence& s, int layer, const int32_t* slots,
+                                  int64_t count, int64_t extra_rows);
+  // Backend bytes of a sequence's reuse buffer, and where a layer's K rows are in it.
+  size_t ReuseBufferBytes(int64_t rows) const;
+  uint8_t* ReusedK(Sequence& s, int layer) const;
+  uint8_t* ReusedV(Sequence& s, int layer) const;
+  // Opens s's row reuse for this capacity (its buffer allocated) where options_ ask for it.
+  absl::Status OpenReuse(Sequence& s, int64_t capacity_tokens);
+  // FinishGather of a reuse prefetch: its misses moved (waited for, joined, or gathered now),
+  // and the layer's kept rows answered, head_stride apart (Placement says where each is).
+  absl::StatusOr<KvLayerView> FinishReuse(Sequence& s, Pending& p);
   // SubmitPrefetches' device gathers whose tickets are done: launched on the side queue (a
   // fork before each, after its slot list's copy), joined at their first Fetch, or before the
   // next batch is launched, whichever comes first.
@@ -275,6 +315,7 @@ class StoreKvCache final : public StreamedKvCache {
   bool in_place_;     // prefetches answer row addresses (see StoreKvCacheOptions)
   bool device_gathers_ = false;       // ... which a GPU backend gathers (device_reads_mapped_rows)
   int64_t rows_per_block_ = 0;        // ... by block table: the store's rows per arena block
+  int reuse_first_layer_ = 0;         // row reuse: the first layer kept (after resident ones)
   const void* registered_ = nullptr;  // the client's mapped memory registered with the backend
   // Registers the client's mapped memory with the backend if it is not (again after a store
   // restart remapped it).

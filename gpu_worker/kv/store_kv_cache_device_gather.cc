@@ -24,8 +24,10 @@ absl::Status StoreKvCache::RegisterMapped() {
 
 size_t StoreKvCache::GatherTableBytes(int64_t capacity_tokens) const {
   if (!device_gathers_) return 0;
+  // Each layer in flight's slot list: every row, or row reuse's moves (ReusedRows::Plan).
   const size_t entries =
-      static_cast<size_t>(shape_.num_kv_heads) * static_cast<size_t>(capacity_tokens + 1);
+      static_cast<size_t>(shape_.num_kv_heads) *
+      static_cast<size_t>(std::max(capacity_tokens + 1, 2 * ReuseRows(capacity_tokens) + 1));
   return 2 * entries * sizeof(int32_t) + TableBytes(capacity_tokens);
 }
 
@@ -44,6 +46,7 @@ absl::Status StoreKvCache::JoinSideQueue(const Pending& p) {
 }
 
 absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p, bool on_side_queue) {
+  if (p.reuse) return GatherMissesOnDevice(s, p, on_side_queue);
   const int64_t heads = shape_.num_kv_heads;
   const size_t entries = static_cast<size_t>(heads * (p.count + p.extra_rows));
   IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes()));

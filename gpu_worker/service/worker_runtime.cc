@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/selection.h"
 
 namespace infinigen {
 
@@ -54,6 +55,16 @@ WorkerRuntime::~WorkerRuntime() {
   engine_.reset();
   cache_.reset();
   client_.reset();
+}
+
+std::function<int64_t(int64_t)> ReuseRowsFor(const SelectionConfig& selection) {
+  return [selection](int64_t capacity_tokens) {
+    // InfiniGen's prefetch of a sequence of `rows` rows lists at most its budget of rows + 1
+    // and the margin (InfinigenBackendPolicy::BackendChoiceCapacity).
+    const int64_t rows = std::max<int64_t>(capacity_tokens, 0) + 1;
+    const int64_t budget = selection.Budget(rows);
+    return std::min(rows, budget + cpu::PrefetchMargin(budget));
+  };
 }
 
 absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const WorkerConfig& config) {
@@ -117,6 +128,9 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   if (config.kv_resident_dense_layers && w->sidecar_ && !w->loaded_.backend->host_accessible() &&
       !cache_options.pool) {
     cache_options.device_resident_layers = selection.dense_layers;
+  }
+  if (config.kv_row_reuse && selection.policy == PolicyKind::kInfinigen && !cache_options.pool) {
+    cache_options.reuse_rows = ReuseRowsFor(selection);
   }
   EngineConfig engine_config = config.engine;
   {

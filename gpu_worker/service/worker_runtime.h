@@ -5,6 +5,7 @@
 // same process.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,6 +32,10 @@ struct WorkerConfig {
   // With InfiniGen on a GPU: its dense layers' K/V also kept on the device
   // (StoreKvCacheOptions::device_resident_layers = the selection's dense_layers).
   bool kv_resident_dense_layers = true;
+  // With InfiniGen where the GPU gathers from the store's memory: each sequence keeps the rows
+  // of its last prefetch of every layer on the device, and a prefetch moves only the others
+  // (StoreKvCacheOptions::reuse_rows, sized by ReuseRowsFor).
+  bool kv_row_reuse = true;
   // The KV pool (StoreKvCacheOptions::pool): a sequence's share of tokens in the store,
   // kv_pool_tokens when > 0, else kv_pool x (prompt + max new tokens); both 0: no pool.
   double kv_pool = 0.0;
@@ -53,6 +58,10 @@ struct WorkerConfig {
   // The requests' default KV selection; `auto` resolves to infinigen with a sidecar, else full.
   SelectionConfig Selection(bool have_sidecar) const;
 };
+
+// Row reuse's rows per (layer, KV head) for `selection` (StoreKvCacheOptions::reuse_rows): the
+// most an InfiniGen prefetch lists for a sequence of that capacity, its budget and margin.
+std::function<int64_t(int64_t)> ReuseRowsFor(const SelectionConfig& selection);
 
 class WorkerRuntime {
  public:

@@ -47,10 +47,17 @@ __global__ void GatherKernel(Gather g, int64_t rows_per_block) {
   const int64_t arena_blocks = by_table ? g.src_bytes / g.block_bytes : 0;
   const char* src = static_cast<const char*>(g.src) +
                     (by_table ? 0 : b * g.src_seq_stride + head * g.src_head_stride);
-  char* dst = static_cast<char*>(g.dst) + (list * g.dst_rows_per_head + first) * g.row_bytes;
+  char* dst = static_cast<char*>(g.dst) + list * g.dst_rows_per_head * g.row_bytes;
+  const int32_t* dst_rows =
+      g.dst_rows != nullptr ? g.dst_rows + list * g.index_capacity + first : nullptr;
   for (int64_t t = threadIdx.x; t < rows * vecs; t += blockDim.x) {
     const int64_t r = t / vecs, v = t % vecs;
-    V* out = reinterpret_cast<V*>(dst + r * g.row_bytes) + v;
+    const int64_t d = dst_rows != nullptr ? dst_rows[r] : first + r;
+    if (d < 0 || d >= g.dst_rows_per_head) {  // nowhere to write it
+      if (v == 0 && g.errors != nullptr) atomicAdd(g.errors, 1);
+      continue;
+    }
+    V* out = reinterpret_cast<V*>(dst + d * g.row_bytes) + v;
     int64_t at = static_cast<int64_t>(idx[r]) * g.row_bytes;
     if (by_table && (at = TableRowOffset(g, table, idx[r], arena_blocks)) < 0) {
       *out = V{};

@@ -198,6 +198,10 @@ struct Gather {
   int64_t max_count = 0;  // bound of the counts (sizes the launch); 0 means count
   void* dst = nullptr;
   int64_t dst_rows_per_head = 0;
+  // Where row j of list l lands within the list's dst rows: dst_rows[l * index_capacity + j]
+  // (device; null: row j). One outside [0, dst_rows_per_head) is not written and adds one to
+  // *errors where errors is set.
+  const int32_t* dst_rows = nullptr;
   // Block-table addressing (tables non-null; src is then an arena, src_bytes long, and the
   // strides are unused): row index s of list l lives at src + tables[l * table_capacity + s /
   // table_rows] * block_bytes + (s % table_rows) * row_bytes. A row whose slot or block falls

@@ -17,12 +17,14 @@
 # (--kv-device-gather, the worker's default); -copy = the store copies them into staging that is
 # then copied to the device (what a remote transport does); infinigen keeps its dense layers' K/V
 # on the GPU as the worker does (--kv_resident_dense_layers), infinigen-dense-fetched reads them
-# from the store every step as before; any mode with "+tiles" appended runs the prefill's
+# from the store every step as before; infinigen keeps each sequence's last prefetched rows on
+# the GPU as the worker does (--kv-row-reuse), infinigen-noreuse moves every prefetched row; any mode with "+tiles" appended runs the prefill's
 # attention on the tiled CUDA-core kernel instead of cuBLAS GEMMs (the default since lease F;
 # CudaBackendOptions::gemm_causal_attention), "+gemm" through the GEMMs. A second
 # table says where each case's decode steps spent their host time (DecodeStep's profile); its
 # rows are also appended to PROFILE_OUT as each case ends. A third gives each case's time to first
-# token (every stream submitted at once: the prefills queue).
+# token (every stream submitted at once: the prefills queue). A fourth gives the KV bytes each
+# case moved over the link and read where the GPU kept them, per generated token.
 # CPU check of the same path (tiny shape): DEVICE=cpu scripts/gpu/served_decode.sh "200" "1 2" 4
 #   tests/fixtures/hf/llama31_gqa/config.json
 set -uo pipefail
@@ -36,6 +38,7 @@ if [ -z "${CASES:-}" ]; then
 fi
 profiles=()
 ttfts=()
+links=()
 echo "| context | batch | mode | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
 echo "|---:|---:|---|---:|---:|---:|---:|"
 for c in $CASES; do
@@ -60,6 +63,7 @@ for c in $CASES; do
       infinigen) flags=(--kv store --policy infinigen) ;;
       infinigen-copy) flags=(--kv store --policy infinigen --kv-device-gather false) ;;
       infinigen-dense-fetched) flags=(--kv store --policy infinigen --kv-resident-layers 0) ;;
+      infinigen-noreuse) flags=(--kv store --policy infinigen --kv-row-reuse false) ;;
       full) flags=(--kv store --policy full) ;;
       full-copy) flags=(--kv store --policy full --kv-device-gather false) ;;
       resident) flags=(--kv resident --policy full) ;;
@@ -73,6 +77,8 @@ for c in $CASES; do
     prof=$(grep '^profile |' <<< "$out" | tail -1)
     ttft=$(grep '^ttft |' <<< "$out" | tail -1)
     [ -n "$ttft" ] && ttfts+=("| $ctx ${ttft#ttft }")
+    link=$(grep '^link |' <<< "$out" | tail -1)
+    [ -n "$link" ] && links+=("| $ctx ${link#link }")
     if [ -n "$prof" ]; then
       profiles+=("| $ctx ${prof#profile }")
       # as it comes too, so that a run cut short keeps what it measured
@@ -96,3 +102,8 @@ echo "Time to first token (s), every stream submitted at once (the last waits fo
 echo "| context | mode | batch | TTFT p50 | TTFT max |"
 echo "|---:|---|---:|---:|---:|"
 for t in "${ttfts[@]}"; do echo "$t"; done
+echo
+echo "KV bytes per generated token (MiB): moved over the link, read where the GPU kept them (row reuse):"
+echo "| context | mode | batch | moved | kept | kept fraction |"
+echo "|---:|---|---:|---:|---:|---:|"
+for l in "${links[@]+"${links[@]}"}"; do echo "$l"; done

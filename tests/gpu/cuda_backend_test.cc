@@ -485,8 +485,8 @@ TEST(CudaBackend, GatherRowsReadsRegisteredReadOnlyHostMemory) {
 // GatherBlockRows on the GPU equals the CPU backend's loop (its reference) byte for byte, errors
 // counted alike: a batch's lists read from a registered read-only mapping by block table, with
 // per-sequence counts (negative, short, full, above the bound), bad slots and bad blocks; 16-byte
-// and 2-byte accesses; on the backend's stream and on its side queue (forked and joined). An
-// arena outside registered memory is refused.
+// and 2-byte accesses; on the backend's stream and on its side queue (forked and joined); rows
+// placed by dst_rows. An arena outside registered memory is refused.
 TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   struct Layout {
@@ -611,6 +611,34 @@ TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
     ASSERT_TRUE((*gpu)->CopyToHost(d_errors->data(), &errors, 4).ok());
     EXPECT_EQ(errors, want_errors);
     EXPECT_EQ(side_got, want) << "the side queue's gather, joined";
+
+    // With dst_rows (row reuse: each row where it is free): reversed within each list, two
+    // outside the list's rows (counted, not written).
+    std::vector<int32_t> rows(slots.size());
+    for (int64_t l = 0; l < lists; ++l) {
+      for (int64_t j = 0; j < kSlots; ++j)
+        rows[l * kSlots + j] = static_cast<int32_t>(kMax - 1 - j);
+    }
+    rows[7] = static_cast<int32_t>(kDstRows);
+    rows[kSlots + 1] = -1;
+    std::vector<uint8_t> placed_want(dst_bytes, 0xab);
+    int32_t placed_errors = 0;
+    BlockRowsGather placed_host = host;
+    placed_host.dst = placed_want.data();
+    placed_host.errors = &placed_errors;
+    placed_host.dst_rows = rows.data();
+    ASSERT_TRUE(cpu.GatherBlockRows(placed_host).ok());
+    auto d_rows = upload(rows.data(), rows.size() * 4);
+    ASSERT_TRUE((*gpu)->CopyToDevice(pattern.data(), d_dst->data(), dst_bytes).ok());
+    ASSERT_TRUE((*gpu)->CopyToDevice(&zero, d_errors->data(), 4).ok());
+    BlockRowsGather placed = dev;
+    placed.dst_rows = static_cast<const int32_t*>(d_rows->data());
+    ASSERT_TRUE((*gpu)->GatherBlockRows(placed).ok());
+    ASSERT_TRUE((*gpu)->CopyToHost(d_dst->data(), side_got.data(), dst_bytes).ok());
+    ASSERT_TRUE((*gpu)->CopyToHost(d_errors->data(), &errors, 4).ok());
+    EXPECT_EQ(errors, placed_errors);
+    EXPECT_EQ(side_got, placed_want) << "rows placed by dst_rows";
+    d_rows.reset();
 
     std::vector<uint8_t> elsewhere(arena_bytes);
     BlockRowsGather outside = dev;

@@ -6,7 +6,8 @@
 // state sized for their whole length) between steps, as the engine admits them.
 // Three setups: the CPU backend over its resident cache; the CPU backend over the KV store
 // (in-process: the all-in-one server's transport); and a backend the host cannot read (a GPU's
-// path, on the CPU) over the store, InfiniGen choosing rows there. All three are held to zero,
+// path, on the CPU) over the store, InfiniGen choosing rows there and the rows of its last
+// prefetches kept between steps (row reuse). All three are held to zero,
 // the store's side of the gathers and appends included. (The queued transports, gRPC, shm
 // and UCX, still copy each append's rows and each gather's items into their queue.)
 #include <gtest/gtest.h>
@@ -106,6 +107,8 @@ TEST_P(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
     ASSERT_NE(store->client, nullptr);
     StoreKvCacheOptions options;
     options.device_reads_mapped_rows = true;
+    // Row reuse where the device gathers (each sequence's kept rows sized when it opens).
+    options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
     owned_cache = std::make_unique<StoreKvCache>(backend, m.kv_shape(), *store->client, options);
   }
   KvCache& cache = *owned_cache;

@@ -79,6 +79,8 @@ class Admission : public ::testing::Test {
     selection_.budget_fraction = 0.3;
     cache_options_.device_reads_mapped_rows = true;
     cache_options_.device_resident_layers = 1;
+    // Row reuse: every row of every sparse layer kept (its largest buffer).
+    cache_options_.reuse_rows = [](int64_t capacity) { return capacity + 1; };
   }
 
   std::unique_ptr<KvSelectionPolicy> Policy() {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -337,6 +338,162 @@ TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacit
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.logits, want.logits);
   }
+}
+
+// Row reuse (StoreKvCacheOptions::reuse_rows) where the GPU gathers by block table: InfiniGen
+// choosing on the device, a batch of two decoding 16 steps, over the default store and one of
+// 4-row blocks (tables growing while rows are kept). Tokens and logits equal the resident
+// cache's bit for bit; prefetches find rows an earlier step moved (bytes_reused) and move less
+// than half the bytes they move without reuse. With room for fewer rows than a prefetch lists,
+// every read moves all its rows, as without reuse (and still bit for bit).
+TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) {
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  Model& on_device = *loaded;
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const KvCacheShape shape = on_device.kv_shape();
+  KvStoreConfig sc;
+  sc.capacity_bytes = 16 << 20;
+  sc.shared_memory = false;
+  sc.huge_pages = false;
+  sc.block_tokens = 4;
+  sc.max_row_bytes = static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
+  auto small_store = KvStore::Create(sc);
+  ASSERT_TRUE(small_store.ok()) << small_store.status();
+  KvClientConfig cc;
+  cc.transport = KvClientConfig::Transport::kInProcess;
+  cc.store = small_store->get();
+  auto small_client = MakeKvStoreClient(cc);
+  ASSERT_TRUE(small_client.ok()) << small_client.status();
+  const auto prompts = Prompts(2);
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+  auto a = Policy("infinigen"), b = Policy("infinigen");
+  const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 16, 8);
+  for (KvStoreClient* client : {client_.get(), small_client->get()}) {
+    SCOPED_TRACE(client == client_.get() ? "default blocks" : "4-row blocks");
+    auto run = [&](std::function<int64_t(int64_t)> reuse_rows) {
+      StoreKvCacheOptions options = DeviceStoreOptions();
+      options.reuse_rows = std::move(reuse_rows);
+      StoreKvCache cache(device, shape, *client, options);
+      EXPECT_EQ(cache.ReuseRows(256) > 0, cache.device_gathers() && options.reuse_rows != nullptr);
+      auto c = Policy("infinigen", *skew), d = Policy("infinigen", *skew);
+      DecodeRun got = Decode(on_device, cache, {c.get(), d.get()}, prompts, 16, 8);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.logits, want.logits);
+      return got;
+    };
+    const DecodeRun plain = run(nullptr);
+    const DecodeRun reused = run([](int64_t capacity) { return capacity + 1; });
+    const DecodeRun too_few = run([](int64_t) { return 4; });
+    EXPECT_EQ(plain.bytes_reused, 0);
+    EXPECT_EQ(too_few.bytes_reused, 0);
+    EXPECT_EQ(too_few.bytes_fetched, plain.bytes_fetched);
+    if (std::get<1>(GetParam())) {  // the GPU gathers: rows are kept
+      EXPECT_GT(reused.bytes_reused, 0);
+      EXPECT_LT(2 * reused.bytes_fetched, plain.bytes_fetched)
+          << "moved " << reused.bytes_fetched << " of " << plain.bytes_fetched;
+    } else {
+      EXPECT_EQ(reused.bytes_reused, 0);
+      EXPECT_EQ(reused.bytes_fetched, plain.bytes_fetched);
+    }
+  }
+}
+
+// Row reuse's bookkeeping follows what really reached the device: rows move once and are then
+// found where Placement says; a reuse prefetch dropped before its rows moved (a second prefetch
+// of the layer replaced it unfetched) leaves the layer's rows unknown, so the next prefetch of
+// the same rows moves them again; rows appended since move, the others stay. Rows are checked
+// by value, read back from the device.
+TEST(StoreCacheReuse, RowsMoveOnceAndAgainOnlyIfTheyNeverLanded) {
+  DeviceLikeCpuBackend device;
+  KvStoreConfig sc;
+  sc.capacity_bytes = 16 << 20;
+  sc.shared_memory = false;
+  auto store = KvStore::Create(sc);
+  ASSERT_TRUE(store.ok()) << store.status();
+  KvClientConfig cc;
+  cc.transport = KvClientConfig::Transport::kInProcess;
+  cc.store = store->get();
+  auto client = MakeKvStoreClient(cc);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const KvCacheShape shape{2, 2, 8, DType::kF32};
+  const int64_t heads = shape.num_kv_heads, hd = shape.head_dim, width = heads * hd;
+  StoreKvCacheOptions options;
+  options.device_reads_mapped_rows = true;
+  options.reuse_rows = [](int64_t) { return 6; };
+  StoreKvCache cache(device, shape, **client, options);
+  ASSERT_TRUE(cache.device_gathers());
+  ASSERT_EQ(cache.ReuseRows(32), 6);
+  ASSERT_TRUE(cache.Open(1, 32).ok());
+  // K of token t, head g, channel c: 1000 * generation + 10 * t + g + c / 100; V its negative.
+  auto append = [&](int64_t start, int64_t n, int generation) {
+    std::vector<float> k(static_cast<size_t>(n * width)), v(k.size());
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < width; ++i) {
+        k[t * width + i] = 1000.0f * generation + 10.0f * (start + t) + static_cast<float>(i / hd) +
+                           static_cast<float>(i % hd) / 100.0f;
+        v[t * width + i] = -k[t * width + i];
+      }
+    }
+    auto kb = device.Allocate(k.size() * 4), vb = device.Allocate(v.size() * 4);
+    ASSERT_TRUE(kb.ok() && vb.ok());
+    ASSERT_TRUE(device.CopyToDevice(k.data(), (*kb)->data(), k.size() * 4).ok());
+    ASSERT_TRUE(device.CopyToDevice(v.data(), (*vb)->data(), v.size() * 4).ok());
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      const MatView km{(*kb)->data(), DType::kF32, n, width, width};
+      const MatView vm{(*vb)->data(), DType::kF32, n, width, width};
+      const absl::Status appended = cache.Append(1, layer, start, km, vm);
+      ASSERT_TRUE(appended.ok()) << appended;
+    }
+  };
+  // Reads `slots` (the same list for both heads) of layer 1 placed, and checks every row.
+  auto read = [&](const std::vector<int32_t>& list, int generation_from_16) -> int64_t {
+    std::vector<int32_t> slots = list;
+    slots.insert(slots.end(), list.begin(), list.end());
+    const int64_t count = static_cast<int64_t>(list.size());
+    const int64_t moved_before = cache.Counters(1).bytes_fetched;
+    EXPECT_TRUE(cache.Prefetch(1, 1, slots.data(), count, 1, /*placed=*/true).ok());
+    const StreamedKvCache::RowPlacement placed = cache.Placement(1, 1);
+    EXPECT_NE(placed.rows, nullptr);
+    auto view = cache.Fetch(1, 1);
+    EXPECT_TRUE(view.ok()) << view.status();
+    if (!view.ok() || placed.rows == nullptr) return -1;
+    std::vector<float> k(static_cast<size_t>(heads * (placed.rows_per_head + 1) * hd));
+    std::vector<float> v(k.size());
+    EXPECT_TRUE(device.CopyToHost(view->k.data, k.data(), k.size() * 4).ok());
+    EXPECT_TRUE(device.CopyToHost(view->v.data, v.data(), v.size() * 4).ok());
+    for (int64_t g = 0; g < heads; ++g) {
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t row = g * placed.rows_per_head + placed.rows[g * count + j];
+        const int64_t t = list[j];
+        const int generation = t >= 16 ? generation_from_16 : 0;
+        const float want = 1000.0f * generation + 10.0f * t + static_cast<float>(g);
+        EXPECT_EQ(k[row * hd], want) << "slot " << t << " head " << g;
+        EXPECT_EQ(k[row * hd + 3], want + 0.03f) << "slot " << t << " head " << g;
+        EXPECT_EQ(v[row * hd], -want) << "slot " << t << " head " << g;
+      }
+    }
+    return (cache.Counters(1).bytes_fetched - moved_before) / (2 * hd * 4);
+  };
+  append(0, 16, 0);
+  EXPECT_EQ(read({1, 4, 9, 12}, 0), 2 * 4);  // every row moves
+  EXPECT_EQ(read({1, 4, 9, 12}, 0), 0);      // none
+  EXPECT_EQ(read({0, 4, 9, 13, 15}, 0), 2 * 3);
+  // A placed prefetch replaced by another before it was fetched: its misses never moved.
+  const std::vector<int32_t> dropped = {2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 6, 7};
+  ASSERT_TRUE(cache.Prefetch(1, 1, dropped.data(), 6, 1, /*placed=*/true).ok());
+  const std::vector<int32_t> other = {0, 1, 0, 1};
+  ASSERT_TRUE(cache.Prefetch(1, 1, other.data(), 2, 0).ok());
+  ASSERT_TRUE(cache.Fetch(1, 1).ok());
+  EXPECT_EQ(read({2, 3, 4, 5, 6, 7}, 0), 2 * 6);
+  EXPECT_EQ(read({2, 3, 4, 5, 6, 7}, 0), 0);
+  // Tokens appended since: theirs move, the others are still there.
+  append(16, 4, 7);
+  EXPECT_EQ(read({4, 5, 16, 17, 19}, 7), 2 * 3);
+  EXPECT_EQ(read({4, 5, 16, 17, 19}, 7), 0);
+  cache.Close(1);
 }
 
 // Forwards to a policy, counting the pointers it is handed that lie in the device's memory

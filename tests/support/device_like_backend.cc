@@ -134,8 +134,9 @@ absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
     if (!Owns(p))
       return absl::InvalidArgumentError("GatherBlockRows: memory outside the backend's");
   }
-  if (g.counts != nullptr && !Owns(g.counts)) {
-    return absl::InvalidArgumentError("GatherBlockRows: counts outside the backend's memory");
+  if ((g.counts != nullptr && !Owns(g.counts)) || (g.dst_rows != nullptr && !Owns(g.dst_rows))) {
+    return absl::InvalidArgumentError(
+        "GatherBlockRows: counts or dst_rows outside the backend's memory");
   }
   if (!g.on_side_queue) return RunBlockRows(g);
   if (copied_since_fork_) {

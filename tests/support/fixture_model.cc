@@ -112,6 +112,7 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
   }
   for (size_t i = 0; i < n; ++i) {
     run.bytes_fetched += cache.Counters(i + 1).bytes_fetched;
+    run.bytes_reused += cache.Counters(i + 1).bytes_reused;
     cache.Close(i + 1);
     if (policies[i] != nullptr) policies[i]->Release(i + 1);
   }

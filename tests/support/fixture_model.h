@@ -40,6 +40,7 @@ struct DecodeRun {
   int64_t prefetch_hits = 0, prefetch_misses = 0;  // DecodeStep's
   StepProfile profile;                             // of its decode-only steps
   int64_t bytes_fetched = 0;                       // the cache's FetchCounters, all sequences
+  int64_t bytes_reused = 0;                        // ... read where the device kept them
 };
 
 // Greedy decode of `prompts` as sequences 1, 2, ... of `cache`, one batch per step, with

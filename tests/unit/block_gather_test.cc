@@ -138,6 +138,40 @@ TEST(GatherBlockRows, RowsOutOfRangeAreZerosAndCounted) {
   }
 }
 
+// With dst_rows, row j of a list lands at the row it names (a reversed order here, and one
+// list naming rows outside its dst: those are counted and nothing is written for them).
+TEST(GatherBlockRows, DstRowsPlaceEachRowWhereTheyName) {
+  Fixture f(3);
+  f.counts = {kMax, kMax, kMax};
+  std::vector<int32_t> rows(f.slots.size(), 0);
+  for (int64_t list = 0; list < kBatch * kHeads; ++list) {
+    for (int64_t j = 0; j < kSlots; ++j) {
+      rows[list * kSlots + j] = static_cast<int32_t>(kDstRows - 1 - j);
+    }
+  }
+  rows[4 * kSlots + 2] = kDstRows;  // list 4: past its rows
+  rows[4 * kSlots + 3] = -1;        // and before them
+  BlockRowsGather g = f.Request();
+  g.dst_rows = rows.data();
+  CpuBackend cpu;
+  ASSERT_TRUE(cpu.GatherBlockRows(g).ok());
+  EXPECT_EQ(f.errors, 2);
+  for (int64_t list = 0; list < kBatch * kHeads; ++list) {
+    for (int64_t j = 0; j < kMax; ++j) {
+      const int32_t slot = f.slots[list * kSlots + j];
+      const uint8_t* want = f.arena.data() +
+                            f.tables[list * kTable + slot / kRowsPerBlock] * kBlockBytes +
+                            (slot % kRowsPerBlock) * kRowBytes;
+      if (list == 4 && (j == 2 || j == 3)) continue;
+      EXPECT_EQ(std::memcmp(f.Out(list, kDstRows - 1 - j), want, kRowBytes), 0) << list << "," << j;
+    }
+    // Row 0 is nobody's (kMax of kDstRows rows are named); list 4's rows 5 and 4 were skipped.
+    EXPECT_EQ(f.Out(list, 0)[0], 0xab) << list;
+  }
+  EXPECT_EQ(f.Out(4, kDstRows - 1 - 2)[0], 0xab);
+  EXPECT_EQ(f.Out(4, kDstRows - 1 - 3)[0], 0xab);
+}
+
 TEST(GatherBlockRows, ShapesThatDoNotFitAreRefused) {
   Fixture f(3);
   CpuBackend cpu;

@@ -1,0 +1,220 @@
+// StoreKvCache's row reuse (StoreKvCacheOptions::reuse_rows; docs/worker.md, "Row reuse"):
+// where the GPU gathers by block table, each sequence keeps the rows of its last prefetch of
+// every layer in a device buffer (ReusedRows says which row holds which slot), a placed
+// prefetch asks the store for the block tables of its misses only and gathers just those into
+// the rows the last prefetch held that this one does not list, and the fetch answers the
+// layer's buffer, where StreamedKvCache::Placement finds each listed row.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+
+namespace infinigen {
+
+int64_t StoreKvCache::ReuseRows(int64_t capacity_tokens) const {
+  if (!device_gathers_ || options_.pool || !options_.reuse_rows ||
+      reuse_first_layer_ >= shape_.num_layers) {
+    return 0;
+  }
+  const int64_t capacity = std::max<int64_t>(capacity_tokens, 0);
+  return std::clamp<int64_t>(options_.reuse_rows(capacity), 0, capacity + 1);
+}
+
+size_t StoreKvCache::ReuseBufferBytes(int64_t rows) const {
+  if (rows <= 0) return 0;
+  return static_cast<size_t>(shape_.num_layers - reuse_first_layer_) * 2 * shape_.num_kv_heads *
+         static_cast<size_t>(rows + 1) * RowBytes();
+}
+
+uint8_t* StoreKvCache::ReusedK(Sequence& s, int layer) const {
+  const size_t one = static_cast<size_t>(shape_.num_kv_heads) *
+                     static_cast<size_t>(s.reused->rows() + 1) * RowBytes();
+  return static_cast<uint8_t*>(s.reuse_buffer->data()) +
+         static_cast<size_t>(2 * (layer - reuse_first_layer_)) * one;
+}
+
+uint8_t* StoreKvCache::ReusedV(Sequence& s, int layer) const {
+  return ReusedK(s, layer) +
+         static_cast<size_t>(shape_.num_kv_heads) * (s.reused->rows() + 1) * RowBytes();
+}
+
+absl::Status StoreKvCache::OpenReuse(Sequence& s, int64_t capacity_tokens) {
+  const int64_t rows = ReuseRows(capacity_tokens);
+  if (rows == 0) {
+    s.reused.reset();
+    s.reuse_buffer.reset();
+    return absl::OkStatus();
+  }
+  if (s.reused == nullptr || s.reused->rows() != rows) {
+    s.reused = std::make_unique<ReusedRows>(shape_.num_layers, shape_.num_kv_heads, rows);
+  } else {
+    s.reused->ForgetAll();
+  }
+  const size_t bytes = ReuseBufferBytes(rows);
+  if (s.reuse_buffer == nullptr || s.reuse_buffer->size() != bytes) {
+    s.reuse_buffer.reset();
+    IG_ASSIGN_OR_RETURN(s.reuse_buffer, backend_.Allocate(bytes));
+  }
+  const size_t heads = static_cast<size_t>(shape_.num_kv_heads);
+  const size_t moves = heads * static_cast<size_t>(2 * rows + 1);
+  for (Pending& p : s.pending) {
+    p.plan.positions.reserve(heads * static_cast<size_t>(rows));
+    p.plan.moves.reserve(moves);
+    if (p.device_slots == nullptr || p.device_slots->size() < moves * sizeof(int32_t)) {
+      p.device_slots.reset();
+      IG_ASSIGN_OR_RETURN(p.device_slots, backend_.Allocate(moves * sizeof(int32_t)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> StoreKvCache::StartReuse(SequenceId seq, Sequence& s, int layer,
+                                              const int32_t* slots, int64_t count,
+                                              int64_t extra_rows) {
+  if (s.reused == nullptr || s.reuse_buffer == nullptr || layer < reuse_first_layer_ ||
+      extra_rows > 1) {
+    return false;
+  }
+  Pending& p = s.pending[layer % 2];
+  DropTicket(p);
+  if (!s.reused->Place(layer, slots, count, p.plan)) return false;
+  p.reuse = p.unsettled = true;
+  p.reused = s.reused.get();
+  p.resident = false;
+  p.in_place = true;
+  p.seq = seq;
+  p.count = count;
+  p.extra_rows = extra_rows;
+  p.shared = false;
+  // The store is asked for the misses alone (it checks them, and answers the layer's block
+  // tables): head g's, then its last one again up to the most of one head (or, for a head with
+  // none, its first listed slot), which the device does not read (the counts stop before).
+  const int64_t heads = shape_.num_kv_heads, most = p.plan.most_misses;
+  const int32_t* miss = p.plan.miss_slots();
+  const int32_t* misses = p.plan.miss_counts(shape_.num_kv_heads);
+  p.item.seq = StoreId(seq);
+  p.item.layer = layer;
+  p.item.count = most;
+  p.item.slots.resize(static_cast<size_t>(heads * most));
+  for (int64_t g = 0; g < heads; ++g) {
+    const int64_t n = misses[g];
+    for (int64_t m = 0; m < most; ++m) {
+      p.item.slots[g * most + m] = m < n   ? miss[g * count + m]
+                                   : n > 0 ? miss[g * count + n - 1]
+                                           : slots[g * count];
+    }
+  }
+  p.item.k_out = p.item.v_out = nullptr;
+  p.item.k_rows = p.item.v_rows = nullptr;
+  p.item.block_table = BlockTableOut{};
+  if (most > 0) {
+    if (absl::Status st = ReserveTables(s, s.Rows(layer)); !st.ok()) {
+      s.reused->Forget(layer);
+      p.reuse = p.unsettled = false;
+      return st;
+    }
+    p.item.block_table = s.tables->Out(layer);
+    if (deferring_) {
+      p.deferred = true;
+      deferred_.emplace_back(seq, layer % 2);
+    } else {
+      p.ticket = client_.GatherAsync(std::span<const ClientGatherItem>(&p.item, 1));
+    }
+  }
+  p.layer = layer;
+  const int64_t row = static_cast<int64_t>(RowBytes());
+  s.counters.bytes_fetched += 2 * p.plan.misses * row;
+  s.counters.bytes_reused += 2 * (heads * count - p.plan.misses) * row;
+  s.counters.bytes_full += 2 * heads * s.Rows(layer) * row;
+  s.counters.fetches += 1;
+  return true;
+}
+
+absl::StatusOr<KvLayerView> StoreKvCache::FinishReuse(Sequence& s, Pending& p) {
+  if (p.deferred) SubmitPrefetches();
+  if (p.ticket != nullptr) {
+    if (absl::Status st = WaitGather(s, p); !st.ok()) {
+      DropTicket(p);  // (forgets the layer's rows)
+      return st;
+    }
+    p.ticket.reset();
+    absl::Status moved;
+    if (p.launched) {  // on the side queue since SubmitPrefetches
+      moved = JoinSideQueue(p);
+      p.launched = false;
+    } else {
+      moved = GatherOnDevice(s, p);
+    }
+    if (!moved.ok()) {
+      s.reused->Forget(p.layer);
+      p.unsettled = false;
+      return moved;
+    }
+  }
+  p.unsettled = false;
+  KvLayerView view;
+  view.num_slots = p.count;
+  view.k = shape_.HeadMajor(ReusedK(s, p.layer), s.reused->rows());
+  view.v = shape_.HeadMajor(ReusedV(s, p.layer), s.reused->rows());
+  return view;
+}
+
+StreamedKvCache::RowPlacement StoreKvCache::Placement(SequenceId seq, int layer) const {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || layer < 0) return {};
+  const Pending& p = it->second.pending[layer % 2];
+  if (p.layer != layer || !p.reuse) return {};
+  return {p.plan.positions.data(), it->second.reused->rows()};
+}
+
+absl::Status StoreKvCache::GatherMissesOnDevice(Sequence& s, Pending& p, bool on_side_queue) {
+  const int heads = shape_.num_kv_heads;
+  const int64_t count = p.count, most = p.plan.most_misses;
+  if (most == 0) return absl::OkStatus();
+  // The plan's moves (slots, rows, counts) in one copy.
+  const size_t bytes = p.plan.moves.size() * sizeof(int32_t);
+  if (p.device_slots == nullptr || p.device_slots->size() < bytes) {
+    p.device_slots.reset();
+    IG_ASSIGN_OR_RETURN(p.device_slots, backend_.Allocate(bytes));
+  }
+  IG_RETURN_IF_ERROR(backend_.CopyToDevice(p.plan.moves.data(), p.device_slots->data(), bytes));
+  const int32_t* moves = static_cast<const int32_t*>(p.device_slots->data());
+  IG_ASSIGN_OR_RETURN(const int32_t* tables, s.tables->OnDevice(backend_, p.layer));
+  auto gather = [&] {
+    const KvStoreClient::Span arena = client_.mapped_memory();
+    // Each KV head a list of its own (its own count): "batch" heads of one head each, whose
+    // tables [2, heads, capacity] are then list after list.
+    BlockRowsGather g;
+    g.arena = arena.data;
+    g.arena_bytes = arena.bytes;
+    g.block_bytes = arena.block_bytes;
+    g.rows_per_block = rows_per_block_;
+    g.row_bytes = static_cast<int64_t>(RowBytes());
+    g.batch = heads;
+    g.num_kv_heads = 1;
+    g.tables = tables;
+    g.table_capacity = s.tables->capacity();
+    g.slots = moves;
+    g.slot_capacity = count;
+    g.dst_rows = moves + heads * count;
+    g.counts = moves + 2 * heads * count;
+    g.max_count = most;
+    g.dst = ReusedK(s, p.layer);
+    g.dst_rows_per_list = s.reused->rows();
+    g.on_side_queue = on_side_queue;
+    if (on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
+    IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
+    g.tables = tables + heads * s.tables->capacity();
+    g.dst = ReusedV(s, p.layer);
+    return backend_.GatherBlockRows(g);
+  };
+  absl::Status st = gather();
+  if (absl::IsInvalidArgument(st)) {  // an arena not registered: a restarted store's, remapped
+    IG_RETURN_IF_ERROR(RegisterMapped());
+    st = gather();
+  }
+  return st;
+}
+
+}  // namespace infinigen
