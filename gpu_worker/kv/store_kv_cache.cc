@@ -106,6 +106,10 @@ absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
   // The most one read of a layer moves: every row (a dense layer, a full fetch) and the current
   // token's, so that no decode step allocates (or, on a GPU, waits for a free).
   const size_t entries = static_cast<size_t>(shape_.num_kv_heads) * (capacity_tokens + 1);
+  // A gather's slot list on the device: as many, or row reuse's moves (ReusedRows::Plan).
+  const size_t slot_entries =
+      std::max(entries, static_cast<size_t>(shape_.num_kv_heads) *
+                            static_cast<size_t>(2 * ReuseRows(capacity_tokens) + 1));
   if (device_gathers_) {
     if (s.tables == nullptr) {
       s.tables = std::make_shared<DeviceBlockTables>(shape_.num_layers, shape_.num_kv_heads,
@@ -120,9 +124,9 @@ absl::Status StoreKvCache::SizeStaging(Sequence& s, int64_t capacity_tokens) {
       p.staging.v_rows.reserve(entries);
     }
     if (device_gathers_ &&
-        (p.device_slots == nullptr || p.device_slots->size() < entries * sizeof(int32_t))) {
+        (p.device_slots == nullptr || p.device_slots->size() < slot_entries * sizeof(int32_t))) {
       p.device_slots.reset();
-      IG_ASSIGN_OR_RETURN(p.device_slots, backend_.Allocate(entries * sizeof(int32_t)));
+      IG_ASSIGN_OR_RETURN(p.device_slots, backend_.Allocate(slot_entries * sizeof(int32_t)));
     }
     if (!in_place_) IG_RETURN_IF_ERROR(EnsureStaging(p.staging, entries * RowBytes(), true));
   }
@@ -158,6 +162,10 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
   }
   // Its other backend memory goes too (until an Attach opens it again).
   if (s.tables != nullptr) s.tables->Release();
+  if (s.reuse_buffer != nullptr && spare_reuse_.size() < kSpareStagings) {
+    spare_bytes_ += s.reuse_buffer->size();
+    spare_reuse_.push_back(std::move(s.reuse_buffer));
+  }
   s.reuse_buffer.reset();
   if (s.reused != nullptr) s.reused->ForgetAll();
 }
@@ -190,6 +198,7 @@ size_t StoreKvCache::HostStagingBytes() const {
 
 void StoreKvCache::ReleaseSpares() {
   spare_staging_.clear();
+  spare_reuse_.clear();
   spare_bytes_ = 0;
 }
 

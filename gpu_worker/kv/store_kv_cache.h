@@ -324,7 +324,8 @@ class StoreKvCache final : public StreamedKvCache {
   bool deferring_ = false;  // between BeginPrefetches and SubmitPrefetches
   std::vector<std::pair<SequenceId, int>> deferred_;  // (sequence, layer parity) held
   std::vector<Staging> spare_staging_;
-  size_t spare_bytes_ = 0;  // their backend memory (K and V)
+  std::vector<std::unique_ptr<Buffer>> spare_reuse_;  // ended sequences' row reuse buffers
+  size_t spare_bytes_ = 0;  // their backend memory (K and V), and the reuse buffers'
   // Scratch kept between steps (capacity reused: a decode step allocates nothing on the host
   // with the in-process transport): SubmitPrefetches' items (a prefix of them in use)
   // and their Pendings, ReadAll's slot list, and an append's rows packed on the host and its

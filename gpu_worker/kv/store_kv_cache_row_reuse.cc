@@ -51,9 +51,19 @@ absl::Status StoreKvCache::OpenReuse(Sequence& s, int64_t capacity_tokens) {
   } else {
     s.reused->ForgetAll();
   }
+  // An ended sequence's buffer of this size if there is one (as staging: a batch that grows
+  // again allocates nothing, and a GPU frees nothing, which would wait for the device).
   const size_t bytes = ReuseBufferBytes(rows);
-  if (s.reuse_buffer == nullptr || s.reuse_buffer->size() != bytes) {
-    s.reuse_buffer.reset();
+  if (s.reuse_buffer != nullptr && s.reuse_buffer->size() != bytes) s.reuse_buffer.reset();
+  for (auto it = spare_reuse_.begin(); s.reuse_buffer == nullptr && it != spare_reuse_.end();
+       ++it) {
+    if ((*it)->size() != bytes) continue;
+    spare_bytes_ -= bytes;
+    s.reuse_buffer = std::move(*it);
+    *it = std::move(spare_reuse_.back());
+    spare_reuse_.pop_back();
+  }
+  if (s.reuse_buffer == nullptr) {
     IG_ASSIGN_OR_RETURN(s.reuse_buffer, backend_.Allocate(bytes));
   }
   const size_t heads = static_cast<size_t>(shape_.num_kv_heads);
@@ -146,9 +156,10 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishReuse(Sequence& s, Pending& p) {
     } else {
       moved = GatherOnDevice(s, p);
     }
-    if (!moved.ok()) {
+    if (!moved.ok()) {  // nothing of this prefetch may be read: a second Fetch fails too
       s.reused->Forget(p.layer);
-      p.unsettled = false;
+      p.reuse = p.unsettled = false;
+      p.layer = -1;
       return moved;
     }
   }

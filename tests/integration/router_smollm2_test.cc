@@ -3,11 +3,11 @@
 // through the store's shared memory, or the file's Q4_1 weights and f32 K/V over UCX (gRPC where
 // the build has no UCX; with f32 weights that variant took 411 s against q8's 285 s on a 2-core
 // VM, and float32 weights test nothing more of failover). Eight streams with 2K-token prompts,
-// greedy and seeded sampling; SIGSTOP of one worker mid-stream, then (once it is continued and
-// serving again) kill -9 of it mid-stream: every stream completes with exactly the tokens of its
-// uninterrupted run, and every stream that moved continued from its stored KV (the other worker
-// attached to the sequence and rebuilt its key cache from the stored rows), none replayed its
-// prompt. Real processes on 127.0.0.1.
+// greedy and seeded sampling; SIGSTOP of the worker running most of them mid-stream, then (once
+// it is continued and serving again) kill -9 of the busiest mid-stream: every stream completes with
+// exactly the tokens of its uninterrupted run, and every stream that moved continued from its
+// stored KV (the other worker attached to the sequence and rebuilt its key cache from the stored
+// rows), none replayed its prompt. Real processes on 127.0.0.1.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "infinigen/v1/generation.grpc.pb.h"
+#include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
 #include "tests/support/router_streams.h"
@@ -57,7 +58,7 @@ class RouterSmolLm2 : public ::testing::TestWithParam<Variant> {
     if (v.transport == "ucx") store_args.push_back("--ucx_port=" + std::to_string(FreePort()));
     store_ = std::make_unique<ServerProcess>("infinigen-kvstore", store_args, store_port, here);
     ASSERT_TRUE(store_->running()) << store_->log_path();
-    int worker_ports[2];
+    int* worker_ports = worker_ports_;
     for (int w = 0; w < 2; ++w) {
       worker_ports[w] = FreePort();
       workers_[w] = std::make_unique<ServerProcess>(
@@ -107,6 +108,29 @@ class RouterSmolLm2 : public ::testing::TestWithParam<Variant> {
     return testing::StreamAll(*stub_, requests, fault, options);
   }
 
+  // The worker with the most streams running or queued now (asked directly): the one a fault
+  // must hit for streams to move. On a loaded 2-core machine one worker can finish all its
+  // streams before the other's last prefill ends (a fixed worker 0 then moved none).
+  int Busiest() {
+    int best = 0, most = -1;
+    for (int w = 0; w < 2; ++w) {
+      auto stub = worker::v1::Worker::NewStub(
+          grpc::CreateChannel(Addr(worker_ports_[w]), grpc::InsecureChannelCredentials()));
+      grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      worker::v1::InfoResponse info;
+      const int n = stub->Info(&c, worker::v1::InfoRequest(), &info).ok()
+                        ? info.running() + info.queued()
+                        : -1;
+      if (n > most) {
+        most = n;
+        best = w;
+      }
+    }
+    return best;
+  }
+
+  int worker_ports_[2] = {0, 0};
   std::unique_ptr<ServerProcess> store_, router_, workers_[2];
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
@@ -144,15 +168,25 @@ TEST_P(RouterSmolLm2, FrozenThenKilledWorkersLongPromptStreamsResumeExactly) {
     ASSERT_EQ(want[i].last.usage().prompt_tokens(), kPromptTokens + 7 * i);
     ASSERT_EQ(want[i].last.failovers(), 0);
   }
-  // Frozen: once every stream has its first token, worker 0 stops (its connections stay open);
-  // the router finds its streams silent and moves them.
-  ExpectExactAndResumed(StreamAll(requests, [&] { workers_[0]->Signal(SIGSTOP); }), want,
-                        "SIGSTOP");
+  // Frozen: once every stream has its first token, the worker running the most of them stops
+  // (its connections stay open); the router finds its streams silent and moves them.
+  int victim = 0;
+  ExpectExactAndResumed(StreamAll(requests,
+                                  [&] {
+                                    victim = Busiest();
+                                    workers_[victim]->Signal(SIGSTOP);
+                                  }),
+                        want, "SIGSTOP");
   // Continued, it is fenced from the sequences that moved and serves again.
-  workers_[0]->Signal(SIGCONT);
+  workers_[victim]->Signal(SIGCONT);
   WaitForWorkers(2);
-  // Killed: once every stream has its first token, worker 0 dies without a word.
-  ExpectExactAndResumed(StreamAll(requests, [&] { workers_[0]->Kill(); }), want, "kill -9");
+  // Killed: once every stream has its first token, the busiest worker dies without a word.
+  ExpectExactAndResumed(StreamAll(requests,
+                                  [&] {
+                                    victim = Busiest();
+                                    workers_[victim]->Kill();
+                                  }),
+                        want, "kill -9");
 }
 
 #if INFINIGEN_TEST_HAVE_UCX

@@ -21,6 +21,7 @@ namespace infinigen::testing {
 
 class DeviceLikeCpuBackend final : public CpuBackend {
  public:
+  using CpuBackend::CpuBackend;
   bool host_accessible() const override { return false; }
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
