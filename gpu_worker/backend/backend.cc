@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace infinigen {
 
@@ -28,6 +29,14 @@ const char* WeightFormatName(WeightFormat f) {
       return "q4_0";
   }
   return "?";
+}
+
+absl::Status Backend::AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
+                                           const AttentionShape& shape) {
+  for (const DecodeAttentionItem& it : items) {
+    IG_RETURN_IF_ERROR(AttentionDecode(it.q, it.k, it.v, it.indices, it.num_rows, shape, it.out));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckBlockRowsGather(const BlockRowsGather& g) {

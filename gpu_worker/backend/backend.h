@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -250,6 +251,16 @@ struct BlockRowsGather {
   bool on_side_queue = false;
 };
 
+// One decode token's attention in a batch (Backend::AttentionDecodeBatch): AttentionDecode's
+// arguments.
+struct DecodeAttentionItem {
+  MatView q;  // [1, num_heads * head_dim]
+  KvView k, v;
+  const int32_t* indices = nullptr;  // device [num_kv_heads, num_rows]; null: rows 0 ..
+  int64_t num_rows = 0;
+  MatView out;
+};
+
 // INVALID_ARGUMENT, saying what to fix, for a BlockRowsGather whose sizes do not fit (what
 // every backend's GatherBlockRows checks before it queues anything).
 absl::Status CheckBlockRowsGather(const BlockRowsGather& g);
@@ -381,6 +392,13 @@ class Backend {
   virtual absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                        int64_t num_rows, const AttentionShape& shape, MatView out,
                                        float* weights_out = nullptr) = 0;
+
+  // AttentionDecode of each item (no attention weights), a batch's decode tokens at once: one
+  // launch on a GPU, each item's result exactly what AttentionDecode of it alone gives (its
+  // split of the rows depends on its own rows only: a sequence's output does not depend on its
+  // batch). By default one AttentionDecode per item.
+  virtual absl::Status AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
+                                            const AttentionShape& shape);
 
   // InfiniGen on the backend (PartialKeysShape, RowChoiceRequest). Projects rows of `k` ([rows,
   // num_kv_heads * head_dim] after RoPE) through `skew` (float32 [num_kv_heads, head_dim,

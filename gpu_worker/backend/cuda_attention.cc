@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/status_macros.h"
 #include "gpu_worker/backend/cuda_backend.h"
@@ -162,6 +163,59 @@ absl::Status CudaBackend::AttentionDecode(MatView q, KvView k, KvView v, const i
   IG_RETURN_IF_ERROR(EnsureWorkspace(cuda::DecodeAttentionWorkspaceBytes(a)));
   a.workspace = workspace_->data();
   return Check(cuda::RunDecodeAttention(a, S(stream_)), "AttentionDecode");
+}
+
+absl::Status CudaBackend::AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
+                                               const AttentionShape& s) {
+  if (items.size() <= 1) return Backend::AttentionDecodeBatch(items, s);
+  const DecodeAttentionItem& first = items[0];
+  cuda::DecodeAttention a;
+  a.type = ToElem(first.q.dtype);
+  a.batch = static_cast<int>(items.size());
+  a.num_heads = s.num_heads;
+  a.num_kv_heads = s.num_kv_heads;
+  a.head_dim = s.head_dim;
+  a.scale = s.scale;
+  a.row_stride = first.k.row_stride;
+  host_decode_seqs_.resize(items.size() * sizeof(cuda::DecodeSeq));
+  int64_t most_rows = 0;
+  for (size_t b = 0; b < items.size(); ++b) {
+    const DecodeAttentionItem& it = items[b];
+    if (it.q.dtype != first.q.dtype || it.k.dtype != it.q.dtype || it.v.dtype != it.q.dtype ||
+        it.out.dtype != it.q.dtype || it.k.head_stride != it.v.head_stride ||
+        it.k.row_stride != a.row_stride || it.v.row_stride != a.row_stride ||
+        it.k.rows != nullptr || it.v.rows != nullptr) {
+      return absl::InvalidArgumentError(
+          "cuda backend: AttentionDecodeBatch needs every item's K, V and out like its q and the "
+          "first item's, rows equally strided, in device memory (no row tables)");
+    }
+    cuda::DecodeSeq d;
+    d.q = it.q.data;
+    d.k = it.k.data;
+    d.v = it.v.data;
+    d.indices = it.indices;
+    d.out = it.out.data;
+    d.head_stride = it.k.head_stride;
+    d.index_head_stride = it.num_rows;
+    d.num_rows = static_cast<int32_t>(it.num_rows);
+    cuda::DecodeSplitFor(s.num_kv_heads, it.num_rows, &d.splits, &d.rows_per_split);
+    a.max_splits = std::max(a.max_splits, d.splits);
+    most_rows = std::max(most_rows, it.num_rows);
+    std::memcpy(host_decode_seqs_.data() + b * sizeof(d), &d, sizeof(d));
+  }
+  a.num_rows = static_cast<int32_t>(most_rows);
+  const size_t bytes = host_decode_seqs_.size();
+  if (decode_seqs_ == nullptr || decode_seqs_->size() < bytes) {
+    IG_RETURN_IF_ERROR(Synchronize());  // the old descriptors may still be read
+    decode_seqs_.reset();
+    IG_ASSIGN_OR_RETURN(decode_seqs_,
+                        Allocate(std::max<size_t>(bytes, 64 * sizeof(cuda::DecodeSeq))));
+  }
+  IG_RETURN_IF_ERROR(CopyToDevice(host_decode_seqs_.data(), decode_seqs_->data(), bytes));
+  a.seqs = static_cast<const cuda::DecodeSeq*>(decode_seqs_->data());
+  IG_RETURN_IF_ERROR(EnsureWorkspace(cuda::DecodeAttentionWorkspaceBytes(a)));
+  a.workspace = workspace_->data();
+  return Check(cuda::RunDecodeAttention(a, S(stream_)), "AttentionDecodeBatch");
 }
 
 }  // namespace infinigen

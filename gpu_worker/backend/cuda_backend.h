@@ -73,6 +73,10 @@ class CudaBackend final : public Backend {
   absl::Status AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
                                int64_t num_rows, const AttentionShape& shape, MatView out,
                                float* weights_out = nullptr) override;
+  // One launch for the batch, each item split as AttentionDecode of it alone splits it (the same
+  // bits); its per-sequence pointers copied to the device first.
+  absl::Status AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
+                                    const AttentionShape& shape) override;
   absl::Status AppendPartialKeys(MatView k, const float* skew, const PartialKeysShape& shape,
                                  void* keys, int64_t first_row) override;
   size_t ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const override;
@@ -103,7 +107,11 @@ class CudaBackend final : public Backend {
   void* fork_event_ = nullptr;
   void* join_event_ = nullptr;
   std::unique_ptr<Buffer> workspace_;  // decode attention partials; grows, never per step
-  std::unique_ptr<Buffer> scores_;     // GemmAttentionCausal's scores and probabilities
+  // AttentionDecodeBatch's per-sequence descriptors (cuda::DecodeSeq), on the host and the
+  // device; both grow, never per step.
+  std::vector<uint8_t> host_decode_seqs_;
+  std::unique_ptr<Buffer> decode_seqs_;
+  std::unique_ptr<Buffer> scores_;  // GemmAttentionCausal's scores and probabilities
   struct HostRegion {
     const char* host;
     char* device;  // its device alias

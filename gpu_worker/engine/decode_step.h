@@ -190,7 +190,9 @@ class DecodeStep final : private LayerAttention {
   // and DEADLINE_EXCEEDED become ABORTED; other codes are kept).
   void FailKv(size_t b, int layer, const absl::Status& status);
   // One decode token's attention over `rows` rows of `kv` (listed by device `indices`, or the
-  // first `rows` when null); hands the attention weights to policies that want them.
+  // first `rows` when null): queued in decode_items_ for the batch's one call at the end of
+  // pass 2, or, for policies that want the attention weights, run now and the weights handed
+  // to them.
   absl::Status AttentionStep(size_t b, int layer, MatView q, const KvLayerView& kv,
                              const int32_t* indices, int64_t rows, const Selection& selection,
                              MatView out);
@@ -225,6 +227,7 @@ class DecodeStep final : private LayerAttention {
   std::vector<size_t> append_chunks_;          // ... their chunks
   std::vector<absl::Status> append_status_;    // ... and what each came to
   std::vector<float> host_weights_;
+  std::vector<DecodeAttentionItem> decode_items_;  // a layer's decode attention, run together
   // A layer's row indices of every decode token ([kv_heads, rows] each, chunk b's from
   // index_at_[b], -1: none), copied to indices_ together.
   std::vector<int32_t> host_indices_;

@@ -218,8 +218,10 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     return static_cast<const int32_t*>(indices_->data()) + index_at_[b];
   };
 
-  // Pass 2: attention of every chunk over its rows (the fetches in it timed apart).
+  // Pass 2: attention of every chunk over its rows (the fetches in it timed apart); the decode
+  // tokens' together at its end (Backend::AttentionDecodeBatch: one launch on a GPU).
   timing.reset();
+  decode_items_.clear();
   const double fetch_before = profile_.fetch;
   const Clock::time_point pass2 = Clock::now();
   absl::Cleanup attend_time = [&] {
@@ -330,7 +332,8 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
                                        out.Rows(row, 1)));
     }
   }
-  return absl::OkStatus();
+  if (decode_items_.empty()) return absl::OkStatus();
+  return backend.AttentionDecodeBatch(decode_items_, shape);
 }
 
 absl::StatusOr<KvLayerView> DecodeStep::TimedFetch(SequenceId seq, int layer) {
@@ -417,10 +420,13 @@ absl::Status DecodeStep::AttentionStep(size_t b, int layer, MatView q, const KvL
                              1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   KvSelectionPolicy* policy = batch_[b].policy;
   float* weights = nullptr;
-  if (policy != nullptr && policy->wants_attention_weights()) {
-    IG_RETURN_IF_ERROR(EnsureBuffer(weights_, c.num_heads * rows * sizeof(float)));
-    weights = static_cast<float*>(weights_->data());
+  if (policy == nullptr || !policy->wants_attention_weights()) {
+    // With the batch's others, in one call after pass 2 (AttendBatch).
+    decode_items_.push_back({q, kv.k, kv.v, indices, rows, out});
+    return absl::OkStatus();
   }
+  IG_RETURN_IF_ERROR(EnsureBuffer(weights_, c.num_heads * rows * sizeof(float)));
+  weights = static_cast<float*>(weights_->data());
   IG_RETURN_IF_ERROR(backend.AttentionDecode(q, kv.k, kv.v, indices, rows, shape, out, weights));
   if (weights != nullptr) {
     host_weights_.resize(static_cast<size_t>(c.num_heads * rows));

@@ -130,13 +130,23 @@ __global__ void DecodeKernel(DecodeAttention a, int rows_per_split, int splits) 
   const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = a.num_heads / a.num_kv_heads, hd = a.head_dim;
-  const int64_t count = a.num_rows_per_seq != nullptr ? a.num_rows_per_seq[b] : a.num_rows;
+  // A sequence of its own (a.seqs): its pointers, count and split; its splits past its own
+  // write nothing (the combine reads only its own).
+  const DecodeSeq* seq = a.seqs != nullptr ? a.seqs + b : nullptr;
+  if (seq != nullptr) {
+    if (split >= seq->splits) return;
+    rows_per_split = seq->rows_per_split;
+  }
+  const int64_t count = seq != nullptr                  ? seq->num_rows
+                        : a.num_rows_per_seq != nullptr ? a.num_rows_per_seq[b]
+                                                        : a.num_rows;
   const int64_t total = count + (a.k_cur != nullptr ? 1 : 0);
   const int64_t begin = static_cast<int64_t>(split) * rows_per_split;
   const int64_t end = Min64(total, begin + rows_per_split);
 
   float q[G][MAXC];
-  const T* qb = static_cast<const T*>(a.q) + b * a.q_seq_stride;
+  const T* qb = seq != nullptr ? static_cast<const T*>(seq->q)
+                               : static_cast<const T*>(a.q) + b * a.q_seq_stride;
 #pragma unroll
   for (int x = 0; x < G; ++x) {
 #pragma unroll
@@ -153,10 +163,17 @@ __global__ void DecodeKernel(DecodeAttention a, int rows_per_split, int splits) 
 #pragma unroll
     for (int i = 0; i < MAXC; ++i) acc[x][i] = 0.0f;
   }
-  const T* kb = static_cast<const T*>(a.k) + b * a.kv_seq_stride + g * a.head_stride;
-  const T* vb = static_cast<const T*>(a.v) + b * a.kv_seq_stride + g * a.head_stride;
+  const T* kb = seq != nullptr
+                    ? static_cast<const T*>(seq->k) + g * seq->head_stride
+                    : static_cast<const T*>(a.k) + b * a.kv_seq_stride + g * a.head_stride;
+  const T* vb = seq != nullptr
+                    ? static_cast<const T*>(seq->v) + g * seq->head_stride
+                    : static_cast<const T*>(a.v) + b * a.kv_seq_stride + g * a.head_stride;
   const int32_t* idx =
-      a.indices != nullptr ? a.indices + b * a.index_seq_stride + g * a.index_head_stride : nullptr;
+      seq != nullptr
+          ? (seq->indices != nullptr ? seq->indices + g * seq->index_head_stride : nullptr)
+      : a.indices != nullptr ? a.indices + b * a.index_seq_stride + g * a.index_head_stride
+                             : nullptr;
   for (int64_t j = begin + warp; j < end; j += kWarps) {
     const T *kr, *vr;
     if (j < count) {
@@ -226,6 +243,8 @@ __global__ void CombineKernel(DecodeAttention a, int splits) {
   const int h = blockIdx.x, b = blockIdx.y, hd = a.head_dim;
   const float* ws = static_cast<const float*>(a.workspace) +
                     (static_cast<int64_t>(b) * a.num_heads + h) * splits * (hd + 2);
+  const DecodeSeq* seq = a.seqs != nullptr ? a.seqs + b : nullptr;
+  if (seq != nullptr) splits = seq->splits;  // its own (the workspace's stride stays the most)
   float mm = -FLT_MAX;
   for (int s = 0; s < splits; ++s) {
     if (ws[s * (hd + 2) + hd + 1] > 0.0f) mm = fmaxf(mm, ws[s * (hd + 2) + hd]);
@@ -236,7 +255,9 @@ __global__ void CombineKernel(DecodeAttention a, int splits) {
     if (ls > 0.0f) total += ls * __expf(ws[s * (hd + 2) + hd] - mm);
   }
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  T* o = static_cast<T*>(a.out) + b * a.out_seq_stride + h * hd;
+  T* o =
+      (seq != nullptr ? static_cast<T*>(seq->out) : static_cast<T*>(a.out) + b * a.out_seq_stride) +
+      h * hd;
   for (int c = threadIdx.x; c < hd; c += blockDim.x) {
     float v = 0.0f;
     for (int s = 0; s < splits; ++s) {
@@ -360,19 +381,31 @@ cudaError_t CausalSoftmax(const float* s, int64_t s_stride, int64_t rows, int64_
 }
 
 size_t DecodeAttentionWorkspaceBytes(const DecodeAttention& a) {
-  const Split sp = DecodeSplit(a);
-  return static_cast<size_t>(a.batch) * a.num_heads * sp.splits * (a.head_dim + 2) * 4;
+  const int splits = a.seqs != nullptr ? a.max_splits : DecodeSplit(a).splits;
+  return static_cast<size_t>(a.batch) * a.num_heads * splits * (a.head_dim + 2) * 4;
+}
+
+void DecodeSplitFor(int num_kv_heads, int64_t num_rows, int32_t* splits, int32_t* rows_per_split) {
+  DecodeAttention one;
+  one.batch = 1;
+  one.num_kv_heads = num_kv_heads;
+  one.num_rows = static_cast<int32_t>(num_rows);
+  const Split sp = DecodeSplit(one);
+  *splits = sp.splits;
+  *rows_per_split = sp.rows_per_split;
 }
 
 cudaError_t RunDecodeAttention(const DecodeAttention& a, cudaStream_t stream) {
   const int per_lane = PerLane(a.head_dim);
   if (per_lane == 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 ||
       a.num_heads / a.num_kv_heads > 8 || a.batch <= 0 || a.workspace == nullptr ||
-      (a.weights != nullptr && (a.batch != 1 || a.k_cur != nullptr))) {
+      (a.weights != nullptr && (a.batch != 1 || a.k_cur != nullptr)) ||
+      (a.seqs != nullptr && (a.weights != nullptr || a.k_cur != nullptr || a.max_splits < 1))) {
     return cudaErrorInvalidValue;
   }
   const int group = a.num_heads / a.num_kv_heads;
-  const Split sp = DecodeSplit(a);
+  // Per sequence: the grid covers the most splits (each block of a sequence takes its own size).
+  const Split sp = a.seqs != nullptr ? Split{a.max_splits, 1} : DecodeSplit(a);
   cudaError_t err = cudaSuccess;
   IG_CUDA_DISPATCH(a.type, T, {
     switch (per_lane) {

@@ -82,6 +82,19 @@ cudaError_t AttentionCausal(Mat q, int64_t q_start, KvMat k, KvMat v, int num_he
 cudaError_t CausalSoftmax(const float* s, int64_t s_stride, int64_t rows, int64_t cols,
                           int64_t first_pos, float scale, Mat p, cudaStream_t stream);
 
+// One sequence of a DecodeAttention given by `seqs`: where its query, K, V, row lists and
+// output are, its row count, and its own split of the rows (DecodeSplitFor), so that its result
+// is what a launch of it alone gives.
+struct DecodeSeq {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* indices = nullptr;  // head g's at indices + g * index_head_stride; null: 0 ..
+  void* out = nullptr;
+  int64_t head_stride = 0, index_head_stride = 0;
+  int32_t num_rows = 0, splits = 1, rows_per_split = 1;
+};
+
 // Decode attention of one query row per sequence over a list of rows per KV head, plus
 // (optionally) the current token's own K/V. Split over the rows (flash-decoding) and combined.
 struct DecodeAttention {
@@ -113,8 +126,14 @@ struct DecodeAttention {
   // Attention probabilities [num_heads, num_rows] (batch 1 without a current token only).
   float* weights = nullptr;
   void* workspace = nullptr;  // DecodeAttentionWorkspaceBytes(*this)
+  // Per sequence instead (device [batch]; no weights, no current K/V): each sequence's pointers,
+  // count and split as DecodeSeq says (row_stride shared); max_splits the most of one.
+  const DecodeSeq* seqs = nullptr;
+  int32_t max_splits = 0;
 };
 size_t DecodeAttentionWorkspaceBytes(const DecodeAttention& a);
+// The split a launch of one sequence of `num_rows` rows alone makes (batch 1, no current K/V).
+void DecodeSplitFor(int num_kv_heads, int64_t num_rows, int32_t* splits, int32_t* rows_per_split);
 cudaError_t RunDecodeAttention(const DecodeAttention& a, cudaStream_t stream);
 
 // ---- InfiniGen selection (selection.cu) ----

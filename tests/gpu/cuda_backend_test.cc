@@ -319,6 +319,54 @@ TEST_P(CudaBackendOps, DecodeAttentionOverListedRowsWithWeights) {
   }
 }
 
+// The batch's decode attention in one launch (AttentionDecodeBatch) gives each sequence
+// exactly what AttentionDecode of it alone gives, bit for bit: sequences of very different row
+// counts (so different splits), listed and unlisted rows, each in its own buffers.
+TEST_P(CudaBackendOps, DecodeAttentionOfABatchEqualsEachAloneBitForBit) {
+  const int heads = 32, kv_heads = 8, head_dim = 128;
+  const int64_t qd = heads * head_dim;
+  const AttentionShape shape{heads, kv_heads, head_dim, 1.0f / std::sqrt(128.0f)};
+  struct Seq {
+    int64_t stored, rows;
+    bool listed;
+  };
+  const std::vector<Seq> seqs = {
+      {50, 17, true}, {3000, 3000, false}, {9000, 1200, true}, {7, 7, false}, {600, 64, true}};
+  std::vector<DecodeAttentionItem> items;
+  std::vector<MatView> alone;
+  for (const Seq& c : seqs) {
+    auto q = Random(qd, 2.0f), k = Random(kv_heads * c.stored * head_dim),
+         v = Random(kv_heads * c.stored * head_dim);
+    std::vector<int32_t> idx;
+    for (int g = 0; g < kv_heads && c.listed; ++g) {
+      std::vector<int32_t> all(c.stored);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng_);
+      idx.insert(idx.end(), all.begin(), all.begin() + c.rows);
+    }
+    MatView kg = Up(k, kv_heads * c.stored, head_dim), vg = Up(v, kv_heads * c.stored, head_dim);
+    DecodeAttentionItem it;
+    it.q = Up(q, 1, qd);
+    it.k = {kg.data, dtype(), c.stored * head_dim, head_dim};
+    it.v = {vg.data, dtype(), c.stored * head_dim, head_dim};
+    it.indices = c.listed ? UpRaw(idx) : nullptr;
+    it.num_rows = c.rows;
+    it.out = Zeros(1, qd);
+    items.push_back(it);
+    alone.push_back(Zeros(1, qd));
+    ASSERT_TRUE(
+        gpu_->AttentionDecode(it.q, it.k, it.v, it.indices, it.num_rows, shape, alone.back()).ok());
+  }
+  const BackendCounters before = gpu_->counters();
+  ASSERT_TRUE(gpu_->AttentionDecodeBatch(items, shape).ok());
+  const BackendCounters used = gpu_->counters() - before;
+  EXPECT_EQ(used.synchronizations + used.copies_to_host, 0) << "queued: no wait";
+  EXPECT_LE(used.copies_to_device, 1) << "the descriptors, once";
+  for (size_t b = 0; b < items.size(); ++b) {
+    EXPECT_EQ(Down(items[b].out), Down(alone[b])) << "sequence " << b;
+  }
+}
+
 // InfiniGen's partial keys (appended in two pieces, the second at an offset) and the choice of
 // rows over them, against CpuBackend's (the host policy's arithmetic). Both choose over the same
 // keys (the CPU's, uploaded), so only the scores' summation and the exponentials differ: the

@@ -279,6 +279,7 @@ TEST_P(StoreCache, RowsGatheredByBlockTableOnADeviceBackendMatchTheResidentCache
     // A join runs one layer's gathers (K and V of each sequence), never the next layer's too:
     // those overlap the layer being attended.
     EXPECT_EQ(device.most_gathers_joined(), 2 * 2);
+
   } else {
     EXPECT_EQ(device.rows_gathered(), 0);
   }
@@ -343,8 +344,9 @@ TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacit
 // Row reuse (StoreKvCacheOptions::reuse_rows) where the GPU gathers by block table: InfiniGen
 // choosing on the device, a batch of two decoding 16 steps, over the default store and one of
 // 4-row blocks (tables growing while rows are kept). Tokens and logits equal the resident
-// cache's bit for bit; prefetches find rows an earlier step moved (bytes_reused) and move less
-// than half the bytes they move without reuse. With room for fewer rows than a prefetch lists,
+// cache's bit for bit (the decode attention of both in one call a layer); prefetches find rows
+// an earlier step moved (bytes_reused) and move less than half the bytes they move without
+// reuse. With room for fewer rows than a prefetch lists,
 // every read moves all its rows, as without reuse (and still bit for bit).
 TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) {
   DeviceLikeCpuBackend device;
@@ -379,9 +381,13 @@ TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) 
       StoreKvCache cache(device, shape, *client, options);
       EXPECT_EQ(cache.ReuseRows(256) > 0, cache.device_gathers() && options.reuse_rows != nullptr);
       auto c = Policy("infinigen", *skew), d = Policy("infinigen", *skew);
+      const int64_t batches = device.attention_batches();
       DecodeRun got = Decode(on_device, cache, {c.get(), d.get()}, prompts, 16, 8);
       EXPECT_EQ(got.tokens, want.tokens);
       EXPECT_EQ(got.logits, want.logits);
+      // The batch's decode attention in one call a layer, both sequences in it.
+      EXPECT_EQ(device.attention_batches() - batches, 16 * on_device.config().num_layers);
+      EXPECT_EQ(device.most_attention_batch(), 2);
       return got;
     };
     const DecodeRun plain = run(nullptr);

@@ -149,6 +149,20 @@ absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
   return absl::OkStatus();
 }
 
+absl::Status DeviceLikeCpuBackend::AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
+                                                        const AttentionShape& shape) {
+  for (const DecodeAttentionItem& it : items) {
+    const bool in_place = it.k.rows != nullptr;  // row tables into host memory: not a device's
+    if (!Owns(it.q.data) || !Owns(it.out.data) || in_place || !Owns(it.k.data) ||
+        !Owns(it.v.data) || (it.indices != nullptr && !Owns(it.indices))) {
+      return absl::InvalidArgumentError("AttentionDecodeBatch: memory outside the backend's");
+    }
+  }
+  ++attention_batches_;
+  most_attention_batch_ = std::max(most_attention_batch_, static_cast<int64_t>(items.size()));
+  return CpuBackend::AttentionDecodeBatch(items, shape);
+}
+
 absl::Status DeviceLikeCpuBackend::RunBlockRows(const BlockRowsGather& g) {
   IG_RETURN_IF_ERROR(CpuBackend::GatherBlockRows(g));
   int64_t rows = 0;

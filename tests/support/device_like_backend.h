@@ -67,6 +67,12 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   void ResetMostGathersJoined() { most_joined_ = 0; }
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
   int64_t sparse_choices() const { return sparse_choices_; }
+  // CpuBackend's (one AttentionDecode per item), counting the calls and their largest batch;
+  // every item's memory must be this backend's.
+  absl::Status AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
+                                    const AttentionShape& shape) override;
+  int64_t attention_batches() const { return attention_batches_; }
+  int64_t most_attention_batch() const { return most_attention_batch_; }
 
  private:
   class Tracked;
@@ -92,6 +98,7 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   bool Registered(const void* data, size_t bytes) const;
   absl::Status RunBlockRows(const BlockRowsGather& g);
   int64_t sparse_choices_ = 0;
+  int64_t attention_batches_ = 0, most_attention_batch_ = 0;
 };
 
 }  // namespace infinigen::testing
