@@ -185,9 +185,8 @@ absl::Status CudaBackend::AttentionDecodeBatch(std::span<const DecodeAttentionIt
         it.out.dtype != it.q.dtype || it.k.head_stride != it.v.head_stride ||
         it.k.row_stride != a.row_stride || it.v.row_stride != a.row_stride ||
         it.k.rows != nullptr || it.v.rows != nullptr) {
-      return absl::InvalidArgumentError(
-          "cuda backend: AttentionDecodeBatch needs every item's K, V and out like its q and the "
-          "first item's, rows equally strided, in device memory (no row tables)");
+      // Not one launch's shape: each alone (AttentionDecode says what does not fit).
+      return Backend::AttentionDecodeBatch(items, s);
     }
     cuda::DecodeSeq d;
     d.q = it.q.data;

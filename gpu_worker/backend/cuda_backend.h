@@ -74,7 +74,8 @@ class CudaBackend final : public Backend {
                                int64_t num_rows, const AttentionShape& shape, MatView out,
                                float* weights_out = nullptr) override;
   // One launch for the batch, each item split as AttentionDecode of it alone splits it (the same
-  // bits); its per-sequence pointers copied to the device first.
+  // bits); its per-sequence pointers copied to the device first. Items of different dtypes or
+  // row strides run one by one.
   absl::Status AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
                                     const AttentionShape& shape) override;
   absl::Status AppendPartialKeys(MatView k, const float* skew, const PartialKeysShape& shape,
