@@ -1,0 +1,109 @@
+// Row reuse over the shm transport (a GPU worker beside a KV store process: the store's arena
+// mapped here, its answers over gRPC): the store runs in this process behind a real gRPC server
+// on 127.0.0.1, the worker's side is the device-like CPU backend (memory the host cannot read,
+// side-queue work run only when joined) with InfiniGen choosing rows there. A gather's block
+// tables come back over gRPC, often after the batch was submitted, so such a gather's misses
+// are moved at its fetch, on the backend's own queue, not the side queue. Tokens and logits
+// equal the resident cache's bit for bit with reuse and without, and reuse moves less than half
+// the bytes.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "gpu_worker/infinigen/infinigen_policy.h"
+#include "gpu_worker/infinigen/prepare.h"
+#include "gpu_worker/infinigen/selection_config.h"
+#include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+#include "kv_store/client/kv_store_client.h"
+#include "kv_store/service/kvstore_service.h"
+#include "tests/support/device_like_backend.h"
+#include "tests/support/fixture_model.h"
+#include "tests/support/test_paths.h"
+
+namespace infinigen {
+namespace {
+
+TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
+  testing::LoadedModel l = testing::LoadModel(testing::FixturePath("hf/llama31_gqa"));
+  ASSERT_NE(l.model, nullptr);
+  PrepareOptions po;
+  po.ratio = 0.5f;
+  po.chunk_tokens = 40;
+  auto sidecar = PrepareInfinigen(*l.model, *l.ckpt,
+                                  testing::RandomTokens(96, l.model->config().vocab_size, 5), po);
+  ASSERT_TRUE(sidecar.ok()) << sidecar.status();
+  ASSERT_TRUE(AttachSidecar(*l.model, *l.ckpt, *sidecar).ok());
+  testing::DeviceLikeCpuBackend device;
+  auto on_device = Model::Load(*l.ckpt, device);
+  ASSERT_TRUE(on_device.ok()) << on_device.status();
+  ASSERT_TRUE(AttachSidecar(**on_device, *l.ckpt, *sidecar).ok());
+  auto skew = UploadPartialSkew(*sidecar, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  SelectionConfig config;
+  config.policy = PolicyKind::kInfinigen;
+  config.dense_layers = 1;
+  config.budget_fraction = 0.3;
+  auto policy = [&](std::shared_ptr<const PartialSkewOnBackend> on) {
+    auto p = MakeSelectionPolicy(config, l.model->config(), &*sidecar, std::move(on));
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  };
+
+  // The store, shared memory and all, behind a gRPC server; the client maps its arena.
+  KvStoreConfig sc;
+  sc.capacity_bytes = 16 << 20;
+  sc.huge_pages = false;
+  sc.block_tokens = 8;  // rows across several blocks of every layer
+  auto store = KvStore::Create(sc);
+  ASSERT_TRUE(store.ok()) << store.status();
+  KvStoreService service(**store);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  KvClientConfig cc;
+  cc.transport = KvClientConfig::Transport::kShm;
+  cc.address = "127.0.0.1:" + std::to_string(port);
+  cc.owner = "reuse-test";
+  auto client = MakeKvStoreClient(cc);
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 2; ++i) {
+    prompts.push_back(testing::RandomTokens(20 + 7 * i, l.model->config().vocab_size, 11 + i));
+  }
+  BackendKvCache resident(*l.backend, l.model->kv_shape());
+  auto a = policy(nullptr), b = policy(nullptr);
+  const testing::DecodeRun want =
+      testing::Decode(*l.model, resident, {a.get(), b.get()}, prompts, 16, 8);
+  auto run = [&](std::function<int64_t(int64_t)> reuse_rows, uint64_t id_base) {
+    StoreKvCacheOptions options;
+    options.id_base = id_base;
+    options.device_reads_mapped_rows = true;
+    options.reuse_rows = std::move(reuse_rows);
+    StoreKvCache cache(device, (*on_device)->kv_shape(), **client, options);
+    EXPECT_TRUE(cache.device_gathers()) << "the shm client maps the store's arena";
+    auto c = policy(*skew), d = policy(*skew);
+    testing::DecodeRun got =
+        testing::Decode(**on_device, cache, {c.get(), d.get()}, prompts, 16, 8);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
+    return got;
+  };
+  const testing::DecodeRun plain = run(nullptr, 100);
+  const testing::DecodeRun reused = run([](int64_t capacity) { return capacity + 1; }, 200);
+  EXPECT_EQ(plain.bytes_reused, 0);
+  EXPECT_GT(reused.bytes_reused, 0);
+  EXPECT_LT(2 * reused.bytes_fetched, plain.bytes_fetched)
+      << "moved " << reused.bytes_fetched << " of " << plain.bytes_fetched;
+  client->reset();
+  server->Shutdown();
+}
+
+}  // namespace
+}  // namespace infinigen
