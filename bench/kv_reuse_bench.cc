@@ -8,11 +8,21 @@
 // step lists, and so the bytes, do not depend on how fast the device is: this is a component
 // measurement of data movement, not of time (docs/benchmarks.md). Each case decodes the same
 // greedy streams both ways and says whether their tokens agree.
+// --backend cpu --transport grpc measures the other place reuse applies, on this machine as it
+// is: a CPU worker whose store is another service (here behind a real gRPC server on
+// 127.0.0.1 in this process), the transport copying each prefetch's rows; there the time per
+// output token is the product's, and the row gives it too.
 //
 // usage: kv_reuse_bench --local MODEL --text FILE [--prompt-tokens 2048,4096] [--new-tokens 64]
-//            [--streams 1] [--threads 0]
+//            [--streams 1] [--threads 0] [--backend device-like|cpu]
+//            [--transport in-process|grpc]
 // One markdown row per case: prompt tokens, streams, MiB moved per generated token without and
-// with reuse, their ratio, the fraction of listed rows found kept, and whether tokens agree.
+// with reuse, their ratio, the fraction of listed rows found kept, whether tokens agree, and
+// the median time between a stream's tokens without and with reuse (ms).
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -32,6 +42,7 @@
 #include "gpu_worker/service/worker_runtime.h"
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/kv_store.h"
+#include "kv_store/service/kvstore_service.h"
 #include "tests/support/device_like_backend.h"
 
 namespace infinigen {
@@ -40,6 +51,7 @@ namespace {
 struct Run {
   std::vector<std::vector<int32_t>> tokens;
   int64_t generated = 0, fetched = 0, reused = 0;
+  double tpot_ms = 0;  // median gap between a stream's consecutive tokens
 };
 
 int Fail(const absl::Status& st) {
@@ -52,7 +64,8 @@ int Fail(const absl::Status& st) {
 
 int main(int argc, char** argv) {
   using namespace infinigen;
-  std::string local, text_path, prompts_list = "2048,4096";
+  std::string local, text_path, prompts_list = "2048,4096", backend_name = "device-like",
+                                transport = "in-process";
   int64_t new_tokens = 64, streams = 1, threads = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -68,6 +81,10 @@ int main(int argc, char** argv) {
       (void)absl::SimpleAtoi(v, &streams);
     } else if (k == "--threads") {
       (void)absl::SimpleAtoi(v, &threads);
+    } else if (k == "--backend") {
+      backend_name = v;
+    } else if (k == "--transport") {
+      transport = v;
     } else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -77,6 +94,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "give --local MODEL and --text FILE\n");
     return 2;
   }
+  if ((backend_name != "device-like" && backend_name != "cpu") ||
+      (transport != "in-process" && transport != "grpc")) {
+    std::fprintf(stderr, "--backend device-like|cpu, --transport in-process|grpc\n");
+    return 2;
+  }
+  const bool on_device = backend_name == "device-like";
   auto ckpt = Checkpoint::Open(local);
   if (!ckpt.ok()) return Fail(ckpt.status());
   auto tokenizer = LoadTokenizer(**ckpt);
@@ -89,14 +112,22 @@ int main(int argc, char** argv) {
   cpu.num_threads = static_cast<int>(threads);
   cpu.weight_format = WeightFormat::kQ8;
   cpu.kv_dtype = DType::kBF16;
-  testing::DeviceLikeCpuBackend device(cpu);
+  std::unique_ptr<CpuBackend> owned = on_device
+                                          ? std::make_unique<testing::DeviceLikeCpuBackend>(cpu)
+                                          : std::make_unique<CpuBackend>(cpu);
+  CpuBackend& device = *owned;
   auto model = Model::Load(**ckpt, device);
   if (!model.ok()) return Fail(model.status());
   auto sidecar = ReadSidecar(DefaultSidecarPath(local), **ckpt);
   if (!sidecar.ok()) return Fail(sidecar.status());
   if (auto st = AttachSidecar(**model, **ckpt, *sidecar); !st.ok()) return Fail(st);
-  auto skew = UploadPartialSkew(*sidecar, device);
-  if (!skew.ok()) return Fail(skew.status());
+  // InfiniGen chooses rows in the "device"'s memory there, on the host on the CPU.
+  std::shared_ptr<const PartialSkewOnBackend> skew;
+  if (on_device) {
+    auto uploaded = UploadPartialSkew(*sidecar, device);
+    if (!uploaded.ok()) return Fail(uploaded.status());
+    skew = *uploaded;
+  }
   const SelectionConfig selection = WorkerConfig().Selection(true);
 
   auto run = [&](int64_t prompt, bool reuse) -> absl::StatusOr<Run> {
@@ -105,20 +136,39 @@ int main(int argc, char** argv) {
     sc.shared_memory = false;
     IG_ASSIGN_OR_RETURN(std::unique_ptr<KvStore> store, KvStore::Create(sc));
     KvClientConfig cc;
-    cc.transport = KvClientConfig::Transport::kInProcess;
-    cc.store = store.get();
+    std::unique_ptr<KvStoreService> service;
+    std::unique_ptr<grpc::Server> server;
+    if (transport == "grpc") {  // the store behind a real gRPC server on 127.0.0.1
+      service = std::make_unique<KvStoreService>(*store);
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      builder.SetMaxReceiveMessageSize(256 << 20);
+      builder.RegisterService(service.get());
+      server = builder.BuildAndStart();
+      if (port == 0) return absl::UnavailableError("no port for the store");
+      cc.transport = KvClientConfig::Transport::kGrpc;
+      cc.address = "127.0.0.1:" + std::to_string(port);
+    } else {
+      cc.transport = KvClientConfig::Transport::kInProcess;
+      cc.store = store.get();
+    }
     IG_ASSIGN_OR_RETURN(std::unique_ptr<KvStoreClient> client, MakeKvStoreClient(cc));
     StoreKvCacheOptions options;  // as the worker sets them on a GPU (worker_runtime.cc)
     options.device_reads_mapped_rows = true;
     options.device_resident_layers = selection.dense_layers;
     if (reuse) options.reuse_rows = ReuseRowsFor(selection);
     StoreKvCache cache(device, (*model)->kv_shape(), *client, options);
-    if (!cache.device_gathers()) return absl::InternalError("the stand-in does not gather");
+    if (on_device && !cache.device_gathers()) {
+      return absl::InternalError("the stand-in does not gather");
+    }
     EngineConfig ec;
     ec.prefill_budget_tokens = prompt;
     BatchEngine engine(**model, cache, ec);
     Run r;
     r.tokens.resize(static_cast<size_t>(streams));
+    std::vector<std::vector<std::chrono::steady_clock::time_point>> at(
+        static_cast<size_t>(streams));
     std::vector<absl::Notification> done(static_cast<size_t>(streams));
     std::vector<absl::Status> status(static_cast<size_t>(streams));
     for (int64_t s = 0; s < streams; ++s) {
@@ -130,11 +180,14 @@ int main(int argc, char** argv) {
       req.options.ignore_eos = true;
       req.options.sampling.temperature = 0;
       IG_ASSIGN_OR_RETURN(req.policy,
-                          MakeSelectionPolicy(selection, (*model)->config(), &*sidecar, *skew));
+                          MakeSelectionPolicy(selection, (*model)->config(), &*sidecar, skew));
       IG_RETURN_IF_ERROR(engine
                              .Submit(std::move(req),
                                      [&, s](const EngineEvent& e) {
-                                       if (e.token >= 0) r.tokens[s].push_back(e.token);
+                                       if (e.token >= 0) {
+                                         r.tokens[s].push_back(e.token);
+                                         at[s].push_back(std::chrono::steady_clock::now());
+                                       }
                                        if (e.done) {
                                          status[s] = e.status;
                                          done[s].Notify();
@@ -144,6 +197,16 @@ int main(int argc, char** argv) {
     }
     for (auto& d : done) d.WaitForNotification();
     for (const absl::Status& st : status) IG_RETURN_IF_ERROR(st);
+    std::vector<double> gaps;
+    for (const auto& times : at) {
+      for (size_t i = 1; i < times.size(); ++i) {
+        gaps.push_back(std::chrono::duration<double, std::milli>(times[i] - times[i - 1]).count());
+      }
+    }
+    if (!gaps.empty()) {
+      std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
+      r.tpot_ms = gaps[gaps.size() / 2];
+    }
     const EngineStats stats = engine.Stats();
     for (const auto& t : r.tokens) r.generated += static_cast<int64_t>(t.size());
     r.fetched = stats.bytes_fetched;
@@ -151,10 +214,11 @@ int main(int argc, char** argv) {
     return r;
   };
 
+  std::printf("%s backend, %s transport\n", backend_name.c_str(), transport.c_str());
   std::printf(
       "| prompt tokens | streams | MiB moved per token, no reuse | with reuse | ratio | "
-      "listed rows found kept | tokens agree |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---|\n");
+      "listed rows found kept | tokens agree | TPOT p50 (ms), no reuse | with reuse |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---|---:|---:|\n");
   for (absl::string_view p : absl::StrSplit(prompts_list, ',')) {
     int64_t prompt = 0;
     if (!absl::SimpleAtoi(p, &prompt) || prompt <= 0 ||
@@ -171,9 +235,9 @@ int main(int argc, char** argv) {
     const double b = static_cast<double>(reused->fetched) / reused->generated / mib;
     const double kept = static_cast<double>(reused->reused) /
                         static_cast<double>(std::max<int64_t>(1, reused->reused + reused->fetched));
-    std::printf("| %lld | %lld | %.3f | %.3f | %.3f | %.3f | %s |\n",
+    std::printf("| %lld | %lld | %.3f | %.3f | %.3f | %.3f | %s | %.2f | %.2f |\n",
                 static_cast<long long>(prompt), static_cast<long long>(streams), a, b, b / a, kept,
-                plain->tokens == reused->tokens ? "yes" : "NO");
+                plain->tokens == reused->tokens ? "yes" : "NO", plain->tpot_ms, reused->tpot_ms);
     std::fflush(stdout);
   }
   return 0;

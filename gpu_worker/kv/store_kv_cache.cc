@@ -667,7 +667,7 @@ void StoreKvCache::SubmitPrefetches() {
     p.deferred = false;
     if (p.in_place && !host_access_) side_launch_.push_back(&p);
     const size_t item_bytes =
-        p.in_place ? 0 : 2 * static_cast<size_t>(shape_.num_kv_heads) * p.count * RowBytes();
+        p.in_place ? 0 : 2 * static_cast<size_t>(shape_.num_kv_heads) * p.item.count * RowBytes();
     if (count > 0 && bytes + item_bytes > options_.max_batched_gather_bytes) submit();
     if (batch_items_.size() == count) batch_items_.emplace_back();
     batch_items_[count++] = p.item;

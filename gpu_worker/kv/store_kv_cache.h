@@ -258,6 +258,9 @@ class StoreKvCache final : public StreamedKvCache {
   uint8_t* ReusedV(Sequence& s, int layer) const;
   // Opens s's row reuse for this capacity (its buffer allocated) where options_ ask for it.
   absl::Status OpenReuse(Sequence& s, int64_t capacity_tokens);
+  // A reuse prefetch's misses copied by the transport into staging (host memory: a CPU
+  // backend), each into its row.
+  void PlaceCopiedMisses(Sequence& s, Pending& p);
   // FinishGather of a reuse prefetch: its misses moved (waited for, joined, or gathered now),
   // and the layer's kept rows answered, head_stride apart (Placement says where each is).
   absl::StatusOr<KvLayerView> FinishReuse(Sequence& s, Pending& p);

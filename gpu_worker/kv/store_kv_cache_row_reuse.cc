@@ -5,6 +5,7 @@
 // the rows the last prefetch held that this one does not list, and the fetch answers the
 // layer's buffer, where StreamedKvCache::Placement finds each listed row.
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -13,7 +14,11 @@
 namespace infinigen {
 
 int64_t StoreKvCache::ReuseRows(int64_t capacity_tokens) const {
-  if (!device_gathers_ || options_.pool || !options_.reuse_rows ||
+  // Where the GPU gathers by block table, or the backend is host memory and a transport copies
+  // the rows (gRPC, UCX: a CPU worker beside a store elsewhere), not where rows are read in the
+  // store's memory (nothing moves) nor where a GPU's rows are copied (not built).
+  const bool moves_rows = device_gathers_ || (host_access_ && !in_place_);
+  if (!moves_rows || options_.pool || !options_.reuse_rows ||
       reuse_first_layer_ >= shape_.num_layers) {
     return 0;
   }
@@ -92,14 +97,15 @@ absl::StatusOr<bool> StoreKvCache::StartReuse(SequenceId seq, Sequence& s, int l
   p.reuse = p.unsettled = true;
   p.reused = s.reused.get();
   p.resident = false;
-  p.in_place = true;
+  p.in_place = device_gathers_;  // else the transport copies the misses into staging
   p.seq = seq;
   p.count = count;
   p.extra_rows = extra_rows;
   p.shared = false;
   // The store is asked for the misses alone (it checks them, and answers the layer's block
-  // tables): head g's, then its last one again up to the most of one head (or, for a head with
-  // none, its first listed slot), which the device does not read (the counts stop before).
+  // tables, or copies them): head g's, then its last one again up to the most of one head (or,
+  // for a head with none, its first listed slot), which are not placed (the counts stop
+  // before).
   const int64_t heads = shape_.num_kv_heads, most = p.plan.most_misses;
   const int32_t* miss = p.plan.miss_slots();
   const int32_t* misses = p.plan.miss_counts(shape_.num_kv_heads);
@@ -119,12 +125,21 @@ absl::StatusOr<bool> StoreKvCache::StartReuse(SequenceId seq, Sequence& s, int l
   p.item.k_rows = p.item.v_rows = nullptr;
   p.item.block_table = BlockTableOut{};
   if (most > 0) {
-    if (absl::Status st = ReserveTables(s, s.Rows(layer)); !st.ok()) {
+    // By block table (the GPU reads the arena), or copied packed into staging ([num_kv_heads,
+    // most], placed at the fetch).
+    absl::Status st = device_gathers_ ? ReserveTables(s, s.Rows(layer))
+                                      : EnsureStaging(p.staging, heads * most * RowBytes());
+    if (!st.ok()) {
       s.reused->Forget(layer);
       p.reuse = p.unsettled = false;
       return st;
     }
-    p.item.block_table = s.tables->Out(layer);
+    if (device_gathers_) {
+      p.item.block_table = s.tables->Out(layer);
+    } else {
+      p.item.k_out = static_cast<uint8_t*>(p.staging.k->data());
+      p.item.v_out = static_cast<uint8_t*>(p.staging.v->data());
+    }
     if (deferring_) {
       p.deferred = true;
       deferred_.emplace_back(seq, layer % 2);
@@ -134,7 +149,9 @@ absl::StatusOr<bool> StoreKvCache::StartReuse(SequenceId seq, Sequence& s, int l
   }
   p.layer = layer;
   const int64_t row = static_cast<int64_t>(RowBytes());
-  s.counters.bytes_fetched += 2 * p.plan.misses * row;
+  // What crosses: the misses (the device reads only them), or every head's `most` rows (the
+  // transport copies the padding too).
+  s.counters.bytes_fetched += 2 * (device_gathers_ ? p.plan.misses : heads * most) * row;
   s.counters.bytes_reused += 2 * (heads * count - p.plan.misses) * row;
   s.counters.bytes_full += 2 * heads * s.Rows(layer) * row;
   s.counters.fetches += 1;
@@ -153,8 +170,10 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishReuse(Sequence& s, Pending& p) {
     if (p.launched) {  // on the side queue since SubmitPrefetches
       moved = JoinSideQueue(p);
       p.launched = false;
-    } else {
+    } else if (device_gathers_) {
       moved = GatherOnDevice(s, p);
+    } else {
+      PlaceCopiedMisses(s, p);
     }
     if (!moved.ok()) {  // nothing of this prefetch may be read: a second Fetch fails too
       s.reused->Forget(p.layer);
@@ -169,6 +188,27 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishReuse(Sequence& s, Pending& p) {
   view.k = shape_.HeadMajor(ReusedK(s, p.layer), s.reused->rows());
   view.v = shape_.HeadMajor(ReusedV(s, p.layer), s.reused->rows());
   return view;
+}
+
+void StoreKvCache::PlaceCopiedMisses(Sequence& s, Pending& p) {
+  // Host memory both: each miss from its packed row into the row the plan freed for it.
+  const int heads = shape_.num_kv_heads;
+  const int64_t count = p.count, most = p.plan.most_misses, rows = s.reused->rows();
+  const size_t rb = RowBytes();
+  const int32_t* at = p.plan.miss_rows(heads);
+  const int32_t* misses = p.plan.miss_counts(heads);
+  const auto* k = static_cast<const uint8_t*>(p.staging.k->data());
+  const auto* v = static_cast<const uint8_t*>(p.staging.v->data());
+  uint8_t* rk = ReusedK(s, p.layer);
+  uint8_t* rv = ReusedV(s, p.layer);
+  for (int g = 0; g < heads; ++g) {
+    for (int32_t m = 0; m < misses[g]; ++m) {
+      const size_t from = static_cast<size_t>(g * most + m) * rb;
+      const size_t to = static_cast<size_t>(g * rows + at[g * count + m]) * rb;
+      std::memcpy(rk + to, k + from, rb);
+      std::memcpy(rv + to, v + from, rb);
+    }
+  }
 }
 
 StreamedKvCache::RowPlacement StoreKvCache::Placement(SequenceId seq, int layer) const {

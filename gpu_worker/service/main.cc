@@ -64,9 +64,10 @@ int main(int argc, char** argv) {
              "staging that is then copied to the GPU; 6.5x slower measured on an H200, "
              "docs/cuda.md)");
   flags.Bool("kv-row-reuse", &config.kv_row_reuse,
-             "--device cuda with InfiniGen and --kv-device-gather: keep each sequence's last "
-             "prefetched rows of every layer on the GPU, so that a prefetch moves only the rows "
-             "the last one did not (no KV pool; docs/worker.md)");
+             "InfiniGen on --device cuda with --kv-device-gather, or over --kv-transport grpc or "
+             "ucx: keep each sequence's last prefetched rows of every layer in the backend's "
+             "memory, so that a prefetch moves only the rows the last one did not (no KV pool; "
+             "docs/worker.md)");
   flags.Bool("kv-resident-dense-layers", &config.kv_resident_dense_layers,
              "--device cuda with InfiniGen: keep its dense layers' K/V on the GPU as well as in "
              "the store, so that their every-row reads cross no link (no KV pool)");

@@ -32,9 +32,9 @@ struct WorkerConfig {
   // With InfiniGen on a GPU: its dense layers' K/V also kept on the device
   // (StoreKvCacheOptions::device_resident_layers = the selection's dense_layers).
   bool kv_resident_dense_layers = true;
-  // With InfiniGen where the GPU gathers from the store's memory: each sequence keeps the rows
-  // of its last prefetch of every layer on the device, and a prefetch moves only the others
-  // (StoreKvCacheOptions::reuse_rows, sized by ReuseRowsFor).
+  // With InfiniGen where the GPU gathers from the store's memory, or a transport copies rows:
+  // each sequence keeps the rows of its last prefetch of every layer in backend memory, and a
+  // prefetch moves only the others (StoreKvCacheOptions::reuse_rows, sized by ReuseRowsFor).
   bool kv_row_reuse = true;
   // The KV pool (StoreKvCacheOptions::pool): a sequence's share of tokens in the store,
   // kv_pool_tokens when > 0, else kv_pool x (prompt + max new tokens); both 0: no pool.

@@ -346,8 +346,9 @@ TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacit
 // 4-row blocks (tables growing while rows are kept). Tokens and logits equal the resident
 // cache's bit for bit (the decode attention of both in one call a layer); prefetches find rows
 // an earlier step moved (bytes_reused) and move less than half the bytes they move without
-// reuse. With room for fewer rows than a prefetch lists,
-// every read moves all its rows, as without reuse (and still bit for bit).
+// reuse. The same on the CPU backend where the transport copies rows into staging. With room for
+// fewer rows than a prefetch lists, every read moves all its rows, as without reuse (and still bit
+// for bit).
 TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) {
   DeviceLikeCpuBackend device;
   std::unique_ptr<Model> loaded = OnDevice(device);
@@ -390,6 +391,33 @@ TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) 
       EXPECT_EQ(device.most_attention_batch(), 2);
       return got;
     };
+    // The CPU backend over the same store: rows read in place move nothing (no reuse), rows
+    // copied by the transport into staging (what gRPC and UCX do) are kept as on a GPU.
+    auto run_cpu = [&](std::function<int64_t(int64_t)> reuse_rows) {
+      StoreKvCacheOptions options;
+      options.read_in_place = std::get<1>(GetParam());
+      options.reuse_rows = std::move(reuse_rows);
+      StoreKvCache cache(*l_.backend, l_.model->kv_shape(), *client, options);
+      EXPECT_EQ(cache.ReuseRows(256) > 0, !cache.addresses_only() && options.reuse_rows != nullptr);
+      auto c = Policy("infinigen"), d = Policy("infinigen");
+      DecodeRun got = Decode(*l_.model, cache, {c.get(), d.get()}, prompts, 16, 8);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.logits, want.logits);
+      return got;
+    };
+    {
+      SCOPED_TRACE("CPU backend");
+      const DecodeRun plain = run_cpu(nullptr);
+      const DecodeRun reused = run_cpu([](int64_t capacity) { return capacity + 1; });
+      if (!std::get<1>(GetParam())) {  // copied: kept
+        EXPECT_GT(reused.bytes_reused, 0);
+        EXPECT_LT(2 * reused.bytes_fetched, plain.bytes_fetched)
+            << "moved " << reused.bytes_fetched << " of " << plain.bytes_fetched;
+      } else {
+        EXPECT_EQ(reused.bytes_reused, 0);
+        EXPECT_EQ(reused.bytes_fetched, plain.bytes_fetched);
+      }
+    }
     const DecodeRun plain = run(nullptr);
     const DecodeRun reused = run([](int64_t capacity) { return capacity + 1; });
     const DecodeRun too_few = run([](int64_t) { return 4; });
