@@ -247,6 +247,10 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status GatherOnDevice(Sequence& s, Pending& p, bool on_side_queue = false);
   // ... of a reuse prefetch: the plan's misses into the rows it freed for them.
   absl::Status GatherMissesOnDevice(Sequence& s, Pending& p, bool on_side_queue);
+  // `g` (its lists, counts and destination rows set) from the registered arena by s's block
+  // tables of `layer`, into k and then v (forked onto the side queue first if g says so);
+  // registers the arena again once if the backend no longer knows it (a restarted store's).
+  absl::Status GatherKAndV(Sequence& s, int layer, BlockRowsGather g, void* k, void* v);
   // Row reuse's prefetch (StoreKvCacheOptions::reuse_rows): the list planned against the rows
   // the layer keeps, the store asked for the misses' block tables only, nothing asked when
   // every row is kept. false (nothing started) where reuse does not apply: the caller gathers.

@@ -61,29 +61,35 @@ absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p, bool on_side_
   }
   IG_RETURN_IF_ERROR(
       backend_.CopyToDevice(p.item.slots.data(), p.device_slots->data(), slot_bytes));
-  IG_ASSIGN_OR_RETURN(const int32_t* tables, s.tables->OnDevice(backend_, p.layer));
+  BlockRowsGather g;
+  g.batch = 1;
+  g.num_kv_heads = shape_.num_kv_heads;
+  g.slots = static_cast<const int32_t*>(p.device_slots->data());
+  g.slot_capacity = p.count;
+  g.max_count = p.count;
+  g.dst_rows_per_list = p.count;
+  g.on_side_queue = on_side_queue;
+  return GatherKAndV(s, p.layer, g, p.staging.k->data(), p.staging.v->data());
+}
+
+absl::Status StoreKvCache::GatherKAndV(Sequence& s, int layer, BlockRowsGather g, void* k,
+                                       void* v) {
+  IG_ASSIGN_OR_RETURN(const int32_t* tables, s.tables->OnDevice(backend_, layer));
   auto gather = [&] {
     const KvStoreClient::Span arena = client_.mapped_memory();
-    BlockRowsGather g;
     g.arena = arena.data;
     g.arena_bytes = arena.bytes;
     g.block_bytes = arena.block_bytes;
     g.rows_per_block = rows_per_block_;
     g.row_bytes = static_cast<int64_t>(RowBytes());
-    g.batch = 1;
-    g.num_kv_heads = shape_.num_kv_heads;
-    g.tables = tables;
     g.table_capacity = s.tables->capacity();
-    g.slots = static_cast<const int32_t*>(p.device_slots->data());
-    g.slot_capacity = p.count;
-    g.max_count = p.count;
-    g.dst = p.staging.k->data();
-    g.dst_rows_per_list = p.count;
-    g.on_side_queue = on_side_queue;
-    if (on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
+    if (g.on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
+    g.tables = tables;
+    g.dst = k;
     IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
-    g.tables = tables + heads * s.tables->capacity();  // the V tables follow the K tables
-    g.dst = p.staging.v->data();
+    // The V tables follow the K tables ([2, heads, capacity]).
+    g.tables = tables + shape_.num_kv_heads * s.tables->capacity();
+    g.dst = v;
     return backend_.GatherBlockRows(g);
   };
   absl::Status st = gather();

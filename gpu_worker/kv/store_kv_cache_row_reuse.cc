@@ -231,41 +231,19 @@ absl::Status StoreKvCache::GatherMissesOnDevice(Sequence& s, Pending& p, bool on
   }
   IG_RETURN_IF_ERROR(backend_.CopyToDevice(p.plan.moves.data(), p.device_slots->data(), bytes));
   const int32_t* moves = static_cast<const int32_t*>(p.device_slots->data());
-  IG_ASSIGN_OR_RETURN(const int32_t* tables, s.tables->OnDevice(backend_, p.layer));
-  auto gather = [&] {
-    const KvStoreClient::Span arena = client_.mapped_memory();
-    // Each KV head a list of its own (its own count): "batch" heads of one head each, whose
-    // tables [2, heads, capacity] are then list after list.
-    BlockRowsGather g;
-    g.arena = arena.data;
-    g.arena_bytes = arena.bytes;
-    g.block_bytes = arena.block_bytes;
-    g.rows_per_block = rows_per_block_;
-    g.row_bytes = static_cast<int64_t>(RowBytes());
-    g.batch = heads;
-    g.num_kv_heads = 1;
-    g.tables = tables;
-    g.table_capacity = s.tables->capacity();
-    g.slots = moves;
-    g.slot_capacity = count;
-    g.dst_rows = moves + heads * count;
-    g.counts = moves + 2 * heads * count;
-    g.max_count = most;
-    g.dst = ReusedK(s, p.layer);
-    g.dst_rows_per_list = s.reused->rows();
-    g.on_side_queue = on_side_queue;
-    if (on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
-    IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
-    g.tables = tables + heads * s.tables->capacity();
-    g.dst = ReusedV(s, p.layer);
-    return backend_.GatherBlockRows(g);
-  };
-  absl::Status st = gather();
-  if (absl::IsInvalidArgument(st)) {  // an arena not registered: a restarted store's, remapped
-    IG_RETURN_IF_ERROR(RegisterMapped());
-    st = gather();
-  }
-  return st;
+  // Each KV head a list of its own (its own count): "batch" heads of one head each, whose
+  // tables [2, heads, capacity] are then list after list.
+  BlockRowsGather g;
+  g.batch = heads;
+  g.num_kv_heads = 1;
+  g.slots = moves;
+  g.slot_capacity = count;
+  g.dst_rows = moves + heads * count;
+  g.counts = moves + 2 * heads * count;
+  g.max_count = most;
+  g.dst_rows_per_list = s.reused->rows();
+  g.on_side_queue = on_side_queue;
+  return GatherKAndV(s, p.layer, g, ReusedK(s, p.layer), ReusedV(s, p.layer));
 }
 
 }  // namespace infinigen

@@ -35,6 +35,31 @@ using testing::DecodeRun;
 using testing::DeviceLikeCpuBackend;
 using testing::RandomTokens;
 
+// An in-process store whose arena blocks hold 4 rows of `shape` (a sequence's rows span several
+// blocks of every layer), and its client (null after recording a failure).
+struct SmallBlocks {
+  explicit SmallBlocks(const KvCacheShape& shape) {
+    KvStoreConfig sc;
+    sc.capacity_bytes = 16 << 20;
+    sc.shared_memory = false;
+    sc.huge_pages = false;
+    sc.block_tokens = 4;
+    sc.max_row_bytes = static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
+    auto created = KvStore::Create(sc);
+    EXPECT_TRUE(created.ok()) << created.status();
+    if (!created.ok()) return;
+    store = std::move(*created);
+    KvClientConfig cc;
+    cc.transport = KvClientConfig::Transport::kInProcess;
+    cc.store = store.get();
+    auto made = MakeKvStoreClient(cc);
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (made.ok()) client = std::move(*made);
+  }
+  std::unique_ptr<KvStore> store;
+  std::unique_ptr<KvStoreClient> client;
+};
+
 class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
  protected:
   void SetUp() override {
@@ -299,20 +324,10 @@ TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacit
   auto skew = UploadPartialSkew(sidecar_, device);
   ASSERT_TRUE(skew.ok()) << skew.status();
   const KvCacheShape shape = on_device.kv_shape();
-  KvStoreConfig sc;
-  sc.capacity_bytes = 16 << 20;
-  sc.shared_memory = false;
-  sc.huge_pages = false;
-  sc.block_tokens = 4;
-  sc.max_row_bytes = static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
-  auto small_store = KvStore::Create(sc);
-  ASSERT_TRUE(small_store.ok()) << small_store.status();
-  KvClientConfig cc;
-  cc.transport = KvClientConfig::Transport::kInProcess;
-  cc.store = small_store->get();
-  auto client = MakeKvStoreClient(cc);
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_EQ((*client)->mapped_memory().block_bytes, 4 * static_cast<size_t>(sc.max_row_bytes));
+  SmallBlocks small(shape);
+  ASSERT_NE(small.client, nullptr);
+  auto client = &small.client;
+  ASSERT_EQ(small.client->mapped_memory().block_bytes, 4 * shape.head_dim * DTypeSize(shape.dtype));
   const auto prompts = Prompts(2);  // 20 and 27 tokens: 5 and 7 blocks, then 3 more decoded
   BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   {
@@ -357,24 +372,13 @@ TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) 
   auto skew = UploadPartialSkew(sidecar_, device);
   ASSERT_TRUE(skew.ok()) << skew.status();
   const KvCacheShape shape = on_device.kv_shape();
-  KvStoreConfig sc;
-  sc.capacity_bytes = 16 << 20;
-  sc.shared_memory = false;
-  sc.huge_pages = false;
-  sc.block_tokens = 4;
-  sc.max_row_bytes = static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
-  auto small_store = KvStore::Create(sc);
-  ASSERT_TRUE(small_store.ok()) << small_store.status();
-  KvClientConfig cc;
-  cc.transport = KvClientConfig::Transport::kInProcess;
-  cc.store = small_store->get();
-  auto small_client = MakeKvStoreClient(cc);
-  ASSERT_TRUE(small_client.ok()) << small_client.status();
+  SmallBlocks small(shape);
+  ASSERT_NE(small.client, nullptr);
   const auto prompts = Prompts(2);
   BackendKvCache resident(*l_.backend, l_.model->kv_shape());
   auto a = Policy("infinigen"), b = Policy("infinigen");
   const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get()}, prompts, 16, 8);
-  for (KvStoreClient* client : {client_.get(), small_client->get()}) {
+  for (KvStoreClient* client : {client_.get(), small.client.get()}) {
     SCOPED_TRACE(client == client_.get() ? "default blocks" : "4-row blocks");
     auto run = [&](std::function<int64_t(int64_t)> reuse_rows) {
       StoreKvCacheOptions options = DeviceStoreOptions();
