@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gpu_worker/kv/store_kv_cache.h"
 
@@ -60,13 +59,14 @@ absl::Status StoreKvCache::OpenReuse(Sequence& s, int64_t capacity_tokens) {
   // again allocates nothing, and a GPU frees nothing, which would wait for the device).
   const size_t bytes = ReuseBufferBytes(rows);
   if (s.reuse_buffer != nullptr && s.reuse_buffer->size() != bytes) s.reuse_buffer.reset();
-  for (auto it = spare_reuse_.begin(); s.reuse_buffer == nullptr && it != spare_reuse_.end();
-       ++it) {
-    if ((*it)->size() != bytes) continue;
-    spare_bytes_ -= bytes;
-    s.reuse_buffer = std::move(*it);
-    *it = std::move(spare_reuse_.back());
-    spare_reuse_.pop_back();
+  if (s.reuse_buffer == nullptr) {
+    auto spare = std::find_if(spare_reuse_.begin(), spare_reuse_.end(),
+                              [&](const std::unique_ptr<Buffer>& b) { return b->size() == bytes; });
+    if (spare != spare_reuse_.end()) {
+      spare_bytes_ -= bytes;
+      s.reuse_buffer = std::move(*spare);
+      spare_reuse_.erase(spare);
+    }
   }
   if (s.reuse_buffer == nullptr) {
     IG_ASSIGN_OR_RETURN(s.reuse_buffer, backend_.Allocate(bytes));
