@@ -1,5 +1,6 @@
 #include "gpu_worker/backend/backend.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +35,10 @@ const char* WeightFormatName(WeightFormat f) {
 absl::Status Backend::AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
                                            const AttentionShape& shape) {
   for (const DecodeAttentionItem& it : items) {
+    if (it.count != nullptr) {
+      return absl::UnimplementedError(
+          absl::StrCat("backend ", Name(), " does not attend over a count in its memory"));
+    }
     IG_RETURN_IF_ERROR(AttentionDecode(it.q, it.k, it.v, it.indices, it.num_rows, shape, it.out));
   }
   return absl::OkStatus();
@@ -77,6 +82,67 @@ absl::Status CheckBlockRowsGather(const BlockRowsGather& g) {
                " must hold max_count (", g.max_count, ") rows");
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+constexpr int64_t kMaxInt32 = 2147483647;
+
+absl::Status CheckKeptRows(const KeptRows& k, const DeviceSlotList& list, const char* op) {
+  auto bad = [op](auto... what) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", what...));
+  };
+  if (k.num_kv_heads < 1 || k.num_kv_heads > 65535) {
+    return bad("num_kv_heads ", k.num_kv_heads, " must be in [1, 65535]");
+  }
+  if (k.row_of == nullptr || k.slot_of == nullptr) return bad("row_of and slot_of must be set");
+  if (k.map_capacity < 1 || k.map_capacity > kMaxInt32 || k.rows < 0 || k.rows > kMaxInt32) {
+    return bad("map_capacity ", k.map_capacity, " and rows ", k.rows,
+               " must fit in int32 (map_capacity at least 1)");
+  }
+  if (list.max_count < 0 || list.capacity < list.max_count || list.capacity > kMaxInt32) {
+    return bad("the list's capacity ", list.capacity, " must hold max_count (", list.max_count,
+               ") and fit in int32");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckKeptRowsPlan(const KeptRowsPlan& p) {
+  IG_RETURN_IF_ERROR(CheckKeptRows(p.kept, p.list, "PlanKeptRows"));
+  if (p.move_slots == nullptr || p.move_rows == nullptr || p.move_counts == nullptr ||
+      (p.kept.rows > 0 && p.workspace == nullptr)) {
+    return absl::InvalidArgumentError(
+        "PlanKeptRows: move_slots, move_rows, move_counts and workspace must be set");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKeptRowsMap(const KeptRowsMap& m) {
+  IG_RETURN_IF_ERROR(CheckKeptRows(m.kept, m.list, "MapKeptRows"));
+  if (m.out == nullptr || m.miss_slots == nullptr || m.miss_counts == nullptr) {
+    return absl::InvalidArgumentError("MapKeptRows: out, miss_slots and miss_counts must be set");
+  }
+  const int64_t heads = m.kept.num_kv_heads;
+  // Every row it may write, relative to any head's first row, fits in int32.
+  const int64_t spread = heads * std::max<int64_t>(m.head_rows, 0);
+  if (m.head_rows < 0 || m.miss_capacity < 0 || m.current_row < 0 || m.miss_row < 0 ||
+      m.head_rows > kMaxInt32 || m.current_row + heads + spread > kMaxInt32 ||
+      m.miss_row + heads * m.miss_capacity + spread > kMaxInt32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MapKeptRows: head_rows ", m.head_rows, ", current_row ", m.current_row, ", miss_row ",
+        m.miss_row, " and miss_capacity ", m.miss_capacity, " must be rows that fit in int32"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Backend::PlanKeptRows(const KeptRowsPlan&) {
+  return absl::UnimplementedError(absl::StrCat("backend ", Name(), " keeps no rows"));
+}
+
+absl::Status Backend::MapKeptRows(const KeptRowsMap&) {
+  return absl::UnimplementedError(absl::StrCat("backend ", Name(), " keeps no rows"));
 }
 
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name) {

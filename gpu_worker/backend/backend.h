@@ -247,8 +247,75 @@ struct BlockRowsGather {
   void* dst = nullptr;
   int64_t dst_rows_per_list = 0;
   const int32_t* dst_rows = nullptr;  // [lists, slot_capacity]; null: row j at row j
+  // A count per list instead ([lists]; counts is then unused): the rows KeptRowsPlan or
+  // KeptRowsMap listed to move, a number of their own per KV head.
+  const int32_t* list_counts = nullptr;
   // Queued on the backend's side queue (Backend::ForkSideQueue) instead of its own.
   bool on_side_queue = false;
+};
+
+// Slots per KV head in backend memory (a choice made there: RowChoiceRequest's indices and
+// count): head g's first *count (count null: max_count) entries of slots + g * capacity, each
+// head's distinct and ascending (slots null: 0, 1, ...: every row). A count above max_count is
+// taken as max_count and counted as an error.
+struct DeviceSlotList {
+  const int32_t* slots = nullptr;
+  const int32_t* count = nullptr;
+  int64_t capacity = 0, max_count = 0;
+};
+
+// Rows of one (sequence, layer) that backend memory keeps between steps, with the bookkeeping
+// in backend memory too (the device's counterpart of ReusedRows, gpu_worker/kv/row_reuse.h): a
+// decode step that plans them where its choices lie never reads those choices on the host.
+// Per KV head g: row_of[g * map_capacity + s] is the row holding slot s (-1: none), and
+// slot_of[g * rows + r] the slot row r holds (-1: free). Both all -1 at first.
+struct KeptRows {
+  int num_kv_heads = 0;
+  int32_t* row_of = nullptr;
+  int64_t map_capacity = 0;  // slots
+  int32_t* slot_of = nullptr;
+  int64_t rows = 0;  // per head
+};
+
+// What a prefetch of `list` moves into the kept rows (ReusedRows::Plan's rule): first every kept
+// row whose slot is not listed is freed (every kept row, without `keep`); then each listed slot
+// not held, in list order, takes the lowest free row and is listed to move: head g's
+// move_counts[g] slots at move_slots + g * list.capacity, going to the rows at move_rows + g *
+// list.capacity (a BlockRowsGather's slots, dst_rows and list_counts). A listed slot outside
+// [0, map_capacity), or one that finds no free row, is not held and adds one to *errors (null:
+// not counted). So after it every listed slot s of head g that fit is at row_of[g *
+// map_capacity + s]. Deterministic: every backend plans the same rows.
+struct KeptRowsPlan {
+  KeptRows kept;
+  DeviceSlotList list;
+  bool keep = true;
+  int32_t* move_slots = nullptr;   // [num_kv_heads, list.capacity]
+  int32_t* move_rows = nullptr;    // [num_kv_heads, list.capacity]
+  int32_t* move_counts = nullptr;  // [num_kv_heads]
+  int32_t* workspace = nullptr;    // [num_kv_heads, kept.rows] int32 of scratch
+  int32_t* errors = nullptr;
+};
+
+// A decode token's exact choice at a layer (`list`, with the token's own slot in it) as the rows
+// its attention reads, rows of head g counted from head g's first row (head_rows rows apart,
+// as KvView::head_stride / row_stride): out[g * list.capacity + j] for head g's j-th slot s is
+// row_of's row for s where it is held; current_row + g - g * head_rows for s = current_slot (the
+// token itself, whose row the step writes: one row per head after every head's); otherwise
+// (a miss) the m-th such slot of head g goes to miss_row + g * miss_capacity + m - g *
+// head_rows, and is listed to move there: miss_slots + g * list.capacity, miss_counts[g] of
+// them (a BlockRowsGather into miss_row's rows with list_counts). A miss past miss_capacity
+// adds one to *errors (null: not counted) and reads the current row instead: the caller fails
+// what read it.
+struct KeptRowsMap {
+  KeptRows kept;  // read only
+  DeviceSlotList list;
+  int64_t head_rows = 0;
+  int64_t current_slot = -1, current_row = 0;
+  int64_t miss_row = 0, miss_capacity = 0;
+  int32_t* out = nullptr;          // [num_kv_heads, list.capacity]
+  int32_t* miss_slots = nullptr;   // [num_kv_heads, list.capacity]
+  int32_t* miss_counts = nullptr;  // [num_kv_heads]
+  int32_t* errors = nullptr;
 };
 
 // One decode token's attention in a batch (Backend::AttentionDecodeBatch): AttentionDecode's
@@ -259,11 +326,18 @@ struct DecodeAttentionItem {
   const int32_t* indices = nullptr;  // device [num_kv_heads, num_rows]; null: rows 0 ..
   int64_t num_rows = 0;
   MatView out;
+  // The rows attended, in backend memory (a choice made there): the first min(*count,
+  // num_rows) of each head's list (num_rows then bounds them and strides the lists); null:
+  // num_rows.
+  const int32_t* count = nullptr;
 };
 
 // INVALID_ARGUMENT, saying what to fix, for a BlockRowsGather whose sizes do not fit (what
 // every backend's GatherBlockRows checks before it queues anything).
 absl::Status CheckBlockRowsGather(const BlockRowsGather& g);
+// The same for KeptRowsPlan and KeptRowsMap.
+absl::Status CheckKeptRowsPlan(const KeptRowsPlan& p);
+absl::Status CheckKeptRowsMap(const KeptRowsMap& m);
 
 class Backend {
  public:
@@ -334,6 +408,11 @@ class Backend {
   virtual absl::Status GatherBlockRows(const BlockRowsGather& g) {
     return absl::UnimplementedError(Name() + " does not gather rows by block table");
   }
+  // KeptRowsPlan and KeptRowsMap, queued on the backend's stream (no wait). INVALID_ARGUMENT
+  // for shapes that do not fit (checked on the host); what device memory holds is checked entry
+  // by entry, as they say.
+  virtual absl::Status PlanKeptRows(const KeptRowsPlan& plan);
+  virtual absl::Status MapKeptRows(const KeptRowsMap& map);
   // A second queue beside the backend's own (a GPU's copy stream), for gathers over the host
   // link that may run while the layers compute (INFINIGEN.md, decode step 6). Work queued on it
   // after ForkSideQueue starts after everything queued on the backend's own queue before the

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <vector>
 
 #include "gpu_worker/backend/backend.h"
 #include "kernels/cpu/row_gemm.h"
@@ -81,6 +82,12 @@ class CpuBackend : public Backend {
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
   // The plain loop BlockRowsGather describes (cpu_block_gather.cc): the CUDA kernel's reference.
   absl::Status GatherBlockRows(const BlockRowsGather& g) override;
+  // The plain loops KeptRowsPlan and KeptRowsMap describe, and decode attention over a count in
+  // its memory (cpu_kept_rows.cc).
+  absl::Status PlanKeptRows(const KeptRowsPlan& p) override;
+  absl::Status MapKeptRows(const KeptRowsMap& m) override;
+  absl::Status AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
+                                    const AttentionShape& shape) override;
 
  private:
   // Linear's product for a weight of one format (bias: null or out.cols floats).
@@ -98,6 +105,9 @@ class CpuBackend : public Backend {
   // Whether a weight was kept in Q4_1, Q5_1 or Q6_K blocks (under q4_1, a checkpoint without 4-,
   // 5- or 6-bit GGUF matrices runs q8).
   std::atomic<bool> kept_blocks_{false};
+  // AttentionDecodeBatch's row lists cut to their counts (grows only: a decode step allocates
+  // nothing once warm). One engine thread runs a backend's work at a time.
+  std::vector<int32_t> packed_indices_;
 };
 
 }  // namespace infinigen

@@ -17,13 +17,15 @@ absl::Status CpuBackend::GatherBlockRows(const BlockRowsGather& g) {
   const int64_t arena_blocks = static_cast<int64_t>(g.arena_bytes / g.block_bytes);
   int32_t errors = 0;
   for (int b = 0; b < g.batch; ++b) {
-    int64_t count = g.counts != nullptr ? g.counts[b] : g.max_count;
-    if (count > g.max_count) {
-      ++errors;
-      count = g.max_count;
-    }
     for (int h = 0; h < g.num_kv_heads; ++h) {
       const int64_t list = int64_t{b} * g.num_kv_heads + h;
+      int64_t count = g.list_counts != nullptr ? g.list_counts[list]
+                      : g.counts != nullptr    ? g.counts[b]
+                                               : g.max_count;
+      if (count > g.max_count) {  // once a sequence (or a list, with list counts)
+        if (h == 0 || g.list_counts != nullptr) ++errors;
+        count = g.max_count;
+      }
       const int32_t* table = g.tables + list * g.table_capacity;
       const int32_t* slots = g.slots + list * g.slot_capacity;
       const int32_t* dst_rows =

@@ -167,7 +167,9 @@ absl::Status CudaBackend::AttentionDecode(MatView q, KvView k, KvView v, const i
 
 absl::Status CudaBackend::AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
                                                const AttentionShape& s) {
-  if (items.size() <= 1) return Backend::AttentionDecodeBatch(items, s);
+  bool device_counts = false;  // only the one launch reads a count in device memory
+  for (const DecodeAttentionItem& it : items) device_counts = device_counts || it.count != nullptr;
+  if (items.size() <= 1 && !device_counts) return Backend::AttentionDecodeBatch(items, s);
   const DecodeAttentionItem& first = items[0];
   cuda::DecodeAttention a;
   a.type = ToElem(first.q.dtype);
@@ -186,6 +188,11 @@ absl::Status CudaBackend::AttentionDecodeBatch(std::span<const DecodeAttentionIt
         it.k.row_stride != a.row_stride || it.v.row_stride != a.row_stride ||
         it.k.rows != nullptr || it.v.rows != nullptr) {
       // Not one launch's shape: each alone (AttentionDecode says what does not fit).
+      if (device_counts) {
+        return absl::InvalidArgumentError(
+            "cuda backend: decode attention over device counts needs one launch's shape (the "
+            "same dtype and row stride, rows in backend memory)");
+      }
       return Backend::AttentionDecodeBatch(items, s);
     }
     cuda::DecodeSeq d;
@@ -197,6 +204,7 @@ absl::Status CudaBackend::AttentionDecodeBatch(std::span<const DecodeAttentionIt
     d.head_stride = it.k.head_stride;
     d.index_head_stride = it.num_rows;
     d.num_rows = static_cast<int32_t>(it.num_rows);
+    d.count = it.count;
     cuda::DecodeSplitFor(s.num_kv_heads, it.num_rows, &d.splits, &d.rows_per_split);
     a.max_splits = std::max(a.max_splits, d.splits);
     most_rows = std::max(most_rows, it.num_rows);

@@ -376,6 +376,7 @@ absl::Status CudaBackend::GatherBlockRows(const BlockRowsGather& g) {
   k.indices = g.slots;
   k.index_capacity = g.slot_capacity;
   k.counts = g.counts;
+  k.list_counts = g.list_counts;
   k.count = g.max_count;
   k.max_count = g.max_count;
   k.dst = g.dst;
@@ -389,6 +390,40 @@ absl::Status CudaBackend::GatherBlockRows(const BlockRowsGather& g) {
   // On the side queue once it exists (ForkSideQueue made it); on the backend's stream before.
   void* stream = g.on_side_queue && side_stream_ != nullptr ? side_stream_ : stream_;
   return Check(cuda::RunGather(k, S(stream)), "GatherBlockRows");
+}
+
+namespace {
+
+cuda::KeptRowsArgs KeptRowsArgsOf(const KeptRows& k, const DeviceSlotList& list, int32_t* errors) {
+  cuda::KeptRowsArgs a;
+  a.num_kv_heads = k.num_kv_heads;
+  a.row_of = k.row_of;
+  a.map_capacity = k.map_capacity;
+  a.slot_of = k.slot_of;
+  a.rows = k.rows;
+  a.slots = list.slots;
+  a.count = list.count;
+  a.capacity = list.capacity;
+  a.max_count = list.max_count;
+  a.errors = errors;
+  return a;
+}
+
+}  // namespace
+
+absl::Status CudaBackend::PlanKeptRows(const KeptRowsPlan& p) {
+  IG_RETURN_IF_ERROR(CheckKeptRowsPlan(p));
+  return Check(cuda::PlanKeptRows(KeptRowsArgsOf(p.kept, p.list, p.errors), p.keep, p.move_slots,
+                                  p.move_rows, p.move_counts, p.workspace, S(stream_)),
+               "PlanKeptRows");
+}
+
+absl::Status CudaBackend::MapKeptRows(const KeptRowsMap& m) {
+  IG_RETURN_IF_ERROR(CheckKeptRowsMap(m));
+  return Check(cuda::MapKeptRows(KeptRowsArgsOf(m.kept, m.list, m.errors), m.head_rows,
+                                 m.current_slot, m.current_row, m.miss_row, m.miss_capacity, m.out,
+                                 m.miss_slots, m.miss_counts, S(stream_)),
+               "MapKeptRows");
 }
 
 absl::StatusOr<Weight> CudaBackend::UploadWeight(const float* host, int64_t rows, int64_t cols) {

@@ -45,6 +45,8 @@ class CudaBackend final : public Backend {
   // One kernel over the batch's lists, reading the registered arena by its device alias; the
   // tables, slots and counts never leave the device.
   absl::Status GatherBlockRows(const BlockRowsGather& g) override;
+  absl::Status PlanKeptRows(const KeptRowsPlan& p) override;
+  absl::Status MapKeptRows(const KeptRowsMap& m) override;
   // The side queue is a second stream (made at the first fork), ordered by events.
   absl::Status ForkSideQueue() override;
   absl::Status JoinSideQueue() override;

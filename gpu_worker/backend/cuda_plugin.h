@@ -28,7 +28,8 @@ inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // Bumped whenever Backend's or StoredWeight's virtual functions or Weight's layout change (2:
 // ScratchBytes; 3: StoredWeight::ToQ6_K, PartEnds and Rows, Weight::segments; 4:
 // StoredWeight::ConvertsToQ5_0 and ConvertsToQ4_0; 5: GatherBlockRows; 6: ForkSideQueue,
-// JoinSideQueue, BlockRowsGather::on_side_queue).
-inline constexpr int kCudaPluginAbi = 7;
+// JoinSideQueue, BlockRowsGather::on_side_queue; 7: BlockRowsGather::dst_rows; 8: PlanKeptRows,
+// MapKeptRows, BlockRowsGather::list_counts, DecodeAttentionItem::count).
+inline constexpr int kCudaPluginAbi = 8;
 
 }  // namespace infinigen

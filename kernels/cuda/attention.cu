@@ -137,9 +137,11 @@ __global__ void DecodeKernel(DecodeAttention a, int rows_per_split, int splits) 
     if (split >= seq->splits) return;
     rows_per_split = seq->rows_per_split;
   }
-  const int64_t count = seq != nullptr                  ? seq->num_rows
-                        : a.num_rows_per_seq != nullptr ? a.num_rows_per_seq[b]
-                                                        : a.num_rows;
+  const int64_t count =
+      seq != nullptr
+          ? (seq->count != nullptr ? Max64(0, Min64(*seq->count, seq->num_rows)) : seq->num_rows)
+      : a.num_rows_per_seq != nullptr ? a.num_rows_per_seq[b]
+                                      : a.num_rows;
   const int64_t total = count + (a.k_cur != nullptr ? 1 : 0);
   const int64_t begin = static_cast<int64_t>(split) * rows_per_split;
   const int64_t end = Min64(total, begin + rows_per_split);

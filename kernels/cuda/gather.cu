@@ -29,10 +29,14 @@ template <typename V>
 __global__ void GatherKernel(Gather g, int64_t rows_per_block) {
   const int head = blockIdx.y, b = blockIdx.z;
   const bool by_table = g.tables != nullptr;
-  int64_t count = g.counts != nullptr ? g.counts[b] : g.count;
+  const int64_t list_index = static_cast<int64_t>(b) * g.num_kv_heads + head;
+  int64_t count = g.list_counts != nullptr ? g.list_counts[list_index]
+                  : g.counts != nullptr    ? g.counts[b]
+                                           : g.count;
   const int64_t bound = g.max_count > 0 ? g.max_count : g.count;
   if (count > bound) {  // the grid stops at the bound: rows past it are not gathered
-    if (by_table && g.errors != nullptr && head == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    if (by_table && g.errors != nullptr && (head == 0 || g.list_counts != nullptr) &&
+        blockIdx.x == 0 && threadIdx.x == 0) {
       atomicAdd(g.errors, 1);
     }
     count = bound;

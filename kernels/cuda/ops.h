@@ -93,6 +93,9 @@ struct DecodeSeq {
   void* out = nullptr;
   int64_t head_stride = 0, index_head_stride = 0;
   int32_t num_rows = 0, splits = 1, rows_per_split = 1;
+  // The rows attended, in device memory: min(*count, num_rows) (null: num_rows); the split is
+  // num_rows's, so that it is known when the launch is made.
+  const int32_t* count = nullptr;
 };
 
 // Decode attention of one query row per sequence over a list of rows per KV head, plus
@@ -212,7 +215,8 @@ struct Gather {
   int64_t src_seq_stride = 0, src_head_stride = 0;  // bytes
   const int32_t* indices = nullptr;
   int64_t index_capacity = 0;
-  const int32_t* counts = nullptr;  // [batch]; null: `count` rows for every sequence
+  const int32_t* counts = nullptr;       // [batch]; null: `count` rows for every sequence
+  const int32_t* list_counts = nullptr;  // [batch * num_kv_heads], instead of counts
   int64_t count = 0;
   int64_t max_count = 0;  // bound of the counts (sizes the launch); 0 means count
   void* dst = nullptr;
@@ -246,6 +250,28 @@ cudaError_t GatherRowTable(const void* const* rows, int64_t n, int64_t row_bytes
 cudaError_t ScatterRows(const void* src, int64_t src_seq_stride, int batch, int num_kv_heads,
                         int64_t row_bytes, const int32_t* rows, void* dst, int64_t dst_seq_stride,
                         int64_t dst_head_stride, cudaStream_t stream);
+
+// ---- rows kept between steps (kept_rows.cu) ----
+
+// The backend's KeptRowsPlan and KeptRowsMap (gpu_worker/backend/backend.h says what they do),
+// one thread block per KV head. Lists: head g's first min(*count, max_count) (count null:
+// max_count) of slots + g * capacity (slots null: 0, 1, ...).
+struct KeptRowsArgs {
+  int num_kv_heads = 0;
+  int32_t* row_of = nullptr;
+  int64_t map_capacity = 0;
+  int32_t* slot_of = nullptr;
+  int64_t rows = 0;
+  const int32_t* slots = nullptr;
+  const int32_t* count = nullptr;
+  int64_t capacity = 0, max_count = 0;
+  int32_t* errors = nullptr;
+};
+cudaError_t PlanKeptRows(const KeptRowsArgs& k, bool keep, int32_t* move_slots, int32_t* move_rows,
+                         int32_t* move_counts, int32_t* workspace, cudaStream_t stream);
+cudaError_t MapKeptRows(const KeptRowsArgs& k, int64_t head_rows, int64_t current_slot,
+                        int64_t current_row, int64_t miss_row, int64_t miss_capacity, int32_t* out,
+                        int32_t* miss_slots, int32_t* miss_counts, cudaStream_t stream);
 
 // ---- sampling (sampling.cu) ----
 

@@ -14,6 +14,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -364,6 +365,190 @@ TEST_P(CudaBackendOps, DecodeAttentionOfABatchEqualsEachAloneBitForBit) {
   EXPECT_LE(used.copies_to_device, 1) << "the descriptors, once";
   for (size_t b = 0; b < items.size(); ++b) {
     EXPECT_EQ(Down(items[b].out), Down(alone[b])) << "sequence " << b;
+  }
+}
+
+// Decode attention whose row counts lie in device memory (a choice made there) against the
+// same lists cut to their counts on the host: one launch, no wait, and within the dtype's
+// tolerance of the packed lists' attention (the split is the bound's, not the count's).
+TEST_P(CudaBackendOps, DecodeAttentionOverDeviceCountsIsThePackedListsAttention) {
+  const int heads = 32, kv_heads = 8, head_dim = 128;
+  const int64_t qd = heads * head_dim, stored = 5000, bound = 1500;
+  const AttentionShape shape{heads, kv_heads, head_dim, 1.0f / std::sqrt(128.0f)};
+  auto k = Random(kv_heads * stored * head_dim), v = Random(kv_heads * stored * head_dim);
+  MatView kg = Up(k, kv_heads * stored, head_dim), vg = Up(v, kv_heads * stored, head_dim);
+  const KvView kk{kg.data, dtype(), stored * head_dim, head_dim};
+  const KvView vv{vg.data, dtype(), stored * head_dim, head_dim};
+  std::vector<DecodeAttentionItem> items;
+  std::vector<MatView> want;
+  for (int32_t n : {1, 700, 1500, 0, 2000}) {
+    std::vector<int32_t> lists(kv_heads * bound), packed;
+    for (int32_t& r : lists) r = static_cast<int32_t>(rng_() % stored);
+    const int64_t rows = std::clamp<int64_t>(n, 0, bound);
+    for (int g = 0; g < kv_heads; ++g) {
+      packed.insert(packed.end(), lists.begin() + g * bound, lists.begin() + g * bound + rows);
+    }
+    DecodeAttentionItem it;
+    it.q = Up(Random(qd, 2.0f), 1, qd);
+    it.k = kk;
+    it.v = vv;
+    it.indices = UpRaw(lists);
+    it.num_rows = bound;
+    it.count = UpRaw(std::vector<int32_t>{n});
+    it.out = Zeros(1, qd);
+    items.push_back(it);
+    want.push_back(Zeros(1, qd));
+    if (rows > 0) {
+      ASSERT_TRUE(
+          gpu_->AttentionDecode(it.q, kk, vv, UpRaw(packed), rows, shape, want.back()).ok());
+    }
+  }
+  const BackendCounters before = gpu_->counters();
+  ASSERT_TRUE(gpu_->AttentionDecodeBatch(items, shape).ok());
+  const BackendCounters used = gpu_->counters() - before;
+  EXPECT_EQ(used.synchronizations + used.copies_to_host, 0) << "queued: no wait";
+  for (size_t b = 0; b < items.size(); ++b) {
+    SCOPED_TRACE(b);
+    ExpectNear(Down(items[b].out), Down(want[b]));
+  }
+}
+
+// PlanKeptRows and MapKeptRows on the device against the CPU's plain loops, over several steps
+// of overlapping lists longer than a thread block (so that the prefix sums carry over chunks),
+// with slots outside the map, lists past the rows and misses past their room: the same rows,
+// moves, counts and errors, bit for bit (both take the lowest free row, in list order).
+TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto made = CudaBackend::Create({0, DType::kBF16});
+  ASSERT_TRUE(made.ok()) << made.status();
+  CudaBackend& gpu = **made;
+  CpuBackend cpu;
+  constexpr int kHeads = 5;
+  constexpr int64_t kSlots = 9000, kRows = 1300, kCap = 1400, kMiss = 40;
+  std::mt19937 rng(21);
+  std::vector<std::unique_ptr<Buffer>> keep_alive;
+  auto up = [&](const std::vector<int32_t>& v) {
+    auto b = gpu.Allocate(std::max<size_t>(4, v.size() * 4));
+    EXPECT_TRUE(b.ok());
+    EXPECT_TRUE(gpu.CopyToDevice(v.data(), (*b)->data(), v.size() * 4).ok());
+    int32_t* p = static_cast<int32_t*>((*b)->data());
+    keep_alive.push_back(std::move(*b));
+    return p;
+  };
+  auto down = [&](const int32_t* p, size_t n) {
+    std::vector<int32_t> v(n);
+    EXPECT_TRUE(gpu.CopyToHost(p, v.data(), n * 4).ok());
+    return v;
+  };
+  std::vector<int32_t> row_of(kHeads * kSlots, -1), slot_of(kHeads * kRows, -1);
+  int32_t* d_row_of = up(row_of);
+  int32_t* d_slot_of = up(slot_of);
+  std::vector<std::vector<int32_t>> last(kHeads);
+  for (int step = 0; step < 12; ++step) {
+    SCOPED_TRACE(step);
+    const int32_t count = step == 5 ? kCap : 900 + static_cast<int32_t>(rng() % 400);
+    std::vector<int32_t> list(kHeads * kCap, -1);
+    for (int g = 0; g < kHeads; ++g) {
+      std::set<int32_t> chosen;
+      for (int32_t s : last[g]) {
+        if (rng() % 10 < 8 && static_cast<int32_t>(chosen.size()) < count) chosen.insert(s);
+      }
+      while (static_cast<int32_t>(chosen.size()) < count) chosen.insert(rng() % kSlots);
+      last[g].assign(chosen.begin(), chosen.end());
+      std::copy(last[g].begin(), last[g].end(), list.begin() + g * kCap);
+    }
+    if (step == 7) list[0] = -3, list[kCap + count - 1] = kSlots + 2;  // outside the map
+    const bool keep = step != 9;
+    // The CPU.
+    std::vector<int32_t> moves(kHeads * kCap, -1), move_rows(kHeads * kCap, -1),
+        move_counts(kHeads, -1), work(kHeads * kRows);
+    int32_t errors = 0;
+    KeptRowsPlan p;
+    p.kept = {kHeads, row_of.data(), kSlots, slot_of.data(), kRows};
+    p.list = {list.data(), &count, kCap, kCap};
+    p.keep = keep;
+    p.move_slots = moves.data();
+    p.move_rows = move_rows.data();
+    p.move_counts = move_counts.data();
+    p.workspace = work.data();
+    p.errors = &errors;
+    ASSERT_TRUE(cpu.PlanKeptRows(p).ok());
+    // The GPU.
+    KeptRowsPlan d = p;
+    d.kept = {kHeads, d_row_of, kSlots, d_slot_of, kRows};
+    d.list = {up(list), up({count}), kCap, kCap};
+    d.move_slots = up(std::vector<int32_t>(kHeads * kCap, -1));
+    d.move_rows = up(std::vector<int32_t>(kHeads * kCap, -1));
+    d.move_counts = up(std::vector<int32_t>(kHeads, -1));
+    d.workspace = up(work);
+    d.errors = up({0});
+    const BackendCounters before = gpu.counters();
+    ASSERT_TRUE(gpu.PlanKeptRows(d).ok());
+    EXPECT_EQ((gpu.counters() - before).synchronizations, 0);
+    const std::vector<int32_t> got_counts = down(d.move_counts, kHeads);
+    EXPECT_EQ(got_counts, move_counts);
+    EXPECT_EQ(down(d.errors, 1)[0], errors);
+    EXPECT_EQ(down(d_row_of, row_of.size()), row_of);
+    EXPECT_EQ(down(d_slot_of, slot_of.size()), slot_of);
+    const std::vector<int32_t> got_moves = down(d.move_slots, moves.size()),
+                               got_rows = down(d.move_rows, moves.size());
+    for (int g = 0; g < kHeads; ++g) {
+      for (int32_t i = 0; i < move_counts[g]; ++i) {
+        ASSERT_EQ(got_moves[g * kCap + i], moves[g * kCap + i]) << g << " " << i;
+        ASSERT_EQ(got_rows[g * kCap + i], move_rows[g * kCap + i]) << g << " " << i;
+      }
+    }
+    // A choice: most of the list, the current token, and slots not kept.
+    std::vector<int32_t> choice(kHeads * kCap, -1);
+    const int32_t current = kSlots - 1;
+    for (int g = 0; g < kHeads; ++g) {
+      std::set<int32_t> c;
+      for (int32_t j = 0; j < count; ++j) {
+        if (rng() % 4 != 0) c.insert(list[g * kCap + j]);
+      }
+      for (int m = 0; m < (step % 3) * 30; ++m) c.insert(rng() % kSlots);
+      c.insert(current);
+      std::vector<int32_t> v(c.begin(), c.end());
+      v.resize(std::min<size_t>(v.size(), kCap));
+      std::copy(v.begin(), v.end(), choice.begin() + g * kCap);
+    }
+    const int32_t choice_count = 800;
+    std::vector<int32_t> out(kHeads * kCap, -1), miss_slots(kHeads * kCap, -1),
+        miss_counts(kHeads, -1);
+    int32_t map_errors = 0;
+    KeptRowsMap m;
+    m.kept = p.kept;
+    m.list = {choice.data(), &choice_count, kCap, kCap};
+    m.head_rows = kRows;
+    m.current_slot = current;
+    m.current_row = kHeads * kRows;
+    m.miss_row = kHeads * kRows + kHeads;
+    m.miss_capacity = kMiss;
+    m.out = out.data();
+    m.miss_slots = miss_slots.data();
+    m.miss_counts = miss_counts.data();
+    m.errors = &map_errors;
+    ASSERT_TRUE(cpu.MapKeptRows(m).ok());
+    KeptRowsMap dm = m;
+    dm.kept = d.kept;
+    dm.list = {up(choice), up({choice_count}), kCap, kCap};
+    dm.out = up(std::vector<int32_t>(kHeads * kCap, -1));
+    dm.miss_slots = up(std::vector<int32_t>(kHeads * kCap, -1));
+    dm.miss_counts = up(std::vector<int32_t>(kHeads, -1));
+    dm.errors = up({0});
+    ASSERT_TRUE(gpu.MapKeptRows(dm).ok());
+    EXPECT_EQ(down(dm.miss_counts, kHeads), miss_counts);
+    EXPECT_EQ(down(dm.errors, 1)[0], map_errors);
+    const std::vector<int32_t> got_out = down(dm.out, out.size()),
+                               got_miss = down(dm.miss_slots, out.size());
+    for (int g = 0; g < kHeads; ++g) {
+      for (int32_t j = 0; j < choice_count; ++j) {
+        ASSERT_EQ(got_out[g * kCap + j], out[g * kCap + j]) << g << " " << j;
+      }
+      for (int32_t i = 0; i < miss_counts[g]; ++i) {
+        ASSERT_EQ(got_miss[g * kCap + i], miss_slots[g * kCap + i]) << g << " " << i;
+      }
+    }
   }
 }
 

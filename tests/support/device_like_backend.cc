@@ -154,7 +154,8 @@ absl::Status DeviceLikeCpuBackend::AttentionDecodeBatch(std::span<const DecodeAt
   for (const DecodeAttentionItem& it : items) {
     const bool in_place = it.k.rows != nullptr;  // row tables into host memory: not a device's
     if (!Owns(it.q.data) || !Owns(it.out.data) || in_place || !Owns(it.k.data) ||
-        !Owns(it.v.data) || (it.indices != nullptr && !Owns(it.indices))) {
+        !Owns(it.v.data) || (it.indices != nullptr && !Owns(it.indices)) ||
+        (it.count != nullptr && !Owns(it.count))) {
       return absl::InvalidArgumentError("AttentionDecodeBatch: memory outside the backend's");
     }
   }
@@ -166,10 +167,17 @@ absl::Status DeviceLikeCpuBackend::AttentionDecodeBatch(std::span<const DecodeAt
 absl::Status DeviceLikeCpuBackend::RunBlockRows(const BlockRowsGather& g) {
   IG_RETURN_IF_ERROR(CpuBackend::GatherBlockRows(g));
   int64_t rows = 0;
+  auto rows_of = [&g](int32_t count) {
+    return std::min<int64_t>(std::max<int64_t>(count, 0), g.max_count);
+  };
   for (int b = 0; b < g.batch; ++b) {
-    rows += g.num_kv_heads * (g.counts != nullptr
-                                  ? std::min<int64_t>(std::max(g.counts[b], 0), g.max_count)
-                                  : g.max_count);
+    if (g.list_counts != nullptr) {
+      for (int h = 0; h < g.num_kv_heads; ++h)
+        rows += rows_of(g.list_counts[b * g.num_kv_heads + h]);
+    } else {
+      rows += g.counts != nullptr ? g.num_kv_heads * rows_of(g.counts[b])
+                                  : g.num_kv_heads * g.max_count;
+    }
   }
   rows_gathered_ += rows;
   return absl::OkStatus();
