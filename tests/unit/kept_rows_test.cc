@@ -16,6 +16,7 @@
 
 #include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/kv/row_reuse.h"
+#include "tests/support/slot_lists.h"
 
 namespace infinigen {
 namespace {
@@ -23,18 +24,7 @@ namespace {
 constexpr int kHeads = 3;
 constexpr int64_t kRows = 40, kSlots = 200, kCapacity = 45;
 
-// A head's ascending list of `count` slots below `stored`, sharing about `keep` of `last`.
-std::vector<int32_t> NextList(const std::vector<int32_t>& last, int64_t count, int64_t stored,
-                              double keep, std::mt19937& rng) {
-  std::set<int32_t> chosen;
-  std::bernoulli_distribution stays(keep);
-  for (int32_t s : last) {
-    if (static_cast<int64_t>(chosen.size()) < count && s < stored && stays(rng)) chosen.insert(s);
-  }
-  std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(stored - 1));
-  while (static_cast<int64_t>(chosen.size()) < count) chosen.insert(any(rng));
-  return {chosen.begin(), chosen.end()};
-}
+using testing::NextList;
 
 struct Kept {
   std::vector<int32_t> row_of = std::vector<int32_t>(kHeads * kSlots, -1);
