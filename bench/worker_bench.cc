@@ -18,13 +18,14 @@
 // and none for other policies) instead of the resident cache
 // (--kv resident, the all-on-device baseline); --kv-row-reuse true|false (with InfiniGen over
 // the store where the GPU gathers: each sequence keeps its last prefetched rows on the device,
-// the worker's default) and a `link` row per case: KV MiB moved over the link and read where the
-// device kept them, per generated token, and the reused fraction; --prefill-budget sets the
-// engine's prompt tokens per step (a whole long prompt in one step: its K/V are not read back).
-// Each case starts `streams` requests at once (random prompt ids, greedy, EOS ignored) and
-// waits for all; tokens/s = generated tokens / wall time of the case; TPOT = the gaps between
-// consecutive tokens of a stream after its first, over all streams (p50, p99). One markdown row
-// per case.
+// the worker's default; --kv-device-plan true|false: those rows planned on the GPU, no wait
+// between layers, the worker's default, or on the host) and a `link` row per case: KV MiB moved
+// over the link and read where the device kept them, per generated token, and the reused fraction;
+// --prefill-budget sets the engine's prompt tokens per step (a whole long prompt in one step: its
+// K/V are not read back). Each case starts `streams` requests at once (random prompt ids, greedy,
+// EOS ignored) and waits for all; tokens/s = generated tokens / wall time of the case; TPOT = the
+// gaps between consecutive tokens of a stream after its first, over all streams (p50, p99). One
+// markdown row per case.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -232,7 +233,7 @@ int main(int argc, char** argv) {
   std::string target, local, random, streams_list = "1,4,16", policy, label, cpu_weights = "q8";
   std::string device = "cpu", cuda_dtype = "bf16", kv = "resident", cpu_kv = "f32";
   int64_t prompt = 128, new_tokens = 64, threads = 0, kv_capacity_mb = 4096, prefill_budget = 256;
-  bool kv_device_gather = true, kv_row_reuse = true;
+  bool kv_device_gather = true, kv_row_reuse = true, kv_device_plan = true;
   int64_t kv_resident_layers = -1;  // -1: as the worker (InfiniGen's dense layers on a GPU)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -270,6 +271,8 @@ int main(int argc, char** argv) {
       kv_device_gather = v == "true" || v == "1";
     else if (k == "--kv-row-reuse")
       kv_row_reuse = v == "true" || v == "1";
+    else if (k == "--kv-device-plan")
+      kv_device_plan = v == "true" || v == "1";
     else if (k == "--kv-resident-layers")
       (void)absl::SimpleAtoi(v, &kv_resident_layers);
     else if (k == "--prefill-budget")
@@ -361,6 +364,7 @@ int main(int argc, char** argv) {
       WorkerConfig as_worker;
       if (kv_row_reuse && policy == "infinigen") {
         options.reuse_rows = ReuseRowsFor(as_worker.Selection(true));
+        options.plan_on_device = kv_device_plan;
       }
       options.device_resident_layers =
           kv_resident_layers >= 0 ? static_cast<int>(kv_resident_layers)

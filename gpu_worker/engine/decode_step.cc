@@ -94,13 +94,13 @@ absl::Status DecodeStep::LaunchChoices(Choices& c, int layer, bool prefetch) {
   // A copy of a step that failed before its wait must land before c.host is reused.
   if (c.launched) IG_RETURN_IF_ERROR(model_.backend().Synchronize());
   c.launched = false;
+  const size_t n = batch_.size();
+  c.result.assign(n, BackendChoiceResult::kNone);  // (what each chunk's choice did, read later)
   if (c.chunks.empty()) return absl::OkStatus();
   Backend& backend = model_.backend();
   const int64_t kv_heads = model_.config().num_kv_heads;
-  const size_t n = batch_.size();
   c.at.resize(n);
   c.capacity.resize(n);
-  c.result.assign(n, BackendChoiceResult::kNone);
   int64_t total = 0;
   for (size_t b : c.chunks) {
     const int64_t stored = prefetch ? c.rows[b] : c.rows[b] - 1;
@@ -127,7 +127,9 @@ absl::Status DecodeStep::LaunchChoices(Choices& c, int layer, bool prefetch) {
     if (!result.ok()) Fail(b, result.status());
     c.launched = c.launched || c.result[b] == BackendChoiceResult::kLaunched;
   }
-  if (c.launched) {  // one copy for every chunk's choice, done at the next wait
+  if (device_plan_) {
+    c.launched = false;     // read where they lie (decode_step_device_plan.cc): nothing to copy
+  } else if (c.launched) {  // one copy for every chunk's choice, done at the next wait
     c.host.resize(static_cast<size_t>(total));
     IG_RETURN_IF_ERROR(backend.CopyToHostLater(device, c.host.data(), total * sizeof(int32_t)));
   }
@@ -250,6 +252,7 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
     if (per_chunk.size() < batch.size()) per_chunk.resize(batch.size());
     for (Prefetched& p : per_chunk) p.layer = -1;
   }
+  device_plan_ = DevicePlanFits(batch) && streamed_->BeginAppendStep(num_tokens_);
   if (speculating_) {
     const size_t e = DTypeSize(backend.activation_dtype());
     const int64_t m = num_spec_rows_;
@@ -272,11 +275,16 @@ absl::Status DecodeStep::Forward(std::span<const ForwardChunk> batch, std::span<
   profiling_ = !batch.empty() && static_cast<int64_t>(batch.size()) >= profile_min_batch() &&
                std::all_of(batch.begin(), batch.end(),
                            [](const ForwardChunk& c) { return c.tokens.size() == 1; });
+  device_plan_ = false;
+  absl::Cleanup end_plan = [this] {
+    if (device_plan_) EndDevicePlan();
+  };
   IG_RETURN_IF_ERROR(Plan(batch));
   // Layer 0's rows start moving before the embedding; every later layer's during the one
   // before it.
   if (streamed_ != nullptr && num_tokens_ > 0) IG_RETURN_IF_ERROR(Prefetch(0));
   IG_RETURN_IF_ERROR(model_.Forward(model_chunks_, *this, logits));
+  if (device_plan_) EndDevicePlan();  // before the profile: its store calls are the step's
   completed_ = true;
   if (profiling_) {
     profile_.steps += 1;
@@ -480,9 +488,16 @@ absl::Status DecodeStep::PrefetchEnd(int next_layer) {
   const int64_t kv_heads = model_.config().num_kv_heads;
   if (!cache.addresses_only()) {
     ScopedTiming timing(Timing(&StepProfile::preselect));
-    CollectChoices(preselect_, [&](size_t b) -> Selection& { return chunks_[b].candidates; });
+    // Planned on the device: only what the policies said at launch (every row, none); the
+    // launched choices stay where they are.
+    if (!device_plan_) {
+      CollectChoices(preselect_, [&](size_t b) -> Selection& { return chunks_[b].candidates; });
+    }
     for (size_t b : preselect_.chunks) {
       if (preselect_.result[b] == BackendChoiceResult::kNone) chunks_[b].fetch = false;
+      if (device_plan_ && preselect_.result[b] == BackendChoiceResult::kAll) {
+        chunks_[b].candidates.all = true;
+      }
     }
   }
   ScopedTiming timing(Timing(&StepProfile::prefetch));  // ends after the submission below
@@ -493,6 +508,15 @@ absl::Status DecodeStep::PrefetchEnd(int next_layer) {
     ChunkWork& w = chunks_[b];
     if (!w.fetch || Failed(b)) continue;
     Prefetched& pre = prefetched_[next_layer % 2][b];
+    pre.on_device = false;
+    if (device_plan_) {
+      absl::StatusOr<bool> planned = PrefetchOnDevice(b, next_layer, w.stored);
+      if (!planned.ok()) {
+        FailKv(b, next_layer, planned.status());
+        continue;
+      }
+      if (*planned) continue;
+    }
     if (w.candidates.all) {  // dense: every stored row, in slot order
       EverySlot(kv_heads, w.stored, pre.slots);
       pre.count = w.stored;

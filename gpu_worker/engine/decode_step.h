@@ -182,6 +182,28 @@ class DecodeStep final : private LayerAttention {
     return batch_[b].policy != nullptr && batch_[b].policy->chooses_on_backend();
   }
   bool Failed(size_t b) const { return !chunk_status_[b].ok(); }
+  // A step planned on the device (decode_step_device_plan.cc): every chunk a decode token whose
+  // policy chooses in backend memory, over a cache that plans the rows of every layer those
+  // policies choose at (StreamedKvCache::PlansOnDevice) and holds the step's appends until its
+  // end. Then no choice is read on the host and nothing waits between the layers: the one wait
+  // is the logits'.
+  bool DevicePlanFits(std::span<const ForwardChunk> batch) const;
+  // PrefetchEnd's part for a step planned on the device: chunk b's rows of `next_layer` (its
+  // choice where the backend launched one, else every stored row) started there; false when
+  // the cache cannot plan them there (a dense layer longer than its kept rows): the host
+  // prefetches them.
+  absl::StatusOr<bool> PrefetchOnDevice(size_t b, int next_layer, int64_t stored);
+  // Pass 2 of such a step for decode chunk b: its rows found where the device keeps them (its
+  // choice mapped there, or every row), the current token's written after them, and its
+  // attention queued over the count in backend memory. false: not prefetched on the device
+  // (the host's path runs).
+  absl::StatusOr<bool> AttendOnDevice(size_t b, int layer, MatView q, MatView k, MatView v,
+                                      MatView out);
+  // After the logits' wait: the held appends go to the store and each sequence's plans are
+  // counted (a plan that did not fit fails its chunk).
+  void EndDevicePlan();
+  // Chunk b's choice of `layer` in backend memory, as the cache reads it.
+  DeviceSlotList DeviceChoice(const Choices& c, size_t b) const;
   // The phase of profile_ to add a scope's time to; null when this step is not profiled.
   double* Timing(double StepProfile::*phase) { return profiling_ ? &(profile_.*phase) : nullptr; }
   // Chunk b fails with `status` (its first failure is kept).
@@ -240,7 +262,8 @@ class DecodeStep final : private LayerAttention {
   struct Prefetched {
     int layer = -1;
     int64_t count = 0;
-    bool dense = false;  // every stored row (slots 0, 1, ...)
+    bool dense = false;      // every stored row (slots 0, 1, ...)
+    bool on_device = false;  // planned there (PrefetchOnDevice): slots and map unused
     std::vector<int32_t> slots;
     std::vector<int32_t> map;  // the selection's rows as rows of the prefetched staging
   };
@@ -265,6 +288,7 @@ class DecodeStep final : private LayerAttention {
   bool profiling_ = false;  // the current batch is decode tokens only, and large enough
   std::atomic<int64_t> profile_min_batch_{1};
   bool speculating_ = false;      // some chunk of the current batch speculates
+  bool device_plan_ = false;      // the current step is planned on the device (DevicePlanFits)
   int spec_layer_[2] = {-1, -1};  // the layer whose partial queries spec_q_[parity] holds
 };
 

@@ -154,8 +154,10 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     IG_RETURN_IF_ERROR(backend.Synchronize());
   }
   select_.launched = preselect_.launched = false;  // their copies are done
-  cache_.EndAppendLayer();                         // (waits itself where nothing above did)
-  CollectChoices(select_, [&](size_t b) -> Selection& { return selections_[b]; });
+  if (!device_plan_) {
+    cache_.EndAppendLayer();  // (waits itself where nothing above did)
+    CollectChoices(select_, [&](size_t b) -> Selection& { return selections_[b]; });
+  }
   timing.reset();
   if (prefetch_next) IG_RETURN_IF_ERROR(PrefetchEnd(layer + 1));
 
@@ -167,8 +169,10 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     const ForwardChunk& chunk = batch[b];
     const Selection& selection = selections_[b];
     const int32_t* slots = host_slots_.data() + rows_[b] * kv_heads;
-    if (chunk.tokens.size() != 1 || Failed(b) || MapPrefetched(b, layer, selection, slots)) {
-      continue;
+    if (chunk.tokens.size() != 1 || Failed(b) || prefetched_[layer % 2][b].on_device ||
+        (device_plan_ && select_.result[b] == BackendChoiceResult::kLaunched) ||
+        MapPrefetched(b, layer, selection, slots)) {
+      continue;  // (planned on the device: pass 2 maps it there)
     }
     // Nothing prefetched, or the selection left the candidates: fetch exactly it now.
     absl::Status st;
@@ -200,7 +204,9 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   for (size_t b = 0; b < batch.size(); ++b) {
     if (batch[b].tokens.size() != 1 || Failed(b)) continue;
     const std::vector<int32_t>* list = nullptr;
-    if (streamed_ != nullptr && prefetched_[layer % 2][b].layer == layer) {
+    if (streamed_ != nullptr && prefetched_[layer % 2][b].on_device) {
+      continue;
+    } else if (streamed_ != nullptr && prefetched_[layer % 2][b].layer == layer) {
       list = &prefetched_[layer % 2][b].map;
     } else if (resident_ != nullptr && !selections_[b].all) {
       list = &selections_[b].indices;
@@ -236,6 +242,11 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     const int64_t row = rows_[b];
     const Selection& selection = selections_[b];
     if (Failed(b)) continue;  // its rows of `out` stay as they are; no other row reads them
+    if (device_plan_ && len == 1) {
+      absl::StatusOr<bool> done = AttendOnDevice(b, layer, q, k, v, out);
+      if (!done.ok()) FailKv(b, layer, done.status());
+      if (!done.ok() || *done) continue;
+    }
     if (len > 1 && chunk.start == 0 && streamed_ != nullptr && k.dtype == kv_dtype) {
       // A whole prompt in one chunk: its K/V are the activations; no need to read them back.
       const KvView kk{k.Rows(row, len).data, k.dtype, c.head_dim, k.stride};
@@ -332,8 +343,12 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
                                        out.Rows(row, 1)));
     }
   }
-  if (decode_items_.empty()) return absl::OkStatus();
-  return backend.AttentionDecodeBatch(decode_items_, shape);
+  if (!decode_items_.empty()) {
+    IG_RETURN_IF_ERROR(backend.AttentionDecodeBatch(decode_items_, shape));
+  }
+  // Planned on the device: the plans' counts come back with the logits (the step's one wait).
+  if (device_plan_ && layer + 1 == c.num_layers) IG_RETURN_IF_ERROR(streamed_->QueueDeviceCounts());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<KvLayerView> DecodeStep::TimedFetch(SequenceId seq, int layer) {

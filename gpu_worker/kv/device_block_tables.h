@@ -14,6 +14,7 @@
 // thread) and read after its ticket is done.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -40,6 +41,10 @@ class DeviceBlockTables {
            static_cast<size_t>((rows + rows_per_block - 1) / rows_per_block) * sizeof(int32_t);
   }
   int64_t capacity() const { return capacity_; }
+  // Blocks per KV head of `layer` the store has answered (and the tables hold).
+  int64_t held_blocks(int layer) const {
+    return current_ == nullptr ? 0 : std::min(current_->blocks[layer], capacity_);
+  }
   bool on_device() const { return device_ != nullptr; }
 
   // Room for `rows` rows in every layer, on the device too: allocated now when the tables have

@@ -214,6 +214,40 @@ class StreamedKvCache : public KvCache {
   // tables): then prefetching every stored row costs next to nothing, and a decode step need
   // not guess the selection before the layer.
   virtual bool addresses_only() const { return false; }
+
+  // Rows planned where the choice of them lies (a GPU's memory; Backend::PlanKeptRows): a
+  // decode step that never reads its choices on the host. Whether `seq`'s `layer` is planned so
+  // (the other layers take Prefetch and Fetch).
+  virtual bool PlansOnDevice(SequenceId seq, int layer) const { return false; }
+  // Starts moving `list` (slots and count in backend memory, or every slot) of `layer` into the
+  // rows the sequence keeps for it: only the slots not kept from before cross the link, queued
+  // on the backend's side queue. Nothing waits.
+  virtual absl::Status PrefetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& list) {
+    return absl::UnimplementedError("this KV cache plans no rows on the device");
+  }
+  // The rows of `choice` (in backend memory, current_slot the decode token's own) as attention
+  // reads them: `kv`'s rows, listed per head by `indices` (backend memory, [num_kv_heads,
+  // choice.capacity]; the current token at the row after every head's, kv_heads * (head_stride /
+  // row_stride) + g, for the caller to write); choices not kept are gathered into rows of their
+  // own first. Valid until the next call for (seq, layer).
+  struct DeviceRows {
+    KvLayerView kv;
+    const int32_t* indices = nullptr;
+  };
+  virtual absl::StatusOr<DeviceRows> FetchOnDevice(SequenceId seq, int layer,
+                                                   const DeviceSlotList& choice,
+                                                   int64_t current_slot) {
+    return absl::UnimplementedError("this KV cache plans no rows on the device");
+  }
+  // The step's plans' counts (rows moved, misses, errors) start their copy to the host, done at
+  // the backend's next wait (the step's logits); SettleOnDevice(seq) then counts them and says
+  // whether every plan of `seq` fit (INTERNAL when not: its attention read a wrong row).
+  virtual absl::Status QueueDeviceCounts() { return absl::OkStatus(); }
+  virtual absl::Status SettleOnDevice(SequenceId seq) { return absl::OkStatus(); }
+  // The appends of several layers (a decode step's, of at most `tokens` tokens) held from
+  // BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. false where the
+  // cache cannot (then each layer's Begin needs its End).
+  virtual bool BeginAppendStep(int64_t tokens) { return false; }
 };
 
 }  // namespace infinigen

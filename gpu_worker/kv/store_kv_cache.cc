@@ -25,6 +25,8 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
         std::make_unique<ResidentLayers>(backend, shape, options.device_resident_layers);
   }
   reuse_first_layer_ = device_resident_layers();
+  device_plans_ = device_gathers_ && options.plan_on_device && !options.pool &&
+                  options.reuse_rows != nullptr && reuse_first_layer_ < shape.num_layers;
 }
 
 StoreKvCache::~StoreKvCache() {
@@ -93,8 +95,15 @@ size_t StoreKvCache::StagingBytes(int64_t capacity_tokens) const {
 
 size_t StoreKvCache::BackendBytesFor(int64_t capacity_tokens) const {
   const int64_t capacity = std::max<int64_t>(capacity_tokens, 0);
-  size_t bytes = 2 * StagingBytes(capacity) + GatherTableBytes(capacity) +
-                 ReuseBufferBytes(ReuseRows(capacity));
+  const int64_t reused = ReuseRows(capacity);
+  size_t bytes = 2 * StagingBytes(capacity) + GatherTableBytes(capacity) + ReuseBufferBytes(reused);
+  if (device_plans_ && reused > 0) {  // the device's bookkeeping (store_kv_cache_device_plan.cc)
+    const size_t layers = static_cast<size_t>(shape_.num_layers - reuse_first_layer_);
+    const size_t heads = static_cast<size_t>(shape_.num_kv_heads);
+    const size_t r = static_cast<size_t>(reused);
+    bytes += sizeof(int32_t) * (layers * heads * (static_cast<size_t>(capacity) + 1 + r) +
+                                heads * (4 * (r + 1) + r + 2 * (r + 1)) + 2 * layers * heads + 1);
+  }
   if (resident_layers_ != nullptr) {
     bytes += ResidentLayers::BytesPerToken(shape_, resident_layers_->layers()) *
              static_cast<size_t>(capacity);
@@ -167,6 +176,7 @@ void StoreKvCache::KeepSpareStaging(Sequence& s) {
     spare_reuse_.push_back(std::move(s.reuse_buffer));
   }
   s.reuse_buffer.reset();
+  s.kept.reset();  // made again with the buffer (OpenReuse)
   if (s.reused != nullptr) s.reused->ForgetAll();
 }
 
@@ -359,7 +369,7 @@ void StoreKvCache::AppendLayer(int layer, std::span<const LayerAppend> items,
 
 void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> items,
                                     std::span<absl::Status> statuses) {
-  if (copy_queued_) {
+  if (copy_queued_ && !step_appends_) {
     // A Begin without its End (the step failed between them): the copy into both_ must land
     // before both_ is reused; those rows are dropped (their sequences failed with the step).
     if (backend_.host_copies_done() == later_copy_) backend_.Synchronize().IgnoreError();
@@ -387,8 +397,16 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
       if (append_targets_[i] != nullptr) statuses[i] = st;
     }
   };
+  // Within a step's appends (BeginAppendStep) each layer's rows follow the last's, in room
+  // sized for the step: nothing moves while their copies are queued.
+  const size_t base = step_appends_ ? step_offset_ : 0;
+  if (step_appends_ && packed_bytes > 0 &&
+      (pack_ == nullptr || base + packed_bytes > pack_->size() ||
+       base + packed_bytes > both_.size())) {
+    return fail_all(absl::InternalError("a step's appends outgrew the room BeginAppendStep made"));
+  }
   if (packed_bytes > 0) {
-    if (pack_ == nullptr || pack_->size() < packed_bytes) {
+    if (!step_appends_ && (pack_ == nullptr || pack_->size() < packed_bytes)) {
       // Grows by half at least, so that a batch growing one sequence at a time reallocates
       // rarely; 64 rows at first.
       const size_t old = pack_ == nullptr ? 0 : pack_->size();
@@ -397,7 +415,7 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
       if (!grown.ok()) return fail_all(grown.status());
       pack_ = *std::move(grown);
     }
-    uint8_t* p = static_cast<uint8_t*>(pack_->data());
+    uint8_t* p = static_cast<uint8_t*>(pack_->data()) + base;
     size_t offset = 0;
     for (size_t i = 0; i < items.size(); ++i) {
       const LayerAppend& a = items[i];
@@ -410,14 +428,16 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
       if (!st.ok()) return fail_all(st);
       offset += 2 * n * row;
     }
-    both_.resize(packed_bytes);
-    if (absl::Status st = backend_.CopyToHostLater(p, both_.data(), packed_bytes); !st.ok()) {
+    if (!step_appends_) both_.resize(packed_bytes);
+    if (absl::Status st = backend_.CopyToHostLater(p, both_.data() + base, packed_bytes);
+        !st.ok()) {
       return fail_all(st);
     }
+    if (step_appends_) step_offset_ += packed_bytes;
     later_copy_ = backend_.host_copies_done();
     copy_queued_ = true;
   }
-  size_t offset = 0;
+  size_t offset = base;
   for (size_t i = 0; i < items.size(); ++i) {
     Sequence* s = append_targets_[i];
     if (s == nullptr) continue;
@@ -453,6 +473,8 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
 }
 
 void StoreKvCache::EndAppendLayer() {
+  step_appends_ = false;
+  step_offset_ = 0;
   if (!copy_queued_) return;
   copy_queued_ = false;
   // The rows arrive at the backend's first wait after their copy: the caller's, or this one.

@@ -74,6 +74,13 @@ struct StoreKvCacheOptions {
   // (FetchCounters::bytes_reused). A prefetch listing more rows (a dense read, a larger budget
   // than the function assumed) moves them all, as without reuse. Unset or 0: no reuse.
   std::function<int64_t(int64_t capacity_tokens)> reuse_rows;
+  // With row reuse where the GPU gathers by block table: which rows a layer keeps is planned in
+  // backend memory (Backend::PlanKeptRows) for the layers past the resident ones, so that a
+  // decode step whose choices are made there (InfiniGen on a GPU) prefetches and maps them
+  // without reading them on the host (PrefetchOnDevice, FetchOnDevice). Each layer's buffer
+  // has kMissRows more rows per KV head for a choice's rows not kept; the host's prefetches of
+  // such layers (prefill steps, host policies) move every row into staging instead of reusing.
+  bool plan_on_device = false;
 };
 
 class StoreKvCache final : public StreamedKvCache {
@@ -123,6 +130,17 @@ class StoreKvCache final : public StreamedKvCache {
   absl::StatusOr<bool> HasRoomFor(int64_t tokens) override;
 
   bool addresses_only() const override { return in_place_; }
+  // Rows planned on the device (StoreKvCacheOptions::plan_on_device;
+  // store_kv_cache_device_plan.cc).
+  bool PlansOnDevice(SequenceId seq, int layer) const override;
+  absl::Status PrefetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& list) override;
+  absl::StatusOr<DeviceRows> FetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& choice,
+                                           int64_t current_slot) override;
+  absl::Status QueueDeviceCounts() override;
+  absl::Status SettleOnDevice(SequenceId seq) override;
+  bool BeginAppendStep(int64_t tokens) override;
+  // Rows per KV head a device-planned layer has for a choice's rows not kept.
+  static constexpr int64_t kMissRows = 64;
   // Whether prefetches reach a GPU backend by Backend::GatherBlockRows from registered store
   // memory.
   bool device_gathers() const { return device_gathers_; }
@@ -200,6 +218,18 @@ class StoreKvCache final : public StreamedKvCache {
     // for the caller's extra row). The buffer is dropped when the sequence idles.
     std::unique_ptr<ReusedRows> reused;
     std::unique_ptr<Buffer> reuse_buffer;
+    // ... or, planned on the device (plan_on_device), its bookkeeping there: int32 [layers,
+    // heads, map_capacity] row_of, [layers, heads, rows] slot_of, then two layers in flight's
+    // moves, a plan's workspace, a choice's rows and misses, and the counts (rows moved and
+    // misses per layer and head, errors) with their host copy.
+    struct Kept {
+      std::unique_ptr<Buffer> buffer;
+      int64_t map_capacity = 0, rows = 0;
+      std::vector<int32_t> counts;  // host: moved [layers, heads], missed [layers, heads], errors
+      bool planned = false;         // since the last settle
+      bool queued = false;          // its counts' copy to the host
+    };
+    std::unique_ptr<Kept> kept;
     // Slots stored in `layer`: its length, or in a KV pool the slots in use.
     int64_t Rows(int layer) const { return pool ? pool->rows(layer) : length[layer]; }
   };
@@ -262,6 +292,16 @@ class StoreKvCache final : public StreamedKvCache {
   uint8_t* ReusedV(Sequence& s, int layer) const;
   // Opens s's row reuse for this capacity (its buffer allocated) where options_ ask for it.
   absl::Status OpenReuse(Sequence& s, int64_t capacity_tokens);
+  // Rows per KV head of a layer's reuse buffer for a choice's rows not kept (device planning).
+  int64_t MissRows() const { return device_plans_ ? kMissRows : 0; }
+  // Device planning's state for s (its maps all -1), made or reset when its reuse opens.
+  absl::Status OpenKept(Sequence& s, int64_t capacity_tokens);
+  // Every row of `layer` unknown again (a planned move that did not happen).
+  absl::Status ForgetKept(Sequence& s, int layer);
+  KeptRows KeptOf(Sequence& s, int layer) const;
+  // s's block tables of `layer` cover its first `rows` rows (a store answer of the blocks a layer
+  // gained, asked for alone: once per block_bytes / row_bytes tokens).
+  absl::Status TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows);
   // A reuse prefetch's misses copied by the transport into staging (host memory: a CPU
   // backend), each into its row.
   void PlaceCopiedMisses(Sequence& s, Pending& p);
@@ -313,6 +353,14 @@ class StoreKvCache final : public StreamedKvCache {
   std::vector<LaterAppend> later_appends_;
   uint64_t later_copy_ = 0;   // backend_.host_copies_done() when their copy was queued
   bool copy_queued_ = false;  // ... and not yet ended
+  // BeginAppendStep: the layers' appends accumulate (at these offsets of pack_ and both_) until
+  // EndAppendLayer.
+  bool step_appends_ = false;
+  size_t step_offset_ = 0;
+  bool device_plans_ = false;        // options.plan_on_device where it applies
+  std::vector<SequenceId> planned_;  // sequences planned on the device since the last settle
+  ClientGatherItem table_item_;      // TablesFor's
+  int device_side_layer_ = -1;       // the layer whose device prefetches make the open side batch
 
   Backend& backend_;
   KvCacheShape shape_;

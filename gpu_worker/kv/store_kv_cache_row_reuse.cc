@@ -28,19 +28,19 @@ int64_t StoreKvCache::ReuseRows(int64_t capacity_tokens) const {
 size_t StoreKvCache::ReuseBufferBytes(int64_t rows) const {
   if (rows <= 0) return 0;
   return static_cast<size_t>(shape_.num_layers - reuse_first_layer_) * 2 * shape_.num_kv_heads *
-         static_cast<size_t>(rows + 1) * RowBytes();
+         static_cast<size_t>(rows + 1 + MissRows()) * RowBytes();
 }
 
 uint8_t* StoreKvCache::ReusedK(Sequence& s, int layer) const {
   const size_t one = static_cast<size_t>(shape_.num_kv_heads) *
-                     static_cast<size_t>(s.reused->rows() + 1) * RowBytes();
+                     static_cast<size_t>(s.reused->rows() + 1 + MissRows()) * RowBytes();
   return static_cast<uint8_t*>(s.reuse_buffer->data()) +
          static_cast<size_t>(2 * (layer - reuse_first_layer_)) * one;
 }
 
 uint8_t* StoreKvCache::ReusedV(Sequence& s, int layer) const {
-  return ReusedK(s, layer) +
-         static_cast<size_t>(shape_.num_kv_heads) * (s.reused->rows() + 1) * RowBytes();
+  return ReusedK(s, layer) + static_cast<size_t>(shape_.num_kv_heads) *
+                                 (s.reused->rows() + 1 + MissRows()) * RowBytes();
 }
 
 absl::Status StoreKvCache::OpenReuse(Sequence& s, int64_t capacity_tokens) {
@@ -48,6 +48,7 @@ absl::Status StoreKvCache::OpenReuse(Sequence& s, int64_t capacity_tokens) {
   if (rows == 0) {
     s.reused.reset();
     s.reuse_buffer.reset();
+    s.kept.reset();
     return absl::OkStatus();
   }
   if (s.reused == nullptr || s.reused->rows() != rows) {
@@ -71,6 +72,7 @@ absl::Status StoreKvCache::OpenReuse(Sequence& s, int64_t capacity_tokens) {
   if (s.reuse_buffer == nullptr) {
     IG_ASSIGN_OR_RETURN(s.reuse_buffer, backend_.Allocate(bytes));
   }
+  IG_RETURN_IF_ERROR(OpenKept(s, capacity_tokens));
   const size_t heads = static_cast<size_t>(shape_.num_kv_heads);
   const size_t moves = heads * static_cast<size_t>(2 * rows + 1);
   for (Pending& p : s.pending) {
@@ -87,8 +89,9 @@ absl::Status StoreKvCache::OpenReuse(Sequence& s, int64_t capacity_tokens) {
 absl::StatusOr<bool> StoreKvCache::StartReuse(SequenceId seq, Sequence& s, int layer,
                                               const int32_t* slots, int64_t count,
                                               int64_t extra_rows) {
-  if (s.reused == nullptr || s.reuse_buffer == nullptr || layer < reuse_first_layer_ ||
-      extra_rows > 1) {
+  // (Rows planned on the device are not the host's to place: its prefetches gather apart.)
+  if (s.reused == nullptr || s.reuse_buffer == nullptr || s.kept != nullptr ||
+      layer < reuse_first_layer_ || extra_rows > 1) {
     return false;
   }
   Pending& p = s.pending[layer % 2];

@@ -68,6 +68,11 @@ int main(int argc, char** argv) {
              "ucx: keep each sequence's last prefetched rows of every layer in the backend's "
              "memory, so that a prefetch moves only the rows the last one did not (no KV pool; "
              "docs/worker.md)");
+  flags.Bool("kv-device-plan", &config.kv_device_plan,
+             "With --kv-row-reuse where the GPU gathers from the store's memory: plan the kept "
+             "rows on the GPU, so that InfiniGen's decode steps read no choice on the host and "
+             "wait once a step instead of once a layer (false: the host plans them; "
+             "docs/worker.md)");
   flags.Bool("kv-resident-dense-layers", &config.kv_resident_dense_layers,
              "--device cuda with InfiniGen: keep its dense layers' K/V on the GPU as well as in "
              "the store, so that their every-row reads cross no link (no KV pool)");

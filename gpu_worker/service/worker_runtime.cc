@@ -131,6 +131,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   }
   if (config.kv_row_reuse && selection.policy == PolicyKind::kInfinigen && !cache_options.pool) {
     cache_options.reuse_rows = ReuseRowsFor(selection);
+    cache_options.plan_on_device = config.kv_device_plan;
   }
   EngineConfig engine_config = config.engine;
   {

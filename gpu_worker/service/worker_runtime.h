@@ -36,6 +36,10 @@ struct WorkerConfig {
   // each sequence keeps the rows of its last prefetch of every layer in backend memory, and a
   // prefetch moves only the others (StoreKvCacheOptions::reuse_rows, sized by ReuseRowsFor).
   bool kv_row_reuse = true;
+  // With row reuse where the GPU gathers by block table: the kept rows planned on the device
+  // (StoreKvCacheOptions::plan_on_device), so that InfiniGen's decode steps read no choice on
+  // the host and wait once a step, not once a layer.
+  bool kv_device_plan = true;
   // The KV pool (StoreKvCacheOptions::pool): a sequence's share of tokens in the store,
   // kv_pool_tokens when > 0, else kv_pool x (prompt + max new tokens); both 0: no pool.
   double kv_pool = 0.0;

@@ -18,7 +18,9 @@
 # then copied to the device (what a remote transport does); infinigen keeps its dense layers' K/V
 # on the GPU as the worker does (--kv_resident_dense_layers), infinigen-dense-fetched reads them
 # from the store every step as before; infinigen keeps each sequence's last prefetched rows on
-# the GPU as the worker does (--kv-row-reuse), infinigen-noreuse moves every prefetched row; any mode with "+tiles" appended runs the prefill's
+# the GPU as the worker does (--kv-row-reuse), infinigen-noreuse moves every prefetched row;
+# infinigen plans those rows on the GPU as the worker does (--kv-device-plan: no wait between
+# layers), infinigen-hostplan on the host (a wait a layer); any mode with "+tiles" appended runs the prefill's
 # attention on the tiled CUDA-core kernel instead of cuBLAS GEMMs (the default since lease F;
 # CudaBackendOptions::gemm_causal_attention), "+gemm" through the GEMMs. A second
 # table says where each case's decode steps spent their host time (DecodeStep's profile); its
@@ -64,6 +66,7 @@ for c in $CASES; do
       infinigen-copy) flags=(--kv store --policy infinigen --kv-device-gather false) ;;
       infinigen-dense-fetched) flags=(--kv store --policy infinigen --kv-resident-layers 0) ;;
       infinigen-noreuse) flags=(--kv store --policy infinigen --kv-row-reuse false) ;;
+      infinigen-hostplan) flags=(--kv store --policy infinigen --kv-device-plan false) ;;
       full) flags=(--kv store --policy full) ;;
       full-copy) flags=(--kv store --policy full --kv-device-gather false) ;;
       resident) flags=(--kv resident --policy full) ;;

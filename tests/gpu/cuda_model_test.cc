@@ -184,7 +184,8 @@ TEST_P(CudaModel, DecodeOverTheStoreWithRowsGatheredOnTheGpuMatchesTheResidentCa
 // Host selection policies with the model on the GPU in f32: the policies read float32 copies
 // of the GPU's queries, keys and speculated queries and pick the CPU backend's rows, so a batch
 // of two sequences decodes to the CPU backend's greedy tokens under InfiniGen (layer 1 sparse)
-// and the window, over the GPU's resident cache and over the store with rows gathered on the GPU.
+// and the window, over the GPU's resident cache and over the store with rows gathered on the GPU
+// (and, choosing on the GPU, with the kept rows planned there: no wait between layers).
 TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
   const std::string dir = FixturePath("hf/" + GetParam());
   OnGpu g = LoadOnGpu(dir, DType::kF32);
@@ -225,7 +226,11 @@ TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
     StoreKvCacheOptions options;
     options.device_reads_mapped_rows = true;
     StoreKvCache over_store(*g.backend, g.model->kv_shape(), *store.client, options);
-    for (KvCache* cache : std::vector<KvCache*>{&resident, &over_store}) {
+    // As the worker runs InfiniGen: rows kept between steps and planned on the GPU.
+    options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+    options.plan_on_device = true;
+    StoreKvCache planned(*g.backend, g.model->kv_shape(), *store.client, options);
+    for (KvCache* cache : std::vector<KvCache*>{&resident, &over_store, &planned}) {
       auto c = policy(name), d = policy(name);
       const auto got = testing::Decode(*g.model, *cache, {c.get(), d.get()}, prompts, 12, 1000);
       EXPECT_EQ(got.tokens, want.tokens) << (cache == &resident ? "resident" : "over the store");
@@ -235,6 +240,10 @@ TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
       const auto chosen = testing::Decode(*g.model, *cache, {e.get(), f.get()}, prompts, 12, 1000);
       EXPECT_EQ(chosen.tokens, want.tokens)
           << "chosen on the GPU, " << (cache == &resident ? "resident" : "over the store");
+      if (cache == &planned) {  // one wait a decode step (its logits), none between layers
+        EXPECT_EQ(chosen.profile.backend.synchronizations, chosen.profile.steps);
+        EXPECT_GT(chosen.prefetch_hits, 0);
+      }
     }
   }
 }

@@ -107,8 +107,10 @@ TEST_P(DecodeStepAllocations, NoneAfterWarmUpWhileTheBatchGrowsAndShrinks) {
     ASSERT_NE(store->client, nullptr);
     StoreKvCacheOptions options;
     options.device_reads_mapped_rows = true;
-    // Row reuse where the device gathers (each sequence's kept rows sized when it opens).
+    // Row reuse where the device gathers (each sequence's kept rows sized when it opens), planned
+    // there as the worker does (the decode-only steps read no choice on the host).
     options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+    options.plan_on_device = true;
     owned_cache = std::make_unique<StoreKvCache>(backend, m.kv_shape(), *store->client, options);
   }
   KvCache& cache = *owned_cache;

@@ -81,6 +81,7 @@ class Admission : public ::testing::Test {
     cache_options_.device_resident_layers = 1;
     // Row reuse: every row of every sparse layer kept (its largest buffer).
     cache_options_.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+    cache_options_.plan_on_device = true;  // its bookkeeping on the device too
   }
 
   std::unique_ptr<KvSelectionPolicy> Policy() {

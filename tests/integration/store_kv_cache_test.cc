@@ -439,6 +439,64 @@ TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) 
   }
 }
 
+// Rows planned on the device (StoreKvCacheOptions::plan_on_device): the decode step hands the
+// choices to the cache where the backend made them, the attention reads their counts there and
+// the appends wait for the step's end, so a decode step waits once (for its logits), not once a
+// layer; the tokens and logits are the resident cache's bit for bit, and as many rows move as
+// with the host's bookkeeping (the same plan), far fewer than without reuse. With the default
+// blocks and with 4-row blocks (the device's block tables brought up to date as the sequences
+// grow, asked for apart from any gather).
+TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const KvCacheShape shape = loaded->kv_shape();
+  SmallBlocks small(shape);
+  ASSERT_NE(small.client, nullptr);
+  const auto prompts = Prompts(3);
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+  auto a = Policy("infinigen"), b = Policy("infinigen"), c = Policy("infinigen");
+  const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get(), c.get()}, prompts, 16, 8);
+  for (KvStoreClient* client : {client_.get(), small.client.get()}) {
+    SCOPED_TRACE(client == client_.get() ? "default blocks" : "4-row blocks");
+    auto run = [&](bool reuse, bool plan) {
+      SCOPED_TRACE(
+          absl::StrCat(reuse ? "reuse" : "no reuse", plan ? ", planned on the device" : ""));
+      StoreKvCacheOptions options = DeviceStoreOptions();
+      if (reuse) options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+      options.plan_on_device = plan;
+      StoreKvCache cache(device, shape, *client, options);
+      std::vector<std::unique_ptr<KvSelectionPolicy>> p;
+      for (int i = 0; i < 3; ++i) p.push_back(Policy("infinigen", *skew));
+      device.ResetMostGathersJoined();
+      DecodeRun got = Decode(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, 16, 8);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.logits, want.logits);
+      EXPECT_EQ(got.prefetch_misses, 0);
+      // A join runs one layer's gathers (K and V of each sequence) at most, never the next
+      // layer's too: those overlap the layer being attended.
+      EXPECT_LE(device.most_gathers_joined(), 3 * 2);
+      return got;
+    };
+    const DecodeRun plain = run(false, false), host = run(true, false), planned = run(true, true);
+    const StepProfile& pp = planned.profile;
+    ASSERT_EQ(pp.steps, 16);
+    if (std::get<1>(GetParam())) {  // the GPU gathers by block table: planned there
+      EXPECT_EQ(pp.backend.synchronizations, pp.steps) << "one wait a step: the logits'";
+      EXPECT_GE(host.profile.backend.synchronizations, host.profile.layers)
+          << "the host's bookkeeping waits once a layer";
+      EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched) << "the same rows move";
+      EXPECT_LT(2 * planned.bytes_fetched, plain.bytes_fetched);
+      EXPECT_GT(planned.prefetch_hits, 0);
+    } else {  // rows copied by the transport: nothing to plan there
+      EXPECT_EQ(pp.backend.synchronizations, host.profile.backend.synchronizations);
+      EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched);
+    }
+  }
+}
+
 // Row reuse's bookkeeping follows what really reached the device: rows move once and are then
 // found where Placement says; a reuse prefetch dropped before its rows moved (a second prefetch
 // of the layer replaced it unfetched) leaves the layer's rows unknown, so the next prefetch of

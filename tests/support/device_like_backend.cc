@@ -134,9 +134,11 @@ absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
     if (!Owns(p))
       return absl::InvalidArgumentError("GatherBlockRows: memory outside the backend's");
   }
-  if ((g.counts != nullptr && !Owns(g.counts)) || (g.dst_rows != nullptr && !Owns(g.dst_rows))) {
+  if ((g.counts != nullptr && !Owns(g.counts)) || (g.dst_rows != nullptr && !Owns(g.dst_rows)) ||
+      (g.list_counts != nullptr && !Owns(g.list_counts)) ||
+      (g.errors != nullptr && !Owns(g.errors))) {
     return absl::InvalidArgumentError(
-        "GatherBlockRows: counts or dst_rows outside the backend's memory");
+        "GatherBlockRows: counts, dst_rows or errors outside the backend's memory");
   }
   if (!g.on_side_queue) return RunBlockRows(g);
   if (copied_since_fork_) {
@@ -162,6 +164,38 @@ absl::Status DeviceLikeCpuBackend::AttentionDecodeBatch(std::span<const DecodeAt
   ++attention_batches_;
   most_attention_batch_ = std::max(most_attention_batch_, static_cast<int64_t>(items.size()));
   return CpuBackend::AttentionDecodeBatch(items, shape);
+}
+
+absl::Status DeviceLikeCpuBackend::PlanKeptRows(const KeptRowsPlan& p) {
+  IG_RETURN_IF_ERROR(CheckKeptRowsPlan(p));
+  for (const void* q :
+       {static_cast<const void*>(p.kept.row_of), static_cast<const void*>(p.kept.slot_of),
+        static_cast<const void*>(p.move_slots), static_cast<const void*>(p.move_rows),
+        static_cast<const void*>(p.move_counts)}) {
+    if (!Owns(q)) return absl::InvalidArgumentError("PlanKeptRows: memory outside the backend's");
+  }
+  if ((p.list.slots != nullptr && !Owns(p.list.slots)) ||
+      (p.list.count != nullptr && !Owns(p.list.count)) ||
+      (p.workspace != nullptr && !Owns(p.workspace)) || (p.errors != nullptr && !Owns(p.errors))) {
+    return absl::InvalidArgumentError(
+        "PlanKeptRows: a list or scratch outside the backend's memory");
+  }
+  return CpuBackend::PlanKeptRows(p);
+}
+
+absl::Status DeviceLikeCpuBackend::MapKeptRows(const KeptRowsMap& m) {
+  IG_RETURN_IF_ERROR(CheckKeptRowsMap(m));
+  for (const void* q :
+       {static_cast<const void*>(m.kept.row_of), static_cast<const void*>(m.out),
+        static_cast<const void*>(m.miss_slots), static_cast<const void*>(m.miss_counts)}) {
+    if (!Owns(q)) return absl::InvalidArgumentError("MapKeptRows: memory outside the backend's");
+  }
+  if ((m.list.slots != nullptr && !Owns(m.list.slots)) ||
+      (m.list.count != nullptr && !Owns(m.list.count)) ||
+      (m.errors != nullptr && !Owns(m.errors))) {
+    return absl::InvalidArgumentError("MapKeptRows: a list outside the backend's memory");
+  }
+  return CpuBackend::MapKeptRows(m);
 }
 
 absl::Status DeviceLikeCpuBackend::RunBlockRows(const BlockRowsGather& g) {

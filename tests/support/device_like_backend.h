@@ -71,6 +71,9 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   // every item's memory must be this backend's.
   absl::Status AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
                                     const AttentionShape& shape) override;
+  // The kept rows' plans, checked to lie in its memory as a GPU's must.
+  absl::Status PlanKeptRows(const KeptRowsPlan& p) override;
+  absl::Status MapKeptRows(const KeptRowsMap& m) override;
   int64_t attention_batches() const { return attention_batches_; }
   int64_t most_attention_batch() const { return most_attention_batch_; }
 

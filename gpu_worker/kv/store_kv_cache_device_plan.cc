@@ -1,0 +1,318 @@
+// StoreKvCache's rows planned on the device (StoreKvCacheOptions::plan_on_device; docs/worker.md,
+// "Row reuse"): the row reuse of a GPU that gathers by block table, with its bookkeeping in
+// backend memory (Backend::PlanKeptRows, MapKeptRows) instead of the host's ReusedRows, so that a
+// decode step whose choices are made on the device prefetches, maps and attends them without the
+// host reading them. The counts of what moved come back with the step's one wait
+// (QueueDeviceCounts, SettleOnDevice).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+
+namespace infinigen {
+namespace {
+
+// Where each part of a sequence's Kept buffer starts (int32 entries).
+struct KeptLayout {
+  int64_t layers, heads, map_capacity, rows;
+  int64_t row_of(int64_t l) const { return l * heads * map_capacity; }
+  int64_t slot_of(int64_t l) const { return layers * heads * map_capacity + l * heads * rows; }
+  int64_t moves(int parity) const {  // slots [heads, rows + 1], then rows [heads, rows + 1]
+    return layers * heads * (map_capacity + rows) + parity * 2 * heads * (rows + 1);
+  }
+  int64_t workspace() const { return moves(2); }
+  int64_t map_out() const { return workspace() + heads * rows; }
+  int64_t miss_slots() const { return map_out() + heads * (rows + 1); }
+  int64_t counts() const { return miss_slots() + heads * (rows + 1); }
+  int64_t count_entries() const { return 2 * layers * heads + 1; }
+  int64_t total() const { return counts() + count_entries(); }
+};
+
+}  // namespace
+
+absl::Status StoreKvCache::OpenKept(Sequence& s, int64_t capacity_tokens) {
+  if (!device_plans_ || s.reused == nullptr) {
+    s.kept.reset();
+    return absl::OkStatus();
+  }
+  const int64_t layers = shape_.num_layers - reuse_first_layer_;
+  const KeptLayout at{layers, shape_.num_kv_heads, capacity_tokens + 1, s.reused->rows()};
+  const size_t bytes = static_cast<size_t>(at.total()) * sizeof(int32_t);
+  if (s.kept == nullptr) s.kept = std::make_unique<Sequence::Kept>();
+  Sequence::Kept& k = *s.kept;
+  if (k.buffer == nullptr || k.buffer->size() < bytes) {
+    k.buffer.reset();
+    IG_ASSIGN_OR_RETURN(k.buffer, backend_.Allocate(bytes));
+  }
+  k.map_capacity = at.map_capacity;
+  k.rows = at.rows;
+  k.counts.assign(static_cast<size_t>(at.count_entries()), 0);
+  k.planned = k.queued = false;
+  // Nothing kept: the maps all -1, the counts 0 (copies when it opens, not in a decode step).
+  const std::vector<int32_t> none(static_cast<size_t>(at.moves(0)), -1);
+  int32_t* base = static_cast<int32_t*>(k.buffer->data());
+  IG_RETURN_IF_ERROR(backend_.CopyToDevice(none.data(), base, none.size() * sizeof(int32_t)));
+  return backend_.CopyToDevice(k.counts.data(), base + at.counts(),
+                               k.counts.size() * sizeof(int32_t));
+}
+
+absl::Status StoreKvCache::ForgetKept(Sequence& s, int layer) {
+  const Sequence::Kept& k = *s.kept;
+  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
+                      k.rows};
+  const int64_t l = layer - reuse_first_layer_;
+  int32_t* base = static_cast<int32_t*>(k.buffer->data());
+  const std::vector<int32_t> none(static_cast<size_t>(at.heads * std::max(k.map_capacity, k.rows)),
+                                  -1);
+  IG_RETURN_IF_ERROR(backend_.CopyToDevice(none.data(), base + at.row_of(l),
+                                           at.heads * k.map_capacity * sizeof(int32_t)));
+  return backend_.CopyToDevice(none.data(), base + at.slot_of(l),
+                               at.heads * k.rows * sizeof(int32_t));
+}
+
+KeptRows StoreKvCache::KeptOf(Sequence& s, int layer) const {
+  const Sequence::Kept& k = *s.kept;
+  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
+                      k.rows};
+  const int64_t l = layer - reuse_first_layer_;
+  int32_t* base = static_cast<int32_t*>(k.buffer->data());
+  return {shape_.num_kv_heads, base + at.row_of(l), k.map_capacity, base + at.slot_of(l), k.rows};
+}
+
+bool StoreKvCache::PlansOnDevice(SequenceId seq, int layer) const {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || layer < reuse_first_layer_ || layer >= shape_.num_layers) {
+    return false;
+  }
+  const Sequence& s = it->second;
+  // Within the maps: the stored rows and the current token's slot.
+  return s.kept != nullptr && s.reuse_buffer != nullptr && s.tables != nullptr &&
+         s.tables->on_device() && s.Rows(layer) + 1 <= s.kept->map_capacity;
+}
+
+absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows) {
+  IG_RETURN_IF_ERROR(ReserveTables(s, rows + 1));
+  if (rows == 0 || s.tables->held_blocks(layer) >= s.tables->BlocksFor(rows)) {
+    return absl::OkStatus();
+  }
+  // The store answers the blocks the layer gained with a gather of its last row (nothing is
+  // copied: only the tables). Appends queued before it come first.
+  ClientGatherItem& item = table_item_;  // (its slot list's room kept: no allocation a step)
+  item.seq = StoreId(seq);
+  item.layer = layer;
+  item.count = 1;
+  item.slots.assign(static_cast<size_t>(shape_.num_kv_heads), static_cast<int32_t>(rows - 1));
+  item.block_table = s.tables->Out(layer);
+  std::shared_ptr<GatherTicket> ticket =
+      client_.GatherAsync(std::span<const ClientGatherItem>(&item, 1));
+  return ticket->Wait(absl::Now() + options_.fetch_timeout);
+}
+
+absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& list) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (!PlansOnDevice(seq, layer)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of sequence ", seq, " is not planned on the device"));
+  }
+  Sequence::Kept& k = *s->kept;
+  if (list.capacity > k.rows + 1 || list.max_count > k.rows) {
+    return absl::InvalidArgumentError(absl::StrCat("a device prefetch of ", list.max_count,
+                                                   " rows, more than the ", k.rows, " kept"));
+  }
+  Pending& p = s->pending[layer % 2];
+  DropTicket(p);  // a host gather of this parity ends first (its staging is not ours)
+  IG_RETURN_IF_ERROR(TablesFor(seq, *s, layer, s->Rows(layer)));
+  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
+                      k.rows};
+  int32_t* base = static_cast<int32_t*>(k.buffer->data());
+  const int64_t l = layer - reuse_first_layer_;
+  KeptRowsPlan plan;
+  plan.kept = KeptOf(*s, layer);
+  plan.list = list;
+  plan.move_slots = base + at.moves(layer % 2);
+  plan.move_rows = plan.move_slots + at.heads * (k.rows + 1);
+  plan.move_counts = base + at.counts() + l * at.heads;
+  plan.workspace = base + at.workspace();
+  plan.errors = base + at.counts() + 2 * at.layers * at.heads;
+  IG_RETURN_IF_ERROR(backend_.PlanKeptRows(plan));
+  // The layer's gathers, every sequence's, are one side batch: the batches before (the layer
+  // about to be attended) are joined first, so that this one overlaps its attention.
+  if (device_side_layer_ != layer || side_joined_ == side_batches_) {
+    if (side_joined_ < side_batches_) {
+      IG_RETURN_IF_ERROR(backend_.JoinSideQueue());
+      side_joined_ = side_batches_;
+    }
+    ++side_batches_;
+    device_side_layer_ = layer;
+  }
+  BlockRowsGather g;
+  g.batch = 1;
+  g.num_kv_heads = shape_.num_kv_heads;
+  g.slots = plan.move_slots;
+  g.slot_capacity = std::max<int64_t>(list.capacity, 1);
+  g.list_counts = plan.move_counts;
+  g.max_count = std::min(list.max_count, k.rows);
+  g.dst_rows = plan.move_rows;
+  g.dst_rows_per_list = k.rows;
+  g.errors = plan.errors;
+  g.on_side_queue = true;  // forked after the plan: the rows cross while the layer before runs
+  p.layer = -1;
+  if (absl::Status st = GatherKAndV(*s, layer, g, ReusedK(*s, layer), ReusedV(*s, layer));
+      !st.ok()) {
+    backend_.JoinSideQueue().IgnoreError();
+    ForgetKept(*s, layer).IgnoreError();  // the plan holds rows that never came
+    return st;
+  }
+  p.layer = layer;
+  p.reuse = p.unsettled = false;
+  p.resident = p.in_place = false;
+  p.launched = true;
+  p.side_batch = side_batches_;
+  p.count = list.max_count;
+  p.extra_rows = 1;
+  p.seq = seq;
+  if (!k.planned) planned_.push_back(seq);
+  k.planned = true;
+  const int64_t row = static_cast<int64_t>(RowBytes());
+  s->counters.bytes_full += 2 * shape_.num_kv_heads * s->Rows(layer) * row;
+  s->counters.fetches += 1;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StreamedKvCache::DeviceRows> StoreKvCache::FetchOnDevice(
+    SequenceId seq, int layer, const DeviceSlotList& choice, int64_t current_slot) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (!PlansOnDevice(seq, layer)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of sequence ", seq, " is not planned on the device"));
+  }
+  Sequence::Kept& k = *s->kept;
+  if (choice.capacity > k.rows + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("a device choice of up to ", choice.capacity,
+                                                   " rows, more than the ", k.rows + 1, " kept"));
+  }
+  Pending& p = s->pending[layer % 2];
+  if (p.layer == layer && p.launched) {
+    IG_RETURN_IF_ERROR(JoinSideQueue(p));
+    p.launched = false;
+  }
+  // For the misses: the rows stored before this step's token (whose append waits for the step's
+  // end).
+  IG_RETURN_IF_ERROR(TablesFor(seq, *s, layer, std::min(current_slot, s->Rows(layer))));
+  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
+                      k.rows};
+  int32_t* base = static_cast<int32_t*>(k.buffer->data());
+  const int64_t l = layer - reuse_first_layer_, heads = shape_.num_kv_heads;
+  // The layer's K (and V) rows: [heads, rows] kept, a row per head for the current token, then
+  // [heads, kMissRows] for the choice's rows not kept.
+  KeptRowsMap map;
+  map.kept = KeptOf(*s, layer);
+  map.list = choice;
+  map.head_rows = k.rows;
+  map.current_slot = current_slot;
+  map.current_row = heads * k.rows;
+  map.miss_row = heads * k.rows + heads;
+  map.miss_capacity = kMissRows;
+  map.out = base + at.map_out();
+  map.miss_slots = base + at.miss_slots();
+  map.miss_counts = base + at.counts() + (at.layers + l) * heads;
+  map.errors = base + at.counts() + 2 * at.layers * heads;
+  IG_RETURN_IF_ERROR(backend_.MapKeptRows(map));
+  if (!k.planned) planned_.push_back(seq);
+  k.planned = true;
+  BlockRowsGather g;
+  g.batch = 1;
+  g.num_kv_heads = shape_.num_kv_heads;
+  g.slots = map.miss_slots;
+  g.slot_capacity = std::max<int64_t>(choice.capacity, 1);
+  g.list_counts = map.miss_counts;
+  g.max_count = std::min(kMissRows, g.slot_capacity);
+  g.dst_rows_per_list = kMissRows;
+  g.errors = map.errors;
+  const size_t miss_at = static_cast<size_t>(map.miss_row) * RowBytes();
+  IG_RETURN_IF_ERROR(
+      GatherKAndV(*s, layer, g, ReusedK(*s, layer) + miss_at, ReusedV(*s, layer) + miss_at));
+  DeviceRows rows;
+  rows.kv.num_slots = choice.max_count;
+  rows.kv.k = shape_.HeadMajor(ReusedK(*s, layer), k.rows);
+  rows.kv.v = shape_.HeadMajor(ReusedV(*s, layer), k.rows);
+  rows.indices = map.out;
+  return rows;
+}
+
+absl::Status StoreKvCache::QueueDeviceCounts() {
+  for (SequenceId seq : planned_) {
+    auto it = sequences_.find(seq);
+    if (it == sequences_.end() || it->second.kept == nullptr) continue;
+    Sequence::Kept& k = *it->second.kept;
+    const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
+                        k.rows};
+    const int32_t* counts = static_cast<const int32_t*>(k.buffer->data()) + at.counts();
+    IG_RETURN_IF_ERROR(
+        backend_.CopyToHostLater(counts, k.counts.data(), k.counts.size() * sizeof(int32_t)));
+    k.queued = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || it->second.kept == nullptr || !it->second.kept->planned) {
+    return absl::OkStatus();
+  }
+  Sequence& s = it->second;
+  Sequence::Kept& k = *s.kept;
+  k.planned = false;
+  planned_.erase(std::remove(planned_.begin(), planned_.end(), seq), planned_.end());
+  if (!k.queued) return absl::OkStatus();  // the step failed before its counts were asked for
+  k.queued = false;
+  // The rows that crossed the link: each plan's moves and each choice's misses.
+  int64_t moved = 0;
+  const size_t errors_at = k.counts.size() - 1;
+  for (size_t i = 0; i < errors_at; ++i) moved += std::max(k.counts[i], 0);
+  s.counters.bytes_fetched += 2 * moved * static_cast<int64_t>(RowBytes());
+  const int32_t errors = k.counts[errors_at];
+  // Next step's counts start from zero (an enqueued copy: no wait).
+  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
+                      k.rows};
+  std::fill(k.counts.begin(), k.counts.end(), 0);
+  IG_RETURN_IF_ERROR(backend_.CopyToDevice(k.counts.data(),
+                                           static_cast<int32_t*>(k.buffer->data()) + at.counts(),
+                                           k.counts.size() * sizeof(int32_t)));
+  if (errors > 0) {
+    // A list past the rows kept, a choice with more than kMissRows rows not kept, or a row
+    // outside the store's tables: some attention read a wrong row. Every layer starts anew.
+    for (int layer = reuse_first_layer_; layer < shape_.num_layers; ++layer) {
+      IG_RETURN_IF_ERROR(ForgetKept(s, layer));
+    }
+    return absl::InternalError(
+        absl::StrCat("the rows planned on the device for sequence ", seq, " did not fit (", errors,
+                     " errors): its step is void; a retry moves every row again"));
+  }
+  return absl::OkStatus();
+}
+
+bool StoreKvCache::BeginAppendStep(int64_t tokens) {
+  if (host_access_) return false;  // host backends append item by item, now
+  const size_t bytes = static_cast<size_t>(shape_.num_layers) * 2 *
+                       static_cast<size_t>(std::max<int64_t>(tokens, 0)) * shape_.num_kv_heads *
+                       RowBytes();
+  // Every layer's rows at once: nothing may move while earlier layers' copies are queued.
+  if (copy_queued_) return false;  // an earlier step's, not ended
+  if (pack_ == nullptr || pack_->size() < bytes) {
+    // By half at least: a batch that grows a sequence at a time reallocates rarely.
+    const size_t old = pack_ == nullptr ? 0 : pack_->size();
+    pack_.reset();
+    absl::StatusOr<std::unique_ptr<Buffer>> grown =
+        backend_.Allocate(std::max({bytes, old + old / 2, size_t{64}}));
+    if (!grown.ok()) return false;  // the appends go layer by layer
+    pack_ = *std::move(grown);
+  }
+  if (both_.size() < bytes) both_.resize(std::max(bytes, both_.size() + both_.size() / 2));
+  step_appends_ = true;
+  step_offset_ = 0;
+  return true;
+}
+
+}  // namespace infinigen
