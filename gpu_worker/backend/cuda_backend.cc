@@ -213,10 +213,16 @@ absl::Status CudaBackend::CopyToHost(const void* device, void* host, size_t byte
 absl::Status CudaBackend::CopyToHostLater(const void* device, void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   const size_t rounded = (bytes + 255) & ~size_t{255};
-  if (readback_used_ + rounded > readback_capacity_) {
-    if (!later_.empty()) return CopyToHost(device, host, bytes);  // full until the next wait
-    // Grown while no copy uses it; 8 MiB at first (a layer's choices and new K/V rows).
-    const size_t capacity = std::max({rounded, readback_capacity_ * 2, size_t{8} << 20});
+  if (readback_used_ + rounded > readback_capacity_ ||
+      (later_.empty() && readback_wanted_ > readback_capacity_)) {
+    if (!later_.empty()) {  // full until the next wait: then grown to what was wanted
+      readback_wanted_ = std::max(readback_wanted_, readback_used_ + rounded);
+      return CopyToHost(device, host, bytes);
+    }
+    // Grown while no copy uses it; 8 MiB at first (a layer's choices and new K/V rows), or
+    // what the copies between two waits wanted (a decode step's held appends of every layer).
+    const size_t capacity =
+        std::max({rounded, readback_capacity_ * 2, size_t{8} << 20, readback_wanted_});
     if (readback_ != nullptr) cudaFreeHost(readback_);
     readback_ = nullptr;
     readback_capacity_ = readback_used_ = 0;

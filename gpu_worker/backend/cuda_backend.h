@@ -153,6 +153,7 @@ class CudaBackend final : public Backend {
   void FinishLaterCopies();
   char* readback_ = nullptr;  // pinned
   size_t readback_capacity_ = 0, readback_used_ = 0;
+  size_t readback_wanted_ = 0;  // the most the copies between two waits needed
   std::vector<LaterCopy> later_;
 };
 

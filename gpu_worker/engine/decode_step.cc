@@ -250,7 +250,10 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
   spec_layer_[0] = spec_layer_[1] = -1;
   for (auto& per_chunk : prefetched_) {
     if (per_chunk.size() < batch.size()) per_chunk.resize(batch.size());
-    for (Prefetched& p : per_chunk) p.layer = -1;
+    for (Prefetched& p : per_chunk) {
+      p.layer = -1;
+      p.on_device = false;
+    }
   }
   device_plan_ = DevicePlanFits(batch) && streamed_->BeginAppendStep(num_tokens_);
   if (speculating_) {
@@ -422,6 +425,7 @@ absl::Status DecodeStep::PrefetchBegin(int next_layer) {
     w.fetch = false;
     w.candidates.all = true;  // every row unless a policy guesses fewer
     prefetched_[next_layer % 2][b].layer = -1;
+    prefetched_[next_layer % 2][b].on_device = false;
     if (batch_[b].tokens.size() != 1 || Failed(b)) continue;
     absl::StatusOr<int64_t> stored = cache.NumSlots(batch_[b].seq, next_layer);
     if (!stored.ok()) {

@@ -169,7 +169,8 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
     const ForwardChunk& chunk = batch[b];
     const Selection& selection = selections_[b];
     const int32_t* slots = host_slots_.data() + rows_[b] * kv_heads;
-    if (chunk.tokens.size() != 1 || Failed(b) || prefetched_[layer % 2][b].on_device ||
+    const Prefetched& pre = prefetched_[layer % 2][b];
+    if (chunk.tokens.size() != 1 || Failed(b) || (pre.layer == layer && pre.on_device) ||
         (device_plan_ && select_.result[b] == BackendChoiceResult::kLaunched) ||
         MapPrefetched(b, layer, selection, slots)) {
       continue;  // (planned on the device: pass 2 maps it there)
@@ -204,7 +205,8 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
   for (size_t b = 0; b < batch.size(); ++b) {
     if (batch[b].tokens.size() != 1 || Failed(b)) continue;
     const std::vector<int32_t>* list = nullptr;
-    if (streamed_ != nullptr && prefetched_[layer % 2][b].on_device) {
+    if (streamed_ != nullptr && prefetched_[layer % 2][b].layer == layer &&
+        prefetched_[layer % 2][b].on_device) {
       continue;
     } else if (streamed_ != nullptr && prefetched_[layer % 2][b].layer == layer) {
       list = &prefetched_[layer % 2][b].map;
@@ -421,6 +423,7 @@ bool DecodeStep::MapPrefetched(size_t b, int layer, const Selection& selection,
 
 bool DecodeStep::Miss(Prefetched& pre) {
   pre.layer = -1;  // the caller fetches the exact selection
+  pre.on_device = false;
   ++prefetch_misses_;
   return false;
 }

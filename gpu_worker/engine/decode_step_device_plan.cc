@@ -24,9 +24,11 @@ bool DecodeStep::DevicePlanFits(std::span<const ForwardChunk> batch) const {
         !policy->chooses_on_backend() || policy->wants_attention_weights() || spec_rows_[b] < 0) {
       return false;
     }
-    // Every layer it may choose at (its speculated ones) is planned there.
+    // Every layer it may choose at (its speculated ones) is planned there, for as many rows as
+    // it may choose (a request whose budget is above what the cache keeps takes the host's path).
+    const int64_t most = policy->BackendChoiceCapacity(chunk.start);
     for (int layer = 0; layer < layers; ++layer) {
-      if (policy->SpeculatesFor(layer) && !streamed_->PlansOnDevice(chunk.seq, layer)) {
+      if (policy->SpeculatesFor(layer) && !streamed_->PlansOnDevice(chunk.seq, layer, most)) {
         return false;
       }
     }
@@ -42,7 +44,7 @@ DeviceSlotList DecodeStep::DeviceChoice(const Choices& c, size_t b) const {
 
 absl::StatusOr<bool> DecodeStep::PrefetchOnDevice(size_t b, int next_layer, int64_t stored) {
   const SequenceId seq = batch_[b].seq;
-  if (!streamed_->PlansOnDevice(seq, next_layer)) return false;
+  if (!streamed_->PlansOnDevice(seq, next_layer, 0)) return false;
   const bool launched =
       preselect_.result.size() > b && preselect_.result[b] == BackendChoiceResult::kLaunched;
   // The policy's choice where it launched one, else every stored row (a dense layer, a short
@@ -103,12 +105,14 @@ absl::StatusOr<bool> DecodeStep::AttendOnDevice(size_t b, int layer, MatView q, 
 
 void DecodeStep::EndDevicePlan() {
   device_plan_ = false;
-  // The logits' copy waited for the appends' rows too: they go to the store without a wait.
-  streamed_->EndAppendLayer();
+  // The plans' counts first (a sequence whose plan did not fit has its held appends dropped:
+  // what its later layers computed from a wrong row never reaches the store), then the appends,
+  // whose rows the logits' copy waited for too: they go to the store without a wait.
   for (size_t b = 0; b < batch_.size(); ++b) {
     absl::Status st = streamed_->SettleOnDevice(batch_[b].seq);
     if (!st.ok()) Fail(b, std::move(st));
   }
+  streamed_->EndAppendLayer();
 }
 
 }  // namespace infinigen

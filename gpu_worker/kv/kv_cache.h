@@ -217,8 +217,8 @@ class StreamedKvCache : public KvCache {
 
   // Rows planned where the choice of them lies (a GPU's memory; Backend::PlanKeptRows): a
   // decode step that never reads its choices on the host. Whether `seq`'s `layer` is planned so
-  // (the other layers take Prefetch and Fetch).
-  virtual bool PlansOnDevice(SequenceId seq, int layer) const { return false; }
+  // for lists of up to `max_list` slots a head (the other layers take Prefetch and Fetch).
+  virtual bool PlansOnDevice(SequenceId seq, int layer, int64_t max_list) const { return false; }
   // Starts moving `list` (slots and count in backend memory, or every slot) of `layer` into the
   // rows the sequence keeps for it: only the slots not kept from before cross the link, queued
   // on the backend's side queue. Nothing waits.
@@ -241,7 +241,8 @@ class StreamedKvCache : public KvCache {
   }
   // The step's plans' counts (rows moved, misses, errors) start their copy to the host, done at
   // the backend's next wait (the step's logits); SettleOnDevice(seq) then counts them and says
-  // whether every plan of `seq` fit (INTERNAL when not: its attention read a wrong row).
+  // whether every plan of `seq` fit (INTERNAL when not: its attention read a wrong row, and its
+  // appends held since BeginAppendStep are dropped, its length back where the step found it).
   virtual absl::Status QueueDeviceCounts() { return absl::OkStatus(); }
   virtual absl::Status SettleOnDevice(SequenceId seq) { return absl::OkStatus(); }
   // The appends of several layers (a decode step's, of at most `tokens` tokens) held from

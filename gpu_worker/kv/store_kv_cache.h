@@ -132,7 +132,7 @@ class StoreKvCache final : public StreamedKvCache {
   bool addresses_only() const override { return in_place_; }
   // Rows planned on the device (StoreKvCacheOptions::plan_on_device;
   // store_kv_cache_device_plan.cc).
-  bool PlansOnDevice(SequenceId seq, int layer) const override;
+  bool PlansOnDevice(SequenceId seq, int layer, int64_t max_list) const override;
   absl::Status PrefetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& list) override;
   absl::StatusOr<DeviceRows> FetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& choice,
                                            int64_t current_slot) override;

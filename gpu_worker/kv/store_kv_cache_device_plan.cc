@@ -80,7 +80,7 @@ KeptRows StoreKvCache::KeptOf(Sequence& s, int layer) const {
   return {shape_.num_kv_heads, base + at.row_of(l), k.map_capacity, base + at.slot_of(l), k.rows};
 }
 
-bool StoreKvCache::PlansOnDevice(SequenceId seq, int layer) const {
+bool StoreKvCache::PlansOnDevice(SequenceId seq, int layer, int64_t max_list) const {
   auto it = sequences_.find(seq);
   if (it == sequences_.end() || layer < reuse_first_layer_ || layer >= shape_.num_layers) {
     return false;
@@ -88,7 +88,8 @@ bool StoreKvCache::PlansOnDevice(SequenceId seq, int layer) const {
   const Sequence& s = it->second;
   // Within the maps: the stored rows and the current token's slot.
   return s.kept != nullptr && s.reuse_buffer != nullptr && s.tables != nullptr &&
-         s.tables->on_device() && s.Rows(layer) + 1 <= s.kept->map_capacity;
+         s.tables->on_device() && s.Rows(layer) + 1 <= s.kept->map_capacity &&
+         max_list <= s.kept->rows;
 }
 
 absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows) {
@@ -111,9 +112,10 @@ absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int
 
 absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& list) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
-  if (!PlansOnDevice(seq, layer)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("layer ", layer, " of sequence ", seq, " is not planned on the device"));
+  if (!PlansOnDevice(seq, layer, list.max_count)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " of sequence ", seq,
+                                                   " is not planned on the device for ",
+                                                   list.max_count, " rows"));
   }
   Sequence::Kept& k = *s->kept;
   if (list.capacity > k.rows + 1 || list.max_count > k.rows) {
@@ -183,7 +185,10 @@ absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const Dev
 absl::StatusOr<StreamedKvCache::DeviceRows> StoreKvCache::FetchOnDevice(
     SequenceId seq, int layer, const DeviceSlotList& choice, int64_t current_slot) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
-  if (!PlansOnDevice(seq, layer)) {
+  // (After the token's append: its slot, not the rows stored before it, must fit the maps.)
+  if (layer < reuse_first_layer_ || layer >= shape_.num_layers || s->kept == nullptr ||
+      s->reuse_buffer == nullptr || s->tables == nullptr || !s->tables->on_device() ||
+      current_slot < 0 || current_slot >= s->kept->map_capacity) {
     return absl::FailedPreconditionError(
         absl::StrCat("layer ", layer, " of sequence ", seq, " is not planned on the device"));
   }
@@ -242,6 +247,12 @@ absl::StatusOr<StreamedKvCache::DeviceRows> StoreKvCache::FetchOnDevice(
 }
 
 absl::Status StoreKvCache::QueueDeviceCounts() {
+  // Every gather that adds to the counts is done first (a chunk that failed after its prefetch
+  // never joined its side gathers; the logits' wait covers the backend's own queue only).
+  if (side_joined_ < side_batches_) {
+    IG_RETURN_IF_ERROR(backend_.JoinSideQueue());
+    side_joined_ = side_batches_;
+  }
   for (SequenceId seq : planned_) {
     auto it = sequences_.find(seq);
     if (it == sequences_.end() || it->second.kept == nullptr) continue;
@@ -282,7 +293,17 @@ absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
                                            k.counts.size() * sizeof(int32_t)));
   if (errors > 0) {
     // A list past the rows kept, a choice with more than kMissRows rows not kept, or a row
-    // outside the store's tables: some attention read a wrong row. Every layer starts anew.
+    // outside the store's tables: some attention read a wrong row, and the layers after it
+    // computed their K/V from it. Its held appends go nowhere (the step is void: the length of
+    // each layer back to where it was), and every layer's rows start anew.
+    for (auto l = later_appends_.begin(); l != later_appends_.end();) {
+      if (l->seq != seq) {
+        ++l;
+        continue;
+      }
+      s.length[l->layer] = std::min(s.length[l->layer], l->start);
+      l = later_appends_.erase(l);
+    }
     for (int layer = reuse_first_layer_; layer < shape_.num_layers; ++layer) {
       IG_RETURN_IF_ERROR(ForgetKept(s, layer));
     }

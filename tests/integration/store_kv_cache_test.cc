@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/prepare.h"
@@ -495,6 +496,124 @@ TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
       EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched);
     }
   }
+}
+
+// A policy choosing in backend memory whose layer's own choice lies outside what it prefetched:
+// it prefetches slots 0 .. p-1 of every head and then chooses p .. p+m-1 and the current token
+// (every row while a sequence is shorter than p + m + 1), so that every chosen row but the
+// current one is a miss. Its choices are written with copies to the backend (a fake of the choice,
+// to test the rows planned around it).
+class SplitChoicePolicy final : public KvSelectionPolicy {
+ public:
+  SplitChoicePolicy(Backend& backend, int kv_heads, int64_t p, int64_t m)
+      : backend_(backend), kv_heads_(kv_heads), p_(p), m_(m) {}
+  std::string Name() const override { return "split-choice"; }
+  SpeculationInput speculation_input() const override { return SpeculationInput::kPreviousNorm; }
+  bool SpeculatesFor(int layer) const override { return layer >= 1; }
+  bool chooses_on_backend() const override { return true; }
+  int64_t BackendChoiceCapacity(int64_t rows) const override {
+    return std::min<int64_t>(rows + 1, std::max(p_, m_ + 1));
+  }
+  absl::Status Select(const SelectRequest&, Selection&) override {
+    return absl::InternalError("chooses on the backend");
+  }
+  absl::Status OnBackendKeys(SequenceId, int, MatView, int64_t) override {
+    return absl::OkStatus();  // it keeps no keys
+  }
+  absl::StatusOr<BackendChoiceResult> ChooseOnBackend(const BackendChoice& c) override {
+    if (c.layer < 1 || c.rows < p_ + m_ + 1) return BackendChoiceResult::kAll;
+    std::vector<int32_t> lists(static_cast<size_t>(kv_heads_ * c.index_capacity), 0);
+    const int64_t n = c.prefetch ? p_ : m_ + 1;
+    for (int g = 0; g < kv_heads_; ++g) {
+      for (int64_t j = 0; j < n; ++j) {
+        lists[g * c.index_capacity + j] = static_cast<int32_t>(c.prefetch ? j : p_ + j);
+      }
+      if (!c.prefetch) lists[g * c.index_capacity + m_] = static_cast<int32_t>(c.rows - 1);
+    }
+    const int32_t count = static_cast<int32_t>(n);
+    IG_RETURN_IF_ERROR(backend_.CopyToDevice(&count, c.count, sizeof(count)));
+    IG_RETURN_IF_ERROR(
+        backend_.CopyToDevice(lists.data(), c.indices, lists.size() * sizeof(int32_t)));
+    return BackendChoiceResult::kLaunched;
+  }
+
+ private:
+  Backend& backend_;
+  const int kv_heads_;
+  const int64_t p_, m_;
+};
+
+// Choices whose rows were not prefetched, planned on the device: gathered into rows of their
+// own (at most StoreKvCache::kMissRows a head), the resident cache's logits bit for bit; a
+// choice past that room fails its chunk alone (INTERNAL), its held appends never reach the
+// store (its length stays where the step found it), and the other chunk of the step is exact.
+TEST_P(StoreCache, ChoicesOutsideThePrefetchPlannedOnTheDeviceAreGatheredOrFailTheirChunk) {
+  if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  const int kv_heads = loaded->config().num_kv_heads;
+  StoreKvCacheOptions options = DeviceStoreOptions();
+  options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+  options.plan_on_device = true;
+  {
+    SplitChoicePolicy cpu_a(*l_.backend, kv_heads, 8, 6), cpu_b(*l_.backend, kv_heads, 8, 6);
+    BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+    const auto prompts = Prompts(2);
+    const DecodeRun want = Decode(*l_.model, resident, {&cpu_a, &cpu_b}, prompts, 8, 8);
+    SplitChoicePolicy a(device, kv_heads, 8, 6), b(device, kv_heads, 8, 6);
+    StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+    const DecodeRun got = Decode(*loaded, cache, {&a, &b}, prompts, 8, 8);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
+    EXPECT_EQ(got.profile.backend.synchronizations, got.profile.steps) << "planned on the device";
+  }
+  // 70 misses a head: past the room for them.
+  const int64_t m = StoreKvCache::kMissRows + 6;
+  StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+  SplitChoicePolicy wide(device, kv_heads, 8, m), narrow(device, kv_heads, 8, 6);
+  const auto long_prompt = RandomTokens(8 + m + 10, loaded->config().vocab_size, 4);
+  const auto short_prompt = Prompts(1)[0];
+  const int64_t vocab = loaded->config().vocab_size;
+  std::vector<float> logits(2 * vocab);
+  DecodeStep step(*loaded, cache);
+  ASSERT_TRUE(cache.Open(1, 256).ok());
+  ASSERT_TRUE(cache.Open(2, 256).ok());
+  for (auto [seq, prompt, policy] :
+       {std::tuple{SequenceId{1}, &long_prompt, static_cast<KvSelectionPolicy*>(&wide)},
+        std::tuple{SequenceId{2}, &short_prompt, static_cast<KvSelectionPolicy*>(&narrow)}}) {
+    ForwardChunk c{seq, 0, *prompt, false, policy};
+    ASSERT_TRUE(step.Forward({&c, 1}, std::span<float>(logits).first(vocab)).ok());
+  }
+  const int32_t token[2] = {5, 7};
+  const int64_t long_len = static_cast<int64_t>(long_prompt.size());
+  const int64_t short_len = static_cast<int64_t>(short_prompt.size());
+  const ForwardChunk batch[2] = {{1, long_len, {&token[0], 1}, false, &wide},
+                                 {2, short_len, {&token[1], 1}, false, &narrow}};
+  const absl::Status st = step.Forward(batch, logits);
+  EXPECT_TRUE(absl::IsInternal(st)) << st;
+  EXPECT_TRUE(absl::IsInternal(step.chunk_status(0))) << step.chunk_status(0);
+  EXPECT_TRUE(step.chunk_status(1).ok()) << step.chunk_status(1);
+  for (int layer = 0; layer < loaded->config().num_layers; ++layer) {
+    EXPECT_EQ(cache.NumSlots(1, layer).value_or(-1), long_len) << "layer " << layer;
+    EXPECT_EQ(cache.NumSlots(2, layer).value_or(-1), short_len + 1) << "layer " << layer;
+  }
+  // The other sequence's logits are what it gets alone.
+  std::vector<float> alone(vocab);
+  {
+    options.id_base = 5000;  // beside `cache`'s sequences in the same store
+    StoreKvCache other(device, loaded->kv_shape(), *client_, options);
+    SplitChoicePolicy p(device, kv_heads, 8, 6);
+    DecodeStep s(*loaded, other);
+    ASSERT_TRUE(other.Open(2, 256).ok());
+    ForwardChunk c{2, 0, short_prompt, false, &p};
+    ASSERT_TRUE(s.Forward({&c, 1}, alone).ok());
+    const ForwardChunk d{2, short_len, {&token[1], 1}, false, &p};
+    ASSERT_TRUE(s.Forward({&d, 1}, alone).ok());
+  }
+  EXPECT_EQ(std::vector<float>(logits.begin() + vocab, logits.end()), alone);
+  cache.Close(1);
+  cache.Close(2);
 }
 
 // Row reuse's bookkeeping follows what really reached the device: rows move once and are then
