@@ -292,6 +292,7 @@ struct KeptRowsPlan {
   int32_t* move_slots = nullptr;   // [num_kv_heads, list.capacity]
   int32_t* move_rows = nullptr;    // [num_kv_heads, list.capacity]
   int32_t* move_counts = nullptr;  // [num_kv_heads]
+  int32_t* listed = nullptr;       // [num_kv_heads] (null: not written): each head's count taken
   int32_t* workspace = nullptr;    // [num_kv_heads, kept.rows] int32 of scratch
   int32_t* errors = nullptr;
 };

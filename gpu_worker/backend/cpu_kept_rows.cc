@@ -78,6 +78,7 @@ absl::Status CpuBackend::PlanKeptRows(const KeptRowsPlan& p) {
       ++moved;
     }
     p.move_counts[g] = static_cast<int32_t>(moved);
+    if (p.listed != nullptr) p.listed[g] = static_cast<int32_t>(n);
   }
   if (p.errors != nullptr) *p.errors += errors;
   return absl::OkStatus();

@@ -102,7 +102,7 @@ size_t StoreKvCache::BackendBytesFor(int64_t capacity_tokens) const {
     const size_t heads = static_cast<size_t>(shape_.num_kv_heads);
     const size_t r = static_cast<size_t>(reused);
     bytes += sizeof(int32_t) * (layers * heads * (static_cast<size_t>(capacity) + 1 + r) +
-                                heads * (4 * (r + 1) + r + 2 * (r + 1)) + 2 * layers * heads + 1);
+                                heads * (4 * (r + 1) + r + 2 * (r + 1)) + 3 * layers * heads + 1);
   }
   if (resident_layers_ != nullptr) {
     bytes += ResidentLayers::BytesPerToken(shape_, resident_layers_->layers()) *

@@ -25,7 +25,12 @@ struct KeptLayout {
   int64_t map_out() const { return workspace() + heads * rows; }
   int64_t miss_slots() const { return map_out() + heads * (rows + 1); }
   int64_t counts() const { return miss_slots() + heads * (rows + 1); }
-  int64_t count_entries() const { return 2 * layers * heads + 1; }
+  // Moved, missed and listed rows per layer and head, then the errors.
+  int64_t moved(int64_t l) const { return counts() + l * heads; }
+  int64_t missed(int64_t l) const { return counts() + (layers + l) * heads; }
+  int64_t listed(int64_t l) const { return counts() + (2 * layers + l) * heads; }
+  int64_t errors() const { return counts() + 3 * layers * heads; }
+  int64_t count_entries() const { return 3 * layers * heads + 1; }
   int64_t total() const { return counts() + count_entries(); }
 };
 
@@ -134,9 +139,10 @@ absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const Dev
   plan.list = list;
   plan.move_slots = base + at.moves(layer % 2);
   plan.move_rows = plan.move_slots + at.heads * (k.rows + 1);
-  plan.move_counts = base + at.counts() + l * at.heads;
+  plan.move_counts = base + at.moved(l);
+  plan.listed = base + at.listed(l);
   plan.workspace = base + at.workspace();
-  plan.errors = base + at.counts() + 2 * at.layers * at.heads;
+  plan.errors = base + at.errors();
   IG_RETURN_IF_ERROR(backend_.PlanKeptRows(plan));
   // The layer's gathers, every sequence's, are one side batch: the batches before (the layer
   // about to be attended) are joined first, so that this one overlaps its attention.
@@ -221,8 +227,8 @@ absl::StatusOr<StreamedKvCache::DeviceRows> StoreKvCache::FetchOnDevice(
   map.miss_capacity = kMissRows;
   map.out = base + at.map_out();
   map.miss_slots = base + at.miss_slots();
-  map.miss_counts = base + at.counts() + (at.layers + l) * heads;
-  map.errors = base + at.counts() + 2 * at.layers * heads;
+  map.miss_counts = base + at.missed(l);
+  map.errors = base + at.errors();
   IG_RETURN_IF_ERROR(backend_.MapKeptRows(map));
   if (!k.planned) planned_.push_back(seq);
   k.planned = true;
@@ -278,15 +284,22 @@ absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
   planned_.erase(std::remove(planned_.begin(), planned_.end(), seq), planned_.end());
   if (!k.queued) return absl::OkStatus();  // the step failed before its counts were asked for
   k.queued = false;
-  // The rows that crossed the link: each plan's moves and each choice's misses.
-  int64_t moved = 0;
-  const size_t errors_at = k.counts.size() - 1;
-  for (size_t i = 0; i < errors_at; ++i) moved += std::max(k.counts[i], 0);
-  s.counters.bytes_fetched += 2 * moved * static_cast<int64_t>(RowBytes());
-  const int32_t errors = k.counts[errors_at];
-  // Next step's counts start from zero (an enqueued copy: no wait).
+  // The rows that crossed the link (each plan's moves and each choice's misses), and those a
+  // plan found kept (listed, not moved).
   const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
                       k.rows};
+  const int64_t lh = at.layers * at.heads;
+  int64_t moved = 0, reused = 0;
+  for (int64_t i = 0; i < lh; ++i) {
+    const int64_t plan_moves = std::max(k.counts[i], 0);
+    moved += plan_moves + std::max(k.counts[lh + i], 0);
+    reused += std::max<int64_t>(k.counts[2 * lh + i] - plan_moves, 0);
+  }
+  const int64_t row = static_cast<int64_t>(RowBytes());
+  s.counters.bytes_fetched += 2 * moved * row;
+  s.counters.bytes_reused += 2 * reused * row;
+  const int32_t errors = k.counts[3 * lh];
+  // Next step's counts start from zero (an enqueued copy: no wait).
   std::fill(k.counts.begin(), k.counts.end(), 0);
   IG_RETURN_IF_ERROR(backend_.CopyToDevice(k.counts.data(),
                                            static_cast<int32_t*>(k.buffer->data()) + at.counts(),

@@ -67,7 +67,7 @@ __device__ bool Lists(const KeptRowsArgs& k, int g, int32_t s, int64_t n) {
 }
 
 __global__ void PlanKernel(KeptRowsArgs k, bool keep, int32_t* move_slots, int32_t* move_rows,
-                           int32_t* move_counts, int32_t* workspace) {
+                           int32_t* move_counts, int32_t* listed, int32_t* workspace) {
   const int g = blockIdx.x;
   const int64_t n = ListCount(k, g);
   int32_t* row_of = k.row_of + g * k.map_capacity;
@@ -115,7 +115,10 @@ __global__ void PlanKernel(KeptRowsArgs k, bool keep, int32_t* move_slots, int32
     }
     missed += total;
   }
-  if (threadIdx.x == 0) move_counts[g] = missed < free ? missed : free;
+  if (threadIdx.x == 0) {
+    move_counts[g] = missed < free ? missed : free;
+    if (listed != nullptr) listed[g] = static_cast<int32_t>(n);
+  }
 }
 
 __global__ void MapKernel(KeptRowsArgs k, int64_t head_rows, int64_t current_slot,
@@ -157,10 +160,11 @@ __global__ void MapKernel(KeptRowsArgs k, int64_t head_rows, int64_t current_slo
 }  // namespace
 
 cudaError_t PlanKeptRows(const KeptRowsArgs& k, bool keep, int32_t* move_slots, int32_t* move_rows,
-                         int32_t* move_counts, int32_t* workspace, cudaStream_t stream) {
+                         int32_t* move_counts, int32_t* listed, int32_t* workspace,
+                         cudaStream_t stream) {
   if (k.num_kv_heads <= 0) return cudaSuccess;
   PlanKernel<<<k.num_kv_heads, kThreads, 0, stream>>>(k, keep, move_slots, move_rows, move_counts,
-                                                      workspace);
+                                                      listed, workspace);
   return cudaGetLastError();
 }
 

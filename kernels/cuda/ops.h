@@ -268,7 +268,8 @@ struct KeptRowsArgs {
   int32_t* errors = nullptr;
 };
 cudaError_t PlanKeptRows(const KeptRowsArgs& k, bool keep, int32_t* move_slots, int32_t* move_rows,
-                         int32_t* move_counts, int32_t* workspace, cudaStream_t stream);
+                         int32_t* move_counts, int32_t* listed, int32_t* workspace,
+                         cudaStream_t stream);
 cudaError_t MapKeptRows(const KeptRowsArgs& k, int64_t head_rows, int64_t current_slot,
                         int64_t current_row, int64_t miss_row, int64_t miss_capacity, int32_t* out,
                         int32_t* miss_slots, int32_t* miss_counts, cudaStream_t stream);

@@ -480,6 +480,7 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
     d.move_slots = up(std::vector<int32_t>(kHeads * kCap, -1));
     d.move_rows = up(std::vector<int32_t>(kHeads * kCap, -1));
     d.move_counts = up(std::vector<int32_t>(kHeads, -1));
+    d.listed = up(std::vector<int32_t>(kHeads, -1));
     d.workspace = up(work);
     d.errors = up({0});
     const BackendCounters before = gpu.counters();
@@ -487,6 +488,7 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
     EXPECT_EQ((gpu.counters() - before).synchronizations, 0);
     const std::vector<int32_t> got_counts = down(d.move_counts, kHeads);
     EXPECT_EQ(got_counts, move_counts);
+    EXPECT_EQ(down(d.listed, kHeads), std::vector<int32_t>(kHeads, std::min<int32_t>(count, kCap)));
     EXPECT_EQ(down(d.errors, 1)[0], errors);
     EXPECT_EQ(down(d_row_of, row_of.size()), row_of);
     EXPECT_EQ(down(d_slot_of, slot_of.size()), slot_of);

@@ -489,6 +489,8 @@ TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
       EXPECT_GE(host.profile.backend.synchronizations, host.profile.layers)
           << "the host's bookkeeping waits once a layer";
       EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched) << "the same rows move";
+      EXPECT_EQ(planned.bytes_reused, host.bytes_reused) << "and the same stay";
+      EXPECT_GT(planned.bytes_reused, 0);
       EXPECT_LT(2 * planned.bytes_fetched, plain.bytes_fetched);
       EXPECT_GT(planned.prefetch_hits, 0);
     } else {  // rows copied by the transport: nothing to plan there

@@ -176,7 +176,8 @@ absl::Status DeviceLikeCpuBackend::PlanKeptRows(const KeptRowsPlan& p) {
   }
   if ((p.list.slots != nullptr && !Owns(p.list.slots)) ||
       (p.list.count != nullptr && !Owns(p.list.count)) ||
-      (p.workspace != nullptr && !Owns(p.workspace)) || (p.errors != nullptr && !Owns(p.errors))) {
+      (p.workspace != nullptr && !Owns(p.workspace)) || (p.errors != nullptr && !Owns(p.errors)) ||
+      (p.listed != nullptr && !Owns(p.listed))) {
     return absl::InvalidArgumentError(
         "PlanKeptRows: a list or scratch outside the backend's memory");
   }

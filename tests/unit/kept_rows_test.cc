@@ -74,8 +74,12 @@ TEST(KeptRows, EveryListedSlotIsWhereTheMapSaysAndOnlyWhatWasNotHeldMoves) {
     }
     Moves m;
     int32_t errors = 0;
-    ASSERT_TRUE(cpu.PlanKeptRows(PlanOf(kept, list, &count, m, &errors)).ok());
+    std::vector<int32_t> heads_listed(kHeads, -1);
+    KeptRowsPlan plan = PlanOf(kept, list, &count, m, &errors);
+    plan.listed = heads_listed.data();
+    ASSERT_TRUE(cpu.PlanKeptRows(plan).ok());
     ASSERT_EQ(errors, 0) << step;
+    EXPECT_EQ(heads_listed, std::vector<int32_t>(kHeads, count));
     ASSERT_TRUE(host.Place(0, host_list.data(), count, host_plan));
     int64_t step_moves = 0;
     for (int g = 0; g < kHeads; ++g) {
