@@ -182,12 +182,17 @@ class DecodeStep final : private LayerAttention {
     return batch_[b].policy != nullptr && batch_[b].policy->chooses_on_backend();
   }
   bool Failed(size_t b) const { return !chunk_status_[b].ok(); }
-  // A step planned on the device (decode_step_device_plan.cc): every chunk a decode token whose
-  // policy chooses in backend memory, over a cache that plans the rows of every layer those
-  // policies choose at (StreamedKvCache::PlansOnDevice) and holds the step's appends until its
-  // end. Then no choice is read on the host and nothing waits between the layers: the one wait
-  // is the logits'.
-  bool DevicePlanFits(std::span<const ForwardChunk> batch) const;
+  // A step planned on the device (decode_step_device_plan.cc): every decode token's policy
+  // chooses in backend memory, over a cache that plans the rows of every layer those policies
+  // choose at (StreamedKvCache::PlansOnDevice) and holds the step's appends until its end; a
+  // prompt chunk beside them reads the rows stored before it apart from its own
+  // (StreamedKvCache::ReadsStored). Then no choice is read on the host and nothing waits between
+  // the layers: the one wait is the logits'. The number of decode tokens; 0 when it does not fit
+  // (or there are none).
+  int64_t DevicePlanFits(std::span<const ForwardChunk> batch) const;
+  // Pass 2 of such a step for prompt chunk b (start > 0): the rows stored before it, read as
+  // the store holds them, with the chunk's own K/V written after each head's.
+  absl::StatusOr<KvLayerView> ReadPromptRows(size_t b, int layer, MatView k, MatView v);
   // PrefetchEnd's part for a step planned on the device: chunk b's rows of `next_layer` (its
   // choice where the backend launched one, else every stored row) started there; false when
   // the cache cannot plan them there (a dense layer longer than its kept rows): the host

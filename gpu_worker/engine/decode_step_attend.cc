@@ -258,9 +258,11 @@ absl::Status DecodeStep::Attend(int layer, MatView q, MatView k, MatView v, MatV
       continue;
     }
     if (len > 1) {
-      absl::StatusOr<KvLayerView> read = resident_ != nullptr
-                                             ? resident_->Read(chunk.seq, layer)
-                                             : streamed_->ReadAll(chunk.seq, layer);
+      // (Planned on the device its appends wait for the step's end: the store has the rows
+      // before it.)
+      absl::StatusOr<KvLayerView> read = resident_ != nullptr ? resident_->Read(chunk.seq, layer)
+                                         : device_plan_       ? ReadPromptRows(b, layer, k, v)
+                                                        : streamed_->ReadAll(chunk.seq, layer);
       if (read.ok() && read->num_slots != chunk.start + len) {
         Fail(b, absl::FailedPreconditionError(
                     absl::StrCat("prefill of sequence ", chunk.seq, " needs all its ",

@@ -1,9 +1,11 @@
 // DecodeStep planned on the device (docs/worker.md, "Rows planned on the device"): where every
-// chunk is a decode token whose policy chooses in backend memory (InfiniGen on a GPU) and the
-// cache plans its rows there (StoreKvCache with plan_on_device), the next layer's prefetch and
-// the layer's own choice are handed to the cache as they lie in backend memory (slots and
-// count), the attention reads its count there, and the appends wait for the step's end: no
-// choice is read on the host and nothing waits between the layers.
+// decode token's policy chooses in backend memory (InfiniGen on a GPU) and the cache plans its
+// rows there (StoreKvCache with plan_on_device), the next layer's prefetch and the layer's own
+// choice are handed to the cache as they lie in backend memory (slots and count), the attention
+// reads its count there, and the appends wait for the step's end: no choice is read on the
+// host and nothing waits between the layers. A prompt chunk in the same step (a prefill beside
+// the decodes) attends the rows stored before it, read without a wait, and its own from the
+// activations (ReadPromptRows).
 #include <algorithm>
 
 #include "common/status_macros.h"
@@ -14,26 +16,34 @@ namespace infinigen {
 
 using step_timing::ScopedTiming;
 
-bool DecodeStep::DevicePlanFits(std::span<const ForwardChunk> batch) const {
-  if (streamed_ == nullptr || batch.empty()) return false;
+int64_t DecodeStep::DevicePlanFits(std::span<const ForwardChunk> batch) const {
+  if (streamed_ == nullptr) return 0;
   const int layers = model_.config().num_layers;
+  int64_t decodes = 0;
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];
+    // Prompt chunks choose no rows; their appends are held too, where their attention can read
+    // the rows stored before them apart from their own (StreamedKvCache::ReadStored).
+    if (chunk.tokens.size() != 1) {
+      if (chunk.start > 0 && !streamed_->ReadsStored(chunk.seq)) return 0;
+      continue;
+    }
     const KvSelectionPolicy* policy = chunk.policy;
-    if (Failed(b) || chunk.tokens.size() != 1 || policy == nullptr ||
-        !policy->chooses_on_backend() || policy->wants_attention_weights() || spec_rows_[b] < 0) {
-      return false;
+    if (Failed(b) || policy == nullptr || !policy->chooses_on_backend() ||
+        policy->wants_attention_weights() || spec_rows_[b] < 0) {
+      return 0;
     }
     // Every layer it may choose at (its speculated ones) is planned there, for as many rows as
     // it may choose (a request whose budget is above what the cache keeps takes the host's path).
     const int64_t most = policy->BackendChoiceCapacity(chunk.start);
     for (int layer = 0; layer < layers; ++layer) {
       if (policy->SpeculatesFor(layer) && !streamed_->PlansOnDevice(chunk.seq, layer, most)) {
-        return false;
+        return 0;
       }
     }
+    ++decodes;
   }
-  return true;
+  return decodes;
 }
 
 DeviceSlotList DecodeStep::DeviceChoice(const Choices& c, size_t b) const {
@@ -101,6 +111,27 @@ absl::StatusOr<bool> DecodeStep::AttendOnDevice(size_t b, int layer, MatView q, 
   item.out = out.Rows(row, 1);
   decode_items_.push_back(item);
   return true;
+}
+
+absl::StatusOr<KvLayerView> DecodeStep::ReadPromptRows(size_t b, int layer, MatView k, MatView v) {
+  const ForwardChunk& chunk = batch_[b];
+  const int64_t len = static_cast<int64_t>(chunk.tokens.size());
+  absl::StatusOr<KvLayerView> read = streamed_->ReadStored(chunk.seq, layer, chunk.start, len);
+  if (!read.ok()) return read.status();
+  const ModelConfig& c = model_.config();
+  const int64_t hd = c.head_dim, row = rows_[b];
+  Backend& backend = model_.backend();
+  // Head g's columns of the chunk's rows, after the head's stored rows (converted to the
+  // cache's dtype by the copy).
+  for (int64_t g = 0; g < c.num_kv_heads; ++g) {
+    for (auto [from, to] : {std::pair{k, read->k}, std::pair{v, read->v}}) {
+      const MatView src{static_cast<uint8_t*>(from.Rows(row, len).data) +
+                            static_cast<size_t>(g * hd) * DTypeSize(from.dtype),
+                        from.dtype, len, hd, from.stride};
+      IG_RETURN_IF_ERROR(backend.Copy(src, to.Head(g, chunk.start, len, hd)));
+    }
+  }
+  return read;
 }
 
 void DecodeStep::EndDevicePlan() {

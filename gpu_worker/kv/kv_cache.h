@@ -245,10 +245,21 @@ class StreamedKvCache : public KvCache {
   // appends held since BeginAppendStep are dropped, its length back where the step found it).
   virtual absl::Status QueueDeviceCounts() { return absl::OkStatus(); }
   virtual absl::Status SettleOnDevice(SequenceId seq) { return absl::OkStatus(); }
-  // The appends of several layers (a decode step's, of at most `tokens` tokens) held from
-  // BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. false where the
-  // cache cannot (then each layer's Begin needs its End).
+  // The decode tokens' appends of several layers (a decode step's, at most `tokens` of them)
+  // held from BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. Prompt
+  // chunks appended meanwhile go at once. false where the cache cannot (then each layer's Begin
+  // needs its End).
   virtual bool BeginAppendStep(int64_t tokens) { return false; }
+  // A prompt chunk's read beside held appends: rows [0, rows) of `layer` as the store holds
+  // them (not those appended since BeginAppendStep), head-major with `room` rows free after each
+  // head's (KvCacheShape::HeadMajor of rows + room), which the caller fills with the chunk's own
+  // K/V. ReadsStored: whether `seq`'s rows can be read so (false: its appends must reach the
+  // store first, and ReadAll read them).
+  virtual bool ReadsStored(SequenceId seq) const { return false; }
+  virtual absl::StatusOr<KvLayerView> ReadStored(SequenceId seq, int layer, int64_t rows,
+                                                 int64_t room) {
+    return absl::UnimplementedError("this KV cache holds no appends");
+  }
 };
 
 }  // namespace infinigen

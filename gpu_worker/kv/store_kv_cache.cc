@@ -380,9 +380,11 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
   append_targets_.assign(items.size(), nullptr);
   // Decode tokens on a device: every such item's K and V packed there, one copy out (no wait
   // of its own: the caller's next wait brings them), handed to the store at EndAppendLayer.
-  // Prompt chunks and host backends copy item by item, now.
+  // Prompt chunks and host backends copy item by item, now; within a step's appends
+  // (BeginAppendStep) prompt chunks are held too (their attention reads the rows stored before
+  // them, ReadStored, and their own from the activations).
   auto packed = [&](const LayerAppend& a) {
-    return !host_access_ && a.k.rows <= kPackedAppendRows;
+    return !host_access_ && (step_appends_ || a.k.rows <= kPackedAppendRows);
   };
   size_t packed_bytes = 0;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -567,6 +569,7 @@ absl::Status StoreKvCache::StartGather(SequenceId seq, Sequence& s, int layer,
   p.item.k_rows = p.item.v_rows = nullptr;
   p.count = count;
   p.extra_rows = extra_rows;
+  p.head_rows = 0;
   p.in_place = in_place;
   p.seq = seq;
   p.item.block_table = BlockTableOut{};
@@ -655,8 +658,9 @@ absl::StatusOr<KvLayerView> StoreKvCache::FinishGather(Sequence& s, int layer) {
     view.v = {nullptr, shape_.dtype, count, 1, p.staging.v_rows.data()};
     return view;
   }
-  view.k = shape_.HeadMajor(p.staging.k->data(), count);
-  view.v = shape_.HeadMajor(p.staging.v->data(), count);
+  const int64_t per_head = p.head_rows > 0 ? p.head_rows : count;
+  view.k = shape_.HeadMajor(p.staging.k->data(), per_head);
+  view.v = shape_.HeadMajor(p.staging.v->data(), per_head);
   return view;
 }
 
@@ -766,6 +770,7 @@ bool StoreKvCache::StartResident(SequenceId seq, Sequence& s, int layer, int64_t
   p.layer = layer;
   p.count = count;
   p.extra_rows = extra_rows;
+  p.head_rows = 0;
   p.in_place = false;
   s.counters.bytes_full +=
       2 * static_cast<int64_t>(shape_.num_kv_heads) * count * static_cast<int64_t>(RowBytes());

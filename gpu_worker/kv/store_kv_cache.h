@@ -139,6 +139,9 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status QueueDeviceCounts() override;
   absl::Status SettleOnDevice(SequenceId seq) override;
   bool BeginAppendStep(int64_t tokens) override;
+  bool ReadsStored(SequenceId seq) const override;
+  absl::StatusOr<KvLayerView> ReadStored(SequenceId seq, int layer, int64_t rows,
+                                         int64_t room) override;
   // Rows per KV head a device-planned layer has for a choice's rows not kept.
   static constexpr int64_t kMissRows = 64;
   // Whether prefetches reach a GPU backend by Backend::GatherBlockRows from registered store
@@ -187,6 +190,7 @@ class StoreKvCache final : public StreamedKvCache {
     int layer = -1;
     int64_t count = 0;
     int64_t extra_rows = 0;  // rows per head left free after the gathered ones
+    int64_t head_rows = 0;   // staged rows per head (ReadStored's room after each); 0: count
     bool in_place = false;
     bool launched = false;   // its device gather is queued on the backend's side queue
     int64_t side_batch = 0;  // ... with the side_batches_-th batch
@@ -224,8 +228,8 @@ class StoreKvCache final : public StreamedKvCache {
     // misses per layer and head, errors) with their host copy.
     struct Kept {
       std::unique_ptr<Buffer> buffer;
-      int64_t map_capacity = 0, rows = 0;
-      std::vector<int32_t> counts;  // host: moved [layers, heads], missed [layers, heads], errors
+      int64_t layers = 0, heads = 0, map_capacity = 0, rows = 0;  // (its layout)
+      std::vector<int32_t> counts;  // host: moved, missed, listed [layers, heads] each, errors
       bool planned = false;         // since the last settle
       bool queued = false;          // its counts' copy to the host
     };

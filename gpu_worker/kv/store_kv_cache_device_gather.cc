@@ -67,7 +67,7 @@ absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p, bool on_side_
   g.slots = static_cast<const int32_t*>(p.device_slots->data());
   g.slot_capacity = p.count;
   g.max_count = p.count;
-  g.dst_rows_per_list = p.count;
+  g.dst_rows_per_list = p.head_rows > 0 ? p.head_rows : p.count;
   g.on_side_queue = on_side_queue;
   return GatherKAndV(s, p.layer, g, p.staging.k->data(), p.staging.v->data());
 }

@@ -34,6 +34,11 @@ struct KeptLayout {
   int64_t total() const { return counts() + count_entries(); }
 };
 
+template <typename Kept>  // Sequence::Kept (private to StoreKvCache)
+KeptLayout LayoutOf(const Kept& k) {
+  return {k.layers, k.heads, k.map_capacity, k.rows};
+}
+
 }  // namespace
 
 absl::Status StoreKvCache::OpenKept(Sequence& s, int64_t capacity_tokens) {
@@ -50,6 +55,8 @@ absl::Status StoreKvCache::OpenKept(Sequence& s, int64_t capacity_tokens) {
     k.buffer.reset();
     IG_ASSIGN_OR_RETURN(k.buffer, backend_.Allocate(bytes));
   }
+  k.layers = at.layers;
+  k.heads = at.heads;
   k.map_capacity = at.map_capacity;
   k.rows = at.rows;
   k.counts.assign(static_cast<size_t>(at.count_entries()), 0);
@@ -64,8 +71,7 @@ absl::Status StoreKvCache::OpenKept(Sequence& s, int64_t capacity_tokens) {
 
 absl::Status StoreKvCache::ForgetKept(Sequence& s, int layer) {
   const Sequence::Kept& k = *s.kept;
-  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
-                      k.rows};
+  const KeptLayout at = LayoutOf(k);
   const int64_t l = layer - reuse_first_layer_;
   int32_t* base = static_cast<int32_t*>(k.buffer->data());
   const std::vector<int32_t> none(static_cast<size_t>(at.heads * std::max(k.map_capacity, k.rows)),
@@ -78,8 +84,7 @@ absl::Status StoreKvCache::ForgetKept(Sequence& s, int layer) {
 
 KeptRows StoreKvCache::KeptOf(Sequence& s, int layer) const {
   const Sequence::Kept& k = *s.kept;
-  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
-                      k.rows};
+  const KeptLayout at = LayoutOf(k);
   const int64_t l = layer - reuse_first_layer_;
   int32_t* base = static_cast<int32_t*>(k.buffer->data());
   return {shape_.num_kv_heads, base + at.row_of(l), k.map_capacity, base + at.slot_of(l), k.rows};
@@ -130,8 +135,7 @@ absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const Dev
   Pending& p = s->pending[layer % 2];
   DropTicket(p);  // a host gather of this parity ends first (its staging is not ours)
   IG_RETURN_IF_ERROR(TablesFor(seq, *s, layer, s->Rows(layer)));
-  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
-                      k.rows};
+  const KeptLayout at = LayoutOf(k);
   int32_t* base = static_cast<int32_t*>(k.buffer->data());
   const int64_t l = layer - reuse_first_layer_;
   KeptRowsPlan plan;
@@ -211,8 +215,7 @@ absl::StatusOr<StreamedKvCache::DeviceRows> StoreKvCache::FetchOnDevice(
   // For the misses: the rows stored before this step's token (whose append waits for the step's
   // end).
   IG_RETURN_IF_ERROR(TablesFor(seq, *s, layer, std::min(current_slot, s->Rows(layer))));
-  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
-                      k.rows};
+  const KeptLayout at = LayoutOf(k);
   int32_t* base = static_cast<int32_t*>(k.buffer->data());
   const int64_t l = layer - reuse_first_layer_, heads = shape_.num_kv_heads;
   // The layer's K (and V) rows: [heads, rows] kept, a row per head for the current token, then
@@ -263,8 +266,7 @@ absl::Status StoreKvCache::QueueDeviceCounts() {
     auto it = sequences_.find(seq);
     if (it == sequences_.end() || it->second.kept == nullptr) continue;
     Sequence::Kept& k = *it->second.kept;
-    const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
-                        k.rows};
+    const KeptLayout at = LayoutOf(k);
     const int32_t* counts = static_cast<const int32_t*>(k.buffer->data()) + at.counts();
     IG_RETURN_IF_ERROR(
         backend_.CopyToHostLater(counts, k.counts.data(), k.counts.size() * sizeof(int32_t)));
@@ -286,8 +288,7 @@ absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
   k.queued = false;
   // The rows that crossed the link (each plan's moves and each choice's misses), and those a
   // plan found kept (listed, not moved).
-  const KeptLayout at{shape_.num_layers - reuse_first_layer_, shape_.num_kv_heads, k.map_capacity,
-                      k.rows};
+  const KeptLayout at = LayoutOf(k);
   const int64_t lh = at.layers * at.heads;
   int64_t moved = 0, reused = 0;
   for (int64_t i = 0; i < lh; ++i) {
@@ -325,6 +326,54 @@ absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
                      " errors): its step is void; a retry moves every row again"));
   }
   return absl::OkStatus();
+}
+
+bool StoreKvCache::ReadsStored(SequenceId seq) const {
+  auto it = sequences_.find(seq);
+  // Gathered by block table into staging laid out as asked (a KV pool's slots are not
+  // positions: its prefill reads back what it placed).
+  return it != sequences_.end() && device_gathers_ && !host_access_ && it->second.pool == nullptr &&
+         it->second.tables != nullptr && it->second.tables->on_device();
+}
+
+absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, int64_t rows,
+                                                     int64_t room) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (!ReadsStored(seq) || layer < 0 || layer >= shape_.num_layers || rows < 0 || room < 0 ||
+      rows > s->Rows(layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("rows [0, ", rows, ") of layer ", layer,
+                                                   " of sequence ", seq,
+                                                   " cannot be read as stored"));
+  }
+  const int64_t heads = shape_.num_kv_heads, per_head = rows + room;
+  Pending& p = s->pending[layer % 2];  // (a prompt chunk's sequence prefetches nothing)
+  if (rows == 0 || (resident_layers_ != nullptr && resident_layers_->Holds(seq, layer, rows))) {
+    // Nothing stored, or a copy inside the device (the layer's rows there include the chunk's,
+    // which the caller writes over with the same values).
+    DropTicket(p);
+    p.layer = -1;
+    IG_RETURN_IF_ERROR(
+        EnsureStaging(p.staging, static_cast<size_t>(heads * per_head) * RowBytes()));
+    if (rows > 0) {
+      IG_RETURN_IF_ERROR(resident_layers_->Read(seq, layer, rows, p.staging.k->data(),
+                                                p.staging.v->data(), per_head));
+    }
+    s->counters.bytes_full += 2 * heads * rows * static_cast<int64_t>(RowBytes());
+    s->counters.fetches += 1;
+  } else {
+    every_slot_.resize(static_cast<size_t>(heads * rows));
+    for (int64_t g = 0; g < heads; ++g) {
+      for (int64_t j = 0; j < rows; ++j) every_slot_[g * rows + j] = static_cast<int32_t>(j);
+    }
+    IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, every_slot_, rows, room, /*in_place=*/true));
+    p.head_rows = per_head;
+    IG_RETURN_IF_ERROR(FinishGather(*s, layer).status());
+  }
+  KvLayerView view;
+  view.num_slots = per_head;
+  view.k = shape_.HeadMajor(p.staging.k->data(), per_head);
+  view.v = shape_.HeadMajor(p.staging.v->data(), per_head);
+  return view;
 }
 
 bool StoreKvCache::BeginAppendStep(int64_t tokens) {

@@ -12,8 +12,10 @@
 #include <netdb.h>
 
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <set>
 #include <thread>
 
@@ -1032,7 +1034,23 @@ nlohmann::json Load(int port, int streams, int seconds) {
                           " --streams " + std::to_string(streams) + " --seconds " +
                           std::to_string(seconds) + " --max-tokens 24 --temperature 0.7 --json " +
                           json + " > " + json + ".log 2>&1";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::remove(json.c_str());
+  int rc = std::system(cmd.c_str());
+  // A sanitizer's own failure (its runtime dying on a check or a mapping it did not expect,
+  // exit 66 before the client wrote anything) says nothing of the code: once more. A report
+  // (a race, a leak) fails the test with the client's log, which holds it.
+  const auto tool_failed = [&] {
+    const std::string log = ReadFile(json + ".log");
+    return log.find("FATAL: ThreadSanitizer") != std::string::npos ||
+           log.find("Sanitizer: CHECK failed") != std::string::npos;
+  };
+  if (rc != 0 && tool_failed()) {
+    std::cerr << "the sanitizer's runtime failed in `infinigen load`; once more:\n"
+              << ReadFile(json + ".log");
+    std::remove(json.c_str());
+    rc = std::system(cmd.c_str());
+  }
+  EXPECT_EQ(rc, 0) << cmd << "\n" << (rc != 0 ? ReadFile(json + ".log") : "");
   std::ifstream in(json);
   return nlohmann::json::parse(in, nullptr, false);
 }

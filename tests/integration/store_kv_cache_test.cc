@@ -26,6 +26,7 @@
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/device_like_backend.h"
 #include "tests/support/fixture_model.h"
+#include "tests/support/store_cache_fixture.h"
 #include "tests/support/test_paths.h"
 
 namespace infinigen {
@@ -36,102 +37,8 @@ using testing::DecodeRun;
 using testing::DeviceLikeCpuBackend;
 using testing::RandomTokens;
 
-// An in-process store whose arena blocks hold 4 rows of `shape` (a sequence's rows span several
-// blocks of every layer), and its client (null after recording a failure).
-struct SmallBlocks {
-  explicit SmallBlocks(const KvCacheShape& shape) {
-    KvStoreConfig sc;
-    sc.capacity_bytes = 16 << 20;
-    sc.shared_memory = false;
-    sc.huge_pages = false;
-    sc.block_tokens = 4;
-    sc.max_row_bytes = static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
-    auto created = KvStore::Create(sc);
-    EXPECT_TRUE(created.ok()) << created.status();
-    if (!created.ok()) return;
-    store = std::move(*created);
-    KvClientConfig cc;
-    cc.transport = KvClientConfig::Transport::kInProcess;
-    cc.store = store.get();
-    auto made = MakeKvStoreClient(cc);
-    EXPECT_TRUE(made.ok()) << made.status();
-    if (made.ok()) client = std::move(*made);
-  }
-  std::unique_ptr<KvStore> store;
-  std::unique_ptr<KvStoreClient> client;
-};
-
-class StoreCache : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
- protected:
-  void SetUp() override {
-    l_ = testing::LoadModel(testing::FixturePath("hf/" + std::get<0>(GetParam())));
-    ASSERT_NE(l_.model, nullptr);
-    KvStoreConfig sc;
-    sc.capacity_bytes = 64 << 20;
-    sc.shared_memory = false;
-    auto store = KvStore::Create(sc);
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    KvClientConfig cc;
-    cc.transport = KvClientConfig::Transport::kInProcess;
-    cc.store = store_.get();
-    auto client = MakeKvStoreClient(cc);
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = std::move(*client);
-    StoreKvCacheOptions options;
-    options.id_base = 1000;
-    options.read_in_place = std::get<1>(GetParam());
-    cache_ = std::make_unique<StoreKvCache>(*l_.backend, l_.model->kv_shape(), *client_, options);
-    auto tokens = RandomTokens(96, l_.model->config().vocab_size, 5);
-    PrepareOptions po;
-    po.ratio = 0.5f;
-    po.chunk_tokens = 40;
-    auto s = PrepareInfinigen(*l_.model, *l_.ckpt, tokens, po);
-    ASSERT_TRUE(s.ok()) << s.status();
-    sidecar_ = std::move(*s);
-    ASSERT_TRUE(AttachSidecar(*l_.model, *l_.ckpt, sidecar_).ok());
-  }
-
-  std::unique_ptr<KvSelectionPolicy> Policy(
-      const std::string& name, std::shared_ptr<const PartialSkewOnBackend> skew = nullptr) {
-    SelectionConfig config;
-    config.policy = ParsePolicyKind(name).value();
-    config.dense_layers = 1;  // the fixtures have 2 layers: make layer 1 sparse
-    config.budget_fraction = 0.3;
-    auto p = MakeSelectionPolicy(config, l_.model->config(), &sidecar_, std::move(skew));
-    EXPECT_TRUE(p.ok()) << p.status();
-    return p.ok() ? std::move(*p) : nullptr;
-  }
-  // The fixture's model on a backend the host cannot read, the sidecar attached (null after
-  // recording a failure); and a store cache's options there (the GPU reads the store's rows).
-  std::unique_ptr<Model> OnDevice(DeviceLikeCpuBackend& device) {
-    auto loaded = Model::Load(*l_.ckpt, device);
-    EXPECT_TRUE(loaded.ok()) << loaded.status();
-    if (!loaded.ok()) return nullptr;
-    const absl::Status attached = AttachSidecar(**loaded, *l_.ckpt, sidecar_);
-    EXPECT_TRUE(attached.ok()) << attached;
-    return attached.ok() ? std::move(*loaded) : nullptr;
-  }
-  StoreKvCacheOptions DeviceStoreOptions() const {
-    StoreKvCacheOptions options;
-    options.read_in_place = std::get<1>(GetParam());
-    options.device_reads_mapped_rows = true;
-    return options;
-  }
-  std::vector<std::vector<int32_t>> Prompts(size_t n) {
-    std::vector<std::vector<int32_t>> p;
-    for (size_t i = 0; i < n; ++i) {
-      p.push_back(RandomTokens(20 + 7 * i, l_.model->config().vocab_size, 11 + i));
-    }
-    return p;
-  }
-
-  testing::LoadedModel l_;
-  std::unique_ptr<KvStore> store_;
-  std::unique_ptr<KvStoreClient> client_;
-  std::unique_ptr<StoreKvCache> cache_;
-  InfinigenSidecar sidecar_;
-};
+using testing::SmallBlocks;
+using StoreCache = testing::StoreCacheTest;
 
 TEST_P(StoreCache, DenseDecodeEqualsTheResidentCacheBitForBit) {
   BackendKvCache resident(*l_.backend, l_.model->kv_shape());
@@ -438,184 +345,6 @@ TEST_P(StoreCache, RowsKeptOnTheDeviceBetweenStepsChangeNoBitAndMoveFewerBytes) 
       EXPECT_EQ(reused.bytes_fetched, plain.bytes_fetched);
     }
   }
-}
-
-// Rows planned on the device (StoreKvCacheOptions::plan_on_device): the decode step hands the
-// choices to the cache where the backend made them, the attention reads their counts there and
-// the appends wait for the step's end, so a decode step waits once (for its logits), not once a
-// layer; the tokens and logits are the resident cache's bit for bit, and as many rows move as
-// with the host's bookkeeping (the same plan), far fewer than without reuse. With the default
-// blocks and with 4-row blocks (the device's block tables brought up to date as the sequences
-// grow, asked for apart from any gather).
-TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
-  DeviceLikeCpuBackend device;
-  std::unique_ptr<Model> loaded = OnDevice(device);
-  ASSERT_NE(loaded, nullptr);
-  auto skew = UploadPartialSkew(sidecar_, device);
-  ASSERT_TRUE(skew.ok()) << skew.status();
-  const KvCacheShape shape = loaded->kv_shape();
-  SmallBlocks small(shape);
-  ASSERT_NE(small.client, nullptr);
-  const auto prompts = Prompts(3);
-  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
-  auto a = Policy("infinigen"), b = Policy("infinigen"), c = Policy("infinigen");
-  const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get(), c.get()}, prompts, 16, 8);
-  for (KvStoreClient* client : {client_.get(), small.client.get()}) {
-    SCOPED_TRACE(client == client_.get() ? "default blocks" : "4-row blocks");
-    auto run = [&](bool reuse, bool plan) {
-      SCOPED_TRACE(
-          absl::StrCat(reuse ? "reuse" : "no reuse", plan ? ", planned on the device" : ""));
-      StoreKvCacheOptions options = DeviceStoreOptions();
-      if (reuse) options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
-      options.plan_on_device = plan;
-      StoreKvCache cache(device, shape, *client, options);
-      std::vector<std::unique_ptr<KvSelectionPolicy>> p;
-      for (int i = 0; i < 3; ++i) p.push_back(Policy("infinigen", *skew));
-      device.ResetMostGathersJoined();
-      DecodeRun got = Decode(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, 16, 8);
-      EXPECT_EQ(got.tokens, want.tokens);
-      EXPECT_EQ(got.logits, want.logits);
-      EXPECT_EQ(got.prefetch_misses, 0);
-      // A join runs one layer's gathers (K and V of each sequence) at most, never the next
-      // layer's too: those overlap the layer being attended.
-      EXPECT_LE(device.most_gathers_joined(), 3 * 2);
-      return got;
-    };
-    const DecodeRun plain = run(false, false), host = run(true, false), planned = run(true, true);
-    const StepProfile& pp = planned.profile;
-    ASSERT_EQ(pp.steps, 16);
-    if (std::get<1>(GetParam())) {  // the GPU gathers by block table: planned there
-      EXPECT_EQ(pp.backend.synchronizations, pp.steps) << "one wait a step: the logits'";
-      EXPECT_GE(host.profile.backend.synchronizations, host.profile.layers)
-          << "the host's bookkeeping waits once a layer";
-      EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched) << "the same rows move";
-      EXPECT_EQ(planned.bytes_reused, host.bytes_reused) << "and the same stay";
-      EXPECT_GT(planned.bytes_reused, 0);
-      EXPECT_LT(2 * planned.bytes_fetched, plain.bytes_fetched);
-      EXPECT_GT(planned.prefetch_hits, 0);
-    } else {  // rows copied by the transport: nothing to plan there
-      EXPECT_EQ(pp.backend.synchronizations, host.profile.backend.synchronizations);
-      EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched);
-    }
-  }
-}
-
-// A policy choosing in backend memory whose layer's own choice lies outside what it prefetched:
-// it prefetches slots 0 .. p-1 of every head and then chooses p .. p+m-1 and the current token
-// (every row while a sequence is shorter than p + m + 1), so that every chosen row but the
-// current one is a miss. Its choices are written with copies to the backend (a fake of the choice,
-// to test the rows planned around it).
-class SplitChoicePolicy final : public KvSelectionPolicy {
- public:
-  SplitChoicePolicy(Backend& backend, int kv_heads, int64_t p, int64_t m)
-      : backend_(backend), kv_heads_(kv_heads), p_(p), m_(m) {}
-  std::string Name() const override { return "split-choice"; }
-  SpeculationInput speculation_input() const override { return SpeculationInput::kPreviousNorm; }
-  bool SpeculatesFor(int layer) const override { return layer >= 1; }
-  bool chooses_on_backend() const override { return true; }
-  int64_t BackendChoiceCapacity(int64_t rows) const override {
-    return std::min<int64_t>(rows + 1, std::max(p_, m_ + 1));
-  }
-  absl::Status Select(const SelectRequest&, Selection&) override {
-    return absl::InternalError("chooses on the backend");
-  }
-  absl::Status OnBackendKeys(SequenceId, int, MatView, int64_t) override {
-    return absl::OkStatus();  // it keeps no keys
-  }
-  absl::StatusOr<BackendChoiceResult> ChooseOnBackend(const BackendChoice& c) override {
-    if (c.layer < 1 || c.rows < p_ + m_ + 1) return BackendChoiceResult::kAll;
-    std::vector<int32_t> lists(static_cast<size_t>(kv_heads_ * c.index_capacity), 0);
-    const int64_t n = c.prefetch ? p_ : m_ + 1;
-    for (int g = 0; g < kv_heads_; ++g) {
-      for (int64_t j = 0; j < n; ++j) {
-        lists[g * c.index_capacity + j] = static_cast<int32_t>(c.prefetch ? j : p_ + j);
-      }
-      if (!c.prefetch) lists[g * c.index_capacity + m_] = static_cast<int32_t>(c.rows - 1);
-    }
-    const int32_t count = static_cast<int32_t>(n);
-    IG_RETURN_IF_ERROR(backend_.CopyToDevice(&count, c.count, sizeof(count)));
-    IG_RETURN_IF_ERROR(
-        backend_.CopyToDevice(lists.data(), c.indices, lists.size() * sizeof(int32_t)));
-    return BackendChoiceResult::kLaunched;
-  }
-
- private:
-  Backend& backend_;
-  const int kv_heads_;
-  const int64_t p_, m_;
-};
-
-// Choices whose rows were not prefetched, planned on the device: gathered into rows of their
-// own (at most StoreKvCache::kMissRows a head), the resident cache's logits bit for bit; a
-// choice past that room fails its chunk alone (INTERNAL), its held appends never reach the
-// store (its length stays where the step found it), and the other chunk of the step is exact.
-TEST_P(StoreCache, ChoicesOutsideThePrefetchPlannedOnTheDeviceAreGatheredOrFailTheirChunk) {
-  if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
-  DeviceLikeCpuBackend device;
-  std::unique_ptr<Model> loaded = OnDevice(device);
-  ASSERT_NE(loaded, nullptr);
-  const int kv_heads = loaded->config().num_kv_heads;
-  StoreKvCacheOptions options = DeviceStoreOptions();
-  options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
-  options.plan_on_device = true;
-  {
-    SplitChoicePolicy cpu_a(*l_.backend, kv_heads, 8, 6), cpu_b(*l_.backend, kv_heads, 8, 6);
-    BackendKvCache resident(*l_.backend, l_.model->kv_shape());
-    const auto prompts = Prompts(2);
-    const DecodeRun want = Decode(*l_.model, resident, {&cpu_a, &cpu_b}, prompts, 8, 8);
-    SplitChoicePolicy a(device, kv_heads, 8, 6), b(device, kv_heads, 8, 6);
-    StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
-    const DecodeRun got = Decode(*loaded, cache, {&a, &b}, prompts, 8, 8);
-    EXPECT_EQ(got.tokens, want.tokens);
-    EXPECT_EQ(got.logits, want.logits);
-    EXPECT_EQ(got.profile.backend.synchronizations, got.profile.steps) << "planned on the device";
-  }
-  // 70 misses a head: past the room for them.
-  const int64_t m = StoreKvCache::kMissRows + 6;
-  StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
-  SplitChoicePolicy wide(device, kv_heads, 8, m), narrow(device, kv_heads, 8, 6);
-  const auto long_prompt = RandomTokens(8 + m + 10, loaded->config().vocab_size, 4);
-  const auto short_prompt = Prompts(1)[0];
-  const int64_t vocab = loaded->config().vocab_size;
-  std::vector<float> logits(2 * vocab);
-  DecodeStep step(*loaded, cache);
-  ASSERT_TRUE(cache.Open(1, 256).ok());
-  ASSERT_TRUE(cache.Open(2, 256).ok());
-  for (auto [seq, prompt, policy] :
-       {std::tuple{SequenceId{1}, &long_prompt, static_cast<KvSelectionPolicy*>(&wide)},
-        std::tuple{SequenceId{2}, &short_prompt, static_cast<KvSelectionPolicy*>(&narrow)}}) {
-    ForwardChunk c{seq, 0, *prompt, false, policy};
-    ASSERT_TRUE(step.Forward({&c, 1}, std::span<float>(logits).first(vocab)).ok());
-  }
-  const int32_t token[2] = {5, 7};
-  const int64_t long_len = static_cast<int64_t>(long_prompt.size());
-  const int64_t short_len = static_cast<int64_t>(short_prompt.size());
-  const ForwardChunk batch[2] = {{1, long_len, {&token[0], 1}, false, &wide},
-                                 {2, short_len, {&token[1], 1}, false, &narrow}};
-  const absl::Status st = step.Forward(batch, logits);
-  EXPECT_TRUE(absl::IsInternal(st)) << st;
-  EXPECT_TRUE(absl::IsInternal(step.chunk_status(0))) << step.chunk_status(0);
-  EXPECT_TRUE(step.chunk_status(1).ok()) << step.chunk_status(1);
-  for (int layer = 0; layer < loaded->config().num_layers; ++layer) {
-    EXPECT_EQ(cache.NumSlots(1, layer).value_or(-1), long_len) << "layer " << layer;
-    EXPECT_EQ(cache.NumSlots(2, layer).value_or(-1), short_len + 1) << "layer " << layer;
-  }
-  // The other sequence's logits are what it gets alone.
-  std::vector<float> alone(vocab);
-  {
-    options.id_base = 5000;  // beside `cache`'s sequences in the same store
-    StoreKvCache other(device, loaded->kv_shape(), *client_, options);
-    SplitChoicePolicy p(device, kv_heads, 8, 6);
-    DecodeStep s(*loaded, other);
-    ASSERT_TRUE(other.Open(2, 256).ok());
-    ForwardChunk c{2, 0, short_prompt, false, &p};
-    ASSERT_TRUE(s.Forward({&c, 1}, alone).ok());
-    const ForwardChunk d{2, short_len, {&token[1], 1}, false, &p};
-    ASSERT_TRUE(s.Forward({&d, 1}, alone).ok());
-  }
-  EXPECT_EQ(std::vector<float>(logits.begin() + vocab, logits.end()), alone);
-  cache.Close(1);
-  cache.Close(2);
 }
 
 // Row reuse's bookkeeping follows what really reached the device: rows move once and are then
@@ -1023,10 +752,7 @@ INSTANTIATE_TEST_SUITE_P(TinyModels, StoreCache,
                          ::testing::Combine(::testing::Values("llama2_mha", "llama31_gqa",
                                                               "opt_preln"),
                                             ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<StoreCache::ParamType>& info) {
-                           return std::get<0>(info.param) +
-                                  (std::get<1>(info.param) ? "_in_place" : "_copied");
-                         });
+                         testing::StoreCacheParamName);
 
 }  // namespace
 }  // namespace infinigen

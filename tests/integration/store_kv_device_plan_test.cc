@@ -1,0 +1,354 @@
+// Rows planned on the device (StoreKvCacheOptions::plan_on_device; docs/worker.md, "Rows
+// planned on the device"), on the tiny fixtures over the device-like CPU backend: the decode
+// step hands the choices to the cache where the backend made them, so a step of decodes waits
+// once (for its logits) and a prompt chunk beside them adds only its own waits; tokens and
+// logits are the resident cache's bit for bit and as many rows move as with the host's
+// bookkeeping; choices outside the prefetch are gathered, or fail their chunk alone.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "gpu_worker/engine/decode_step.h"
+#include "gpu_worker/kv/backend_kv_cache.h"
+#include "gpu_worker/kv/store_kv_cache.h"
+#include "tests/support/device_like_backend.h"
+#include "tests/support/fixture_model.h"
+#include "tests/support/store_cache_fixture.h"
+
+namespace infinigen {
+namespace {
+
+using testing::Decode;
+using testing::DecodeRun;
+using testing::DeviceLikeCpuBackend;
+using testing::RandomTokens;
+using testing::SmallBlocks;
+using StoreCache = testing::StoreCacheTest;
+
+// Rows planned on the device (StoreKvCacheOptions::plan_on_device): the decode step hands the
+// choices to the cache where the backend made them, the attention reads their counts there and
+// the appends wait for the step's end, so a decode step waits once (for its logits), not once a
+// layer; the tokens and logits are the resident cache's bit for bit, and as many rows move as
+// with the host's bookkeeping (the same plan), far fewer than without reuse. With the default
+// blocks and with 4-row blocks (the device's block tables brought up to date as the sequences
+// grow, asked for apart from any gather).
+TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const KvCacheShape shape = loaded->kv_shape();
+  SmallBlocks small(shape);
+  ASSERT_NE(small.client, nullptr);
+  const auto prompts = Prompts(3);
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+  auto a = Policy("infinigen"), b = Policy("infinigen"), c = Policy("infinigen");
+  const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get(), c.get()}, prompts, 16, 8);
+  for (KvStoreClient* client : {client_.get(), small.client.get()}) {
+    SCOPED_TRACE(client == client_.get() ? "default blocks" : "4-row blocks");
+    auto run = [&](bool reuse, bool plan) {
+      SCOPED_TRACE(
+          absl::StrCat(reuse ? "reuse" : "no reuse", plan ? ", planned on the device" : ""));
+      StoreKvCacheOptions options = DeviceStoreOptions();
+      if (reuse) options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+      options.plan_on_device = plan;
+      StoreKvCache cache(device, shape, *client, options);
+      std::vector<std::unique_ptr<KvSelectionPolicy>> p;
+      for (int i = 0; i < 3; ++i) p.push_back(Policy("infinigen", *skew));
+      device.ResetMostGathersJoined();
+      DecodeRun got = Decode(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, 16, 8);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.logits, want.logits);
+      EXPECT_EQ(got.prefetch_misses, 0);
+      // A join runs one layer's gathers (K and V of each sequence) at most, never the next
+      // layer's too: those overlap the layer being attended.
+      EXPECT_LE(device.most_gathers_joined(), 3 * 2);
+      return got;
+    };
+    const DecodeRun plain = run(false, false), host = run(true, false), planned = run(true, true);
+    const StepProfile& pp = planned.profile;
+    ASSERT_EQ(pp.steps, 16);
+    if (std::get<1>(GetParam())) {  // the GPU gathers by block table: planned there
+      EXPECT_EQ(pp.backend.synchronizations, pp.steps) << "one wait a step: the logits'";
+      EXPECT_GE(host.profile.backend.synchronizations, host.profile.layers)
+          << "the host's bookkeeping waits once a layer";
+      EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched) << "the same rows move";
+      EXPECT_EQ(planned.bytes_reused, host.bytes_reused) << "and the same stay";
+      EXPECT_GT(planned.bytes_reused, 0);
+      EXPECT_LT(2 * planned.bytes_fetched, plain.bytes_fetched);
+      EXPECT_GT(planned.prefetch_hits, 0);
+    } else {  // rows copied by the transport: nothing to plan there
+      EXPECT_EQ(pp.backend.synchronizations, host.profile.backend.synchronizations);
+      EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched);
+    }
+  }
+}
+
+// A policy choosing in backend memory whose layer's own choice lies outside what it prefetched:
+// it prefetches slots 0 .. p-1 of every head and then chooses p .. p+m-1 and the current token
+// (every row while a sequence is shorter than p + m + 1), so that every chosen row but the
+// current one is a miss. Its choices are written with copies to the backend (a fake of the choice,
+// to test the rows planned around it).
+class SplitChoicePolicy final : public KvSelectionPolicy {
+ public:
+  SplitChoicePolicy(Backend& backend, int kv_heads, int64_t p, int64_t m)
+      : backend_(backend), kv_heads_(kv_heads), p_(p), m_(m) {}
+  std::string Name() const override { return "split-choice"; }
+  SpeculationInput speculation_input() const override { return SpeculationInput::kPreviousNorm; }
+  bool SpeculatesFor(int layer) const override { return layer >= 1; }
+  bool chooses_on_backend() const override { return true; }
+  int64_t BackendChoiceCapacity(int64_t rows) const override {
+    return std::min<int64_t>(rows + 1, std::max(p_, m_ + 1));
+  }
+  absl::Status Select(const SelectRequest&, Selection&) override {
+    return absl::InternalError("chooses on the backend");
+  }
+  absl::Status OnBackendKeys(SequenceId, int, MatView, int64_t) override {
+    return absl::OkStatus();  // it keeps no keys
+  }
+  absl::StatusOr<BackendChoiceResult> ChooseOnBackend(const BackendChoice& c) override {
+    if (c.layer < 1 || c.rows < p_ + m_ + 1) return BackendChoiceResult::kAll;
+    std::vector<int32_t> lists(static_cast<size_t>(kv_heads_ * c.index_capacity), 0);
+    const int64_t n = c.prefetch ? p_ : m_ + 1;
+    for (int g = 0; g < kv_heads_; ++g) {
+      for (int64_t j = 0; j < n; ++j) {
+        lists[g * c.index_capacity + j] = static_cast<int32_t>(c.prefetch ? j : p_ + j);
+      }
+      if (!c.prefetch) lists[g * c.index_capacity + m_] = static_cast<int32_t>(c.rows - 1);
+    }
+    const int32_t count = static_cast<int32_t>(n);
+    IG_RETURN_IF_ERROR(backend_.CopyToDevice(&count, c.count, sizeof(count)));
+    IG_RETURN_IF_ERROR(
+        backend_.CopyToDevice(lists.data(), c.indices, lists.size() * sizeof(int32_t)));
+    return BackendChoiceResult::kLaunched;
+  }
+
+ private:
+  Backend& backend_;
+  const int kv_heads_;
+  const int64_t p_, m_;
+};
+
+// Choices whose rows were not prefetched, planned on the device: gathered into rows of their
+// own (at most StoreKvCache::kMissRows a head), the resident cache's logits bit for bit; a
+// choice past that room fails its chunk alone (INTERNAL), its held appends never reach the
+// store (its length stays where the step found it), and the other chunk of the step is exact.
+TEST_P(StoreCache, ChoicesOutsideThePrefetchPlannedOnTheDeviceAreGatheredOrFailTheirChunk) {
+  if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  const int kv_heads = loaded->config().num_kv_heads;
+  StoreKvCacheOptions options = DeviceStoreOptions();
+  options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+  options.plan_on_device = true;
+  {
+    SplitChoicePolicy cpu_a(*l_.backend, kv_heads, 8, 6), cpu_b(*l_.backend, kv_heads, 8, 6);
+    BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+    const auto prompts = Prompts(2);
+    const DecodeRun want = Decode(*l_.model, resident, {&cpu_a, &cpu_b}, prompts, 8, 8);
+    SplitChoicePolicy a(device, kv_heads, 8, 6), b(device, kv_heads, 8, 6);
+    StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+    const DecodeRun got = Decode(*loaded, cache, {&a, &b}, prompts, 8, 8);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
+    EXPECT_EQ(got.profile.backend.synchronizations, got.profile.steps) << "planned on the device";
+  }
+  // 70 misses a head: past the room for them.
+  const int64_t m = StoreKvCache::kMissRows + 6;
+  StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+  SplitChoicePolicy wide(device, kv_heads, 8, m), narrow(device, kv_heads, 8, 6);
+  const auto long_prompt = RandomTokens(8 + m + 10, loaded->config().vocab_size, 4);
+  const auto short_prompt = Prompts(1)[0];
+  const int64_t vocab = loaded->config().vocab_size;
+  std::vector<float> logits(2 * vocab);
+  DecodeStep step(*loaded, cache);
+  ASSERT_TRUE(cache.Open(1, 256).ok());
+  ASSERT_TRUE(cache.Open(2, 256).ok());
+  for (auto [seq, prompt, policy] :
+       {std::tuple{SequenceId{1}, &long_prompt, static_cast<KvSelectionPolicy*>(&wide)},
+        std::tuple{SequenceId{2}, &short_prompt, static_cast<KvSelectionPolicy*>(&narrow)}}) {
+    ForwardChunk c{seq, 0, *prompt, false, policy};
+    ASSERT_TRUE(step.Forward({&c, 1}, std::span<float>(logits).first(vocab)).ok());
+  }
+  const int32_t token[2] = {5, 7};
+  const int64_t long_len = static_cast<int64_t>(long_prompt.size());
+  const int64_t short_len = static_cast<int64_t>(short_prompt.size());
+  const ForwardChunk batch[2] = {{1, long_len, {&token[0], 1}, false, &wide},
+                                 {2, short_len, {&token[1], 1}, false, &narrow}};
+  const absl::Status st = step.Forward(batch, logits);
+  EXPECT_TRUE(absl::IsInternal(st)) << st;
+  EXPECT_TRUE(absl::IsInternal(step.chunk_status(0))) << step.chunk_status(0);
+  EXPECT_TRUE(step.chunk_status(1).ok()) << step.chunk_status(1);
+  for (int layer = 0; layer < loaded->config().num_layers; ++layer) {
+    EXPECT_EQ(cache.NumSlots(1, layer).value_or(-1), long_len) << "layer " << layer;
+    EXPECT_EQ(cache.NumSlots(2, layer).value_or(-1), short_len + 1) << "layer " << layer;
+  }
+  // The other sequence's logits are what it gets alone.
+  std::vector<float> alone(vocab);
+  {
+    options.id_base = 5000;  // beside `cache`'s sequences in the same store
+    StoreKvCache other(device, loaded->kv_shape(), *client_, options);
+    SplitChoicePolicy p(device, kv_heads, 8, 6);
+    DecodeStep s(*loaded, other);
+    ASSERT_TRUE(other.Open(2, 256).ok());
+    ForwardChunk c{2, 0, short_prompt, false, &p};
+    ASSERT_TRUE(s.Forward({&c, 1}, alone).ok());
+    const ForwardChunk d{2, short_len, {&token[1], 1}, false, &p};
+    ASSERT_TRUE(s.Forward({&d, 1}, alone).ok());
+  }
+  EXPECT_EQ(std::vector<float>(logits.begin() + vocab, logits.end()), alone);
+  cache.Close(1);
+  cache.Close(2);
+}
+
+// What a run of Mixed gives: every step's greedy tokens and logits (a row per chunk that has
+// one), each step's waits and whether a prompt chunk was in it, and the bytes moved.
+struct MixedRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<float> logits;
+  std::vector<int64_t> waits;
+  std::vector<bool> mixed;
+  int64_t bytes_fetched = 0, bytes_reused = 0;
+};
+
+// Sequences 1 and 2 prefilled alone, then decoded `steps` steps while sequence 3's prompt is
+// prefilled beside them in chunks of 8 tokens (the last one shorter), sequence 3 decoding from
+// the step after its last chunk.
+MixedRun Mixed(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
+               const std::vector<std::vector<int32_t>>& prompts, int64_t steps) {
+  const int64_t vocab = model.config().vocab_size, chunk = 8;
+  MixedRun run;
+  run.tokens.resize(3);
+  for (SequenceId seq = 1; seq <= 3; ++seq) {
+    EXPECT_TRUE(cache.Open(seq, 256).ok());
+    policies[seq - 1]->Open(seq, 256);
+  }
+  DecodeStep step(model, cache);
+  std::vector<float> logits(3 * vocab);
+  std::vector<int64_t> length(3, 0);  // tokens in the cache
+  std::vector<int32_t> next(3);
+  for (size_t i = 0; i < 2; ++i) {
+    const ForwardChunk c{i + 1, 0, prompts[i], false, policies[i]};
+    EXPECT_TRUE(step.Forward({&c, 1}, std::span<float>(logits).subspan(i * vocab, vocab)).ok());
+    length[i] = static_cast<int64_t>(prompts[i].size());
+  }
+  std::vector<const float*> last(3, nullptr);  // each sequence's latest logits
+  last[0] = logits.data();
+  last[1] = logits.data() + vocab;
+  std::vector<float> kept(3 * vocab);
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<ForwardChunk> batch;
+    std::vector<size_t> of;  // the sequence (index) of each chunk
+    for (size_t i = 0; i < 3; ++i) {
+      const int64_t prompt = static_cast<int64_t>(prompts[i].size());
+      if (length[i] < prompt) {  // a prompt chunk
+        const int64_t len = std::min(chunk, prompt - length[i]);
+        batch.push_back({i + 1, length[i],
+                         std::span<const int32_t>(prompts[i]).subspan(length[i], len), false,
+                         policies[i]});
+        length[i] += len;
+      } else {
+        next[i] = static_cast<int32_t>(std::max_element(last[i], last[i] + vocab) - last[i]);
+        run.tokens[i].push_back(next[i]);
+        batch.push_back(
+            {i + 1, length[i], std::span<const int32_t>(&next[i], 1), false, policies[i]});
+        length[i] += 1;
+      }
+      of.push_back(i);
+    }
+    const int64_t waits = model.backend().counters().synchronizations;
+    const absl::Status st =
+        step.Forward(batch, std::span<float>(logits).first(batch.size() * vocab));
+    EXPECT_TRUE(st.ok()) << "step " << s << ": " << st;
+    if (!st.ok()) break;
+    run.waits.push_back(model.backend().counters().synchronizations - waits);
+    run.mixed.push_back(std::any_of(batch.begin(), batch.end(),
+                                    [](const ForwardChunk& c) { return c.tokens.size() > 1; }));
+    std::copy(logits.begin(), logits.begin() + batch.size() * vocab, kept.begin());
+    for (size_t j = 0; j < batch.size(); ++j) last[of[j]] = kept.data() + j * vocab;
+    run.logits.insert(run.logits.end(), logits.begin(), logits.begin() + batch.size() * vocab);
+  }
+  for (SequenceId seq = 1; seq <= 3; ++seq) {
+    run.bytes_fetched += cache.Counters(seq).bytes_fetched;
+    run.bytes_reused += cache.Counters(seq).bytes_reused;
+    cache.Close(seq);
+    policies[seq - 1]->Release(seq);
+  }
+  return run;
+}
+
+// A prompt prefilled in chunks beside decoding sequences (the engine's steps while a long
+// prompt arrives), rows planned on the device: the decode tokens of each mixed step are still
+// planned there and the prompt chunk's appends are held with theirs, its attention reading the
+// rows stored before it and its own from the activations, so that a mixed step waits once (for
+// its logits) as a step of decodes alone does, where the host's bookkeeping waits at least once
+// a layer, also with the dense layer's rows kept on the device; tokens and logits (the prompt's
+// last chunk's included) are the resident cache's bit
+// for bit, and as many bytes move as with the host's bookkeeping but for the prompt chunks' own
+// rows, which that path reads back from the store.
+TEST_P(StoreCache, DecodesBesideAPromptChunkArePlannedOnTheDeviceToo) {
+  if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  std::vector<std::vector<int32_t>> prompts = Prompts(2);
+  prompts.push_back(RandomTokens(44, loaded->config().vocab_size, 9));  // 5 x 8 + 4
+  const int64_t steps = 12, layers = loaded->config().num_layers;
+  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
+  auto a = Policy("infinigen"), b = Policy("infinigen"), c = Policy("infinigen");
+  const MixedRun want = Mixed(*l_.model, resident, {a.get(), b.get(), c.get()}, prompts, steps);
+  auto run = [&](bool plan, int resident_layers) {
+    SCOPED_TRACE(absl::StrCat(plan ? "planned on the device" : "the host's plan", ", ",
+                              resident_layers, " dense layer(s) kept on the device"));
+    StoreKvCacheOptions options = DeviceStoreOptions();
+    options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+    options.plan_on_device = plan;
+    options.device_resident_layers = resident_layers;
+    StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+    std::vector<std::unique_ptr<KvSelectionPolicy>> p;
+    for (int i = 0; i < 3; ++i) p.push_back(Policy("infinigen", *skew));
+    MixedRun got = Mixed(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, steps);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
+    return got;
+  };
+  const MixedRun host = run(false, 0), planned = run(true, 0);
+  // The dense layer's rows before a prompt chunk copied inside the device instead.
+  const MixedRun dense_kept = run(true, 1);
+  EXPECT_LT(dense_kept.bytes_fetched, planned.bytes_fetched);
+  ASSERT_EQ(planned.waits.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(host.waits.size(), static_cast<size_t>(steps));
+  int64_t mixed = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    SCOPED_TRACE(absl::StrCat("step ", s, planned.mixed[s] ? " (a prompt chunk in it)" : ""));
+    mixed += planned.mixed[s];
+    EXPECT_EQ(planned.waits[s], 1) << "the logits' wait alone";
+    EXPECT_EQ(dense_kept.waits[s], 1);
+    EXPECT_GE(host.waits[s], layers) << "the host's bookkeeping waits once a layer";
+  }
+  EXPECT_EQ(mixed, 6);
+  // The same rows move but for the prompt's own: a chunk's read back from the store with those
+  // before it on the host's path (5 chunks past the first: 36 rows of every layer and head).
+  const KvCacheShape shape = loaded->kv_shape();
+  const int64_t own = 2 * layers * shape.num_kv_heads * 36 *
+                      static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
+  EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched - own) << "the same rows move";
+  EXPECT_EQ(planned.bytes_reused, host.bytes_reused) << "and the same stay";
+  EXPECT_GT(planned.bytes_reused, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, StoreCache,
+                         ::testing::Combine(::testing::Values("llama2_mha", "llama31_gqa",
+                                                              "opt_preln"),
+                                            ::testing::Bool()),
+                         testing::StoreCacheParamName);
+
+}  // namespace
+}  // namespace infinigen
