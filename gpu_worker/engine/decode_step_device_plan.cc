@@ -3,9 +3,9 @@
 // rows there (StoreKvCache with plan_on_device), the next layer's prefetch and the layer's own
 // choice are handed to the cache as they lie in backend memory (slots and count), the attention
 // reads its count there, and the appends wait for the step's end: no choice is read on the
-// host and nothing waits between the layers. A prompt chunk in the same step (a prefill beside
-// the decodes) attends the rows stored before it, read without a wait, and its own from the
-// activations (ReadPromptRows).
+// host and the backend waits for nothing between the layers. A prompt chunk in the same step (a
+// prefill beside the decodes) attends the rows stored before it (the store's answer awaited as
+// ReadAll's is, no backend wait) and its own from the activations (ReadPromptRows).
 #include <algorithm>
 
 #include "common/status_macros.h"
@@ -24,8 +24,10 @@ int64_t DecodeStep::DevicePlanFits(std::span<const ForwardChunk> batch) const {
     const ForwardChunk& chunk = batch[b];
     // Prompt chunks choose no rows; their appends are held too, where their attention can read
     // the rows stored before them apart from their own (StreamedKvCache::ReadStored).
+    // A host policy's keys are read on the host each layer: the host's path, where it waits.
     if (chunk.tokens.size() != 1) {
       if (chunk.start > 0 && !streamed_->ReadsStored(chunk.seq)) return 0;
+      if (chunk.policy != nullptr && !chunk.policy->chooses_on_backend()) return 0;
       continue;
     }
     const KvSelectionPolicy* policy = chunk.policy;

@@ -245,10 +245,10 @@ class StreamedKvCache : public KvCache {
   // appends held since BeginAppendStep are dropped, its length back where the step found it).
   virtual absl::Status QueueDeviceCounts() { return absl::OkStatus(); }
   virtual absl::Status SettleOnDevice(SequenceId seq) { return absl::OkStatus(); }
-  // The decode tokens' appends of several layers (a decode step's, at most `tokens` of them)
-  // held from BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. Prompt
-  // chunks appended meanwhile go at once. false where the cache cannot (then each layer's Begin
-  // needs its End).
+  // The appends of several layers (a decode step's, of at most `tokens` tokens, its prompt
+  // chunks' included: they read what was stored before them with ReadStored) held from
+  // BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. false where the
+  // cache cannot (then each layer's Begin needs its End).
   virtual bool BeginAppendStep(int64_t tokens) { return false; }
   // A prompt chunk's read beside held appends: rows [0, rows) of `layer` as the store holds
   // them (not those appended since BeginAppendStep), head-major with `room` rows free after each

@@ -286,6 +286,7 @@ void StoreKvCache::DropTicket(Pending& p) {
   }
   p.deferred = false;
   p.layer = -1;
+  p.head_rows = 0;
 }
 
 bool StoreKvCache::Forget(SequenceId seq) {

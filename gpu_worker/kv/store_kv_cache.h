@@ -144,6 +144,10 @@ class StoreKvCache final : public StreamedKvCache {
                                          int64_t room) override;
   // Rows per KV head a device-planned layer has for a choice's rows not kept.
   static constexpr int64_t kMissRows = 64;
+  // Backend memory the appends of a step planned on the device are held in (BeginAppendStep)
+  // for steps of at most `tokens` tokens: every layer's K and V rows, and the room its growth
+  // by half may add. Admission sets it aside (not per sequence: one step's, the cache's own).
+  static size_t HeldAppendBytes(const KvCacheShape& shape, int64_t tokens);
   // Whether prefetches reach a GPU backend by Backend::GatherBlockRows from registered store
   // memory.
   bool device_gathers() const { return device_gathers_; }

@@ -339,8 +339,9 @@ bool StoreKvCache::ReadsStored(SequenceId seq) const {
 absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, int64_t rows,
                                                      int64_t room) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
-  if (!ReadsStored(seq) || layer < 0 || layer >= shape_.num_layers || rows < 0 || room < 0 ||
-      rows > s->Rows(layer)) {
+  // (Nothing stored before it: its staging alone, whatever the sequence.)
+  if ((rows > 0 && !ReadsStored(seq)) || layer < 0 || layer >= shape_.num_layers || rows < 0 ||
+      room < 0 || rows > s->Rows(layer)) {
     return absl::InvalidArgumentError(absl::StrCat("rows [0, ", rows, ") of layer ", layer,
                                                    " of sequence ", seq,
                                                    " cannot be read as stored"));
@@ -358,7 +359,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, 
       IG_RETURN_IF_ERROR(resident_layers_->Read(seq, layer, rows, p.staging.k->data(),
                                                 p.staging.v->data(), per_head));
     }
-    s->counters.bytes_full += 2 * heads * rows * static_cast<int64_t>(RowBytes());
+    s->counters.bytes_full += 2 * heads * s->Rows(layer) * static_cast<int64_t>(RowBytes());
     s->counters.fetches += 1;
   } else {
     every_slot_.resize(static_cast<size_t>(heads * rows));
@@ -374,6 +375,13 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, 
   view.k = shape_.HeadMajor(p.staging.k->data(), per_head);
   view.v = shape_.HeadMajor(p.staging.v->data(), per_head);
   return view;
+}
+
+size_t StoreKvCache::HeldAppendBytes(const KvCacheShape& shape, int64_t tokens) {
+  const size_t rows = static_cast<size_t>(shape.num_layers) * 2 *
+                      static_cast<size_t>(std::max<int64_t>(tokens, 0)) * shape.num_kv_heads;
+  const size_t bytes = rows * static_cast<size_t>(shape.head_dim) * DTypeSize(shape.dtype);
+  return bytes + bytes / 2;
 }
 
 bool StoreKvCache::BeginAppendStep(int64_t tokens) {

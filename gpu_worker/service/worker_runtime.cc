@@ -139,17 +139,23 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
     // and each request's policy (InfiniGen's partial keys) what a sequence holds there
     // (BatchEngine, EngineConfig::device_memory_bytes). The budget: --device_memory_mb or 90% of
     // the free memory, less what the backend takes for scratch of its own (the CUDA GEMM
-    // prefill's scores).
+    // prefill's scores) and the cache for a step's held appends.
     const size_t budget =
         config.device_memory_mb > 0
             ? static_cast<size_t>(config.device_memory_mb) << 20
             : static_cast<size_t>(0.9 * static_cast<double>(w->loaded_.backend->FreeMemory()));
-    const size_t scratch = w->loaded_.backend->ScratchBytes();
+    size_t scratch = w->loaded_.backend->ScratchBytes();
+    if (cache_options.plan_on_device && !w->loaded_.backend->host_accessible()) {
+      // A step's held appends (StoreKvCache::BeginAppendStep): its prompt chunks and decodes.
+      scratch += StoreKvCache::HeldAppendBytes(
+          shape, engine_config.prefill_budget_tokens + engine_config.max_running);
+    }
     if (config.device_memory_mb > 0 && budget <= scratch) {
       return absl::InvalidArgumentError(
           absl::StrCat("--device_memory_mb ", config.device_memory_mb,
                        " leaves nothing for sequences after ", scratch >> 20,
-                       " MiB of the backend's scratch (the prefill's attention scores): raise it "
+                       " MiB of the backend's scratch (the prefill's attention scores, a step's "
+                       "held appends): raise it "
                        "above that, or 0 for 90% of the free memory"));
     }
     engine_config.device_memory_bytes = budget > scratch ? budget - scratch : 0;

@@ -10,7 +10,9 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/status_macros.h"
+#include "gpu_worker/backend/cpu_backend.h"
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/kv/backend_kv_cache.h"
 #include "gpu_worker/kv/store_kv_cache.h"
@@ -293,55 +295,67 @@ MixedRun Mixed(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> pol
 // rows, which that path reads back from the store.
 TEST_P(StoreCache, DecodesBesideAPromptChunkArePlannedOnTheDeviceToo) {
   if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
-  DeviceLikeCpuBackend device;
-  std::unique_ptr<Model> loaded = OnDevice(device);
-  ASSERT_NE(loaded, nullptr);
-  auto skew = UploadPartialSkew(sidecar_, device);
-  ASSERT_TRUE(skew.ok()) << skew.status();
-  std::vector<std::vector<int32_t>> prompts = Prompts(2);
-  prompts.push_back(RandomTokens(44, loaded->config().vocab_size, 9));  // 5 x 8 + 4
-  const int64_t steps = 12, layers = loaded->config().num_layers;
-  BackendKvCache resident(*l_.backend, l_.model->kv_shape());
-  auto a = Policy("infinigen"), b = Policy("infinigen"), c = Policy("infinigen");
-  const MixedRun want = Mixed(*l_.model, resident, {a.get(), b.get(), c.get()}, prompts, steps);
-  auto run = [&](bool plan, int resident_layers) {
-    SCOPED_TRACE(absl::StrCat(plan ? "planned on the device" : "the host's plan", ", ",
-                              resident_layers, " dense layer(s) kept on the device"));
-    StoreKvCacheOptions options = DeviceStoreOptions();
-    options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
-    options.plan_on_device = plan;
-    options.device_resident_layers = resident_layers;
-    StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
-    std::vector<std::unique_ptr<KvSelectionPolicy>> p;
-    for (int i = 0; i < 3; ++i) p.push_back(Policy("infinigen", *skew));
-    MixedRun got = Mixed(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, steps);
-    EXPECT_EQ(got.tokens, want.tokens);
-    EXPECT_EQ(got.logits, want.logits);
-    return got;
-  };
-  const MixedRun host = run(false, 0), planned = run(true, 0);
-  // The dense layer's rows before a prompt chunk copied inside the device instead.
-  const MixedRun dense_kept = run(true, 1);
-  EXPECT_LT(dense_kept.bytes_fetched, planned.bytes_fetched);
-  ASSERT_EQ(planned.waits.size(), static_cast<size_t>(steps));
-  ASSERT_EQ(host.waits.size(), static_cast<size_t>(steps));
-  int64_t mixed = 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    SCOPED_TRACE(absl::StrCat("step ", s, planned.mixed[s] ? " (a prompt chunk in it)" : ""));
-    mixed += planned.mixed[s];
-    EXPECT_EQ(planned.waits[s], 1) << "the logits' wait alone";
-    EXPECT_EQ(dense_kept.waits[s], 1);
-    EXPECT_GE(host.waits[s], layers) << "the host's bookkeeping waits once a layer";
+  // K/V stored as the activations are (f32) and in bf16: then even a first chunk's rows are
+  // read back converted, not taken from the activations.
+  for (DType kv : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(absl::StrCat("K/V in ", DTypeName(kv)));
+    CpuBackendOptions backend_options;
+    backend_options.kv_dtype = kv;
+    CpuBackend host_backend(backend_options);
+    DeviceLikeCpuBackend device(backend_options);
+    auto reference = Model::Load(*l_.ckpt, host_backend);
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    ASSERT_TRUE(AttachSidecar(**reference, *l_.ckpt, sidecar_).ok());
+    std::unique_ptr<Model> loaded = OnDevice(device);
+    ASSERT_NE(loaded, nullptr);
+    auto skew = UploadPartialSkew(sidecar_, device);
+    ASSERT_TRUE(skew.ok()) << skew.status();
+    std::vector<std::vector<int32_t>> prompts = Prompts(2);
+    prompts.push_back(RandomTokens(44, loaded->config().vocab_size, 9));  // 5 x 8 + 4
+    const int64_t steps = 12, layers = loaded->config().num_layers;
+    BackendKvCache resident(host_backend, (*reference)->kv_shape());
+    auto a = Policy("infinigen"), b = Policy("infinigen"), c = Policy("infinigen");
+    const MixedRun want = Mixed(**reference, resident, {a.get(), b.get(), c.get()}, prompts, steps);
+    auto run = [&](bool plan, int resident_layers) {
+      SCOPED_TRACE(absl::StrCat(plan ? "planned on the device" : "the host's plan", ", ",
+                                resident_layers, " dense layer(s) kept on the device"));
+      StoreKvCacheOptions options = DeviceStoreOptions();
+      options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+      options.plan_on_device = plan;
+      options.device_resident_layers = resident_layers;
+      StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+      std::vector<std::unique_ptr<KvSelectionPolicy>> p;
+      for (int i = 0; i < 3; ++i) p.push_back(Policy("infinigen", *skew));
+      MixedRun got = Mixed(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, steps);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.logits, want.logits);
+      return got;
+    };
+    const MixedRun host = run(false, 0), planned = run(true, 0);
+    // The dense layer's rows before a prompt chunk copied inside the device instead.
+    const MixedRun dense_kept = run(true, 1);
+    EXPECT_LT(dense_kept.bytes_fetched, planned.bytes_fetched);
+    ASSERT_EQ(planned.waits.size(), static_cast<size_t>(steps));
+    ASSERT_EQ(host.waits.size(), static_cast<size_t>(steps));
+    int64_t mixed = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      SCOPED_TRACE(absl::StrCat("step ", s, planned.mixed[s] ? " (a prompt chunk in it)" : ""));
+      mixed += planned.mixed[s];
+      EXPECT_EQ(planned.waits[s], 1) << "the logits' wait alone";
+      EXPECT_EQ(dense_kept.waits[s], 1);
+      EXPECT_GE(host.waits[s], layers) << "the host's bookkeeping waits once a layer";
+    }
+    EXPECT_EQ(mixed, 6);
+    // The same rows move but for the prompt's own: a chunk's read back from the store with those
+    // before it on the host's path (5 chunks past the first, and the first too where its rows
+    // are converted: 36 or 44 rows of every layer and head).
+    const KvCacheShape shape = loaded->kv_shape();
+    const int64_t own = 2 * layers * shape.num_kv_heads * (kv == DType::kF32 ? 36 : 44) *
+                        static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
+    EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched - own) << "the same rows move";
+    EXPECT_EQ(planned.bytes_reused, host.bytes_reused) << "and the same stay";
+    EXPECT_GT(planned.bytes_reused, 0);
   }
-  EXPECT_EQ(mixed, 6);
-  // The same rows move but for the prompt's own: a chunk's read back from the store with those
-  // before it on the host's path (5 chunks past the first: 36 rows of every layer and head).
-  const KvCacheShape shape = loaded->kv_shape();
-  const int64_t own = 2 * layers * shape.num_kv_heads * 36 *
-                      static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
-  EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched - own) << "the same rows move";
-  EXPECT_EQ(planned.bytes_reused, host.bytes_reused) << "and the same stay";
-  EXPECT_GT(planned.bytes_reused, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, StoreCache,
