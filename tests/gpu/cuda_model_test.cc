@@ -243,6 +243,20 @@ TEST_P(CudaModel, HostSelectionPoliciesOnTheGpuGiveTheCpuBackendsTokens) {
       if (cache == &planned) {  // one wait a decode step (its logits), none between layers
         EXPECT_EQ(chosen.profile.backend.synchronizations, chosen.profile.steps);
         EXPECT_GT(chosen.prefetch_hits, 0);
+        // A third prompt prefilled in chunks beside the two decodes: one wait a step still.
+        std::vector<std::vector<int32_t>> three = prompts;
+        three.push_back(testing::RandomTokens(44, vocab, 13));
+        auto p1 = policy(name), p2 = policy(name), p3 = policy(name);
+        BackendKvCache cpu_mixed(*cpu.backend, cpu.model->kv_shape());
+        const testing::MixedRun want_mixed =
+            testing::Mixed(*cpu.model, cpu_mixed, {p1.get(), p2.get(), p3.get()}, three, 12);
+        auto q1 = policy(name, *skew), q2 = policy(name, *skew), q3 = policy(name, *skew);
+        const testing::MixedRun mixed =
+            testing::Mixed(*g.model, planned, {q1.get(), q2.get(), q3.get()}, three, 12);
+        EXPECT_EQ(mixed.tokens, want_mixed.tokens) << "a prompt prefilled beside the decodes";
+        for (size_t s = 0; s < mixed.waits.size(); ++s) {
+          EXPECT_EQ(mixed.waits[s], 1) << "step " << s << (mixed.mixed[s] ? " (mixed)" : "");
+        }
       }
     }
   }

@@ -122,4 +122,67 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
   return run;
 }
 
+MixedRun Mixed(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
+               const std::vector<std::vector<int32_t>>& prompts, int64_t steps) {
+  const int64_t vocab = model.config().vocab_size, chunk = 8;
+  MixedRun run;
+  run.tokens.resize(3);
+  for (SequenceId seq = 1; seq <= 3; ++seq) {
+    EXPECT_TRUE(cache.Open(seq, 256).ok());
+    policies[seq - 1]->Open(seq, 256);
+  }
+  DecodeStep step(model, cache);
+  std::vector<float> logits(3 * vocab);
+  std::vector<int64_t> length(3, 0);  // tokens in the cache
+  std::vector<int32_t> next(3);
+  for (size_t i = 0; i < 2; ++i) {
+    const ForwardChunk c{i + 1, 0, prompts[i], false, policies[i]};
+    EXPECT_TRUE(step.Forward({&c, 1}, std::span<float>(logits).subspan(i * vocab, vocab)).ok());
+    length[i] = static_cast<int64_t>(prompts[i].size());
+  }
+  std::vector<const float*> last(3, nullptr);  // each sequence's latest logits
+  last[0] = logits.data();
+  last[1] = logits.data() + vocab;
+  std::vector<float> kept(3 * vocab);
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<ForwardChunk> batch;
+    std::vector<size_t> of;  // the sequence (index) of each chunk
+    for (size_t i = 0; i < 3; ++i) {
+      const int64_t prompt = static_cast<int64_t>(prompts[i].size());
+      if (length[i] < prompt) {  // a prompt chunk
+        const int64_t len = std::min(chunk, prompt - length[i]);
+        batch.push_back({i + 1, length[i],
+                         std::span<const int32_t>(prompts[i]).subspan(length[i], len), false,
+                         policies[i]});
+        length[i] += len;
+      } else {
+        next[i] = static_cast<int32_t>(std::max_element(last[i], last[i] + vocab) - last[i]);
+        run.tokens[i].push_back(next[i]);
+        batch.push_back(
+            {i + 1, length[i], std::span<const int32_t>(&next[i], 1), false, policies[i]});
+        length[i] += 1;
+      }
+      of.push_back(i);
+    }
+    const int64_t waits = model.backend().counters().synchronizations;
+    const absl::Status st =
+        step.Forward(batch, std::span<float>(logits).first(batch.size() * vocab));
+    EXPECT_TRUE(st.ok()) << "step " << s << ": " << st;
+    if (!st.ok()) break;
+    run.waits.push_back(model.backend().counters().synchronizations - waits);
+    run.mixed.push_back(std::any_of(batch.begin(), batch.end(),
+                                    [](const ForwardChunk& c) { return c.tokens.size() > 1; }));
+    std::copy(logits.begin(), logits.begin() + batch.size() * vocab, kept.begin());
+    for (size_t j = 0; j < batch.size(); ++j) last[of[j]] = kept.data() + j * vocab;
+    run.logits.insert(run.logits.end(), logits.begin(), logits.begin() + batch.size() * vocab);
+  }
+  for (SequenceId seq = 1; seq <= 3; ++seq) {
+    run.bytes_fetched += cache.Counters(seq).bytes_fetched;
+    run.bytes_reused += cache.Counters(seq).bytes_reused;
+    cache.Close(seq);
+    policies[seq - 1]->Release(seq);
+  }
+  return run;
+}
+
 }  // namespace infinigen::testing

@@ -52,6 +52,25 @@ DecodeRun Decode(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> p
                  const std::vector<std::vector<int32_t>>& prompts, int64_t steps, int64_t chunk,
                  int64_t capacity = 256);
 
+// What a run of Mixed gives: every step's greedy tokens and logits (a row per chunk that has
+// one), each step's waits and whether a prompt chunk was in it, and the bytes moved.
+struct MixedRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<float> logits;
+  std::vector<int64_t> waits;
+  std::vector<bool> mixed;
+  int64_t bytes_fetched = 0, bytes_reused = 0;
+};
+
+// Greedy decode with a prompt prefilled beside it (the engine's steps while a prompt arrives):
+// sequences 1 and 2 of `cache` prefilled alone, then decoded `steps` steps while sequence 3's
+// prompt is prefilled beside them in chunks of 8 tokens (the last one shorter), sequence 3
+// decoding from the step after its last chunk; policies[i] chooses for sequence i + 1 (not
+// null). Each is opened with room for 256 tokens. Records test failures; closes the sequences
+// and releases them from their policies at the end.
+MixedRun Mixed(Model& model, KvCache& cache, std::vector<KvSelectionPolicy*> policies,
+               const std::vector<std::vector<int32_t>>& prompts, int64_t steps);
+
 // `n` token ids in [0, vocab), the same for the same seed.
 std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, unsigned seed);
 
