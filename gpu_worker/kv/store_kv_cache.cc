@@ -786,16 +786,19 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadAll(SequenceId seq, int layer) {
   }
   const int64_t n = s->Rows(layer);
   if (StartResident(seq, *s, layer, n, 0)) return FinishGather(*s, layer);
-  std::vector<int32_t>& slots = every_slot_;
-  slots.resize(static_cast<size_t>(shape_.num_kv_heads * n));
-  for (int g = 0; g < shape_.num_kv_heads; ++g) {
-    for (int64_t j = 0; j < n; ++j) slots[g * n + j] = static_cast<int32_t>(j);
-  }
   // Packed (prefill attention reads contiguous rows); where the GPU reads the store's memory it
   // packs them itself (a chunked prefill reads every stored row back, each chunk: through host
   // staging and a copy that cost 6.5x the device's own gather on an H200).
-  IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, slots, n, 0, /*in_place=*/device_gathers_));
+  IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, EverySlot(n), n, 0, /*in_place=*/device_gathers_));
   return FinishGather(*s, layer);
+}
+
+std::span<const int32_t> StoreKvCache::EverySlot(int64_t rows) {
+  every_slot_.resize(static_cast<size_t>(shape_.num_kv_heads * rows));
+  for (int g = 0; g < shape_.num_kv_heads; ++g) {
+    for (int64_t j = 0; j < rows; ++j) every_slot_[g * rows + j] = static_cast<int32_t>(j);
+  }
+  return every_slot_;
 }
 
 absl::Status StoreKvCache::Prefetch(SequenceId seq, int layer, const int32_t* slots, int64_t count,

@@ -306,6 +306,8 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status OpenKept(Sequence& s, int64_t capacity_tokens);
   // Every row of `layer` unknown again (a planned move that did not happen).
   absl::Status ForgetKept(Sequence& s, int layer);
+  // Slots 0 .. rows - 1 of every KV head ([num_kv_heads, rows], in every_slot_).
+  std::span<const int32_t> EverySlot(int64_t rows);
   KeptRows KeptOf(Sequence& s, int layer) const;
   // s's block tables of `layer` cover its first `rows` rows (a store answer of the blocks a layer
   // gained, asked for alone: once per block_bytes / row_bytes tokens).

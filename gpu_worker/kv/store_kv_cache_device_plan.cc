@@ -362,11 +362,7 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, 
     s->counters.bytes_full += 2 * heads * s->Rows(layer) * static_cast<int64_t>(RowBytes());
     s->counters.fetches += 1;
   } else {
-    every_slot_.resize(static_cast<size_t>(heads * rows));
-    for (int64_t g = 0; g < heads; ++g) {
-      for (int64_t j = 0; j < rows; ++j) every_slot_[g * rows + j] = static_cast<int32_t>(j);
-    }
-    IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, every_slot_, rows, room, /*in_place=*/true));
+    IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, EverySlot(rows), rows, room, /*in_place=*/true));
     p.head_rows = per_head;
     IG_RETURN_IF_ERROR(FinishGather(*s, layer).status());
   }
