@@ -508,6 +508,15 @@ absl::Status DecodeStep::PrefetchEnd(int next_layer) {
   // The batch's prefetches of this layer travel together.
   cache.BeginPrefetches();
   absl::Cleanup submit = [&cache] { cache.SubmitPrefetches(); };
+  // Planned on the device, a prompt chunk's rows stored before it (ReadPromptRows) travel with
+  // them.
+  for (size_t b = 0; b < batch_.size() && device_plan_; ++b) {
+    const ForwardChunk& chunk = batch_[b];
+    if (chunk.tokens.size() == 1 || chunk.start == 0 || Failed(b)) continue;
+    const absl::Status st = cache.PrefetchStored(chunk.seq, next_layer, chunk.start,
+                                                 static_cast<int64_t>(chunk.tokens.size()));
+    if (!st.ok()) FailKv(b, next_layer, st);
+  }
   for (size_t b = 0; b < batch_.size(); ++b) {
     ChunkWork& w = chunks_[b];
     if (!w.fetch || Failed(b)) continue;

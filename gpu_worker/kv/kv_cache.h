@@ -256,6 +256,12 @@ class StreamedKvCache : public KvCache {
   // K/V. ReadsStored: whether `seq`'s rows can be read so (false: its appends must reach the
   // store first, and ReadAll read them).
   virtual bool ReadsStored(SequenceId seq) const { return false; }
+  // Starts ReadStored's read of `layer` (during the layer before; ReadStored with the same rows
+  // and room then finishes it). Between BeginPrefetches and SubmitPrefetches it travels with
+  // the batch's prefetches.
+  virtual absl::Status PrefetchStored(SequenceId seq, int layer, int64_t rows, int64_t room) {
+    return absl::UnimplementedError("this KV cache holds no appends");
+  }
   virtual absl::StatusOr<KvLayerView> ReadStored(SequenceId seq, int layer, int64_t rows,
                                                  int64_t room) {
     return absl::UnimplementedError("this KV cache holds no appends");

@@ -140,6 +140,7 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status SettleOnDevice(SequenceId seq) override;
   bool BeginAppendStep(int64_t tokens) override;
   bool ReadsStored(SequenceId seq) const override;
+  absl::Status PrefetchStored(SequenceId seq, int layer, int64_t rows, int64_t room) override;
   absl::StatusOr<KvLayerView> ReadStored(SequenceId seq, int layer, int64_t rows,
                                          int64_t room) override;
   // Rows per KV head a device-planned layer has for a choice's rows not kept.
@@ -371,6 +372,8 @@ class StoreKvCache final : public StreamedKvCache {
   std::vector<SequenceId> planned_;  // sequences planned on the device since the last settle
   ClientGatherItem table_item_;      // TablesFor's
   int device_side_layer_ = -1;       // the layer whose device prefetches make the open side batch
+  // The side batch (side_batches_' number) the gathers of `layer` are launched with.
+  absl::StatusOr<int64_t> SideBatchFor(int layer);
 
   Backend& backend_;
   KvCacheShape shape_;

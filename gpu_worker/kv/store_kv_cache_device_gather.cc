@@ -123,17 +123,28 @@ absl::Status StoreKvCache::ReserveTables(Sequence& s, int64_t rows) {
   return st;
 }
 
-void StoreKvCache::LaunchOnSideQueue(std::span<Pending* const> pendings) {
+absl::StatusOr<int64_t> StoreKvCache::SideBatchFor(int layer) {
   // The gathers launched before (the layer about to be attended) are joined first, so that this
-  // batch's (the next layer's) overlap the layer's attention and what follows it, not
-  // the other way round. While they run, the next layer's appends reach the store: only the
-  // current token's slot is written (in a KV pool, over a token it evicts), and a decode step
-  // attends to the current token's own row for that slot, never to what was gathered there.
+  // batch's (the next layer's) overlap the layer's attention and what follows it, not the other
+  // way round; more gathers of the same layer join its open batch (a step planned on the device
+  // launches its decodes' and its prompt chunks' apart).
+  if (device_side_layer_ == layer && side_joined_ < side_batches_) return side_batches_;
   if (side_joined_ < side_batches_) {
-    if (!backend_.JoinSideQueue().ok()) return;  // nothing launched: the fetches gather
+    IG_RETURN_IF_ERROR(backend_.JoinSideQueue());
     side_joined_ = side_batches_;
   }
-  const int64_t batch = ++side_batches_;
+  device_side_layer_ = layer;
+  return ++side_batches_;
+}
+
+void StoreKvCache::LaunchOnSideQueue(std::span<Pending* const> pendings) {
+  // While they run, the next layer's appends reach the store: only the current token's slot is
+  // written (in a KV pool, over a token it evicts), and a decode step attends to the current
+  // token's own row for that slot, never to what was gathered there.
+  if (pendings.empty()) return;
+  absl::StatusOr<int64_t> opened = SideBatchFor(pendings.front()->layer);
+  if (!opened.ok()) return;  // nothing launched: the fetches gather
+  const int64_t batch = *opened;
   for (Pending* p : pendings) {
     // Only a gather the store has answered (its block tables, after the appends before it: the
     // in-process transport's at once); the others go at their fetch, which waits for them.

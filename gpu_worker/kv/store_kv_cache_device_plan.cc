@@ -148,16 +148,7 @@ absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const Dev
   plan.workspace = base + at.workspace();
   plan.errors = base + at.errors();
   IG_RETURN_IF_ERROR(backend_.PlanKeptRows(plan));
-  // The layer's gathers, every sequence's, are one side batch: the batches before (the layer
-  // about to be attended) are joined first, so that this one overlaps its attention.
-  if (device_side_layer_ != layer || side_joined_ == side_batches_) {
-    if (side_joined_ < side_batches_) {
-      IG_RETURN_IF_ERROR(backend_.JoinSideQueue());
-      side_joined_ = side_batches_;
-    }
-    ++side_batches_;
-    device_side_layer_ = layer;
-  }
+  IG_RETURN_IF_ERROR(SideBatchFor(layer).status());
   BlockRowsGather g;
   g.batch = 1;
   g.num_kv_heads = shape_.num_kv_heads;
@@ -336,6 +327,23 @@ bool StoreKvCache::ReadsStored(SequenceId seq) const {
          it->second.tables != nullptr && it->second.tables->on_device();
 }
 
+absl::Status StoreKvCache::PrefetchStored(SequenceId seq, int layer, int64_t rows, int64_t room) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+  if (rows <= 0 || room < 0 || !ReadsStored(seq) || layer < 0 || layer >= shape_.num_layers ||
+      rows > s->Rows(layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("rows [0, ", rows, ") of layer ", layer,
+                                                   " of sequence ", seq,
+                                                   " cannot be prefetched as stored"));
+  }
+  // A dense layer kept on the device is copied there at the read.
+  if (resident_layers_ != nullptr && resident_layers_->Holds(seq, layer, rows)) {
+    return absl::OkStatus();
+  }
+  IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, EverySlot(rows), rows, room, /*in_place=*/true));
+  s->pending[layer % 2].head_rows = rows + room;  // before SubmitPrefetches launches it
+  return absl::OkStatus();
+}
+
 absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, int64_t rows,
                                                      int64_t room) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
@@ -362,8 +370,12 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, 
     s->counters.bytes_full += 2 * heads * s->Rows(layer) * static_cast<int64_t>(RowBytes());
     s->counters.fetches += 1;
   } else {
-    IG_RETURN_IF_ERROR(StartGather(seq, *s, layer, EverySlot(rows), rows, room, /*in_place=*/true));
-    p.head_rows = per_head;
+    // Prefetched during the layer before (PrefetchStored), or gathered now.
+    if (p.layer != layer || p.resident || p.count != rows || p.head_rows != per_head) {
+      IG_RETURN_IF_ERROR(
+          StartGather(seq, *s, layer, EverySlot(rows), rows, room, /*in_place=*/true));
+      p.head_rows = per_head;
+    }
     IG_RETURN_IF_ERROR(FinishGather(*s, layer).status());
   }
   KvLayerView view;

@@ -242,7 +242,7 @@ TEST_P(StoreCache, DecodesBesideAPromptChunkArePlannedOnTheDeviceToo) {
     BackendKvCache resident(host_backend, (*reference)->kv_shape());
     auto a = Policy("infinigen"), b = Policy("infinigen"), c = Policy("infinigen");
     const MixedRun want = Mixed(**reference, resident, {a.get(), b.get(), c.get()}, prompts, steps);
-    auto run = [&](bool plan, int resident_layers) {
+    auto run = [&](bool plan, int resident_layers, int64_t n) {
       SCOPED_TRACE(absl::StrCat(plan ? "planned on the device" : "the host's plan", ", ",
                                 resident_layers, " dense layer(s) kept on the device"));
       StoreKvCacheOptions options = DeviceStoreOptions();
@@ -252,14 +252,22 @@ TEST_P(StoreCache, DecodesBesideAPromptChunkArePlannedOnTheDeviceToo) {
       StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
       std::vector<std::unique_ptr<KvSelectionPolicy>> p;
       for (int i = 0; i < 3; ++i) p.push_back(Policy("infinigen", *skew));
-      MixedRun got = Mixed(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, steps);
-      EXPECT_EQ(got.tokens, want.tokens);
-      EXPECT_EQ(got.logits, want.logits);
+      device.ResetMostGathersJoined();
+      MixedRun got = Mixed(*loaded, cache, {p[0].get(), p[1].get(), p[2].get()}, prompts, n);
+      if (n == steps) {
+        EXPECT_EQ(got.tokens, want.tokens);
+        EXPECT_EQ(got.logits, want.logits);
+      }
       return got;
     };
-    const MixedRun host = run(false, 0), planned = run(true, 0);
+    const MixedRun host = run(false, 0, steps), planned = run(true, 0, steps);
     // The dense layer's rows before a prompt chunk copied inside the device instead.
-    const MixedRun dense_kept = run(true, 1);
+    const MixedRun dense_kept = run(true, 1, steps);
+    // In the 6 mixed steps alone: the prompt chunk's rows before it move with the two decodes'
+    // on the side queue (prefetched during the layer before), one layer's gathers at a time, K
+    // and V of the 3 sequences (4 if the chunk read them at its layer).
+    run(true, 0, 6);
+    EXPECT_EQ(device.most_gathers_joined(), 3 * 2);
     EXPECT_LT(dense_kept.bytes_fetched, planned.bytes_fetched);
     ASSERT_EQ(planned.waits.size(), static_cast<size_t>(steps));
     ASSERT_EQ(host.waits.size(), static_cast<size_t>(steps));
