@@ -145,11 +145,15 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
             ? static_cast<size_t>(config.device_memory_mb) << 20
             : static_cast<size_t>(0.9 * static_cast<double>(w->loaded_.backend->FreeMemory()));
     size_t scratch = w->loaded_.backend->ScratchBytes();
-    if (cache_options.plan_on_device && !w->loaded_.backend->host_accessible()) {
-      // A step's held appends (StoreKvCache::BeginAppendStep): its prompt chunks and decodes.
-      scratch += StoreKvCache::HeldAppendBytes(
-          shape, engine_config.prefill_budget_tokens + engine_config.max_running);
-    }
+    // A step's held appends (StoreKvCache::BeginAppendStep: its prompt chunks and decodes), in
+    // device memory and twice on the host (the pinned copy they come back in, and the rows the
+    // store is sent).
+    const size_t held =
+        cache_options.plan_on_device && !w->loaded_.backend->host_accessible()
+            ? StoreKvCache::HeldAppendBytes(
+                  shape, engine_config.prefill_budget_tokens + engine_config.max_running)
+            : 0;
+    scratch += held;
     if (config.device_memory_mb > 0 && budget <= scratch) {
       return absl::InvalidArgumentError(
           absl::StrCat("--device_memory_mb ", config.device_memory_mb,
@@ -159,7 +163,15 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
                        "above that, or 0 for 90% of the free memory"));
     }
     engine_config.device_memory_bytes = budget > scratch ? budget - scratch : 0;
-    engine_config.host_memory_bytes = static_cast<size_t>(config.host_memory_mb) << 20;
+    const size_t host_budget = static_cast<size_t>(config.host_memory_mb) << 20;
+    if (host_budget > 0 && host_budget <= 2 * held) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--host-memory-mb ", config.host_memory_mb, " leaves nothing for sequences after ",
+          (2 * held) >> 20,
+          " MiB for a decode step's held appends (prefill budget + max running tokens of every "
+          "layer): raise it, or lower --prefill-budget or --max-running"));
+    }
+    engine_config.host_memory_bytes = host_budget > 0 ? host_budget - 2 * held : 0;
   }
   w->cache_ =
       std::make_unique<StoreKvCache>(*w->loaded_.backend, shape, *w->client_, cache_options);
