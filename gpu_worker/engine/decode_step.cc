@@ -255,7 +255,7 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
       p.on_device = false;
     }
   }
-  device_plan_ = DevicePlanFits(batch) > 0 && streamed_->BeginAppendStep(num_tokens_);
+  device_plan_ = DevicePlanFits(batch) && streamed_->BeginAppendStep(num_tokens_);
   if (speculating_) {
     const size_t e = DTypeSize(backend.activation_dtype());
     const int64_t m = num_spec_rows_;

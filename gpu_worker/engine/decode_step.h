@@ -187,9 +187,8 @@ class DecodeStep final : private LayerAttention {
   // choose at (StreamedKvCache::PlansOnDevice) and holds the step's appends until its end; a
   // prompt chunk beside them reads the rows stored before it apart from its own
   // (StreamedKvCache::ReadsStored). Then no choice is read on the host and nothing waits between
-  // the layers: the one wait is the logits'. The number of decode tokens; 0 when it does not fit
-  // (or there are none).
-  int64_t DevicePlanFits(std::span<const ForwardChunk> batch) const;
+  // the layers: the one wait is the logits'. false also for a step without a decode token.
+  bool DevicePlanFits(std::span<const ForwardChunk> batch) const;
   // Pass 2 of such a step for prompt chunk b (start > 0): the rows stored before it, read as
   // the store holds them, with the chunk's own K/V written after each head's.
   absl::StatusOr<KvLayerView> ReadPromptRows(size_t b, int layer, MatView k, MatView v);

@@ -16,34 +16,34 @@ namespace infinigen {
 
 using step_timing::ScopedTiming;
 
-int64_t DecodeStep::DevicePlanFits(std::span<const ForwardChunk> batch) const {
-  if (streamed_ == nullptr) return 0;
+bool DecodeStep::DevicePlanFits(std::span<const ForwardChunk> batch) const {
+  if (streamed_ == nullptr) return false;
   const int layers = model_.config().num_layers;
-  int64_t decodes = 0;
+  bool decodes = false;
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardChunk& chunk = batch[b];
     // Prompt chunks choose no rows; their appends are held too, where their attention can read
     // the rows stored before them apart from their own (StreamedKvCache::ReadStored).
     // A host policy's keys are read on the host each layer: the host's path, where it waits.
     if (chunk.tokens.size() != 1) {
-      if (chunk.start > 0 && !streamed_->ReadsStored(chunk.seq)) return 0;
-      if (chunk.policy != nullptr && !chunk.policy->chooses_on_backend()) return 0;
+      if (chunk.start > 0 && !streamed_->ReadsStored(chunk.seq)) return false;
+      if (chunk.policy != nullptr && !chunk.policy->chooses_on_backend()) return false;
       continue;
     }
     const KvSelectionPolicy* policy = chunk.policy;
     if (Failed(b) || policy == nullptr || !policy->chooses_on_backend() ||
         policy->wants_attention_weights() || spec_rows_[b] < 0) {
-      return 0;
+      return false;
     }
     // Every layer it may choose at (its speculated ones) is planned there, for as many rows as
     // it may choose (a request whose budget is above what the cache keeps takes the host's path).
     const int64_t most = policy->BackendChoiceCapacity(chunk.start);
     for (int layer = 0; layer < layers; ++layer) {
       if (policy->SpeculatesFor(layer) && !streamed_->PlansOnDevice(chunk.seq, layer, most)) {
-        return 0;
+        return false;
       }
     }
-    ++decodes;
+    decodes = true;
   }
   return decodes;
 }

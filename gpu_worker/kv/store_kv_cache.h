@@ -307,6 +307,9 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status OpenKept(Sequence& s, int64_t capacity_tokens);
   // Every row of `layer` unknown again (a planned move that did not happen).
   absl::Status ForgetKept(Sequence& s, int layer);
+  // s, when rows [0, rows) of its `layer` can be read as stored with `room` rows after each
+  // head's (ReadStored, PrefetchStored); else INVALID_ARGUMENT.
+  absl::StatusOr<Sequence*> StoredRowsOf(SequenceId seq, int layer, int64_t rows, int64_t room);
   // Slots 0 .. rows - 1 of every KV head ([num_kv_heads, rows], in every_slot_).
   std::span<const int32_t> EverySlot(int64_t rows);
   KeptRows KeptOf(Sequence& s, int layer) const;

@@ -327,14 +327,22 @@ bool StoreKvCache::ReadsStored(SequenceId seq) const {
          it->second.tables != nullptr && it->second.tables->on_device();
 }
 
-absl::Status StoreKvCache::PrefetchStored(SequenceId seq, int layer, int64_t rows, int64_t room) {
+absl::StatusOr<StoreKvCache::Sequence*> StoreKvCache::StoredRowsOf(SequenceId seq, int layer,
+                                                                   int64_t rows, int64_t room) {
   IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
-  if (rows <= 0 || room < 0 || !ReadsStored(seq) || layer < 0 || layer >= shape_.num_layers ||
-      rows > s->Rows(layer)) {
+  // (Nothing stored before it: its staging alone, whatever the sequence.)
+  if ((rows > 0 && !ReadsStored(seq)) || layer < 0 || layer >= shape_.num_layers || rows < 0 ||
+      room < 0 || rows > s->Rows(layer)) {
     return absl::InvalidArgumentError(absl::StrCat("rows [0, ", rows, ") of layer ", layer,
                                                    " of sequence ", seq,
-                                                   " cannot be prefetched as stored"));
+                                                   " cannot be read as stored"));
   }
+  return s;
+}
+
+absl::Status StoreKvCache::PrefetchStored(SequenceId seq, int layer, int64_t rows, int64_t room) {
+  IG_ASSIGN_OR_RETURN(Sequence * s, StoredRowsOf(seq, layer, rows, room));
+  if (rows == 0) return absl::OkStatus();  // nothing to move
   // A dense layer kept on the device is copied there at the read.
   if (resident_layers_ != nullptr && resident_layers_->Holds(seq, layer, rows)) {
     return absl::OkStatus();
@@ -346,21 +354,12 @@ absl::Status StoreKvCache::PrefetchStored(SequenceId seq, int layer, int64_t row
 
 absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, int64_t rows,
                                                      int64_t room) {
-  IG_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
-  // (Nothing stored before it: its staging alone, whatever the sequence.)
-  if ((rows > 0 && !ReadsStored(seq)) || layer < 0 || layer >= shape_.num_layers || rows < 0 ||
-      room < 0 || rows > s->Rows(layer)) {
-    return absl::InvalidArgumentError(absl::StrCat("rows [0, ", rows, ") of layer ", layer,
-                                                   " of sequence ", seq,
-                                                   " cannot be read as stored"));
-  }
+  IG_ASSIGN_OR_RETURN(Sequence * s, StoredRowsOf(seq, layer, rows, room));
   const int64_t heads = shape_.num_kv_heads, per_head = rows + room;
   Pending& p = s->pending[layer % 2];  // (a prompt chunk's sequence prefetches nothing)
   if (rows == 0 || (resident_layers_ != nullptr && resident_layers_->Holds(seq, layer, rows))) {
-    // Nothing stored, or a copy inside the device (the layer's rows there include the chunk's,
-    // which the caller writes over with the same values).
+    // Nothing stored, or a copy inside the device of the rows before the chunk.
     DropTicket(p);
-    p.layer = -1;
     IG_RETURN_IF_ERROR(
         EnsureStaging(p.staging, static_cast<size_t>(heads * per_head) * RowBytes()));
     if (rows > 0) {
@@ -385,18 +384,25 @@ absl::StatusOr<KvLayerView> StoreKvCache::ReadStored(SequenceId seq, int layer, 
   return view;
 }
 
+namespace {
+
+// Every layer's K and V rows of `tokens` tokens.
+size_t StepAppendBytes(const KvCacheShape& shape, int64_t tokens) {
+  return static_cast<size_t>(shape.num_layers) * 2 *
+         static_cast<size_t>(std::max<int64_t>(tokens, 0)) * shape.num_kv_heads *
+         static_cast<size_t>(shape.head_dim) * DTypeSize(shape.dtype);
+}
+
+}  // namespace
+
 size_t StoreKvCache::HeldAppendBytes(const KvCacheShape& shape, int64_t tokens) {
-  const size_t rows = static_cast<size_t>(shape.num_layers) * 2 *
-                      static_cast<size_t>(std::max<int64_t>(tokens, 0)) * shape.num_kv_heads;
-  const size_t bytes = rows * static_cast<size_t>(shape.head_dim) * DTypeSize(shape.dtype);
-  return bytes + bytes / 2;
+  const size_t bytes = StepAppendBytes(shape, tokens);
+  return bytes + bytes / 2;  // BeginAppendStep grows its room by half at least
 }
 
 bool StoreKvCache::BeginAppendStep(int64_t tokens) {
   if (host_access_) return false;  // host backends append item by item, now
-  const size_t bytes = static_cast<size_t>(shape_.num_layers) * 2 *
-                       static_cast<size_t>(std::max<int64_t>(tokens, 0)) * shape_.num_kv_heads *
-                       RowBytes();
+  const size_t bytes = StepAppendBytes(shape_, tokens);
   // Every layer's rows at once: nothing may move while earlier layers' copies are queued.
   if (copy_queued_) return false;  // an earlier step's, not ended
   if (pack_ == nullptr || pack_->size() < bytes) {

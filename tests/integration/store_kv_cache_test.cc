@@ -748,10 +748,7 @@ TEST_P(StoreCache, PoliciesThatReadStoredKeysAreRefused) {
   cache_->Close(1);
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, StoreCache,
-                         ::testing::Combine(::testing::Values("llama2_mha", "llama31_gqa",
-                                                              "opt_preln"),
-                                            ::testing::Bool()),
+INSTANTIATE_TEST_SUITE_P(TinyModels, StoreCache, testing::StoreCacheParams(),
                          testing::StoreCacheParamName);
 
 }  // namespace

@@ -13,11 +13,10 @@
 namespace infinigen::testing {
 
 struct InProcessStore {
-  explicit InProcessStore(size_t capacity_bytes = size_t{64} << 20) {
-    KvStoreConfig sc;
-    sc.capacity_bytes = capacity_bytes;
-    sc.huge_pages = false;
-    sc.shared_memory = false;
+  explicit InProcessStore(size_t capacity_bytes = size_t{64} << 20)
+      : InProcessStore(Config(capacity_bytes)) {}
+  // A store made as `sc` says (its blocks' size, say).
+  explicit InProcessStore(const KvStoreConfig& sc) {
     auto s = KvStore::Create(sc);
     EXPECT_TRUE(s.ok()) << s.status();
     if (!s.ok()) return;
@@ -29,6 +28,14 @@ struct InProcessStore {
     auto c = MakeKvStoreClient(cc);
     EXPECT_TRUE(c.ok()) << c.status();
     if (c.ok()) client = std::move(*c);
+  }
+  // The config the first constructor makes: in private memory, without huge pages.
+  static KvStoreConfig Config(size_t capacity_bytes) {
+    KvStoreConfig sc;
+    sc.capacity_bytes = capacity_bytes;
+    sc.huge_pages = false;
+    sc.shared_memory = false;
+    return sc;
   }
   std::unique_ptr<KvStore> store;
   std::unique_ptr<KvStoreClient> client;

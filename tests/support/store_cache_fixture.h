@@ -20,33 +20,21 @@
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/device_like_backend.h"
 #include "tests/support/fixture_model.h"
+#include "tests/support/in_process_store.h"
 #include "tests/support/test_paths.h"
 
 namespace infinigen::testing {
 
 // An in-process store whose arena blocks hold 4 rows of `shape` (a sequence's rows span several
 // blocks of every layer), and its client (null after recording a failure).
-struct SmallBlocks {
-  explicit SmallBlocks(const KvCacheShape& shape) {
-    KvStoreConfig sc;
-    sc.capacity_bytes = 16 << 20;
-    sc.shared_memory = false;
-    sc.huge_pages = false;
+struct SmallBlocks : InProcessStore {
+  explicit SmallBlocks(const KvCacheShape& shape) : InProcessStore(BlocksOf4(shape)) {}
+  static KvStoreConfig BlocksOf4(const KvCacheShape& shape) {
+    KvStoreConfig sc = Config(16 << 20);
     sc.block_tokens = 4;
     sc.max_row_bytes = static_cast<int64_t>(shape.head_dim * DTypeSize(shape.dtype));
-    auto created = KvStore::Create(sc);
-    EXPECT_TRUE(created.ok()) << created.status();
-    if (!created.ok()) return;
-    store = std::move(*created);
-    KvClientConfig cc;
-    cc.transport = KvClientConfig::Transport::kInProcess;
-    cc.store = store.get();
-    auto made = MakeKvStoreClient(cc);
-    EXPECT_TRUE(made.ok()) << made.status();
-    if (made.ok()) client = std::move(*made);
+    return sc;
   }
-  std::unique_ptr<KvStore> store;
-  std::unique_ptr<KvStoreClient> client;
 };
 
 class StoreCacheTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
@@ -54,18 +42,10 @@ class StoreCacheTest : public ::testing::TestWithParam<std::tuple<std::string, b
   void SetUp() override {
     l_ = LoadModel(FixturePath("hf/" + std::get<0>(GetParam())));
     ASSERT_NE(l_.model, nullptr);
-    KvStoreConfig sc;
-    sc.capacity_bytes = 64 << 20;
-    sc.shared_memory = false;
-    auto store = KvStore::Create(sc);
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    KvClientConfig cc;
-    cc.transport = KvClientConfig::Transport::kInProcess;
-    cc.store = store_.get();
-    auto client = MakeKvStoreClient(cc);
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = std::move(*client);
+    InProcessStore in_process;
+    ASSERT_NE(in_process.client, nullptr);
+    store_ = std::move(in_process.store);
+    client_ = std::move(in_process.client);
     StoreKvCacheOptions options;
     options.id_base = 1000;
     options.read_in_place = std::get<1>(GetParam());
@@ -121,7 +101,11 @@ class StoreCacheTest : public ::testing::TestWithParam<std::tuple<std::string, b
   InfinigenSidecar sidecar_;
 };
 
-// The suites' parameter names: each tiny model, its rows read in place or copied.
+// The suites' parameters: each tiny model, its rows read in place or copied; and their names.
+inline auto StoreCacheParams() {
+  return ::testing::Combine(::testing::Values("llama2_mha", "llama31_gqa", "opt_preln"),
+                            ::testing::Bool());
+}
 inline std::string StoreCacheParamName(
     const ::testing::TestParamInfo<StoreCacheTest::ParamType>& info) {
   return std::get<0>(info.param) + (std::get<1>(info.param) ? "_in_place" : "_copied");
