@@ -15,10 +15,16 @@
 //
 // usage: kv_reuse_bench --local MODEL --text FILE [--prompt-tokens 2048,4096] [--new-tokens 64]
 //            [--streams 1] [--threads 0] [--backend device-like|cpu]
-//            [--transport in-process|grpc]
+//            [--transport in-process|grpc] [--device-plan false|true]
 // One markdown row per case: prompt tokens, streams, MiB moved per generated token without and
 // with reuse, their ratio, the fraction of listed rows found kept, whether tokens agree, and
 // the median time between a stream's tokens without and with reuse (ms).
+// --device-plan true (device-like backend only) also runs reuse with the rows planned on the
+// "device" (StoreKvCacheOptions::plan_on_device, the worker's default on a GPU) and prints a
+// second table: the backend's waits per token decoded once every prompt was prefilled, and
+// the bytes, for the host's plan and the device's, and whether all three runs' tokens agree
+// (a real model's choices, where the tests' fixtures have 2 layers: a plan that did not fit
+// fails the run).
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -30,6 +36,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
@@ -52,6 +59,9 @@ struct Run {
   std::vector<std::vector<int32_t>> tokens;
   int64_t generated = 0, fetched = 0, reused = 0;
   double tpot_ms = 0;  // median gap between a stream's consecutive tokens
+  // The backend's waits (synchronizations) and the tokens generated once every stream had its
+  // first (its prompt prefilled): the decode steps'.
+  int64_t decode_waits = 0, decode_tokens = 0;
 };
 
 int Fail(const absl::Status& st) {
@@ -67,6 +77,7 @@ int main(int argc, char** argv) {
   std::string local, text_path, prompts_list = "2048,4096", backend_name = "device-like",
                                 transport = "in-process";
   int64_t new_tokens = 64, streams = 1, threads = 0;
+  bool device_plan = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--local") {
@@ -85,6 +96,8 @@ int main(int argc, char** argv) {
       backend_name = v;
     } else if (k == "--transport") {
       transport = v;
+    } else if (k == "--device-plan") {
+      device_plan = v == "true" || v == "1";
     } else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -130,7 +143,11 @@ int main(int argc, char** argv) {
   }
   const SelectionConfig selection = WorkerConfig().Selection(true);
 
-  auto run = [&](int64_t prompt, bool reuse) -> absl::StatusOr<Run> {
+  if (device_plan && !on_device) {
+    std::fprintf(stderr, "--device-plan needs --backend device-like\n");
+    return 2;
+  }
+  auto run = [&](int64_t prompt, bool reuse, bool plan) -> absl::StatusOr<Run> {
     KvStoreConfig sc;
     sc.capacity_bytes = size_t{2} << 30;
     sc.shared_memory = false;
@@ -158,13 +175,19 @@ int main(int argc, char** argv) {
     options.device_reads_mapped_rows = true;
     options.device_resident_layers = selection.dense_layers;
     if (reuse) options.reuse_rows = ReuseRowsFor(selection);
+    options.plan_on_device = plan;
     StoreKvCache cache(device, (*model)->kv_shape(), *client, options);
     if (on_device && !cache.device_gathers()) {
       return absl::InternalError("the stand-in does not gather");
     }
     EngineConfig ec;
     ec.prefill_budget_tokens = prompt;
+    if (plan && !cache.plans_on_device()) {
+      return absl::InternalError("the stand-in does not plan on the device");
+    }
     BatchEngine engine(**model, cache, ec);
+    // Read in the engine's callbacks (one thread; the backend's counters are atomic).
+    int64_t started = 0, generated = 0, waits_at_start = 0, generated_at_start = 0;
     Run r;
     r.tokens.resize(static_cast<size_t>(streams));
     std::vector<std::vector<std::chrono::steady_clock::time_point>> at(
@@ -185,6 +208,11 @@ int main(int argc, char** argv) {
                              .Submit(std::move(req),
                                      [&, s](const EngineEvent& e) {
                                        if (e.token >= 0) {
+                                         ++generated;
+                                         if (r.tokens[s].empty() && ++started == streams) {
+                                           waits_at_start = device.counters().synchronizations;
+                                           generated_at_start = generated;
+                                         }
                                          r.tokens[s].push_back(e.token);
                                          at[s].push_back(std::chrono::steady_clock::now());
                                        }
@@ -207,6 +235,8 @@ int main(int argc, char** argv) {
       std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
       r.tpot_ms = gaps[gaps.size() / 2];
     }
+    r.decode_waits = device.counters().synchronizations - waits_at_start;
+    r.decode_tokens = generated - generated_at_start;
     const EngineStats stats = engine.Stats();
     for (const auto& t : r.tokens) r.generated += static_cast<int64_t>(t.size());
     r.fetched = stats.bytes_fetched;
@@ -219,6 +249,7 @@ int main(int argc, char** argv) {
       "| prompt tokens | streams | MiB moved per token, no reuse | with reuse | ratio | "
       "listed rows found kept | tokens agree | TPOT p50 (ms), no reuse | with reuse |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---|---:|---:|\n");
+  std::string planned_rows;  // the second table's
   for (absl::string_view p : absl::StrSplit(prompts_list, ',')) {
     int64_t prompt = 0;
     if (!absl::SimpleAtoi(p, &prompt) || prompt <= 0 ||
@@ -226,19 +257,40 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bad --prompt-tokens entry %s\n", std::string(p).c_str());
       return 2;
     }
-    auto plain = run(prompt, false);
+    auto plain = run(prompt, false, false);
     if (!plain.ok()) return Fail(plain.status());
-    auto reused = run(prompt, true);
+    auto reused = run(prompt, true, false);
     if (!reused.ok()) return Fail(reused.status());
     const double mib = 1 << 20;
-    const double a = static_cast<double>(plain->fetched) / plain->generated / mib;
-    const double b = static_cast<double>(reused->fetched) / reused->generated / mib;
+    auto per_token = [&](const Run& r, int64_t n) {
+      return static_cast<double>(n) / static_cast<double>(std::max<int64_t>(1, r.generated));
+    };
+    const double a = per_token(*plain, plain->fetched) / mib;
+    const double b = per_token(*reused, reused->fetched) / mib;
     const double kept = static_cast<double>(reused->reused) /
                         static_cast<double>(std::max<int64_t>(1, reused->reused + reused->fetched));
     std::printf("| %lld | %lld | %.3f | %.3f | %.3f | %.3f | %s | %.2f | %.2f |\n",
                 static_cast<long long>(prompt), static_cast<long long>(streams), a, b, b / a, kept,
                 plain->tokens == reused->tokens ? "yes" : "NO", plain->tpot_ms, reused->tpot_ms);
     std::fflush(stdout);
+    if (!device_plan) continue;
+    auto planned = run(prompt, true, true);
+    if (!planned.ok()) return Fail(planned.status());
+    planned_rows += absl::StrFormat(
+        "| %d | %d | %.2f | %.2f | %.3f | %.3f | %s |\n", prompt, streams,
+        static_cast<double>(reused->decode_waits) / std::max<int64_t>(1, reused->decode_tokens),
+        static_cast<double>(planned->decode_waits) / std::max<int64_t>(1, planned->decode_tokens),
+        b, per_token(*planned, planned->fetched) / mib,
+        planned->tokens == reused->tokens && planned->tokens == plain->tokens ? "yes" : "NO");
+  }
+  if (device_plan) {
+    std::printf(
+        "\nrows planned on the device (with reuse)\n"
+        "| prompt tokens | streams | backend waits per decoded token, host plan | device plan | "
+        "MiB "
+        "moved per token, host plan | device plan | tokens agree (all three) |\n"
+        "|---:|---:|---:|---:|---:|---:|---|\n%s",
+        planned_rows.c_str());
   }
   return 0;
 }

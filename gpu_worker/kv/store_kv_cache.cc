@@ -17,6 +17,8 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
       options_(options),
       host_access_(backend.host_accessible()),
       in_place_(host_access_ && options.read_in_place && client.reads_in_place()) {
+  table_items_.resize(static_cast<size_t>(std::max(shape.num_layers, 0)));
+  table_rows_.reserve(table_items_.size());
   // Without registration (a backend or device that cannot) prefetches copy as before.
   device_gathers_ = !host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
                     client.reads_in_place() && RegisterMapped().ok() && rows_per_block_ > 0;
@@ -77,6 +79,7 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   IG_RETURN_IF_ERROR(client_.Open(StoreId(seq), spec));
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, 0);
+  s.answered.assign(shape_.num_layers, 0);
   s.pool = std::move(pool);
   TakeSpareStaging(s, StagingBytes(capacity_tokens));
   absl::Status st = SizeStaging(s, capacity_tokens);
@@ -232,6 +235,7 @@ absl::Status StoreKvCache::CheckNewSequence(SequenceId seq, const char* verb) co
 absl::Status StoreKvCache::OpenWithRows(SequenceId seq, int64_t rows, int64_t capacity_tokens) {
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, rows);
+  s.answered.assign(shape_.num_layers, 0);  // (asked again at the first step planned on the device)
   const int64_t capacity = std::max(capacity_tokens, rows);
   TakeSpareStaging(s, StagingBytes(capacity));
   absl::Status st = SizeStaging(s, capacity);

@@ -152,6 +152,7 @@ class StoreKvCache final : public StreamedKvCache {
   // Whether prefetches reach a GPU backend by Backend::GatherBlockRows from registered store
   // memory.
   bool device_gathers() const { return device_gathers_; }
+  bool plans_on_device() const { return device_plans_; }
   // The layers whose K/V are kept in backend memory too (StoreKvCacheOptions; 0 where not).
   int device_resident_layers() const {
     return resident_layers_ != nullptr ? resident_layers_->layers() : 0;
@@ -216,6 +217,10 @@ class StoreKvCache final : public StreamedKvCache {
   };
   struct Sequence {
     std::vector<int64_t> length;  // per layer
+    // Per layer, the rows a gather's answer has covered since they were appended (TablesFor):
+    // appends are write-behind, so a row the device reads from the arena without asking the
+    // store may not have landed yet.
+    std::vector<int64_t> answered;
     Pending pending[2];
     FetchCounters counters;
     std::unique_ptr<PooledSlots> pool;  // with options.pool: where each token is stored
@@ -373,8 +378,9 @@ class StoreKvCache final : public StreamedKvCache {
   size_t step_offset_ = 0;
   bool device_plans_ = false;        // options.plan_on_device where it applies
   std::vector<SequenceId> planned_;  // sequences planned on the device since the last settle
-  ClientGatherItem table_item_;      // TablesFor's
-  int device_side_layer_ = -1;       // the layer whose device prefetches make the open side batch
+  std::vector<ClientGatherItem> table_items_;  // TablesFor's (their slot lists' room kept)
+  std::vector<int64_t> table_rows_;            // ... and the rows each asks for
+  int device_side_layer_ = -1;  // the layer whose device prefetches make the open side batch
   // The side batch (side_batches_' number) the gathers of `layer` are launched with.
   absl::StatusOr<int64_t> SideBatchFor(int layer);
 

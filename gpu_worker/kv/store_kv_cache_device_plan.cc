@@ -104,20 +104,35 @@ bool StoreKvCache::PlansOnDevice(SequenceId seq, int layer, int64_t max_list) co
 
 absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows) {
   IG_RETURN_IF_ERROR(ReserveTables(s, rows + 1));
-  if (rows == 0 || s.tables->held_blocks(layer) >= s.tables->BlocksFor(rows)) {
-    return absl::OkStatus();
+  // A layer's rows are read from the arena without asking the store while its tables hold
+  // their blocks and an answer has covered them: the appends of the step before (sent after
+  // its logits, write-behind: over shm they linger on their way) have landed.
+  auto asks = [&](int l, int64_t r) {
+    return r > 0 && (s.answered[l] < r || s.tables->held_blocks(l) < s.tables->BlocksFor(r));
+  };
+  if (!asks(layer, rows)) return absl::OkStatus();
+  // The store answers with a gather of each layer's last row (nothing is copied: only the
+  // blocks a layer gained), after the appends queued before it. This layer and every later
+  // one that needs it in one call: one wait a step, at the first layer planned on the device.
+  // (The later layers' rows are the steps before's: this step's are appended at their layer.)
+  size_t n = 0;
+  table_rows_.clear();
+  for (int l = layer; l < shape_.num_layers; ++l) {
+    const int64_t r = l == layer ? rows : s.Rows(l);
+    if (!asks(l, r)) continue;
+    ClientGatherItem& item = table_items_[n++];
+    item.seq = StoreId(seq);
+    item.layer = l;
+    item.count = 1;
+    item.slots.assign(static_cast<size_t>(shape_.num_kv_heads), static_cast<int32_t>(r - 1));
+    item.block_table = s.tables->Out(l);
+    table_rows_.push_back(r);
   }
-  // The store answers the blocks the layer gained with a gather of its last row (nothing is
-  // copied: only the tables). Appends queued before it come first.
-  ClientGatherItem& item = table_item_;  // (its slot list's room kept: no allocation a step)
-  item.seq = StoreId(seq);
-  item.layer = layer;
-  item.count = 1;
-  item.slots.assign(static_cast<size_t>(shape_.num_kv_heads), static_cast<int32_t>(rows - 1));
-  item.block_table = s.tables->Out(layer);
   std::shared_ptr<GatherTicket> ticket =
-      client_.GatherAsync(std::span<const ClientGatherItem>(&item, 1));
-  return ticket->Wait(absl::Now() + options_.fetch_timeout);
+      client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
+  IG_RETURN_IF_ERROR(ticket->Wait(absl::Now() + options_.fetch_timeout));
+  for (size_t i = 0; i < n; ++i) s.answered[table_items_[i].layer] = table_rows_[i];
+  return absl::OkStatus();
 }
 
 absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& list) {
@@ -307,6 +322,7 @@ absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
         continue;
       }
       s.length[l->layer] = std::min(s.length[l->layer], l->start);
+      s.answered[l->layer] = std::min(s.answered[l->layer], s.length[l->layer]);
       l = later_appends_.erase(l);
     }
     for (int layer = reuse_first_layer_; layer < shape_.num_layers; ++layer) {

@@ -81,13 +81,16 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
   auto a = policy(nullptr), b = policy(nullptr);
   const testing::DecodeRun want =
       testing::Decode(*l.model, resident, {a.get(), b.get()}, prompts, 16, 8);
-  auto run = [&](std::function<int64_t(int64_t)> reuse_rows, uint64_t id_base) {
+  auto run = [&](std::function<int64_t(int64_t)> reuse_rows, uint64_t id_base,
+                 bool plan_on_device = false) {
     StoreKvCacheOptions options;
     options.id_base = id_base;
     options.device_reads_mapped_rows = true;
     options.reuse_rows = std::move(reuse_rows);
+    options.plan_on_device = plan_on_device;
     StoreKvCache cache(device, (*on_device)->kv_shape(), **client, options);
     EXPECT_TRUE(cache.device_gathers()) << "the shm client maps the store's arena";
+    EXPECT_EQ(cache.plans_on_device(), plan_on_device);
     auto c = policy(*skew), d = policy(*skew);
     testing::DecodeRun got =
         testing::Decode(**on_device, cache, {c.get(), d.get()}, prompts, 16, 8);
@@ -101,6 +104,12 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
   EXPECT_GT(reused.bytes_reused, 0);
   EXPECT_LT(2 * reused.bytes_fetched, plain.bytes_fetched)
       << "moved " << reused.bytes_fetched << " of " << plain.bytes_fetched;
+  // Planned on the device, a step's gathers ask the store nothing while no layer gains a block,
+  // but the rows the step before sent are write-behind appends (they linger on their way to
+  // the store): read from the arena before they landed, they would be stale bytes.
+  const testing::DecodeRun planned =
+      run([](int64_t capacity) { return capacity + 1; }, 300, /*plan_on_device=*/true);
+  EXPECT_EQ(planned.bytes_fetched, reused.bytes_fetched);
   client->reset();
   server->Shutdown();
 }
