@@ -277,7 +277,8 @@ struct KeptRows {
   int64_t rows = 0;  // per head
 };
 
-// What a prefetch of `list` moves into the kept rows (ReusedRows::Plan's rule): first every kept
+// What a prefetch of `list` moves into the kept rows (ReusedRows::Plan's hits and misses; a miss
+// takes the lowest free row here, the last freed one there, so rows may differ): first every kept
 // row whose slot is not listed is freed (every kept row, without `keep`); then each listed slot
 // not held, in list order, takes the lowest free row and is listed to move: head g's
 // move_counts[g] slots at move_slots + g * list.capacity, going to the rows at move_rows + g *

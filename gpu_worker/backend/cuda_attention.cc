@@ -76,7 +76,7 @@ absl::Status CudaBackend::GemmAttentionCausal(MatView q, KvView k, KvView v, int
     // with every chunk, and a reallocation is a wait. Where the device has not that much left,
     // the tiles, which need no scratch.
     if (scores_ != nullptr) IG_RETURN_IF_ERROR(Synchronize());  // may still be in use
-    scores_.reset();
+    scores_.reset();  // (its memory first: admission set aside one of them)
     absl::StatusOr<std::unique_ptr<Buffer>> buffer =
         Allocate(std::max(score_bytes + prob_bytes, ScratchBytes()));
     if (!buffer.ok()) return TiledAttentionCausal(q, k, v, q_start, s, out);
@@ -124,11 +124,10 @@ absl::Status CudaBackend::GemmAttentionCausal(MatView q, KvView k, KvView v, int
 
 absl::Status CudaBackend::EnsureWorkspace(size_t bytes) {
   if (workspace_ != nullptr && workspace_->size() >= bytes) return absl::OkStatus();
-  IG_RETURN_IF_ERROR(Synchronize());  // the old workspace may still be in use
   // By half again at least: the decode attention's partials grow with the rows attended, a row
   // per step (an exact fit reallocated, and waited, every step).
   const size_t grown = workspace_ ? workspace_->size() * 3 / 2 : 0;
-  workspace_.reset();
+  Retire(std::move(workspace_));  // the old one may still be in use
   IG_ASSIGN_OR_RETURN(workspace_, Allocate(std::max(bytes, grown)));
   return absl::OkStatus();
 }
@@ -213,8 +212,7 @@ absl::Status CudaBackend::AttentionDecodeBatch(std::span<const DecodeAttentionIt
   a.num_rows = static_cast<int32_t>(most_rows);
   const size_t bytes = host_decode_seqs_.size();
   if (decode_seqs_ == nullptr || decode_seqs_->size() < bytes) {
-    IG_RETURN_IF_ERROR(Synchronize());  // the old descriptors may still be read
-    decode_seqs_.reset();
+    Retire(std::move(decode_seqs_));  // the old descriptors may still be read
     IG_ASSIGN_OR_RETURN(decode_seqs_,
                         Allocate(std::max<size_t>(bytes, 64 * sizeof(cuda::DecodeSeq))));
   }

@@ -112,6 +112,7 @@ CudaBackend::~CudaBackend() {
   for (const HostRegion& r : host_regions_) cudaHostUnregister(const_cast<char*>(r.host));
   cudaGetLastError();  // a region unmapped before us fails to unregister: nothing to do
   row_table_device_.reset();
+  retired_.clear();
   workspace_.reset();
   handles_.reset();
   cudaStreamDestroy(S(stream_));
@@ -247,6 +248,7 @@ void CudaBackend::FinishLaterCopies() {
   for (const LaterCopy& c : later_) std::memcpy(c.host, c.pinned, c.bytes);
   later_.clear();
   readback_used_ = 0;
+  retired_.clear();  // after a wait: nothing queued can read them now
   HostCopiesDone();
 }
 

@@ -109,6 +109,13 @@ class CudaBackend final : public Backend {
   void* side_stream_ = nullptr;
   void* fork_event_ = nullptr;
   void* join_event_ = nullptr;
+  // A scratch buffer outgrown while work queued on the device may still use it is kept here
+  // until the backend's next wait (freed with cudaFree then, when the device is idle), so that
+  // growing it is no wait in the middle of a step.
+  void Retire(std::unique_ptr<Buffer> buffer) {
+    if (buffer != nullptr) retired_.push_back(std::move(buffer));
+  }
+  std::vector<std::unique_ptr<Buffer>> retired_;
   std::unique_ptr<Buffer> workspace_;  // decode attention partials; grows, never per step
   // AttentionDecodeBatch's per-sequence descriptors (cuda::DecodeSeq), on the host and the
   // device; both grow, never per step.

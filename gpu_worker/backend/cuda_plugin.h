@@ -29,7 +29,8 @@ inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // ScratchBytes; 3: StoredWeight::ToQ6_K, PartEnds and Rows, Weight::segments; 4:
 // StoredWeight::ConvertsToQ5_0 and ConvertsToQ4_0; 5: GatherBlockRows; 6: ForkSideQueue,
 // JoinSideQueue, BlockRowsGather::on_side_queue; 7: BlockRowsGather::dst_rows; 8: PlanKeptRows,
-// MapKeptRows, BlockRowsGather::list_counts, DecodeAttentionItem::count).
-inline constexpr int kCudaPluginAbi = 8;
+// MapKeptRows, BlockRowsGather::list_counts, DecodeAttentionItem::count; 9: KeptRowsPlan::listed,
+// added after 8 was taken).
+inline constexpr int kCudaPluginAbi = 9;
 
 }  // namespace infinigen

@@ -371,6 +371,7 @@ class StoreKvCache final : public StreamedKvCache {
   };
   std::vector<LaterAppend> later_appends_;
   uint64_t later_copy_ = 0;   // backend_.host_copies_done() when their copy was queued
+  uint64_t counts_copy_ = 0;  // ... when QueueDeviceCounts queued the plans' counts
   bool copy_queued_ = false;  // ... and not yet ended
   // BeginAppendStep: the layers' appends accumulate (at these offsets of pack_ and both_) until
   // EndAppendLayer.

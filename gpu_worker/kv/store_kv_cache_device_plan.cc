@@ -162,8 +162,9 @@ absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const Dev
   plan.listed = base + at.listed(l);
   plan.workspace = base + at.workspace();
   plan.errors = base + at.errors();
-  IG_RETURN_IF_ERROR(backend_.PlanKeptRows(plan));
+  // The side batch first: a join that fails leaves no plan recorded whose rows never moved.
   IG_RETURN_IF_ERROR(SideBatchFor(layer).status());
+  IG_RETURN_IF_ERROR(backend_.PlanKeptRows(plan));
   BlockRowsGather g;
   g.batch = 1;
   g.num_kv_heads = shape_.num_kv_heads;
@@ -278,6 +279,7 @@ absl::Status StoreKvCache::QueueDeviceCounts() {
         backend_.CopyToHostLater(counts, k.counts.data(), k.counts.size() * sizeof(int32_t)));
     k.queued = true;
   }
+  counts_copy_ = backend_.host_copies_done();
   return absl::OkStatus();
 }
 
@@ -292,6 +294,9 @@ absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
   planned_.erase(std::remove(planned_.begin(), planned_.end(), seq), planned_.end());
   if (!k.queued) return absl::OkStatus();  // the step failed before its counts were asked for
   k.queued = false;
+  // The counts arrive at the backend's first wait after their copy: the logits', or (a step
+  // that failed after its last layer) this one.
+  if (backend_.host_copies_done() == counts_copy_) IG_RETURN_IF_ERROR(backend_.Synchronize());
   // The rows that crossed the link (each plan's moves and each choice's misses), and those a
   // plan found kept (listed, not moved).
   const KeptLayout at = LayoutOf(k);
