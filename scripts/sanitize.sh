@@ -63,7 +63,7 @@ address() {
                  hf_fixture_test tokenizer_fixture_test infinigen_test infinigen_reference_test
                  decode_step_alloc_test memory_admission_test speculation_test
                  store_kv_cache_test store_kv_device_plan_test store_kv_pool_test engine_attach_test
-                 batch_engine_test
+                 store_kv_reuse_shm_test batch_engine_test
                  kv_transport_test kv_store_process_test
                  worker_process_test router_process_test netns_test openai_http_test cli_test)
   suite_args[cli_test]="--gtest_filter=-Cli.PrepareThenEvalEveryPolicy"
@@ -125,7 +125,7 @@ tsan_abseil() {
 
 thread() {
   local targets=(cpu_kernels_test health_test queued_client_test router_test store_kv_cache_test
-                 store_kv_device_plan_test
+                 store_kv_device_plan_test store_kv_reuse_shm_test
                  batch_engine_test memory_admission_test engine_attach_test kv_transport_test
                  router_process_test worker_process_test)
   suite_args[cpu_kernels_test]="--gtest_filter=TeamTest.*"
