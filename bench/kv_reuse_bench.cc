@@ -180,11 +180,11 @@ int main(int argc, char** argv) {
     if (on_device && !cache.device_gathers()) {
       return absl::InternalError("the stand-in does not gather");
     }
-    EngineConfig ec;
-    ec.prefill_budget_tokens = prompt;
     if (plan && !cache.plans_on_device()) {
       return absl::InternalError("the stand-in does not plan on the device");
     }
+    EngineConfig ec;
+    ec.prefill_budget_tokens = prompt;
     BatchEngine engine(**model, cache, ec);
     // Read in the engine's callbacks (one thread; the backend's counters are atomic).
     int64_t started = 0, generated = 0, waits_at_start = 0, generated_at_start = 0;
@@ -287,8 +287,7 @@ int main(int argc, char** argv) {
     std::printf(
         "\nrows planned on the device (with reuse)\n"
         "| prompt tokens | streams | backend waits per decoded token, host plan | device plan | "
-        "MiB "
-        "moved per token, host plan | device plan | tokens agree (all three) |\n"
+        "MiB moved per token, host plan | device plan | tokens agree (all three) |\n"
         "|---:|---:|---:|---:|---:|---:|---|\n%s",
         planned_rows.c_str());
   }

@@ -18,7 +18,6 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
       host_access_(backend.host_accessible()),
       in_place_(host_access_ && options.read_in_place && client.reads_in_place()) {
   table_items_.resize(static_cast<size_t>(std::max(shape.num_layers, 0)));
-  table_rows_.reserve(table_items_.size());
   // Without registration (a backend or device that cannot) prefetches copy as before.
   device_gathers_ = !host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
                     client.reads_in_place() && RegisterMapped().ok() && rows_per_block_ > 0;

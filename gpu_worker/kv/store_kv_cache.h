@@ -380,7 +380,6 @@ class StoreKvCache final : public StreamedKvCache {
   bool device_plans_ = false;        // options.plan_on_device where it applies
   std::vector<SequenceId> planned_;  // sequences planned on the device since the last settle
   std::vector<ClientGatherItem> table_items_;  // TablesFor's (their slot lists' room kept)
-  std::vector<int64_t> table_rows_;            // ... and the rows each asks for
   int device_side_layer_ = -1;  // the layer whose device prefetches make the open side batch
   // The side batch (side_batches_' number) the gathers of `layer` are launched with.
   absl::StatusOr<int64_t> SideBatchFor(int layer);

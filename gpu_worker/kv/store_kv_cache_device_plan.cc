@@ -116,7 +116,6 @@ absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int
   // one that needs it in one call: one wait a step, at the first layer planned on the device.
   // (The later layers' rows are the steps before's: this step's are appended at their layer.)
   size_t n = 0;
-  table_rows_.clear();
   for (int l = layer; l < shape_.num_layers; ++l) {
     const int64_t r = l == layer ? rows : s.Rows(l);
     if (!asks(l, r)) continue;
@@ -126,12 +125,11 @@ absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int
     item.count = 1;
     item.slots.assign(static_cast<size_t>(shape_.num_kv_heads), static_cast<int32_t>(r - 1));
     item.block_table = s.tables->Out(l);
-    table_rows_.push_back(r);
   }
   std::shared_ptr<GatherTicket> ticket =
       client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
   IG_RETURN_IF_ERROR(ticket->Wait(absl::Now() + options_.fetch_timeout));
-  for (size_t i = 0; i < n; ++i) s.answered[table_items_[i].layer] = table_rows_[i];
+  for (size_t i = 0; i < n; ++i) s.answered[table_items_[i].layer] = table_items_[i].slots[0] + 1;
   return absl::OkStatus();
 }
 

@@ -81,6 +81,7 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
   auto a = policy(nullptr), b = policy(nullptr);
   const testing::DecodeRun want =
       testing::Decode(*l.model, resident, {a.get(), b.get()}, prompts, 16, 8);
+  std::vector<int64_t> waits;  // the backend's, each run's
   auto run = [&](std::function<int64_t(int64_t)> reuse_rows, uint64_t id_base,
                  bool plan_on_device = false) {
     StoreKvCacheOptions options;
@@ -92,8 +93,10 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
     EXPECT_TRUE(cache.device_gathers()) << "the shm client maps the store's arena";
     EXPECT_EQ(cache.plans_on_device(), plan_on_device);
     auto c = policy(*skew), d = policy(*skew);
+    const int64_t before = device.counters().synchronizations;
     testing::DecodeRun got =
         testing::Decode(**on_device, cache, {c.get(), d.get()}, prompts, 16, 8);
+    waits.push_back(device.counters().synchronizations - before);
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.logits, want.logits);
     return got;
@@ -104,12 +107,16 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
   EXPECT_GT(reused.bytes_reused, 0);
   EXPECT_LT(2 * reused.bytes_fetched, plain.bytes_fetched)
       << "moved " << reused.bytes_fetched << " of " << plain.bytes_fetched;
-  // Planned on the device, a step's gathers ask the store nothing while no layer gains a block,
-  // but the rows the step before sent are write-behind appends (they linger on their way to
-  // the store): read from the arena before they landed, they would be stale bytes.
+  // Planned on the device, a step's gathers read the arena by block table with no ticket of
+  // their own, while the rows the step before sent are write-behind appends (they linger on
+  // their way to the store): the cache asks the store for them once a step (TablesFor), or
+  // they are read stale. Fewer backend waits: the device's plan ran, not the host's.
   const testing::DecodeRun planned =
       run([](int64_t capacity) { return capacity + 1; }, 300, /*plan_on_device=*/true);
   EXPECT_EQ(planned.bytes_fetched, reused.bytes_fetched);
+  ASSERT_EQ(waits.size(), 3u);
+  EXPECT_LT(waits[2], waits[1]) << "planned on the device: " << waits[2] << " backend waits, "
+                                << "on the host: " << waits[1];
   client->reset();
   server->Shutdown();
 }
