@@ -21,10 +21,10 @@
 // the median time between a stream's tokens without and with reuse (ms).
 // --device-plan true (device-like backend only) also runs reuse with the rows planned on the
 // "device" (StoreKvCacheOptions::plan_on_device, the worker's default on a GPU) and prints a
-// second table: the backend's waits per token decoded once every prompt was prefilled, and
-// the bytes, for the host's plan and the device's, and whether all three runs' tokens agree
-// (a real model's choices, where the tests' fixtures have 2 layers: a plan that did not fit
-// fails the run).
+// second table: the backend's waits per token decoded once every prompt was prefilled (and the
+// device plan's store waits for block tables), and the bytes, for the host's plan and the device's,
+// and whether all three runs' tokens agree (a real model's choices, where the tests' fixtures have
+// 2 layers: a plan that did not fit fails the run).
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -62,6 +62,9 @@ struct Run {
   // The backend's waits (synchronizations) and the tokens generated once every stream had its
   // first (its prompt prefilled): the decode steps'.
   int64_t decode_waits = 0, decode_tokens = 0;
+  // ... and the store calls waited for to learn the block tables of rows planned on the device
+  // (StoreKvCache::table_waits) in those steps.
+  int64_t decode_table_waits = 0;
 };
 
 int Fail(const absl::Status& st) {
@@ -187,7 +190,8 @@ int main(int argc, char** argv) {
     ec.prefill_budget_tokens = prompt;
     BatchEngine engine(**model, cache, ec);
     // Read in the engine's callbacks (one thread; the backend's counters are atomic).
-    int64_t started = 0, generated = 0, waits_at_start = 0, generated_at_start = 0;
+    int64_t started = 0, generated = 0, waits_at_start = 0, generated_at_start = 0,
+            table_waits_at_start = 0;
     Run r;
     r.tokens.resize(static_cast<size_t>(streams));
     std::vector<std::vector<std::chrono::steady_clock::time_point>> at(
@@ -211,6 +215,7 @@ int main(int argc, char** argv) {
                                          ++generated;
                                          if (r.tokens[s].empty() && ++started == streams) {
                                            waits_at_start = device.counters().synchronizations;
+                                           table_waits_at_start = cache.table_waits();
                                            generated_at_start = generated;
                                          }
                                          r.tokens[s].push_back(e.token);
@@ -237,6 +242,7 @@ int main(int argc, char** argv) {
     }
     r.decode_waits = device.counters().synchronizations - waits_at_start;
     r.decode_tokens = generated - generated_at_start;
+    r.decode_table_waits = cache.table_waits() - table_waits_at_start;
     const EngineStats stats = engine.Stats();
     for (const auto& t : r.tokens) r.generated += static_cast<int64_t>(t.size());
     r.fetched = stats.bytes_fetched;
@@ -276,19 +282,22 @@ int main(int argc, char** argv) {
     if (!device_plan) continue;
     auto planned = run(prompt, true, true);
     if (!planned.ok()) return Fail(planned.status());
+    const double decoded = static_cast<double>(std::max<int64_t>(1, planned->decode_tokens));
     planned_rows += absl::StrFormat(
-        "| %d | %d | %.2f | %.2f | %.3f | %.3f | %s |\n", prompt, streams,
+        "| %d | %d | %.2f | %.2f | %.2f | %.3f | %.3f | %s |\n", prompt, streams,
         static_cast<double>(reused->decode_waits) / std::max<int64_t>(1, reused->decode_tokens),
-        static_cast<double>(planned->decode_waits) / std::max<int64_t>(1, planned->decode_tokens),
-        b, per_token(*planned, planned->fetched) / mib,
+        static_cast<double>(planned->decode_waits) / decoded,
+        static_cast<double>(planned->decode_table_waits) / decoded, b,
+        per_token(*planned, planned->fetched) / mib,
         planned->tokens == reused->tokens && planned->tokens == plain->tokens ? "yes" : "NO");
   }
   if (device_plan) {
     std::printf(
         "\nrows planned on the device (with reuse)\n"
         "| prompt tokens | streams | backend waits per decoded token, host plan | device plan | "
+        "store waits for block tables per decoded token, device plan | "
         "MiB moved per token, host plan | device plan | tokens agree (all three) |\n"
-        "|---:|---:|---:|---:|---:|---:|---|\n%s",
+        "|---:|---:|---:|---:|---:|---:|---:|---|\n%s",
         planned_rows.c_str());
   }
   return 0;

@@ -79,6 +79,7 @@ absl::Status StoreKvCache::Open(SequenceId seq, int64_t capacity_tokens) {
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, 0);
   s.answered.assign(shape_.num_layers, 0);
+  s.sent.assign(shape_.num_layers, 0);
   s.pool = std::move(pool);
   TakeSpareStaging(s, StagingBytes(capacity_tokens));
   absl::Status st = SizeStaging(s, capacity_tokens);
@@ -235,6 +236,7 @@ absl::Status StoreKvCache::OpenWithRows(SequenceId seq, int64_t rows, int64_t ca
   Sequence& s = sequences_[seq];
   s.length.assign(shape_.num_layers, rows);
   s.answered.assign(shape_.num_layers, 0);  // (asked again at the first step planned on the device)
+  s.sent.assign(shape_.num_layers, rows);
   const int64_t capacity = std::max(capacity_tokens, rows);
   TakeSpareStaging(s, StagingBytes(capacity));
   absl::Status st = SizeStaging(s, capacity);
@@ -471,6 +473,7 @@ void StoreKvCache::BeginAppendLayer(int layer, std::span<const LayerAppend> item
         st = Place(*s, layer, a.start, n, place_slots_, a.slots_out);
         if (st.ok()) {
           client_.AppendAsync(StoreId(a.seq), layer, a.start, n, host_k_, host_v_, place_slots_);
+          s->sent[layer] = a.start + n;
         }
       }
       statuses[i] = st;
@@ -496,6 +499,9 @@ void StoreKvCache::EndAppendLayer() {
     const std::span<const uint8_t> rows(both_.data() + l.offset, 2 * bytes);
     client_.AppendAsync(StoreId(l.seq), l.layer, l.start, l.n, rows.first(bytes),
                         rows.subspan(bytes), l.slots);
+    if (auto it = sequences_.find(l.seq); it != sequences_.end()) {
+      it->second.sent[l.layer] = l.start + l.n;
+    }
   }
   later_appends_.clear();
 }

@@ -153,6 +153,9 @@ class StoreKvCache final : public StreamedKvCache {
   // memory.
   bool device_gathers() const { return device_gathers_; }
   bool plans_on_device() const { return device_plans_; }
+  // Store calls waited for to learn the block tables of rows planned on the device (at most
+  // one a step, whatever the batch, unless one fails), since the cache was made.
+  int64_t table_waits() const { return table_waits_; }
   // The layers whose K/V are kept in backend memory too (StoreKvCacheOptions; 0 where not).
   int device_resident_layers() const {
     return resident_layers_ != nullptr ? resident_layers_->layers() : 0;
@@ -221,6 +224,9 @@ class StoreKvCache final : public StreamedKvCache {
     // appends are write-behind, so a row the device reads from the arena without asking the
     // store may not have landed yet.
     std::vector<int64_t> answered;
+    // Per layer, the rows handed to the store client (a step's held appends are not: they are
+    // sent at its end).
+    std::vector<int64_t> sent;
     Pending pending[2];
     FetchCounters counters;
     std::unique_ptr<PooledSlots> pool;  // with options.pool: where each token is stored
@@ -318,9 +324,18 @@ class StoreKvCache final : public StreamedKvCache {
   // Slots 0 .. rows - 1 of every KV head ([num_kv_heads, rows], in every_slot_).
   std::span<const int32_t> EverySlot(int64_t rows);
   KeptRows KeptOf(Sequence& s, int layer) const;
-  // s's block tables of `layer` cover its first `rows` rows (a store answer of the blocks a layer
-  // gained, asked for alone: once per block_bytes / row_bytes tokens).
+  // s's block tables of `layer` cover its first `rows` rows, and an answer of the store came
+  // after them (they landed): a gather of the blocks the layer gained, asked for when the
+  // layer has rows no answer covered (once a step: the step before appended a row). Every
+  // later layer of s, and the other sequences planned on the device, are asked along
+  // (AsksAlongside): one store wait a step, not one a sequence; if that gather fails, s asks
+  // alone.
   absl::Status TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows);
+  // Whether s's tables of `layer` miss blocks of its first `rows` rows or an answer after them.
+  bool AsksStore(const Sequence& s, int layer, int64_t rows) const;
+  // ... for s asked along with another sequence: its rows sent, where nothing of its own answers
+  // into those tables.
+  bool AsksAlongside(const Sequence& s, int layer) const;
   // A reuse prefetch's misses copied by the transport into staging (host memory: a CPU
   // backend), each into its row.
   void PlaceCopiedMisses(Sequence& s, Pending& p);
@@ -380,6 +395,7 @@ class StoreKvCache final : public StreamedKvCache {
   bool device_plans_ = false;        // options.plan_on_device where it applies
   std::vector<SequenceId> planned_;  // sequences planned on the device since the last settle
   std::vector<ClientGatherItem> table_items_;  // TablesFor's (their slot lists' room kept)
+  int64_t table_waits_ = 0;                    // ... calls waited for
   int device_side_layer_ = -1;  // the layer whose device prefetches make the open side batch
   // The side batch (side_batches_' number) the gathers of `layer` are launched with.
   absl::StatusOr<int64_t> SideBatchFor(int layer);

@@ -61,6 +61,10 @@ absl::Status StoreKvCache::OpenKept(Sequence& s, int64_t capacity_tokens) {
   k.rows = at.rows;
   k.counts.assign(static_cast<size_t>(at.count_entries()), 0);
   k.planned = k.queued = false;
+  // TablesFor's items: every layer of every open sequence, their slot lists' room made now.
+  const size_t items = static_cast<size_t>(shape_.num_layers) * sequences_.size();
+  if (table_items_.size() < items) table_items_.resize(items);
+  for (ClientGatherItem& item : table_items_) item.slots.reserve(shape_.num_kv_heads);
   // Nothing kept: the maps all -1, the counts 0 (copies when it opens, not in a decode step).
   const std::vector<int32_t> none(static_cast<size_t>(at.moves(0)), -1);
   int32_t* base = static_cast<int32_t*>(k.buffer->data());
@@ -102,34 +106,83 @@ bool StoreKvCache::PlansOnDevice(SequenceId seq, int layer, int64_t max_list) co
          max_list <= s.kept->rows;
 }
 
-absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows) {
-  IG_RETURN_IF_ERROR(ReserveTables(s, rows + 1));
+bool StoreKvCache::AsksStore(const Sequence& s, int layer, int64_t rows) const {
   // A layer's rows are read from the arena without asking the store while its tables hold
   // their blocks and an answer has covered them: the appends of the step before (sent after
   // its logits, write-behind: over shm they linger on their way) have landed.
-  auto asks = [&](int l, int64_t r) {
-    return r > 0 && (s.answered[l] < r || s.tables->held_blocks(l) < s.tables->BlocksFor(r));
-  };
-  if (!asks(layer, rows)) return absl::OkStatus();
+  return rows > 0 &&
+         (s.answered[layer] < rows || s.tables->held_blocks(layer) < s.tables->BlocksFor(rows));
+}
+
+bool StoreKvCache::AsksAlongside(const Sequence& s, int layer) const {
+  if (s.kept == nullptr || s.reuse_buffer == nullptr || s.tables == nullptr ||
+      !s.tables->on_device()) {
+    return false;
+  }
+  const int64_t rows = s.sent[layer];
+  // Not where its own gather of the layer answers into the same tables (held or in flight), nor
+  // past the room its tables have (its own call reserves more).
+  const Pending& p = s.pending[layer % 2];
+  return !(p.layer == layer && (p.deferred || p.ticket != nullptr)) &&
+         s.tables->BlocksFor(rows) <= s.tables->capacity() && AsksStore(s, layer, rows);
+}
+
+absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows) {
+  IG_RETURN_IF_ERROR(ReserveTables(s, rows + 1));
+  if (!AsksStore(s, layer, rows)) return absl::OkStatus();
   // The store answers with a gather of each layer's last row (nothing is copied: only the
-  // blocks a layer gained), after the appends queued before it. This layer and every later
-  // one that needs it in one call: one wait a step, at the first layer planned on the device.
-  // (The later layers' rows are the steps before's: this step's are appended at their layer.)
+  // blocks a layer gained), after the appends queued before it. This layer, every later one of
+  // this sequence, and the layers of every other sequence planned on the device whose rows sent
+  // no answer has covered, in one call: one wait a step whatever the batch, at the first layer
+  // planned on the device. (Rows sent, not stored: this step's are held until its end.)
   size_t n = 0;
-  for (int l = layer; l < shape_.num_layers; ++l) {
-    const int64_t r = l == layer ? rows : s.Rows(l);
-    if (!asks(l, r)) continue;
+  auto add = [&](SequenceId id, Sequence& q, int l, int64_t r) {
+    if (n == table_items_.size()) table_items_.resize(n + shape_.num_layers);  // (opens size it)
     ClientGatherItem& item = table_items_[n++];
-    item.seq = StoreId(seq);
+    item.seq = StoreId(id);
     item.layer = l;
     item.count = 1;
     item.slots.assign(static_cast<size_t>(shape_.num_kv_heads), static_cast<int32_t>(r - 1));
-    item.block_table = s.tables->Out(l);
+    item.block_table = q.tables->Out(l);
+  };
+  add(seq, s, layer, rows);
+  for (int l = layer + 1; l < shape_.num_layers; ++l) {
+    if (AsksStore(s, l, s.sent[l])) add(seq, s, l, s.sent[l]);
+  }
+  const size_t own = n;
+  for (auto& [id, q] : sequences_) {
+    if (&q == &s) continue;
+    for (int l = reuse_first_layer_; l < shape_.num_layers; ++l) {
+      if (AsksAlongside(q, l)) add(id, q, l, q.sent[l]);
+    }
   }
   std::shared_ptr<GatherTicket> ticket =
       client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
-  IG_RETURN_IF_ERROR(ticket->Wait(absl::Now() + options_.fetch_timeout));
-  for (size_t i = 0; i < n; ++i) s.answered[table_items_[i].layer] = table_items_[i].slots[0] + 1;
+  ++table_waits_;
+  absl::Status st = ticket->Wait(absl::Now() + options_.fetch_timeout);
+  if (!st.ok() && n > own && ticket->Done()) {
+    // Refused (another sequence's, a sequence the store lost?): this one asks alone, so that
+    // one bad sequence fails only itself; the others ask at their own layers.
+    n = own;
+    ticket = client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
+    ++table_waits_;
+    st = ticket->Wait(absl::Now() + options_.fetch_timeout);
+  }
+  if (!st.ok() && !ticket->Done()) {
+    // Late: its answers may still land in the tables of every sequence it asked for, which stay
+    // until it ends (a sequence closed meanwhile frees its own).
+    for (size_t i = 0; i < n; ++i) {
+      if (i > 0 && table_items_[i].seq == table_items_[i - 1].seq) continue;
+      auto it = sequences_.find(table_items_[i].seq - options_.id_base);
+      if (it != sequences_.end()) abandoned_.push_back({Staging(), ticket, it->second.tables});
+    }
+  }
+  IG_RETURN_IF_ERROR(st);
+  for (size_t i = 0; i < n; ++i) {
+    const ClientGatherItem& item = table_items_[i];
+    auto it = sequences_.find(item.seq - options_.id_base);
+    if (it != sequences_.end()) it->second.answered[item.layer] = item.slots[0] + 1;
+  }
   return absl::OkStatus();
 }
 
@@ -326,6 +379,7 @@ absl::Status StoreKvCache::SettleOnDevice(SequenceId seq) {
       }
       s.length[l->layer] = std::min(s.length[l->layer], l->start);
       s.answered[l->layer] = std::min(s.answered[l->layer], s.length[l->layer]);
+      s.sent[l->layer] = std::min(s.sent[l->layer], s.length[l->layer]);
       l = later_appends_.erase(l);
     }
     for (int layer = reuse_first_layer_; layer < shape_.num_layers; ++layer) {

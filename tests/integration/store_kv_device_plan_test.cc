@@ -4,6 +4,7 @@
 // once (for its logits) and a prompt chunk beside them adds only its own waits; tokens and
 // logits are the resident cache's bit for bit and as many rows move as with the host's
 // bookkeeping; choices outside the prefetch are gathered, or fail their chunk alone.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -54,6 +55,7 @@ TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
   const DecodeRun want = Decode(*l_.model, resident, {a.get(), b.get(), c.get()}, prompts, 16, 8);
   for (KvStoreClient* client : {client_.get(), small.client.get()}) {
     SCOPED_TRACE(client == client_.get() ? "default blocks" : "4-row blocks");
+    int64_t table_waits = 0;  // the last run's
     auto run = [&](bool reuse, bool plan) {
       SCOPED_TRACE(
           absl::StrCat(reuse ? "reuse" : "no reuse", plan ? ", planned on the device" : ""));
@@ -71,6 +73,7 @@ TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
       // A join runs one layer's gathers (K and V of each sequence) at most, never the next
       // layer's too: those overlap the layer being attended.
       EXPECT_LE(device.most_gathers_joined(), 3 * 2);
+      table_waits = cache.table_waits();
       return got;
     };
     const DecodeRun plain = run(false, false), host = run(true, false), planned = run(true, true);
@@ -85,6 +88,9 @@ TEST_P(StoreCache, RowsPlannedOnTheDeviceChangeNoBitAndNoLayerWaits) {
       EXPECT_GT(planned.bytes_reused, 0);
       EXPECT_LT(2 * planned.bytes_fetched, plain.bytes_fetched);
       EXPECT_GT(planned.prefetch_hits, 0);
+      // The store asked for the rows the step before appended once a step, for the 3 sequences
+      // together (asked a sequence at a time, 48 calls).
+      EXPECT_EQ(table_waits, pp.steps) << "3 sequences asked for apart";
     } else {  // rows copied by the transport: nothing to plan there
       EXPECT_EQ(pp.backend.synchronizations, host.profile.backend.synchronizations);
       EXPECT_EQ(planned.bytes_fetched, host.bytes_fetched);
@@ -208,6 +214,74 @@ TEST_P(StoreCache, ChoicesOutsideThePrefetchPlannedOnTheDeviceAreGatheredOrFailT
   EXPECT_EQ(std::vector<float>(logits.begin() + vocab, logits.end()), alone);
   cache.Close(1);
   cache.Close(2);
+}
+
+// The rows the step before appended are asked for once a step, every sequence planned on the
+// device together (StoreKvCache::TablesFor): when the store has lost one of them, that call
+// fails and each asks alone, so that the lost sequence fails its chunk alone (ABORTED: the store
+// does not know it) and the other's logits are those of the same step with nothing lost.
+TEST_P(StoreCache, ASequenceTheStoreLostFailsAloneWhenTheStepAsksForAll) {
+  if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
+  DeviceLikeCpuBackend device;
+  std::unique_ptr<Model> loaded = OnDevice(device);
+  ASSERT_NE(loaded, nullptr);
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const auto prompts = Prompts(2);
+  const int64_t vocab = loaded->config().vocab_size;
+  // Two sequences prefilled and decoded 3 steps (the third with sequence 2 lost first if
+  // `lose`); the third step's logits, its chunks' statuses and the store's table waits in it.
+  struct Last {
+    std::vector<float> logits;
+    absl::Status status[2];
+    int64_t table_waits = 0;
+  };
+  auto run = [&](bool lose, uint64_t id_base) {
+    StoreKvCacheOptions options = DeviceStoreOptions();
+    options.id_base = id_base;
+    options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
+    options.plan_on_device = true;
+    StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
+    std::unique_ptr<KvSelectionPolicy> p[2] = {Policy("infinigen", *skew),
+                                               Policy("infinigen", *skew)};
+    DecodeStep step(*loaded, cache);
+    Last last;
+    last.logits.resize(2 * vocab);
+    for (SequenceId seq : {1, 2}) {
+      EXPECT_TRUE(cache.Open(seq, 256).ok());
+      p[seq - 1]->Open(seq, 256);
+      const ForwardChunk c{seq, 0, prompts[seq - 1], false, p[seq - 1].get()};
+      EXPECT_TRUE(step.Forward({&c, 1}, std::span<float>(last.logits).first(vocab)).ok());
+    }
+    const int32_t tokens[3] = {5, 7, 9};
+    for (int t = 0; t < 3; ++t) {
+      const ForwardChunk batch[2] = {
+          {1, static_cast<int64_t>(prompts[0].size()) + t, {&tokens[t], 1}, false, p[0].get()},
+          {2, static_cast<int64_t>(prompts[1].size()) + t, {&tokens[t], 1}, false, p[1].get()}};
+      if (t == 2 && lose) EXPECT_TRUE(client_->Close(cache.StoreId(2)).ok());
+      const int64_t before = cache.table_waits();
+      const absl::Status st = step.Forward(batch, last.logits);
+      last.table_waits = cache.table_waits() - before;
+      last.status[0] = step.chunk_status(0);
+      last.status[1] = step.chunk_status(1);
+      if (t < 2) EXPECT_TRUE(st.ok()) << st;
+    }
+    for (SequenceId seq : {1, 2}) {
+      cache.Close(seq);
+      p[seq - 1]->Release(seq);
+    }
+    return last;
+  };
+  const Last kept = run(false, 3000), lost = run(true, 4000);
+  EXPECT_TRUE(kept.status[0].ok()) << kept.status[0];
+  EXPECT_TRUE(kept.status[1].ok()) << kept.status[1];
+  EXPECT_EQ(kept.table_waits, 1) << "both sequences asked for in one call";
+  EXPECT_TRUE(lost.status[0].ok()) << lost.status[0];
+  EXPECT_TRUE(absl::IsAborted(lost.status[1])) << lost.status[1];
+  EXPECT_THAT(lost.status[1].message(), ::testing::HasSubstr("unknown sequence 4002"));
+  EXPECT_EQ(lost.table_waits, 3) << "together (refused), then each alone";
+  EXPECT_EQ(std::vector<float>(lost.logits.begin(), lost.logits.begin() + vocab),
+            std::vector<float>(kept.logits.begin(), kept.logits.begin() + vocab));
 }
 
 // A prompt prefilled in chunks beside decoding sequences (the engine's steps while a long

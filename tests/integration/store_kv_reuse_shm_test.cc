@@ -82,6 +82,7 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
   const testing::DecodeRun want =
       testing::Decode(*l.model, resident, {a.get(), b.get()}, prompts, 16, 8);
   std::vector<int64_t> waits;  // the backend's, each run's
+  int64_t table_waits = 0;     // the store's for block tables, the last run's
   auto run = [&](std::function<int64_t(int64_t)> reuse_rows, uint64_t id_base,
                  bool plan_on_device = false) {
     StoreKvCacheOptions options;
@@ -97,6 +98,7 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
     testing::DecodeRun got =
         testing::Decode(**on_device, cache, {c.get(), d.get()}, prompts, 16, 8);
     waits.push_back(device.counters().synchronizations - before);
+    table_waits = cache.table_waits();
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.logits, want.logits);
     return got;
@@ -109,14 +111,17 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
       << "moved " << reused.bytes_fetched << " of " << plain.bytes_fetched;
   // Planned on the device, a step's gathers read the arena by block table with no ticket of
   // their own, while the rows the step before sent are write-behind appends (they linger on
-  // their way to the store): the cache asks the store for them once a step (TablesFor), or
-  // they are read stale. Fewer backend waits: the device's plan ran, not the host's.
+  // their way to the store): the cache asks the store for them once a step, for every sequence
+  // (TablesFor), or they are read stale. Fewer backend waits: the device's plan ran, not the
+  // host's.
   const testing::DecodeRun planned =
       run([](int64_t capacity) { return capacity + 1; }, 300, /*plan_on_device=*/true);
   EXPECT_EQ(planned.bytes_fetched, reused.bytes_fetched);
   ASSERT_EQ(waits.size(), 3u);
   EXPECT_LT(waits[2], waits[1]) << "planned on the device: " << waits[2] << " backend waits, "
                                 << "on the host: " << waits[1];
+  // One gRPC round trip a step for both sequences' rows, not one a sequence.
+  EXPECT_EQ(table_waits, 16);
   client->reset();
   server->Shutdown();
 }
