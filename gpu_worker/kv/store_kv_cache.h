@@ -131,7 +131,8 @@ class StoreKvCache final : public StreamedKvCache {
 
   bool addresses_only() const override { return in_place_; }
   // Rows planned on the device (StoreKvCacheOptions::plan_on_device;
-  // store_kv_cache_device_plan.cc).
+  // store_kv_cache_device_plan.cc; a prompt chunk's rows in such a step and the step's held
+  // appends: store_kv_cache_stored_rows.cc).
   bool PlansOnDevice(SequenceId seq, int layer, int64_t max_list) const override;
   absl::Status PrefetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& list) override;
   absl::StatusOr<DeviceRows> FetchOnDevice(SequenceId seq, int layer, const DeviceSlotList& choice,

@@ -2,7 +2,9 @@
 // device_reads_mapped_rows): the arena registered with the backend, each sequence's block tables
 // kept on the device (DeviceBlockTables), a prefetch's rows gathered by slot through
 // Backend::GatherBlockRows, and a batch's gathers launched on the backend's side queue so that
-// they cross the link while the layer before computes.
+// they cross the link while the layer before computes. Rows planned on the device are read by
+// those tables without a gather of their own: the store is asked for them once a step, every
+// sequence together (TablesFor).
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -156,6 +158,86 @@ void StoreKvCache::LaunchOnSideQueue(std::span<Pending* const> pendings) {
     p->launched = GatherOnDevice(s, *p, /*on_side_queue=*/true).ok();
     if (!p->launched && backend_.JoinSideQueue().ok()) side_joined_ = side_batches_;
   }
+}
+
+bool StoreKvCache::AsksStore(const Sequence& s, int layer, int64_t rows) const {
+  // A layer's rows are read from the arena without asking the store while its tables hold
+  // their blocks and an answer has covered them: the appends of the step before (sent after
+  // its logits, write-behind: over shm they linger on their way) have landed.
+  return rows > 0 &&
+         (s.answered[layer] < rows || s.tables->held_blocks(layer) < s.tables->BlocksFor(rows));
+}
+
+bool StoreKvCache::AsksAlongside(const Sequence& s, int layer) const {
+  if (s.kept == nullptr || s.reuse_buffer == nullptr || s.tables == nullptr ||
+      !s.tables->on_device()) {
+    return false;
+  }
+  const int64_t rows = s.sent[layer];
+  // Not where its own gather of the layer answers into the same tables (held or in flight), nor
+  // past the room its tables have (its own call reserves more).
+  const Pending& p = s.pending[layer % 2];
+  return !(p.layer == layer && (p.deferred || p.ticket != nullptr)) &&
+         s.tables->BlocksFor(rows) <= s.tables->capacity() && AsksStore(s, layer, rows);
+}
+
+absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows) {
+  IG_RETURN_IF_ERROR(ReserveTables(s, rows + 1));
+  if (!AsksStore(s, layer, rows)) return absl::OkStatus();
+  // The store answers with a gather of each layer's last row (nothing is copied: only the
+  // blocks a layer gained), after the appends queued before it. This layer, every later one of
+  // this sequence, and the layers of every other sequence planned on the device whose rows sent
+  // no answer has covered, in one call: one wait a step whatever the batch, at the first layer
+  // planned on the device. (Rows sent, not stored: this step's are held until its end.)
+  size_t n = 0;
+  auto add = [&](SequenceId id, Sequence& q, int l, int64_t r) {
+    if (n == table_items_.size()) table_items_.resize(n + shape_.num_layers);  // (opens size it)
+    ClientGatherItem& item = table_items_[n++];
+    item.seq = StoreId(id);
+    item.layer = l;
+    item.count = 1;
+    item.slots.assign(static_cast<size_t>(shape_.num_kv_heads), static_cast<int32_t>(r - 1));
+    item.block_table = q.tables->Out(l);
+  };
+  add(seq, s, layer, rows);
+  for (int l = layer + 1; l < shape_.num_layers; ++l) {
+    if (AsksStore(s, l, s.sent[l])) add(seq, s, l, s.sent[l]);
+  }
+  const size_t own = n;
+  for (auto& [id, q] : sequences_) {
+    if (&q == &s) continue;
+    for (int l = reuse_first_layer_; l < shape_.num_layers; ++l) {
+      if (AsksAlongside(q, l)) add(id, q, l, q.sent[l]);
+    }
+  }
+  std::shared_ptr<GatherTicket> ticket =
+      client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
+  ++table_waits_;
+  absl::Status st = ticket->Wait(absl::Now() + options_.fetch_timeout);
+  if (!st.ok() && n > own && ticket->Done()) {
+    // Refused (another sequence's, a sequence the store lost?): this one asks alone, so that
+    // one bad sequence fails only itself; the others ask at their own layers.
+    n = own;
+    ticket = client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
+    ++table_waits_;
+    st = ticket->Wait(absl::Now() + options_.fetch_timeout);
+  }
+  if (!st.ok() && !ticket->Done()) {
+    // Late: its answers may still land in the tables of every sequence it asked for, which stay
+    // until it ends (a sequence closed meanwhile frees its own).
+    for (size_t i = 0; i < n; ++i) {
+      if (i > 0 && table_items_[i].seq == table_items_[i - 1].seq) continue;
+      auto it = sequences_.find(table_items_[i].seq - options_.id_base);
+      if (it != sequences_.end()) abandoned_.push_back({Staging(), ticket, it->second.tables});
+    }
+  }
+  IG_RETURN_IF_ERROR(st);
+  for (size_t i = 0; i < n; ++i) {
+    const ClientGatherItem& item = table_items_[i];
+    auto it = sequences_.find(item.seq - options_.id_base);
+    if (it != sequences_.end()) it->second.answered[item.layer] = item.slots[0] + 1;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace infinigen
