@@ -224,9 +224,8 @@ TEST_P(StoreCache, ASequenceTheStoreLostFailsAloneWhenTheStepAsksForAll) {
   if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
   DeviceLikeCpuBackend device;
   std::unique_ptr<Model> loaded = OnDevice(device);
-  ASSERT_NE(loaded, nullptr);
-  auto skew = UploadPartialSkew(sidecar_, device);
-  ASSERT_TRUE(skew.ok()) << skew.status();
+  const std::shared_ptr<const PartialSkewOnBackend> skew = SkewOn(device);
+  ASSERT_TRUE(loaded != nullptr && skew != nullptr);
   const auto prompts = Prompts(2);
   const int64_t vocab = loaded->config().vocab_size;
   // Two sequences prefilled and decoded 3 steps (the third with sequence 2 lost first if
@@ -242,8 +241,8 @@ TEST_P(StoreCache, ASequenceTheStoreLostFailsAloneWhenTheStepAsksForAll) {
     options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
     options.plan_on_device = true;
     StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
-    std::unique_ptr<KvSelectionPolicy> p[2] = {Policy("infinigen", *skew),
-                                               Policy("infinigen", *skew)};
+    std::unique_ptr<KvSelectionPolicy> p[2] = {Policy("infinigen", skew),
+                                               Policy("infinigen", skew)};
     DecodeStep step(*loaded, cache);
     Last last;
     last.logits.resize(2 * vocab);

@@ -80,6 +80,13 @@ class StoreCacheTest : public ::testing::TestWithParam<std::tuple<std::string, b
     EXPECT_TRUE(attached.ok()) << attached;
     return attached.ok() ? std::move(*loaded) : nullptr;
   }
+  // The sidecar's partial skew in `device`'s memory, for policies choosing there (null after
+  // recording a failure).
+  std::shared_ptr<const PartialSkewOnBackend> SkewOn(Backend& device) {
+    auto skew = UploadPartialSkew(sidecar_, device);
+    EXPECT_TRUE(skew.ok()) << skew.status();
+    return skew.ok() ? *skew : nullptr;
+  }
   StoreKvCacheOptions DeviceStoreOptions() const {
     StoreKvCacheOptions options;
     options.read_in_place = std::get<1>(GetParam());
