@@ -3,7 +3,9 @@
 # (scripts/gpu/served_decode.sh: the product's engine over the KV store, random
 # Llama-3.1-8B-shaped weights) and the transformers peer; the served table prints last. Results
 # under OUT. GPU machines here have no gRPC, absl or GoogleTest, so build here and pack:
-#   scripts/gpu/pack.sh .gpu   (writes .gpu.tgz; carry it: the script unpacks it)
+#   scripts/gpu/pack.sh .gpu build/bin/{cuda_backend_test,cuda_kernels_test,cuda_model_test,\
+#     worker_gpu_test,worker_bench,kv_device_gather_bench,libinfinigen_cuda.so}
+# (writes .gpu.tgz; carry it: the script unpacks it)
 # or point BIN at a folder with the binaries; with neither it builds what it can (no services).
 #   scripts/gpu/run.sh
 # BUDGET (s, default 540) bounds the whole job: served cases that would start later are skipped.
@@ -34,6 +36,13 @@ for t in cuda_backend_test cuda_kernels_test cuda_model_test worker_gpu_test; do
   echo "== $t" >> "$OUT/tests.log"
   timeout 120 "$BIN/$t" --gtest_brief=1 >> "$OUT/tests.log" 2>&1 || status=1
 done
+# The gather of chosen rows from the store's arena against a pinned copy (#22: >= 80%).
+if [ -x "$BIN/kv_device_gather_bench" ]; then
+  for batch in 1 8; do
+    timeout 60 "$BIN/kv_device_gather_bench" --device cuda --tokens 32768 --batch $batch \
+      >> "$OUT/gather.md" 2>&1 || status=1
+  done
+fi
 reserve=90  # seconds kept for the peer
 [ "${HF_SHAPES:-}" = none ] && reserve=15
 if [ -x "$BIN/worker_bench" ]; then
@@ -54,6 +63,8 @@ echo
 cat "$OUT/device.txt"
 grep -E "^\[  (PASSED|FAILED) |^== |tests, listed below" "$OUT/tests.log"
 sed -n '/^Hugging Face/,$p' "$OUT/hf.md" 2>/dev/null
+echo "gather of chosen rows from the store's arena vs a pinned copy (kv_device_gather_bench):"
+cat "$OUT/gather.md" 2>/dev/null
 echo "served decode path (worker engine + KV store, random Llama-3.1-8B weights):"
 cat "$OUT/served.md"
 exit $status
