@@ -15,7 +15,7 @@
 //
 // usage: kv_reuse_bench --local MODEL --text FILE [--prompt-tokens 2048,4096] [--new-tokens 64]
 //            [--streams 1] [--threads 0] [--backend device-like|cpu]
-//            [--transport in-process|grpc] [--device-plan false|true]
+//            [--transport in-process|grpc|shm] [--device-plan false|true]
 // One markdown row per case: prompt tokens, streams, MiB moved per generated token without and
 // with reuse, their ratio, the fraction of listed rows found kept, whether tokens agree, and
 // the median time between a stream's tokens without and with reuse (ms).
@@ -65,6 +65,7 @@ struct Run {
   // ... and the store calls waited for to learn the block tables of rows planned on the device
   // (StoreKvCache::table_waits) in those steps.
   int64_t decode_table_waits = 0;
+  double decode_table_wait_ms = 0;  // ... and the time they took
 };
 
 int Fail(const absl::Status& st) {
@@ -111,8 +112,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if ((backend_name != "device-like" && backend_name != "cpu") ||
-      (transport != "in-process" && transport != "grpc")) {
-    std::fprintf(stderr, "--backend device-like|cpu, --transport in-process|grpc\n");
+      (transport != "in-process" && transport != "grpc" && transport != "shm")) {
+    std::fprintf(stderr, "--backend device-like|cpu, --transport in-process|grpc|shm\n");
     return 2;
   }
   const bool on_device = backend_name == "device-like";
@@ -153,12 +154,13 @@ int main(int argc, char** argv) {
   auto run = [&](int64_t prompt, bool reuse, bool plan) -> absl::StatusOr<Run> {
     KvStoreConfig sc;
     sc.capacity_bytes = size_t{2} << 30;
-    sc.shared_memory = false;
+    sc.shared_memory = transport == "shm";
+    sc.huge_pages = false;
     IG_ASSIGN_OR_RETURN(std::unique_ptr<KvStore> store, KvStore::Create(sc));
     KvClientConfig cc;
     std::unique_ptr<KvStoreService> service;
     std::unique_ptr<grpc::Server> server;
-    if (transport == "grpc") {  // the store behind a real gRPC server on 127.0.0.1
+    if (transport != "in-process") {  // the store behind a real gRPC server on 127.0.0.1
       service = std::make_unique<KvStoreService>(*store);
       grpc::ServerBuilder builder;
       int port = 0;
@@ -167,7 +169,9 @@ int main(int argc, char** argv) {
       builder.RegisterService(service.get());
       server = builder.BuildAndStart();
       if (port == 0) return absl::UnavailableError("no port for the store");
-      cc.transport = KvClientConfig::Transport::kGrpc;
+      // shm: the arena mapped here, the answers over gRPC (a worker beside its store).
+      cc.transport =
+          transport == "shm" ? KvClientConfig::Transport::kShm : KvClientConfig::Transport::kGrpc;
       cc.address = "127.0.0.1:" + std::to_string(port);
     } else {
       cc.transport = KvClientConfig::Transport::kInProcess;
@@ -192,6 +196,7 @@ int main(int argc, char** argv) {
     // Read in the engine's callbacks (one thread; the backend's counters are atomic).
     int64_t started = 0, generated = 0, waits_at_start = 0, generated_at_start = 0,
             table_waits_at_start = 0;
+    double table_wait_at_start = 0;
     Run r;
     r.tokens.resize(static_cast<size_t>(streams));
     std::vector<std::vector<std::chrono::steady_clock::time_point>> at(
@@ -216,6 +221,7 @@ int main(int argc, char** argv) {
                                          if (r.tokens[s].empty() && ++started == streams) {
                                            waits_at_start = device.counters().synchronizations;
                                            table_waits_at_start = cache.table_waits();
+                                           table_wait_at_start = cache.table_wait_seconds();
                                            generated_at_start = generated;
                                          }
                                          r.tokens[s].push_back(e.token);
@@ -243,6 +249,7 @@ int main(int argc, char** argv) {
     r.decode_waits = device.counters().synchronizations - waits_at_start;
     r.decode_tokens = generated - generated_at_start;
     r.decode_table_waits = cache.table_waits() - table_waits_at_start;
+    r.decode_table_wait_ms = 1e3 * (cache.table_wait_seconds() - table_wait_at_start);
     const EngineStats stats = engine.Stats();
     for (const auto& t : r.tokens) r.generated += static_cast<int64_t>(t.size());
     r.fetched = stats.bytes_fetched;
@@ -284,20 +291,20 @@ int main(int argc, char** argv) {
     if (!planned.ok()) return Fail(planned.status());
     const double decoded = static_cast<double>(std::max<int64_t>(1, planned->decode_tokens));
     planned_rows += absl::StrFormat(
-        "| %d | %d | %.2f | %.2f | %.2f | %.3f | %.3f | %s |\n", prompt, streams,
+        "| %d | %d | %.2f | %.2f | %.2f | %.3f | %.3f | %.3f | %s |\n", prompt, streams,
         static_cast<double>(reused->decode_waits) / std::max<int64_t>(1, reused->decode_tokens),
         static_cast<double>(planned->decode_waits) / decoded,
-        static_cast<double>(planned->decode_table_waits) / decoded, b,
-        per_token(*planned, planned->fetched) / mib,
+        static_cast<double>(planned->decode_table_waits) / decoded,
+        planned->decode_table_wait_ms / decoded, b, per_token(*planned, planned->fetched) / mib,
         planned->tokens == reused->tokens && planned->tokens == plain->tokens ? "yes" : "NO");
   }
   if (device_plan) {
     std::printf(
         "\nrows planned on the device (with reuse)\n"
         "| prompt tokens | streams | backend waits per decoded token, host plan | device plan | "
-        "store waits for block tables per decoded token, device plan | "
-        "MiB moved per token, host plan | device plan | tokens agree (all three) |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---|\n%s",
+        "store waits for block tables per decoded token, device plan | their ms per decoded "
+        "token | MiB moved per token, host plan | device plan | tokens agree (all three) |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|\n%s",
         planned_rows.c_str());
   }
   return 0;

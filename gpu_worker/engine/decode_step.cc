@@ -255,7 +255,14 @@ absl::Status DecodeStep::Plan(std::span<const ForwardChunk> batch) {
       p.on_device = false;
     }
   }
-  device_plan_ = DevicePlanFits(batch) && streamed_->BeginAppendStep(num_tokens_);
+  device_plan_ = DevicePlanFits(batch);
+  if (device_plan_) {
+    device_decodes_.clear();  // (its room kept: no allocation once the batch was this large)
+    for (const ForwardChunk& chunk : batch) {
+      if (chunk.tokens.size() == 1) device_decodes_.push_back(chunk.seq);
+    }
+    device_plan_ = streamed_->BeginAppendStep(num_tokens_, device_decodes_);
+  }
   if (speculating_) {
     const size_t e = DTypeSize(backend.activation_dtype());
     const int64_t m = num_spec_rows_;

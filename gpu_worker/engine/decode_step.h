@@ -291,9 +291,10 @@ class DecodeStep final : private LayerAttention {
   StepProfile profile_;
   bool profiling_ = false;  // the current batch is decode tokens only, and large enough
   std::atomic<int64_t> profile_min_batch_{1};
-  bool speculating_ = false;      // some chunk of the current batch speculates
-  bool device_plan_ = false;      // the current step is planned on the device (DevicePlanFits)
-  int spec_layer_[2] = {-1, -1};  // the layer whose partial queries spec_q_[parity] holds
+  bool speculating_ = false;  // some chunk of the current batch speculates
+  bool device_plan_ = false;  // the current step is planned on the device (DevicePlanFits)
+  std::vector<SequenceId> device_decodes_;  // ... its decode tokens' sequences
+  int spec_layer_[2] = {-1, -1};            // the layer whose partial queries spec_q_[parity] holds
 };
 
 }  // namespace infinigen

@@ -247,9 +247,13 @@ class StreamedKvCache : public KvCache {
   virtual absl::Status SettleOnDevice(SequenceId seq) { return absl::OkStatus(); }
   // The appends of several layers (a decode step's, of at most `tokens` tokens, its prompt
   // chunks' included: they read what was stored before them with ReadStored) held from
-  // BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. false where the
-  // cache cannot (then each layer's Begin needs its End).
-  virtual bool BeginAppendStep(int64_t tokens) { return false; }
+  // BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. `decodes`: the
+  // sequences whose decode tokens the step plans on the device (PrefetchOnDevice,
+  // FetchOnDevice), which the cache may prepare together. false where the cache cannot (then
+  // each layer's Begin needs its End).
+  virtual bool BeginAppendStep(int64_t tokens, std::span<const SequenceId> decodes) {
+    return false;
+  }
   // A prompt chunk's read beside held appends: rows [0, rows) of `layer` as the store holds
   // them (not those appended since BeginAppendStep), head-major with `room` rows free after each
   // head's (KvCacheShape::HeadMajor of rows + room), which the caller fills with the chunk's own

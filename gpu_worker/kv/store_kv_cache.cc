@@ -494,13 +494,19 @@ void StoreKvCache::EndAppendLayer() {
     }
   }
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * RowBytes();
-  for (LaterAppend& l : later_appends_) {
-    const size_t bytes = static_cast<size_t>(l.n) * row;
-    const std::span<const uint8_t> rows(both_.data() + l.offset, 2 * bytes);
-    client_.AppendAsync(StoreId(l.seq), l.layer, l.start, l.n, rows.first(bytes),
-                        rows.subspan(bytes), l.slots);
-    if (auto it = sequences_.find(l.seq); it != sequences_.end()) {
-      it->second.sent[l.layer] = l.start + l.n;
+  // Decode tokens' rows first, then prompt chunks': the next step's gathers of decode rows wait
+  // only for the appends queued before theirs, not for a chunk's megabytes. (A sequence has one
+  // append a layer in a step: no pair's order changes.)
+  for (const bool decodes : {true, false}) {
+    for (const LaterAppend& l : later_appends_) {
+      if ((l.n <= kPackedAppendRows) != decodes) continue;
+      const size_t bytes = static_cast<size_t>(l.n) * row;
+      const std::span<const uint8_t> rows(both_.data() + l.offset, 2 * bytes);
+      client_.AppendAsync(StoreId(l.seq), l.layer, l.start, l.n, rows.first(bytes),
+                          rows.subspan(bytes), l.slots);
+      if (auto it = sequences_.find(l.seq); it != sequences_.end()) {
+        it->second.sent[l.layer] = l.start + l.n;
+      }
     }
   }
   later_appends_.clear();

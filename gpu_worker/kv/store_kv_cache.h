@@ -139,7 +139,9 @@ class StoreKvCache final : public StreamedKvCache {
                                            int64_t current_slot) override;
   absl::Status QueueDeviceCounts() override;
   absl::Status SettleOnDevice(SequenceId seq) override;
-  bool BeginAppendStep(int64_t tokens) override;
+  // The sequences of `decodes` are asked for together once the step needs the store's block
+  // tables (TablesFor).
+  bool BeginAppendStep(int64_t tokens, std::span<const SequenceId> decodes) override;
   bool ReadsStored(SequenceId seq) const override;
   absl::Status PrefetchStored(SequenceId seq, int layer, int64_t rows, int64_t room) override;
   absl::StatusOr<KvLayerView> ReadStored(SequenceId seq, int layer, int64_t rows,
@@ -157,6 +159,7 @@ class StoreKvCache final : public StreamedKvCache {
   // Store calls waited for to learn the block tables of rows planned on the device (at most
   // one a step, whatever the batch, unless one fails), since the cache was made.
   int64_t table_waits() const { return table_waits_; }
+  double table_wait_seconds() const { return table_wait_seconds_; }  // ... the time they took
   // The layers whose K/V are kept in backend memory too (StoreKvCacheOptions; 0 where not).
   int device_resident_layers() const {
     return resident_layers_ != nullptr ? resident_layers_->layers() : 0;
@@ -228,6 +231,7 @@ class StoreKvCache final : public StreamedKvCache {
     // Per layer, the rows handed to the store client (a step's held appends are not: they are
     // sent at its end).
     std::vector<int64_t> sent;
+    bool device_decode = false;  // a decode token of the current step planned on the device
     Pending pending[2];
     FetchCounters counters;
     std::unique_ptr<PooledSlots> pool;  // with options.pool: where each token is stored
@@ -334,8 +338,8 @@ class StoreKvCache final : public StreamedKvCache {
   absl::Status TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows);
   // Whether s's tables of `layer` miss blocks of its first `rows` rows or an answer after them.
   bool AsksStore(const Sequence& s, int layer, int64_t rows) const;
-  // ... for s asked along with another sequence: its rows sent, where nothing of its own answers
-  // into those tables.
+  // ... for s asked along with another sequence: a decode of this step planned on the device,
+  // its rows sent, where nothing of its own answers into those tables.
   bool AsksAlongside(const Sequence& s, int layer) const;
   // A reuse prefetch's misses copied by the transport into staging (host memory: a CPU
   // backend), each into its row.
@@ -396,8 +400,11 @@ class StoreKvCache final : public StreamedKvCache {
   bool device_plans_ = false;        // options.plan_on_device where it applies
   std::vector<SequenceId> planned_;  // sequences planned on the device since the last settle
   std::vector<ClientGatherItem> table_items_;  // TablesFor's (their slot lists' room kept)
-  int64_t table_waits_ = 0;                    // ... calls waited for
-  int device_side_layer_ = -1;  // the layer whose device prefetches make the open side batch
+  std::vector<SequenceId> step_decodes_;       // BeginAppendStep's (device_decode set)
+  bool along_refused_ = false;     // a call asking for several was refused this step: ask alone
+  int64_t table_waits_ = 0;        // ... calls waited for
+  double table_wait_seconds_ = 0;  // ... and the time they took
+  int device_side_layer_ = -1;     // the layer whose device prefetches make the open side batch
   // The side batch (side_batches_' number) the gathers of `layer` are launched with.
   absl::StatusOr<int64_t> SideBatchFor(int layer);
 

@@ -118,6 +118,15 @@ absl::Status StoreKvCache::ReserveTables(Sequence& s, int64_t rows) {
       if (absl::IsDeadlineExceeded(st)) return st;  // the sequence fails; its tables stay
     }
   }
+  // ... and a late ask that answers into these tables (TablesFor's, asking for several
+  // sequences, or RegatherAlone's): the tables are copied below while it could still write them.
+  for (Abandoned& a : abandoned_) {
+    if (a.tables != s.tables) continue;
+    if (absl::Status st = a.ticket->Wait(absl::Now() + options_.fetch_timeout);
+        absl::IsDeadlineExceeded(st)) {
+      return st;  // the sequence fails; its tables stay
+    }
+  }
   const absl::Status st = s.tables->Reserve(backend_, rows, /*grow=*/true);
   for (Pending& q : s.pending) {  // a retry of either answers into the moved tables
     if (q.item.block_table.requested()) q.item.block_table = s.tables->Out(q.item.layer);
@@ -169,8 +178,8 @@ bool StoreKvCache::AsksStore(const Sequence& s, int layer, int64_t rows) const {
 }
 
 bool StoreKvCache::AsksAlongside(const Sequence& s, int layer) const {
-  if (s.kept == nullptr || s.reuse_buffer == nullptr || s.tables == nullptr ||
-      !s.tables->on_device()) {
+  if (along_refused_ || !s.device_decode || s.kept == nullptr || s.reuse_buffer == nullptr ||
+      s.tables == nullptr || !s.tables->on_device()) {
     return false;
   }
   const int64_t rows = s.sent[layer];
@@ -182,6 +191,7 @@ bool StoreKvCache::AsksAlongside(const Sequence& s, int layer) const {
 }
 
 absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int64_t rows) {
+  if (!abandoned_.empty()) ReapAbandoned(/*wait=*/false);  // (late asks that ended since)
   IG_RETURN_IF_ERROR(ReserveTables(s, rows + 1));
   if (!AsksStore(s, layer, rows)) return absl::OkStatus();
   // The store answers with a gather of each layer's last row (nothing is copied: only the
@@ -210,18 +220,21 @@ absl::Status StoreKvCache::TablesFor(SequenceId seq, Sequence& s, int layer, int
       if (AsksAlongside(q, l)) add(id, q, l, q.sent[l]);
     }
   }
+  const absl::Time asked = absl::Now();
   std::shared_ptr<GatherTicket> ticket =
       client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
   ++table_waits_;
-  absl::Status st = ticket->Wait(absl::Now() + options_.fetch_timeout);
+  absl::Status st = ticket->Wait(asked + options_.fetch_timeout);
   if (!st.ok() && n > own && ticket->Done()) {
-    // Refused (another sequence's, a sequence the store lost?): this one asks alone, so that
-    // one bad sequence fails only itself; the others ask at their own layers.
+    // Refused (another sequence's, a sequence the store lost?): this one asks alone, and so do
+    // the others for the rest of the step, so that one bad sequence fails only itself.
+    along_refused_ = true;
     n = own;
     ticket = client_.GatherAsync(std::span<const ClientGatherItem>(table_items_.data(), n));
     ++table_waits_;
     st = ticket->Wait(absl::Now() + options_.fetch_timeout);
   }
+  table_wait_seconds_ += absl::ToDoubleSeconds(absl::Now() - asked);
   if (!st.ok() && !ticket->Done()) {
     // Late: its answers may still land in the tables of every sequence it asked for, which stay
     // until it ends (a sequence closed meanwhile frees its own).

@@ -92,7 +92,13 @@ size_t StoreKvCache::HeldAppendBytes(const KvCacheShape& shape, int64_t tokens) 
   return bytes + bytes / 2;  // BeginAppendStep grows its room by half at least
 }
 
-bool StoreKvCache::BeginAppendStep(int64_t tokens) {
+bool StoreKvCache::BeginAppendStep(int64_t tokens, std::span<const SequenceId> decodes) {
+  // The last step's decodes are no longer this one's (a step that failed early ended none).
+  for (SequenceId seq : step_decodes_) {
+    if (auto it = sequences_.find(seq); it != sequences_.end()) it->second.device_decode = false;
+  }
+  step_decodes_.clear();
+  along_refused_ = false;
   if (host_access_) return false;  // host backends append item by item, now
   const size_t bytes = StepAppendBytes(shape_, tokens);
   // Every layer's rows at once: nothing may move while earlier layers' copies are queued.
@@ -109,6 +115,12 @@ bool StoreKvCache::BeginAppendStep(int64_t tokens) {
   if (both_.size() < bytes) both_.resize(std::max(bytes, both_.size() + both_.size() / 2));
   step_appends_ = true;
   step_offset_ = 0;
+  for (SequenceId seq : decodes) {
+    auto it = sequences_.find(seq);
+    if (it == sequences_.end()) continue;
+    it->second.device_decode = true;
+    step_decodes_.push_back(seq);  // (its room kept)
+  }
   return true;
 }
 

@@ -106,8 +106,15 @@ void QueuedKvClient::AppendLoop() {
       };
       mu_.AwaitWithDeadline(absl::Condition(&send),
                             appends_.front().queued_at + config_.append_linger);
+      // Those a gather or call waits for go first, alone: it does not wait for the appends
+      // queued after them too (a prompt chunk's, megabytes, behind a decode step's rows).
+      size_t most = appends_.size();
+      if (appends_wanted_ > appends_done_) {
+        most = std::min<size_t>(most, static_cast<size_t>(appends_wanted_ - appends_done_));
+      }
       size_t bytes = 0;
-      while (!appends_.empty() && (batch.empty() || bytes < kMaxBatchBytes)) {
+      while (!appends_.empty() && batch.size() < most &&
+             (batch.empty() || bytes < kMaxBatchBytes)) {
         bytes += appends_.front().k.size() + appends_.front().v.size();
         batch.push_back(std::move(appends_.front()));
         appends_.pop_front();

@@ -8,7 +8,8 @@
 // it, so a prefetch of rows stored in earlier steps never waits behind this step's appends;
 // synchronous calls wait for every append queued before them. Appends linger (config.append_linger)
 // so that a step's appends of every layer travel in one call: they go as soon as a gather or call
-// waits for one of them, when enough bytes are queued, or when the oldest has waited the linger. A
+// waits for one of them (then those up to the last it waits for go alone, without the ones queued
+// after), when enough bytes are queued, or when the oldest has waited the linger. A
 // transport implements the Do* calls; DoAppend runs on the append thread, the others on the queue
 // thread, so the two may run at the same time.
 #pragma once

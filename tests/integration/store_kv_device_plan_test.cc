@@ -216,23 +216,25 @@ TEST_P(StoreCache, ChoicesOutsideThePrefetchPlannedOnTheDeviceAreGatheredOrFailT
   cache.Close(2);
 }
 
-// The rows the step before appended are asked for once a step, every sequence planned on the
-// device together (StoreKvCache::TablesFor): when the store has lost one of them, that call
-// fails and each asks alone, so that the lost sequence fails its chunk alone (ABORTED: the store
-// does not know it) and the other's logits are those of the same step with nothing lost.
+// The rows the step before appended are asked for once a step, every decode of the step planned
+// on the device together (StoreKvCache::TablesFor): when the store has lost one of them, that
+// call fails and the step's sequences each ask alone (not together again), so that the lost
+// sequence fails its chunk alone (ABORTED: the store does not know it) and the others' logits
+// are those of the same step with nothing lost.
 TEST_P(StoreCache, ASequenceTheStoreLostFailsAloneWhenTheStepAsksForAll) {
   if (!std::get<1>(GetParam())) GTEST_SKIP() << "rows copied: nothing is planned on the device";
   DeviceLikeCpuBackend device;
   std::unique_ptr<Model> loaded = OnDevice(device);
   const std::shared_ptr<const PartialSkewOnBackend> skew = SkewOn(device);
   ASSERT_TRUE(loaded != nullptr && skew != nullptr);
-  const auto prompts = Prompts(2);
+  constexpr int kSeqs = 3;
+  const auto prompts = Prompts(kSeqs);
   const int64_t vocab = loaded->config().vocab_size;
-  // Two sequences prefilled and decoded 3 steps (the third with sequence 2 lost first if
+  // Three sequences prefilled and decoded 3 steps (the third with sequence 2 lost first if
   // `lose`); the third step's logits, its chunks' statuses and the store's table waits in it.
   struct Last {
     std::vector<float> logits;
-    absl::Status status[2];
+    absl::Status status[kSeqs];
     int64_t table_waits = 0;
   };
   auto run = [&](bool lose, uint64_t id_base) {
@@ -241,46 +243,51 @@ TEST_P(StoreCache, ASequenceTheStoreLostFailsAloneWhenTheStepAsksForAll) {
     options.reuse_rows = [](int64_t capacity) { return capacity + 1; };
     options.plan_on_device = true;
     StoreKvCache cache(device, loaded->kv_shape(), *client_, options);
-    std::unique_ptr<KvSelectionPolicy> p[2] = {Policy("infinigen", skew),
-                                               Policy("infinigen", skew)};
+    std::vector<std::unique_ptr<KvSelectionPolicy>> p;
     DecodeStep step(*loaded, cache);
     Last last;
-    last.logits.resize(2 * vocab);
-    for (SequenceId seq : {1, 2}) {
+    last.logits.resize(kSeqs * vocab);
+    for (SequenceId seq = 1; seq <= kSeqs; ++seq) {
+      p.push_back(Policy("infinigen", skew));
       EXPECT_TRUE(cache.Open(seq, 256).ok());
-      p[seq - 1]->Open(seq, 256);
-      const ForwardChunk c{seq, 0, prompts[seq - 1], false, p[seq - 1].get()};
+      p.back()->Open(seq, 256);
+      const ForwardChunk c{seq, 0, prompts[seq - 1], false, p.back().get()};
       EXPECT_TRUE(step.Forward({&c, 1}, std::span<float>(last.logits).first(vocab)).ok());
     }
     const int32_t tokens[3] = {5, 7, 9};
     for (int t = 0; t < 3; ++t) {
-      const ForwardChunk batch[2] = {
-          {1, static_cast<int64_t>(prompts[0].size()) + t, {&tokens[t], 1}, false, p[0].get()},
-          {2, static_cast<int64_t>(prompts[1].size()) + t, {&tokens[t], 1}, false, p[1].get()}};
+      std::vector<ForwardChunk> batch;
+      for (SequenceId seq = 1; seq <= kSeqs; ++seq) {
+        batch.push_back({seq, static_cast<int64_t>(prompts[seq - 1].size()) + t,
+                         std::span<const int32_t>(&tokens[t], 1), false, p[seq - 1].get()});
+      }
       if (t == 2 && lose) EXPECT_TRUE(client_->Close(cache.StoreId(2)).ok());
       const int64_t before = cache.table_waits();
       const absl::Status st = step.Forward(batch, last.logits);
       last.table_waits = cache.table_waits() - before;
-      last.status[0] = step.chunk_status(0);
-      last.status[1] = step.chunk_status(1);
+      for (int b = 0; b < kSeqs; ++b) last.status[b] = step.chunk_status(b);
       if (t < 2) EXPECT_TRUE(st.ok()) << st;
     }
-    for (SequenceId seq : {1, 2}) {
+    for (SequenceId seq = 1; seq <= kSeqs; ++seq) {
       cache.Close(seq);
       p[seq - 1]->Release(seq);
     }
     return last;
   };
   const Last kept = run(false, 3000), lost = run(true, 4000);
-  EXPECT_TRUE(kept.status[0].ok()) << kept.status[0];
-  EXPECT_TRUE(kept.status[1].ok()) << kept.status[1];
-  EXPECT_EQ(kept.table_waits, 1) << "both sequences asked for in one call";
+  for (int b = 0; b < kSeqs; ++b) EXPECT_TRUE(kept.status[b].ok()) << kept.status[b];
+  EXPECT_EQ(kept.table_waits, 1) << "the 3 sequences asked for in one call";
   EXPECT_TRUE(lost.status[0].ok()) << lost.status[0];
   EXPECT_TRUE(absl::IsAborted(lost.status[1])) << lost.status[1];
   EXPECT_THAT(lost.status[1].message(), ::testing::HasSubstr("unknown sequence 4002"));
-  EXPECT_EQ(lost.table_waits, 3) << "together (refused), then each alone";
-  EXPECT_EQ(std::vector<float>(lost.logits.begin(), lost.logits.begin() + vocab),
-            std::vector<float>(kept.logits.begin(), kept.logits.begin() + vocab));
+  EXPECT_TRUE(lost.status[2].ok()) << lost.status[2];
+  EXPECT_EQ(lost.table_waits, 1 + kSeqs) << "together (refused), then each alone";
+  for (int b : {0, 2}) {
+    SCOPED_TRACE(absl::StrCat("sequence ", b + 1));
+    EXPECT_EQ(
+        std::vector<float>(lost.logits.begin() + b * vocab, lost.logits.begin() + (b + 1) * vocab),
+        std::vector<float>(kept.logits.begin() + b * vocab, kept.logits.begin() + (b + 1) * vocab));
+  }
 }
 
 // A prompt prefilled in chunks beside decoding sequences (the engine's steps while a long

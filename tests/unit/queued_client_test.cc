@@ -1,5 +1,6 @@
 // The queue machinery every remote KV transport shares, against a fake transport: a batch's
-// failed append fails the later appends of its sequence and no other; a Close that failed is
+// failed append fails the later appends of its sequence and no other; a gather sends the appends
+// it waits for without those queued after; a Close that failed is
 // retried before each lease renewal (the renewal would otherwise keep the sequence for the
 // client's whole life), and so is a Release; an Open that went through after its caller gave up
 // is closed.
@@ -31,7 +32,15 @@ class FakeTransport final : public QueuedKvClient {
   StoreSequenceId failing_seq = 0;
 
   using QueuedKvClient::AppendJob;
-  using QueuedKvClient::DoAppendBatch;
+  // Records each batch's size (sent one by one, as the default does).
+  std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs) override {
+    {
+      absl::MutexLock lock(&mu);
+      batches.push_back(jobs.size());
+    }
+    return QueuedKvClient::DoAppendBatch(jobs);
+  }
+  std::vector<size_t> batches ABSL_GUARDED_BY(mu);  // the appends of each batch sent, in order
 
  protected:
   absl::Status DoOpen(StoreSequenceId, const SequenceSpec&) override {
@@ -105,6 +114,33 @@ TEST(QueuedClient, AFailedAppendFailsTheLaterAppendsOfItsSequenceOnly) {
   EXPECT_TRUE(st[3].ok());
   absl::MutexLock lock(&t.mu);
   EXPECT_EQ(t.applied, (std::vector<std::pair<StoreSequenceId, int64_t>>{{2, 0}, {2, 1}}));
+}
+
+// A gather waits for the appends to what it reads that were queued before it; those (and the
+// ones before them) go as soon as it waits, without the appends queued after them, which would
+// make it wait for their bytes too (a prompt chunk's megabytes behind a decode step's rows).
+TEST(QueuedClient, AGatherWaitsOnlyForTheAppendsUpToItsOwn) {
+  KvClientConfig c = Config(absl::ZeroDuration());
+  c.append_linger = absl::Seconds(30);  // nothing goes for company
+  FakeTransport t(c);
+  const std::vector<uint8_t> row(64, 1), chunk(1 << 20, 2);
+  t.AppendAsync(1, 0, 0, 1, row, row);         // a decode's row
+  t.AppendAsync(1, 1, 0, 1, row, row);         // ... of the next layer
+  t.AppendAsync(2, 0, 0, 1024, chunk, chunk);  // a prompt chunk's, after them
+  ClientGatherItem item;
+  item.seq = 1;
+  item.layer = 0;
+  ASSERT_TRUE(t.GatherAsync(std::span<const ClientGatherItem>(&item, 1))
+                  ->Wait(absl::Now() + absl::Seconds(10))
+                  .ok());
+  {
+    absl::MutexLock lock(&t.mu);
+    EXPECT_EQ(t.batches, std::vector<size_t>{1}) << "the gather's append alone";
+  }
+  ASSERT_TRUE(t.Flush(absl::Now() + absl::Seconds(10)).ok());
+  absl::MutexLock lock(&t.mu);
+  EXPECT_EQ(t.batches, (std::vector<size_t>{1, 2})) << "then the rest, in order";
+  EXPECT_EQ(t.applied, (std::vector<std::pair<StoreSequenceId, int64_t>>{{1, 0}, {1, 0}, {2, 0}}));
 }
 
 TEST(QueuedClient, AFailedCloseIsRetriedBeforeRenewals) {
