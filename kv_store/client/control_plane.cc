@@ -53,8 +53,13 @@ void ToProto(const StoreAppend& a, pb::AppendRequest* r) {
   r->set_layer(a.layer);
   r->set_start(a.start);
   r->set_num_tokens(a.n);
-  r->set_k(a.k->data(), a.k->size());
-  r->set_v(a.v->data(), a.v->size());
+  if (a.staged_offset >= 0) {
+    r->set_staged_offset(a.staged_offset);
+    r->set_staged_bytes(static_cast<int64_t>(a.k->size()));
+  } else {
+    r->set_k(a.k->data(), a.k->size());
+    r->set_v(a.v->data(), a.v->size());
+  }
   if (a.slots != nullptr) r->mutable_slots()->Add(a.slots->begin(), a.slots->end());
 }
 
@@ -92,6 +97,7 @@ absl::StatusOr<StoreDescription> KvControlPlane::Describe(absl::Duration timeout
   d.arena_bytes = r.arena_bytes();
   d.block_bytes = r.block_bytes();
   d.ucx_port = r.ucx_port();
+  d.staging_dir = r.staging_dir();
   return d;
 }
 
@@ -160,13 +166,17 @@ absl::Status KvControlPlane::Append(const StoreAppend& a) {
   return FromGrpcStatus(stub_->Append(&ctx, req, &resp));
 }
 
-std::vector<absl::Status> KvControlPlane::AppendBatch(const std::vector<StoreAppend>& appends) {
+std::vector<absl::Status> KvControlPlane::AppendBatch(const std::vector<StoreAppend>& appends,
+                                                      const std::string& staging_file,
+                                                      absl::Status* call_status) {
   pb::AppendBatchRequest req;
   for (const StoreAppend& a : appends) ToProto(a, req.add_appends());
+  req.set_staging_file(staging_file);
   pb::AppendBatchResponse resp;
   grpc::ClientContext ctx;
   Prepare(ctx, config_.call_timeout);
   const absl::Status call = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
+  if (call_status != nullptr) *call_status = call;
   std::vector<absl::Status> statuses(appends.size(), call);  // a failed call fails every append
   if (call.ok()) {
     for (const pb::AppendFailure& f : resp.failures()) {

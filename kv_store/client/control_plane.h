@@ -34,7 +34,8 @@ struct StoreDescription {
   std::string shm_path;   // its arena, when shared ("" otherwise)
   int64_t arena_bytes = 0;
   int64_t block_bytes = 0;
-  int ucx_port = 0;  // its UCX data plane (0: none)
+  int ucx_port = 0;         // its UCX data plane (0: none)
+  std::string staging_dir;  // where appends' rows may be staged ("": nowhere)
 };
 
 // One layer's block table of a sequence (where its rows lie in the store's arena).
@@ -52,6 +53,8 @@ struct StoreAppend {
   const std::vector<uint8_t>* k;
   const std::vector<uint8_t>* v;
   const std::vector<int32_t>* slots = nullptr;  // a KV pool's slots (KvStore::Append), or none
+  // >= 0: k's and then v's bytes are at this offset of AppendBatch's staging file instead.
+  int64_t staged_offset = -1;
 };
 
 class KvControlPlane {
@@ -75,7 +78,12 @@ class KvControlPlane {
   absl::Status Release(StoreSequenceId seq);
   absl::Status Append(const StoreAppend& a);
   // One call for several appends; the store applies each on its own: each one's status.
-  std::vector<absl::Status> AppendBatch(const std::vector<StoreAppend>& appends);
+  // `staging_file`: the file the staged appends' rows are in ("" if none is). `call` (may be
+  // null): the call's own status (a failed call fails every append; a late one may still be
+  // applied, reading the staging file).
+  std::vector<absl::Status> AppendBatch(const std::vector<StoreAppend>& appends,
+                                        const std::string& staging_file = "",
+                                        absl::Status* call = nullptr);
   absl::StatusOr<KvStoreStats> Stats();
   absl::Status Renew(const std::string& owner);
   absl::StatusOr<StoreBlockTable> Blocks(StoreSequenceId seq, int layer);

@@ -17,6 +17,7 @@
 #include "kv_store/client/control_plane.h"
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/client/transports.h"
+#include "kv_store/staging_file.h"
 
 namespace infinigen {
 
@@ -39,6 +40,11 @@ class KvDataPlane {
   virtual void Appended(StoreSequenceId seq, int layer, int64_t rows) {}
   virtual absl::Status Gather(const std::vector<ClientGatherItem>& items,
                               const OpenSpecs& specs) = 0;
+  // Where the append thread may stage appends' rows for the store to copy (AppendBatch's
+  // staging_file; shm only), or null. After a call that failed (the store may still read the
+  // file late) RenewAppendStaging gives a new file. Append-thread calls.
+  virtual StagingWriter* append_staging() { return nullptr; }
+  virtual void RenewAppendStaging() {}
   virtual bool reads_in_place() const { return false; }
   virtual KvStoreClient::Span mapped_memory() const { return {}; }
 };

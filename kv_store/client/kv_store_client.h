@@ -139,6 +139,10 @@ struct KvClientConfig {
   absl::Duration append_linger = absl::Milliseconds(5);
   // shm: threads (the queue thread included) copying the rows of gathers of 2 MiB and more.
   int gather_threads = 2;
+  // shm: appends' rows staged in a file of this size beside the store's arena, which the store
+  // copies from, instead of sent in the call (kv_store/staging_file.h); an append larger than
+  // it is sent. 0: every append is sent.
+  size_t append_staging_bytes = size_t{64} << 20;
   // gRPC: the most K + V bytes one Gather reply carries (the channel allows 256 MiB). A larger
   // gather (a dense layer's full read at long context) is split into several calls by rows.
   size_t max_gather_reply_bytes = size_t{128} << 20;

@@ -1,6 +1,7 @@
 // RemoteKvClient: the client of a KV store in another process, one control plane (gRPC) plus one
 // data plane for the gathers' rows (grpc, shm or ucx: kv_store/client/data_plane.h), over the
 // shared queue and renewal machinery (QueuedKvClient).
+#include <cstring>
 #include <memory>
 #include <utility>
 
@@ -80,18 +81,34 @@ class RemoteKvClient final : public QueuedKvClient {
     return st;
   }
 
-  // One AppendBatch call for everything that piled up (an Append each costs a round trip).
+  // One AppendBatch call for everything that piled up (an Append each costs a round trip),
+  // its rows staged where the data plane has a staging file (shm) and they fit in it.
   std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs) override {
-    if (jobs.size() == 1) {
+    StagingWriter* staging = data_->append_staging();
+    if (jobs.size() == 1 && staging == nullptr) {
       const AppendJob& j = jobs[0];
       return {DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v, j.slots)};
     }
     std::vector<StoreAppend> appends;
     appends.reserve(jobs.size());
+    size_t staged = 0;  // bytes written into the staging file
     for (const AppendJob& j : jobs) {
-      appends.push_back({j.seq, j.layer, j.start, j.n, &j.k, &j.v, &j.slots});
+      StoreAppend a{j.seq, j.layer, j.start, j.n, &j.k, &j.v, &j.slots};
+      const size_t bytes = j.k.size() + j.v.size();
+      if (staging != nullptr && j.k.size() == j.v.size() && !j.k.empty() &&
+          bytes <= staging->size() - staged) {
+        std::memcpy(staging->data() + staged, j.k.data(), j.k.size());
+        std::memcpy(staging->data() + staged + j.k.size(), j.v.data(), j.v.size());
+        a.staged_offset = static_cast<int64_t>(staged);
+        staged += bytes;
+      }
+      appends.push_back(a);
     }
-    std::vector<absl::Status> statuses = control_->AppendBatch(appends);
+    absl::Status call;
+    std::vector<absl::Status> statuses =
+        control_->AppendBatch(appends, staged > 0 ? staging->path() : std::string(), &call);
+    // A call that failed may still be applied late, reading the file: the next goes to another.
+    if (!call.ok() && staged > 0) data_->RenewAppendStaging();
     for (size_t i = 0; i < jobs.size(); ++i) {
       data_->Appended(jobs[i].seq, jobs[i].layer,
                       statuses[i].ok() ? jobs[i].start + jobs[i].n : KvDataPlane::kAppendFailed);

@@ -29,7 +29,8 @@ class ShmDataPlane final : public KvDataPlane {
   ShmDataPlane(KvControlPlane& control, const KvClientConfig& config)
       : control_(control),
         connect_timeout_(config.connect_timeout),
-        gather_threads_(config.gather_threads) {}
+        gather_threads_(config.gather_threads),
+        staging_bytes_(config.append_staging_bytes) {}
   ~ShmDataPlane() override {
     if (arena_ != nullptr) ::munmap(const_cast<uint8_t*>(arena_), arena_bytes_);
   }
@@ -40,9 +41,25 @@ class ShmDataPlane final : public KvDataPlane {
     return {arena_, arena_bytes_, static_cast<size_t>(block_bytes_)};
   }
 
-  // Maps the store's arena.
+  StagingWriter* append_staging() override { return staging_.get(); }
+  void RenewAppendStaging() override {
+    staging_.reset();  // unlinked: a store still reading it keeps its mapping
+    if (!staging_dir_.empty()) {
+      absl::StatusOr<std::unique_ptr<StagingWriter>> w =
+          StagingWriter::Create(staging_dir_, staging_bytes_);
+      if (w.ok()) staging_ = *std::move(w);  // else appends carry their rows
+    }
+  }
+
+  // Maps the store's arena; at the first, makes the append staging file where the store takes
+  // one (a restarted store's is in the same folder: it stays).
   absl::Status Connect() override {
     IG_ASSIGN_OR_RETURN(const StoreDescription d, control_.Describe(connect_timeout_));
+    if (!connected_once_) {
+      connected_once_ = true;
+      if (staging_bytes_ > 0) staging_dir_ = d.staging_dir;
+      RenewAppendStaging();  // (before the client's threads start)
+    }
     if (d.shm_path.empty()) {
       return absl::FailedPreconditionError(
           "the KV store does not share its arena (--shared_memory=false): use the grpc transport");
@@ -219,6 +236,10 @@ class ShmDataPlane final : public KvDataPlane {
   KvControlPlane& control_;
   const absl::Duration connect_timeout_;
   const int gather_threads_;
+  const size_t staging_bytes_;
+  bool connected_once_ = false;
+  std::string staging_dir_;                 // the store's, where staging is used ("": not)
+  std::unique_ptr<StagingWriter> staging_;  // append-thread state once the client runs
   // The mapped arena (queue-thread state once the client is made).
   const uint8_t* arena_ = nullptr;
   size_t arena_bytes_ = 0;

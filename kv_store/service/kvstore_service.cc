@@ -1,5 +1,6 @@
 #include "kv_store/service/kvstore_service.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <random>
@@ -42,11 +43,30 @@ absl::StatusOr<SequenceSpec> SpecOf(const Request& req) {
 
 }  // namespace
 
+namespace {
+
+// Where clients stage appends: the folder of a shared arena's file, or /dev/shm for an arena
+// shared through /proc (no file of its own: the same host and user); "" when not shared.
+std::string StagingDirOf(const std::string& share_path) {
+  const size_t slash = share_path.rfind('/');
+  if (share_path.empty() || slash == std::string::npos) return "";
+  if (share_path.rfind("/proc/", 0) == 0) {
+    struct stat st {};
+    return ::stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) ? "/dev/shm" : "";
+  }
+  return slash == 0 ? "/" : share_path.substr(0, slash);
+}
+
+}  // namespace
+
 KvStoreService::KvStoreService(infinigen::KvStore& store, Clock clock)
-    : store_(store), clock_(std::move(clock)), instance_([] {
+    : store_(store),
+      clock_(std::move(clock)),
+      instance_([] {
         std::random_device rd;
         return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
-      }()) {}
+      }()),
+      staging_(StagingDirOf(store.arena().share_path())) {}
 
 grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req,
                                   OpenResponse* resp) {
@@ -70,29 +90,36 @@ grpc::Status KvStoreService::Open(grpc::ServerContext*, const OpenRequest* req,
 
 grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* req,
                                     AppendResponse* resp) {
+  if (req->staged_bytes() != 0) {
+    return ToGrpcStatus(
+        absl::InvalidArgumentError("staged rows come with AppendBatch and its staging_file"));
+  }
   if (req->k().size() != req->v().size()) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("k has ", req->k().size(), " bytes but v has ", req->v().size())));
   }
-  if (req->num_tokens() <= 0 || req->num_tokens() > (int64_t{1} << 24)) {
+  return AppendRows(*req, reinterpret_cast<const uint8_t*>(req->k().data()),
+                    reinterpret_cast<const uint8_t*>(req->v().data()), req->k().size(), resp);
+}
+
+grpc::Status KvStoreService::AppendRows(const AppendRequest& req, const uint8_t* k,
+                                        const uint8_t* v, size_t bytes, AppendResponse* resp) {
+  if (req.num_tokens() <= 0 || req.num_tokens() > (int64_t{1} << 24)) {
     return ToGrpcStatus(absl::InvalidArgumentError("num_tokens must be in [1, 2^24]"));
   }
-  auto spec = store_.Spec(req->sequence_id());
+  auto spec = store_.Spec(req.sequence_id());
   if (!spec.ok()) return ToGrpcStatus(spec.status());
   // Checked here too, before the slots are sized from num_tokens.
-  const int64_t rows = req->num_tokens() * spec->num_kv_heads;
-  if (req->k().size() != static_cast<size_t>(rows * spec->row_bytes())) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("k and v must hold ", req->num_tokens(), " tokens x ", spec->num_kv_heads,
-                     " KV heads x ", spec->row_bytes(), " bytes = ", rows * spec->row_bytes(),
-                     " bytes each; got ", req->k().size())));
+  const int64_t rows = req.num_tokens() * spec->num_kv_heads;
+  if (bytes != static_cast<size_t>(rows * spec->row_bytes())) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "k and v must hold ", req.num_tokens(), " tokens x ", spec->num_kv_heads, " KV heads x ",
+        spec->row_bytes(), " bytes = ", rows * spec->row_bytes(), " bytes each; got ", bytes)));
   }
   std::vector<int32_t> slots(static_cast<size_t>(rows));
-  absl::Status st = store_.Append(
-      req->sequence_id(), static_cast<int>(req->layer()), req->start(), req->num_tokens(),
-      reinterpret_cast<const uint8_t*>(req->k().data()),
-      reinterpret_cast<const uint8_t*>(req->v().data()), req->k().size(), slots.data(),
-      std::span<const int32_t>(req->slots().data(), req->slots().size()));
+  absl::Status st = store_.Append(req.sequence_id(), static_cast<int>(req.layer()), req.start(),
+                                  req.num_tokens(), k, v, bytes, slots.data(),
+                                  std::span<const int32_t>(req.slots().data(), req.slots().size()));
   if (!st.ok()) return ToGrpcStatus(st);
   resp->mutable_slots()->Add(slots.begin(), slots.end());
   return grpc::Status::OK;
@@ -100,6 +127,30 @@ grpc::Status KvStoreService::Append(grpc::ServerContext*, const AppendRequest* r
 
 grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
                                          const AppendBatchRequest* req, AppendBatchResponse* resp) {
+  // The caller's staging file, mapped (the whole call fails for one the store cannot read).
+  std::shared_ptr<const StagingMapping> staging;
+  if (!req->staging_file().empty()) {
+    absl::StatusOr<std::shared_ptr<const StagingMapping>> m = staging_.Map(req->staging_file());
+    if (!m.ok()) return ToGrpcStatus(m.status());
+    staging = *std::move(m);
+  }
+  // One append: its rows from the staging file or from its own bytes.
+  auto append = [&](const AppendRequest& a, AppendResponse* one) {
+    if (a.staged_bytes() == 0) return Append(context, &a, one);
+    if (staging == nullptr) {
+      return ToGrpcStatus(absl::InvalidArgumentError("staged rows without a staging_file"));
+    }
+    const uint64_t at = static_cast<uint64_t>(a.staged_offset());
+    const uint64_t bytes = static_cast<uint64_t>(a.staged_bytes());
+    if (a.staged_offset() < 0 || a.staged_bytes() < 0 || !a.k().empty() || !a.v().empty() ||
+        bytes > staging->size() / 2 || at > staging->size() - 2 * bytes) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "staged rows [", a.staged_offset(), ", +2 x ", a.staged_bytes(), ") are not inside the ",
+          staging->size(), "-byte staging file (and k, v must then be empty)")));
+    }
+    const uint8_t* k = staging->data() + at;
+    return AppendRows(a, k, k + bytes, static_cast<size_t>(bytes), one);
+  };
   absl::flat_hash_map<uint64_t, int> failed;  // sequence -> index of its failed append
   int applied = 0;
   for (int i = 0; i < req->appends_size(); ++i) {
@@ -112,7 +163,7 @@ grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
                                         " of this batch to sequence ", seq, " failed"));
     } else {
       AppendResponse one;
-      const grpc::Status st = Append(context, &req->appends(i), &one);
+      const grpc::Status st = append(req->appends(i), &one);
       if (st.ok()) {
         ++applied;
         continue;
@@ -218,6 +269,7 @@ grpc::Status KvStoreService::Describe(grpc::ServerContext*, const DescribeReques
   r->set_block_bytes(static_cast<int64_t>(a.block_bytes()));
   r->set_ucx_port(ucx_port_.load());
   r->set_instance(instance_);
+  r->set_staging_dir(staging_.dir());
   return grpc::Status::OK;
 }
 

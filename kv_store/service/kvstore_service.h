@@ -8,6 +8,7 @@
 #include "absl/time/time.h"
 #include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
 #include "kv_store/kv_store.h"
+#include "kv_store/staging_file.h"
 
 namespace infinigen {
 
@@ -50,10 +51,17 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
   uint64_t instance() const { return instance_; }
 
  private:
+  // One append of `req`'s rows, k and v of `bytes` bytes each (its own, or a staging file's).
+  grpc::Status AppendRows(const kvstore::v1::AppendRequest& req, const uint8_t* k, const uint8_t* v,
+                          size_t bytes, kvstore::v1::AppendResponse* resp);
+
   std::atomic<int> ucx_port_{0};
   KvStore& store_;
   Clock clock_;
   const uint64_t instance_;
+  // Collocated clients' staged appends (AppendBatchRequest.staging_file), in the shared arena's
+  // folder (none where the arena is not shared).
+  StagingFiles staging_;
 };
 
 }  // namespace infinigen

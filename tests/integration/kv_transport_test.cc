@@ -3,12 +3,18 @@
 // limits, and the UCX data plane against peers that misbehave or leave.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <random>
 #include <thread>
+#include <tuple>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
+#include "kv_store/staging_file.h"
 #if INFINIGEN_HAVE_UCX
 #include <arpa/inet.h>
 #include <ucp/api/ucp.h>
@@ -135,6 +141,32 @@ TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
   // The shm transport copies rows itself: no gather reaches the store (no RPC on the data path).
   EXPECT_EQ(stats->gathers, GetParam() == KvClientConfig::Transport::kShm ? 0 : 1);
   EXPECT_TRUE(client_->Close(1).ok());
+}
+
+// Over shm the appends' rows go through a staging file of the client's beside the store's arena
+// (the store copies them from it), which the client removes when it goes; the rows read back
+// are the ones appended.
+TEST_P(KvTransport, ShmAppendsAreStagedInAFileTheClientRemoves) {
+  if (GetParam() != KvClientConfig::Transport::kShm) GTEST_SKIP() << "shm only";
+  const std::string prefix = absl::StrCat(kStagingFilePrefix, ::getpid(), "-");
+  auto staged = [&] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+      n += absl::StartsWith(e.path().filename().string(), prefix);
+    }
+    return n;
+  };
+  ASSERT_EQ(staged(), 1) << "this test's client's";
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  client_->AppendAsync(1, 0, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  std::vector<int32_t> slots = {39, 0};  // [2 heads, 1]
+  std::vector<uint8_t> k(2 * 32), v(2 * 32);
+  ASSERT_TRUE(client_->GatherAsync({{1, 0, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
+  EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(39, 1, 0).data(), 32));
+  EXPECT_EQ(0, std::memcmp(v.data() + 32, TokenRows(0, 1, 1).data() + 32, 32));
+  client_.reset();
+  EXPECT_EQ(staged(), 0);
 }
 
 // A KV pool sequence's rows go to the slots the client (the worker) chose, over every
@@ -639,6 +671,76 @@ TEST(KvStoreServiceLimits, OversizedGathersAndMismatchedAppendsAreRefusedFirst) 
   const grpc::Status a = service.Append(&ctx, &append, &appended);
   EXPECT_EQ(a.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << a.error_message();
   EXPECT_NE(a.error_message().find("bytes each"), std::string::npos) << a.error_message();
+}
+
+// A collocated client's staged appends (kv_store/staging_file.h): the store names its staging
+// folder (an arena shared through /proc: /dev/shm), reads each staged append's rows from the
+// caller's file, and refuses what it must not read: a file outside the folder or not named as a
+// staging file (the whole call, nothing applied), one it cannot open, and rows outside the file
+// (that append alone, the others applied).
+TEST(KvStoreServiceLimits, StagedAppendsAreReadFromTheCallersFileOrRefused) {
+  auto store = SmallStore();
+  KvStoreService service(*store);
+  grpc::ServerContext ctx;
+  kvstore::v1::DescribeResponse described;
+  ASSERT_TRUE(service.Describe(&ctx, nullptr, &described).ok());
+  ASSERT_EQ(described.staging_dir(), "/dev/shm");
+  auto writer = StagingWriter::Create(described.staging_dir(), 4096);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  SequenceSpec spec;
+  spec.num_layers = 1;
+  spec.num_kv_heads = 1;
+  spec.head_dim = 16;
+  spec.dtype = DType::kBF16;
+  for (StoreSequenceId seq : {1, 2}) ASSERT_TRUE(store->Open(seq, spec, absl::Now()).ok());
+  uint8_t* file = (*writer)->data();
+  for (int b = 0; b < 128; ++b) file[b] = static_cast<uint8_t>(b);  // K then V of 2 tokens
+  auto batch = [&](const std::string& path) {
+    kvstore::v1::AppendBatchRequest req;
+    req.set_staging_file(path);
+    for (auto [seq, start, offset] :
+         {std::tuple{1, 0, 0}, std::tuple{2, 0, 4096 - 48}, std::tuple{1, 1, 64}}) {
+      auto* a = req.add_appends();
+      a->set_sequence_id(seq);
+      a->set_start(start);
+      a->set_num_tokens(1);
+      a->set_staged_offset(offset);
+      a->set_staged_bytes(32);
+    }
+    return req;
+  };
+  for (const std::string bad :
+       {std::string("/tmp/infinigen-staging-1"),
+        std::string("/dev/shm/infinigen-staging-../kvstore"), std::string("/dev/shm/other-file")}) {
+    kvstore::v1::AppendBatchResponse resp;
+    const kvstore::v1::AppendBatchRequest req = batch(bad);
+    const grpc::Status st = service.AppendBatch(&ctx, &req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << bad << ": " << st.error_message();
+  }
+  kvstore::v1::AppendBatchResponse missing;
+  const kvstore::v1::AppendBatchRequest nowhere = batch("/dev/shm/infinigen-staging-none");
+  EXPECT_EQ(service.AppendBatch(&ctx, &nowhere, &missing).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(store->Stats().tokens_stored, 0) << "nothing applied";
+  kvstore::v1::AppendBatchResponse resp;
+  const kvstore::v1::AppendBatchRequest good = batch((*writer)->path());
+  ASSERT_TRUE(service.AppendBatch(&ctx, &good, &resp).ok());
+  EXPECT_EQ(resp.applied(), 2);
+  ASSERT_EQ(resp.failures_size(), 1);
+  EXPECT_EQ(resp.failures(0).index(), 1) << "its V past the file's end";
+  EXPECT_EQ(resp.failures(0).code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Sequence 1's two tokens are the file's bytes: K [0, 32) and V [32, 64), then [64, 128).
+  std::vector<uint8_t> k(64), v(64);
+  const int32_t both[2] = {0, 1};
+  GatherItem item{1, 0, 2, both, k.data(), v.data()};
+  ASSERT_TRUE(store->Gather({&item, 1}).ok());
+  for (int b = 0; b < 32; ++b) {
+    EXPECT_EQ(k[b], b);
+    EXPECT_EQ(v[b], 32 + b);
+    EXPECT_EQ(k[32 + b], 64 + b);
+    EXPECT_EQ(v[32 + b], 96 + b);
+  }
 }
 
 #if INFINIGEN_HAVE_UCX

@@ -1,0 +1,96 @@
+#include "kv_store/staging_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace infinigen {
+
+absl::StatusOr<std::unique_ptr<StagingWriter>> StagingWriter::Create(const std::string& dir,
+                                                                     size_t bytes) {
+  static std::atomic<uint64_t> made{0};
+  std::random_device rd;
+  const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  const std::string path = absl::StrCat(dir, "/", kStagingFilePrefix, ::getpid(), "-", made++, "-",
+                                        absl::StrFormat("%016x", nonce));
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create the append staging file ", path, ": ", std::strerror(errno)));
+  }
+  void* p = MAP_FAILED;
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    ::unlink(path.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("cannot size or map the append staging file ",
+                                                     path, " (", bytes,
+                                                     " bytes): ", std::strerror(err)));
+  }
+  return std::unique_ptr<StagingWriter>(new StagingWriter(path, static_cast<uint8_t*>(p), bytes));
+}
+
+StagingWriter::~StagingWriter() {
+  ::unlink(path_.c_str());
+  ::munmap(data_, size_);
+}
+
+StagingMapping::~StagingMapping() { ::munmap(const_cast<uint8_t*>(data_), size_); }
+
+absl::StatusOr<std::shared_ptr<const StagingMapping>> StagingFiles::Map(const std::string& path) {
+  const std::string prefix = absl::StrCat(dir_, "/", kStagingFilePrefix);
+  const bool named = !dir_.empty() && absl::StartsWith(path, prefix) &&
+                     path.size() > prefix.size() && path.size() < prefix.size() + 128 &&
+                     std::all_of(path.begin() + prefix.size(), path.end(), [](char c) {
+                       return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-';
+                     });
+  if (!named) {
+    return absl::InvalidArgumentError(
+        dir_.empty()
+            ? std::string("this KV store takes no staged appends (its arena is not shared)")
+            : absl::StrCat("a staging file must be ", prefix, "[A-Za-z0-9-]+; got ", path));
+  }
+  absl::MutexLock lock(&mu_);
+  for (auto it = files_.begin(); it != files_.end(); ++it) {
+    if (it->first != path) continue;
+    files_.splice(files_.begin(), files_, it);
+    return files_.front().second;
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open the staging file ", path, ": ", std::strerror(errno)));
+  }
+  struct stat st {};
+  void* p = MAP_FAILED;
+  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+  }
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot map the staging file ", path, ": ", std::strerror(err)));
+  }
+  files_.emplace_front(path, std::make_shared<const StagingMapping>(
+                                 static_cast<const uint8_t*>(p), static_cast<size_t>(st.st_size)));
+  if (files_.size() > kMaxFiles) files_.pop_back();
+  return files_.front().second;
+}
+
+}  // namespace infinigen
