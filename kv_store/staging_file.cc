@@ -45,8 +45,13 @@ absl::StatusOr<std::unique_ptr<StagingWriter>> StagingWriter::Create(const std::
   return std::unique_ptr<StagingWriter>(new StagingWriter(path, static_cast<uint8_t*>(p), bytes));
 }
 
+void StagingWriter::Unlink() {
+  if (!unlinked_) ::unlink(path_.c_str());
+  unlinked_ = true;
+}
+
 StagingWriter::~StagingWriter() {
-  ::unlink(path_.c_str());
+  Unlink();
   ::munmap(data_, size_);
 }
 

@@ -24,7 +24,8 @@ namespace infinigen {
 inline constexpr char kStagingFilePrefix[] = "infinigen-staging-";
 
 // The client's file: created (0600, under a name no other client has) and mapped for writing;
-// unlinked and unmapped when destroyed (a store that mapped it keeps reading its mapping).
+// unmapped (and unlinked if still named) when destroyed (a store that mapped it keeps reading
+// its mapping).
 class StagingWriter {
  public:
   static absl::StatusOr<std::unique_ptr<StagingWriter>> Create(const std::string& dir,
@@ -36,6 +37,12 @@ class StagingWriter {
   const std::string& path() const { return path_; }
   uint8_t* data() { return data_; }
   size_t size() const { return size_; }
+  // Removes the file's name once the store has mapped it (its first call through the file went
+  // through): nothing is left behind if this process dies, and the store keeps its mapping. A
+  // store that no longer has it mapped then refuses the path (NOT_FOUND): the client sends the
+  // rows in the call and stages in a new file.
+  void Unlink();
+  bool unlinked() const { return unlinked_; }
 
  private:
   StagingWriter(std::string path, uint8_t* data, size_t size)
@@ -43,6 +50,7 @@ class StagingWriter {
   const std::string path_;
   uint8_t* const data_;
   const size_t size_;
+  bool unlinked_ = false;
 };
 
 // One staging file mapped read-only in the store.
@@ -70,7 +78,7 @@ class StagingFiles {
   // The file at `path`, mapped: INVALID_ARGUMENT for a path that is not a staging file of
   // dir() (what a client must send), NOT_FOUND when it cannot be opened or mapped.
   absl::StatusOr<std::shared_ptr<const StagingMapping>> Map(const std::string& path);
-  static constexpr size_t kMaxFiles = 16;
+  static constexpr size_t kMaxFiles = 64;
 
  private:
   const std::string dir_;

@@ -107,8 +107,18 @@ class RemoteKvClient final : public QueuedKvClient {
     absl::Status call;
     std::vector<absl::Status> statuses =
         control_->AppendBatch(appends, staged > 0 ? staging->path() : std::string(), &call);
-    // A call that failed may still be applied late, reading the file: the next goes to another.
-    if (!call.ok() && staged > 0) data_->RenewAppendStaging();
+    if (staged > 0 && call.ok()) {
+      staging->Unlink();  // the store has it mapped
+    } else if (staged > 0) {
+      // A call that failed may still be applied late, reading the file: the next goes to another.
+      data_->RenewAppendStaging();
+      if (absl::IsNotFound(call) || absl::IsInvalidArgument(call)) {
+        // The store refused the file before applying anything (it no longer has it mapped, or
+        // cannot open it): the rows go in the call instead.
+        for (StoreAppend& a : appends) a.staged_offset = -1;
+        statuses = control_->AppendBatch(appends);
+      }
+    }
     for (size_t i = 0; i < jobs.size(); ++i) {
       data_->Appended(jobs[i].seq, jobs[i].layer,
                       statuses[i].ok() ? jobs[i].start + jobs[i].n : KvDataPlane::kAppendFailed);

@@ -144,29 +144,42 @@ TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
 }
 
 // Over shm the appends' rows go through a staging file of the client's beside the store's arena
-// (the store copies them from it), which the client removes when it goes; the rows read back
-// are the ones appended.
-TEST_P(KvTransport, ShmAppendsAreStagedInAFileTheClientRemoves) {
+// (the store copies them from it). Its name is removed once the store has mapped it (nothing is
+// left behind if the client dies); a store that cannot open it (here: removed before its first
+// use) refuses it, and the rows go in the call instead, the next batch through a new file. The
+// rows read back are the ones appended.
+TEST_P(KvTransport, ShmAppendsAreStagedInAFileThatNeverOutlivesItsUse) {
   if (GetParam() != KvClientConfig::Transport::kShm) GTEST_SKIP() << "shm only";
   const std::string prefix = absl::StrCat(kStagingFilePrefix, ::getpid(), "-");
   auto staged = [&] {
-    int n = 0;
+    std::vector<std::filesystem::path> files;
     for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
-      n += absl::StartsWith(e.path().filename().string(), prefix);
+      if (absl::StartsWith(e.path().filename().string(), prefix)) files.push_back(e.path());
     }
-    return n;
+    return files;
   };
-  ASSERT_EQ(staged(), 1) << "this test's client's";
-  ASSERT_TRUE(client_->Open(1, Spec()).ok());
-  client_->AppendAsync(1, 0, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
-  ASSERT_TRUE(client_->Flush(Soon()).ok());
-  std::vector<int32_t> slots = {39, 0};  // [2 heads, 1]
-  std::vector<uint8_t> k(2 * 32), v(2 * 32);
-  ASSERT_TRUE(client_->GatherAsync({{1, 0, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
-  EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(39, 1, 0).data(), 32));
-  EXPECT_EQ(0, std::memcmp(v.data() + 32, TokenRows(0, 1, 1).data() + 32, 32));
-  client_.reset();
-  EXPECT_EQ(staged(), 0);
+  auto append_and_read = [&](StoreSequenceId seq) {
+    ASSERT_TRUE(client_->Open(seq, Spec()).ok());
+    client_->AppendAsync(seq, 0, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
+    ASSERT_TRUE(client_->Flush(Soon()).ok());
+    std::vector<int32_t> slots = {39, 0};  // [2 heads, 1]
+    std::vector<uint8_t> k(2 * 32), v(2 * 32);
+    ASSERT_TRUE(client_->GatherAsync({{seq, 0, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
+    EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(39, 1, 0).data(), 32));
+    EXPECT_EQ(0, std::memcmp(v.data() + 32, TokenRows(0, 1, 1).data() + 32, 32));
+  };
+  ASSERT_EQ(staged().size(), 1u) << "this test's client's, not used yet";
+  append_and_read(1);
+  EXPECT_TRUE(staged().empty()) << "unlinked once the store mapped it";
+  // A new client whose file the store cannot open.
+  Reconnect(config_.append_linger);
+  const std::vector<std::filesystem::path> files = staged();
+  ASSERT_EQ(files.size(), 1u);
+  std::filesystem::remove(files[0]);
+  append_and_read(2);
+  EXPECT_EQ(staged().size(), 1u) << "the next batch's file";
+  append_and_read(3);
+  EXPECT_TRUE(staged().empty());
 }
 
 // A KV pool sequence's rows go to the slots the client (the worker) chose, over every
