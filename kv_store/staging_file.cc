@@ -30,11 +30,14 @@ absl::StatusOr<std::unique_ptr<StagingWriter>> StagingWriter::Create(const std::
     return absl::FailedPreconditionError(
         absl::StrCat("cannot create the append staging file ", path, ": ", std::strerror(errno)));
   }
+  // Its pages taken now (a sparse file on a tmpfs that fills up would fault later, in a copy
+  // into it): a folder without room gives no staging, and appends carry their rows.
   void* p = MAP_FAILED;
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (err == 0) {
     p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) err = errno;
   }
-  const int err = errno;
   ::close(fd);
   if (p == MAP_FAILED) {
     ::unlink(path.c_str());
@@ -70,32 +73,49 @@ absl::StatusOr<std::shared_ptr<const StagingMapping>> StagingFiles::Map(const st
             ? std::string("this KV store takes no staged appends (its arena is not shared)")
             : absl::StrCat("a staging file must be ", prefix, "[A-Za-z0-9-]+; got ", path));
   }
-  absl::MutexLock lock(&mu_);
-  for (auto it = files_.begin(); it != files_.end(); ++it) {
-    if (it->first != path) continue;
-    files_.splice(files_.begin(), files_, it);
-    return files_.front().second;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = files_.begin(); it != files_.end(); ++it) {
+      if (it->first != path) continue;
+      files_.splice(files_.begin(), files_, it);
+      return files_.front().second;
+    }
   }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Opened and mapped outside the lock. Only a regular file of this process's user, not through
+  // a link, and without blocking (a FIFO planted under the name would hold every call).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     return absl::NotFoundError(
         absl::StrCat("cannot open the staging file ", path, ": ", std::strerror(errno)));
   }
   struct stat st {};
   void* p = MAP_FAILED;
-  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+  int err = 0;
+  if (::fstat(fd, &st) != 0) {
+    err = errno;
+  } else if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || st.st_size <= 0) {
+    err = EPERM;
+  } else {
     p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) err = errno;
   }
-  const int err = errno;
   ::close(fd);
   if (p == MAP_FAILED) {
     return absl::NotFoundError(
-        absl::StrCat("cannot map the staging file ", path, ": ", std::strerror(err)));
+        absl::StrCat("cannot map the staging file ", path,
+                     " (a regular file of the store's user): ", std::strerror(err)));
   }
-  files_.emplace_front(path, std::make_shared<const StagingMapping>(
-                                 static_cast<const uint8_t*>(p), static_cast<size_t>(st.st_size)));
+  auto mapping = std::make_shared<const StagingMapping>(static_cast<const uint8_t*>(p),
+                                                        static_cast<size_t>(st.st_size));
+  absl::MutexLock lock(&mu_);
+  files_.emplace_front(path, mapping);
   if (files_.size() > kMaxFiles) files_.pop_back();
-  return files_.front().second;
+  return mapping;
+}
+
+void StagingFiles::Release(const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  files_.remove_if([&](const auto& f) { return f.first == path; });
 }
 
 }  // namespace infinigen

@@ -76,8 +76,11 @@ class StagingFiles {
   explicit StagingFiles(std::string dir) : dir_(std::move(dir)) {}
   const std::string& dir() const { return dir_; }
   // The file at `path`, mapped: INVALID_ARGUMENT for a path that is not a staging file of
-  // dir() (what a client must send), NOT_FOUND when it cannot be opened or mapped.
+  // dir() (what a client must send), NOT_FOUND when it cannot be opened or mapped (or is not a
+  // regular file of this process's user: no link, FIFO or another user's file).
   absl::StatusOr<std::shared_ptr<const StagingMapping>> Map(const std::string& path);
+  // Forgets `path`'s mapping (its client moved to another file); a call using it keeps it.
+  void Release(const std::string& path);
   static constexpr size_t kMaxFiles = 64;
 
  private:

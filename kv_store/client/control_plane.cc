@@ -168,10 +168,12 @@ absl::Status KvControlPlane::Append(const StoreAppend& a) {
 
 std::vector<absl::Status> KvControlPlane::AppendBatch(const std::vector<StoreAppend>& appends,
                                                       const std::string& staging_file,
-                                                      absl::Status* call_status) {
+                                                      absl::Status* call_status,
+                                                      const std::string& released_staging_file) {
   pb::AppendBatchRequest req;
   for (const StoreAppend& a : appends) ToProto(a, req.add_appends());
   req.set_staging_file(staging_file);
+  req.set_released_staging_file(released_staging_file);
   pb::AppendBatchResponse resp;
   grpc::ClientContext ctx;
   Prepare(ctx, config_.call_timeout);

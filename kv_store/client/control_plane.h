@@ -83,7 +83,8 @@ class KvControlPlane {
   // applied, reading the staging file).
   std::vector<absl::Status> AppendBatch(const std::vector<StoreAppend>& appends,
                                         const std::string& staging_file = "",
-                                        absl::Status* call = nullptr);
+                                        absl::Status* call = nullptr,
+                                        const std::string& released_staging_file = "");
   absl::StatusOr<KvStoreStats> Stats();
   absl::Status Renew(const std::string& owner);
   absl::StatusOr<StoreBlockTable> Blocks(StoreSequenceId seq, int layer);

@@ -44,7 +44,10 @@ class KvDataPlane {
   // staging_file; shm only), or null. After a call that failed (the store may still read the
   // file late) RenewAppendStaging gives a new file. Append-thread calls.
   virtual StagingWriter* append_staging() { return nullptr; }
-  virtual void RenewAppendStaging() {}
+  // `stop`: no more staging (the store refused the folder: a restarted store's may be another).
+  virtual void RenewAppendStaging(bool stop = false) {}
+  // The file staging moved on from (for the store to let go of), once: "" if none.
+  virtual std::string TakeReleasedStaging() { return ""; }
   virtual bool reads_in_place() const { return false; }
   virtual KvStoreClient::Span mapped_memory() const { return {}; }
 };

@@ -106,12 +106,14 @@ class RemoteKvClient final : public QueuedKvClient {
     }
     absl::Status call;
     std::vector<absl::Status> statuses =
-        control_->AppendBatch(appends, staged > 0 ? staging->path() : std::string(), &call);
+        control_->AppendBatch(appends, staged > 0 ? staging->path() : std::string(), &call,
+                              staged > 0 ? data_->TakeReleasedStaging() : std::string());
     if (staged > 0 && call.ok()) {
       staging->Unlink();  // the store has it mapped
     } else if (staged > 0) {
-      // A call that failed may still be applied late, reading the file: the next goes to another.
-      data_->RenewAppendStaging();
+      // A call that failed may still be applied late, reading the file: the next goes to another
+      // (none where the store refused the folder or the name).
+      data_->RenewAppendStaging(/*stop=*/absl::IsInvalidArgument(call));
       if (absl::IsNotFound(call) || absl::IsInvalidArgument(call)) {
         // The store refused the file before applying anything (it no longer has it mapped, or
         // cannot open it): the rows go in the call instead.

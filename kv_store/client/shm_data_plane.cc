@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -42,8 +43,12 @@ class ShmDataPlane final : public KvDataPlane {
   }
 
   StagingWriter* append_staging() override { return staging_.get(); }
-  void RenewAppendStaging() override {
-    staging_.reset();  // unlinked: a store still reading it keeps its mapping
+  std::string TakeReleasedStaging() override { return std::exchange(released_, std::string()); }
+  void RenewAppendStaging(bool stop) override {
+    // Unlinked: a store still reading it keeps its mapping, let go at the next call.
+    if (staging_ != nullptr && staging_->unlinked()) released_ = staging_->path();
+    staging_.reset();
+    if (stop) staging_dir_.clear();
     if (!staging_dir_.empty()) {
       absl::StatusOr<std::unique_ptr<StagingWriter>> w =
           StagingWriter::Create(staging_dir_, staging_bytes_);
@@ -58,7 +63,7 @@ class ShmDataPlane final : public KvDataPlane {
     if (!connected_once_) {
       connected_once_ = true;
       if (staging_bytes_ > 0) staging_dir_ = d.staging_dir;
-      RenewAppendStaging();  // (before the client's threads start)
+      RenewAppendStaging(/*stop=*/false);  // (before the client's threads start)
     }
     if (d.shm_path.empty()) {
       return absl::FailedPreconditionError(
@@ -240,6 +245,7 @@ class ShmDataPlane final : public KvDataPlane {
   bool connected_once_ = false;
   std::string staging_dir_;                 // the store's, where staging is used ("": not)
   std::unique_ptr<StagingWriter> staging_;  // append-thread state once the client runs
+  std::string released_;                    // ... and the file it replaced, not yet let go
   // The mapped arena (queue-thread state once the client is made).
   const uint8_t* arena_ = nullptr;
   size_t arena_bytes_ = 0;

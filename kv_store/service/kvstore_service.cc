@@ -128,6 +128,7 @@ grpc::Status KvStoreService::AppendRows(const AppendRequest& req, const uint8_t*
 grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
                                          const AppendBatchRequest* req, AppendBatchResponse* resp) {
   // The caller's staging file, mapped (the whole call fails for one the store cannot read).
+  if (!req->released_staging_file().empty()) staging_.Release(req->released_staging_file());
   std::shared_ptr<const StagingMapping> staging;
   if (!req->staging_file().empty()) {
     absl::StatusOr<std::shared_ptr<const StagingMapping>> m = staging_.Map(req->staging_file());

@@ -3,6 +3,7 @@
 // limits, and the UCX data plane against peers that misbehave or leave.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -735,6 +736,22 @@ TEST(KvStoreServiceLimits, StagedAppendsAreReadFromTheCallersFileOrRefused) {
   const kvstore::v1::AppendBatchRequest nowhere = batch("/dev/shm/infinigen-staging-none");
   EXPECT_EQ(service.AppendBatch(&ctx, &nowhere, &missing).error_code(),
             grpc::StatusCode::NOT_FOUND);
+  // Not a regular file of the store's user under the name: a link to the real one, a FIFO (the
+  // store must not block on it).
+  const std::string link = absl::StrCat("/dev/shm/", kStagingFilePrefix, "link-", ::getpid());
+  const std::string fifo = absl::StrCat("/dev/shm/", kStagingFilePrefix, "fifo-", ::getpid());
+  std::filesystem::remove(link);
+  std::filesystem::remove(fifo);
+  std::filesystem::create_symlink((*writer)->path(), link);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& path : {link, fifo}) {
+    kvstore::v1::AppendBatchResponse resp;
+    const kvstore::v1::AppendBatchRequest req = batch(path);
+    EXPECT_EQ(service.AppendBatch(&ctx, &req, &resp).error_code(), grpc::StatusCode::NOT_FOUND)
+        << path;
+  }
+  std::filesystem::remove(link);
+  std::filesystem::remove(fifo);
   EXPECT_EQ(store->Stats().tokens_stored, 0) << "nothing applied";
   kvstore::v1::AppendBatchResponse resp;
   const kvstore::v1::AppendBatchRequest good = batch((*writer)->path());
@@ -743,6 +760,20 @@ TEST(KvStoreServiceLimits, StagedAppendsAreReadFromTheCallersFileOrRefused) {
   ASSERT_EQ(resp.failures_size(), 1);
   EXPECT_EQ(resp.failures(0).index(), 1) << "its V past the file's end";
   EXPECT_EQ(resp.failures(0).code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Its name removed (the client does after the first call), the store reads its mapping;
+  // once the client says it moved on, the store lets the mapping go and no longer finds it.
+  (*writer)->Unlink();
+  kvstore::v1::AppendBatchRequest again = batch((*writer)->path());
+  again.mutable_appends()->DeleteSubrange(0, 2);  // sequence 1's second token again: refused
+  kvstore::v1::AppendBatchResponse mapped;
+  ASSERT_TRUE(service.AppendBatch(&ctx, &again, &mapped).ok()) << "still mapped";
+  again.set_staging_file("");
+  again.mutable_appends(0)->set_staged_bytes(0);
+  again.mutable_appends(0)->set_staged_offset(0);
+  again.set_released_staging_file((*writer)->path());
+  ASSERT_TRUE(service.AppendBatch(&ctx, &again, &mapped).ok());
+  const kvstore::v1::AppendBatchRequest gone = batch((*writer)->path());
+  EXPECT_EQ(service.AppendBatch(&ctx, &gone, &mapped).error_code(), grpc::StatusCode::NOT_FOUND);
   // Sequence 1's two tokens are the file's bytes: K [0, 32) and V [32, 64), then [64, 128).
   std::vector<uint8_t> k(64), v(64);
   const int32_t both[2] = {0, 1};
