@@ -108,6 +108,10 @@ absl::StatusOr<std::shared_ptr<const StagingMapping>> StagingFiles::Map(const st
   auto mapping = std::make_shared<const StagingMapping>(static_cast<const uint8_t*>(p),
                                                         static_cast<size_t>(st.st_size));
   absl::MutexLock lock(&mu_);
+  // Another call may have mapped it meanwhile: one entry a path (this mapping goes with us).
+  for (const auto& f : files_) {
+    if (f.first == path) return f.second;
+  }
   files_.emplace_front(path, mapping);
   if (files_.size() > kMaxFiles) files_.pop_back();
   return mapping;
