@@ -183,6 +183,73 @@ TEST_P(KvTransport, ShmAppendsAreStagedInAFileThatNeverOutlivesItsUse) {
   EXPECT_TRUE(staged().empty());
 }
 
+// A store restarted with its arena in another folder refuses the client's staging file (not in
+// the folder it takes them from: INVALID_ARGUMENT); the client sends that batch's rows in the
+// call and stages no more (no new file is made, so none is refused again).
+TEST_P(KvTransport, ShmStagingStopsWhenARestartedStoreRefusesItsFolder) {
+  if (GetParam() != KvClientConfig::Transport::kShm) GTEST_SKIP() << "shm only";
+  const std::string prefix = absl::StrCat(kStagingFilePrefix, ::getpid(), "-");
+  auto staged = [&] {
+    int files = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+      files += absl::StartsWith(e.path().filename().string(), prefix);
+    }
+    return files;
+  };
+  auto append_and_read = [&](StoreSequenceId seq) {
+    ASSERT_TRUE(client_->Open(seq, Spec()).ok());
+    client_->AppendAsync(seq, 1, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
+    ASSERT_TRUE(client_->Flush(Soon()).ok());
+    std::vector<int32_t> slots = {7, 38};  // [2 heads, 1]
+    std::vector<uint8_t> k(2 * 32), v(2 * 32);
+    ASSERT_TRUE(client_->GatherAsync({{seq, 1, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
+    EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(7, 1, 0).data(), 32));
+    EXPECT_EQ(0, std::memcmp(v.data() + 32, TokenRows(38, 1, 1).data() + 32, 32));
+  };
+  append_and_read(1);
+  ASSERT_EQ(staged(), 0) << "staged, then unlinked once the store mapped it";
+  const std::string port = config_.address.substr(config_.address.rfind(':') + 1);
+  char dir_template[] = "/tmp/infinigen-arena-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  {  // The store restarts on the same port, its arena a file in `dir`.
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+    KvStoreConfig c;
+    c.capacity_bytes = 4 << 20;
+    c.block_tokens = 16;
+    c.max_row_bytes = 256;
+    c.huge_pages = false;
+    c.shm_path = dir + "/arena";
+    auto store = KvStore::Create(c);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    service_ = std::make_unique<KvStoreService>(*store_);
+    grpc::ServerBuilder builder;
+    int bound = 0;
+    builder.AddListeningPort("127.0.0.1:" + port, grpc::InsecureServerCredentials(), &bound);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_EQ(std::to_string(bound), port);
+  }
+  append_and_read(2);  // the file refused: its rows went in the call
+  EXPECT_EQ(staged(), 0) << "no new staging file after the store refused the folder";
+  append_and_read(3);
+  EXPECT_EQ(staged(), 0);
+  int in_dir = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    in_dir += absl::StartsWith(e.path().filename().string(), kStagingFilePrefix);
+  }
+  EXPECT_EQ(in_dir, 0) << "the client kept the folder it started with, then none";
+  client_.reset();
+  server_->Shutdown();
+  server_.reset();
+  service_.reset();
+  store_.reset();
+  std::filesystem::remove_all(dir);
+}
+
 // A KV pool sequence's rows go to the slots the client (the worker) chose, over every
 // transport; a slot the store cannot take fails the append, which the next Flush reports.
 TEST_P(KvTransport, PooledAppendsLandInTheSlotsGiven) {
