@@ -366,6 +366,12 @@ class Backend {
   // Device memory the backend may take for scratch of its own while it runs a step (the CUDA
   // GEMM prefill's attention scores), beyond what callers allocate: admission sets it aside.
   virtual size_t ScratchBytes() const { return 0; }
+  // The same for decode attention, which grows with the sequences it attends at once: what
+  // `batch` sequences of this shape may take (the CUDA kernel's per-sequence split partials,
+  // held twice while a grown workspace replaces the old one).
+  virtual size_t DecodeScratchBytes(const AttentionShape& /*shape*/, int /*batch*/) const {
+    return 0;
+  }
   // Whether buffers from Allocate() are ordinary host memory that other host code (a KV store
   // transport) may write directly.
   virtual bool host_accessible() const { return false; }

@@ -30,6 +30,15 @@ size_t CudaBackend::ScratchBytes() const {
   return static_cast<size_t>(kGemmAttentionScores) * (sizeof(float) + DTypeSize(options_.dtype));
 }
 
+// The decode attention's workspace (EnsureWorkspace): at most the bound for the batch, twice
+// while a grown one replaces the old (retired until the next wait; growth by half again can pass
+// the bound by half: 2.5x).
+size_t CudaBackend::DecodeScratchBytes(const AttentionShape& shape, int batch) const {
+  return cuda::DecodeAttentionWorkspaceBound(batch, shape.num_heads, shape.num_kv_heads,
+                                             shape.head_dim) *
+         5 / 2;
+}
+
 // Query rows from which a 16-bit AttentionCausal goes through GEMMs.
 constexpr int64_t kGemmAttentionRows = 128;
 

@@ -214,11 +214,17 @@ absl::Status CudaBackend::CopyToHost(const void* device, void* host, size_t byte
 absl::Status CudaBackend::CopyToHostLater(const void* device, void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   const size_t rounded = (bytes + 255) & ~size_t{255};
+  readback_asked_ += rounded;
   if (readback_used_ + rounded > readback_capacity_ ||
       (later_.empty() && readback_wanted_ > readback_capacity_)) {
     if (!later_.empty()) {  // full until the next wait: then grown to what was wanted
-      readback_wanted_ = std::max(readback_wanted_, readback_used_ + rounded);
-      return CopyToHost(device, host, bytes);
+      // This wait is the room's, not the caller's: the bytes asked for until the caller's
+      // next wait go on adding up (the copies after it ask for more), so that the room grows
+      // once to what they all need rather than doubling over the next steps' waits.
+      const size_t asked = readback_asked_;
+      const absl::Status st = CopyToHost(device, host, bytes);
+      readback_asked_ = asked;
+      return st;
     }
     // Grown while no copy uses it; 8 MiB at first (a layer's choices and new K/V rows), or
     // what the copies between two waits wanted (a decode step's held appends of every layer).
@@ -245,6 +251,8 @@ absl::Status CudaBackend::CopyToHostLater(const void* device, void* host, size_t
 }
 
 void CudaBackend::FinishLaterCopies() {
+  readback_wanted_ = std::max(readback_wanted_, readback_asked_);
+  readback_asked_ = 0;
   for (const LaterCopy& c : later_) std::memcpy(c.host, c.pinned, c.bytes);
   later_.clear();
   readback_used_ = 0;

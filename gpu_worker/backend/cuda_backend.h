@@ -32,6 +32,7 @@ class CudaBackend final : public Backend {
   DType activation_dtype() const override { return options_.dtype; }
   size_t FreeMemory() const override;
   size_t ScratchBytes() const override;
+  size_t DecodeScratchBytes(const AttentionShape& shape, int batch) const override;
 
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, size_t bytes) override;
@@ -161,6 +162,8 @@ class CudaBackend final : public Backend {
   char* readback_ = nullptr;  // pinned
   size_t readback_capacity_ = 0, readback_used_ = 0;
   size_t readback_wanted_ = 0;  // the most the copies between two waits needed
+  size_t readback_asked_ =
+      0;  // what they asked for since the last wait CopyToHostLater did not force
   std::vector<LaterCopy> later_;
 };
 

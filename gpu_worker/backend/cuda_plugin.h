@@ -30,7 +30,7 @@ inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // StoredWeight::ConvertsToQ5_0 and ConvertsToQ4_0; 5: GatherBlockRows; 6: ForkSideQueue,
 // JoinSideQueue, BlockRowsGather::on_side_queue; 7: BlockRowsGather::dst_rows; 8: PlanKeptRows,
 // MapKeptRows, BlockRowsGather::list_counts, DecodeAttentionItem::count; 9: KeptRowsPlan::listed,
-// added after 8 was taken).
-inline constexpr int kCudaPluginAbi = 9;
+// added after 8 was taken; 10: DecodeScratchBytes).
+inline constexpr int kCudaPluginAbi = 10;
 
 }  // namespace infinigen

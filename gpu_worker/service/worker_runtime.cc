@@ -154,12 +154,18 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
                   shape, engine_config.prefill_budget_tokens + engine_config.max_running)
             : 0;
     scratch += held;
+    // The decode attention's workspace for the largest batch (it grows with the batch).
+    const ModelConfig& mc = model.config();
+    scratch += w->loaded_.backend->DecodeScratchBytes(
+        AttentionShape{static_cast<int>(mc.num_heads), static_cast<int>(mc.num_kv_heads),
+                       static_cast<int>(mc.head_dim)},
+        engine_config.max_running);
     if (config.device_memory_mb > 0 && budget <= scratch) {
       return absl::InvalidArgumentError(
           absl::StrCat("--device_memory_mb ", config.device_memory_mb,
                        " leaves nothing for sequences after ", scratch >> 20,
                        " MiB of the backend's scratch (the prefill's attention scores, a step's "
-                       "held appends): raise it "
+                       "held appends, the decode attention's partials): raise it "
                        "above that, or 0 for 90% of the free memory"));
     }
     engine_config.device_memory_bytes = budget > scratch ? budget - scratch : 0;

@@ -387,6 +387,12 @@ size_t DecodeAttentionWorkspaceBytes(const DecodeAttention& a) {
   return static_cast<size_t>(a.batch) * a.num_heads * splits * (a.head_dim + 2) * 4;
 }
 
+size_t DecodeAttentionWorkspaceBound(int batch, int num_heads, int num_kv_heads, int head_dim) {
+  if (batch <= 0 || num_kv_heads <= 0) return 0;
+  const size_t splits = (kDecodeTargetBlocks + num_kv_heads - 1) / num_kv_heads;
+  return static_cast<size_t>(batch) * num_heads * splits * (head_dim + 2) * 4;
+}
+
 void DecodeSplitFor(int num_kv_heads, int64_t num_rows, int32_t* splits, int32_t* rows_per_split) {
   DecodeAttention one;
   one.batch = 1;

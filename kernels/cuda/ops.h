@@ -135,6 +135,9 @@ struct DecodeAttention {
   int32_t max_splits = 0;
 };
 size_t DecodeAttentionWorkspaceBytes(const DecodeAttention& a);
+// The most DecodeAttentionWorkspaceBytes is for `batch` sequences of this shape, whatever their
+// rows (a launch's splits, or each sequence's own, are at most the target blocks per KV head).
+size_t DecodeAttentionWorkspaceBound(int batch, int num_heads, int num_kv_heads, int head_dim);
 // The split a launch of one sequence of `num_rows` rows alone makes (batch 1, no current K/V).
 void DecodeSplitFor(int num_kv_heads, int64_t num_rows, int32_t* splits, int32_t* rows_per_split);
 cudaError_t RunDecodeAttention(const DecodeAttention& a, cudaStream_t stream);

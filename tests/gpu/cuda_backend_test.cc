@@ -444,8 +444,12 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
   int32_t* d_row_of = up(row_of);
   int32_t* d_slot_of = up(slot_of);
   std::vector<std::vector<int32_t>> last(kHeads);
-  for (int step = 0; step < 12; ++step) {
+  // The last step lists every row (a dense layer's lists: no slots, no count in memory).
+  constexpr int64_t kDense = 1200;
+  for (int step = 0; step < 13; ++step) {
     SCOPED_TRACE(step);
+    const bool dense = step == 12;
+    const int64_t cap = dense ? kDense : kCap;  // the lists' stride
     const int32_t count = step == 5 ? kCap : 900 + static_cast<int32_t>(rng() % 400);
     std::vector<int32_t> list(kHeads * kCap, -1);
     for (int g = 0; g < kHeads; ++g) {
@@ -465,7 +469,8 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
     int32_t errors = 0;
     KeptRowsPlan p;
     p.kept = {kHeads, row_of.data(), kSlots, slot_of.data(), kRows};
-    p.list = {list.data(), &count, kCap, kCap};
+    p.list = dense ? DeviceSlotList{nullptr, nullptr, kDense, kDense}
+                   : DeviceSlotList{list.data(), &count, kCap, kCap};
     p.keep = keep;
     p.move_slots = moves.data();
     p.move_rows = move_rows.data();
@@ -476,7 +481,7 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
     // The GPU.
     KeptRowsPlan d = p;
     d.kept = {kHeads, d_row_of, kSlots, d_slot_of, kRows};
-    d.list = {up(list), up({count}), kCap, kCap};
+    d.list = dense ? p.list : DeviceSlotList{up(list), up({count}), kCap, kCap};
     d.move_slots = up(std::vector<int32_t>(kHeads * kCap, -1));
     d.move_rows = up(std::vector<int32_t>(kHeads * kCap, -1));
     d.move_counts = up(std::vector<int32_t>(kHeads, -1));
@@ -488,7 +493,8 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
     EXPECT_EQ((gpu.counters() - before).synchronizations, 0);
     const std::vector<int32_t> got_counts = down(d.move_counts, kHeads);
     EXPECT_EQ(got_counts, move_counts);
-    EXPECT_EQ(down(d.listed, kHeads), std::vector<int32_t>(kHeads, std::min<int32_t>(count, kCap)));
+    EXPECT_EQ(down(d.listed, kHeads),
+              std::vector<int32_t>(kHeads, dense ? kDense : std::min<int32_t>(count, kCap)));
     EXPECT_EQ(down(d.errors, 1)[0], errors);
     EXPECT_EQ(down(d_row_of, row_of.size()), row_of);
     EXPECT_EQ(down(d_slot_of, slot_of.size()), slot_of);
@@ -496,13 +502,13 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
                                got_rows = down(d.move_rows, moves.size());
     for (int g = 0; g < kHeads; ++g) {
       for (int32_t i = 0; i < move_counts[g]; ++i) {
-        ASSERT_EQ(got_moves[g * kCap + i], moves[g * kCap + i]) << g << " " << i;
-        ASSERT_EQ(got_rows[g * kCap + i], move_rows[g * kCap + i]) << g << " " << i;
+        ASSERT_EQ(got_moves[g * cap + i], moves[g * cap + i]) << g << " " << i;
+        ASSERT_EQ(got_rows[g * cap + i], move_rows[g * cap + i]) << g << " " << i;
       }
     }
     // A choice: most of the list, the current token, and slots not kept.
     std::vector<int32_t> choice(kHeads * kCap, -1);
-    const int32_t current = kSlots - 1;
+    const int32_t current = dense ? kDense : kSlots - 1;
     for (int g = 0; g < kHeads; ++g) {
       std::set<int32_t> c;
       for (int32_t j = 0; j < count; ++j) {
@@ -514,13 +520,15 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
       v.resize(std::min<size_t>(v.size(), kCap));
       std::copy(v.begin(), v.end(), choice.begin() + g * kCap);
     }
-    const int32_t choice_count = 800;
+    const int32_t choice_count = dense ? kDense + 1 : 800;
+    const int64_t choice_cap = dense ? kDense + 1 : kCap;
     std::vector<int32_t> out(kHeads * kCap, -1), miss_slots(kHeads * kCap, -1),
         miss_counts(kHeads, -1);
     int32_t map_errors = 0;
     KeptRowsMap m;
     m.kept = p.kept;
-    m.list = {choice.data(), &choice_count, kCap, kCap};
+    m.list = dense ? DeviceSlotList{nullptr, nullptr, kDense + 1, kDense + 1}
+                   : DeviceSlotList{choice.data(), &choice_count, kCap, kCap};
     m.head_rows = kRows;
     m.current_slot = current;
     m.current_row = kHeads * kRows;
@@ -533,7 +541,7 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
     ASSERT_TRUE(cpu.MapKeptRows(m).ok());
     KeptRowsMap dm = m;
     dm.kept = d.kept;
-    dm.list = {up(choice), up({choice_count}), kCap, kCap};
+    dm.list = dense ? m.list : DeviceSlotList{up(choice), up({choice_count}), kCap, kCap};
     dm.out = up(std::vector<int32_t>(kHeads * kCap, -1));
     dm.miss_slots = up(std::vector<int32_t>(kHeads * kCap, -1));
     dm.miss_counts = up(std::vector<int32_t>(kHeads, -1));
@@ -545,10 +553,10 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
                                got_miss = down(dm.miss_slots, out.size());
     for (int g = 0; g < kHeads; ++g) {
       for (int32_t j = 0; j < choice_count; ++j) {
-        ASSERT_EQ(got_out[g * kCap + j], out[g * kCap + j]) << g << " " << j;
+        ASSERT_EQ(got_out[g * choice_cap + j], out[g * choice_cap + j]) << g << " " << j;
       }
       for (int32_t i = 0; i < miss_counts[g]; ++i) {
-        ASSERT_EQ(got_miss[g * kCap + i], miss_slots[g * kCap + i]) << g << " " << i;
+        ASSERT_EQ(got_miss[g * choice_cap + i], miss_slots[g * choice_cap + i]) << g << " " << i;
       }
     }
   }
@@ -873,6 +881,34 @@ TEST(CudaBackend, GatherBlockRowsEqualsTheCpuLoop) {
     ASSERT_TRUE((*gpu)->CopyToHost(d_errors->data(), &errors, 4).ok());
     EXPECT_EQ(errors, placed_errors);
     EXPECT_EQ(side_got, placed_want) << "rows placed by dst_rows";
+
+    // A count per list (what KeptRowsPlan and KeptRowsMap list to move), with dst_rows: counts
+    // in range, 0, negative and past max_count (taken as max_count, counted once per list).
+    std::vector<int32_t> list_counts(static_cast<size_t>(lists));
+    for (int64_t l = 0; l < lists; ++l) list_counts[l] = static_cast<int32_t>(rng() % kMax);
+    list_counts[1] = 0;
+    list_counts[2] = -4;
+    list_counts[3] = static_cast<int32_t>(kMax + 9);
+    list_counts[lists - 1] = static_cast<int32_t>(kMax);
+    std::vector<uint8_t> listed_want(dst_bytes, 0xab);
+    int32_t listed_errors = 0;
+    BlockRowsGather listed_host = placed_host;
+    listed_host.dst = listed_want.data();
+    listed_host.errors = &listed_errors;
+    listed_host.list_counts = list_counts.data();
+    ASSERT_TRUE(cpu.GatherBlockRows(listed_host).ok());
+    auto d_list_counts = upload(list_counts.data(), list_counts.size() * 4);
+    ASSERT_TRUE((*gpu)->CopyToDevice(pattern.data(), d_dst->data(), dst_bytes).ok());
+    ASSERT_TRUE((*gpu)->CopyToDevice(&zero, d_errors->data(), 4).ok());
+    BlockRowsGather listed = placed;
+    listed.list_counts = static_cast<const int32_t*>(d_list_counts->data());
+    ASSERT_TRUE((*gpu)->GatherBlockRows(listed).ok());
+    ASSERT_TRUE((*gpu)->CopyToHost(d_dst->data(), side_got.data(), dst_bytes).ok());
+    ASSERT_TRUE((*gpu)->CopyToHost(d_errors->data(), &errors, 4).ok());
+    EXPECT_EQ(errors, listed_errors);
+    EXPECT_NE(listed_want, placed_want) << "the lists' own counts gather other rows";
+    EXPECT_EQ(side_got, listed_want) << "rows gathered by each list's count";
+    d_list_counts.reset();
     d_rows.reset();
 
     std::vector<uint8_t> elsewhere(arena_bytes);

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "gpu_worker/infinigen/selection_util.h"
 #include "kernels/cpu/ops.h"
@@ -67,6 +68,45 @@ class CudaKernels : public ::testing::Test {
 
 // Random weights of benchmark models are made on the device; the host recomputes them (the
 // speculation's W_q rows of a random model): the same values, f32 exactly, bf16 as rounded.
+// Admission sets DecodeAttentionWorkspaceBound aside for the decode attention of a batch
+// (CudaBackend::DecodeScratchBytes): no launch of that many sequences asks for more, over one
+// split for all or each sequence's own. Host arithmetic only: it runs without a GPU.
+TEST(CudaDecodeWorkspace, NoLaunchOfABatchNeedsMoreThanItsBound) {
+  const cuda::DecodeSeq fake{};
+  for (int kv : {1, 2, 3, 8, 32}) {
+    for (int group : {1, 3, 4, 8}) {
+      for (int hd : {64, 80, 128}) {
+        for (int batch : {1, 2, 7, 16, 64}) {
+          const size_t bound = cuda::DecodeAttentionWorkspaceBound(batch, kv * group, kv, hd);
+          cuda::DecodeAttention a;
+          a.batch = batch;
+          a.num_heads = kv * group;
+          a.num_kv_heads = kv;
+          a.head_dim = hd;
+          int32_t most = 0;
+          for (int32_t rows : {0, 1, 63, 64, 65, 1000, 32768, 1 << 20}) {
+            SCOPED_TRACE(absl::StrCat(kv, " kv heads, group ", group, ", ", hd, " dims, batch ",
+                                      batch, ", ", rows, " rows"));
+            a.seqs = nullptr;
+            a.num_rows = rows;
+            a.k_cur = nullptr;
+            EXPECT_LE(cuda::DecodeAttentionWorkspaceBytes(a), bound);
+            a.k_cur = &fake;  // one row more
+            EXPECT_LE(cuda::DecodeAttentionWorkspaceBytes(a), bound);
+            a.k_cur = nullptr;
+            int32_t splits = 0, per = 0;
+            cuda::DecodeSplitFor(kv, rows, &splits, &per);
+            most = std::max(most, splits);
+            a.seqs = &fake;  // each sequence its own split, the launch the most of one
+            a.max_splits = most;
+            EXPECT_LE(cuda::DecodeAttentionWorkspaceBytes(a), bound);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaKernels, FillRandomEqualsTheCpuReference) {
   const int64_t n = 100003;
   std::vector<float> want(n);
