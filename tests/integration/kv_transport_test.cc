@@ -111,12 +111,32 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
   KvClientConfig config_;
   std::unique_ptr<KvStoreClient> client_;
 
+  // This process's staging files in /dev/shm (the shm client's, kv_store/staging_file.h).
+  static std::vector<std::filesystem::path> StagingFiles() {
+    const std::string prefix = absl::StrCat(kStagingFilePrefix, ::getpid(), "-");
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+      if (absl::StartsWith(e.path().filename().string(), prefix)) files.push_back(e.path());
+    }
+    return files;
+  }
+  // Opens `seq`, appends 40 tokens to layer 0 and reads two rows back.
+  void AppendThenRead(StoreSequenceId seq) {
+    ASSERT_TRUE(client_->Open(seq, Spec()).ok());
+    client_->AppendAsync(seq, 0, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
+    ASSERT_TRUE(client_->Flush(Soon()).ok());
+    std::vector<int32_t> slots = {39, 0};  // [2 heads, 1]
+    std::vector<uint8_t> k(2 * 32), v(2 * 32);
+    ASSERT_TRUE(client_->GatherAsync({{seq, 0, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
+    EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(39, 1, 0).data(), 32));
+    EXPECT_EQ(0, std::memcmp(v.data() + 32, TokenRows(0, 1, 1).data() + 32, 32));
+  }
+  static absl::Time Soon() { return absl::Now() + absl::Seconds(5); }
+
   // Two sequences of 5000 tokens, then one gather of 12 items of 0 to 4000 rows per head; every
   // row byte checked.
   void GatherLargeSmallAndEmptyItems();
 };
-
-absl::Time Soon() { return absl::Now() + absl::Seconds(5); }
 
 TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
   ASSERT_TRUE(client_->Open(1, Spec()).ok());
@@ -151,36 +171,18 @@ TEST_P(KvTransport, AppendThenGatherReturnsTheRows) {
 // rows read back are the ones appended.
 TEST_P(KvTransport, ShmAppendsAreStagedInAFileThatNeverOutlivesItsUse) {
   if (GetParam() != KvClientConfig::Transport::kShm) GTEST_SKIP() << "shm only";
-  const std::string prefix = absl::StrCat(kStagingFilePrefix, ::getpid(), "-");
-  auto staged = [&] {
-    std::vector<std::filesystem::path> files;
-    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
-      if (absl::StartsWith(e.path().filename().string(), prefix)) files.push_back(e.path());
-    }
-    return files;
-  };
-  auto append_and_read = [&](StoreSequenceId seq) {
-    ASSERT_TRUE(client_->Open(seq, Spec()).ok());
-    client_->AppendAsync(seq, 0, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
-    ASSERT_TRUE(client_->Flush(Soon()).ok());
-    std::vector<int32_t> slots = {39, 0};  // [2 heads, 1]
-    std::vector<uint8_t> k(2 * 32), v(2 * 32);
-    ASSERT_TRUE(client_->GatherAsync({{seq, 0, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
-    EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(39, 1, 0).data(), 32));
-    EXPECT_EQ(0, std::memcmp(v.data() + 32, TokenRows(0, 1, 1).data() + 32, 32));
-  };
-  ASSERT_EQ(staged().size(), 1u) << "this test's client's, not used yet";
-  append_and_read(1);
-  EXPECT_TRUE(staged().empty()) << "unlinked once the store mapped it";
+  ASSERT_EQ(StagingFiles().size(), 1u) << "this test's client's, not used yet";
+  AppendThenRead(1);
+  EXPECT_TRUE(StagingFiles().empty()) << "unlinked once the store mapped it";
   // A new client whose file the store cannot open.
   Reconnect(config_.append_linger);
-  const std::vector<std::filesystem::path> files = staged();
+  const std::vector<std::filesystem::path> files = StagingFiles();
   ASSERT_EQ(files.size(), 1u);
   std::filesystem::remove(files[0]);
-  append_and_read(2);
-  EXPECT_EQ(staged().size(), 1u) << "the next batch's file";
-  append_and_read(3);
-  EXPECT_TRUE(staged().empty());
+  AppendThenRead(2);
+  EXPECT_EQ(StagingFiles().size(), 1u) << "the next batch's file";
+  AppendThenRead(3);
+  EXPECT_TRUE(StagingFiles().empty());
 }
 
 // A store restarted with its arena in another folder refuses the client's staging file (not in
@@ -188,26 +190,8 @@ TEST_P(KvTransport, ShmAppendsAreStagedInAFileThatNeverOutlivesItsUse) {
 // call and stages no more (no new file is made, so none is refused again).
 TEST_P(KvTransport, ShmStagingStopsWhenARestartedStoreRefusesItsFolder) {
   if (GetParam() != KvClientConfig::Transport::kShm) GTEST_SKIP() << "shm only";
-  const std::string prefix = absl::StrCat(kStagingFilePrefix, ::getpid(), "-");
-  auto staged = [&] {
-    int files = 0;
-    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
-      files += absl::StartsWith(e.path().filename().string(), prefix);
-    }
-    return files;
-  };
-  auto append_and_read = [&](StoreSequenceId seq) {
-    ASSERT_TRUE(client_->Open(seq, Spec()).ok());
-    client_->AppendAsync(seq, 1, 0, 40, TokenRows(0, 40, 0), TokenRows(0, 40, 1));
-    ASSERT_TRUE(client_->Flush(Soon()).ok());
-    std::vector<int32_t> slots = {7, 38};  // [2 heads, 1]
-    std::vector<uint8_t> k(2 * 32), v(2 * 32);
-    ASSERT_TRUE(client_->GatherAsync({{seq, 1, 1, slots, k.data(), v.data()}})->Wait(Soon()).ok());
-    EXPECT_EQ(0, std::memcmp(k.data(), TokenRows(7, 1, 0).data(), 32));
-    EXPECT_EQ(0, std::memcmp(v.data() + 32, TokenRows(38, 1, 1).data() + 32, 32));
-  };
-  append_and_read(1);
-  ASSERT_EQ(staged(), 0) << "staged, then unlinked once the store mapped it";
+  AppendThenRead(1);
+  ASSERT_TRUE(StagingFiles().empty()) << "staged, then unlinked once the store mapped it";
   const std::string port = config_.address.substr(config_.address.rfind(':') + 1);
   char dir_template[] = "/tmp/infinigen-arena-XXXXXX";
   ASSERT_NE(::mkdtemp(dir_template), nullptr);
@@ -233,10 +217,10 @@ TEST_P(KvTransport, ShmStagingStopsWhenARestartedStoreRefusesItsFolder) {
     server_ = builder.BuildAndStart();
     ASSERT_EQ(std::to_string(bound), port);
   }
-  append_and_read(2);  // the file refused: its rows went in the call
-  EXPECT_EQ(staged(), 0) << "no new staging file after the store refused the folder";
-  append_and_read(3);
-  EXPECT_EQ(staged(), 0);
+  AppendThenRead(2);  // the file refused: its rows went in the call
+  EXPECT_TRUE(StagingFiles().empty()) << "no new staging file after the store refused the folder";
+  AppendThenRead(3);
+  EXPECT_TRUE(StagingFiles().empty());
   int in_dir = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     in_dir += absl::StartsWith(e.path().filename().string(), kStagingFilePrefix);
