@@ -296,6 +296,10 @@ struct KeptRowsPlan {
   int32_t* listed = nullptr;       // [num_kv_heads] (null: not written): each head's count taken
   int32_t* workspace = nullptr;    // [num_kv_heads, kept.rows] int32 of scratch
   int32_t* errors = nullptr;
+  // Queued on the backend's side queue (Backend::ForkSideQueue), as the gather of its moves
+  // that follows it is: the plan then runs beside the layers, not between them. Its kept rows,
+  // moves and counts are then the side queue's until a join.
+  bool on_side_queue = false;
 };
 
 // A decode token's exact choice at a layer (`list`, with the token's own slot in it) as the rows

@@ -429,8 +429,9 @@ cuda::KeptRowsArgs KeptRowsArgsOf(const KeptRows& k, const DeviceSlotList& list,
 
 absl::Status CudaBackend::PlanKeptRows(const KeptRowsPlan& p) {
   IG_RETURN_IF_ERROR(CheckKeptRowsPlan(p));
+  void* stream = p.on_side_queue && side_stream_ != nullptr ? side_stream_ : stream_;
   return Check(cuda::PlanKeptRows(KeptRowsArgsOf(p.kept, p.list, p.errors), p.keep, p.move_slots,
-                                  p.move_rows, p.move_counts, p.listed, p.workspace, S(stream_)),
+                                  p.move_rows, p.move_counts, p.listed, p.workspace, S(stream)),
                "PlanKeptRows");
 }
 

@@ -30,7 +30,8 @@ inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // StoredWeight::ConvertsToQ5_0 and ConvertsToQ4_0; 5: GatherBlockRows; 6: ForkSideQueue,
 // JoinSideQueue, BlockRowsGather::on_side_queue; 7: BlockRowsGather::dst_rows; 8: PlanKeptRows,
 // MapKeptRows, BlockRowsGather::list_counts, DecodeAttentionItem::count; 9: KeptRowsPlan::listed,
-// added after 8 was taken; 10: DecodeScratchBytes).
+// added after 8 was taken; 10: DecodeScratchBytes,
+// KeptRowsPlan::on_side_queue).
 inline constexpr int kCudaPluginAbi = 10;
 
 }  // namespace infinigen

@@ -108,6 +108,7 @@ absl::Status DecodeStep::LaunchChoices(Choices& c, int layer, bool prefetch) {
     c.at[b] = total;
     total += 1 + kv_heads * c.capacity[b];
   }
+  if (prefetch && device_plan_) std::swap(c.device, c.other);  // see Choices::other
   IG_RETURN_IF_ERROR(EnsureBuffer(c.device, static_cast<size_t>(total) * sizeof(int32_t)));
   int32_t* device = static_cast<int32_t*>(c.device->data());
   const bool speculated = spec_layer_[layer % 2] == layer;

@@ -161,6 +161,11 @@ class DecodeStep final : private LayerAttention {
   // next wait: per chunk its count then its indices ([1 + kv_heads x capacity] int32 at at[b]).
   struct Choices {
     std::unique_ptr<Buffer> device;
+    // A step planned on the device: the prefetch's choices alternate between device and this
+    // by layer, for the kept rows' plan reads them on the side queue (StoreKvCache::
+    // PrefetchOnDevice), which is joined only during the next layer, after that layer's
+    // prefetch has launched its own choices.
+    std::unique_ptr<Buffer> other;
     std::vector<int32_t> host;
     std::vector<size_t> chunks;               // the chunks choosing (set by the caller)
     std::vector<int64_t> rows, at, capacity;  // per chunk of the batch (rows set by the caller)

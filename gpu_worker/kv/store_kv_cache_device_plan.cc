@@ -135,6 +135,11 @@ absl::Status StoreKvCache::PrefetchOnDevice(SequenceId seq, int layer, const Dev
   plan.errors = base + at.errors();
   // The side batch first: a join that fails leaves no plan recorded whose rows never moved.
   IG_RETURN_IF_ERROR(SideBatchFor(layer).status());
+  // On the side queue with the gather it plans (after the choice it reads: the fork follows
+  // it), so that neither holds up the layer the main queue is computing. The kept rows it
+  // changes are read there only after FetchOnDevice's join.
+  IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
+  plan.on_side_queue = true;
   IG_RETURN_IF_ERROR(backend_.PlanKeptRows(plan));
   BlockRowsGather g;
   g.batch = 1;

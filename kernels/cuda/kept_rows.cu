@@ -8,7 +8,8 @@
 namespace infinigen::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+// A block of 1024: a head's lists (thousands of slots at 32K tokens) in fewer serial chunks.
+constexpr int kThreads = 1024;
 
 // Exclusive prefix sum of `v` over the block (kThreads threads); *total gets the sum. Every
 // thread of the block must call it.

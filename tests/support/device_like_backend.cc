@@ -146,7 +146,7 @@ absl::Status DeviceLikeCpuBackend::GatherBlockRows(const BlockRowsGather& g) {
         "GatherBlockRows: side-queue work queued after a copy to the device without a fork");
   }
   if (side_.capacity() == 0) side_.reserve(64);
-  side_.push_back(g);
+  side_.push_back({false, g, {}});
   ++side_gathers_;
   return absl::OkStatus();
 }
@@ -181,7 +181,14 @@ absl::Status DeviceLikeCpuBackend::PlanKeptRows(const KeptRowsPlan& p) {
     return absl::InvalidArgumentError(
         "PlanKeptRows: a list or scratch outside the backend's memory");
   }
-  return CpuBackend::PlanKeptRows(p);
+  if (!p.on_side_queue) return CpuBackend::PlanKeptRows(p);
+  if (copied_since_fork_) {
+    return absl::FailedPreconditionError(
+        "PlanKeptRows: side-queue work queued after a copy to the device without a fork");
+  }
+  if (side_.capacity() == 0) side_.reserve(64);
+  side_.push_back({true, {}, p});
+  return absl::OkStatus();
 }
 
 absl::Status DeviceLikeCpuBackend::MapKeptRows(const KeptRowsMap& m) {
@@ -225,8 +232,9 @@ absl::Status DeviceLikeCpuBackend::CopyToDevice(const void* host, void* device, 
 
 absl::Status DeviceLikeCpuBackend::RunSideQueue() {
   absl::Status status;
-  for (const BlockRowsGather& g : side_) {
-    if (absl::Status st = RunBlockRows(g); status.ok()) status = st;
+  for (const SideWork& w : side_) {
+    absl::Status st = w.plan ? CpuBackend::PlanKeptRows(w.kept) : RunBlockRows(w.gather);
+    if (status.ok()) status = st;
   }
   side_.clear();
   return status;
@@ -239,7 +247,9 @@ absl::Status DeviceLikeCpuBackend::ForkSideQueue() {
 }
 
 absl::Status DeviceLikeCpuBackend::JoinSideQueue() {
-  most_joined_ = std::max(most_joined_, static_cast<int64_t>(side_.size()));
+  const int64_t gathers =
+      std::count_if(side_.begin(), side_.end(), [](const SideWork& w) { return !w.plan; });
+  most_joined_ = std::max(most_joined_, gathers);
   return RunSideQueue();
 }
 

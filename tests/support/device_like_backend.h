@@ -71,7 +71,8 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   // every item's memory must be this backend's.
   absl::Status AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
                                     const AttentionShape& shape) override;
-  // The kept rows' plans, checked to lie in its memory as a GPU's must.
+  // The kept rows' plans, checked to lie in its memory as a GPU's must; on the side queue, run
+  // as late as a GPU may run them (as its gathers are).
   absl::Status PlanKeptRows(const KeptRowsPlan& p) override;
   absl::Status MapKeptRows(const KeptRowsMap& m) override;
   int64_t attention_batches() const { return attention_batches_; }
@@ -92,8 +93,14 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   std::vector<Later> later_;  // the first later_count_ are pending
   size_t later_count_ = 0;
   int64_t rows_gathered_ = 0;
-  // The side queue's gathers not yet run (capacity kept: the fake allocates nothing per step).
-  std::vector<BlockRowsGather> side_;
+  // The side queue's work not yet run, in order: gathers and kept-row plans (capacity kept: the
+  // fake allocates nothing per step).
+  struct SideWork {
+    bool plan = false;
+    BlockRowsGather gather;
+    KeptRowsPlan kept;
+  };
+  std::vector<SideWork> side_;
   int64_t side_gathers_ = 0, side_forks_ = 0, most_joined_ = 0;
   bool copied_since_fork_ = false;
   absl::Status RunSideQueue();
