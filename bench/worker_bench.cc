@@ -10,7 +10,9 @@
 //
 // The local engine can also run a model of random weights (--random CONFIG.json: a Hugging Face
 // Llama config, e.g. scripts/gpu/llama31_8b.json; InfiniGen gets a sidecar of 26 channels as
-// whole RoPE pairs), on the GPU (--device cuda [--cuda-dtype bf16]), over the KV store as the
+// whole RoPE pairs), on the GPU (--device cuda [--cuda-dtype bf16]) or on the tests' CPU
+// stand-in of one (--device device-like: the GPU's decode path, its rows planned on the
+// "device", checked before a GPU runs it), over the KV store as the
 // worker and `infinigen serve` run it (--kv store: StoreKvCache over an in-process store of
 // --kv-capacity-mb; --kv-device-gather true|false: the GPU reads the rows from the store's
 // memory, the default, or the store copies them into staging; --kv-resident-layers N keeps the
@@ -49,6 +51,9 @@
 #include "gpu_worker/service/worker_runtime.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
+#if INFINIGEN_BENCH_DEVICE_LIKE
+#include "tests/support/device_like_backend.h"
+#endif
 
 namespace {
 
@@ -234,6 +239,7 @@ int main(int argc, char** argv) {
   std::string device = "cpu", cuda_dtype = "bf16", kv = "resident", cpu_kv = "f32";
   int64_t prompt = 128, new_tokens = 64, threads = 0, kv_capacity_mb = 4096, prefill_budget = 256;
   bool kv_device_gather = true, kv_row_reuse = true, kv_device_plan = true;
+  bool fail_on_errors = false;      // exit 1 when a request failed (or a device plan was not made)
   int64_t kv_resident_layers = -1;  // -1: as the worker (InfiniGen's dense layers on a GPU)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -277,6 +283,8 @@ int main(int argc, char** argv) {
       (void)absl::SimpleAtoi(v, &kv_resident_layers);
     else if (k == "--prefill-budget")
       (void)absl::SimpleAtoi(v, &prefill_budget);
+    else if (k == "--fail-on-errors")
+      fail_on_errors = v == "true" || v == "1";
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -285,6 +293,10 @@ int main(int argc, char** argv) {
   if (int(!target.empty()) + int(!local.empty()) + int(!random.empty()) != 1) {
     std::fprintf(stderr,
                  "give exactly one of --target HOST:PORT, --local MODEL and --random CONFIG\n");
+    return 2;
+  }
+  if (device == "device-like" && random.empty()) {
+    std::fprintf(stderr, "--device device-like runs --random models only\n");
     return 2;
   }
   if (kv != "resident" && kv != "store") {
@@ -334,9 +346,19 @@ int main(int argc, char** argv) {
     if (!random.empty()) {
       auto config = ParseHfConfig(ReadFile(random), random);
       if (!config.ok()) return fail(config.status());
-      auto backend = flags.Create();
-      if (!backend.ok()) return fail(backend.status());
-      loaded.backend = std::move(*backend);
+#if INFINIGEN_BENCH_DEVICE_LIKE
+      if (device == "device-like") {  // the GPU's path on the tests' CPU stand-in of a device
+        flags.device = "cpu";
+        auto options = flags.Options();
+        if (!options.ok()) return fail(options.status());
+        loaded.backend = std::make_unique<testing::DeviceLikeCpuBackend>(*options);
+      }
+#endif
+      if (loaded.backend == nullptr) {
+        auto backend = flags.Create();
+        if (!backend.ok()) return fail(backend.status());
+        loaded.backend = std::move(*backend);
+      }
       auto model = Model::LoadRandom(*config, *loaded.backend, 1);
       if (!model.ok()) return fail(model.status());
       loaded.model = std::move(*model);
@@ -416,6 +438,15 @@ int main(int argc, char** argv) {
   } else {
     RunLocal(*engine, 1, vocab, 16, 4, make_policy);
   }
+  int failed = 0;
+  if (fail_on_errors && policy == "infinigen" && kv == "store" && kv_row_reuse && kv_device_plan &&
+      loaded.backend != nullptr && !loaded.backend->host_accessible()) {
+    const auto* store_cache = dynamic_cast<const StoreKvCache*>(cache.get());
+    if (store_cache == nullptr || !store_cache->plans_on_device()) {
+      std::fprintf(stderr, "the rows are not planned on the device\n");
+      ++failed;
+    }
+  }
   for (int n : streams) {
     if (engine) engine->ProfileStepsOfAtLeast(n);  // the case's batch, not its stragglers
     const EngineStats stats_before = engine ? engine->Stats() : EngineStats();
@@ -441,6 +472,7 @@ int main(int argc, char** argv) {
     std::printf("ttft | %s | %d | %.3f | %.3f |\n", label.c_str(), n, Percentile(r.ttfts, 0.5),
                 Percentile(r.ttfts, 1.0));
     std::fflush(stdout);
+    failed += r.errors;
   }
-  return 0;
+  return fail_on_errors && failed > 0 ? 1 : 0;
 }

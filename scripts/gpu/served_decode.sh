@@ -27,8 +27,10 @@
 # rows are also appended to PROFILE_OUT as each case ends. A third gives each case's time to first
 # token (every stream submitted at once: the prefills queue). A fourth gives the KV bytes each
 # case moved over the link and read where the GPU kept them, per generated token.
-# CPU check of the same path (tiny shape): DEVICE=cpu scripts/gpu/served_decode.sh "200" "1 2" 4
-#   tests/fixtures/hf/llama31_gqa/config.json
+# CPU check of the same path (a tiny Llama-3.1 shape of 8 layers) on the tests' stand-in of a
+# GPU (InfiniGen's rows chosen and planned on the "device", as on a GPU; the times are not a
+# GPU's): DEVICE=device-like scripts/gpu/served_decode.sh "1024" "1 4" 8 scripts/gpu/llama31_tiny.json
+# (ctest gpu_served_decode_on_the_cpu_stand_in runs its InfiniGen case); DEVICE=cpu for the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-build/bin}
