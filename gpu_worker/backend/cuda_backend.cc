@@ -215,8 +215,11 @@ absl::Status CudaBackend::CopyToHostLater(const void* device, void* host, size_t
   if (bytes == 0) return absl::OkStatus();
   const size_t rounded = (bytes + 255) & ~size_t{255};
   readback_asked_ += rounded;
+  // Grown to what was wanted at an interval's first copy only (not after a wait forced below,
+  // which would free the pinned memory, a device-wide wait, in the middle of a step).
+  const bool first = readback_asked_ == rounded;
   if (readback_used_ + rounded > readback_capacity_ ||
-      (later_.empty() && readback_wanted_ > readback_capacity_)) {
+      (first && later_.empty() && readback_wanted_ > readback_capacity_)) {
     if (!later_.empty()) {  // full until the next wait: then grown to what was wanted
       // This wait is the room's, not the caller's: the bytes asked for until the caller's
       // next wait go on adding up (the copies after it ask for more), so that the room grows
@@ -237,7 +240,10 @@ absl::Status CudaBackend::CopyToHostLater(const void* device, void* host, size_t
         cudaSuccess) {
       cudaGetLastError();
       readback_ = nullptr;
-      return CopyToHost(device, host, bytes);  // no pinned memory: a wait now
+      const size_t asked = readback_asked_;
+      const absl::Status st = CopyToHost(device, host, bytes);  // no pinned memory: a wait now
+      readback_asked_ = asked;
+      return st;
     }
     readback_capacity_ = capacity;
   }

@@ -108,7 +108,15 @@ absl::Status DecodeStep::LaunchChoices(Choices& c, int layer, bool prefetch) {
     c.at[b] = total;
     total += 1 + kv_heads * c.capacity[b];
   }
-  if (prefetch && device_plan_) std::swap(c.device, c.other);  // see Choices::other
+  if (prefetch && device_plan_) {  // see Choices::other
+    std::swap(c.device, c.other);
+    std::swap(c.device_layer, c.other_layer);
+    // Its last readers, the plans of the layer whose choice it held (two layers back), are
+    // joined already where every layer prefetches (the next layer's batch joins the one
+    // before it): ordered here whatever ran.
+    if (c.device_layer >= 0) IG_RETURN_IF_ERROR(streamed_->JoinDevicePrefetches(c.device_layer));
+    c.device_layer = layer;
+  }
   IG_RETURN_IF_ERROR(EnsureBuffer(c.device, static_cast<size_t>(total) * sizeof(int32_t)));
   int32_t* device = static_cast<int32_t*>(c.device->data());
   const bool speculated = spec_layer_[layer % 2] == layer;

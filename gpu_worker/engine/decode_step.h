@@ -166,6 +166,7 @@ class DecodeStep final : private LayerAttention {
     // PrefetchOnDevice), which is joined only during the next layer, after that layer's
     // prefetch has launched its own choices.
     std::unique_ptr<Buffer> other;
+    int device_layer = -1, other_layer = -1;  // the layer whose choice each last held
     std::vector<int32_t> host;
     std::vector<size_t> chunks;               // the chunks choosing (set by the caller)
     std::vector<int64_t> rows, at, capacity;  // per chunk of the batch (rows set by the caller)

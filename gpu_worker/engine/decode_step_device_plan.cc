@@ -138,6 +138,11 @@ absl::StatusOr<KvLayerView> DecodeStep::ReadPromptRows(size_t b, int layer, MatV
 
 void DecodeStep::EndDevicePlan() {
   device_plan_ = false;
+  // A step cut short (an error between the layers) skipped QueueDeviceCounts' join: its plans
+  // and gathers still read the choices and the kept rows, which the next step writes.
+  if (absl::Status st = streamed_->JoinDevicePrefetches(-1); !st.ok()) {
+    for (size_t b = 0; b < batch_.size(); ++b) Fail(b, st);
+  }
   // The plans' counts first (a sequence whose plan did not fit has its held appends dropped:
   // what its later layers computed from a wrong row never reaches the store), then the appends,
   // whose rows the logits' copy waited for too: they go to the store without a wait.

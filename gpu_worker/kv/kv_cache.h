@@ -245,6 +245,10 @@ class StreamedKvCache : public KvCache {
   // appends held since BeginAppendStep are dropped, its length back where the step found it).
   virtual absl::Status QueueDeviceCounts() { return absl::OkStatus(); }
   virtual absl::Status SettleOnDevice(SequenceId seq) { return absl::OkStatus(); }
+  // Orders the backend's own queue after the device prefetches of `layer` (every layer's where
+  // layer < 0) queued so far, so that what they read (the lists PrefetchOnDevice was given) may
+  // be written again. Nothing waits on the host; a no-op where they are ordered already.
+  virtual absl::Status JoinDevicePrefetches(int layer) { return absl::OkStatus(); }
   // The appends of several layers (a decode step's, of at most `tokens` tokens, its prompt
   // chunks' included: they read what was stored before them with ReadStored) held from
   // BeginAppendLayer until one EndAppendLayer: one wait a step, not a layer. `decodes`: the

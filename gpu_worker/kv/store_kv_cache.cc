@@ -18,6 +18,7 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
       host_access_(backend.host_accessible()),
       in_place_(host_access_ && options.read_in_place && client.reads_in_place()) {
   table_items_.resize(static_cast<size_t>(std::max(shape.num_layers, 0)));
+  side_batch_of_layer_.assign(static_cast<size_t>(std::max(shape.num_layers, 0)), 0);
   // Without registration (a backend or device that cannot) prefetches copy as before.
   device_gathers_ = !host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
                     client.reads_in_place() && RegisterMapped().ok() && rows_per_block_ > 0;

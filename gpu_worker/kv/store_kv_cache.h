@@ -139,6 +139,7 @@ class StoreKvCache final : public StreamedKvCache {
                                            int64_t current_slot) override;
   absl::Status QueueDeviceCounts() override;
   absl::Status SettleOnDevice(SequenceId seq) override;
+  absl::Status JoinDevicePrefetches(int layer) override;
   // The sequences of `decodes` are asked for together once the step needs the store's block
   // tables (TablesFor).
   bool BeginAppendStep(int64_t tokens, std::span<const SequenceId> decodes) override;
@@ -405,6 +406,7 @@ class StoreKvCache final : public StreamedKvCache {
   int64_t table_waits_ = 0;        // ... calls waited for
   double table_wait_seconds_ = 0;  // ... and the time they took
   int device_side_layer_ = -1;     // the layer whose device prefetches make the open side batch
+  std::vector<int64_t> side_batch_of_layer_;  // the last side batch each layer's went with
   // The side batch (side_batches_' number) the gathers of `layer` are launched with.
   absl::StatusOr<int64_t> SideBatchFor(int layer);
 

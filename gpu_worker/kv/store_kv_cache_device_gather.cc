@@ -145,7 +145,18 @@ absl::StatusOr<int64_t> StoreKvCache::SideBatchFor(int layer) {
     side_joined_ = side_batches_;
   }
   device_side_layer_ = layer;
+  if (layer >= 0 && layer < shape_.num_layers) side_batch_of_layer_[layer] = side_batches_ + 1;
   return ++side_batches_;
+}
+
+absl::Status StoreKvCache::JoinDevicePrefetches(int layer) {
+  if (layer >= shape_.num_layers) return absl::OkStatus();
+  const int64_t batch = layer < 0 ? side_batches_ : side_batch_of_layer_[layer];
+  if (batch <= side_joined_) return absl::OkStatus();
+  // (Later batches are ordered too: one join covers everything queued so far.)
+  IG_RETURN_IF_ERROR(backend_.JoinSideQueue());
+  side_joined_ = side_batches_;
+  return absl::OkStatus();
 }
 
 void StoreKvCache::LaunchOnSideQueue(std::span<Pending* const> pendings) {

@@ -67,8 +67,9 @@ __device__ bool Lists(const KeptRowsArgs& k, int g, int32_t s, int64_t n) {
   return lo < n && list[lo] == s;
 }
 
-__global__ void PlanKernel(KeptRowsArgs k, bool keep, int32_t* move_slots, int32_t* move_rows,
-                           int32_t* move_counts, int32_t* listed, int32_t* workspace) {
+__global__ void __launch_bounds__(kThreads)
+    PlanKernel(KeptRowsArgs k, bool keep, int32_t* move_slots, int32_t* move_rows,
+               int32_t* move_counts, int32_t* listed, int32_t* workspace) {
   const int g = blockIdx.x;
   const int64_t n = ListCount(k, g);
   int32_t* row_of = k.row_of + g * k.map_capacity;
@@ -122,9 +123,10 @@ __global__ void PlanKernel(KeptRowsArgs k, bool keep, int32_t* move_slots, int32
   }
 }
 
-__global__ void MapKernel(KeptRowsArgs k, int64_t head_rows, int64_t current_slot,
-                          int64_t current_row, int64_t miss_row, int64_t miss_capacity,
-                          int32_t* out, int32_t* miss_slots, int32_t* miss_counts) {
+__global__ void __launch_bounds__(kThreads)
+    MapKernel(KeptRowsArgs k, int64_t head_rows, int64_t current_slot, int64_t current_row,
+              int64_t miss_row, int64_t miss_capacity, int32_t* out, int32_t* miss_slots,
+              int32_t* miss_counts) {
   const int g = blockIdx.x;
   const int64_t n = ListCount(k, g);
   const int32_t* row_of = k.row_of + g * k.map_capacity;

@@ -488,8 +488,12 @@ TEST(CudaBackend, KeptRowsPlansAndMapsEqualTheCpuLoops) {
     d.listed = up(std::vector<int32_t>(kHeads, -1));
     d.workspace = up(work);
     d.errors = up({0});
+    // Every other step on the side queue, as the decode step plans (forked, then joined).
+    d.on_side_queue = step % 2 == 1;
     const BackendCounters before = gpu.counters();
+    if (d.on_side_queue) ASSERT_TRUE(gpu.ForkSideQueue().ok());
     ASSERT_TRUE(gpu.PlanKeptRows(d).ok());
+    if (d.on_side_queue) ASSERT_TRUE(gpu.JoinSideQueue().ok());
     EXPECT_EQ((gpu.counters() - before).synchronizations, 0);
     const std::vector<int32_t> got_counts = down(d.move_counts, kHeads);
     EXPECT_EQ(got_counts, move_counts);

@@ -66,8 +66,6 @@ class CudaKernels : public ::testing::Test {
   std::mt19937 rng_;
 };
 
-// Random weights of benchmark models are made on the device; the host recomputes them (the
-// speculation's W_q rows of a random model): the same values, f32 exactly, bf16 as rounded.
 // Admission sets DecodeAttentionWorkspaceBound aside for the decode attention of a batch
 // (CudaBackend::DecodeScratchBytes): no launch of that many sequences asks for more, over one
 // split for all or each sequence's own. Host arithmetic only: it runs without a GPU.
@@ -107,6 +105,8 @@ TEST(CudaDecodeWorkspace, NoLaunchOfABatchNeedsMoreThanItsBound) {
   }
 }
 
+// Random weights of benchmark models are made on the device; the host recomputes them (the
+// speculation's W_q rows of a random model): the same values, f32 exactly, bf16 as rounded.
 TEST_F(CudaKernels, FillRandomEqualsTheCpuReference) {
   const int64_t n = 100003;
   std::vector<float> want(n);
