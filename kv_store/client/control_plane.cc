@@ -55,12 +55,12 @@ void ToProto(const StoreAppend& a, pb::AppendRequest* r) {
   r->set_num_tokens(a.n);
   if (a.staged_offset >= 0) {
     r->set_staged_offset(a.staged_offset);
-    r->set_staged_bytes(static_cast<int64_t>(a.k->size()));
+    r->set_staged_bytes(static_cast<int64_t>(a.k.size()));
   } else {
-    r->set_k(a.k->data(), a.k->size());
-    r->set_v(a.v->data(), a.v->size());
+    r->set_k(a.k.data(), a.k.size());
+    r->set_v(a.v.data(), a.v.size());
   }
-  if (a.slots != nullptr) r->mutable_slots()->Add(a.slots->begin(), a.slots->end());
+  r->mutable_slots()->Add(a.slots.begin(), a.slots.end());
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,9 +51,8 @@ struct StoreAppend {
   StoreSequenceId seq;
   int layer;
   int64_t start, n;
-  const std::vector<uint8_t>* k;
-  const std::vector<uint8_t>* v;
-  const std::vector<int32_t>* slots = nullptr;  // a KV pool's slots (KvStore::Append), or none
+  std::span<const uint8_t> k, v;
+  std::span<const int32_t> slots;  // a KV pool's slots (KvStore::Append), or none
   // >= 0: k's and then v's bytes are at this offset of AppendBatch's staging file instead.
   int64_t staged_offset = -1;
 };

@@ -16,8 +16,8 @@
 #include "absl/status/statusor.h"
 #include "kv_store/client/control_plane.h"
 #include "kv_store/client/kv_store_client.h"
+#include "kv_store/client/staging_ring.h"
 #include "kv_store/client/transports.h"
-#include "kv_store/staging_file.h"
 
 namespace infinigen {
 
@@ -40,13 +40,15 @@ class KvDataPlane {
   virtual void Appended(StoreSequenceId seq, int layer, int64_t rows) {}
   virtual absl::Status Gather(const std::vector<ClientGatherItem>& items,
                               const OpenSpecs& specs) = 0;
-  // Where the append thread may stage appends' rows for the store to copy (AppendBatch's
-  // staging_file; shm only), or null. After a call that failed (the store may still read the
-  // file late) RenewAppendStaging gives a new file. Append-thread calls.
-  virtual StagingWriter* append_staging() { return nullptr; }
+  // Where appends' rows may be staged for the store to copy (AppendBatch's staging_file; shm
+  // only), or null: AppendAsync writes them there (any thread: thread-safe), else the append
+  // thread where they fit. After a call that failed (the store may still read the file late)
+  // RenewAppendStaging gives a new file (append thread).
+  virtual std::shared_ptr<StagingRing> append_staging() { return nullptr; }
   // `stop`: no more staging (the store refused the folder: a restarted store's may be another).
   virtual void RenewAppendStaging(bool stop = false) {}
-  // The file staging moved on from (for the store to let go of), once: "" if none.
+  // The file staging moved on from (for the store to let go of), once: "" if none. Append
+  // thread.
   virtual std::string TakeReleasedStaging() { return ""; }
   virtual bool reads_in_place() const { return false; }
   virtual KvStoreClient::Span mapped_memory() const { return {}; }

@@ -115,7 +115,7 @@ void QueuedKvClient::AppendLoop() {
       size_t bytes = 0;
       while (!appends_.empty() && batch.size() < most &&
              (batch.empty() || bytes < kMaxBatchBytes)) {
-        bytes += appends_.front().k.size() + appends_.front().v.size();
+        bytes += appends_.front().bytes();
         batch.push_back(std::move(appends_.front()));
         appends_.pop_front();
       }
@@ -144,7 +144,7 @@ std::vector<absl::Status> QueuedKvClient::DoAppendBatch(const std::vector<Append
                        " failed: ", statuses[it->second].message())));
       continue;
     }
-    statuses.push_back(DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v, j.slots));
+    statuses.push_back(DoAppend(j.seq, j.layer, j.start, j.n, j.k_rows(), j.v_rows(), j.slots));
     if (!statuses.back().ok()) failed.emplace(j.seq, i);
   }
   return statuses;
@@ -305,15 +305,14 @@ absl::Status QueuedKvClient::Close(StoreSequenceId seq) {
 void QueuedKvClient::AppendAsync(StoreSequenceId seq, int layer, int64_t start, int64_t n,
                                  std::span<const uint8_t> k, std::span<const uint8_t> v,
                                  std::span<const int32_t> slots) {
-  // The queue's copy, made before the lock (a prompt chunk's rows are megabytes).
-  AppendJob job{seq,
-                layer,
-                start,
-                n,
-                std::vector<uint8_t>(k.begin(), k.end()),
-                std::vector<uint8_t>(v.begin(), v.end()),
-                absl::Now(),
-                std::vector<int32_t>(slots.begin(), slots.end())};
+  // The rows' one copy on this side, made before the lock (a prompt chunk's are megabytes):
+  // into the transport's staging (shm), else into the queue.
+  AppendJob job{
+      seq, layer, start, n, {}, {}, absl::Now(), {slots.begin(), slots.end()}, StageRows(k, v)};
+  if (!job.staged) {
+    job.k.assign(k.begin(), k.end());
+    job.v.assign(v.begin(), v.end());
+  }
   absl::MutexLock lock(&mu_);
   const uint64_t number = ++appends_queued_;
   auto& last = last_append_[seq];

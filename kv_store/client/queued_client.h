@@ -16,6 +16,7 @@
 
 #include <deque>
 #include <functional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "absl/synchronization/notification.h"
 #include "kv_store/client/append_failures.h"
 #include "kv_store/client/kv_store_client.h"
+#include "kv_store/client/staging_ring.h"
 
 namespace infinigen {
 
@@ -63,8 +65,8 @@ class QueuedKvClient : public KvStoreClient {
   virtual absl::StatusOr<int64_t> DoFork(StoreSequenceId from, StoreSequenceId to,
                                          const SequenceSpec& spec, int64_t length) = 0;
   virtual absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                                const std::vector<uint8_t>& k, const std::vector<uint8_t>& v,
-                                const std::vector<int32_t>& slots) = 0;
+                                std::span<const uint8_t> k, std::span<const uint8_t> v,
+                                std::span<const int32_t> slots) = 0;
   // The appends that piled up while the previous ones ran, in order; returns each one's status.
   // A failed append fails the later appends of its sequence (not tried: they could not be in
   // order) and no other. The default sends them one by one.
@@ -72,10 +74,21 @@ class QueuedKvClient : public KvStoreClient {
     StoreSequenceId seq;
     int layer;
     int64_t start, n;
-    std::vector<uint8_t> k, v;
+    std::vector<uint8_t> k, v;  // the queue's copy of the rows, empty where they are staged
     absl::Time queued_at;
     std::vector<int32_t> slots;  // a KV pool's (AppendAsync)
+    StagedRows staged;           // the rows where StageRows put them, if it did
+
+    std::span<const uint8_t> k_rows() const { return staged ? staged.k() : k; }
+    std::span<const uint8_t> v_rows() const { return staged ? staged.v() : v; }
+    size_t bytes() const { return k_rows().size() + v_rows().size(); }
   };
+  // Where AppendAsync may write an append's rows instead of into the queue (the caller's thread;
+  // thread-safe): the shm transport's staging file, which the store copies from. Empty: the
+  // queue copies them.
+  virtual StagedRows StageRows(std::span<const uint8_t> k, std::span<const uint8_t> v) {
+    return {};
+  }
   virtual std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs);
   virtual absl::Status DoGather(const std::vector<ClientGatherItem>& items) = 0;
   virtual absl::StatusOr<KvStoreStats> DoStats() = 0;

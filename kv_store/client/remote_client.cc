@@ -3,6 +3,8 @@
 // shared queue and renewal machinery (QueuedKvClient).
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <span>
 #include <utility>
 
 #include "common/grpc/tls.h"
@@ -74,53 +76,70 @@ class RemoteKvClient final : public QueuedKvClient {
   }
 
   absl::Status DoAppend(StoreSequenceId seq, int layer, int64_t start, int64_t n,
-                        const std::vector<uint8_t>& k, const std::vector<uint8_t>& v,
-                        const std::vector<int32_t>& slots) override {
-    const absl::Status st = control_->Append({seq, layer, start, n, &k, &v, &slots});
+                        std::span<const uint8_t> k, std::span<const uint8_t> v,
+                        std::span<const int32_t> slots) override {
+    const absl::Status st = control_->Append({seq, layer, start, n, k, v, slots});
     data_->Appended(seq, layer, st.ok() ? start + n : KvDataPlane::kAppendFailed);
     return st;
   }
 
-  // One AppendBatch call for everything that piled up (an Append each costs a round trip),
-  // its rows staged where the data plane has a staging file (shm) and they fit in it.
+  // AppendAsync's rows straight into the staging file where the data plane has one (shm) and
+  // they fit in what its earlier appends left free.
+  StagedRows StageRows(std::span<const uint8_t> k, std::span<const uint8_t> v) override {
+    if (k.size() != v.size()) return {};
+    std::shared_ptr<StagingRing> ring = data_->append_staging();
+    if (ring == nullptr) return {};
+    std::optional<StagedRows> staged = ring->Reserve(k.size());
+    if (!staged) return {};
+    std::memcpy(staged->k().data(), k.data(), k.size());
+    std::memcpy(staged->v().data(), v.data(), v.size());
+    return *std::move(staged);
+  }
+
+  // One AppendBatch call for everything that piled up (an Append each costs a round trip). Over
+  // shm the rows of an append are in the staging file (StageRows), or copied there now if it
+  // was full then and has room now; those staged in a file staging has moved on from are sent.
   std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs) override {
-    StagingWriter* staging = data_->append_staging();
-    if (jobs.size() == 1 && staging == nullptr) {
+    std::shared_ptr<StagingRing> ring = data_->append_staging();
+    if (jobs.size() == 1 && ring == nullptr) {
       const AppendJob& j = jobs[0];
-      return {DoAppend(j.seq, j.layer, j.start, j.n, j.k, j.v, j.slots)};
+      return {DoAppend(j.seq, j.layer, j.start, j.n, j.k_rows(), j.v_rows(), j.slots)};
     }
     std::vector<StoreAppend> appends;
     appends.reserve(jobs.size());
-    size_t staged = 0;  // bytes written into the staging file
+    staged_now_.clear();  // given back when the call is done
+    bool staged = false;
     for (const AppendJob& j : jobs) {
-      StoreAppend a{j.seq, j.layer, j.start, j.n, &j.k, &j.v, &j.slots};
-      const size_t bytes = j.k.size() + j.v.size();
-      if (staging != nullptr && j.k.size() == j.v.size() && !j.k.empty() &&
-          bytes <= staging->size() - staged) {
-        std::memcpy(staging->data() + staged, j.k.data(), j.k.size());
-        std::memcpy(staging->data() + staged + j.k.size(), j.v.data(), j.v.size());
-        a.staged_offset = static_cast<int64_t>(staged);
-        staged += bytes;
+      StoreAppend a{j.seq, j.layer, j.start, j.n, j.k_rows(), j.v_rows(), j.slots};
+      if (j.staged && j.staged.ring() == ring.get()) {
+        a.staged_offset = j.staged.offset();
+      } else if (ring != nullptr && !j.staged) {
+        if (StagedRows now = StageRows(a.k, a.v)) {
+          a.staged_offset = now.offset();
+          staged_now_.push_back(std::move(now));
+        }
       }
+      staged |= a.staged_offset >= 0;
       appends.push_back(a);
     }
     absl::Status call;
     std::vector<absl::Status> statuses =
-        control_->AppendBatch(appends, staged > 0 ? staging->path() : std::string(), &call,
-                              staged > 0 ? data_->TakeReleasedStaging() : std::string());
-    if (staged > 0 && call.ok()) {
-      staging->Unlink();  // the store has it mapped
-    } else if (staged > 0) {
+        control_->AppendBatch(appends, staged ? ring->file().path() : std::string(), &call,
+                              staged ? data_->TakeReleasedStaging() : std::string());
+    if (staged && call.ok()) {
+      ring->file().Unlink();  // the store has it mapped
+    } else if (staged) {
       // A call that failed may still be applied late, reading the file: the next goes to another
       // (none where the store refused the folder or the name).
       data_->RenewAppendStaging(/*stop=*/absl::IsInvalidArgument(call));
       if (absl::IsNotFound(call) || absl::IsInvalidArgument(call)) {
         // The store refused the file before applying anything (it no longer has it mapped, or
-        // cannot open it): the rows go in the call instead.
+        // cannot open it): the rows go in the call instead, read from the file here.
         for (StoreAppend& a : appends) a.staged_offset = -1;
         statuses = control_->AppendBatch(appends);
       }
     }
+    staged_now_.clear();
     for (size_t i = 0; i < jobs.size(); ++i) {
       data_->Appended(jobs[i].seq, jobs[i].layer,
                       statuses[i].ok() ? jobs[i].start + jobs[i].n : KvDataPlane::kAppendFailed);
@@ -136,8 +155,9 @@ class RemoteKvClient final : public QueuedKvClient {
 
  private:
   std::unique_ptr<KvControlPlane> control_;
-  std::unique_ptr<KvDataPlane> data_;  // destroyed before the control plane it uses
-  OpenSpecs specs_;                    // queue-thread state
+  std::unique_ptr<KvDataPlane> data_;   // destroyed before the control plane it uses
+  OpenSpecs specs_;                     // queue-thread state
+  std::vector<StagedRows> staged_now_;  // append-thread state: DoAppendBatch's own staging
 };
 
 }  // namespace

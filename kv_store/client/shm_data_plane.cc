@@ -42,18 +42,24 @@ class ShmDataPlane final : public KvDataPlane {
     return {arena_, arena_bytes_, static_cast<size_t>(block_bytes_)};
   }
 
-  StagingWriter* append_staging() override { return staging_.get(); }
+  std::shared_ptr<StagingRing> append_staging() override {
+    absl::MutexLock lock(&staging_mu_);
+    return staging_;
+  }
   std::string TakeReleasedStaging() override { return std::exchange(released_, std::string()); }
   void RenewAppendStaging(bool stop) override {
-    // Unlinked: a store still reading it keeps its mapping, let go at the next call.
-    if (staging_ != nullptr && staging_->unlinked()) released_ = staging_->path();
-    staging_.reset();
+    std::shared_ptr<StagingRing> next;
     if (stop) staging_dir_.clear();
     if (!staging_dir_.empty()) {
       absl::StatusOr<std::unique_ptr<StagingWriter>> w =
           StagingWriter::Create(staging_dir_, staging_bytes_);
-      if (w.ok()) staging_ = *std::move(w);  // else appends carry their rows
+      if (w.ok()) next = StagingRing::Make(*std::move(w));  // else appends carry their rows
     }
+    absl::MutexLock lock(&staging_mu_);
+    // Unlinked: a store still reading it keeps its mapping, let go at the next call. Rows staged
+    // in it are read from it here while their appends are queued, and sent in the call.
+    if (staging_ != nullptr && staging_->file().unlinked()) released_ = staging_->file().path();
+    staging_ = std::move(next);
   }
 
   // Maps the store's arena; at the first, makes the append staging file where the store takes
@@ -243,9 +249,10 @@ class ShmDataPlane final : public KvDataPlane {
   const int gather_threads_;
   const size_t staging_bytes_;
   bool connected_once_ = false;
-  std::string staging_dir_;                 // the store's, where staging is used ("": not)
-  std::unique_ptr<StagingWriter> staging_;  // append-thread state once the client runs
-  std::string released_;                    // ... and the file it replaced, not yet let go
+  std::string staging_dir_;  // the store's, where staging is used ("": not)
+  absl::Mutex staging_mu_;
+  std::shared_ptr<StagingRing> staging_ ABSL_GUARDED_BY(staging_mu_);
+  std::string released_;  // the file it replaced, not yet let go (append-thread state)
   // The mapped arena (queue-thread state once the client is made).
   const uint8_t* arena_ = nullptr;
   size_t arena_bytes_ = 0;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 #include <tuple>
@@ -183,6 +184,74 @@ TEST_P(KvTransport, ShmAppendsAreStagedInAFileThatNeverOutlivesItsUse) {
   EXPECT_EQ(StagingFiles().size(), 1u) << "the next batch's file";
   AppendThenRead(3);
   EXPECT_TRUE(StagingFiles().empty());
+}
+
+// Over shm AppendAsync writes the rows straight into the staging file (before any call: the
+// linger holds them), K then V; an append that does not fit beside those still queued goes
+// through the queue and is staged when its batch leaves, and the ring's space is reused once the
+// store has read it. Every row read back is the one appended, from two threads at once.
+TEST_P(KvTransport, ShmAppendsAreWrittenIntoTheStagingFileAsTheyAreQueued) {
+  if (GetParam() != KvClientConfig::Transport::kShm) GTEST_SKIP() << "shm only";
+  config_.append_staging_bytes = 8 << 10;
+  Reconnect(absl::Minutes(1));
+  const std::vector<std::filesystem::path> files = StagingFiles();
+  ASSERT_EQ(files.size(), 1u);
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  const std::vector<uint8_t> k = TokenRows(0, 40, 0), v = TokenRows(0, 40, 1);  // 2560 B each
+  client_->AppendAsync(1, 0, 0, 40, k, v);
+  client_->AppendAsync(1, 0, 40, 40, TokenRows(40, 40, 0), TokenRows(40, 40, 1));  // no room
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(store_->Stats().appends, 0) << "queued appends linger";
+  {
+    std::ifstream in(files[0], std::ios::binary);
+    std::vector<uint8_t> file(2 * k.size());
+    in.read(reinterpret_cast<char*>(file.data()), static_cast<std::streamsize>(file.size()));
+    ASSERT_TRUE(in.good());
+    EXPECT_TRUE(std::equal(k.begin(), k.end(), file.begin())) << "K staged at AppendAsync";
+    EXPECT_TRUE(std::equal(v.begin(), v.end(), file.begin() + k.size())) << "then V";
+  }
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  std::vector<int32_t> first = {0, 79};  // head 0: token 0; head 1: token 79 (not staged)
+  std::vector<uint8_t> fk(2 * 32), fv(2 * 32);
+  ASSERT_TRUE(client_->GatherAsync({{1, 0, 1, first, fk.data(), fv.data()}})->Wait(Soon()).ok());
+  EXPECT_EQ(0, std::memcmp(fk.data(), TokenRows(0, 1, 0).data(), 32));
+  EXPECT_EQ(0, std::memcmp(fv.data() + 32, TokenRows(79, 1, 1).data() + 32, 32));
+
+  // Two threads, a sequence each, appends of 1-24 tokens in batches of a millisecond's: the
+  // ring fills, wraps and empties.
+  Reconnect(absl::Milliseconds(1));
+  std::vector<std::thread> threads;
+  constexpr int64_t kTokens = 1200;
+  for (StoreSequenceId seq : {StoreSequenceId{3}, StoreSequenceId{4}}) {
+    ASSERT_TRUE(client_->Open(seq, Spec()).ok());
+    threads.emplace_back([this, seq] {
+      for (int64_t t = 0, n = 1; t < kTokens; t += n, n = std::min(n % 24 + 1, kTokens - t)) {
+        client_->AppendAsync(seq, 1, t, n, TokenRows(t, n, 0), TokenRows(t, n, 1));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(client_->Flush(Soon()).ok());
+  std::vector<int32_t> slots;
+  for (int g = 0; g < 2; ++g) {
+    for (int64_t t = 0; t < kTokens; ++t) slots.push_back(static_cast<int32_t>(t));
+  }
+  const std::vector<uint8_t> want_k = TokenRows(0, kTokens, 0), want_v = TokenRows(0, kTokens, 1);
+  for (StoreSequenceId seq : {StoreSequenceId{3}, StoreSequenceId{4}}) {
+    std::vector<uint8_t> gk(2 * kTokens * 32), gv(2 * kTokens * 32);
+    ASSERT_TRUE(
+        client_->GatherAsync({{seq, 1, kTokens, slots, gk.data(), gv.data()}})->Wait(Soon()).ok());
+    for (int g = 0; g < 2; ++g) {
+      for (int64_t t = 0; t < kTokens; ++t) {
+        ASSERT_EQ(
+            0, std::memcmp(gk.data() + (g * kTokens + t) * 32, want_k.data() + t * 64 + g * 32, 32))
+            << seq << " " << t;
+        ASSERT_EQ(
+            0, std::memcmp(gv.data() + (g * kTokens + t) * 32, want_v.data() + t * 64 + g * 32, 32))
+            << seq << " " << t;
+      }
+    }
+  }
 }
 
 // A store restarted with its arena in another folder refuses the client's staging file (not in

@@ -75,9 +75,8 @@ class FakeTransport final : public QueuedKvClient {
     released.push_back(seq);
     return absl::OkStatus();
   }
-  absl::Status DoAppend(StoreSequenceId seq, int, int64_t start, int64_t,
-                        const std::vector<uint8_t>&, const std::vector<uint8_t>&,
-                        const std::vector<int32_t>&) override {
+  absl::Status DoAppend(StoreSequenceId seq, int, int64_t start, int64_t, std::span<const uint8_t>,
+                        std::span<const uint8_t>, std::span<const int32_t>) override {
     if (seq == failing_seq) return absl::ResourceExhaustedError("store full");
     absl::MutexLock lock(&mu);
     applied.emplace_back(seq, start);
@@ -104,7 +103,7 @@ TEST(QueuedClient, AFailedAppendFailsTheLaterAppendsOfItsSequenceOnly) {
   t.failing_seq = 1;
   std::vector<FakeTransport::AppendJob> jobs;
   for (auto [seq, start] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{1, 1}, std::pair{2, 1}}) {
-    jobs.push_back({static_cast<StoreSequenceId>(seq), 0, start, 1, {}, {}, absl::Now(), {}});
+    jobs.push_back({static_cast<StoreSequenceId>(seq), 0, start, 1, {}, {}, absl::Now(), {}, {}});
   }
   const std::vector<absl::Status> st = t.DoAppendBatch(jobs);
   ASSERT_EQ(st.size(), 4u);
