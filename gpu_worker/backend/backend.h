@@ -408,6 +408,10 @@ class Backend {
   virtual absl::Status RegisterHostMemory(const void* data, size_t bytes) {
     return absl::UnimplementedError(Name() + " does not read registered host memory");
   }
+  // Forgets the registration that starts at `data` (the memory was, or is about to be, unmapped:
+  // a restarted store's arena replaced the old one), after the device work queued so far that
+  // may read it; its pages are no longer pinned. A no-op for memory never registered.
+  virtual absl::Status UnregisterHostMemory(const void* data) { return absl::OkStatus(); }
   // Packs n rows of row_bytes each into backend memory at dst, row i read from rows[i] (host
   // addresses inside registered memory). INVALID_ARGUMENT for an address outside it.
   virtual absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) {

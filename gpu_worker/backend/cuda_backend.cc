@@ -337,6 +337,26 @@ absl::Status CudaBackend::RegisterHostMemory(const void* data, size_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::UnregisterHostMemory(const void* data) {
+  auto it = std::find_if(host_regions_.begin(), host_regions_.end(),
+                         [data](const HostRegion& r) { return r.host == data; });
+  if (it == host_regions_.end()) return absl::OkStatus();
+  // Gathers queued on either stream may still read it.
+  absl::Status st = Check(cudaStreamSynchronize(S(stream_)), "cudaStreamSynchronize");
+  if (st.ok() && side_stream_ != nullptr) {
+    st = Check(cudaStreamSynchronize(S(side_stream_)), "cudaStreamSynchronize");
+  }
+  if (!st.ok()) return st;
+  // The range may be unmapped already (the store client maps the new arena, then unmaps the old):
+  // the driver still holds its pinned pages and lets them go here.
+  const cudaError_t err = cudaHostUnregister(const_cast<char*>(it->host));
+  host_regions_.erase(it);
+  if (err != cudaSuccess) cudaGetLastError();
+  return err == cudaSuccess || err == cudaErrorHostMemoryNotRegistered
+             ? absl::OkStatus()
+             : Check(err, "cudaHostUnregister");
+}
+
 const CudaBackend::HostRegion* CudaBackend::RegionOf(const char* p, size_t bytes) const {
   for (const HostRegion& r : host_regions_) {
     if (p >= r.host && p + bytes <= r.host + r.bytes) return &r;

@@ -42,6 +42,7 @@ class CudaBackend final : public Backend {
   // cudaHostRegister (mapped; read-only where the device supports it, as the KV store's arena
   // is mapped read-only) and GatherRows by one kernel reading the rows over the host link.
   absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
+  absl::Status UnregisterHostMemory(const void* data) override;
   absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
   // One kernel over the batch's lists, reading the registered arena by its device alias; the
   // tables, slots and counts never leave the device.

@@ -32,6 +32,6 @@ inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // MapKeptRows, BlockRowsGather::list_counts, DecodeAttentionItem::count; 9: KeptRowsPlan::listed,
 // added after 8 was taken; 10: DecodeScratchBytes,
 // KeptRowsPlan::on_side_queue).
-inline constexpr int kCudaPluginAbi = 10;
+inline constexpr int kCudaPluginAbi = 11;
 
 }  // namespace infinigen

@@ -20,8 +20,11 @@ StoreKvCache::StoreKvCache(Backend& backend, const KvCacheShape& shape, KvStoreC
   table_items_.resize(static_cast<size_t>(std::max(shape.num_layers, 0)));
   side_batch_of_layer_.assign(static_cast<size_t>(std::max(shape.num_layers, 0)), 0);
   // Without registration (a backend or device that cannot) prefetches copy as before.
-  device_gathers_ = !host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
-                    client.reads_in_place() && RegisterMapped().ok() && rows_per_block_ > 0;
+  if (!host_access_ && options.read_in_place && options.device_reads_mapped_rows &&
+      client.reads_in_place()) {
+    registration_status_ = RegisterMapped();
+    device_gathers_ = registration_status_.ok() && rows_per_block_ > 0;
+  }
   if (!host_access_ && !options.pool && options.device_resident_layers > 0) {
     resident_layers_ =
         std::make_unique<ResidentLayers>(backend, shape, options.device_resident_layers);

@@ -156,6 +156,9 @@ class StoreKvCache final : public StreamedKvCache {
   // Whether prefetches reach a GPU backend by Backend::GatherBlockRows from registered store
   // memory.
   bool device_gathers() const { return device_gathers_; }
+  // Why the backend could not register the store's mapped arena at construction (OK if it did
+  // or was not asked to): device gathers are then off.
+  const absl::Status& registration_status() const { return registration_status_; }
   bool plans_on_device() const { return device_plans_; }
   // Store calls waited for to learn the block tables of rows planned on the device (at most
   // one a step, whatever the batch, unless one fails), since the cache was made.
@@ -420,6 +423,7 @@ class StoreKvCache final : public StreamedKvCache {
   int64_t rows_per_block_ = 0;        // ... by block table: the store's rows per arena block
   int reuse_first_layer_ = 0;         // row reuse: the first layer kept (after resident ones)
   const void* registered_ = nullptr;  // the client's mapped memory registered with the backend
+  absl::Status registration_status_;
   // Registers the client's mapped memory with the backend if it is not (again after a store
   // restart remapped it).
   absl::Status RegisterMapped();

@@ -17,6 +17,12 @@ absl::Status StoreKvCache::RegisterMapped() {
   const KvStoreClient::Span m = client_.mapped_memory();
   if (m.data == nullptr) return absl::FailedPreconditionError("the client maps no store memory");
   if (m.data == registered_) return absl::OkStatus();
+  // A restarted store's arena, mapped anew: the old one's registration goes first (its pages
+  // stay pinned while registered, and an address the new mapping reuses would find it).
+  if (registered_ != nullptr) {
+    IG_RETURN_IF_ERROR(backend_.UnregisterHostMemory(registered_));
+    registered_ = nullptr;
+  }
   IG_RETURN_IF_ERROR(backend_.RegisterHostMemory(m.data, m.bytes));
   registered_ = m.data;
   rows_per_block_ =

@@ -181,6 +181,13 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   }
   w->cache_ =
       std::make_unique<StoreKvCache>(*w->loaded_.backend, shape, *w->client_, cache_options);
+  if (!w->cache_->registration_status().ok()) {
+    // (Some hosts cannot pin a read-only mapping for the GPU: docs/cuda.md.)
+    std::cerr << "worker: the GPU cannot read the KV store's arena where it lies ("
+              << w->cache_->registration_status().message()
+              << "): prefetched rows are copied through the host instead, and not planned on the "
+                 "device\n";
+  }
   w->engine_ = std::make_unique<BatchEngine>(model, *w->cache_, engine_config);
 
   WorkerServiceOptions options;

@@ -140,8 +140,9 @@ __global__ void DecodeKernel(DecodeAttention a, int rows_per_split, int splits) 
   const int64_t count =
       seq != nullptr
           ? (seq->count != nullptr ? Max64(0, Min64(*seq->count, seq->num_rows)) : seq->num_rows)
-      : a.num_rows_per_seq != nullptr ? a.num_rows_per_seq[b]
-                                      : a.num_rows;
+      : a.num_rows_per_seq != nullptr
+          ? Max64(0, Min64(a.num_rows_per_seq[b], a.max_rows > 0 ? a.max_rows : a.num_rows))
+          : a.num_rows;
   const int64_t total = count + (a.k_cur != nullptr ? 1 : 0);
   const int64_t begin = static_cast<int64_t>(split) * rows_per_split;
   const int64_t end = Min64(total, begin + rows_per_split);
@@ -407,7 +408,8 @@ cudaError_t RunDecodeAttention(const DecodeAttention& a, cudaStream_t stream) {
   const int per_lane = PerLane(a.head_dim);
   if (per_lane == 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 ||
       a.num_heads / a.num_kv_heads > 8 || a.batch <= 0 || a.workspace == nullptr ||
-      (a.weights != nullptr && (a.batch != 1 || a.k_cur != nullptr)) ||
+      (a.weights != nullptr &&
+       (a.batch != 1 || a.k_cur != nullptr || a.num_rows_per_seq != nullptr)) ||
       (a.seqs != nullptr && (a.weights != nullptr || a.k_cur != nullptr || a.max_splits < 1))) {
     return cudaErrorInvalidValue;
   }

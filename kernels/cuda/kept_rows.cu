@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads)
     } else if (j < n && s >= 0 && s < k.map_capacity) {
       row = row_of[s];
     }
-    const int miss = j < n && row < 0;
+    const int miss = j < n && s != current_slot && row < 0;  // the current row is never one
     int total;
     const int at = misses + BlockExclusiveSum(miss, &total);
     if (miss) {

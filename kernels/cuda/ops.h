@@ -126,7 +126,8 @@ struct DecodeAttention {
   int64_t cur_seq_stride = 0;
   void* out = nullptr;  // [batch] rows of num_heads * head_dim
   int64_t out_seq_stride = 0;
-  // Attention probabilities [num_heads, num_rows] (batch 1 without a current token only).
+  // Attention probabilities [num_heads, num_rows] (batch 1, without a current token or per-sequence
+  // counts, only).
   float* weights = nullptr;
   void* workspace = nullptr;  // DecodeAttentionWorkspaceBytes(*this)
   // Per sequence instead (device [batch]; no weights, no current K/V): each sequence's pointers,

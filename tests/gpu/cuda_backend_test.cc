@@ -725,8 +725,22 @@ TEST(CudaBackend, GatherRowsReadsRegisteredReadOnlyHostMemory) {
   const void* outside = elsewhere.data();
   EXPECT_EQ((*gpu)->GatherRows(&outside, 1, kRowBytes, (*dst)->data()).code(),
             absl::StatusCode::kInvalidArgument);
-  gpu->reset();  // unregisters before the mapping goes
+  // Unregistered after the mapping went (a restarted store's arena, replaced): its rows are
+  // refused from then on, and registering a new mapping works.
   ::munmap(map, bytes.size());
+  EXPECT_TRUE((*gpu)->UnregisterHostMemory(map).ok());
+  EXPECT_EQ((*gpu)->GatherRows(rows.data(), 1, kRowBytes, (*dst)->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*gpu)->UnregisterHostMemory(map).ok()) << "again: a no-op";
+  std::vector<uint8_t> fresh(kRowBytes, 0x5a);
+  ASSERT_TRUE((*gpu)->RegisterHostMemory(fresh.data(), fresh.size()).ok());
+  const void* fresh_row = fresh.data();
+  ASSERT_TRUE((*gpu)->GatherRows(&fresh_row, 1, kRowBytes, (*dst)->data()).ok());
+  std::vector<uint8_t> back(kRowBytes);
+  ASSERT_TRUE((*gpu)->CopyToHost((*dst)->data(), back.data(), back.size()).ok());
+  EXPECT_EQ(back, fresh);
+  EXPECT_TRUE((*gpu)->UnregisterHostMemory(fresh.data()).ok());
+  gpu->reset();
 }
 
 // GatherBlockRows on the GPU equals the CPU backend's loop (its reference) byte for byte, errors

@@ -11,6 +11,7 @@
 
 #include <functional>
 
+#include "absl/strings/str_cat.h"
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/prepare.h"
 #include "gpu_worker/infinigen/selection_config.h"
@@ -122,6 +123,74 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
                                 << "on the host: " << waits[1];
   // One gRPC round trip a step for both sequences' rows, not one a sequence.
   EXPECT_EQ(table_waits, 16);
+  client->reset();
+  server->Shutdown();
+}
+
+// A store restarted on the same port (twice): the client maps each new arena at its next Open,
+// and the cache's gathers register it with the backend in place of the old one, whose
+// registration goes (on a GPU it pins the old arena's pages, and a new mapping at the same
+// address would read them). The streams decode as before every time.
+TEST(StoreReuseOverShm, ARestartedStoresArenaTakesTheOldOnesRegistration) {
+  testing::LoadedModel l = testing::LoadModel(testing::FixturePath("hf/llama31_gqa"));
+  ASSERT_NE(l.model, nullptr);
+  testing::DeviceLikeCpuBackend device;
+  auto on_device = Model::Load(*l.ckpt, device);
+  ASSERT_TRUE(on_device.ok()) << on_device.status();
+  std::vector<std::vector<int32_t>> prompts = {
+      testing::RandomTokens(20, l.model->config().vocab_size, 11),
+      testing::RandomTokens(27, l.model->config().vocab_size, 12)};
+  BackendKvCache resident(*l.backend, l.model->kv_shape());
+  const testing::DecodeRun want =  // dense: every row fetched
+      testing::Decode(*l.model, resident, {nullptr, nullptr}, prompts, 16, 4);
+
+  KvStoreConfig sc;
+  sc.capacity_bytes = 16 << 20;
+  sc.huge_pages = false;
+  sc.block_tokens = 8;
+  std::unique_ptr<KvStore> store;
+  std::unique_ptr<KvStoreService> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  auto start = [&] {
+    server.reset();
+    service.reset();
+    store = std::move(*KvStore::Create(sc));
+    service = std::make_unique<KvStoreService>(*store);
+    grpc::ServerBuilder builder;
+    int bound = 0;
+    builder.AddListeningPort("127.0.0.1:" + std::to_string(port), grpc::InsecureServerCredentials(),
+                             &bound);
+    builder.RegisterService(service.get());
+    server = builder.BuildAndStart();
+    port = bound;
+  };
+  start();
+  ASSERT_NE(port, 0);
+  KvClientConfig cc;
+  cc.transport = KvClientConfig::Transport::kShm;
+  cc.address = "127.0.0.1:" + std::to_string(port);
+  cc.owner = "restart-test";
+  cc.renew_every = absl::ZeroDuration();
+  auto client = MakeKvStoreClient(cc);
+  ASSERT_TRUE(client.ok()) << client.status();
+  StoreKvCacheOptions options;
+  options.device_reads_mapped_rows = true;
+  StoreKvCache cache(device, (*on_device)->kv_shape(), **client, options);
+  ASSERT_TRUE(cache.device_gathers());
+  for (int run = 0; run < 3; ++run) {
+    SCOPED_TRACE(absl::StrCat("run ", run));
+    if (run > 0) {
+      server->Shutdown();
+      start();  // the same port
+    }
+    const testing::DecodeRun got =
+        testing::Decode(**on_device, cache, {nullptr, nullptr}, prompts, 16, 4);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logits, want.logits);
+    // (The gathers read only registered memory: the arena mapped now is.)
+    EXPECT_EQ(device.registered_regions(), 1u) << "the arena mapped now, and no older one";
+  }
   client->reset();
   server->Shutdown();
 }

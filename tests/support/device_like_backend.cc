@@ -104,6 +104,11 @@ absl::Status DeviceLikeCpuBackend::RegisterHostMemory(const void* data, size_t b
   return absl::OkStatus();
 }
 
+absl::Status DeviceLikeCpuBackend::UnregisterHostMemory(const void* data) {
+  std::erase_if(registered_, [data](const auto& r) { return r.first == data; });
+  return absl::OkStatus();
+}
+
 bool DeviceLikeCpuBackend::Registered(const void* data, size_t bytes) const {
   const char* p = static_cast<const char*>(data);
   return std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {

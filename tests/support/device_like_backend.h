@@ -25,6 +25,9 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   bool host_accessible() const override { return false; }
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
   absl::Status RegisterHostMemory(const void* data, size_t bytes) override;
+  absl::Status UnregisterHostMemory(const void* data) override;
+  // The registrations held (RegisterHostMemory's, less UnregisterHostMemory's).
+  size_t registered_regions() const { return registered_.size(); }
   absl::Status GatherRows(const void* const* rows, int64_t n, size_t row_bytes, void* dst) override;
   // CpuBackend's, refusing an arena outside registered memory (INVALID_ARGUMENT, as a GPU's)
   // and tables, slots, counts or dst outside this backend's memory (what a GPU reads there).
