@@ -423,6 +423,7 @@ class StoreKvCache final : public StreamedKvCache {
   int64_t rows_per_block_ = 0;        // ... by block table: the store's rows per arena block
   int reuse_first_layer_ = 0;         // row reuse: the first layer kept (after resident ones)
   const void* registered_ = nullptr;  // the client's mapped memory registered with the backend
+  uint64_t registered_generation_ = 0;  // ... its KvStoreClient::Span::generation
   absl::Status registration_status_;
   // Registers the client's mapped memory with the backend if it is not (again after a store
   // restart remapped it).

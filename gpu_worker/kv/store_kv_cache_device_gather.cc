@@ -16,15 +16,18 @@ namespace infinigen {
 absl::Status StoreKvCache::RegisterMapped() {
   const KvStoreClient::Span m = client_.mapped_memory();
   if (m.data == nullptr) return absl::FailedPreconditionError("the client maps no store memory");
-  if (m.data == registered_) return absl::OkStatus();
-  // A restarted store's arena, mapped anew: the old one's registration goes first (its pages
-  // stay pinned while registered, and an address the new mapping reuses would find it).
+  if (registered_ != nullptr && m.generation == registered_generation_) return absl::OkStatus();
+  // A restarted store's arena, mapped anew (perhaps at the old one's address): the old one's
+  // registration goes first (its pages stay pinned while registered, and the new mapping's
+  // rows would be read from them). The backend forgets it even where the driver refuses to
+  // let go of a range already unmapped (its pages then stay pinned: nothing else is wrong).
   if (registered_ != nullptr) {
-    IG_RETURN_IF_ERROR(backend_.UnregisterHostMemory(registered_));
+    (void)backend_.UnregisterHostMemory(registered_);
     registered_ = nullptr;
   }
   IG_RETURN_IF_ERROR(backend_.RegisterHostMemory(m.data, m.bytes));
   registered_ = m.data;
+  registered_generation_ = m.generation;
   rows_per_block_ =
       m.block_bytes >= RowBytes() ? static_cast<int64_t>(m.block_bytes / RowBytes()) : 0;
   return absl::OkStatus();
@@ -83,29 +86,22 @@ absl::Status StoreKvCache::GatherOnDevice(Sequence& s, Pending& p, bool on_side_
 absl::Status StoreKvCache::GatherKAndV(Sequence& s, int layer, BlockRowsGather g, void* k,
                                        void* v) {
   IG_ASSIGN_OR_RETURN(const int32_t* tables, s.tables->OnDevice(backend_, layer));
-  auto gather = [&] {
-    const KvStoreClient::Span arena = client_.mapped_memory();
-    g.arena = arena.data;
-    g.arena_bytes = arena.bytes;
-    g.block_bytes = arena.block_bytes;
-    g.rows_per_block = rows_per_block_;
-    g.row_bytes = static_cast<int64_t>(RowBytes());
-    g.table_capacity = s.tables->capacity();
-    if (g.on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
-    g.tables = tables;
-    g.dst = k;
-    IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
-    // The V tables follow the K tables ([2, heads, capacity]).
-    g.tables = tables + shape_.num_kv_heads * s.tables->capacity();
-    g.dst = v;
-    return backend_.GatherBlockRows(g);
-  };
-  absl::Status st = gather();
-  if (absl::IsInvalidArgument(st)) {  // an arena not registered: a restarted store's, remapped
-    IG_RETURN_IF_ERROR(RegisterMapped());
-    st = gather();
-  }
-  return st;
+  IG_RETURN_IF_ERROR(RegisterMapped());  // the arena mapped now (a restarted store's: anew)
+  const KvStoreClient::Span arena = client_.mapped_memory();
+  g.arena = arena.data;
+  g.arena_bytes = arena.bytes;
+  g.block_bytes = arena.block_bytes;
+  g.rows_per_block = rows_per_block_;
+  g.row_bytes = static_cast<int64_t>(RowBytes());
+  g.table_capacity = s.tables->capacity();
+  if (g.on_side_queue) IG_RETURN_IF_ERROR(backend_.ForkSideQueue());
+  g.tables = tables;
+  g.dst = k;
+  IG_RETURN_IF_ERROR(backend_.GatherBlockRows(g));
+  // The V tables follow the K tables ([2, heads, capacity]).
+  g.tables = tables + shape_.num_kv_heads * s.tables->capacity();
+  g.dst = v;
+  return backend_.GatherBlockRows(g);
 }
 
 absl::Status StoreKvCache::ReserveTables(Sequence& s, int64_t rows) {

@@ -92,7 +92,8 @@ class InProcessClient final : public KvStoreClient {
   bool reads_in_place() const override { return true; }
   Span mapped_memory() const override {
     const Arena& a = store_.arena();
-    return {a.base(), static_cast<size_t>(a.num_blocks()) * a.block_bytes(), a.block_bytes()};
+    return {a.base(), static_cast<size_t>(a.num_blocks()) * a.block_bytes(), a.block_bytes(),
+            /*generation=*/0};
   }
   absl::StatusOr<KvStoreStats> Stats() override { return store_.Stats(); }
 

@@ -120,6 +120,9 @@ class KvStoreClient {
     const void* data = nullptr;
     size_t bytes = 0;
     size_t block_bytes = 0;  // the arena's blocks: block id b starts at data + b * block_bytes
+    // Changes whenever the mapping does (a restarted store's arena, mapped at an Open), even to
+    // the same address: what a GPU registered of the old one is void.
+    uint64_t generation = 0;
   };
   virtual Span mapped_memory() const { return {}; }
   virtual absl::StatusOr<KvStoreStats> Stats() = 0;

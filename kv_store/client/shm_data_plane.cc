@@ -39,7 +39,7 @@ class ShmDataPlane final : public KvDataPlane {
   std::string name() const override { return "shm"; }
   bool reads_in_place() const override { return true; }
   KvStoreClient::Span mapped_memory() const override {
-    return {arena_, arena_bytes_, static_cast<size_t>(block_bytes_)};
+    return {arena_, arena_bytes_, static_cast<size_t>(block_bytes_), generation_};
   }
 
   std::shared_ptr<StagingRing> append_staging() override {
@@ -56,6 +56,8 @@ class ShmDataPlane final : public KvDataPlane {
       if (w.ok()) next = StagingRing::Make(*std::move(w));  // else appends carry their rows
     }
     absl::MutexLock lock(&staging_mu_);
+    // A caller may still hold the old ring (StageRows): it reserves nothing there any more.
+    if (staging_ != nullptr) staging_->Retire();
     // Unlinked: a store still reading it keeps its mapping, let go at the next call. Rows staged
     // in it are read from it here while their appends are queued, and sent in the call.
     if (staging_ != nullptr && staging_->file().unlinked()) released_ = staging_->file().path();
@@ -96,6 +98,7 @@ class ShmDataPlane final : public KvDataPlane {
       appended_.clear();
     }
     arena_ = static_cast<const uint8_t*>(p);
+    ++generation_;
     arena_bytes_ = static_cast<size_t>(d.arena_bytes);
     block_bytes_ = d.block_bytes;
     instance_ = d.instance;
@@ -257,7 +260,8 @@ class ShmDataPlane final : public KvDataPlane {
   const uint8_t* arena_ = nullptr;
   size_t arena_bytes_ = 0;
   int64_t block_bytes_ = 0;
-  uint64_t instance_ = 0;  // the run of the store whose arena is mapped
+  uint64_t instance_ = 0;    // the run of the store whose arena is mapped
+  uint64_t generation_ = 0;  // mappings made (KvStoreClient::Span::generation)
   // Queue-thread state.
   std::map<std::pair<StoreSequenceId, int>, StoreBlockTable> tables_;  // node-based: stable
   std::vector<CopyJob> copies_;

@@ -38,6 +38,7 @@ std::optional<StagedRows> StagingRing::Reserve(size_t bytes) {
   if (bytes == 0 || bytes > size / 2) return std::nullopt;
   const size_t need = (2 * bytes + kAlignment - 1) / kAlignment * kAlignment;
   absl::MutexLock lock(&mu_);
+  if (retired_) return std::nullopt;
   size_t at;
   if (held_.empty()) {
     at = 0;
@@ -70,6 +71,11 @@ void StagingRing::Free(int64_t offset) {
   if (it != held_.end()) it->freed = true;
   while (!held_.empty() && held_.front().freed) held_.pop_front();
   if (held_.empty()) head_ = 0;
+}
+
+void StagingRing::Retire() {
+  absl::MutexLock lock(&mu_);
+  retired_ = true;
 }
 
 size_t StagingRing::held_bytes() {

@@ -66,6 +66,10 @@ class StagingRing : public std::enable_shared_from_this<StagingRing> {
   StagingWriter& file() { return *file_; }
   // Bytes held by reservations (those of a wrapped ring's unused tail included). Thread-safe.
   size_t held_bytes();
+  // No more reservations (the client moved to another file: a call that failed may still read
+  // this one, so space given back here is never written again). Thread-safe; a Reserve that
+  // got the ring before this returns nullopt after it.
+  void Retire();
 
   // Reservations start at multiples of this.
   static constexpr size_t kAlignment = 64;
@@ -84,6 +88,7 @@ class StagingRing : public std::enable_shared_from_this<StagingRing> {
   };
   std::deque<Region> held_ ABSL_GUARDED_BY(mu_);  // in the order reserved, oldest first
   size_t head_ ABSL_GUARDED_BY(mu_) = 0;          // where the next reservation may start
+  bool retired_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace infinigen

@@ -127,10 +127,11 @@ TEST(StoreReuseOverShm, RowsKeptOnTheDeviceChangeNoBitAndMoveFewerBytes) {
   server->Shutdown();
 }
 
-// A store restarted on the same port (twice): the client maps each new arena at its next Open,
-// and the cache's gathers register it with the backend in place of the old one, whose
-// registration goes (on a GPU it pins the old arena's pages, and a new mapping at the same
-// address would read them). The streams decode as before every time.
+// A store restarted on the same port: the client maps each new arena at its next Open, and the
+// cache's gathers register it with the backend in place of the old one, whose registration goes
+// (on a GPU it pins the old arena's pages, and a new mapping at the same address would read
+// them); also when the store restarted twice since the last gather (an Open between mapped the
+// arena in between: the third may lie where the first did). The streams decode as before.
 TEST(StoreReuseOverShm, ARestartedStoresArenaTakesTheOldOnesRegistration) {
   testing::LoadedModel l = testing::LoadModel(testing::FixturePath("hf/llama31_gqa"));
   ASSERT_NE(l.model, nullptr);
@@ -178,11 +179,21 @@ TEST(StoreReuseOverShm, ARestartedStoresArenaTakesTheOldOnesRegistration) {
   options.device_reads_mapped_rows = true;
   StoreKvCache cache(device, (*on_device)->kv_shape(), **client, options);
   ASSERT_TRUE(cache.device_gathers());
-  for (int run = 0; run < 3; ++run) {
+  for (int run = 0; run < 4; ++run) {
     SCOPED_TRACE(absl::StrCat("run ", run));
     if (run > 0) {
       server->Shutdown();
       start();  // the same port
+    }
+    if (run == 2) {  // an Open maps this arena; no gather reads it before the next restart
+      SequenceSpec spec;
+      spec.num_layers = 1;
+      spec.num_kv_heads = 1;
+      spec.head_dim = 8;
+      ASSERT_TRUE((*client)->Open(999, spec).ok());
+      ASSERT_TRUE((*client)->Close(999).ok());
+      server->Shutdown();
+      start();
     }
     const testing::DecodeRun got =
         testing::Decode(**on_device, cache, {nullptr, nullptr}, prompts, 16, 4);

@@ -1,6 +1,9 @@
 #include "tests/support/device_like_backend.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -99,20 +102,38 @@ absl::Status DeviceLikeCpuBackend::Synchronize() {
   return CpuBackend::Synchronize();
 }
 
+namespace {
+
+// The inode of the file mapped at exactly [p, p + bytes) in this process (0: no one mapping is
+// exactly there): which memory a registration pinned. A GPU reads the pages pinned at
+// registration, so memory mapped anew at a registered address is, for it, still the old
+// memory. (No allocation: decode steps count them.)
+uint64_t MappedInode(const void* p, size_t bytes) {
+  char path[96];
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  std::snprintf(path, sizeof(path), "/proc/self/map_files/%lx-%lx", static_cast<unsigned long>(lo),
+                static_cast<unsigned long>(lo + bytes));
+  struct stat st;
+  return ::stat(path, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+}  // namespace
+
 absl::Status DeviceLikeCpuBackend::RegisterHostMemory(const void* data, size_t bytes) {
-  registered_.push_back({static_cast<const char*>(data), bytes});
+  registered_.push_back({static_cast<const char*>(data), bytes, MappedInode(data, bytes)});
   return absl::OkStatus();
 }
 
 absl::Status DeviceLikeCpuBackend::UnregisterHostMemory(const void* data) {
-  std::erase_if(registered_, [data](const auto& r) { return r.first == data; });
+  std::erase_if(registered_, [data](const Registration& r) { return r.host == data; });
   return absl::OkStatus();
 }
 
 bool DeviceLikeCpuBackend::Registered(const void* data, size_t bytes) const {
   const char* p = static_cast<const char*>(data);
-  return std::any_of(registered_.begin(), registered_.end(), [&](const auto& r) {
-    return p >= r.first && p + bytes <= r.first + r.second;
+  return std::any_of(registered_.begin(), registered_.end(), [&](const Registration& r) {
+    // (Another mapping at a registered address: the pages a GPU pinned are the old ones.)
+    return p >= r.host && p + bytes <= r.host + r.bytes && MappedInode(r.host, r.bytes) == r.inode;
   });
 }
 

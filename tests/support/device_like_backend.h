@@ -87,7 +87,12 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   std::map<const char*, size_t> live_;  // start -> bytes
   size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::atomic<size_t> fail_over_{SIZE_MAX};
-  std::vector<std::pair<const char*, size_t>> registered_;
+  struct Registration {
+    const char* host;
+    size_t bytes;
+    uint64_t inode;  // of the file mapped there when registered (a store's arena: its memfd)
+  };
+  std::vector<Registration> registered_;
   struct Later {
     void* host;
     std::vector<char> bytes;

@@ -72,6 +72,19 @@ TEST(StagingRing, AMovedReservationGivesItsSpaceBackOnceAndOutlivesTheRingsOwner
   EXPECT_FALSE(again);
 }
 
+// A retired ring (the client moved to another file) reserves nothing more; what it holds stays.
+TEST(StagingRing, ARetiredRingReservesNothing) {
+  std::shared_ptr<StagingRing> ring = Ring(4096);
+  ASSERT_NE(ring, nullptr);
+  std::optional<StagedRows> a = ring->Reserve(100);
+  ASSERT_TRUE(a);
+  std::memset(a->k().data(), 3, a->bytes());
+  ring->Retire();
+  EXPECT_FALSE(ring->Reserve(100));
+  a.reset();
+  EXPECT_FALSE(ring->Reserve(100)) << "not even once it is empty";
+}
+
 // Two threads reserve, write and give back in random sizes and orders: no reservation overlaps
 // another that is held (each is filled with its own byte and checked when given back).
 TEST(StagingRing, ConcurrentReservationsNeverOverlap) {
