@@ -9,6 +9,9 @@
 // --rows LIST sets the rows gathered per KV head (default 128,256,512,1024); small counts show a
 // transport's fixed cost per gather.
 //
+// With UCX, "ucx-grpc-appends" is the UCX transport with its appends over gRPC (the store told
+// not to take them over UCX): the fill's baseline.
+//
 // usage: kv_transport_bench [--iterations 200] [--transports in-process,shm,grpc,ucx] [--batch 1]
 //                           [--rows 128,256,512,1024]
 #include <grpcpp/grpcpp.h>
@@ -91,8 +94,13 @@ int main(int argc, char** argv) {
   auto server = builder.BuildAndStart();
   std::vector<const char*> transports = {"in-process", "shm", "grpc"};
 #if INFINIGEN_HAVE_UCX
-  auto ucx = std::move(*UcxGatherServer::Start(*store, 0));
-  service.set_ucx_port(ucx->port());
+  auto ucx = std::move(*UcxDataServer::Start(
+      *store, 0, [&service](std::span<const uint8_t> request, std::span<const uint8_t> rows) {
+        return service.AppendBatchWithRows(request, rows);
+      }));
+  // "ucx-grpc-appends": gathers over UCX, appends over gRPC (as before the store took them over
+  // UCX), the baseline of the fill.
+  transports.push_back("ucx-grpc-appends");
   transports.push_back("ucx");
 #endif
 
@@ -127,7 +135,11 @@ int main(int argc, char** argv) {
     ++seq;
     if (!only.empty() && !absl::c_linear_search(absl::StrSplit(only, ','), name)) continue;
     KvClientConfig cc;
-    cc.transport = *ParseTransport(name);
+    const bool grpc_appends = std::string(name) == "ucx-grpc-appends";
+    cc.transport = *ParseTransport(grpc_appends ? "ucx" : name);
+#if INFINIGEN_HAVE_UCX
+    service.set_ucx_port(ucx->port(), /*appends=*/!grpc_appends);
+#endif
     cc.address = "127.0.0.1:" + std::to_string(port);
     cc.store = store.get();
     cc.renew_every = absl::ZeroDuration();

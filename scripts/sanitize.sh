@@ -64,7 +64,7 @@ address() {
                  decode_step_alloc_test memory_admission_test speculation_test
                  store_kv_cache_test store_kv_device_plan_test store_kv_pool_test engine_attach_test
                  store_kv_reuse_shm_test batch_engine_test
-                 kv_transport_test kv_store_process_test
+                 kv_transport_test ucx_data_plane_test kv_store_process_test
                  worker_process_test router_process_test netns_test openai_http_test cli_test)
   suite_args[cli_test]="--gtest_filter=-Cli.PrepareThenEvalEveryPolicy"
   # clang at -O1 with line tables only: the build took 41 minutes on 2 cores with g++ -O2 -g
@@ -127,6 +127,7 @@ thread() {
   local targets=(cpu_kernels_test health_test queued_client_test staging_ring_test router_test
                  store_kv_cache_test store_kv_device_plan_test store_kv_reuse_shm_test
                  batch_engine_test memory_admission_test engine_attach_test kv_transport_test
+                 ucx_data_plane_test
                  router_process_test worker_process_test)
   suite_args[cpu_kernels_test]="--gtest_filter=TeamTest.*"
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -97,6 +97,7 @@ absl::StatusOr<StoreDescription> KvControlPlane::Describe(absl::Duration timeout
   d.arena_bytes = r.arena_bytes();
   d.block_bytes = r.block_bytes();
   d.ucx_port = r.ucx_port();
+  d.ucx_appends = r.ucx_appends();
   d.staging_dir = r.staging_dir();
   return d;
 }
@@ -166,29 +167,42 @@ absl::Status KvControlPlane::Append(const StoreAppend& a) {
   return FromGrpcStatus(stub_->Append(&ctx, req, &resp));
 }
 
-std::vector<absl::Status> KvControlPlane::AppendBatch(const std::vector<StoreAppend>& appends,
-                                                      const std::string& staging_file,
-                                                      absl::Status* call_status,
-                                                      const std::string& released_staging_file) {
+pb::AppendBatchRequest AppendBatchRequestOf(const std::vector<StoreAppend>& appends,
+                                            const std::string& staging_file,
+                                            const std::string& released_staging_file) {
   pb::AppendBatchRequest req;
   for (const StoreAppend& a : appends) ToProto(a, req.add_appends());
   req.set_staging_file(staging_file);
   req.set_released_staging_file(released_staging_file);
-  pb::AppendBatchResponse resp;
-  grpc::ClientContext ctx;
-  Prepare(ctx, config_.call_timeout);
-  const absl::Status call = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
-  if (call_status != nullptr) *call_status = call;
-  std::vector<absl::Status> statuses(appends.size(), call);  // a failed call fails every append
+  return req;
+}
+
+std::vector<absl::Status> AppendStatuses(const absl::Status& call,
+                                         const pb::AppendBatchResponse& answer, size_t appends) {
+  std::vector<absl::Status> statuses(appends, call);  // a failed call fails every append
   if (call.ok()) {
-    for (const pb::AppendFailure& f : resp.failures()) {
-      if (f.index() < 0 || f.index() >= static_cast<int>(appends.size())) continue;
+    for (const pb::AppendFailure& f : answer.failures()) {
+      if (f.index() < 0 || f.index() >= static_cast<int>(appends)) continue;
       statuses[f.index()] = absl::Status(
           f.code() == 0 ? absl::StatusCode::kInternal : static_cast<absl::StatusCode>(f.code()),
           f.message());
     }
   }
   return statuses;
+}
+
+std::vector<absl::Status> KvControlPlane::AppendBatch(const std::vector<StoreAppend>& appends,
+                                                      const std::string& staging_file,
+                                                      absl::Status* call_status,
+                                                      const std::string& released_staging_file) {
+  const pb::AppendBatchRequest req =
+      AppendBatchRequestOf(appends, staging_file, released_staging_file);
+  pb::AppendBatchResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(ctx, config_.call_timeout);
+  const absl::Status call = FromGrpcStatus(stub_->AppendBatch(&ctx, req, &resp));
+  if (call_status != nullptr) *call_status = call;
+  return AppendStatuses(call, resp, appends.size());
 }
 
 absl::StatusOr<KvStoreStats> KvControlPlane::Stats() {

@@ -36,6 +36,7 @@ struct StoreDescription {
   int64_t arena_bytes = 0;
   int64_t block_bytes = 0;
   int ucx_port = 0;         // its UCX data plane (0: none)
+  bool ucx_appends = false;  // which takes append batches too
   std::string staging_dir;  // where appends' rows may be staged ("": nowhere)
 };
 
@@ -56,6 +57,16 @@ struct StoreAppend {
   // >= 0: k's and then v's bytes are at this offset of AppendBatch's staging file instead.
   int64_t staged_offset = -1;
 };
+
+// An AppendBatch call's request (each staged append's rows at its staged_offset), and each
+// append's status from the call's own status and its answer (the UCX data plane sends the same
+// messages).
+kvstore::v1::AppendBatchRequest AppendBatchRequestOf(const std::vector<StoreAppend>& appends,
+                                                     const std::string& staging_file = "",
+                                                     const std::string& released_staging_file = "");
+std::vector<absl::Status> AppendStatuses(const absl::Status& call,
+                                         const kvstore::v1::AppendBatchResponse& answer,
+                                         size_t appends);
 
 class KvControlPlane {
  public:

@@ -3,12 +3,13 @@
 // store's shared arena mapped here (shm_data_plane.cc), UCX (ucx_client_data_plane.cc, built
 // with UCX only; kv_store/client/transports.h declares their makers). Everything else goes over
 // the control plane (control_plane.h); RemoteKvClient (remote_client.cc) ties the two together.
-// Gather runs on the client's queue thread, Appended on its append thread; the rest on the queue
-// thread.
+// Gather runs on the client's queue thread, Appended and AppendBatch on its append thread; the
+// rest on the queue thread.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,12 @@ class KvDataPlane {
   // The file staging moved on from (for the store to let go of), once: "" if none. Append
   // thread.
   virtual std::string TakeReleasedStaging() { return ""; }
+  // Sends an append batch over the data plane (UCX, when the store takes it there): each
+  // append's status; nullopt: it goes over the control plane. Append thread.
+  virtual std::optional<std::vector<absl::Status>> AppendBatch(
+      const std::vector<StoreAppend>& appends) {
+    return std::nullopt;
+  }
   virtual bool reads_in_place() const { return false; }
   virtual KvStoreClient::Span mapped_memory() const { return {}; }
 };

@@ -96,11 +96,23 @@ class RemoteKvClient final : public QueuedKvClient {
     return *std::move(staged);
   }
 
-  // One AppendBatch call for everything that piled up (an Append each costs a round trip). Over
-  // shm the rows of an append are in the staging file (StageRows), or copied there now if it
+  // One AppendBatch call for everything that piled up (an Append each costs a round trip): over
+  // UCX in one message with its rows where the store takes that (the data plane's AppendBatch).
+  // Over shm the rows of an append are in the staging file (StageRows), or copied there now if it
   // was full then and has room now; those staged in a file staging has moved on from are sent.
   std::vector<absl::Status> DoAppendBatch(const std::vector<AppendJob>& jobs) override {
     std::shared_ptr<StagingRing> ring = data_->append_staging();
+    if (ring == nullptr) {  // over the data plane where it carries appends (UCX)
+      std::vector<StoreAppend> appends;
+      appends.reserve(jobs.size());
+      for (const AppendJob& j : jobs) {
+        appends.push_back({j.seq, j.layer, j.start, j.n, j.k_rows(), j.v_rows(), j.slots});
+      }
+      if (std::optional<std::vector<absl::Status>> statuses = data_->AppendBatch(appends)) {
+        NoteAppended(jobs, *statuses);
+        return *std::move(statuses);
+      }
+    }
     if (jobs.size() == 1 && ring == nullptr) {
       const AppendJob& j = jobs[0];
       return {DoAppend(j.seq, j.layer, j.start, j.n, j.k_rows(), j.v_rows(), j.slots)};
@@ -140,11 +152,15 @@ class RemoteKvClient final : public QueuedKvClient {
       }
     }
     staged_now_.clear();
+    NoteAppended(jobs, statuses);
+    return statuses;
+  }
+  // Tells the data plane where each job's layer ends in the store now.
+  void NoteAppended(const std::vector<AppendJob>& jobs, const std::vector<absl::Status>& statuses) {
     for (size_t i = 0; i < jobs.size(); ++i) {
       data_->Appended(jobs[i].seq, jobs[i].layer,
                       statuses[i].ok() ? jobs[i].start + jobs[i].n : KvDataPlane::kAppendFailed);
     }
-    return statuses;
   }
 
   absl::Status DoGather(const std::vector<ClientGatherItem>& items) override {

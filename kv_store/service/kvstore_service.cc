@@ -125,8 +125,8 @@ grpc::Status KvStoreService::AppendRows(const AppendRequest& req, const uint8_t*
   return grpc::Status::OK;
 }
 
-grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
-                                         const AppendBatchRequest* req, AppendBatchResponse* resp) {
+grpc::Status KvStoreService::AppendBatch(grpc::ServerContext*, const AppendBatchRequest* req,
+                                         AppendBatchResponse* resp) {
   // The caller's staging file, mapped (the whole call fails for one the store cannot read).
   if (!req->released_staging_file().empty()) staging_.Release(req->released_staging_file());
   std::shared_ptr<const StagingMapping> staging;
@@ -135,27 +135,53 @@ grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
     if (!m.ok()) return ToGrpcStatus(m.status());
     staging = *std::move(m);
   }
-  // One append: its rows from the staging file or from its own bytes.
+  std::optional<std::span<const uint8_t>> staged;
+  if (staging != nullptr) staged.emplace(staging->data(), staging->size());
+  ApplyAppendBatch(*req, staged, "staging file", resp);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::string> KvStoreService::AppendBatchWithRows(std::span<const uint8_t> request,
+                                                                std::span<const uint8_t> rows) {
+  AppendBatchRequest req;
+  if (!req.ParseFromArray(request.data(), static_cast<int>(request.size()))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the append message's first ", request.size(), " bytes are not an AppendBatchRequest"));
+  }
+  if (!req.staging_file().empty() || !req.released_staging_file().empty()) {
+    return absl::InvalidArgumentError(
+        "an append message carries its rows after its request: it names no staging file");
+  }
+  AppendBatchResponse resp;
+  ApplyAppendBatch(req, rows, "message", &resp);
+  return resp.SerializeAsString();
+}
+
+void KvStoreService::ApplyAppendBatch(const AppendBatchRequest& req,
+                                      std::optional<std::span<const uint8_t>> staged,
+                                      const char* where, AppendBatchResponse* resp) {
+  // One append: its rows from the staged place or from its own bytes.
   auto append = [&](const AppendRequest& a, AppendResponse* one) {
-    if (a.staged_bytes() == 0) return Append(context, &a, one);
-    if (staging == nullptr) {
-      return ToGrpcStatus(absl::InvalidArgumentError("staged rows without a staging_file"));
+    if (a.staged_bytes() == 0) return Append(nullptr, &a, one);
+    if (!staged) {
+      return ToGrpcStatus(
+          absl::InvalidArgumentError(absl::StrCat("staged rows without a ", where)));
     }
     const uint64_t at = static_cast<uint64_t>(a.staged_offset());
     const uint64_t bytes = static_cast<uint64_t>(a.staged_bytes());
     if (a.staged_offset() < 0 || a.staged_bytes() < 0 || !a.k().empty() || !a.v().empty() ||
-        bytes > staging->size() / 2 || at > staging->size() - 2 * bytes) {
+        bytes > staged->size() / 2 || at > staged->size() - 2 * bytes) {
       return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
           "staged rows [", a.staged_offset(), ", +2 x ", a.staged_bytes(), ") are not inside the ",
-          staging->size(), "-byte staging file (and k, v must then be empty)")));
+          staged->size(), "-byte ", where, " (and k, v must then be empty)")));
     }
-    const uint8_t* k = staging->data() + at;
+    const uint8_t* k = staged->data() + at;
     return AppendRows(a, k, k + bytes, static_cast<size_t>(bytes), one);
   };
   absl::flat_hash_map<uint64_t, int> failed;  // sequence -> index of its failed append
   int applied = 0;
-  for (int i = 0; i < req->appends_size(); ++i) {
-    const uint64_t seq = req->appends(i).sequence_id();
+  for (int i = 0; i < req.appends_size(); ++i) {
+    const uint64_t seq = req.appends(i).sequence_id();
     AppendFailure* failure = nullptr;
     if (auto it = failed.find(seq); it != failed.end()) {
       failure = resp->add_failures();
@@ -164,7 +190,7 @@ grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
                                         " of this batch to sequence ", seq, " failed"));
     } else {
       AppendResponse one;
-      const grpc::Status st = append(req->appends(i), &one);
+      const grpc::Status st = append(req.appends(i), &one);
       if (st.ok()) {
         ++applied;
         continue;
@@ -177,7 +203,6 @@ grpc::Status KvStoreService::AppendBatch(grpc::ServerContext* context,
     failure->set_index(i);
   }
   resp->set_applied(applied);
-  return grpc::Status::OK;
 }
 
 grpc::Status KvStoreService::Gather(grpc::ServerContext*, const GatherRequest* req,
@@ -269,6 +294,7 @@ grpc::Status KvStoreService::Describe(grpc::ServerContext*, const DescribeReques
   r->set_arena_bytes(static_cast<int64_t>(a.num_blocks() * a.block_bytes()));
   r->set_block_bytes(static_cast<int64_t>(a.block_bytes()));
   r->set_ucx_port(ucx_port_.load());
+  r->set_ucx_appends(ucx_appends_.load());
   r->set_instance(instance_);
   r->set_staging_dir(staging_.dir());
   return grpc::Status::OK;

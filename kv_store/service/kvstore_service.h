@@ -4,6 +4,9 @@
 
 #include <atomic>
 #include <functional>
+#include <optional>
+#include <span>
+#include <string>
 
 #include "absl/time/time.h"
 #include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
@@ -44,8 +47,18 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
   grpc::Status Blocks(grpc::ServerContext*, const kvstore::v1::BlocksRequest*,
                       kvstore::v1::BlocksResponse*) override;
 
-  // The port of the UCX data plane, advertised by Describe (0: none).
-  void set_ucx_port(int port) { ucx_port_ = port; }
+  // The port of the UCX data plane, advertised by Describe (0: none), and whether it takes
+  // appends (AppendBatchWithRows as its UcxAppendHandler).
+  void set_ucx_port(int port, bool appends = false) {
+    ucx_port_ = port;
+    ucx_appends_ = appends;
+  }
+  // An AppendBatch whose rows came in one message after it (the UCX data plane): `request` an
+  // AppendBatchRequest's bytes, each append's rows at its staged_offset of `rows`. The
+  // AppendBatchResponse's bytes, or INVALID_ARGUMENT for a request that does not parse or
+  // names a staging file.
+  absl::StatusOr<std::string> AppendBatchWithRows(std::span<const uint8_t> request,
+                                                  std::span<const uint8_t> rows);
   // Random per service object (per run of the store process), told to clients so that a shm
   // client notices a restarted store and maps its new arena.
   uint64_t instance() const { return instance_; }
@@ -54,8 +67,14 @@ class KvStoreService final : public kvstore::v1::KvStore::Service {
   // One append of `req`'s rows, k and v of `bytes` bytes each (its own, or a staging file's).
   grpc::Status AppendRows(const kvstore::v1::AppendRequest& req, const uint8_t* k, const uint8_t* v,
                           size_t bytes, kvstore::v1::AppendResponse* resp);
+  // Applies each append of `req` on its own (AppendBatchResponse's failures); staged rows are
+  // read from `staged` (`where`: what it is, for errors), none if there is no such place.
+  void ApplyAppendBatch(const kvstore::v1::AppendBatchRequest& req,
+                        std::optional<std::span<const uint8_t>> staged, const char* where,
+                        kvstore::v1::AppendBatchResponse* resp);
 
   std::atomic<int> ucx_port_{0};
+  std::atomic<bool> ucx_appends_{false};
   KvStore& store_;
   Clock clock_;
   const uint64_t instance_;

@@ -87,15 +87,19 @@ int main(int argc, char** argv) {
   }
 
 #if INFINIGEN_HAVE_UCX
-  std::unique_ptr<infinigen::UcxGatherServer> ucx;
+  std::unique_ptr<infinigen::UcxDataServer> ucx;
   if (ucx_port > 0) {
-    auto u = infinigen::UcxGatherServer::Start(**store, ucx_port);
+    auto u = infinigen::UcxDataServer::Start(
+        **store, ucx_port, [&service](std::span<const uint8_t> request,
+                                      std::span<const uint8_t> rows) {
+          return service.AppendBatchWithRows(request, rows);
+        });
     if (!u.ok()) {
       std::cerr << "infinigen-kvstore: " << u.status().message() << "\n";
       return 1;
     }
     ucx = std::move(*u);
-    service.set_ucx_port(ucx->port());
+    service.set_ucx_port(ucx->port(), /*appends=*/true);
   }
 #else
   if (ucx_port > 0) {

@@ -18,6 +18,17 @@ namespace infinigen {
 // Active-message ids: a worker's request, the store's reply.
 inline constexpr unsigned kGatherRequest = 1;
 inline constexpr unsigned kGatherReply = 2;
+// An append batch: AppendHeader, then the AppendBatchRequest's bytes and the rows it stages; the
+// reply: a ReplyHeader (offset 0) and the AppendBatchResponse's bytes, or the error's text.
+inline constexpr unsigned kAppendRequest = 3;
+inline constexpr unsigned kAppendReply = 4;
+// The most an append message may hold (the gRPC transport's message limit too).
+inline constexpr uint64_t kMaxUcxAppendBytes = uint64_t{256} << 20;
+
+struct AppendHeader {
+  uint64_t id;
+  uint64_t request_bytes;  // the AppendBatchRequest's; the rows follow it
+};
 
 // The header of a request; its payload is the items below.
 struct RequestHeader {

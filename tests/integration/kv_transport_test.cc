@@ -1,6 +1,6 @@
 // One test suite for every KV transport: in-process, gRPC, shm and UCX. The remote ones talk to a
 // real gRPC server on 127.0.0.1 serving a real store (UCX over loopback). Then the service's
-// limits, and the UCX data plane against peers that misbehave or leave.
+// limits. The UCX data plane against peers that misbehave or leave: ucx_data_plane_test.cc.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -18,10 +18,6 @@
 #include "kv_store/service/kvstore_service.h"
 #include "kv_store/staging_file.h"
 #if INFINIGEN_HAVE_UCX
-#include <arpa/inet.h>
-#include <ucp/api/ucp.h>
-
-#include "kv_store/ucx/gather_wire.h"
 #include "kv_store/ucx/ucx_data_plane.h"
 #endif
 
@@ -48,10 +44,13 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
 #if INFINIGEN_HAVE_UCX
       if (GetParam() == KvClientConfig::Transport::kUcx) {
         setenv("UCX_NET_DEVICES", "lo", 0);  // loopback only, as a test must
-        auto ucx = UcxGatherServer::Start(*store_, 0);
+        auto ucx = UcxDataServer::Start(
+            *store_, 0, [this](std::span<const uint8_t> request, std::span<const uint8_t> rows) {
+              return service_->AppendBatchWithRows(request, rows);
+            });
         ASSERT_TRUE(ucx.ok()) << ucx.status();
         ucx_ = std::move(*ucx);
-        service_->set_ucx_port(ucx_->port());
+        service_->set_ucx_port(ucx_->port(), /*appends=*/true);
       }
 #endif
       grpc::ServerBuilder builder;
@@ -107,7 +106,7 @@ class KvTransport : public ::testing::TestWithParam<KvClientConfig::Transport> {
   std::unique_ptr<KvStoreService> service_;
   std::unique_ptr<grpc::Server> server_;
 #if INFINIGEN_HAVE_UCX
-  std::unique_ptr<UcxGatherServer> ucx_;
+  std::unique_ptr<UcxDataServer> ucx_;
 #endif
   KvClientConfig config_;
   std::unique_ptr<KvStoreClient> client_;
@@ -906,167 +905,6 @@ TEST(KvStoreServiceLimits, StagedAppendsAreReadFromTheCallersFileOrRefused) {
     EXPECT_EQ(v[32 + b], 96 + b);
   }
 }
-
-#if INFINIGEN_HAVE_UCX
-// A SmallStore holding sequence 1: one layer of `heads` KV heads of 32-byte rows, one token
-// whose rows are all 7s.
-std::unique_ptr<KvStore> StoreWithOneToken(int heads) {
-  auto store = SmallStore();
-  SequenceSpec spec;
-  spec.num_layers = 1;
-  spec.num_kv_heads = heads;
-  spec.head_dim = 16;
-  spec.dtype = DType::kBF16;
-  EXPECT_TRUE(store->Open(1, spec, absl::Now()).ok());
-  const std::vector<uint8_t> rows(heads * 32, 7);
-  EXPECT_TRUE(store->Append(1, 0, 0, 1, rows.data(), rows.data(), rows.size()).ok());
-  return store;
-}
-
-// A raw UCX peer that sends the store request bytes no worker would send.
-class RawUcxPeer {
- public:
-  explicit RawUcxPeer(int port) {
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
-    ucp_config_t* config = nullptr;
-    EXPECT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
-    EXPECT_EQ(ucp_init(&params, config, &context_), UCS_OK);
-    ucp_config_release(config);
-    ucp_worker_params_t wp{};
-    EXPECT_EQ(ucp_worker_create(context_, &wp, &worker_), UCS_OK);
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = kGatherReply;
-    hp.cb = [](void* arg, const void* header, size_t header_length, void* data, size_t length,
-               const ucp_am_recv_param_t*) -> ucs_status_t {
-      auto* self = static_cast<RawUcxPeer*>(arg);
-      ReplyHeader h{};
-      if (header_length == sizeof(h)) std::memcpy(&h, header, sizeof(h));
-      self->reply_ = absl::Status(static_cast<absl::StatusCode>(h.code),
-                                  std::string(static_cast<const char*>(data), length));
-      self->replied_ = true;
-      return UCS_OK;
-    };
-    hp.arg = this;
-    EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
-    ep.sockaddr.addrlen = sizeof(addr);
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    EXPECT_EQ(ucp_ep_create(worker_, &ep, &ep_), UCS_OK);
-  }
-  ~RawUcxPeer() {
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep_, &rp);
-    while (r != nullptr && !UCS_PTR_IS_ERR(r) && ucp_request_check_status(r) == UCS_INPROGRESS) {
-      ucp_worker_progress(worker_);
-    }
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
-    ucp_worker_destroy(worker_);
-    ucp_cleanup(context_);
-  }
-  // Sends one request and returns the store's answer (its code and text), or DEADLINE_EXCEEDED.
-  absl::Status Request(const std::vector<uint8_t>& payload) {
-    RequestHeader header{++id_, 1 << 20};
-    replied_ = false;
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t send = ucp_am_send_nbx(ep_, kGatherRequest, &header, sizeof(header),
-                                            payload.data(), payload.size(), &rp);
-    const absl::Time deadline = absl::Now() + absl::Seconds(5);
-    while ((!replied_ || (send != nullptr && ucp_request_check_status(send) == UCS_INPROGRESS)) &&
-           absl::Now() < deadline) {
-      ucp_worker_progress(worker_);
-    }
-    if (send != nullptr && !UCS_PTR_IS_ERR(send)) ucp_request_free(send);
-    if (!replied_) return absl::DeadlineExceededError("no reply");
-    return reply_;
-  }
-
- private:
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
-  ucp_ep_h ep_ = nullptr;
-  uint64_t id_ = 0;
-  bool replied_ = false;
-  absl::Status reply_;
-};
-
-// Request bytes no worker sends get an error reply naming what is wrong, and the store keeps
-// serving: before the request codec, 2^32 - 1 announced items made the store allocate ~190 GiB
-// inside a UCX callback (std::terminate), and a count wrapping around with the heads passed.
-TEST(UcxDataPlane, MalformedRequestsGetErrorsAndTheStoreServesOn) {
-  setenv("UCX_NET_DEVICES", "lo", 0);
-  auto store = StoreWithOneToken(4);
-  const std::vector<uint8_t> rows(4 * 32, 7);
-  auto server = UcxGatherServer::Start(*store, 0);
-  ASSERT_TRUE(server.ok()) << server.status();
-  RawUcxPeer peer((*server)->port());
-  std::vector<uint8_t> many;
-  PutItemCount(many, 0xffffffffu);
-  many.resize(16, 0xab);
-  const absl::Status items = peer.Request(many);
-  EXPECT_EQ(items.code(), absl::StatusCode::kInvalidArgument) << items;
-  EXPECT_NE(items.message().find("malformed gather request"), std::string::npos) << items;
-  std::vector<uint8_t> wraps;
-  PutItemCount(wraps, 1);
-  const std::vector<int32_t> four = {0, 0, 0, 0};
-  PutGatherItem(wraps, 1, 0, (int64_t{1} << 62) + 1, four);  // x 4 heads = 2^64 + 4
-  const absl::Status count = peer.Request(wraps);
-  EXPECT_EQ(count.code(), absl::StatusCode::kInvalidArgument) << count;
-  std::vector<uint8_t> unknown;
-  PutItemCount(unknown, 1);
-  PutGatherItem(unknown, 99, 0, 1, four);
-  EXPECT_EQ(peer.Request(unknown).code(), absl::StatusCode::kNotFound);
-  // A worker's channel is served as before.
-  auto channel = UcxGatherChannel::Connect("127.0.0.1", (*server)->port());
-  ASSERT_TRUE(channel.ok()) << channel.status();
-  std::vector<uint8_t> k(4 * 32), v(4 * 32);
-  std::vector<ClientGatherItem> ok = {{1, 0, 1, four, k.data(), v.data()}};
-  ASSERT_TRUE((*channel)->Gather(ok, {32}, absl::Seconds(5)).ok());
-  EXPECT_EQ(k, rows);
-}
-
-// A worker's UCX channel that goes away (a crash, or a broken channel dropped to reconnect)
-// leaves no endpoint behind in the store, and the store keeps serving the next one.
-TEST(UcxDataPlane, EndpointsOfWorkersThatLeaveAreClosed) {
-  auto store = StoreWithOneToken(1);
-  const std::vector<uint8_t> row(32, 7);
-  auto server = UcxGatherServer::Start(*store, 0);
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto wait_for = [&](int workers) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while ((*server)->connected_workers() != workers && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    return (*server)->connected_workers();
-  };
-  for (int round = 0; round < 3; ++round) {
-    auto channel = UcxGatherChannel::Connect("127.0.0.1", (*server)->port());
-    ASSERT_TRUE(channel.ok()) << channel.status();
-    std::vector<uint8_t> k(32), v(32);
-    std::vector<ClientGatherItem> items = {{1, 0, 1, {0}, k.data(), v.data()}};
-    ASSERT_TRUE((*channel)->Gather(items, {32}, absl::Seconds(5)).ok()) << "round " << round;
-    EXPECT_EQ(k, row);
-    EXPECT_EQ(wait_for(1), 1) << "round " << round;
-    channel->reset();
-    EXPECT_EQ(wait_for(0), 0) << "round " << round << ": the store kept the endpoint";
-  }
-}
-#endif
 
 INSTANTIATE_TEST_SUITE_P(Transports, KvTransport,
                          ::testing::Values(KvClientConfig::Transport::kInProcess,
