@@ -34,8 +34,9 @@ class UcxDataPlane final : public KvDataPlane {
   // stream's first call (a connection's wire-up measured 650 ms on loopback TCP).
   absl::Status Connect() override {
     IG_ASSIGN_OR_RETURN(channel_, Dial());
-    if (takes_appends_.load()) {
-      IG_ASSIGN_OR_RETURN(append_channel_, Dial());
+    if (takes_appends_.load()) {  // a failure here is the append thread's to retry
+      absl::StatusOr<std::unique_ptr<UcxDataChannel>> appends = Dial();
+      if (appends.ok()) append_channel_ = *std::move(appends);
     }
     return absl::OkStatus();
   }
@@ -71,6 +72,9 @@ class UcxDataPlane final : public KvDataPlane {
       at += 2 * a.k.size();
     }
     absl::Status call = Reconnect(append_channel_);
+    // The store described itself again there: one that no longer takes appends over UCX (a
+    // rollback, a restart without --ucx_port) gets this batch over gRPC, nothing of it sent yet.
+    if (!takes_appends_.load()) return std::nullopt;
     pb::AppendBatchResponse answer;
     if (call.ok()) {
       absl::StatusOr<std::string> bytes = append_channel_->AppendBatch(
@@ -89,11 +93,11 @@ class UcxDataPlane final : public KvDataPlane {
   // A channel to the store's UCX data plane, which it describes (and whether it takes appends).
   absl::StatusOr<std::unique_ptr<UcxDataChannel>> Dial() {
     IG_ASSIGN_OR_RETURN(const StoreDescription d, control_.Describe(connect_timeout_));
+    takes_appends_.store(d.ucx_port != 0 && d.ucx_appends);
     if (d.ucx_port == 0) {
       return absl::FailedPreconditionError(
           "the KV store serves no UCX data plane (start it with --ucx_port)");
     }
-    takes_appends_.store(d.ucx_appends);
     const std::string& address = control_.address();
     return UcxDataChannel::Connect(address.substr(0, address.rfind(':')), d.ucx_port);
   }

@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   infinigen::TlsFiles tls;
   int64_t capacity_mb = 1024, drain_seconds = 5;
   int metrics_port = 0, ucx_port = 0;
-  bool check_flags = false;
+  bool check_flags = false, ucx_appends = true;
   infinigen::FlagSet flags("infinigen-kvstore", "[--listen HOST:PORT] [--capacity-mb N] [flags]",
                            "Host-memory KV caches served to workers.");
   flags.String("listen", &listen, "gRPC address to serve on (host:port)");
@@ -46,7 +46,9 @@ int main(int argc, char** argv) {
   flags.Bool("huge-pages", &config.huge_pages,
              "back the arena with huge pages when the system has them");
   flags.Int("metrics-port", &metrics_port, "Prometheus metrics on this HTTP port (0: off)");
-  flags.Int("ucx-port", &ucx_port, "serve gathers over UCX on this TCP port (0: off)");
+  flags.Int("ucx-port", &ucx_port, "serve gathers and appends over UCX on this TCP port (0: off)");
+  flags.Bool("ucx-appends", &ucx_appends,
+             "take workers' append batches over UCX too (false: they append over gRPC)");
   flags.Int("drain-seconds", &drain_seconds, "how long shutdown waits for calls in flight");
   flags.String("tls-cert", &tls.cert, "serve TLS with this certificate chain (PEM)");
   flags.String("tls-key", &tls.key, "the private key of --tls-cert (PEM)");
@@ -89,17 +91,19 @@ int main(int argc, char** argv) {
 #if INFINIGEN_HAVE_UCX
   std::unique_ptr<infinigen::UcxDataServer> ucx;
   if (ucx_port > 0) {
-    auto u = infinigen::UcxDataServer::Start(
-        **store, ucx_port, [&service](std::span<const uint8_t> request,
-                                      std::span<const uint8_t> rows) {
-          return service.AppendBatchWithRows(request, rows);
-        });
+    infinigen::UcxAppendHandler on_append;  // none: append messages are refused
+    if (ucx_appends) {
+      on_append = [&service](std::span<const uint8_t> request, std::span<const uint8_t> rows) {
+        return service.AppendBatchWithRows(request, rows);
+      };
+    }
+    auto u = infinigen::UcxDataServer::Start(**store, ucx_port, std::move(on_append));
     if (!u.ok()) {
       std::cerr << "infinigen-kvstore: " << u.status().message() << "\n";
       return 1;
     }
     ucx = std::move(*u);
-    service.set_ucx_port(ucx->port(), /*appends=*/true);
+    service.set_ucx_port(ucx->port(), ucx_appends);
   }
 #else
   if (ucx_port > 0) {

@@ -115,12 +115,17 @@ struct UcxDataServer::State {
   // Message buffers of answered appends, kept for the next (a fresh one's pages would be
   // faulted in at every batch: tens of megabytes each).
   std::vector<std::pair<std::unique_ptr<uint8_t[]>, size_t>> spare_messages;
-  void TakeMessageBuffer(AppendJob& job) {
+  void TakeMessageBuffer(AppendJob& job) {  // the smallest spare that fits
+    auto best = spare_messages.end();
     for (auto it = spare_messages.begin(); it != spare_messages.end(); ++it) {
-      if (it->second < job.length) continue;
-      job.message = std::move(it->first);
-      job.capacity = it->second;
-      spare_messages.erase(it);
+      if (it->second >= job.length && (best == spare_messages.end() || it->second < best->second)) {
+        best = it;
+      }
+    }
+    if (best != spare_messages.end()) {
+      job.message = std::move(best->first);
+      job.capacity = best->second;
+      spare_messages.erase(best);
       return;
     }
     job.capacity = std::max<size_t>(job.length, 1);

@@ -9,6 +9,10 @@
 # (the sidecar next to the model), prompts must pass the worker's --min_budget_tokens (256) for
 # any layer to be sparse.
 #
+# TRANSPORTS (default "in-process grpc shm ucx") picks the worker paths; "ucx-grpc-appends" is
+# UCX with the store told to take no appends over UCX (--ucx_appends=false: they go over gRPC).
+# STREAMS (default 1,4,16) and LOCAL=0 (skip the local engine) narrow the run.
+#
 # usage: scripts/bench/worker_vs_local.sh [threads=2] [prompt_tokens=128] [new_tokens=64]
 #                                         [policy=full]
 set -euo pipefail
@@ -21,7 +25,7 @@ LOGS="$(mktemp -d)"
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
-COMMON=(--streams 1,4,16 --prompt-tokens "$PROMPT" --new-tokens "$NEW" --policy "$POLICY")
+COMMON=(--streams "${STREAMS:-1,4,16}" --prompt-tokens "$PROMPT" --new-tokens "$NEW" --policy "$POLICY")
 
 wait_for() {  # log file, pattern
   for _ in $(seq 1 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
@@ -30,13 +34,18 @@ wait_for() {  # log file, pattern
 
 echo "| path | streams | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
 echo "|---|---:|---:|---:|---:|---:|"
-$BIN/worker_bench --local "$MODEL" --threads "$THREADS" --cpu-weights q8 "${COMMON[@]}"
+if [[ ${LOCAL:-1} != 0 ]]; then
+  $BIN/worker_bench --local "$MODEL" --threads "$THREADS" --cpu-weights q8 "${COMMON[@]}"
+fi
 
-for transport in in-process grpc shm ucx; do
+for path in ${TRANSPORTS:-in-process grpc shm ucx}; do
+  transport=$path
+  [[ $path == ucx-grpc-appends ]] && transport=ucx
   store_port=$((52000 + RANDOM % 1000)) worker_port=$((53000 + RANDOM % 1000))
   ucx_port=$((54000 + RANDOM % 1000))
   if [[ $transport != in-process ]]; then
     [[ $transport == ucx ]] && uflag=(--ucx_port "$ucx_port") || uflag=()
+    [[ $path == ucx-grpc-appends ]] && uflag+=(--ucx_appends=false)
     $BIN/infinigen-kvstore --listen "127.0.0.1:$store_port" --capacity_mb 2048 \
       --huge_pages=false "${uflag[@]}" > "$LOGS/store.log" 2>&1 &
     PIDS+=($!)
@@ -47,7 +56,7 @@ for transport in in-process grpc shm ucx; do
     --cpu_weights q8 --threads "$THREADS" --max_running 16 > "$LOGS/worker.log" 2>&1 &
   PIDS+=($!)
   wait_for "$LOGS/worker.log" "serving"
-  $BIN/worker_bench --target "127.0.0.1:$worker_port" --label "worker + store ($transport)" \
+  $BIN/worker_bench --target "127.0.0.1:$worker_port" --label "worker + store ($path)" \
     "${COMMON[@]}"
   cleanup
   PIDS=()

@@ -328,6 +328,28 @@ TEST_F(UcxAppends, AStoreThatTakesNoneOverUcxGetsThemOverGrpc) {
   EXPECT_EQ(ucx_->append_batches(), 0);
 }
 
+// A store whose UCX data plane comes back taking no appends (a rollback to an older build) gets
+// the client's appends over gRPC from its first batch after the client noticed, not failures.
+TEST_F(UcxAppends, AStoreThatStopsTakingThemOverUcxGetsThemOverGrpc) {
+  Start(/*ucx_appends=*/true);
+  AppendThenReadBack(1, 64, 2);
+  ASSERT_GT(ucx_->append_batches(), 0);
+  ucx_.reset();
+  auto older = UcxDataServer::Start(*store_, 0);  // no append handler
+  ASSERT_TRUE(older.ok()) << older.status();
+  ucx_ = std::move(*older);
+  service_->set_ucx_port(ucx_->port(), /*appends=*/false);
+  // The first calls on the old channels fail (their store went away); then they reconnect.
+  const std::vector<uint8_t> row(4 * 128, 9);
+  client_->AppendAsync(1, 0, 66, 1, row, row);
+  (void)client_->Flush(absl::Now() + absl::Seconds(10));
+  std::vector<uint8_t> k(4 * 128), v(4 * 128);
+  (void)client_->GatherAsync({{1, 0, 1, {0, 0, 0, 0}, k.data(), v.data()}})
+      ->Wait(absl::Now() + absl::Seconds(10));
+  AppendThenReadBack(2, 300, 3);
+  EXPECT_EQ(ucx_->append_batches(), 0);
+}
+
 // Append messages no worker sends get errors naming what is wrong, and the store serves on.
 TEST(UcxDataPlane, MalformedAppendMessagesGetErrorsAndTheStoreServesOn) {
   setenv("UCX_NET_DEVICES", "lo", 0);
