@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <span>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/numbers.h"
@@ -173,10 +174,35 @@ int main(int argc, char** argv) {
     if (cold_gbps < 0 || !client->Close(cold).ok()) return 1;
     const double warm_gbps = fill(seq);
     if (warm_gbps < 0) return 1;
+    // A decode step's appends: one token into each of 32 layers, then a Flush (what a gather
+    // that needs them waits for): the round trip of a small batch.
+    const StoreSequenceId step_seq = seq + 2000;
+    SequenceSpec step_spec = spec;
+    step_spec.num_layers = 32;
+    if (auto st = client->Open(step_seq, step_spec); !st.ok()) {
+      std::fprintf(stderr, "%s: %s\n", name, std::string(st.message()).c_str());
+      return 1;
+    }
+    std::vector<double> step_us;
+    const std::span<const uint8_t> one(rows.data(), kHeads * kRowBytes);
+    for (int t = 0; t < 210; ++t) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int layer = 0; layer < 32; ++layer) client->AppendAsync(step_seq, layer, t, 1, one, one);
+      if (auto st = client->Flush(absl::Now() + absl::Seconds(10)); !st.ok()) {
+        std::fprintf(stderr, "%s: %s\n", name, std::string(st.message()).c_str());
+        return 1;
+      }
+      const double dt =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      if (t >= 10) step_us.push_back(dt);
+    }
+    (void)client->Close(step_seq);
     std::printf(
         "{\"transport\":\"%s\",\"append_mb\":%.1f,\"append_gbps_cold\":%.3f,"
-        "\"append_gbps\":%.3f}\n",
-        name, 2.0 * kStored * kHeads * kRowBytes / 1e6, cold_gbps, warm_gbps);
+        "\"append_gbps\":%.3f,\"decode_step_append_us_p50\":%.1f,"
+        "\"decode_step_append_us_p99\":%.1f}\n",
+        name, 2.0 * kStored * kHeads * kRowBytes / 1e6, cold_gbps, warm_gbps,
+        Percentile(step_us, 0.5), Percentile(step_us, 0.99));
     for (int64_t total_per_head : rows_per_head) {
       const int64_t per_head = std::max<int64_t>(1, total_per_head / batch);
       std::vector<int32_t> slots(kHeads * per_head * batch);
