@@ -144,8 +144,10 @@ bool ParseMessages(Reader& r, v1::GenerateRequest& req) {
     }
     std::string text;
     for (const json& part : *content) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-          !part["text"].is_string()) {
+      // json::value() throws for a `type` of another JSON type: each field is checked first.
+      auto type = part.is_object() ? part.find("type") : part.end();
+      if (!part.is_object() || type == part.end() || !type->is_string() || *type != "text" ||
+          !part.contains("text") || !part["text"].is_string()) {
         return r.Fail(
             at + ".content",
             "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported");
@@ -189,7 +191,8 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
     return false;
   }
   if (const json* format = r.Get("response_format");
-      format != nullptr && !(format->is_object() && format->value("type", "") == "text")) {
+      format != nullptr && !(format->is_object() && format->contains("type") &&
+                             (*format)["type"].is_string() && (*format)["type"] == "text")) {
     return r.Fail("response_format", "only {\"type\": \"text\"} responses are supported");
   }
   if (prompt_logprobs) {

@@ -441,6 +441,10 @@ TEST_F(OpenAiHttp, ModelsHealthAndErrorsInOpenAisShape) {
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 999999}}}), 400, "");
   // The fixture has no tokenizer: text prompts are the gRPC API's INVALID_ARGUMENT.
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", "hello"}}), 400, "");
+  // A content part whose `type` is a number: it ended the process (an exception in the parse).
+  expect_error(Call(http_port_, http::verb::post, "/v1/chat/completions",
+                    R"({"messages": [{"role": "user", "content": [{"type": 9, "text": "x"}]}]})"),
+               400, "messages[0].content");
   expect_error(Call(http_port_, http::verb::get, "/v1/nothing", ""), 404, "");
   expect_error(Call(http_port_, http::verb::get, "/v1/completions", ""), 405, "");
   // Larger than 4x the gRPC request limit (the default 1 MiB): 413 before any parsing.

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
 namespace infinigen::openai {
@@ -165,6 +166,42 @@ TEST(OpenAiJson, SamplingFieldsMapOntoTheRequestOrAreRefusedByName) {
                                 "max_completion_tokens": 0})",
                             zero, e));
   EXPECT_EQ(e.param, "max_completion_tokens") << e.message;
+}
+
+// Content parts (and a response_format) of other JSON types than a client would send get a 400
+// naming the field, not an exception (the fuzzer found a part with "type": 9 ending the process:
+// json::value() throws for a field of another type).
+TEST(OpenAiJson, ContentPartsOfTheWrongTypesAreRefused) {
+  ParsedRequest parts;
+  ApiError error;
+  ASSERT_TRUE(ParseRequest(Endpoint::kChatCompletions,
+                           R"({"messages": [{"role": "developer", "content": [
+                                 {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                               {"role": "user", "content": "y"}]})",
+                           parts, error))
+      << error.message;
+  EXPECT_EQ(parts.request.messages().messages(0).content(), "ab");
+  EXPECT_EQ(parts.request.messages().messages(0).role(), "system");
+  for (const char* content : {R"([{"type": 9, "text": "x"}])", R"([{"type": null, "text": "x"}])",
+                              R"([{"type": ["text"], "text": "x"}])", R"([{"text": "x"}])",
+                              R"([{"type": "text", "text": 3}])", R"([{"type": "image_url"}])",
+                              R"([7])", R"({"type": "text"})"}) {
+    const std::string body =
+        absl::StrCat(R"({"messages": [{"role": "user", "content": )", content, "}]}");
+    ParsedRequest bad;
+    ApiError e;
+    EXPECT_FALSE(ParseRequest(Endpoint::kChatCompletions, body, bad, e)) << body;
+    EXPECT_EQ(e.http_status, 400) << body;
+    EXPECT_EQ(e.param, "messages[0].content") << body << ": " << e.message;
+  }
+  for (const char* format : {R"({"type": 5})", R"({"type": "json_object"})", R"("text")"}) {
+    const std::string body = absl::StrCat(
+        R"({"messages": [{"role": "user", "content": "y"}], "response_format": )", format, "}");
+    ParsedRequest bad;
+    ApiError e;
+    EXPECT_FALSE(ParseRequest(Endpoint::kChatCompletions, body, bad, e)) << body;
+    EXPECT_EQ(e.param, "response_format") << body << ": " << e.message;
+  }
 }
 
 // The first message of an echoed completion: one generated token (id 9, " x") after a prompt of
