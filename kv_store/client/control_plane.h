@@ -35,9 +35,9 @@ struct StoreDescription {
   std::string shm_path;   // its arena, when shared ("" otherwise)
   int64_t arena_bytes = 0;
   int64_t block_bytes = 0;
-  int ucx_port = 0;         // its UCX data plane (0: none)
+  int ucx_port = 0;          // its UCX data plane (0: none)
   bool ucx_appends = false;  // which takes append batches too
-  std::string staging_dir;  // where appends' rows may be staged ("": nowhere)
+  std::string staging_dir;   // where appends' rows may be staged ("": nowhere)
 };
 
 // One layer's block table of a sequence (where its rows lie in the store's arena).

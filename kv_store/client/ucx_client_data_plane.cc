@@ -48,8 +48,8 @@ class UcxDataPlane final : public KvDataPlane {
   }
 
   // One message: the request, each append's K then V rows after it (at its staged_offset of
-  // them), copied together. A batch over the message limit, or a store that takes no appends over UCX, goes over
-  // gRPC.
+  // them), copied together. A batch over the message limit, or a store that takes no appends over
+  // UCX, goes over gRPC.
   std::optional<std::vector<absl::Status>> AppendBatch(
       const std::vector<StoreAppend>& appends) override {
     if (!takes_appends_.load()) return std::nullopt;
@@ -106,8 +106,8 @@ class UcxDataPlane final : public KvDataPlane {
     channel.reset();
     absl::StatusOr<std::unique_ptr<UcxDataChannel>> c = Dial();
     if (!c.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("the UCX data plane of the KV store is unreachable: ", c.status().message()));
+      return absl::UnavailableError(absl::StrCat(
+          "the UCX data plane of the KV store is unreachable: ", c.status().message()));
     }
     channel = *std::move(c);
     return absl::OkStatus();
@@ -116,7 +116,7 @@ class UcxDataPlane final : public KvDataPlane {
   KvControlPlane& control_;
   const absl::Duration connect_timeout_;
   const absl::Duration call_timeout_;
-  std::atomic<bool> takes_appends_{false};       // as the store last described itself
+  std::atomic<bool> takes_appends_{false};          // as the store last described itself
   std::unique_ptr<UcxDataChannel> channel_;         // queue thread: gathers
   std::unique_ptr<UcxDataChannel> append_channel_;  // append thread: append batches
   std::vector<uint8_t> message_;                    // append thread: the last batch's message

@@ -145,8 +145,8 @@ absl::StatusOr<std::string> KvStoreService::AppendBatchWithRows(std::span<const 
                                                                 std::span<const uint8_t> rows) {
   AppendBatchRequest req;
   if (!req.ParseFromArray(request.data(), static_cast<int>(request.size()))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the append message's first ", request.size(), " bytes are not an AppendBatchRequest"));
+    return absl::InvalidArgumentError(absl::StrCat("the append message's first ", request.size(),
+                                                   " bytes are not an AppendBatchRequest"));
   }
   if (!req.staging_file().empty() || !req.released_staging_file().empty()) {
     return absl::InvalidArgumentError(

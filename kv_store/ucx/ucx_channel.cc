@@ -1,5 +1,3 @@
-#include "kv_store/ucx/ucx_data_plane.h"
-
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -16,6 +14,7 @@
 #include "common/status_macros.h"
 #include "kv_store/ucx/gather_wire.h"
 #include "kv_store/ucx/ucx_common.h"
+#include "kv_store/ucx/ucx_data_plane.h"
 
 namespace infinigen {
 
@@ -224,8 +223,8 @@ struct UcxDataChannel::State {
   int32_t append_code = 0;
   std::string append_answer;
 
-  static ucs_status_t OnAppendReply(void* arg, const void* header, size_t header_length,
-                                    void* data, size_t length, const ucp_am_recv_param_t* param) {
+  static ucs_status_t OnAppendReply(void* arg, const void* header, size_t header_length, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param) {
     auto* st = static_cast<State*>(arg);
     ReplyHeader h;
     if (header_length != sizeof(h)) return UCS_OK;
@@ -245,7 +244,7 @@ struct UcxDataChannel::State {
 };
 
 absl::StatusOr<std::unique_ptr<UcxDataChannel>> UcxDataChannel::Connect(const std::string& host,
-                                                                            int port) {
+                                                                        int port) {
   std::unique_ptr<UcxDataChannel> c(new UcxDataChannel());
   c->state_ = std::make_unique<State>();
   State& st = *c->state_;
@@ -308,8 +307,7 @@ UcxDataChannel::~UcxDataChannel() {
 bool UcxDataChannel::broken() const { return state_->broken; }
 
 absl::Status UcxDataChannel::Gather(const std::vector<ClientGatherItem>& items,
-                                      const std::vector<int64_t>& row_bytes,
-                                      absl::Duration timeout) {
+                                    const std::vector<int64_t>& row_bytes, absl::Duration timeout) {
   State& st = *state_;
   if (st.broken) return absl::UnavailableError("the UCX connection to the KV store broke");
   std::vector<uint8_t> request;
@@ -409,10 +407,9 @@ absl::StatusOr<std::string> UcxDataChannel::AppendBatch(std::span<const uint8_t>
   State& st = *state_;
   if (st.broken) return absl::UnavailableError("the UCX connection to the KV store broke");
   if (message.size() > kMaxUcxAppendBytes || request_bytes > message.size()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("an append message of ", message.size(), " bytes is over the ",
-                     kMaxUcxAppendBytes, "-byte limit (or shorter than its request): send fewer ",
-                     "rows per batch"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "an append message of ", message.size(), " bytes is over the ", kMaxUcxAppendBytes,
+        "-byte limit (or shorter than its request): send fewer ", "rows per batch"));
   }
   AppendHeader header{st.next_id++, request_bytes};
   st.waiting_append = header.id;

@@ -1,15 +1,16 @@
 // The UCX data plane of the KV store, for workers on other hosts: the rows of gathers and of
-// appends. A gather request goes to the store as one UCX active message and the rows come back as one byte stream laid out as the
-// worker's buffers are (per item: K rows of every head, then V rows) -- never a message per row.
-// A large item travels as two messages (its K rows, its V rows) that the worker receives in
-// place, each into one contiguous destination by rendezvous (zero-copy RMA under the hood): a
-// scattered receive would make UCX copy every fragment. Small items (a batch's many sequences)
-// travel several to a message, received into one buffer and copied out. Connections use peer
-// failure detection, so UCX picks network transports (RDMA where the fabric has it, TCP here;
-// tests use UCX_NET_DEVICES=lo); workers on the store's host use the shm transport. An append
-// batch travels as one message too: the AppendBatchRequest's bytes, its rows staged after them
-// (rendezvous for a large one), answered with the AppendBatchResponse's bytes; over gRPC a
-// prompt's K/V went through protobuf at a third of a GB/s. Other control calls stay on gRPC.
+// appends. A gather request goes to the store as one UCX active message and the rows come back as
+// one byte stream laid out as the worker's buffers are (per item: K rows of every head, then V
+// rows) -- never a message per row. A large item travels as two messages (its K rows, its V rows)
+// that the worker receives in place, each into one contiguous destination by rendezvous (zero-copy
+// RMA under the hood): a scattered receive would make UCX copy every fragment. Small items (a
+// batch's many sequences) travel several to a message, received into one buffer and copied out.
+// Connections use peer failure detection, so UCX picks network transports (RDMA where the fabric
+// has it, TCP here; tests use UCX_NET_DEVICES=lo); workers on the store's host use the shm
+// transport. An append batch travels as one message too: the AppendBatchRequest's bytes, its rows
+// staged after them (rendezvous for a large one), answered with the AppendBatchResponse's bytes;
+// over gRPC a prompt's K/V went through protobuf at a third of a GB/s. Other control calls stay on
+// gRPC.
 #pragma once
 
 #include <atomic>
@@ -29,8 +30,8 @@ namespace infinigen {
 
 // Applies one append batch: `request` (an AppendBatchRequest's bytes, each append's rows at its
 // staged_offset of `rows`) -> the AppendBatchResponse's bytes, or the error of the whole call.
-using UcxAppendHandler = std::function<absl::StatusOr<std::string>(
-    std::span<const uint8_t> request, std::span<const uint8_t> rows)>;
+using UcxAppendHandler = std::function<absl::StatusOr<std::string>(std::span<const uint8_t> request,
+                                                                   std::span<const uint8_t> rows)>;
 
 // Store side: listens on a TCP port for UCX connections and answers gathers, and appends if it
 // has `on_append`, from its own progress thread.
@@ -58,8 +59,7 @@ class UcxDataServer {
 // deadline passes.
 class UcxDataChannel {
  public:
-  static absl::StatusOr<std::unique_ptr<UcxDataChannel>> Connect(const std::string& host,
-                                                                   int port);
+  static absl::StatusOr<std::unique_ptr<UcxDataChannel>> Connect(const std::string& host, int port);
   ~UcxDataChannel();
   // Rows land in the items' buffers; on an error none of them is written after the return.
   absl::Status Gather(const std::vector<ClientGatherItem>& items,

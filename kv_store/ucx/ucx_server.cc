@@ -1,5 +1,3 @@
-#include "kv_store/ucx/ucx_data_plane.h"
-
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -18,6 +16,7 @@
 #include "common/status_macros.h"
 #include "kv_store/ucx/gather_wire.h"
 #include "kv_store/ucx/ucx_common.h"
+#include "kv_store/ucx/ucx_data_plane.h"
 
 namespace infinigen {
 namespace {
@@ -134,8 +133,9 @@ struct UcxDataServer::State {
   void GiveBackMessageBuffer(AppendJob& job) {
     if (job.message == nullptr) return;
     if (spare_messages.size() >= 2) {  // keep the larger
-      auto smallest = std::min_element(spare_messages.begin(), spare_messages.end(),
-                                       [](const auto& a, const auto& b) { return a.second < b.second; });
+      auto smallest =
+          std::min_element(spare_messages.begin(), spare_messages.end(),
+                           [](const auto& a, const auto& b) { return a.second < b.second; });
       if (smallest->second >= job.capacity) return;
       spare_messages.erase(smallest);
     }
@@ -183,9 +183,9 @@ struct UcxDataServer::State {
           absl::StrCat("an append message of ", length, " bytes is over the ", kMaxUcxAppendBytes,
                        "-byte limit: send fewer rows per batch"));
     } else if (h.request_bytes > length) {
-      refused = absl::InvalidArgumentError(
-          absl::StrCat("the append request's ", h.request_bytes, " bytes are more than the ",
-                       length, " of its message"));
+      refused = absl::InvalidArgumentError(absl::StrCat("the append request's ", h.request_bytes,
+                                                        " bytes are more than the ", length,
+                                                        " of its message"));
     }
     if (!refused.ok()) {
       st->Answer(param->reply_ep, h.id, refused);
@@ -531,7 +531,7 @@ struct UcxDataServer::State {
 };
 
 absl::StatusOr<std::unique_ptr<UcxDataServer>> UcxDataServer::Start(KvStore& store, int port,
-                                                                     UcxAppendHandler on_append) {
+                                                                    UcxAppendHandler on_append) {
   // A restarted store must get its port back while the old connections sit in TIME_WAIT (UCX
   // does not set SO_REUSEADDR by default). The environment still wins when it says otherwise.
   ::setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);

@@ -3,6 +3,8 @@
 // client's append batches cross in one UCX message each (rows after the request) where the
 // store takes them, over gRPC where it does not, landing byte for byte either way. The suite
 // every transport runs (the UCX client included) is kv_transport_test.cc.
+#include "kv_store/ucx/ucx_data_plane.h"
+
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -15,7 +17,6 @@
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
 #include "kv_store/ucx/gather_wire.h"
-#include "kv_store/ucx/ucx_data_plane.h"
 
 namespace infinigen {
 namespace {
@@ -294,11 +295,11 @@ class UcxAppends : public ::testing::Test {
       ASSERT_TRUE(ticket->Wait(absl::Now() + absl::Seconds(30)).ok());
       for (int h = 0; h < 4; ++h) {
         for (int64_t t = 0; t < n; ++t) {  // stored [n, heads, 128]
-          ASSERT_EQ(0, std::memcmp(got_k.data() + (h * n + t) * 128,
-                                   k.data() + (t * 4 + h) * 128, 128))
+          ASSERT_EQ(
+              0, std::memcmp(got_k.data() + (h * n + t) * 128, k.data() + (t * 4 + h) * 128, 128))
               << "layer " << layer << " head " << h << " token " << t;
-          ASSERT_EQ(0, std::memcmp(got_v.data() + (h * n + t) * 128,
-                                   v.data() + (t * 4 + h) * 128, 128));
+          ASSERT_EQ(
+              0, std::memcmp(got_v.data() + (h * n + t) * 128, v.data() + (t * 4 + h) * 128, 128));
         }
       }
     }
