@@ -6,7 +6,8 @@
 // rows (reusing the preselect's scores). Budget 20%, alpha 10, random keys and queries.
 // BM_SelectInPlace: what the CPU engine runs per sparse layer when it reads the K/V in place
 // (resident, or an in-process store): the layer's Select alone over n + 1 rows (no prefetch, so
-// nothing to reuse), at SmolLM2-135M's shape (9 query heads, 3 KV heads of 64, d' = 26).
+// nothing to reuse), at SmolLM2-135M's shape (9 query heads, 3 KV heads of 64, d' = 26);
+// BM_SelectInPlaceEveryLayer the same over 29 layers in turn (partial keys read from memory).
 //
 // usage: selection_bench [--benchmark_repetitions=3 ...]
 #include <benchmark/benchmark.h>
@@ -35,19 +36,21 @@ struct Setup {
   std::vector<float> key;
   std::vector<int32_t> slots;
 
-  Setup(int64_t n, Shape shape) {
+  // `layers` layers, the first dense (as the benchmarks' configuration has it since the start:
+  // one); every other one holds the prompt's n keys.
+  Setup(int64_t n, Shape shape, int layers = 2) {
     const int kHeads = shape.heads, kKvHeads = shape.kv_heads, kDim = shape.dim;
     std::mt19937 rng(1);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    model.num_layers = 2;
+    model.num_layers = layers;
     model.num_heads = kHeads;
     model.num_kv_heads = kKvHeads;
     model.head_dim = kDim;
-    sidecar.num_layers = 2;
+    sidecar.num_layers = layers;
     sidecar.num_kv_heads = kKvHeads;
     sidecar.head_dim = kDim;
     sidecar.partial_dim = 26;
-    for (int l = 0; l < 2; ++l) {
+    for (int l = 0; l < layers; ++l) {
       std::vector<float> skew(static_cast<size_t>(kKvHeads) * kDim * kDim);
       for (float& x : skew) x = normal(rng) * 0.09f;
       sidecar.skew.push_back(std::move(skew));
@@ -69,14 +72,16 @@ struct Setup {
     for (int64_t t = 0; t < n; ++t) {
       for (int g = 0; g < kKvHeads; ++g) prompt_slots[t * kKvHeads + g] = static_cast<int32_t>(t);
     }
-    LayerKeys k;
-    k.seq = 1;
-    k.layer = 1;
-    k.count = n;
-    k.k = keys.data();
-    k.k_stride = kKvHeads * kDim;
-    k.slots = prompt_slots.data();
-    (void)policy->OnKeys(k);
+    for (int l = 1; l < layers; ++l) {
+      LayerKeys k;
+      k.seq = 1;
+      k.layer = l;
+      k.count = n;
+      k.k = keys.data();
+      k.k_stride = kKvHeads * kDim;
+      k.slots = prompt_slots.data();
+      (void)policy->OnKeys(k);
+    }
     q.resize(static_cast<size_t>(kHeads) * kDim);
     for (float& x : q) x = normal(rng) * 2.0f;
     key.resize(static_cast<size_t>(kKvHeads) * kDim);
@@ -86,10 +91,10 @@ struct Setup {
 };
 
 // The decode token's key at slot n (OnKeys), as a decode step stores it before its Select.
-void StoreCurrentKey(Setup& s, int64_t n, Shape shape) {
+void StoreCurrentKey(Setup& s, int64_t n, Shape shape, int layer = 1) {
   LayerKeys k;
   k.seq = 1;
-  k.layer = 1;
+  k.layer = layer;
   k.start = n;
   k.count = 1;
   k.k = s.key.data();
@@ -99,10 +104,10 @@ void StoreCurrentKey(Setup& s, int64_t n, Shape shape) {
 }
 
 // The layer's Select of the decode token at position n: n + 1 rows with its own.
-SelectRequest LayerRequest(const Setup& s, int64_t n) {
+SelectRequest LayerRequest(const Setup& s, int64_t n, int layer = 1) {
   SelectRequest r;
   r.seq = 1;
-  r.layer = 1;
+  r.layer = layer;
   r.position = n;
   r.kv.num_slots = n + 1;
   r.speculated_q = s.q.data();
@@ -148,6 +153,24 @@ void BM_SelectInPlace(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(rows) / state.iterations());
 }
 BENCHMARK(BM_SelectInPlace)->Arg(4096)->Arg(8192)->Unit(benchmark::kMicrosecond);
+
+// As BM_SelectInPlace, over every sparse layer of SmolLM2-135M's 30 in turn (an iteration: one
+// layer's Select; 29 layers of partial keys, 36 MiB at 8 192 rows: read from memory, as a decode
+// step reads them, not from a cache that holds one layer's).
+void BM_SelectInPlaceEveryLayer(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  constexpr int kLayers = 30;
+  Setup s(n, kSmolLm2, kLayers);
+  for (int l = 1; l < kLayers; ++l) StoreCurrentKey(s, n, kSmolLm2, l);
+  Selection selection;
+  int layer = 1;
+  for (auto _ : state) {
+    (void)s.policy->Select(LayerRequest(s, n, layer), selection);
+    benchmark::DoNotOptimize(selection.indices.data());
+    layer = layer + 1 < kLayers ? layer + 1 : 1;
+  }
+}
+BENCHMARK(BM_SelectInPlaceEveryLayer)->Arg(4096)->Arg(8192)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace infinigen

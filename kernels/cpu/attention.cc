@@ -252,9 +252,9 @@ __attribute__((noinline)) void ChunkPartials(const float* q0, int64_t q_stride, 
   for (int64_t j = 0; j < n; ++j) {
     k_rows[j] = k.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
     v_rows[j] = v.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
-    // Rows listed by index are scattered: ask for all of the chunk's at once, so that their
-    // misses overlap (hardware prefetchers do not follow indices); a chunk fits in L2.
-    if (idx != nullptr) {
+    // Rows listed by index or by a table are scattered: ask for all of the chunk's at once, so
+    // that their misses overlap (hardware prefetchers do not follow indices); a chunk fits in L2.
+    if (idx != nullptr || k.rows != nullptr || v.rows != nullptr) {
       Prefetch(k_rows[j], head_dim * (k.bf16 ? 2 : 4));
       Prefetch(v_rows[j], head_dim * (v.bf16 ? 2 : 4));
     }

@@ -93,9 +93,11 @@ void ScorePhase(bool parallel, const float* q_partial, int num_heads, int num_kv
                 float* scores, float* block_max, float* block_sum) {
   const int group = num_heads / num_kv_heads;
   const int64_t blocks = (n + kScoreBlock - 1) / kScoreBlock;
+  // KV head by KV head, blocks in row order: a thread's share is a stream through one head's
+  // keys (ScorePartialBlockHeads prefetches into its next block).
   ParallelFor(blocks * num_kv_heads, parallel, [&](int64_t t) {
-    const int g = static_cast<int>(t % num_kv_heads);
-    const int64_t b = t / num_kv_heads;
+    const int g = static_cast<int>(t / blocks);
+    const int64_t b = t % blocks;
     const int64_t b0 = b * kScoreBlock, b1 = n < b0 + kScoreBlock ? n : b0 + kScoreBlock;
     const int64_t j0 = first > b0 ? first : b0;
     if (j0 < b1) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <tuple>
@@ -87,6 +88,59 @@ TEST(SelectionUtil, TopKKeepsForcedSlotsAndIsSorted) {
   EXPECT_EQ(out, (std::vector<int32_t>{1, 3}));  // tie at 0.9 keeps both; lower slot first
 }
 
+// The slots TopK must choose, by ranking every slot by (score descending, slot ascending) after
+// the forced ones; ascending.
+std::vector<int32_t> RankedTopK(const std::vector<float>& scores,
+                                const std::vector<int32_t>& forced, int64_t k) {
+  const int64_t n = static_cast<int64_t>(scores.size());
+  std::vector<int32_t> want;
+  for (int32_t f : forced) {
+    if (f >= 0 && f < n && static_cast<int64_t>(want.size()) < k &&
+        std::find(want.begin(), want.end(), f) == want.end()) {
+      want.push_back(f);
+    }
+  }
+  std::vector<char> is_forced(static_cast<size_t>(n), 0);
+  for (int32_t f : want) is_forced[f] = 1;
+  std::vector<int32_t> rest;
+  for (int32_t j = 0; j < n; ++j) {
+    if (!is_forced[j]) rest.push_back(j);
+  }
+  // Higher first, NaN below everything (even -inf); stable: ties keep the lower slot first.
+  std::stable_sort(rest.begin(), rest.end(), [&](int32_t a, int32_t b) {
+    const float x = scores[a], y = scores[b];
+    if (std::isnan(x) || std::isnan(y)) return !std::isnan(x) && std::isnan(y);
+    return x > y;
+  });
+  for (int32_t j : rest) {
+    if (static_cast<int64_t>(want.size()) >= std::min(k, n)) break;
+    want.push_back(j);
+  }
+  std::sort(want.begin(), want.end());
+  return want;
+}
+
+void ExpectTopKEqualsRanking(const std::vector<float>& scores, const std::vector<int32_t>& forced,
+                             int64_t k, int trial) {
+  const int64_t n = static_cast<int64_t>(scores.size());
+  const std::vector<int32_t> want = RankedTopK(scores, forced, k);
+  std::vector<int32_t> got = {-5};  // appended after what is there
+  TopK(scores.data(), n, k, forced, got);
+  ASSERT_EQ(got.front(), -5);
+  got.erase(got.begin());
+  std::vector<int32_t> only_got, only_want;
+  std::set_difference(got.begin(), got.end(), want.begin(), want.end(),
+                      std::back_inserter(only_got));
+  std::set_difference(want.begin(), want.end(), got.begin(), got.end(),
+                      std::back_inserter(only_want));
+  ASSERT_EQ(got, want) << "trial " << trial << ": n " << n << ", k " << k << "; " << got.size()
+                       << " vs " << want.size() << " slots; first only chosen "
+                       << (only_got.empty() ? -1 : only_got[0]) << " (score "
+                       << (only_got.empty() ? 0.0f : scores[only_got[0]])
+                       << "), first only expected " << (only_want.empty() ? -1 : only_want[0])
+                       << " (score " << (only_want.empty() ? 0.0f : scores[only_want[0]]) << ")";
+}
+
 // The radix-select top-k against ranking every slot by (score descending, slot ascending), on
 // random scores with many ties, NaN and infinities, forced slots (repeated, out of range, more
 // than k) and k from 1 to past n.
@@ -108,45 +162,34 @@ TEST(SelectionUtil, TopKEqualsAFullRankingOnRandomScores) {
     for (int f = rng() % 4; f > 0; --f) forced.push_back(static_cast<int32_t>(rng() % (n + 3)) - 1);
     if (!forced.empty() && rng() % 2) forced.push_back(forced[0]);
     const int64_t k = 1 + rng() % (n + 5);
+    ASSERT_NO_FATAL_FAILURE(ExpectTopKEqualsRanking(scores, forced, k, trial));
+  }
+}
 
-    std::vector<int32_t> want;
-    for (int32_t f : forced) {
-      if (f >= 0 && f < n && static_cast<int64_t>(want.size()) < k &&
-          std::find(want.begin(), want.end(), f) == want.end()) {
-        want.push_back(f);
-      }
+// The same at a long sequence's sizes, where the select counts the first digit in several
+// histograms and moves keys eight at a time: group masses (positive, a few exponents: most keys
+// share a first digit), a sequence's masses with a block of equal values around the k-th, NaN
+// among them, and the current slot forced.
+TEST(SelectionUtil, TopKEqualsAFullRankingAtLongSequenceSizes) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t n = 8192 + rng() % 40000;
+    std::vector<float> scores(n);
+    for (float& v : scores) v = std::exp(normal(rng)) / static_cast<float>(n);
+    const int64_t k = trial % 5 == 4 ? n - static_cast<int64_t>(rng() % 20)
+                                     : 1 + static_cast<int64_t>(rng() % (n / 3));
+    if (trial % 3 == 1) {  // 40 more slots equal to the k-th largest: the top k cuts the ties
+      std::vector<float> sorted = scores;
+      std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<>());
+      for (int t = 0; t < 40; ++t) scores[rng() % n] = sorted[k - 1];
     }
-    std::vector<int32_t> rest;
-    for (int32_t j = 0; j < n; ++j) {
-      if (std::find(want.begin(), want.end(), j) == want.end()) rest.push_back(j);
+    if (trial % 4 == 2) {
+      for (int t = 0; t < 30; ++t) scores[rng() % n] = NAN;
     }
-    // Higher first, NaN below everything (even -inf); stable: ties keep the lower slot first.
-    std::stable_sort(rest.begin(), rest.end(), [&](int32_t a, int32_t b) {
-      const float x = scores[a], y = scores[b];
-      if (std::isnan(x) || std::isnan(y)) return !std::isnan(x) && std::isnan(y);
-      return x > y;
-    });
-    for (int32_t j : rest) {
-      if (static_cast<int64_t>(want.size()) >= std::min(k, n)) break;
-      want.push_back(j);
-    }
-    std::sort(want.begin(), want.end());
-
-    std::vector<int32_t> got = {-5};  // appended after what is there
-    TopK(scores.data(), n, k, forced, got);
-    ASSERT_EQ(got.front(), -5);
-    got.erase(got.begin());
-    std::vector<int32_t> only_got, only_want;
-    std::set_difference(got.begin(), got.end(), want.begin(), want.end(),
-                        std::back_inserter(only_got));
-    std::set_difference(want.begin(), want.end(), got.begin(), got.end(),
-                        std::back_inserter(only_want));
-    ASSERT_EQ(got, want) << "trial " << trial << ": n " << n << ", k " << k << "; " << got.size()
-                         << " vs " << want.size() << " slots; first only chosen "
-                         << (only_got.empty() ? -1 : only_got[0]) << " (score "
-                         << (only_got.empty() ? 0.0f : scores[only_got[0]])
-                         << "), first only expected " << (only_want.empty() ? -1 : only_want[0])
-                         << " (score " << (only_want.empty() ? 0.0f : scores[only_want[0]]) << ")";
+    std::vector<int32_t> forced;
+    if (trial % 2 == 0) forced.push_back(static_cast<int32_t>(n - 1));
+    ASSERT_NO_FATAL_FAILURE(ExpectTopKEqualsRanking(scores, forced, k, trial));
   }
 }
 
