@@ -13,8 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kv_store/client/data_plane.h"
-#include "kv_store/ucx/gather_wire.h"
 #include "kv_store/ucx/ucx_data_plane.h"
+#include "kv_store/ucx/ucx_wire.h"
 
 namespace infinigen {
 namespace {

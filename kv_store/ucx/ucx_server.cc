@@ -14,9 +14,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kv_store/ucx/gather_wire.h"
 #include "kv_store/ucx/ucx_common.h"
 #include "kv_store/ucx/ucx_data_plane.h"
+#include "kv_store/ucx/ucx_wire.h"
 
 namespace infinigen {
 namespace {
@@ -370,7 +370,7 @@ struct UcxDataServer::State {
   }
 
   // Reads a request into a job: its units in stream order. Lengths come from the network:
-  // nothing is sized from them before they are checked (gather_wire.h, CountMatches).
+  // nothing is sized from them before they are checked (ucx_wire.h, CountMatches).
   absl::Status Parse(const uint8_t* p, size_t length, Job& job) {
     IG_ASSIGN_OR_RETURN(std::vector<WireGatherItem> items, ParseGatherRequest(p, length));
     job.slots.resize(items.size());

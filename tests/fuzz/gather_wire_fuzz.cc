@@ -1,11 +1,11 @@
-// libFuzzer target for the UCX gather request codec (kv_store/ucx/gather_wire.h): any bytes
+// libFuzzer target for the UCX gather request codec (kv_store/ucx/ucx_wire.h): any bytes
 // parse to an error or to items that, written again, are exactly the bytes parsed (so nothing
 // was read past the end, skipped or invented).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "kv_store/ucx/gather_wire.h"
+#include "kv_store/ucx/ucx_wire.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto items = infinigen::ParseGatherRequest(data, size);

@@ -16,7 +16,7 @@
 #include "infinigen/kvstore/v1/kvstore.pb.h"
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
-#include "kv_store/ucx/gather_wire.h"
+#include "kv_store/ucx/ucx_wire.h"
 
 namespace infinigen {
 namespace {

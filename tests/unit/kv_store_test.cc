@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "kv_store/row_copy.h"
-#include "kv_store/ucx/gather_wire.h"
+#include "kv_store/ucx/ucx_wire.h"
 
 namespace infinigen {
 namespace {

@@ -1,4 +1,4 @@
-#include "kv_store/ucx/gather_wire.h"
+#include "kv_store/ucx/ucx_wire.h"
 
 #include <cstring>
 
