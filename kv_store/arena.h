@@ -40,6 +40,10 @@ class Arena {
   // A path another process on this host can open to map the arena.
   const std::string& share_path() const { return share_path_; }
 
+  // Where the highest block ever handed out ends, in bytes from the base: blocks past it have
+  // never been written (the free list hands out fresh blocks in address order).
+  size_t high_water_bytes() const { return high_water_bytes_; }
+
   // Takes `count` blocks, all or none: RESOURCE_EXHAUSTED leaves the arena unchanged.
   absl::StatusOr<std::vector<int32_t>> Allocate(int64_t count);
   void Free(const std::vector<int32_t>& blocks);
@@ -57,6 +61,7 @@ class Arena {
   std::string share_path_;
   bool unlink_on_close_ = false;
   std::vector<int32_t> free_;  // LIFO free list
+  size_t high_water_bytes_ = 0;
 };
 
 }  // namespace infinigen

@@ -45,6 +45,12 @@ absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Create(const KvStoreConfig& co
   store->stats_.bytes_capacity =
       static_cast<int64_t>(store->arena_->num_blocks() * store->arena_->block_bytes());
   store->pool_ = std::make_unique<ThreadPool>(config.gather_threads);
+  if (config.prefault_ahead_bytes > 0) {
+    store->prefaulter_ = std::make_unique<ArenaPrefaulter>(
+        store->arena_->base(),
+        static_cast<size_t>(store->arena_->num_blocks()) * store->arena_->block_bytes(),
+        config.prefault_ahead_bytes);
+  }
   return store;
 }
 
@@ -217,6 +223,7 @@ absl::StatusOr<int64_t> KvStore::Fork(StoreSequenceId from, StoreSequenceId to,
       }
       blocks = *std::move(allocated);
       stats_.bytes_used += static_cast<int64_t>(blocks.size() * block_bytes);
+      if (prefaulter_ != nullptr) prefaulter_->Reached(arena_->high_water_bytes());
     }
     // Whole blocks, outside the store-wide lock (as appends and gathers copy): a block holds
     // rows of one (layer, KV head, K or V) only, and the rows past `length` in the last one are
@@ -357,6 +364,7 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
       it += blocks_needed;
     }
     stats_.bytes_used += static_cast<int64_t>(blocks->size() * arena_->block_bytes());
+    if (prefaulter_ != nullptr) prefaulter_->Reached(arena_->high_water_bytes());
   }
   // Apply.
   if (layer == 0) ++s->step;

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:50061";
   infinigen::TlsFiles tls;
   int64_t capacity_mb = 1024, drain_seconds = 5;
+  int64_t prefault_ahead_mb = static_cast<int64_t>(config.prefault_ahead_bytes >> 20);
   int metrics_port = 0, ucx_port = 0;
   bool check_flags = false, ucx_appends = true;
   infinigen::FlagSet flags("infinigen-kvstore", "[--listen HOST:PORT] [--capacity-mb N] [flags]",
@@ -45,6 +46,9 @@ int main(int argc, char** argv) {
              "share the arena with collocated workers (shm transport)");
   flags.Bool("huge-pages", &config.huge_pages,
              "back the arena with huge pages when the system has them");
+  flags.Int("prefault-ahead-mb", &prefault_ahead_mb,
+            "arena MiB committed ahead of the blocks in use (at most the arena), on an "
+            "idle-priority thread, so that appends do not wait for page faults (0: off)");
   flags.Int("metrics-port", &metrics_port, "Prometheus metrics on this HTTP port (0: off)");
   flags.Int("ucx-port", &ucx_port, "serve gathers and appends over UCX on this TCP port (0: off)");
   flags.Bool("ucx-appends", &ucx_appends,
@@ -65,7 +69,13 @@ int main(int argc, char** argv) {
     std::cerr << "infinigen-kvstore: --capacity-mb must be in [1, 2^30]\n";
     return 2;
   }
+  if (prefault_ahead_mb < 0 || prefault_ahead_mb > (int64_t{1} << 30)) {
+    std::cerr << "infinigen-kvstore: --prefault-ahead-mb must be in [0, 2^30] (more than "
+                 "--capacity-mb commits the whole arena)\n";
+    return 2;
+  }
   config.capacity_bytes = static_cast<size_t>(capacity_mb) << 20;
+  config.prefault_ahead_bytes = static_cast<size_t>(prefault_ahead_mb) << 20;
   if (auto st = config.Validate(); !st.ok()) {
     std::cerr << "infinigen-kvstore: " << st.message() << "\n";
     return 2;
