@@ -59,7 +59,8 @@ address() {
   local targets=(common_test cpu_kernels_test checkpoint_test proto_test key_limits_test
                  utf8_fields_test health_test ghz_config_test metrics_exposer_test tokenizer_test
                  request_validation_test frontend_text_test cli_flags_test openai_json_test
-                 selection_test kv_store_test queued_client_test staging_ring_test router_test
+                 selection_test kv_store_test arena_prefaulter_test queued_client_test
+                 staging_ring_test router_test
                  hf_fixture_test tokenizer_fixture_test infinigen_test infinigen_reference_test
                  decode_step_alloc_test memory_admission_test speculation_test
                  store_kv_cache_test store_kv_device_plan_test store_kv_pool_test engine_attach_test
@@ -125,6 +126,7 @@ tsan_abseil() {
 
 thread() {
   local targets=(cpu_kernels_test health_test queued_client_test staging_ring_test router_test
+                 arena_prefaulter_test
                  store_kv_cache_test store_kv_device_plan_test store_kv_reuse_shm_test
                  batch_engine_test memory_admission_test engine_attach_test kv_transport_test
                  ucx_data_plane_test
