@@ -155,7 +155,7 @@ void BM_SelectInPlace(benchmark::State& state) {
 BENCHMARK(BM_SelectInPlace)->Arg(4096)->Arg(8192)->Unit(benchmark::kMicrosecond);
 
 // As BM_SelectInPlace, over every sparse layer of SmolLM2-135M's 30 in turn (an iteration: one
-// layer's Select; 29 layers of partial keys, 36 MiB at 8 192 rows: read from memory, as a decode
+// layer's Select; 29 layers of partial keys, 35 MiB at 8 192 rows: read from memory, as a decode
 // step reads them, not from a cache that holds one layer's).
 void BM_SelectInPlaceEveryLayer(benchmark::State& state) {
   const int64_t n = state.range(0);

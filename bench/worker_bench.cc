@@ -372,6 +372,7 @@ int main(int argc, char** argv) {
       KvStoreConfig sc;
       sc.capacity_bytes = static_cast<size_t>(kv_capacity_mb) << 20;
       sc.shared_memory = false;
+      sc.prefault_ahead_bytes = kServedPrefaultAheadBytes;  // as the worker's in-process store
       auto s = KvStore::Create(sc);
       if (!s.ok()) return fail(s.status());
       store = std::move(*s);

@@ -95,7 +95,7 @@ absl::StatusOr<std::vector<int32_t>> Arena::Allocate(int64_t count) {
   std::vector<int32_t> blocks(free_.end() - count, free_.end());
   free_.resize(free_.size() - count);
   for (int32_t b : blocks) {
-    high_water_bytes_ = std::max(high_water_bytes_, static_cast<size_t>(b + 1) * block_bytes_);
+    high_water_bytes_ = std::max(high_water_bytes_, (static_cast<size_t>(b) + 1) * block_bytes_);
   }
   return blocks;
 }

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -16,34 +17,48 @@ namespace {
 
 // Bytes committed per madvise: a huge page, so that a stop waits for little.
 constexpr size_t kPiece = size_t{2} << 20;
+// Retries of a piece the kernel interrupted (EINTR: a signal; EAGAIN: pages busy) before the
+// thread gives up on prefaulting.
+constexpr int kRetries = 100;
 
 }  // namespace
 
-ArenaPrefaulter::ArenaPrefaulter(uint8_t* base, size_t bytes, size_t ahead_bytes)
-    : base_(base), bytes_(bytes), ahead_bytes_(ahead_bytes) {
-  {
-    absl::MutexLock lock(&mu_);
-    wanted_ = std::min(bytes_, ahead_bytes_);
-  }
+ArenaPrefaulter::ArenaPrefaulter(uint8_t* base, size_t bytes, size_t ahead_bytes,
+                                 bool idle_priority)
+    : base_(base),
+      bytes_(bytes),
+      ahead_bytes_(ahead_bytes),
+      page_bytes_(static_cast<size_t>(::sysconf(_SC_PAGESIZE))) {
+  wanted_.store(PageEnd(ahead_bytes_), std::memory_order_relaxed);
   thread_ = std::thread([this] { Run(); });
+  if (idle_priority) {  // set here, not in Run: the destructor's raise then always comes after
+    sched_param idle{};
+    ::pthread_setschedparam(thread_.native_handle(), SCHED_IDLE, &idle);
+  }
 }
 
 ArenaPrefaulter::~ArenaPrefaulter() {
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  // Back to a normal thread for the piece in progress: on busy cores an idle thread's few
-  // milliseconds of work could take seconds, and this waits for them.
+  stop_.store(true);
+  signal_.fetch_add(1);
+  signal_.notify_one();
   sched_param normal{};
-  ::pthread_setschedparam(thread_.native_handle(), SCHED_OTHER, &normal);
+  ::pthread_setschedparam(thread_.native_handle(), SCHED_OTHER, &normal);  // EPERM: as it is
   thread_.join();
 }
 
+size_t ArenaPrefaulter::PageEnd(size_t bytes) const {
+  const size_t capped = std::min(bytes, bytes_);
+  return (capped + page_bytes_ - 1) / page_bytes_ * page_bytes_;
+}
+
 void ArenaPrefaulter::Reached(size_t high_water_bytes) {
-  const size_t wanted = std::min(bytes_, high_water_bytes + std::min(ahead_bytes_, bytes_));
-  absl::MutexLock lock(&mu_);
-  wanted_ = std::max(wanted_, wanted);
+  const size_t wanted = PageEnd(high_water_bytes + std::min(ahead_bytes_, bytes_));
+  size_t seen = wanted_.load(std::memory_order_relaxed);
+  while (seen < wanted && !wanted_.compare_exchange_weak(seen, wanted)) {
+  }
+  if (seen >= wanted) return;  // nothing new asked for
+  signal_.fetch_add(1);
+  signal_.notify_one();
 }
 
 size_t ArenaPrefaulter::committed_bytes() const {
@@ -66,32 +81,27 @@ bool ArenaPrefaulter::WaitCommitted(size_t bytes, absl::Time deadline) const {
 }
 
 void ArenaPrefaulter::Run() {
-  // Only on time the cores would otherwise idle: the work is the page faults the appends would
-  // take, and a worker's compute threads must not wait for it.
-  sched_param idle{};
-  ::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &idle);
+  size_t committed = 0;  // the thread's own copy of committed_
   for (;;) {
-    size_t from = 0, to = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      auto work = [this]()
-                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || committed_ < wanted_; };
-      mu_.Await(absl::Condition(&work));
-      if (stop_) return;
-      from = committed_;
-      to = std::min(wanted_, from + kPiece);
+    const uint32_t seen = signal_.load();
+    if (stop_.load()) return;
+    const size_t wanted = wanted_.load();
+    if (committed >= wanted) {
+      signal_.wait(seen);  // until Reached or the destructor changes it
+      continue;
     }
-    // Outside the lock: a piece takes milliseconds where pages are slow to fault.
+    const size_t to = std::min(wanted, committed + kPiece);
     int rc = 0;
-    do {
-      rc = ::madvise(base_ + from, to - from, MADV_POPULATE_WRITE);
-    } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
+    for (int attempt = 0; attempt < kRetries; ++attempt) {
+      rc = ::madvise(base_ + committed, to - committed, MADV_POPULATE_WRITE);
+      if (rc == 0 || (errno != EINTR && errno != EAGAIN) || stop_.load()) break;
+    }
     absl::MutexLock lock(&mu_);
     if (rc != 0) {  // EINVAL before Linux 5.14; ENOMEM when the host has no memory for them
       working_ = false;
       return;
     }
-    committed_ = to;
+    committed = committed_ = to;
   }
 }
 

@@ -108,6 +108,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
     KvStoreConfig sc;
     sc.capacity_bytes = static_cast<size_t>(config.kv_capacity_mb) << 20;
     sc.shared_memory = false;
+    sc.prefault_ahead_bytes = kServedPrefaultAheadBytes;
     IG_ASSIGN_OR_RETURN(w->local_store_, KvStore::Create(sc));
     client_config.store = w->local_store_.get();
   }

@@ -424,9 +424,11 @@ void ScorePartialBlockHeads(const float* q, int heads, const PartialKeyLayout& k
       // misses are in flight while one is scored. The hardware's prefetch alone left the loads
       // waiting: this took a decode step's choices on SmolLM2 at 8K rows from 5.3 to 4.0 ms (2
       // ahead the same, 8 slower; docs/benchmarks.md).
-      if (keys.channel_stride == kLanes) {
-        const char* ahead = reinterpret_cast<const char*>(group) + 4 * group_bytes;
-        for (int64_t off = 0; off < group_bytes; off += 64) __builtin_prefetch(ahead + off);
+      if (keys.channel_stride == kLanes) {  // (an address past the keys' end is a hint too)
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(group) + 4 * group_bytes;
+        for (int64_t off = 0; off < group_bytes + 63; off += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead + off));
+        }
       }
       switch (m) {
         case 4:

@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:50061";
   infinigen::TlsFiles tls;
   int64_t capacity_mb = 1024, drain_seconds = 5;
-  int64_t prefault_ahead_mb = static_cast<int64_t>(config.prefault_ahead_bytes >> 20);
+  int64_t prefault_ahead_mb = static_cast<int64_t>(infinigen::kServedPrefaultAheadBytes >> 20);
   int metrics_port = 0, ucx_port = 0;
   bool check_flags = false, ucx_appends = true;
   infinigen::FlagSet flags("infinigen-kvstore", "[--listen HOST:PORT] [--capacity-mb N] [flags]",
