@@ -9,7 +9,8 @@
 # Streams are submitted at once and prefilled one per step while the others decode, so each asks
 # for new_tokens + batch - 1 tokens: new_tokens - 1 decode-only steps then have every stream in
 # them, and the profile (DecodeStep's) counts those alone.
-# CASES="8192:1 32768:1 ..." runs those context:batch pairs in that order instead of every pair;
+# CASES="8192:1 32768:1 ..." runs those context:batch pairs in that order instead of every pair
+# (context:batch:mode,mode... runs those modes for that pair, instead of MODES);
 # DEADLINE (epoch seconds) skips the cases that would start after it and stops one at it; CASE_TIMEOUT (s) bounds one
 # worker_bench run; KV_MB sets the store's host RAM (default: the case's K/V at Llama-3.1-8B's
 # 128 KiB per token, plus a quarter). MODES (default "infinigen full resident"; also
@@ -46,9 +47,11 @@ links=()
 echo "| context | batch | mode | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
 echo "|---:|---:|---|---:|---:|---:|---:|"
 for c in $CASES; do
-  ctx=${c%:*} batch=${c#*:}
+  ctx=${c%%:*} rest=${c#*:}
+  batch=${rest%%:*} case_modes=${MODES:-infinigen full resident}
+  [ "$rest" != "$batch" ] && case_modes=${rest#*:}
   kv_mb=${KV_MB:-$((ctx * batch / 8 * 5 / 4 + 1024))}
-  for mode in ${MODES:-infinigen full resident}; do
+  for mode in ${case_modes//,/ }; do
     limit=${CASE_TIMEOUT:-600}
     if [ -n "${DEADLINE:-}" ]; then  # a case may not run past the deadline either
       left=$((DEADLINE - $(date +%s)))
