@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const ArenaOptions& o) {
     if (o.huge_pages) a->huge_pages_ = ::madvise(p, a->mapped_bytes_, MADV_HUGEPAGE) == 0;
     a->free_.reserve(a->num_blocks_);
     for (int64_t b = a->num_blocks_ - 1; b >= 0; --b) a->free_.push_back(static_cast<int32_t>(b));
+    a->StartPrefaulter(o.prefault_ahead_bytes);
     return a;
   }
   // Huge pages first when asked for; any failure (none reserved) falls back to normal pages.
@@ -77,10 +78,18 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const ArenaOptions& o) {
   if (!a->huge_pages_ && o.huge_pages) ::madvise(a->base_, a->mapped_bytes_, MADV_HUGEPAGE);
   a->free_.reserve(a->num_blocks_);
   for (int64_t b = a->num_blocks_ - 1; b >= 0; --b) a->free_.push_back(static_cast<int32_t>(b));
+  a->StartPrefaulter(o.prefault_ahead_bytes);
   return a;
 }
 
+void Arena::StartPrefaulter(size_t ahead_bytes) {
+  if (ahead_bytes > 0) {
+    prefaulter_ = std::make_unique<ArenaPrefaulter>(base_, mapped_bytes_, ahead_bytes);
+  }
+}
+
 Arena::~Arena() {
+  prefaulter_.reset();  // its thread commits pages of the mapping: stopped before the unmap
   if (base_ != nullptr) ::munmap(base_, mapped_bytes_);
   if (fd_ >= 0) ::close(fd_);
   if (unlink_on_close_) ::unlink(share_path_.c_str());
@@ -94,8 +103,12 @@ absl::StatusOr<std::vector<int32_t>> Arena::Allocate(int64_t count) {
   }
   std::vector<int32_t> blocks(free_.end() - count, free_.end());
   free_.resize(free_.size() - count);
+  const size_t high_water = high_water_bytes_;
   for (int32_t b : blocks) {
     high_water_bytes_ = std::max(high_water_bytes_, (static_cast<size_t>(b) + 1) * block_bytes_);
+  }
+  if (prefaulter_ != nullptr && high_water_bytes_ > high_water) {
+    prefaulter_->Reached(high_water_bytes_);
   }
   return blocks;
 }

@@ -7,10 +7,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kv_store/arena_prefaulter.h"
 
 namespace infinigen {
 
@@ -23,6 +25,9 @@ struct ArenaOptions {
   bool shared = true;
   std::string shm_path;    // "": an anonymous memfd; else this file (e.g. /dev/shm/...)
   bool huge_pages = true;  // try MFD_HUGETLB (shared) and madvise(MADV_HUGEPAGE)
+  // Bytes kept committed past the highest block handed out, by a thread of the arena's
+  // (arena_prefaulter.h); 0: none, pages fault in as rows are first written.
+  size_t prefault_ahead_bytes = 0;
 };
 
 class Arena {
@@ -44,13 +49,18 @@ class Arena {
   // never been written (the free list hands out fresh blocks in address order).
   size_t high_water_bytes() const { return high_water_bytes_; }
 
-  // Takes `count` blocks, all or none: RESOURCE_EXHAUSTED leaves the arena unchanged.
+  // Null with ArenaOptions::prefault_ahead_bytes 0.
+  const ArenaPrefaulter* prefaulter() const { return prefaulter_.get(); }
+
+  // Takes `count` blocks, all or none: RESOURCE_EXHAUSTED leaves the arena unchanged (blocks
+  // past the high water mark have the prefaulter commit that much further).
   absl::StatusOr<std::vector<int32_t>> Allocate(int64_t count);
   void Free(const std::vector<int32_t>& blocks);
   uint8_t* Block(int32_t block) const { return base_ + static_cast<size_t>(block) * block_bytes_; }
 
  private:
   Arena() = default;
+  void StartPrefaulter(size_t ahead_bytes);
 
   int fd_ = -1;
   uint8_t* base_ = nullptr;
@@ -62,6 +72,7 @@ class Arena {
   bool unlink_on_close_ = false;
   std::vector<int32_t> free_;  // LIFO free list
   size_t high_water_bytes_ = 0;
+  std::unique_ptr<ArenaPrefaulter> prefaulter_;  // stopped first in ~Arena, before the unmap
 };
 
 }  // namespace infinigen

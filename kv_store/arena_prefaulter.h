@@ -41,8 +41,8 @@ class ArenaPrefaulter {
   ArenaPrefaulter(const ArenaPrefaulter&) = delete;
   ArenaPrefaulter& operator=(const ArenaPrefaulter&) = delete;
 
-  // The arena's blocks now reach `high_water_bytes` from its base. Lock-free: the store calls it
-  // under its own lock, and it must never wait for this (idle-priority) thread.
+  // The arena's blocks now reach `high_water_bytes` from its base. Lock-free: Arena::Allocate
+  // calls it under the store's lock, which must never wait for this (idle-priority) thread.
   void Reached(size_t high_water_bytes);
 
   // Bytes from the base known to be committed.

@@ -39,18 +39,13 @@ absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Create(const KvStoreConfig& co
   arena.shared = config.shared_memory;
   arena.shm_path = config.shm_path;
   arena.huge_pages = config.huge_pages;
+  arena.prefault_ahead_bytes = config.prefault_ahead_bytes;
   IG_ASSIGN_OR_RETURN(std::unique_ptr<Arena> a, Arena::Create(arena));
   absl::MutexLock lock(&store->mu_);
   store->arena_ = std::move(a);
   store->stats_.bytes_capacity =
       static_cast<int64_t>(store->arena_->num_blocks() * store->arena_->block_bytes());
   store->pool_ = std::make_unique<ThreadPool>(config.gather_threads);
-  if (config.prefault_ahead_bytes > 0) {
-    store->prefaulter_ = std::make_unique<ArenaPrefaulter>(
-        store->arena_->base(),
-        static_cast<size_t>(store->arena_->num_blocks()) * store->arena_->block_bytes(),
-        config.prefault_ahead_bytes);
-  }
   return store;
 }
 
@@ -223,7 +218,6 @@ absl::StatusOr<int64_t> KvStore::Fork(StoreSequenceId from, StoreSequenceId to,
       }
       blocks = *std::move(allocated);
       stats_.bytes_used += static_cast<int64_t>(blocks.size() * block_bytes);
-      if (prefaulter_ != nullptr) prefaulter_->Reached(arena_->high_water_bytes());
     }
     // Whole blocks, outside the store-wide lock (as appends and gathers copy): a block holds
     // rows of one (layer, KV head, K or V) only, and the rows past `length` in the last one are
@@ -364,7 +358,6 @@ absl::Status KvStore::Append(StoreSequenceId seq, int layer, int64_t start, int6
       it += blocks_needed;
     }
     stats_.bytes_used += static_cast<int64_t>(blocks->size() * arena_->block_bytes());
-    if (prefaulter_ != nullptr) prefaulter_->Reached(arena_->high_water_bytes());
   }
   // Apply.
   if (layer == 0) ++s->step;

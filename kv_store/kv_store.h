@@ -25,7 +25,6 @@
 #include "common/dtype.h"
 #include "common/thread_pool.h"
 #include "kv_store/arena.h"
-#include "kv_store/arena_prefaulter.h"
 #include "kv_store/row_copy.h"
 #include "kv_store/slot_table.h"
 
@@ -48,8 +47,8 @@ struct KvStoreConfig {
   bool shared_memory = true;  // see ArenaOptions::shared
   std::string shm_path;       // see ArenaOptions
   bool huge_pages = true;
-  // Arena bytes kept committed past the highest block handed out (kv_store/arena_prefaulter.h),
-  // by a thread of the store's; 0: none (pages fault in as rows are first written). The
+  // Arena bytes kept committed past the highest block handed out (ArenaOptions,
+  // kv_store/arena_prefaulter.h); 0: none (pages fault in as rows are first written). The
   // service and the worker's in-process store use kServedPrefaultAheadBytes.
   size_t prefault_ahead_bytes = 0;
 
@@ -179,8 +178,6 @@ class KvStore {
   absl::StatusOr<LayerBlocks> Blocks(StoreSequenceId seq, int layer) const;
   KvStoreStats Stats() const;
   const Arena& arena() const { return *arena_; }
-  // Null with KvStoreConfig::prefault_ahead_bytes 0.
-  const ArenaPrefaulter* prefaulter() const { return prefaulter_.get(); }
   const KvStoreConfig& config() const { return config_; }
 
  private:
@@ -220,8 +217,6 @@ class KvStore {
   std::unique_ptr<ThreadPool> pool_;
   mutable absl::Mutex mu_;
   std::unique_ptr<Arena> arena_ ABSL_PT_GUARDED_BY(mu_);
-  // After arena_: stopped before the arena is unmapped. Null with prefault_ahead_bytes 0.
-  std::unique_ptr<ArenaPrefaulter> prefaulter_;
   absl::flat_hash_map<StoreSequenceId, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
   KvStoreStats stats_ ABSL_GUARDED_BY(mu_);
 };

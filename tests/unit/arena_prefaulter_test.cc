@@ -119,7 +119,7 @@ TEST(ArenaPrefaulter, TheStoreKeepsItsBytesCommittedPastItsBlocks) {
   c.prefault_ahead_bytes = 2 * kMiB;
   auto store = KvStore::Create(c);
   ASSERT_TRUE(store.ok()) << store.status();
-  const ArenaPrefaulter* prefaulter = (*store)->prefaulter();
+  const ArenaPrefaulter* prefaulter = (*store)->arena().prefaulter();
   ASSERT_NE(prefaulter, nullptr);
   if (!prefaulter->WaitCommitted(2 * kMiB, Soon()) && !prefaulter->working()) {
     GTEST_SKIP() << "this kernel refuses MADV_POPULATE_WRITE (Linux 5.14)";
@@ -145,7 +145,7 @@ TEST(ArenaPrefaulter, TheStoreKeepsItsBytesCommittedPastItsBlocks) {
   c.prefault_ahead_bytes = 0;
   auto without = KvStore::Create(c);
   ASSERT_TRUE(without.ok());
-  EXPECT_EQ((*without)->prefaulter(), nullptr);
+  EXPECT_EQ((*without)->arena().prefaulter(), nullptr);
 }
 
 // Blocks of 2560 bytes (head_dim 80 in bf16): high water marks that are no page boundary. The
@@ -161,7 +161,7 @@ TEST(ArenaPrefaulter, BlocksOfNoWholePagesKeepItGoing) {
   c.prefault_ahead_bytes = 100 * 1000;  // no whole number of pages either
   auto store = KvStore::Create(c);
   ASSERT_TRUE(store.ok()) << store.status();
-  const ArenaPrefaulter* prefaulter = (*store)->prefaulter();
+  const ArenaPrefaulter* prefaulter = (*store)->arena().prefaulter();
   ASSERT_NE(prefaulter, nullptr);
   if (!prefaulter->WaitCommitted(100 * 1000, Soon()) && !prefaulter->working()) {
     GTEST_SKIP() << "this kernel refuses MADV_POPULATE_WRITE (Linux 5.14)";
