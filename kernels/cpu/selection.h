@@ -62,7 +62,7 @@ inline int64_t PrefetchMargin(int64_t k) { return 1 + (k / 16 > 2 ? k / 16 : 2);
 // Chooses min(k, n) slots of one KV head: every slot in `forced` first, then the highest
 // `scores[slot]` among the other slots in [0, n), ties to the lower slot (NaN ranks lowest).
 // Writes them in ascending slot order to `out` and returns how many. A radix select and a pass
-// in slot order: no sort. Safe to call from several threads at once.
+// in slot order: no sort. Safe to call from several threads at once. (kernels/cpu/top_k.cc)
 int64_t TopK(const float* scores, int64_t n, int64_t k, std::span<const int32_t> forced,
              int32_t* out);
 
