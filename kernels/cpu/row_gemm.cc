@@ -183,6 +183,89 @@ IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t
   }
 }
 
+// HorizontalSum(lanes 0-7 + lanes 8-15) of each of eight 16-lane accumulators, by Tile16's
+// additions in Tile16's order, four or eight at a time in one register: the halves added (rows
+// in pairs), then each sum's 128-bit halves, then its lanes 0 + 2 and 1 + 3, then those two.
+IG_AVX512 inline __m256 EightFoldedSums(const __m512 (&a)[8]) {
+  __m512 pairs[4];  // [lanes 0-7 + 8-15 of a[2p] | of a[2p + 1]]
+  for (int p = 0; p < 4; ++p) {
+    pairs[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  __m512 quads[2];  // 128-bit lane r: lanes 0-3 + 4-7 of sum 4q + r
+  for (int q = 0; q < 2; ++q) {
+    quads[q] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // 128-bit lane r: [0 + 2, 1 + 3 of sum r, 0 + 2, 1 + 3 of sum r + 4].
+  const __m512 halves =
+      _mm512_add_ps(_mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // 128-bit lane r: [sum r, sum r, sum r + 4, sum r + 4] (x + y and y + x are the same float).
+  const __m512 sums =
+      _mm512_add_ps(halves, _mm512_shuffle_ps(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+}
+
+// Tile16's products, order and result for R x rows and `cols` (<= 8) weight rows of a table,
+// eight weight rows at a time (the missing ones repeat the last, their results dropped) with
+// their horizontal sums folded together: the tile of short dot products (attention scores, k a
+// head's width), where one sum per element costs as much as its FMAs. No panel: the rows are
+// read once per tile (R x rows share each load).
+template <int64_t R, typename A>
+IG_AVX512 void TableTile16x8(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
+                             int64_t cols, int64_t k) {
+  int64_t at[8];
+  for (int64_t c = 0; c < 8; ++c) at[c] = std::min(c, cols - 1);
+  __m512 acc[R][8];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < 8; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  const int64_t k8 = k / 8 * 8;
+  int64_t i = 0;
+  for (; i + 16 <= k8; i += 16) {
+    __m512 xv[R];
+    for (int64_t r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * ldx + i);
+    for (int64_t c = 0; c < 8; ++c) {
+      const __m512 wv = w.Load16(at[c], i);
+      for (int64_t r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
+    }
+  }
+  if (i < k8) {
+    __m512 xv[R];
+    for (int64_t r = 0; r < R; ++r) {
+      xv[r] = _mm512_zextps256_ps512(_mm256_loadu_ps(x + r * ldx + i));
+    }
+    for (int64_t c = 0; c < 8; ++c) {
+      const __m512 wv = _mm512_zextps256_ps512(w.Load8(at[c], i));
+      for (int64_t r = 0; r < R; ++r) {
+        acc[r][c] = _mm512_mask3_fmadd_ps(xv[r], wv, acc[r][c], 0x00FF);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, EightFoldedSums(acc[r]));
+    for (int64_t c = 0; c < cols; ++c) {
+      y[r * ldy + c] += Tail(sums[c], x + r * ldx, w, c, k8, k);
+    }
+  }
+}
+
+// Every x row against a table's `cols` weight rows, three x rows at a time.
+template <typename A>
+IG_AVX512 void TableColumns16(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy,
+                              int64_t m, int64_t cols, int64_t k) {
+  for (int64_t j = 0; j < cols; j += 8) {
+    const int64_t width = std::min<int64_t>(8, cols - j);
+    int64_t i = 0;
+    for (; i + 3 <= m; i += 3) TableTile16x8<3>(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, width, k);
+    if (m - i == 2) TableTile16x8<2>(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, width, k);
+    if (m - i == 1) TableTile16x8<1>(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, width, k);
+  }
+}
+
 #pragma GCC diagnostic pop
 
 template <int64_t R, typename A>
@@ -228,6 +311,10 @@ struct Avx512Kernel {
 template <typename K, typename A>
 void ColumnBlock(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t m,
                  int64_t cols, int64_t k) {
+  if constexpr (std::is_same_v<K, Avx512Kernel> &&
+                (std::is_same_v<A, TableRows> || std::is_same_v<A, Bf16TableRows>)) {
+    return TableColumns16(x, ldx, w, y, ldy, m, cols, k);
+  }
   // A GEMV makes one pass over the weights: row after row, asking for them ahead.
   const bool gemv = m == 1;
   const int64_t step = gemv ? K::kGemvCols : K::kCols;
