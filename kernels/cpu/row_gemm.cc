@@ -194,8 +194,9 @@ IG_AVX512 inline __m256 EightFoldedSums(const __m512 (&a)[8]) {
   }
   __m512 quads[2];  // 128-bit lane r: lanes 0-3 + 4-7 of sum 4q + r
   for (int q = 0; q < 2; ++q) {
-    quads[q] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    quads[q] = _mm512_add_ps(
+        _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
   // 128-bit lane r: [0 + 2, 1 + 3 of sum r, 0 + 2, 1 + 3 of sum r + 4].
   const __m512 halves =
@@ -260,7 +261,8 @@ IG_AVX512 void TableColumns16(const float* x, int64_t ldx, const A& w, float* y,
   for (int64_t j = 0; j < cols; j += 8) {
     const int64_t width = std::min<int64_t>(8, cols - j);
     int64_t i = 0;
-    for (; i + 3 <= m; i += 3) TableTile16x8<3>(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, width, k);
+    for (; i + 3 <= m; i += 3)
+      TableTile16x8<3>(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, width, k);
     if (m - i == 2) TableTile16x8<2>(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, width, k);
     if (m - i == 1) TableTile16x8<1>(x + i * ldx, ldx, w.From(j), y + i * ldy + j, ldy, width, k);
   }
