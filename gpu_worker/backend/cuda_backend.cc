@@ -613,7 +613,8 @@ absl::Status CudaBackend::AppendPartialKeys(MatView k, const float* skew,
 }
 
 namespace {
-constexpr int kMaxChoicePartialDim = 256;  // the f32 copy of the query in the workspace
+// The f32 copy of the query in the workspace: as many channels as the speculation reads.
+constexpr int kMaxChoicePartialDim = cuda::kMaxSpeculationPartialDim;
 }  // namespace
 
 size_t CudaBackend::ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const {
@@ -627,8 +628,15 @@ size_t CudaBackend::ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, in
 
 absl::Status CudaBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
   const PartialKeysShape& shape = r.keys_shape;
+  if (shape.partial_dim > kMaxChoicePartialDim ||
+      r.num_heads > cuda::kMaxSpeculationGroup * shape.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda backend: ChooseRows reads at most ", kMaxChoicePartialDim,
+        " partial channels a head and ", cuda::kMaxSpeculationGroup, " query heads a KV head; got ",
+        shape.partial_dim, " channels and ", r.num_heads, " / ", shape.num_kv_heads,
+        " heads (a sidecar from `infinigen prepare` with a smaller --ratio)"));
+  }
   if (r.rows <= 0 || r.rows > shape.capacity || r.rows >= (int64_t{1} << 31) ||
-      shape.partial_dim > kMaxChoicePartialDim ||
       r.q_partial.cols != static_cast<int64_t>(r.num_heads) * shape.partial_dim) {
     return absl::InvalidArgumentError("cuda backend: ChooseRows shapes do not match");
   }

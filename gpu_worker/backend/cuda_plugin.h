@@ -31,7 +31,7 @@ inline constexpr char kCreateCudaBackendSymbol[] = "InfinigenCreateCudaBackend";
 // JoinSideQueue, BlockRowsGather::on_side_queue; 7: BlockRowsGather::dst_rows; 8: PlanKeptRows,
 // MapKeptRows, BlockRowsGather::list_counts, DecodeAttentionItem::count; 9: KeptRowsPlan::listed,
 // added after 8 was taken; 10: DecodeScratchBytes,
-// KeptRowsPlan::on_side_queue).
+// KeptRowsPlan::on_side_queue; 11: UnregisterHostMemory).
 inline constexpr int kCudaPluginAbi = 11;
 
 }  // namespace infinigen

@@ -163,6 +163,11 @@ struct PartialProjection {
 };
 cudaError_t RunPartialProjection(const PartialProjection& p, cudaStream_t stream);
 
+// The speculation's limits: partial channels a head, and query heads a KV head (the partial
+// queries of a group are held in shared memory).
+inline constexpr int kMaxSpeculationPartialDim = 128;
+inline constexpr int kMaxSpeculationGroup = 8;
+
 // The speculation of one layer for a batch: scores of every stored row against the partial
 // query, the per-sequence budget, the group attention mass, and the top rows per KV head.
 struct Speculation {

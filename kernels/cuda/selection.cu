@@ -12,8 +12,8 @@ namespace infinigen::cuda {
 namespace {
 
 constexpr int kScoreThreads = 256;
-constexpr int kMaxPartialDim = 128;
-constexpr int kMaxGroup = 8;
+constexpr int kMaxPartialDim = kMaxSpeculationPartialDim;
+constexpr int kMaxGroup = kMaxSpeculationGroup;
 
 __global__ void TopKKernel(const float* scores, int64_t n, int64_t k, int32_t* out) {
   BlockTopK(scores + blockIdx.x * n, n, k, out + blockIdx.x * k);

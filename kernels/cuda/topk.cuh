@@ -9,10 +9,13 @@ namespace infinigen::cuda {
 
 constexpr int kTopKThreads = 1024;  // blockDim.x of every caller of BlockTopK
 
-// Maps a float to an unsigned key with the same order.
+// Maps a float to an unsigned key with the same order, as the CPU's top-k (kernels/cpu/top_k.cc)
+// keys them: NaN lowest (below -inf: a NaN mass never outranks the current token's FLT_MAX), -0
+// equal to +0.
 __device__ __forceinline__ uint32_t OrderedKey(float f) {
-  const uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  const uint32_t u = __float_as_uint(f + 0.0f);  // -0 + 0 = +0
+  const uint32_t key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return f == f ? key : 0u;
 }
 
 // Exclusive prefix sums of a and b over the block (kTopKThreads threads); totals optional.

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -182,6 +183,33 @@ TEST_F(CudaKernels, TopKMatchesTheHostSelectionWithTies) {
       std::vector<int32_t> want;
       for (int g = 0; g < kv_heads; ++g) TopK(&s[g * n], n, k, {}, want);
       EXPECT_EQ(got, want) << "n " << n << " k " << k;
+    }
+  }
+}
+
+// NaN ranks lowest and -0 ties with +0 on both sides: a NaN mass must not outrank the FLT_MAX
+// that forces the current token in.
+TEST_F(CudaKernels, TopKRanksNaNLowestAndNegativeZeroAsZeroAsTheHostDoes) {
+  const int kv_heads = 2;
+  for (int64_t n : {17, 1000}) {
+    std::vector<float> s(kv_heads * n);
+    for (size_t i = 0; i < s.size(); ++i) {
+      const uint32_t r = rng_() % 10;
+      s[i] = r == 0   ? std::numeric_limits<float>::quiet_NaN()
+             : r == 1 ? -0.0f
+             : r == 2 ? 0.0f
+                      : static_cast<float>(static_cast<int>(rng_() % 9)) - 4.0f;
+    }
+    s[n - 1] = std::numeric_limits<float>::max();  // the current token, as the selection forces it
+    for (int64_t k : {int64_t{1}, n / 3 + 1, n}) {
+      Dev<float> ds(s);
+      Dev<int32_t> out(kv_heads * k);
+      CUDA_OK(cuda::TopK(ds.p, kv_heads, n, k, out.p, nullptr));
+      const auto got = out.Get();
+      std::vector<int32_t> want;
+      for (int g = 0; g < kv_heads; ++g) TopK(&s[g * n], n, k, {}, want);
+      EXPECT_EQ(got, want) << "n " << n << " k " << k;
+      EXPECT_NE(std::find(got.begin(), got.begin() + k, n - 1), got.begin() + k) << "k " << k;
     }
   }
 }
