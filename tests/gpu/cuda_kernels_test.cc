@@ -64,6 +64,21 @@ class CudaKernels : public ::testing::Test {
     ConvertToFloat(DType::kBF16, h.data(), v.data(), v.size());
     return h;
   }
+  // cuda::TopK's rows of each of kv_heads runs of n scores, and the host's (TopK, head after
+  // head).
+  static std::vector<int32_t> DeviceTopK(const std::vector<float>& s, int kv_heads, int64_t n,
+                                         int64_t k) {
+    Dev<float> ds(s);
+    Dev<int32_t> out(kv_heads * k);
+    EXPECT_EQ(cuda::TopK(ds.p, kv_heads, n, k, out.p, nullptr), cudaSuccess);
+    return out.Get();
+  }
+  static std::vector<int32_t> HostTopK(const std::vector<float>& s, int kv_heads, int64_t n,
+                                       int64_t k) {
+    std::vector<int32_t> want;
+    for (int g = 0; g < kv_heads; ++g) TopK(&s[g * n], n, k, {}, want);
+    return want;
+  }
   std::mt19937 rng_;
 };
 
@@ -176,13 +191,8 @@ TEST_F(CudaKernels, TopKMatchesTheHostSelectionWithTies) {
     std::vector<float> s(kv_heads * n);
     for (auto& x : s) x = static_cast<float>(static_cast<int>(rng_() % 50)) - 20.0f;  // many ties
     for (int64_t k : {int64_t{1}, n / 3 + 1, n}) {
-      Dev<float> ds(s);
-      Dev<int32_t> out(kv_heads * k);
-      CUDA_OK(cuda::TopK(ds.p, kv_heads, n, k, out.p, nullptr));
-      const auto got = out.Get();
-      std::vector<int32_t> want;
-      for (int g = 0; g < kv_heads; ++g) TopK(&s[g * n], n, k, {}, want);
-      EXPECT_EQ(got, want) << "n " << n << " k " << k;
+      EXPECT_EQ(DeviceTopK(s, kv_heads, n, k), HostTopK(s, kv_heads, n, k))
+          << "n " << n << " k " << k;
     }
   }
 }
@@ -202,13 +212,8 @@ TEST_F(CudaKernels, TopKRanksNaNLowestAndNegativeZeroAsZeroAsTheHostDoes) {
     }
     s[n - 1] = std::numeric_limits<float>::max();  // the current token, as the selection forces it
     for (int64_t k : {int64_t{1}, n / 3 + 1, n}) {
-      Dev<float> ds(s);
-      Dev<int32_t> out(kv_heads * k);
-      CUDA_OK(cuda::TopK(ds.p, kv_heads, n, k, out.p, nullptr));
-      const auto got = out.Get();
-      std::vector<int32_t> want;
-      for (int g = 0; g < kv_heads; ++g) TopK(&s[g * n], n, k, {}, want);
-      EXPECT_EQ(got, want) << "n " << n << " k " << k;
+      const std::vector<int32_t> got = DeviceTopK(s, kv_heads, n, k);
+      EXPECT_EQ(got, HostTopK(s, kv_heads, n, k)) << "n " << n << " k " << k;
       EXPECT_NE(std::find(got.begin(), got.begin() + k, n - 1), got.begin() + k) << "k " << k;
     }
   }
