@@ -132,6 +132,35 @@ BENCHMARK(BM_AttentionDecodeStep)
     ->ArgsProduct({{1}, {4096, 16384}, {1000, 200}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
+// A prefill chunk's attention (the causal rows kernel, as the CPU backend runs it over bf16 K/V):
+// `chunk` query rows at positions n - chunk .. n - 1 over the n rows before them, one layer.
+// args: shape index, rows n, chunk
+void BM_AttentionCausalChunk(benchmark::State& state) {
+  const Shape s = kShapes[state.range(0)];
+  const int64_t n = state.range(1), chunk = state.range(2);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> k(static_cast<size_t>(s.kv_heads) * n * s.dim), v(k.size());
+  for (uint16_t& x : k) x = FloatToBf16(normal(rng));
+  for (uint16_t& x : v) x = FloatToBf16(normal(rng));
+  const int64_t q_stride = static_cast<int64_t>(s.heads) * s.dim;
+  std::vector<float> q(static_cast<size_t>(chunk) * q_stride), out(q.size());
+  for (float& x : q) x = normal(rng);
+  const cpu::KvRows kr{k.data(), n * s.dim, s.dim, nullptr, true};
+  const cpu::KvRows vr{v.data(), n * s.dim, s.dim, nullptr, true};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.dim));
+  for (auto _ : state) {
+    cpu::AttentionCausalRows(q.data(), q_stride, chunk, n - chunk, kr, vr, s.heads, s.kv_heads,
+                             s.dim, scale, out.data(), q_stride);
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+BENCHMARK(BM_AttentionCausalChunk)
+    ->Args({0, 1024, 1024})
+    ->Args({0, 8000, 1024})
+    ->Args({1, 8000, 1024})
+    ->Unit(benchmark::kMillisecond);
+
 }  // namespace
 }  // namespace infinigen
 

@@ -504,7 +504,12 @@ INSTANTIATE_TEST_SUITE_P(OddSizes, RowGemm,
                                            Case{1, 97, 576}, Case{2, 49, 24}, Case{3, 13, 64},
                                            Case{5, 50, 96}, Case{7, 101, 67}, Case{70, 53, 160},
                                            Case{130, 9, 32}, Case{1, 37, 256}, Case{1, 97, 1536},
-                                           Case{3, 21, 512}, Case{70, 19, 768}));
+                                           Case{3, 21, 512}, Case{70, 19, 768},
+                                           // 16 x rows and more as lanes: k with an odd
+                                           // 8-element block and a tail, under 8, row counts
+                                           // past a multiple of 16 and weight rows past one
+                                           Case{20, 37, 67}, Case{16, 19, 40}, Case{33, 50, 24},
+                                           Case{17, 5, 7}));
 
 }  // namespace
 }  // namespace infinigen::cpu
