@@ -628,13 +628,16 @@ size_t CudaBackend::ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, in
 
 absl::Status CudaBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
   const PartialKeysShape& shape = r.keys_shape;
-  if (shape.partial_dim > kMaxChoicePartialDim ||
-      r.num_heads > cuda::kMaxSpeculationGroup * shape.num_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda backend: ChooseRows reads at most ", kMaxChoicePartialDim,
-        " partial channels a head and ", cuda::kMaxSpeculationGroup, " query heads a KV head; got ",
-        shape.partial_dim, " channels and ", r.num_heads, " / ", shape.num_kv_heads,
-        " heads (a sidecar from `infinigen prepare` with a smaller --ratio)"));
+  if (shape.partial_dim > kMaxChoicePartialDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: ChooseRows reads at most ", kMaxChoicePartialDim,
+                     " partial channels a head, got ", shape.partial_dim,
+                     " (a sidecar from `infinigen prepare` with a smaller --ratio)"));
+  }
+  if (r.num_heads > cuda::kMaxSpeculationGroup * shape.num_kv_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: ChooseRows takes at most ", cuda::kMaxSpeculationGroup,
+                     " query heads a KV head, got ", r.num_heads, " / ", shape.num_kv_heads));
   }
   if (r.rows <= 0 || r.rows > shape.capacity || r.rows >= (int64_t{1} << 31) ||
       r.q_partial.cols != static_cast<int64_t>(r.num_heads) * shape.partial_dim) {

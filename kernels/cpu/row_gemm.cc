@@ -309,7 +309,9 @@ struct Avx512Kernel {
 
 // `cols` columns of y (starting at y) for every row, from the accessor's weight rows. Several
 // rows of a packed format read each tile's weight rows widened once per block of x rows (the
-// same floats Load8 makes, so the same products).
+// same floats Load8 makes, so the same products). A row table on AVX-512 (the attention's
+// scores, a few x rows: TableColumns16) widens in registers, asks for nothing ahead (its caller
+// prefetches the rows) and takes every x row in one pass.
 template <typename K, typename A>
 void ColumnBlock(const float* x, int64_t ldx, const A& w, float* y, int64_t ldy, int64_t m,
                  int64_t cols, int64_t k) {

@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -49,7 +51,10 @@ class CudaKernels : public ::testing::Test {
  protected:
   void SetUp() override {
     if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    rng_.seed(std::random_device{}());
+    const unsigned seed = std::random_device{}();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));  // to replay a failure: seed rng_ with it
+    std::fprintf(stderr, "seed %u\n", seed);
   }
   std::vector<float> Random(size_t n, float scale = 1.0f) {
     std::normal_distribution<float> d(0.0f, scale);

@@ -505,9 +505,9 @@ INSTANTIATE_TEST_SUITE_P(OddSizes, RowGemm,
                                            Case{5, 50, 96}, Case{7, 101, 67}, Case{70, 53, 160},
                                            Case{130, 9, 32}, Case{1, 37, 256}, Case{1, 97, 1536},
                                            Case{3, 21, 512}, Case{70, 19, 768},
-                                           // 16 x rows and more as lanes: k with an odd
-                                           // 8-element block and a tail, under 8, row counts
-                                           // past a multiple of 16 and weight rows past one
+                                           // 16 x rows and more: k with an odd 8-element
+                                           // block and a tail, under 8, every m % 3, weight
+                                           // rows past a multiple of 8
                                            Case{20, 37, 67}, Case{16, 19, 40}, Case{33, 50, 24},
                                            Case{17, 5, 7}));
 
