@@ -77,9 +77,15 @@ struct Weights {
       q6_d.resize(n * k / kQ6Super);
       for (auto& v : q6_d) v = HalfToFloat(FloatToHalf(std::abs(d(rng)) / 512));
     }
+    // The tables' rows, each a copy in its own allocation: a kernel that reads past a row's end
+    // reads outside it (AddressSanitizer's run reports it), not the next row.
     for (int64_t j = 0; j < n; ++j) {
-      f32_rows.push_back(f32.data() + j * k);
-      bf16_rows.push_back(bf16.data() + j * k);
+      f32_row_copies.emplace_back(f32.begin() + j * k, f32.begin() + (j + 1) * k);
+      bf16_row_copies.emplace_back(bf16.begin() + j * k, bf16.begin() + (j + 1) * k);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      f32_rows.push_back(f32_row_copies[j].data());
+      bf16_rows.push_back(bf16_row_copies[j].data());
     }
   }
   int64_t n, k;
@@ -102,6 +108,8 @@ struct Weights {
   std::vector<int8_t> q6_s;
   std::vector<float> q6_d;
   Q6_KMatrix q6() const { return {q6_ql.data(), q6_qh.data(), q6_s.data(), q6_d.data(), n, k}; }
+  std::vector<std::vector<float>> f32_row_copies;
+  std::vector<std::vector<uint16_t>> bf16_row_copies;
   std::vector<const float*> f32_rows;
   std::vector<const uint16_t*> bf16_rows;
 };
