@@ -117,8 +117,12 @@ TEST(StagingRing, ConcurrentReservationsNeverOverlap) {
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ(bad.load(), 0);
-  EXPECT_GT(reserved.load(), 2000);
+  // How many reservations fit depends on how the two threads interleaved (space after one still
+  // held is not reused; one CI run under load got 1910, under the 2000 once asserted), so no count
+  // is asserted but that some did. Everything given back, the whole ring can be reserved again.
+  EXPECT_GT(reserved.load(), 0);
   EXPECT_EQ(ring->held_bytes(), 0u);
+  EXPECT_TRUE(ring->Reserve(32 << 10)) << "K and V of 32 KiB each: the whole ring, free again";
 }
 
 }  // namespace
