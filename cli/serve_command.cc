@@ -72,6 +72,7 @@ int RunServe(int argc, char** argv) {
   grpc::ServerBuilder builder;
   AddHealthService(builder);
   builder.RegisterService(&(*runtime)->service());
+  InstallShutdownSignalHandlers();  // before serving: a SIGTERM from then on drains
   std::unique_ptr<grpc::Server> internal = builder.BuildAndStart();
   if (internal == nullptr) {
     return ReportError("serve", absl::InternalError("cannot start the in-process worker server"));

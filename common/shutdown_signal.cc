@@ -13,14 +13,26 @@ void OnSignal(int) {
   if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
 }
 
+absl::Notification& Stop() {
+  static absl::Notification stop;
+  return stop;
+}
+
 }  // namespace
 
+void InstallShutdownSignalHandlers() {
+  static const bool installed = [] {
+    g_stop = &Stop();
+    std::signal(SIGTERM, OnSignal);
+    std::signal(SIGINT, OnSignal);
+    return true;
+  }();
+  (void)installed;
+}
+
 void WaitForShutdownSignal() {
-  static absl::Notification stop;
-  g_stop = &stop;
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
-  stop.WaitForNotification();
+  InstallShutdownSignalHandlers();
+  Stop().WaitForNotification();
 }
 
 }  // namespace infinigen

@@ -3,7 +3,13 @@
 
 namespace infinigen {
 
-// Installs SIGTERM and SIGINT handlers (once) and waits for either.
+// Installs the SIGTERM and SIGINT handlers (once; later calls do nothing). A service calls it
+// before it says it is serving: a signal that arrives before the handlers would end the process
+// with the signal's default action, not a drain.
+void InstallShutdownSignalHandlers();
+
+// Installs the handlers if not yet done and waits for either signal (one that arrived since
+// they were installed returns at once).
 void WaitForShutdownSignal();
 
 }  // namespace infinigen

@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
   if (!st.ok()) return Fail(st.message(), 2);
   if (check_flags) return 0;
 
+  InstallShutdownSignalHandlers();  // before serving: a SIGTERM from then on drains
   auto server = RouterServer::Start(config);
   if (!server.ok()) {
     return Fail(server.status().message(), absl::IsInvalidArgument(server.status()) ? 2 : 1);

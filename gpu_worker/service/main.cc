@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&gate);
+  InstallShutdownSignalHandlers();  // before serving: a SIGTERM from then on drains
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return Fail("cannot listen on " + listen);
   infinigen::SetHealth(*server, {infinigen::worker::v1::Worker::service_full_name()}, false);

@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(infinigen::kMaxKvMessageBytes));
   builder.SetMaxSendMessageSize(static_cast<int>(infinigen::kMaxKvMessageBytes));
   builder.RegisterService(&service);
+  infinigen::InstallShutdownSignalHandlers();  // before serving: a SIGTERM from then on drains
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::cerr << "infinigen-kvstore: cannot listen on " << listen << "\n";
