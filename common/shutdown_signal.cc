@@ -1,30 +1,44 @@
 #include "common/shutdown_signal.h"
 
-#include <csignal>
+#include <fcntl.h>
+#include <unistd.h>
 
-#include "absl/synchronization/notification.h"
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 
 namespace infinigen {
 namespace {
 
-absl::Notification* g_stop = nullptr;
+// The self-pipe: the handler writes one byte, the waiter reads it. write(2) is async-signal-safe,
+// unlike waking a condition variable or an absl::Notification from inside a handler.
+int g_pipe[2] = {-1, -1};
 
 void OnSignal(int) {
-  if (g_stop != nullptr && !g_stop->HasBeenNotified()) g_stop->Notify();
-}
-
-absl::Notification& Stop() {
-  static absl::Notification stop;
-  return stop;
+  const int saved_errno = errno;  // the interrupted code may be reading errno
+  const char byte = 1;
+  // Non-blocking: a flood of signals that fills the pipe drops bytes instead of blocking here.
+  [[maybe_unused]] const ssize_t ignored = write(g_pipe[1], &byte, 1);
+  errno = saved_errno;
 }
 
 }  // namespace
 
 void InstallShutdownSignalHandlers() {
   static const bool installed = [] {
-    g_stop = &Stop();
-    std::signal(SIGTERM, OnSignal);
-    std::signal(SIGINT, OnSignal);
+    if (pipe2(g_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+      std::perror("shutdown signal pipe");
+      std::abort();
+    }
+    // The waiter blocks on the read end; only the handler's end stays non-blocking.
+    fcntl(g_pipe[0], F_SETFL, fcntl(g_pipe[0], F_GETFL) & ~O_NONBLOCK);
+    struct sigaction action = {};
+    action.sa_handler = OnSignal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;  // other threads' interrupted system calls resume
+    sigaction(SIGTERM, &action, nullptr);
+    sigaction(SIGINT, &action, nullptr);
     return true;
   }();
   (void)installed;
@@ -32,7 +46,13 @@ void InstallShutdownSignalHandlers() {
 
 void WaitForShutdownSignal() {
   InstallShutdownSignalHandlers();
-  Stop().WaitForNotification();
+  char byte = 0;
+  while (read(g_pipe[0], &byte, 1) != 1) {
+    if (errno != EINTR) {
+      std::perror("shutdown signal pipe");
+      std::abort();
+    }
+  }
 }
 
 }  // namespace infinigen

@@ -12,11 +12,12 @@
 #   LeakSanitizer skips the third-party leaks in scripts/lsan_suppressions.txt. ~15 minutes to
 #   build from scratch on 2 cores with clang -O1 (41 with g++ -O2 -g), ~6 to run (CI of
 #   2026-11-29, AMD EPYC VM).
-# thread: ThreadSanitizer (build-tsan/): the health service, the batch engine, the engine's attach path, memory
-#   admission, the store cache, the KV client queue, the KV transports (gRPC, shm, UCX), the
-#   router's relay and pool, and the router and worker process tests (their servers,
-#   `infinigen serve` included, are TSan builds too; a report in a server's log fails the test
-#   that ran it). abseil's synchronization and status libraries are rebuilt with
+# thread: ThreadSanitizer (build-tsan/): the services' shutdown signal handler (TSan reports a
+#   call that is not async-signal-safe inside a handler), the health service, the batch engine,
+#   the engine's attach path, memory admission, the store cache, the KV client queue, the KV
+#   transports (gRPC, shm, UCX), the router's relay and pool, and the router and worker process
+#   tests (their servers, `infinigen serve` included, are TSan builds too; a report in a server's
+#   log fails the test that ran it). abseil's synchronization and status libraries are rebuilt with
 #   -fsanitize=thread from Debian's own source of the installed version (same ABI, same
 #   SONAME, loaded first through LD_LIBRARY_PATH) so that TSan sees every absl::Mutex and
 #   Status refcount, ours and gRPC's;
@@ -125,12 +126,13 @@ tsan_abseil() {
 }
 
 thread() {
-  local targets=(cpu_kernels_test health_test queued_client_test staging_ring_test router_test
-                 arena_prefaulter_test
+  local targets=(common_test cpu_kernels_test health_test queued_client_test staging_ring_test
+                 router_test arena_prefaulter_test
                  store_kv_cache_test store_kv_device_plan_test store_kv_reuse_shm_test
                  batch_engine_test memory_admission_test engine_attach_test kv_transport_test
                  ucx_data_plane_test
                  router_process_test worker_process_test)
+  suite_args[common_test]="--gtest_filter=ShutdownSignal.*"
   suite_args[cpu_kernels_test]="--gtest_filter=TeamTest.*"
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DINFINIGEN_SANITIZE_THREAD=ON -DINFINIGEN_WITH_CUDA=OFF -DINFINIGEN_BUILD_BENCHMARKS=OFF \
