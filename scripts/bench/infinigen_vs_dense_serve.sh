@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # InfiniGen against dense attention through the path a user runs on one machine (docs/
 # benchmarks.md, "Decode step on the CPU"): `infinigen serve` (router, worker and KV store in one
-# process, CPU, q8 weights) started once per policy, and `infinigen load` through its public API
-# with one stream of random prompt ids of each length (greedy, EOS ignored). Reported: the time
-# between tokens (TPOT) p50 / p99 as the client sees it, in interleaved rounds so that both
-# policies share the VM's state; the ratio is InfiniGen's p50 over dense's in the same round.
+# process, CPU, q8 weights unless WEIGHTS says otherwise) started once per policy, and
+# `infinigen load` through its public API with one stream of random prompt ids of each length
+# (greedy, EOS ignored). Reported: the time between tokens (TPOT) p50 / p99 as the client sees
+# it, in interleaved rounds so that both policies share the VM's state; the ratio is InfiniGen's
+# p50 over dense's in the same round.
 # The InfiniGen sidecar next to the model is made first if missing (`infinigen prepare`).
 # KV=f32|bf16 picks the K/V storage of both policies (default: bf16, serve's default); with
 # KV_BASELINE=f32 a third case, dense over float32 K/V, runs in each round too (the ratio stays
 # InfiniGen over dense with the same K/V storage).
 #
-# usage: [KV=bf16] [KV_BASELINE=f32] scripts/bench/infinigen_vs_dense_serve.sh
+# usage: [KV=bf16] [KV_BASELINE=f32] [WEIGHTS=q8|q4_1|bf16|f32]
+#          scripts/bench/infinigen_vs_dense_serve.sh
 #            [prompt_tokens="4096 8000"] [rounds=2] [new_tokens=32] [threads=2]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,13 +30,13 @@ wait_for() {  # log file, pattern
   echo "timed out waiting for '$2' in $1" >&2; cat "$1" >&2; return 1
 }
 
-KV="${KV:-bf16}" KV_BASELINE="${KV_BASELINE:-}"
+KV="${KV:-bf16}" KV_BASELINE="${KV_BASELINE:-}" WEIGHTS="${WEIGHTS:-q8}"
 # One case: serve with `policy` over `kv` K/V, one stream of `prompt`-token requests for 20 s at most; prints
 # "p50 p99" in ms.
 run_case() {
   local policy="$1" prompt="$2" kv="$3" port=$((55000 + RANDOM % 1000))
   $BIN/infinigen serve --model "$MODEL" --listen "127.0.0.1:$port" --policy "$policy" \
-    --cpu-weights q8 --cpu-kv "$kv" --threads "$THREADS" --kv-capacity-mb 4096 --max-running 4 \
+    --cpu-weights "$WEIGHTS" --cpu-kv "$kv" --threads "$THREADS" --kv-capacity-mb 4096 --max-running 4 \
     --prefill-budget 1024 > "$LOGS/serve.log" 2>&1 &
   PID=$!
   wait_for "$LOGS/serve.log" "serving"

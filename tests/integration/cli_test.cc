@@ -79,6 +79,29 @@ TEST(Cli, BadFlagsAndPathsAreOneLineErrorsWithExitCode2) {
   EXPECT_EQ(Lines(pin.err), 1) << pin.err;
 }
 
+// `bench --depth N` (llama-bench's -d) runs its tests after N tokens already in the cache, and
+// says so; a depth the model's context cannot hold is refused in one line.
+TEST(Cli, BenchAtDepth) {
+  const std::string model = testing::FixturePath("hf/llama32_tied");  // context 256
+  CommandResult r = Infinigen("bench --model " + model +
+                              " --depth 200 --prompt-tokens 8 --gen-tokens 4 --repetitions 1");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["depth"], 200);
+  EXPECT_GT(j["prefill_tokens_per_s"].get<double>(), 0);
+  EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0);
+  CommandResult deep = Infinigen("bench --model " + model + " --depth 250 --prompt-tokens 8 --gen-tokens 0");
+  EXPECT_EQ(deep.exit_code, 2) << deep.err;
+  EXPECT_NE(deep.err.find("--depth plus the longer test (258 tokens) exceeds the model's "
+                          "context of 256 tokens"),
+            std::string::npos)
+      << deep.err;
+  EXPECT_EQ(Lines(deep.err), 1) << deep.err;
+  CommandResult negative = Infinigen("bench --model " + model + " --depth -1");
+  EXPECT_EQ(negative.exit_code, 2) << negative.err;
+  EXPECT_NE(negative.err.find("and --depth must be >= 0"), std::string::npos) << negative.err;
+}
+
 #if INFINIGEN_TEST_HAVE_SERVICES
 // `infinigen serve` takes the service binaries' flags as they spell them (underscores) as well as
 // its own dashes, validates them with the binaries' checks (--check-flags: without loading the
