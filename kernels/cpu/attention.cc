@@ -252,12 +252,13 @@ __attribute__((noinline)) void ChunkPartials(const float* q0, int64_t q_stride, 
   for (int64_t j = 0; j < n; ++j) {
     k_rows[j] = k.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
     v_rows[j] = v.Row(g, idx != nullptr ? idx[j0 + j] : j0 + j);
-    // Rows listed by index or by a table are scattered: ask for all of the chunk's at once, so
-    // that their misses overlap (hardware prefetchers do not follow indices); a chunk fits in L2.
-    if (idx != nullptr || k.rows != nullptr || v.rows != nullptr) {
-      Prefetch(k_rows[j], head_dim * (k.bf16 ? 2 : 4));
-      Prefetch(v_rows[j], head_dim * (v.bf16 ? 2 : 4));
-    }
+    // Ask for all of the chunk's rows at once, so that their misses overlap; a chunk fits in L2.
+    // Rows listed by index or by a table are scattered (hardware prefetchers do not follow
+    // indices), and even rows packed one after another arrive sooner so: the hardware's
+    // streamer starts again at every 4 KiB page (dense decode at depth 8000 over packed bf16
+    // K/V, `infinigen bench --depth 8000`: 26.0-26.2 -> 21.5-21.6 ms a token).
+    Prefetch(k_rows[j], head_dim * (k.bf16 ? 2 : 4));
+    Prefetch(v_rows[j], head_dim * (v.bf16 ? 2 : 4));
   }
   // Scores of m query rows (row stride ldq) against the chunk's K rows into y (row stride ldy).
   auto scores_of = [&](const float* q, int64_t ldq, float* y, int64_t ldy, int64_t m) {
