@@ -16,32 +16,28 @@
 namespace infinigen {
 namespace {
 
-// Waits on a detached thread, so that a wait that never ends fails the test instead of hanging
-// it (the thread is left behind; the process exits anyway).
-bool WaitEndsWithin(std::chrono::seconds limit) {
+// Starts a wait on a detached thread; the future is ready when it ends. Detached, so that a wait
+// that never ends fails the test instead of hanging it (the thread is left behind; the process
+// exits anyway).
+std::future<void> StartWaiting() {
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> ended = done->get_future();
   std::thread([done] {
     WaitForShutdownSignal();
     done->set_value();
   }).detach();
-  return ended.wait_for(limit) == std::future_status::ready;
+  return ended;
 }
 
 TEST(ShutdownSignal, SignalBeforeTheWaitEndsItAtOnce) {
   InstallShutdownSignalHandlers();
   ASSERT_EQ(raise(SIGTERM), 0);  // handled now, on this thread: the default action would kill us
-  EXPECT_TRUE(WaitEndsWithin(std::chrono::seconds(10)));
+  EXPECT_EQ(StartWaiting().wait_for(std::chrono::seconds(10)), std::future_status::ready);
 }
 
 TEST(ShutdownSignal, SignalToTheProcessWakesTheWaiter) {
   InstallShutdownSignalHandlers();
-  auto done = std::make_shared<std::promise<void>>();
-  std::future<void> ended = done->get_future();
-  std::thread([done] {
-    WaitForShutdownSignal();
-    done->set_value();
-  }).detach();
+  std::future<void> ended = StartWaiting();
   // Not yet: no signal has come since the last wait took its own.
   EXPECT_EQ(ended.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
   ASSERT_EQ(kill(getpid(), SIGINT), 0);
