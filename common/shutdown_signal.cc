@@ -1,6 +1,7 @@
 #include "common/shutdown_signal.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,8 +12,9 @@
 namespace infinigen {
 namespace {
 
-// The self-pipe: the handler writes one byte, the waiter reads it. write(2) is async-signal-safe,
-// unlike waking a condition variable or an absl::Notification from inside a handler.
+// The self-pipe: the handler writes one byte, the waiter reads it (both ends non-blocking).
+// write(2) is async-signal-safe, unlike waking a condition variable or an absl::Notification
+// from inside a handler.
 int g_pipe[2] = {-1, -1};
 
 void OnSignal(int) {
@@ -31,8 +33,6 @@ void InstallShutdownSignalHandlers() {
       std::perror("shutdown signal pipe");
       std::abort();
     }
-    // The waiter blocks on the read end; only the handler's end stays non-blocking.
-    fcntl(g_pipe[0], F_SETFL, fcntl(g_pipe[0], F_GETFL) & ~O_NONBLOCK);
     struct sigaction action = {};
     action.sa_handler = OnSignal;
     sigemptyset(&action.sa_mask);
@@ -46,9 +46,15 @@ void InstallShutdownSignalHandlers() {
 
 void WaitForShutdownSignal() {
   InstallShutdownSignalHandlers();
-  char byte = 0;
-  while (read(g_pipe[0], &byte, 1) != 1) {
-    if (errno != EINTR) {
+  pollfd ready{g_pipe[0], POLLIN, 0};
+  for (;;) {
+    // Woken by the handler's byte at once; the timeout is for ThreadSanitizer, which runs a
+    // handler only when the thread it interrupted leaves the intercepted call it is in: a
+    // signal that lands on this thread while it waits would otherwise wait for itself.
+    const int n = poll(&ready, 1, 100);
+    char byte = 0;
+    if (n > 0 && read(g_pipe[0], &byte, 1) == 1) return;
+    if (n < 0 && errno != EINTR) {
       std::perror("shutdown signal pipe");
       std::abort();
     }
