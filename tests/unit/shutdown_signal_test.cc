@@ -2,6 +2,7 @@
 // comes before the wait, during it, or in a flood, ends the wait and nothing else.
 #include "common/shutdown_signal.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,13 +20,16 @@ namespace {
 // Starts a wait on a detached thread; the future is ready when it ends. Detached, so that a wait
 // that never ends fails the test instead of hanging it (the thread is left behind; the process
 // exits anyway).
-std::future<void> StartWaiting() {
+// `id`, when given, receives the waiting thread's id.
+std::future<void> StartWaiting(pthread_t* id = nullptr) {
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> ended = done->get_future();
-  std::thread([done] {
+  std::thread waiter([done] {
     WaitForShutdownSignal();
     done->set_value();
-  }).detach();
+  });
+  if (id != nullptr) *id = waiter.native_handle();
+  waiter.detach();
   return ended;
 }
 
@@ -41,6 +45,19 @@ TEST(ShutdownSignal, SignalToTheProcessWakesTheWaiter) {
   // Not yet: no signal has come since the last wait took its own.
   EXPECT_EQ(ended.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
   ASSERT_EQ(kill(getpid(), SIGINT), 0);
+  EXPECT_EQ(ended.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+}
+
+// The signal lands on the waiting thread itself, in the middle of its wait. (Under
+// ThreadSanitizer a handler runs only when the interrupted thread leaves its intercepted call: a
+// wait blocked in read(2) never left it, so it waited for its own handler's byte; the services'
+// SIGTERM drains failed so in CI's TSan stage.)
+TEST(ShutdownSignal, SignalToTheWaitingThreadItselfEndsTheWait) {
+  InstallShutdownSignalHandlers();
+  pthread_t id;
+  std::future<void> ended = StartWaiting(&id);
+  EXPECT_EQ(ended.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  ASSERT_EQ(pthread_kill(id, SIGTERM), 0);  // the thread is still waiting: it has not returned
   EXPECT_EQ(ended.wait_for(std::chrono::seconds(10)), std::future_status::ready);
 }
 
