@@ -120,9 +120,9 @@ int RunBench(int argc, char** argv) {
   }
   std::cout << absl::StrFormat(
       "{\"engine\": \"infinigen\", \"backend\": \"%s\", \"threads\": %d, \"prompt_tokens\": %d, "
-      "\"gen_tokens\": %d, \"depth\": %d, \"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": "
-      "%.2f, "
-      "\"team_jobs_per_decode_token\": %.1f, \"load_seconds\": %.3f, \"peak_rss_mib\": %.1f}\n",
+      "\"gen_tokens\": %d, \"depth\": %d, \"prefill_tokens_per_s\": %.2f, "
+      "\"decode_tokens_per_s\": %.2f, \"team_jobs_per_decode_token\": %.1f, \"load_seconds\": "
+      "%.3f, \"peak_rss_mib\": %.1f}\n",
       model.backend().Name(), backend.threads, prompt_tokens, gen_tokens, depth, best_pp, best_tg,
       tg_jobs, load_seconds, PeakRssMiB());
   return 0;

@@ -13,7 +13,10 @@ maximum resident set size as the kernel reports it (wait4 rusage).
 
 usage: scripts/bench/cpu_vs_llamacpp.py [--model GGUF] [--threads 2] [--rounds 3]
        [--peer 0.3.36] [--formats f32,bf16,q8,q4_1] [--pp 512] [--tg 128] [--depth 0]
-       [--kv bf16] [--flash-attn 0]
+       [--kv bf16] [--flash-attn 0] [--repetitions 3]
+
+A peer built by an earlier version of this script (with AMX) stays in the cache: delete its
+folder under ~/.cache/infinigen/peers to rebuild it.
 """
 import argparse
 import json

@@ -36,8 +36,8 @@ KV="${KV:-bf16}" KV_BASELINE="${KV_BASELINE:-}" WEIGHTS="${WEIGHTS:-q8}"
 run_case() {
   local policy="$1" prompt="$2" kv="$3" port=$((55000 + RANDOM % 1000))
   $BIN/infinigen serve --model "$MODEL" --listen "127.0.0.1:$port" --policy "$policy" \
-    --cpu-weights "$WEIGHTS" --cpu-kv "$kv" --threads "$THREADS" --kv-capacity-mb 4096 --max-running 4 \
-    --prefill-budget 1024 > "$LOGS/serve.log" 2>&1 &
+    --cpu-weights "$WEIGHTS" --cpu-kv "$kv" --threads "$THREADS" --kv-capacity-mb 4096 \
+    --max-running 4 --prefill-budget 1024 > "$LOGS/serve.log" 2>&1 &
   PID=$!
   wait_for "$LOGS/serve.log" "serving"
   $BIN/infinigen load --server "127.0.0.1:$port" --streams 1 --seconds 1 \

@@ -90,7 +90,8 @@ TEST(Cli, BenchAtDepth) {
   EXPECT_EQ(j["depth"], 200);
   EXPECT_GT(j["prefill_tokens_per_s"].get<double>(), 0);
   EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0);
-  CommandResult deep = Infinigen("bench --model " + model + " --depth 250 --prompt-tokens 8 --gen-tokens 0");
+  CommandResult deep =
+      Infinigen("bench --model " + model + " --depth 250 --prompt-tokens 8 --gen-tokens 0");
   EXPECT_EQ(deep.exit_code, 2) << deep.err;
   EXPECT_NE(deep.err.find("--depth plus the longer test (258 tokens) exceeds the model's "
                           "context of 256 tokens"),

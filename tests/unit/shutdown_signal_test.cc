@@ -17,10 +17,9 @@
 namespace infinigen {
 namespace {
 
-// Starts a wait on a detached thread; the future is ready when it ends. Detached, so that a wait
-// that never ends fails the test instead of hanging it (the thread is left behind; the process
-// exits anyway).
-// `id`, when given, receives the waiting thread's id.
+// Starts a wait on a detached thread; the future is ready when it ends, and `id` (when given)
+// receives the thread's id. Detached, so that a wait that never ends fails the test instead of
+// hanging it (the thread is left behind; the process exits anyway).
 std::future<void> StartWaiting(pthread_t* id = nullptr) {
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> ended = done->get_future();
@@ -56,8 +55,9 @@ TEST(ShutdownSignal, SignalToTheWaitingThreadItselfEndsTheWait) {
   InstallShutdownSignalHandlers();
   pthread_t id;
   std::future<void> ended = StartWaiting(&id);
-  EXPECT_EQ(ended.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
-  ASSERT_EQ(pthread_kill(id, SIGTERM), 0);  // the thread is still waiting: it has not returned
+  // Still waiting (so the thread exists for pthread_kill: it has not returned).
+  ASSERT_EQ(ended.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  ASSERT_EQ(pthread_kill(id, SIGTERM), 0);
   EXPECT_EQ(ended.wait_for(std::chrono::seconds(10)), std::future_status::ready);
 }
 
