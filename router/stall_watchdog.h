@@ -4,7 +4,8 @@
 //
 // A stream is stalled when nothing arrived from its worker for
 //   - `when_down` while the pool's health checks find the worker down (a frozen or unreachable
-//     process: its health probes time out within about a second), or
+//     process: its health probes time out within about a second; PooledWorker::State::kDown, not
+//     kFailed, the failure of another call to it, which says nothing of this stream), or
 //   - max(`timeout`, `gap_factor` x the stream's mean time between messages so far), once it has
 //     received a message (an engine that is stuck while its process still answers health checks).
 // Before its first message a stream may be in a long prefill: only the health rule applies.

@@ -239,7 +239,7 @@ std::shared_ptr<PooledWorker> WorkerPool::Pick(
   return best;
 }
 
-void WorkerPool::ReportFailure(PooledWorker& w) { w.set_state(PooledWorker::State::kDown); }
+void WorkerPool::ReportFailure(PooledWorker& w) { w.MarkFailed(); }
 
 std::vector<std::shared_ptr<PooledWorker>> WorkerPool::Workers() const {
   absl::MutexLock l(&mu_);

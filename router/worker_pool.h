@@ -39,9 +39,21 @@ class PooledWorker {
   int64_t outstanding() const { return outstanding_.load(std::memory_order_relaxed); }
   void AddOutstanding(int64_t n) { outstanding_.fetch_add(n, std::memory_order_relaxed); }
 
-  enum class State { kUnknown, kServing, kDraining, kDown };
+  // kDown: its health check got no answer (a dead, frozen or unreachable process). kFailed: a
+  // call to it failed (WorkerPool::ReportFailure) while its health checks still answer: out of
+  // placement until the next check finds it serving, but not down for the stall watchdog, whose
+  // other streams on it are not moved for one call's failure (one sequence's KV error said
+  // nothing of the other sequences there).
+  enum class State { kUnknown, kServing, kDraining, kDown, kFailed };
   State state() const { return state_.load(std::memory_order_relaxed); }
   void set_state(State s) { state_.store(s, std::memory_order_relaxed); }
+  // kFailed, unless a health check has found it down (that verdict stands).
+  void MarkFailed() {
+    State s = state();
+    while (s != State::kDown &&
+           !state_.compare_exchange_weak(s, State::kFailed, std::memory_order_relaxed)) {
+    }
+  }
   bool available() const { return state() == State::kServing; }
 
   // What the worker said of itself (model, limits) when it last turned SERVING; null before.
@@ -88,7 +100,7 @@ class WorkerPool {
   std::shared_ptr<PooledWorker> Pick(absl::string_view session_id,
                                      const std::vector<const PooledWorker*>& exclude) const;
   // A call to `w` failed the way a dead worker fails: take it out of placement until a health
-  // check finds it serving again.
+  // check finds it serving again (State::kFailed; a check that gets no answer makes it kDown).
   void ReportFailure(PooledWorker& w);
 
   std::vector<std::shared_ptr<PooledWorker>> Workers() const;

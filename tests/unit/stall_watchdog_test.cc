@@ -1,5 +1,6 @@
 // The router's stall rules (router/stall_watchdog.h) as a table, and the watchdog cancelling the
-// call of a stream whose worker the pool marks down, but not one whose worker is serving.
+// call of a stream whose worker the pool's health checks find down, but not one whose worker is
+// serving, nor one whose worker only had another call fail.
 #include "router/stall_watchdog.h"
 
 #include <gtest/gtest.h>
@@ -63,6 +64,33 @@ TEST(StallWatchdog, CancelsTheCallOfAStreamWhoseWorkerIsDown) {
   }
   EXPECT_TRUE(frozen.stalled());
   EXPECT_FALSE(live.stalled());
+}
+
+// One call's failure (one sequence's KV error on a loaded machine) took the worker out of
+// placement and, when that counted as down, moved every other stream on it that had been silent
+// for a second: all of its long prefills (the router_smollm2_test flake, 2026-12-07).
+TEST(StallWatchdog, AnotherCallsFailureDoesNotMoveAStreamOffAWorkerThatAnswersHealth) {
+  StallRules r;
+  r.when_down = absl::Milliseconds(20);
+  StallWatchdog dog(r, absl::Milliseconds(5));
+  PooledWorker failed("127.0.0.1:1",
+                      grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+  failed.set_state(PooledWorker::State::kServing);
+  failed.MarkFailed();
+  EXPECT_EQ(failed.state(), PooledWorker::State::kFailed);
+  EXPECT_FALSE(failed.available()) << "out of placement until a health check finds it serving";
+  grpc::ClientContext c;
+  StallWatchdog::Watch prefill(dog, c, failed);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // 10 x when_down, 40 ticks
+  EXPECT_FALSE(prefill.stalled());
+  // A health check that gets no answer makes it down, and the failure of a call then keeps it so.
+  failed.set_state(PooledWorker::State::kDown);
+  failed.MarkFailed();
+  EXPECT_EQ(failed.state(), PooledWorker::State::kDown);
+  for (int i = 0; i < 500 && !prefill.stalled(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(prefill.stalled());
 }
 
 }  // namespace
