@@ -1,8 +1,11 @@
 // Failover at the size the issue names, on a real model: the router in front of two SmolLM2-135M
-// workers that keep their sequences in one infinigen-kvstore, with q8 weights and bf16 K/V read
-// through the store's shared memory, or the file's Q4_1 weights and f32 K/V over UCX (gRPC where
-// the build has no UCX; with f32 weights that variant took 411 s against q8's 285 s on a 2-core
-// VM, and float32 weights test nothing more of failover). Eight streams with 2K-token prompts,
+// workers that keep their sequences in one infinigen-kvstore, with q8 weights and f32 K/V read
+// through the store's shared memory, or the file's Q4_1 weights and bf16 K/V over UCX (gRPC where
+// the build has no UCX). With --policy=full every decode step reads each sequence's whole K/V
+// (2K tokens: 97 MB in f32), so over UCX's TCP on loopback the K/V's bytes set the test's time:
+// alone on a 2-core VM (2026-12-07) f32 K/V there took 240-340 s and bf16 183 s, while f32 over
+// shm took 122 s; so f32 goes by shm, where a read is a copy. (f32 weights took 411 s and test
+// nothing more of failover.) Eight streams with 2K-token prompts,
 // greedy and seeded sampling; SIGSTOP of the worker running most of them mid-stream, then (once
 // it is continued and serving again) kill -9 of the busiest mid-stream: every stream completes with
 // exactly the tokens of its uninterrupted run, and every stream that moved continued from its
@@ -196,8 +199,8 @@ constexpr const char* kRemote = "grpc";
 #endif
 
 INSTANTIATE_TEST_SUITE_P(Storage, RouterSmolLm2,
-                         ::testing::Values(Variant{"q8", "bf16", "shm"},
-                                           Variant{"q4_1", "f32", kRemote}),
+                         ::testing::Values(Variant{"q8", "f32", "shm"},
+                                           Variant{"q4_1", "bf16", kRemote}),
                          [](const ::testing::TestParamInfo<Variant>& info) {
                            return info.param.weights + "_" + info.param.kv;
                          });
