@@ -505,6 +505,13 @@ class Backend {
   virtual size_t ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const {
     return 0;
   }
+  // Whether ChooseRows takes `num_heads` query heads over `num_kv_heads` with `partial_dim`
+  // partial channels a head (INVALID_ARGUMENT saying what to change if not). A policy that
+  // chooses on the backend asks when it is made, so that a worker refuses the sidecar at start
+  // instead of failing its first decode step.
+  virtual absl::Status CheckRowChoiceShape(int num_heads, int num_kv_heads, int partial_dim) const {
+    return absl::OkStatus();
+  }
   // Launches the choice; nothing waits for it (the indices and count are read where they lie).
   virtual absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace);
 

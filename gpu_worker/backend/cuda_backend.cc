@@ -626,19 +626,25 @@ size_t CudaBackend::ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, in
          static_cast<size_t>(num_heads) * kMaxChoicePartialDim * sizeof(float);
 }
 
-absl::Status CudaBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
-  const PartialKeysShape& shape = r.keys_shape;
-  if (shape.partial_dim > kMaxChoicePartialDim) {
+absl::Status CudaBackend::CheckRowChoiceShape(int num_heads, int num_kv_heads,
+                                              int partial_dim) const {
+  if (partial_dim > kMaxChoicePartialDim) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda backend: ChooseRows reads at most ", kMaxChoicePartialDim,
-                     " partial channels a head, got ", shape.partial_dim,
+                     " partial channels a head, got ", partial_dim,
                      " (a sidecar from `infinigen prepare` with a smaller --ratio)"));
   }
-  if (r.num_heads > cuda::kMaxSpeculationGroup * shape.num_kv_heads) {
+  if (num_heads > cuda::kMaxSpeculationGroup * num_kv_heads) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda backend: ChooseRows takes at most ", cuda::kMaxSpeculationGroup,
-                     " query heads a KV head, got ", r.num_heads, " / ", shape.num_kv_heads));
+                     " query heads a KV head, got ", num_heads, " / ", num_kv_heads));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
+  const PartialKeysShape& shape = r.keys_shape;
+  IG_RETURN_IF_ERROR(CheckRowChoiceShape(r.num_heads, shape.num_kv_heads, shape.partial_dim));
   if (r.rows <= 0 || r.rows > shape.capacity || r.rows >= (int64_t{1} << 31) ||
       r.q_partial.cols != static_cast<int64_t>(r.num_heads) * shape.partial_dim) {
     return absl::InvalidArgumentError("cuda backend: ChooseRows shapes do not match");

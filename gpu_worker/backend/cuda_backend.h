@@ -85,6 +85,7 @@ class CudaBackend final : public Backend {
   absl::Status AppendPartialKeys(MatView k, const float* skew, const PartialKeysShape& shape,
                                  void* keys, int64_t first_row) override;
   size_t ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const override;
+  absl::Status CheckRowChoiceShape(int num_heads, int num_kv_heads, int partial_dim) const override;
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
 
   // The stream every operation runs on (a cudaStream_t), for code that adds its own kernels.

@@ -318,6 +318,13 @@ absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> MakeInfinigenPolicy(
         skew->layers.size() != size_t(model.num_layers)) {
       return absl::FailedPreconditionError("the skew on the backend is not this sidecar's");
     }
+    if (absl::Status s = skew->backend->CheckRowChoiceShape(model.num_heads, model.num_kv_heads,
+                                                            static_cast<int>(sidecar.partial_dim));
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("the InfiniGen sidecar does not fit this "
+                                                 "backend's row choice: ",
+                                                 s.message()));
+    }
     return MakeInfinigenBackendPolicy(config, model, std::move(skew));
   }
   return std::unique_ptr<KvSelectionPolicy>(new InfinigenPolicy(config, model, sidecar));

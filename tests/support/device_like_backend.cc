@@ -279,7 +279,19 @@ absl::Status DeviceLikeCpuBackend::JoinSideQueue() {
   return RunSideQueue();
 }
 
+absl::Status DeviceLikeCpuBackend::CheckRowChoiceShape(int num_heads, int num_kv_heads,
+                                                       int partial_dim) const {
+  if (max_choice_partial_dim_ > 0 && partial_dim > max_choice_partial_dim_) {
+    return absl::InvalidArgumentError(absl::StrCat("ChooseRows reads at most ",
+                                                   max_choice_partial_dim_,
+                                                   " partial channels a head, got ", partial_dim));
+  }
+  return CpuBackend::CheckRowChoiceShape(num_heads, num_kv_heads, partial_dim);
+}
+
 absl::Status DeviceLikeCpuBackend::ChooseRows(const RowChoiceRequest& r, void* workspace) {
+  IG_RETURN_IF_ERROR(
+      CheckRowChoiceShape(r.num_heads, r.keys_shape.num_kv_heads, r.keys_shape.partial_dim));
   for (const void* p : {static_cast<const void*>(r.q_partial.data), r.keys,
                         static_cast<const void*>(r.indices), static_cast<const void*>(r.count)}) {
     if (!Owns(p)) return absl::InvalidArgumentError("ChooseRows: memory outside the backend's");

@@ -40,6 +40,10 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   // CpuBackend's, counting the choices that took fewer rows than they chose among; the keys,
   // query and outputs must be this backend's memory.
   absl::Status ChooseRows(const RowChoiceRequest& request, void* workspace) override;
+  // A GPU's limit on the partial channels ChooseRows reads a head (CheckRowChoiceShape), from
+  // now on; 0 (the default): none, as the CPU's.
+  void set_max_choice_partial_dim(int d) { max_choice_partial_dim_ = d; }
+  absl::Status CheckRowChoiceShape(int num_heads, int num_kv_heads, int partial_dim) const override;
   // As a GPU's: scores and mass of every row (CpuBackend needs none), which ChooseRows checks.
   size_t ChooseRowsWorkspaceBytes(int num_heads, int num_kv_heads, int64_t rows) const override {
     return static_cast<size_t>(num_heads + num_kv_heads) * static_cast<size_t>(rows) * 4;
@@ -87,6 +91,7 @@ class DeviceLikeCpuBackend final : public CpuBackend {
   std::map<const char*, size_t> live_;  // start -> bytes
   size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::atomic<size_t> fail_over_{SIZE_MAX};
+  int max_choice_partial_dim_ = 0;
   struct Registration {
     const char* host;
     size_t bytes;
