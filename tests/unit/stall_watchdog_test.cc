@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <string>
 #include <thread>
 
 namespace infinigen {
@@ -46,23 +48,33 @@ TEST(StallRules, Table) {
   EXPECT_FALSE(r.Validate().ok());
 }
 
+// A pooled worker in `state` (nothing listens at the address: no call is made).
+std::unique_ptr<PooledWorker> WorkerIn(PooledWorker::State state, int port) {
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  auto w = std::make_unique<PooledWorker>(
+      address, grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  w->set_state(state);
+  return w;
+}
+
+// Waits up to 5 s for the watchdog to find `watch` stalled.
+bool StalledSoon(const StallWatchdog::Watch& watch) {
+  for (int i = 0; i < 500 && !watch.stalled(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return watch.stalled();
+}
+
 TEST(StallWatchdog, CancelsTheCallOfAStreamWhoseWorkerIsDown) {
   StallRules r;
   r.when_down = absl::Milliseconds(50);
   StallWatchdog dog(r, absl::Milliseconds(10));
-  PooledWorker serving("127.0.0.1:1",
-                       grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
-  PooledWorker down("127.0.0.1:2",
-                    grpc::CreateChannel("127.0.0.1:2", grpc::InsecureChannelCredentials()));
-  serving.set_state(PooledWorker::State::kServing);
-  down.set_state(PooledWorker::State::kDown);
+  auto serving = WorkerIn(PooledWorker::State::kServing, 1);
+  auto down = WorkerIn(PooledWorker::State::kDown, 2);
   grpc::ClientContext a, b;
-  StallWatchdog::Watch live(dog, a, serving);
-  StallWatchdog::Watch frozen(dog, b, down);
-  for (int i = 0; i < 500 && !frozen.stalled(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(frozen.stalled());
+  StallWatchdog::Watch live(dog, a, *serving);
+  StallWatchdog::Watch frozen(dog, b, *down);
+  EXPECT_TRUE(StalledSoon(frozen));
   EXPECT_FALSE(live.stalled());
 }
 
@@ -73,9 +85,8 @@ TEST(StallWatchdog, AnotherCallsFailureDoesNotMoveAStreamOffAWorkerThatAnswersHe
   StallRules r;
   r.when_down = absl::Milliseconds(20);
   StallWatchdog dog(r, absl::Milliseconds(5));
-  PooledWorker failed("127.0.0.1:1",
-                      grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
-  failed.set_state(PooledWorker::State::kServing);
+  auto worker = WorkerIn(PooledWorker::State::kServing, 1);
+  PooledWorker& failed = *worker;
   failed.MarkFailed();
   EXPECT_EQ(failed.state(), PooledWorker::State::kFailed);
   EXPECT_FALSE(failed.available()) << "out of placement until a health check finds it serving";
@@ -87,10 +98,7 @@ TEST(StallWatchdog, AnotherCallsFailureDoesNotMoveAStreamOffAWorkerThatAnswersHe
   failed.set_state(PooledWorker::State::kDown);
   failed.MarkFailed();
   EXPECT_EQ(failed.state(), PooledWorker::State::kDown);
-  for (int i = 0; i < 500 && !prefill.stalled(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(prefill.stalled());
+  EXPECT_TRUE(StalledSoon(prefill));
 }
 
 }  // namespace
