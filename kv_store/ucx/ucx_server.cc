@@ -5,6 +5,7 @@
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,18 @@ namespace {
 // small item of a batch cost more than that copy (16 items, 0.5-4 MiB in all, over TCP:
 // 1.1-2.4x slower than grouped).
 constexpr size_t kSmallItem = 256 << 10, kGroupBytes = 1 << 20;
+
+// A reply buffer's size for a gather of `bytes`: at least 64 KiB, rounded up to the next eighth
+// of a power of two (at most an eighth more), so that a sequence whose gathers grow a row a step
+// reuses one buffer for many steps. Sized exactly, each step's gather was a little larger than
+// every idle buffer, and each mapped a new one (mmap, and page faults as the gather first wrote
+// it) and unmapped the oldest.
+size_t ReplyCapacity(size_t bytes) {
+  constexpr size_t kSmallest = 64 << 10;
+  if (bytes <= kSmallest) return kSmallest;
+  const size_t step = std::bit_ceil(bytes) / 8;
+  return (bytes + step - 1) / step * step;
+}
 
 }  // namespace
 
@@ -71,6 +84,7 @@ struct UcxDataServer::State {
     std::string error;
   };
   std::vector<Buffer*> idle;  // progress thread only
+  std::atomic<int64_t> buffers_mapped{0};
 
   // A gather being answered, a few KV heads at a time, between progress calls.
   struct Job {
@@ -269,7 +283,8 @@ struct UcxDataServer::State {
     }
     auto* b = new Buffer();
     b->owner = this;
-    b->capacity = std::max<size_t>(bytes, 64 << 10);
+    b->capacity = ReplyCapacity(bytes);
+    buffers_mapped.fetch_add(1, std::memory_order_relaxed);
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
     mp.length = b->capacity;
@@ -568,6 +583,8 @@ absl::StatusOr<std::unique_ptr<UcxDataServer>> UcxDataServer::Start(KvStore& sto
 int UcxDataServer::connected_workers() const { return state_->connected.load(); }
 
 int64_t UcxDataServer::append_batches() const { return state_->append_batches.load(); }
+
+int64_t UcxDataServer::reply_buffers_mapped() const { return state_->buffers_mapped.load(); }
 
 UcxDataServer::~UcxDataServer() {
   if (state_ == nullptr) return;

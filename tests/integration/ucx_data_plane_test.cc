@@ -322,6 +322,39 @@ TEST_F(UcxAppends, BatchesCrossInOneUcxMessageEachAndLandExactly) {
   EXPECT_EQ(stats.tokens_stored, 4096 + 24);  // layer 0's rows
 }
 
+// Decode steps over UCX: each appends a token and gathers every row of the layer, a little more
+// than the step before. The store answers them from one reply buffer; sized exactly, each step
+// mapped a new one (32 here) and unmapped the oldest.
+TEST_F(UcxAppends, TheGathersOfAGrowingSequenceReuseTheStoresReplyBuffer) {
+  Start(/*ucx_appends=*/true);
+  constexpr int64_t kPrompt = 1500, kSteps = 32, kTokenBytes = 4 * 128;
+  ASSERT_TRUE(client_->Open(1, Spec()).ok());
+  std::vector<uint8_t> k((kPrompt + kSteps) * kTokenBytes, 3), v(k.size(), 5);
+  auto append = [&](int64_t first, int64_t n) {
+    for (int layer = 0; layer < 2; ++layer) {
+      client_->AppendAsync(1, layer, first, n,
+                           {k.data() + first * kTokenBytes, size_t(n * kTokenBytes)},
+                           {v.data() + first * kTokenBytes, size_t(n * kTokenBytes)});
+    }
+  };
+  append(0, kPrompt);
+  const int64_t mapped_before = ucx_->reply_buffers_mapped();
+  std::vector<uint8_t> got_k(k.size()), got_v(v.size());
+  for (int64_t n = kPrompt; n < kPrompt + kSteps; ++n) {
+    append(n, 1);
+    const int64_t rows = n + 1;
+    std::vector<int32_t> slots(4 * rows);
+    for (int h = 0; h < 4; ++h) {
+      for (int64_t t = 0; t < rows; ++t) slots[h * rows + t] = static_cast<int32_t>(t);
+    }
+    auto ticket = client_->GatherAsync({{1, 0, rows, slots, got_k.data(), got_v.data()}});
+    ASSERT_TRUE(ticket->Wait(absl::Now() + absl::Seconds(30)).ok()) << "step " << n;
+    ASSERT_EQ(got_k[(rows * 4 - 1) * 128], 3) << "the step's last row, head 3";
+    ASSERT_EQ(got_v[(rows * 4 - 1) * 128], 5);
+  }
+  EXPECT_LE(ucx_->reply_buffers_mapped() - mapped_before, 2) << kSteps << " gathers, each larger";
+}
+
 // A store that does not say it takes appends over UCX (an older one) gets them over gRPC.
 TEST_F(UcxAppends, AStoreThatTakesNoneOverUcxGetsThemOverGrpc) {
   Start(/*ucx_appends=*/false);
