@@ -43,8 +43,8 @@ class UcxDataServer {
   int port() const { return port_; }
   // Append batches answered over UCX (applied or refused as a whole).
   int64_t append_batches() const;
-  // Reply buffers mapped so far: gathers reuse them (at most 4 kept idle), a growing sequence's
-  // for many steps.
+  // Reply buffers made so far (mapped with UCX, or allocated where that fails): gathers reuse
+  // them (at most 4 kept idle), a growing sequence's for many steps.
   int64_t reply_buffers_mapped() const;
   // Workers connected now; the endpoint of one that went away is closed within a few
   // milliseconds of UCX noticing.

@@ -225,26 +225,6 @@ TEST_P(StoreCache, RowsGatheredByBlockTableOnADeviceBackendMatchTheResidentCache
 // for 2 tokens only, whose tables (and staging) must grow past what they were opened with.
 // Tokens and logits equal the resident cache's bit for bit either way (and where rows are copied
 // instead, through staging, over the same small blocks).
-// A sidecar wider than the backend's row choice reads is refused when the policy is made (a
-// worker refuses it at start), not at the first decode step (where a GPU's ChooseRows refused
-// it before); the host's choice, which has no such limit, still takes it.
-TEST_P(StoreCache, ASidecarWiderThanTheBackendsRowChoiceIsRefusedWhenThePolicyIsMade) {
-  DeviceLikeCpuBackend device;
-  auto skew = UploadPartialSkew(sidecar_, device);
-  ASSERT_TRUE(skew.ok()) << skew.status();
-  ASSERT_GT(sidecar_.partial_dim, 1);
-  SelectionConfig config;
-  config.policy = PolicyKind::kInfinigen;
-  ASSERT_TRUE(MakeSelectionPolicy(config, l_.model->config(), &sidecar_, *skew).ok());
-  device.set_max_choice_partial_dim(static_cast<int>(sidecar_.partial_dim) - 1);
-  auto refused = MakeSelectionPolicy(config, l_.model->config(), &sidecar_, *skew);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(refused.status().message()),
-              ::testing::HasSubstr("does not fit this backend's row choice"));
-  EXPECT_TRUE(MakeSelectionPolicy(config, l_.model->config(), &sidecar_).ok()) << "on the host";
-}
-
 TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacity) {
   DeviceLikeCpuBackend device;
   std::unique_ptr<Model> loaded = OnDevice(device);
@@ -283,6 +263,26 @@ TEST_P(StoreCache, BlockTablesOnTheDeviceFollowRowsAcrossBlocksAndPastTheCapacit
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.logits, want.logits);
   }
+}
+
+// A sidecar wider than the backend's row choice reads is refused when the policy is made (a
+// worker refuses it at start), not at the first decode step (where a GPU's ChooseRows refused
+// it before); the host's choice, which has no such limit, still takes it.
+TEST_P(StoreCache, ASidecarWiderThanTheBackendsRowChoiceIsRefusedWhenThePolicyIsMade) {
+  DeviceLikeCpuBackend device;
+  auto skew = UploadPartialSkew(sidecar_, device);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  ASSERT_GT(sidecar_.partial_dim, 1);
+  SelectionConfig config;
+  config.policy = PolicyKind::kInfinigen;
+  ASSERT_TRUE(MakeSelectionPolicy(config, l_.model->config(), &sidecar_, *skew).ok());
+  device.set_max_choice_partial_dim(static_cast<int>(sidecar_.partial_dim) - 1);
+  auto refused = MakeSelectionPolicy(config, l_.model->config(), &sidecar_, *skew);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("does not fit this backend's row choice"));
+  EXPECT_TRUE(MakeSelectionPolicy(config, l_.model->config(), &sidecar_).ok()) << "on the host";
 }
 
 // Row reuse (StoreKvCacheOptions::reuse_rows) where the GPU gathers by block table: InfiniGen
