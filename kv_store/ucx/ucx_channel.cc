@@ -209,7 +209,13 @@ struct UcxDataChannel::State {
   // Sleeps until the worker has an event or about `cap` passed (the event fd of UCX's wakeup
   // feature). The append thread waits so: its calls run beside the step's compute, and a spin
   // would take one of the cores that compute needs (on 2 cores the decode steps slowed by
-  // up to a third while appends spun for their answers).
+  // up to a third while appends spun for their answers). A gather spins while its bytes keep
+  // coming and for kGatherSpin after the last event, then sleeps so, which bounds the CPU a
+  // gather burns on a store that does not answer (frozen, or serving other workers' rows) to
+  // about that. Not shorter: a decode step waits for its prefetch, and a thread that sleeps
+  // loses its core to the step's compute; after 200 us a served worker's TPOT rose from 60 to
+  // 98-108 ms (2K-token prompts, full reads over UCX, 2-core VM), at 5 ms it did not move.
+  static constexpr absl::Duration kGatherSpin = absl::Milliseconds(5);
   int efd = -1;
   void SleepForEvent(absl::Duration cap) {
     if (efd < 0 || ucp_worker_arm(worker) != UCS_OK) return;  // BUSY: events are waiting
@@ -355,6 +361,7 @@ absl::Status UcxDataChannel::Gather(const std::vector<ClientGatherItem>& items,
     if (!sent || !st.replied || !st.announced.empty() || st.ReceivesPending()) return false;
     return st.code != 0 || st.protocol_error || st.arrived == st.total;
   };
+  absl::Time last_event = absl::Now();
   while (!finished()) {
     if (st.broken) {
       status = absl::UnavailableError("the UCX connection to the KV store broke");
@@ -364,10 +371,16 @@ absl::Status UcxDataChannel::Gather(const std::vector<ClientGatherItem>& items,
     st.ReleaseStale();
     for (const auto& a : st.announced) st.Post(a);
     st.announced.clear();
-    if (progressed == 0 && absl::Now() > deadline) {
+    if (progressed != 0) {
+      last_event = absl::Now();
+      continue;
+    }
+    const absl::Time now = absl::Now();
+    if (now > deadline) {
       status = absl::DeadlineExceededError("UCX gather did not finish before its deadline");
       break;
     }
+    if (now - last_event > State::kGatherSpin) st.SleepForEvent(deadline - now);
   }
   // Pieces of a failed gather that still come are released unread from here on (OnReply files
   // them as stale), not announced and forgotten: an unreleased rendezvous piece would keep the

@@ -1,7 +1,8 @@
 // The UCX data plane against real peers on loopback: malformed requests and append messages
-// get errors and the store serves on, the endpoints of workers that leave are closed, and a
-// client's append batches cross in one UCX message each (rows after the request) where the
-// store takes them, over gRPC where it does not, landing byte for byte either way. The suite
+// get errors and the store serves on, the endpoints of workers that leave are closed, a gather
+// the store does not answer waits asleep until its deadline, and a client's append batches cross
+// in one UCX message each (rows after the request) where the store takes them, over gRPC where
+// it does not, landing byte for byte either way. The suite
 // every transport runs (the UCX client included) is kv_transport_test.cc.
 #include "kv_store/ucx/ucx_data_plane.h"
 
@@ -10,12 +11,16 @@
 #include <gtest/gtest.h>
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <cstring>
+#include <ctime>
 #include <random>
+#include <thread>
 
 #include "infinigen/kvstore/v1/kvstore.pb.h"
 #include "kv_store/client/kv_store_client.h"
 #include "kv_store/service/kvstore_service.h"
+#include "kv_store/ucx/ucx_common.h"
 #include "kv_store/ucx/ucx_wire.h"
 
 namespace infinigen {
@@ -212,6 +217,95 @@ TEST(UcxDataPlane, EndpointsOfWorkersThatLeaveAreClosed) {
     channel->reset();
     EXPECT_EQ(wait_for(0), 0) << "round " << round << ": the store kept the endpoint";
   }
+}
+
+// A UCX peer that takes workers' connections and never answers their gathers (a store that is
+// frozen, or busy with other workers' rows), progressed by its own thread.
+class SilentUcxStore {
+ public:
+  SilentUcxStore() {
+    EXPECT_TRUE(InitUcxWorker(&context_, &worker_).ok());
+    EXPECT_TRUE(SetUcxAmHandler(
+                    worker_, kGatherRequest,
+                    [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+                      return UCS_OK;  // dropped: no answer
+                    },
+                    nullptr)
+                    .ok());
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+    lp.sockaddr.addrlen = sizeof(addr);
+    lp.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
+      auto* self = static_cast<SilentUcxStore*>(arg);
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+      ep.conn_request = request;
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ucp_ep_h handle;
+      if (ucp_ep_create(self->worker_, &ep, &handle) == UCS_OK) self->endpoints_.push_back(handle);
+    };
+    lp.conn_handler.arg = this;
+    EXPECT_EQ(ucp_listener_create(worker_, &lp, &listener_), UCS_OK);
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    EXPECT_EQ(ucp_listener_query(listener_, &attr), UCS_OK);
+    port_ = ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
+    progress_ = std::thread([this] {
+      while (!stop_.load()) {
+        if (ucp_worker_progress(worker_) == 0) absl::SleepFor(absl::Microseconds(100));
+      }
+    });
+  }
+  ~SilentUcxStore() {
+    stop_.store(true);
+    progress_.join();
+    ucp_listener_destroy(listener_);
+    for (ucp_ep_h ep : endpoints_) CloseUcxEndpoint(worker_, ep);
+    ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+  }
+  int port() const { return port_; }
+
+ private:
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  std::vector<ucp_ep_h> endpoints_;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+};
+
+double ThreadCpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// A gather the store does not answer spins a few milliseconds, then waits asleep: on a worker
+// the prefetch waits beside the layer before it, whose compute (and the store, sending other
+// workers' rows) wants the cores. It still ends at its deadline. Spinning throughout, the wait
+// took 0.599 s of CPU in its 0.600 s.
+TEST(UcxDataPlane, AGatherTheStoreDoesNotAnswerWaitsAsleepUntilItsDeadline) {
+  setenv("UCX_NET_DEVICES", "lo", 0);
+  SilentUcxStore silent;
+  auto channel = UcxDataChannel::Connect("127.0.0.1", silent.port());
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  std::vector<uint8_t> k(32), v(32);
+  std::vector<ClientGatherItem> items = {{1, 0, 1, {0}, k.data(), v.data()}};
+  const double cpu = ThreadCpuSeconds();
+  const absl::Time start = absl::Now();
+  const absl::Status status = (*channel)->Gather(items, {32}, absl::Milliseconds(600));
+  const double wall = absl::ToDoubleSeconds(absl::Now() - start);
+  const double used = ThreadCpuSeconds() - cpu;
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_GE(wall, 0.6);
+  EXPECT_LT(wall, 2.0);
+  EXPECT_LT(used, 0.15 * wall) << "the wait used " << used << " s of CPU in " << wall << " s";
 }
 
 // A store behind a real gRPC server and a UCX data plane that applies appends through the
