@@ -551,14 +551,21 @@ absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t 
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
-                                         int64_t num_rows, const AttentionShape& s, MatView out,
-                                         float* weights_out) {
+absl::StatusOr<cpu::DecodeQuery> CpuBackend::DecodeQueryOf(MatView q, KvView k, KvView v,
+                                                           const int32_t* indices, int64_t num_rows,
+                                                           MatView out) {
   if (auto st = CheckF32(q, "AttentionDecode"); !st.ok()) return st;
   IG_ASSIGN_OR_RETURN(cpu::KvRows kr, KernelRows(k, "AttentionDecode"));
   IG_ASSIGN_OR_RETURN(cpu::KvRows vr, KernelRows(v, "AttentionDecode"));
-  cpu::AttentionDecode(q.As<float>(), kr, vr, indices, num_rows, s.num_heads, s.num_kv_heads,
-                       s.head_dim, s.scale, out.As<float>(), weights_out);
+  return cpu::DecodeQuery{q.As<float>(), kr, vr, indices, num_rows, out.As<float>()};
+}
+
+absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
+                                         int64_t num_rows, const AttentionShape& s, MatView out,
+                                         float* weights_out) {
+  IG_ASSIGN_OR_RETURN(const cpu::DecodeQuery d, DecodeQueryOf(q, k, v, indices, num_rows, out));
+  cpu::AttentionDecode(d.q, d.k, d.v, d.indices, d.num_rows, s.num_heads, s.num_kv_heads,
+                       s.head_dim, s.scale, d.out, weights_out);
   return absl::OkStatus();
 }
 

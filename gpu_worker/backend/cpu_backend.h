@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/row_gemm.h"
 #include "kernels/cpu/team.h"
 
@@ -105,8 +106,14 @@ class CpuBackend : public Backend {
   // Whether a weight was kept in Q4_1, Q5_1 or Q6_K blocks (under q4_1, a checkpoint without 4-,
   // 5- or 6-bit GGUF matrices runs q8).
   std::atomic<bool> kept_blocks_{false};
-  // AttentionDecodeBatch's row lists cut to their counts (grows only: a decode step allocates
-  // nothing once warm). One engine thread runs a backend's work at a time.
+  // AttentionDecode's arguments checked (f32 queries, f32 or bf16 K/V) as the kernels take them.
+  absl::StatusOr<cpu::DecodeQuery> DecodeQueryOf(MatView q, KvView k, KvView v,
+                                                 const int32_t* indices, int64_t num_rows,
+                                                 MatView out);
+
+  // AttentionDecodeBatch's queries and their row lists cut to their counts (grow only: a decode
+  // step allocates nothing once warm). One engine thread runs a backend's work at a time.
+  std::vector<cpu::DecodeQuery> decode_queries_;
   std::vector<int32_t> packed_indices_;
 };
 

@@ -1,5 +1,6 @@
 // Reference attention. Prefill runs per head as two GEMMs over blocks of query rows (the
-// scores of one block are the only scratch); decode walks an explicit row list per KV head.
+// scores of one block are the only scratch); decode walks an explicit row list per KV head, and
+// a batch of decode queries shares one parallel loop.
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -404,6 +405,87 @@ void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_
   });
 }
 
+namespace {
+
+// One decode query's scratch (DecodeScratchFloats of it, from `at`): probabilities [heads, rows]
+// (exp(score - chunk max)), and per (query head, chunk) the max, the sum and the output
+// [head_dim]; chunk weights [heads, chunks].
+struct DecodeLayout {
+  int64_t chunks = 0;
+  float* scores = nullptr;
+  float* chunk_max = nullptr;
+  float* chunk_sum = nullptr;
+  float* chunk_out = nullptr;
+  float* chunk_weight = nullptr;
+};
+
+int64_t DecodeChunks(int64_t num_rows) { return (num_rows + kDecodeChunk - 1) / kDecodeChunk; }
+
+size_t DecodeScratchFloats(int64_t num_rows, int num_heads, int head_dim) {
+  const int64_t chunks = DecodeChunks(num_rows);
+  return static_cast<size_t>(num_heads) *
+         (num_rows + chunks * (3 + static_cast<int64_t>(head_dim)));
+}
+
+DecodeLayout LayOut(float* at, int64_t num_rows, int num_heads, int head_dim) {
+  DecodeLayout l;
+  l.chunks = DecodeChunks(num_rows);
+  l.scores = at;
+  l.chunk_max = l.scores + static_cast<int64_t>(num_heads) * num_rows;
+  l.chunk_sum = l.chunk_max + num_heads * l.chunks;
+  l.chunk_out = l.chunk_sum + num_heads * l.chunks;
+  l.chunk_weight = l.chunk_out + num_heads * l.chunks * head_dim;
+  return l;
+}
+
+// Task t of a decode query: KV head t / chunks, chunk t % chunks.
+void DecodeTask(const DecodeQuery& d, const DecodeLayout& l, int64_t t, int num_heads,
+                int num_kv_heads, int head_dim, float scale) {
+  const int group = num_heads / num_kv_heads;
+  const int g = static_cast<int>(t / l.chunks);
+  const int64_t c = t % l.chunks;
+  const int64_t j0 = c * kDecodeChunk, j1 = std::min(d.num_rows, j0 + kDecodeChunk);
+  const int32_t* idx = d.indices != nullptr ? d.indices + g * d.num_rows : nullptr;
+  thread_local std::vector<ChunkPartial> partials;
+  partials.resize(static_cast<size_t>(group));
+  for (int hh = 0; hh < group; ++hh) {
+    const int h = g * group + hh;
+    partials[hh] = {l.scores + h * d.num_rows + j0, l.chunk_max + h * l.chunks + c,
+                    l.chunk_sum + h * l.chunks + c, l.chunk_out + (h * l.chunks + c) * head_dim};
+  }
+  ChunkPartials(d.q, 0, &j1, 1, d.k, d.v, idx, g, group, j0, j1, head_dim, scale, partials.data());
+}
+
+// Query head h's output from its chunks; false when every score was -inf (the output is then
+// the rows' uniform average, the only finite answer). Never inlined: AttentionDecode and
+// AttentionDecodeBatch run this one copy.
+__attribute__((noinline)) bool MergeHead(const DecodeQuery& d, const DecodeLayout& l, int h,
+                                         int group, int head_dim) {
+  float* oh = d.out + h * head_dim;
+  if (MergeChunks(l.chunk_max + h * l.chunks, l.chunk_sum + h * l.chunks,
+                  l.chunk_out + h * l.chunks * head_dim, l.chunks, head_dim, oh,
+                  l.chunk_weight + h * l.chunks)) {
+    return true;
+  }
+  std::fill(oh, oh + head_dim, 0.0f);
+  const int32_t* idx = d.indices != nullptr ? d.indices + (h / group) * d.num_rows : nullptr;
+  for (int64_t j = 0; j < d.num_rows; ++j) {
+    const void* vr = d.v.Row(h / group, idx != nullptr ? idx[j] : j);
+    for (int i = 0; i < head_dim; ++i) {
+      oh[i] += (d.v.bf16 ? At(static_cast<const uint16_t*>(vr), i)
+                         : At(static_cast<const float*>(vr), i)) /
+               d.num_rows;
+    }
+  }
+  return false;
+}
+
+// Tasks run in parallel above this much work (rows x heads x head_dim): below it the team's
+// hand-off costs more than it saves.
+constexpr int64_t kParallelDecodeWork = int64_t{1} << 16;
+
+}  // namespace
+
 // Decode attention, split like flash-decoding: the rows of each KV head are cut into chunks of
 // kDecodeChunk, and one task per (KV head, chunk) reads each K and V row once for every query
 // head of the group (a row read per query head made the dense case read K and V group times),
@@ -418,60 +500,68 @@ void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices,
     std::fill(out, out + static_cast<int64_t>(num_heads) * head_dim, 0.0f);
     return;
   }
-  const int64_t chunks = (num_rows + kDecodeChunk - 1) / kDecodeChunk;
-  const int64_t tasks = chunks * num_kv_heads;
-  // Scratch of the calling thread: probabilities [heads, rows] (exp(score - chunk max)), and
-  // per (query head, chunk) the max, the sum and the output [head_dim]; chunk weights [chunks].
-  float* scratch = Scratch(static_cast<size_t>(num_heads) *
-                           (num_rows + chunks * (3 + static_cast<int64_t>(head_dim))));
-  float* scores = scratch;
-  float* chunk_max = scores + static_cast<int64_t>(num_heads) * num_rows;
-  float* chunk_sum = chunk_max + num_heads * chunks;
-  float* chunk_out = chunk_sum + num_heads * chunks;
-  float* chunk_weight = chunk_out + num_heads * chunks * head_dim;
-  ParallelFor(tasks, num_rows * num_heads * head_dim > (1 << 16), [&](int64_t t) {
-    const int g = static_cast<int>(t / chunks);
-    const int64_t c = t % chunks;
-    const int64_t j0 = c * kDecodeChunk, j1 = std::min(num_rows, j0 + kDecodeChunk);
-    const int32_t* idx = indices != nullptr ? indices + g * num_rows : nullptr;
-    thread_local std::vector<ChunkPartial> partials;
-    partials.resize(static_cast<size_t>(group));
-    for (int hh = 0; hh < group; ++hh) {
-      const int h = g * group + hh;
-      partials[hh] = {scores + h * num_rows + j0, chunk_max + h * chunks + c,
-                      chunk_sum + h * chunks + c, chunk_out + (h * chunks + c) * head_dim};
-    }
-    ChunkPartials(q, 0, &j1, 1, k, v, idx, g, group, j0, j1, head_dim, scale, partials.data());
-  });
+  const DecodeQuery d{q, k, v, indices, num_rows, out};
+  const DecodeLayout l = LayOut(Scratch(DecodeScratchFloats(num_rows, num_heads, head_dim)),
+                                num_rows, num_heads, head_dim);
+  ParallelFor(l.chunks * num_kv_heads, num_rows * num_heads * head_dim > kParallelDecodeWork,
+              [&](int64_t t) { DecodeTask(d, l, t, num_heads, num_kv_heads, head_dim, scale); });
   for (int h = 0; h < num_heads; ++h) {
-    float* oh = out + h * head_dim;
-    if (!MergeChunks(chunk_max + h * chunks, chunk_sum + h * chunks,
-                     chunk_out + h * chunks * head_dim, chunks, head_dim, oh,
-                     chunk_weight + h * chunks)) {
-      // Every score -inf: uniform is the only finite answer.
-      std::fill(oh, oh + head_dim, 0.0f);
-      const int32_t* idx = indices != nullptr ? indices + (h / group) * num_rows : nullptr;
-      for (int64_t j = 0; j < num_rows; ++j) {
-        const void* vr = v.Row(h / group, idx != nullptr ? idx[j] : j);
-        for (int d = 0; d < head_dim; ++d) {
-          oh[d] += (v.bf16 ? At(static_cast<const uint16_t*>(vr), d)
-                           : At(static_cast<const float*>(vr), d)) /
-                   num_rows;
-        }
-      }
-      if (weights_out != nullptr) {
+    if (!MergeHead(d, l, h, group, head_dim)) {
+      if (weights_out != nullptr)
         std::fill_n(weights_out + h * num_rows, num_rows, 1.0f / num_rows);
-      }
       continue;
     }
     if (weights_out == nullptr) continue;
-    const float* s = scores + h * num_rows;
-    for (int64_t c = 0; c < chunks; ++c) {
+    const float* s = l.scores + h * num_rows;
+    for (int64_t c = 0; c < l.chunks; ++c) {
       const int64_t j0 = c * kDecodeChunk, j1 = std::min(num_rows, j0 + kDecodeChunk);
       for (int64_t j = j0; j < j1; ++j)
-        weights_out[h * num_rows + j] = s[j] * chunk_weight[h * chunks + c];
+        weights_out[h * num_rows + j] = s[j] * l.chunk_weight[h * l.chunks + c];
     }
   }
+}
+
+void AttentionDecodeBatch(std::span<const DecodeQuery> items, int num_heads, int num_kv_heads,
+                          int head_dim, float scale) {
+  const int group = num_heads / num_kv_heads;
+  // Each query's layout in one scratch, and its first task among the batch's.
+  thread_local std::vector<DecodeLayout> layouts;
+  thread_local std::vector<int64_t> first_task;
+  layouts.resize(items.size());
+  first_task.resize(items.size() + 1);
+  size_t floats = 0;
+  int64_t work = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    floats += DecodeScratchFloats(std::max<int64_t>(items[i].num_rows, 0), num_heads, head_dim);
+    work += std::max<int64_t>(items[i].num_rows, 0) * num_heads * head_dim;
+  }
+  float* scratch = Scratch(floats);
+  first_task[0] = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t rows = std::max<int64_t>(items[i].num_rows, 0);
+    layouts[i] = LayOut(scratch, rows, num_heads, head_dim);
+    scratch += DecodeScratchFloats(rows, num_heads, head_dim);
+    first_task[i + 1] = first_task[i] + layouts[i].chunks * num_kv_heads;
+    if (rows == 0) std::fill(items[i].out, items[i].out + int64_t{num_heads} * head_dim, 0.0f);
+  }
+  // Every query's tasks in one parallel loop (not one a query: a barrier each, and a few tasks
+  // each, unevenly shared, at short contexts), then every query head's merge in another.
+  // (The team's threads see the caller's thread_local vectors through these pointers only.)
+  const int64_t* first = first_task.data();
+  const int64_t* first_end = first + first_task.size();
+  const DecodeLayout* layout = layouts.data();
+  const bool parallel = work > kParallelDecodeWork;
+  ParallelForStealing(*(first_end - 1), parallel, [&](int64_t t) {
+    const int64_t i = std::upper_bound(first, first_end, t) - first - 1;
+    DecodeTask(items[i], layout[i], t - first[i], num_heads, num_kv_heads, head_dim, scale);
+  });
+  ParallelFor(static_cast<int64_t>(items.size()) * num_heads, parallel && items.size() > 1,
+              [&](int64_t m) {
+                const int64_t i = m / num_heads;
+                if (items[i].num_rows > 0) {
+                  MergeHead(items[i], layout[i], static_cast<int>(m % num_heads), group, head_dim);
+                }
+              });
 }
 
 }  // namespace infinigen::cpu

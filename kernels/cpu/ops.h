@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 namespace infinigen::cpu {
 
@@ -103,5 +104,19 @@ void AttentionCausalRows(const float* q, int64_t q_stride, int64_t num_q, int64_
 void AttentionDecode(const float* q, KvRows k, KvRows v, const int32_t* indices, int64_t num_rows,
                      int num_heads, int num_kv_heads, int head_dim, float scale, float* out,
                      float* weights_out = nullptr);
+
+// One decode query of AttentionDecodeBatch: AttentionDecode's arguments.
+struct DecodeQuery {
+  const float* q;
+  KvRows k, v;
+  const int32_t* indices;
+  int64_t num_rows;
+  float* out;
+};
+// AttentionDecode of every item, each item's output bit for bit what AttentionDecode of it alone
+// gives (the same tasks and merges), their tasks shared out over the threads together: a batch
+// of short contexts uses every core with two joins, not a join and a few tasks per item.
+void AttentionDecodeBatch(std::span<const DecodeQuery> items, int num_heads, int num_kv_heads,
+                          int head_dim, float scale);
 
 }  // namespace infinigen::cpu

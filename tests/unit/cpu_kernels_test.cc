@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -390,6 +391,60 @@ TEST(CpuKernels, DecodeAttentionOverRowTablesEqualsPackedRowsBitForBit) {
                   {nullptr, c.num_rows, 1, v_rows.data()}, nullptr, c.num_rows, c.heads, c.kv_heads,
                   c.d, 0.25f, table.data());
   EXPECT_EQ(table, packed);
+}
+
+// A batch of decode queries (AttentionDecodeBatch: their tasks shared out together) gives each
+// query, bit for bit, what AttentionDecode of it alone gives: contexts of 0 to 2000 rows (one
+// task, chunks merged, a partial last chunk), by index list, packed and by row table, float32 and
+// bfloat16 K/V in one batch, on the team and (small batches) on the caller.
+TEST(CpuKernels, DecodeAttentionOfABatchEqualsEachQueryAloneBitForBit) {
+  const int heads = 6, kv_heads = 3, d = 13;
+  const float scale = 0.3f;
+  for (const std::vector<int64_t>& rows :
+       {std::vector<int64_t>{9, 2}, std::vector<int64_t>{700, 0, 1, 256, 257, 2000, 40, 511}}) {
+    std::vector<std::unique_ptr<DecodeCase>> cases;
+    std::vector<std::vector<uint16_t>> kb(rows.size()), vb(rows.size());
+    std::vector<std::vector<const void*>> k_rows(rows.size()), v_rows(rows.size());
+    std::vector<DecodeQuery> queries;
+    std::vector<std::vector<float>> batch_out(rows.size()), alone(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      cases.push_back(std::make_unique<DecodeCase>(40 + i, heads, kv_heads, d, 2048, rows[i]));
+      const DecodeCase& c = *cases.back();
+      KvRows k{c.k.data(), c.head_stride, c.row_stride}, v{c.v.data(), c.head_stride, c.row_stride};
+      const int32_t* indices = c.idx.data();
+      if (i % 4 == 1) {  // bfloat16
+        kb[i].resize(c.k.size());
+        vb[i].resize(c.v.size());
+        for (size_t e = 0; e < c.k.size(); ++e) kb[i][e] = FloatToBf16(c.k[e]);
+        for (size_t e = 0; e < c.v.size(); ++e) vb[i][e] = FloatToBf16(c.v[e]);
+        k = {kb[i].data(), c.head_stride, c.row_stride, nullptr, true};
+        v = {vb[i].data(), c.head_stride, c.row_stride, nullptr, true};
+      } else if (i % 4 == 2) {  // packed rows 0 .. num_rows - 1
+        indices = nullptr;
+      } else if (i % 4 == 3) {  // row tables (the store's rows in place), no index list
+        for (int g = 0; g < kv_heads; ++g) {
+          for (int64_t j = 0; j < c.num_rows; ++j) {
+            const int64_t at = g * c.head_stride + c.idx[g * c.num_rows + j] * c.row_stride;
+            k_rows[i].push_back(c.k.data() + at);
+            v_rows[i].push_back(c.v.data() + at);
+          }
+        }
+        k = {nullptr, c.num_rows, 1, k_rows[i].data()};
+        v = {nullptr, c.num_rows, 1, v_rows[i].data()};
+        indices = nullptr;
+      }
+      batch_out[i].assign(heads * d, -1.0f);
+      alone[i].assign(heads * d, -2.0f);
+      queries.push_back({c.q.data(), k, v, indices, c.num_rows, batch_out[i].data()});
+      AttentionDecode(c.q.data(), k, v, indices, c.num_rows, heads, kv_heads, d, scale,
+                      alone[i].data());
+    }
+    AttentionDecodeBatch(queries, heads, kv_heads, d, scale);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      EXPECT_EQ(batch_out[i], alone[i])
+          << "query " << i << " of " << rows.size() << ", " << rows[i] << " rows";
+    }
+  }
 }
 
 // bfloat16 K/V are read widened exactly to float32: attention over bf16 rows equals, bit for bit,
