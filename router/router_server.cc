@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc/health.h"
+#include "common/grpc/listen.h"
 #include "common/grpc/tls.h"
 #include "common/status_macros.h"
 #include "infinigen/v1/generation.grpc.pb.h"
@@ -31,7 +32,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   AddHealthService(builder);
-  builder.AddListeningPort(config.listen, credentials, &r->port_);
+  Listen(builder, config.listen, credentials, &r->port_);
   // Requests up to 4x the limit reach the service, which names the limit (INVALID_ARGUMENT);
   // larger ones are cut off by gRPC itself (RESOURCE_EXHAUSTED).
   builder.SetMaxReceiveMessageSize(
@@ -41,7 +42,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerCo
   builder.RegisterCallbackGenericService(r->unknown_methods_.get());
   r->server_ = builder.BuildAndStart();
   if (r->server_ == nullptr || r->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+    return absl::UnavailableError(CannotListen(config.listen));
   }
   SetHealth(*r->server_, {v1::Generation::service_full_name()}, true);
   if (!config.http_listen.empty()) {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
 #include "common/grpc/health.h"
+#include "common/grpc/listen.h"
 #include "common/grpc/tls.h"
 #include "common/shutdown_signal.h"
 #include "frontend/limit_flags.h"
@@ -58,6 +59,10 @@ int main(int argc, char** argv) {
   flags.Int("kv-append-linger-ms", &config.kv_append_linger_ms,
             "grpc, shm, ucx: a step's appends wait up to this long to travel to the store in one "
             "call (they go at once when a read needs them; 0: every append at once)");
+  flags.Int("kv-call-timeout-ms", &config.kv_call_timeout_ms,
+            "grpc, shm, ucx: a call to the KV store (an append batch, a gather, a control call) "
+            "that is not answered in this long fails, and so do the sequences it was for (the "
+            "router moves their streams); raise it for a store over a slow or loaded link");
   flags.Bool("kv-device-gather", &config.kv_device_gather,
              "--device cuda over in-process or shm: register the store's memory with the GPU and "
              "gather prefetched rows there by address (false: the store copies them into "
@@ -113,11 +118,11 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   infinigen::AddHealthService(builder);  // NOT_SERVING from the first probe
   int port = 0;
-  builder.AddListeningPort(listen, *credentials, &port);
+  infinigen::Listen(builder, listen, *credentials, &port);
   builder.RegisterService(&gate);
   InstallShutdownSignalHandlers();  // before serving: a SIGTERM from then on drains
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return Fail("cannot listen on " + listen);
+  if (server == nullptr || port == 0) return Fail(infinigen::CannotListen(listen));
   infinigen::SetHealth(*server, {infinigen::worker::v1::Worker::service_full_name()}, false);
   std::cout << "infinigen-worker: port " << port << " open, loading " << config.model << std::endl;
   std::this_thread::sleep_for(std::chrono::milliseconds(hold_loading_ms));

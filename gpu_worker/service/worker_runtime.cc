@@ -1,5 +1,6 @@
 #include "gpu_worker/service/worker_runtime.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <random>
@@ -23,6 +24,10 @@ absl::Status WorkerConfig::Validate() const {
   if (kv_capacity_mb < 1) return absl::InvalidArgumentError("--kv_capacity_mb must be >= 1");
   if (kv_append_linger_ms < 0 || kv_append_linger_ms > 1000) {
     return absl::InvalidArgumentError("--kv_append_linger_ms must be in [0, 1000]");
+  }
+  if (kv_call_timeout_ms < 100 || kv_call_timeout_ms > 600000) {
+    return absl::InvalidArgumentError(
+        "--kv_call_timeout_ms must be in [100, 600000]: how long a call to the KV store may take");
   }
   if (device_memory_mb < 0) return absl::InvalidArgumentError("--device_memory_mb must be >= 0");
   if (host_memory_mb < 0) return absl::InvalidArgumentError("--host_memory_mb must be >= 0");
@@ -103,6 +108,7 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   client_config.owner = config.owner;
   client_config.tls = config.kv_store_tls;
   client_config.append_linger = absl::Milliseconds(config.kv_append_linger_ms);
+  client_config.call_timeout = absl::Milliseconds(config.kv_call_timeout_ms);
   const bool in_process = client_config.transport == KvClientConfig::Transport::kInProcess;
   if (in_process) {
     KvStoreConfig sc;
@@ -117,6 +123,9 @@ absl::StatusOr<std::unique_ptr<WorkerRuntime>> WorkerRuntime::Create(const Worke
   cache_options.owner = client_config.owner;
   cache_options.id_base = std::random_device{}() * (uint64_t{1} << 32);
   cache_options.device_reads_mapped_rows = config.kv_device_gather;
+  // A gather waits behind the appends it needs and its own call (as the defaults: 5 s, 2 s).
+  cache_options.fetch_timeout =
+      std::max(cache_options.fetch_timeout, client_config.call_timeout * 5 / 2);
   if (config.kv_pool > 0 || config.kv_pool_tokens > 0) {
     KvPoolConfig pool;
     pool.capacity_fraction = config.kv_pool > 0 ? config.kv_pool : 1.0;

@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/flags.h"
 #include "common/grpc/health.h"
+#include "common/grpc/listen.h"
 #include "common/grpc/tls.h"
 #include "common/shutdown_signal.h"
 #include "infinigen/kvstore/v1/kvstore.grpc.pb.h"
@@ -130,14 +131,14 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   infinigen::AddHealthService(builder);
   int port = 0;
-  builder.AddListeningPort(listen, *credentials, &port);
+  infinigen::Listen(builder, listen, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(infinigen::kMaxKvMessageBytes));
   builder.SetMaxSendMessageSize(static_cast<int>(infinigen::kMaxKvMessageBytes));
   builder.RegisterService(&service);
   infinigen::InstallShutdownSignalHandlers();  // before serving: a SIGTERM from then on drains
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    std::cerr << "infinigen-kvstore: cannot listen on " << listen << "\n";
+    std::cerr << "infinigen-kvstore: " << infinigen::CannotListen(listen) << "\n";
     return 1;
   }
   infinigen::SetHealth(*server, {infinigen::kvstore::v1::KvStore::service_full_name()}, true);

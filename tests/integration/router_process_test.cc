@@ -1096,7 +1096,7 @@ TEST(Binaries, HelpListsTheirFlagsAndServeTakesTheirServingFlags) {
   const std::set<std::string> worker_only = {
       "kv-transport",     "kv-store",        "kv-store-tls-ca",          "kv-append-linger-ms",
       "kv-device-gather", "hold-loading-ms", "kv-resident-dense-layers", "kv-row-reuse",
-      "kv-device-plan"};
+      "kv-device-plan",   "kv-call-timeout-ms"};
   for (const std::string& f : router) {
     if (!router_only.count(f)) EXPECT_TRUE(serve.count(f)) << "serve lacks the router's --" << f;
   }

@@ -3,15 +3,18 @@
 // and fetches less than a full fetch; 16 concurrent streams with different prompts and sampling
 // each produce what they produce alone; a cancelled stream frees its store sequence; a store
 // killed mid-stream ends the stream with UNAVAILABLE while the worker stays healthy and serves
-// again once the store is back; malformed requests get INVALID_ARGUMENT; SIGTERM drains; while
-// the model loads, health is NOT_SERVING and calls are UNAVAILABLE.
+// again once the store is back; a store frozen for less than --kv_call_timeout_ms is waited for,
+// one frozen longer fails the stream; malformed requests get INVALID_ARGUMENT; SIGTERM drains;
+// while the model loads, health is NOT_SERVING and calls are UNAVAILABLE.
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <thread>
@@ -75,19 +78,27 @@ class WorkerProcess : public ::testing::Test {
     StartStore();
     worker_port_ = FreePort();
     worker_metrics_port_ = FreePort();
-    worker_ = std::make_unique<ServerProcess>(
-        "infinigen-worker",
-        std::vector<std::string>{
-            "--model=" + testing::FixturePath(kModel), "--sidecar=" + *sidecar_path_,
-            "--listen=127.0.0.1:" + std::to_string(worker_port_), "--kv_transport=grpc",
-            "--kv_store=127.0.0.1:" + std::to_string(store_port_), "--policy=full",
-            "--dense_layers=1", "--budget=0.3", "--min_budget_tokens=8", "--threads=1",
-            "--max_running=16", "--metrics_port=" + std::to_string(worker_metrics_port_)},
-        worker_port_);
+    worker_ = StartWorker(worker_port_, {"--metrics_port=" + std::to_string(worker_metrics_port_)});
     ASSERT_TRUE(worker_->running());
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(worker_port_),
                                    grpc::InsecureChannelCredentials());
     stub_ = wv1::Worker::NewStub(channel_);
+  }
+  // A worker of the fixture's model over the store, with `extra` flags.
+  std::unique_ptr<ServerProcess> StartWorker(int port, const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"--model=" + testing::FixturePath(kModel),
+                                     "--sidecar=" + *sidecar_path_,
+                                     "--listen=127.0.0.1:" + std::to_string(port),
+                                     "--kv_transport=grpc",
+                                     "--kv_store=127.0.0.1:" + std::to_string(store_port_),
+                                     "--policy=full",
+                                     "--dense_layers=1",
+                                     "--budget=0.3",
+                                     "--min_budget_tokens=8",
+                                     "--threads=1",
+                                     "--max_running=16"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<ServerProcess>("infinigen-worker", args, port);
   }
   void StartStore() {
     store_ = std::make_unique<ServerProcess>(
@@ -330,6 +341,52 @@ TEST_F(WorkerProcess, KilledStoreEndsTheStreamUnavailableAndTheWorkerRecovers) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   EXPECT_TRUE(last.ok()) << last.error_message();
+}
+
+// --kv_call_timeout_ms is how long a store may keep a call waiting: frozen for 3 s as a request
+// arrives, the store fails the stream of a worker with the default 2 s, while a worker given
+// 5 s waits it out and streams exactly the local engine's tokens. Out of range, the flag is
+// refused at start.
+TEST_F(WorkerProcess, TheKvCallTimeoutIsHowLongAFrozenStoreIsWaitedFor) {
+  const int patient_port = FreePort();
+  std::unique_ptr<ServerProcess> patient = StartWorker(patient_port, {"--kv_call_timeout_ms=5000"});
+  ASSERT_TRUE(patient->running());
+  auto patient_stub = wv1::Worker::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(patient_port), grpc::InsecureChannelCredentials()));
+  const auto prompt = RandomTokens(20, vocab(), 6);
+  const StreamResult first = StreamWorker(*patient_stub, TokenRequest(prompt, 4, 0.0f, 0));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_code() << " "
+                                 << first.status.error_message();
+  // The store frozen for 3 s while `stub`'s worker streams a request.
+  auto frozen = [&](wv1::Worker::Stub& stub) {
+    store_->Signal(SIGSTOP);
+    std::thread thaw([&] {
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      store_->Signal(SIGCONT);
+    });
+    const StreamResult r = StreamWorker(stub, TokenRequest(prompt, 40, 0.0f, 0));
+    thaw.join();
+    return r;
+  };
+  const StreamResult waited = frozen(*patient_stub);
+  EXPECT_TRUE(waited.status.ok()) << waited.status.error_message();
+  EXPECT_EQ(waited.tokens, Local(prompt, 40, 0.0f, 0));
+  const StreamResult failed = frozen(*stub_);
+  EXPECT_FALSE(failed.status.ok()) << failed.tokens.size() << " tokens";
+  EXPECT_TRUE(failed.tokens.empty()) << failed.tokens.size() << " tokens";
+
+  for (const char* bad : {"--kv_call_timeout_ms=50", "--kv-call-timeout-ms=700000"}) {
+    const std::string cmd = testing::BinaryPath("infinigen-worker") +
+                            " --model=/no/such/model --check_flags " + bad + " 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[1024];
+    for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+    const int status = pclose(p);
+    EXPECT_EQ(WEXITSTATUS(status), 2) << bad << ": " << out;
+    EXPECT_NE(out.find("kv_call_timeout_ms must be in [100, 600000]"), std::string::npos) << out;
+  }
 }
 
 TEST_F(WorkerProcess, AFullWorkerRefusesWithResourceExhaustedAndARetryHint) {
