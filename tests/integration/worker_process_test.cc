@@ -354,7 +354,13 @@ TEST_F(WorkerProcess, TheKvCallTimeoutIsHowLongAFrozenStoreIsWaitedFor) {
   auto patient_stub = wv1::Worker::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string(patient_port), grpc::InsecureChannelCredentials()));
   const auto prompt = RandomTokens(20, vocab(), 6);
-  const StreamResult first = StreamWorker(*patient_stub, TokenRequest(prompt, 4, 0.0f, 0));
+  // (Waiting for the channel: the first connection to a fresh worker on a loaded 2-core machine
+  // once failed before the server's first frame came.)
+  grpc::ClientContext ready;
+  ready.set_wait_for_ready(true);
+  ready.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  const StreamResult first =
+      StreamWorker(*patient_stub, TokenRequest(prompt, 4, 0.0f, 0), &ready);
   ASSERT_TRUE(first.status.ok()) << first.status.error_code() << " "
                                  << first.status.error_message();
   // The store frozen for 3 s while `stub`'s worker streams a request.
