@@ -359,8 +359,7 @@ TEST_F(WorkerProcess, TheKvCallTimeoutIsHowLongAFrozenStoreIsWaitedFor) {
   grpc::ClientContext ready;
   ready.set_wait_for_ready(true);
   ready.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  const StreamResult first =
-      StreamWorker(*patient_stub, TokenRequest(prompt, 4, 0.0f, 0), &ready);
+  const StreamResult first = StreamWorker(*patient_stub, TokenRequest(prompt, 4, 0.0f, 0), &ready);
   ASSERT_TRUE(first.status.ok()) << first.status.error_code() << " "
                                  << first.status.error_message();
   // The store frozen for 3 s while `stub`'s worker streams a request.
