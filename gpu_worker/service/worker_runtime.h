@@ -31,7 +31,7 @@ struct WorkerConfig {
   // KvClientConfig::call_timeout: a call to the KV store (an append batch, a gather, a control
   // call) not answered in this long fails; a decode step waits for its rows up to 2.5 times it.
   int32_t kv_call_timeout_ms = 2000;
-  bool kv_device_gather = true;     // StoreKvCacheOptions::device_reads_mapped_rows
+  bool kv_device_gather = true;  // StoreKvCacheOptions::device_reads_mapped_rows
   // With InfiniGen on a GPU: its dense layers' K/V also kept on the device
   // (StoreKvCacheOptions::device_resident_layers = the selection's dense_layers).
   bool kv_resident_dense_layers = true;

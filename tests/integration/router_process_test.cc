@@ -1094,8 +1094,8 @@ TEST(Binaries, HelpListsTheirFlagsAndServeTakesTheirServingFlags) {
   EXPECT_GT(serve.size(), 40u);
   const std::set<std::string> router_only = {"workers", "worker-tls-ca", "health-interval-ms"};
   const std::set<std::string> worker_only = {
-      "kv-transport",     "kv-store",        "kv-store-tls-ca",          "kv-append-linger-ms",
-      "kv-device-gather", "hold-loading-ms", "kv-resident-dense-layers", "kv-row-reuse",
+      "kv-transport",     "kv-store",          "kv-store-tls-ca",          "kv-append-linger-ms",
+      "kv-device-gather", "hold-loading-ms",   "kv-resident-dense-layers", "kv-row-reuse",
       "kv-device-plan",   "kv-call-timeout-ms"};
   for (const std::string& f : router) {
     if (!router_only.count(f)) EXPECT_TRUE(serve.count(f)) << "serve lacks the router's --" << f;
