@@ -36,14 +36,6 @@ class HostBuffer final : public Buffer {
   size_t size_;
 };
 
-absl::Status CheckF32(const MatView& m, const char* op) {
-  if (m.dtype != DType::kF32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cpu backend: ", op, " needs f32 activations, got ", DTypeName(m.dtype)));
-  }
-  return absl::OkStatus();
-}
-
 const float* F(const Weight& w) { return static_cast<const float*>(w.data()); }
 const float* F(const Weight* w) { return w != nullptr && *w ? F(*w) : nullptr; }
 
@@ -102,6 +94,14 @@ cpu::Q6_KMatrix Q6View(const Weight& w) {
 }
 
 }  // namespace
+
+absl::Status CpuBackend::CheckF32(const MatView& m, const char* op) {
+  if (m.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: ", op, " needs f32 activations, got ", DTypeName(m.dtype)));
+  }
+  return absl::OkStatus();
+}
 
 CpuBackend::CpuBackend(const CpuBackendOptions& options) : options_(options) {
   // One team for the process, whichever thread runs the kernels (kernels/cpu/team.h).
@@ -518,55 +518,6 @@ absl::Status CpuBackend::Copy(MatView src, MatView dst) {
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "cpu backend: Copy cannot convert ", DTypeName(src.dtype), " to ", DTypeName(dst.dtype)));
-}
-
-namespace {
-
-// K or V rows for the CPU kernels: float32 or bfloat16.
-absl::StatusOr<cpu::KvRows> KernelRows(const KvView& kv, const char* op) {
-  if (kv.dtype != DType::kF32 && kv.dtype != DType::kBF16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu backend: ", op, " reads float32 or bfloat16 K/V, got ", DTypeName(kv.dtype)));
-  }
-  return cpu::KvRows{kv.data, kv.head_stride, kv.row_stride, kv.rows, kv.dtype == DType::kBF16};
-}
-
-}  // namespace
-
-absl::Status CpuBackend::AttentionCausal(MatView q, KvView k, KvView v, int64_t q_start,
-                                         const AttentionShape& s, MatView out) {
-  if (auto st = CheckF32(q, "AttentionCausal"); !st.ok()) return st;
-  if (k.rows != nullptr || v.rows != nullptr) {
-    return absl::InvalidArgumentError(
-        "cpu backend: AttentionCausal reads K/V rows packed, not by "
-        "row table");
-  }
-  IG_ASSIGN_OR_RETURN(cpu::KvRows kr, KernelRows(k, "AttentionCausal"));
-  IG_ASSIGN_OR_RETURN(cpu::KvRows vr, KernelRows(v, "AttentionCausal"));
-  // OpenBLAS multiplies float32 only: bf16 K/V always take the per-row kernel.
-  const bool rows = options_.batch_invariant || kr.bf16 || vr.bf16;
-  const auto causal = rows ? cpu::AttentionCausalRows : cpu::AttentionCausal;
-  causal(q.As<float>(), q.stride, q.rows, q_start, kr, vr, s.num_heads, s.num_kv_heads, s.head_dim,
-         s.scale, out.As<float>(), out.stride);
-  return absl::OkStatus();
-}
-
-absl::StatusOr<cpu::DecodeQuery> CpuBackend::DecodeQueryOf(MatView q, KvView k, KvView v,
-                                                           const int32_t* indices, int64_t num_rows,
-                                                           MatView out) {
-  if (auto st = CheckF32(q, "AttentionDecode"); !st.ok()) return st;
-  IG_ASSIGN_OR_RETURN(cpu::KvRows kr, KernelRows(k, "AttentionDecode"));
-  IG_ASSIGN_OR_RETURN(cpu::KvRows vr, KernelRows(v, "AttentionDecode"));
-  return cpu::DecodeQuery{q.As<float>(), kr, vr, indices, num_rows, out.As<float>()};
-}
-
-absl::Status CpuBackend::AttentionDecode(MatView q, KvView k, KvView v, const int32_t* indices,
-                                         int64_t num_rows, const AttentionShape& s, MatView out,
-                                         float* weights_out) {
-  IG_ASSIGN_OR_RETURN(const cpu::DecodeQuery d, DecodeQueryOf(q, k, v, indices, num_rows, out));
-  cpu::AttentionDecode(d.q, d.k, d.v, d.indices, d.num_rows, s.num_heads, s.num_kv_heads,
-                       s.head_dim, s.scale, d.out, weights_out);
-  return absl::OkStatus();
 }
 
 }  // namespace infinigen

@@ -106,6 +106,8 @@ class CpuBackend : public Backend {
   // Whether a weight was kept in Q4_1, Q5_1 or Q6_K blocks (under q4_1, a checkpoint without 4-,
   // 5- or 6-bit GGUF matrices runs q8).
   std::atomic<bool> kept_blocks_{false};
+  // INVALID_ARGUMENT naming `op` unless m holds float32 activations.
+  static absl::Status CheckF32(const MatView& m, const char* op);
   // AttentionDecode's arguments checked (f32 queries, f32 or bf16 K/V) as the kernels take them.
   absl::StatusOr<cpu::DecodeQuery> DecodeQueryOf(MatView q, KvView k, KvView v,
                                                  const int32_t* indices, int64_t num_rows,

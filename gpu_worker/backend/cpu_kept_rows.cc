@@ -1,6 +1,5 @@
-// CpuBackend's rows kept between steps (KeptRowsPlan, KeptRowsMap) and a layer's decode
-// attention (its queries' tasks in one loop, rows attended up to a count in its memory): the
-// plain loops those structs describe, the reference the CUDA kernels are tested against
+// CpuBackend's rows kept between steps (KeptRowsPlan, KeptRowsMap): the plain loops those
+// structs describe, the reference the CUDA kernels are tested against
 // (tests/gpu/cuda_backend_test.cc).
 #include <algorithm>
 
@@ -115,41 +114,6 @@ absl::Status CpuBackend::MapKeptRows(const KeptRowsMap& m) {
     m.miss_counts[g] = static_cast<int32_t>(misses);
   }
   if (m.errors != nullptr) *m.errors += errors;
-  return absl::OkStatus();
-}
-
-absl::Status CpuBackend::AttentionDecodeBatch(std::span<const DecodeAttentionItem> items,
-                                              const AttentionShape& shape) {
-  // Each head's first n of its num_rows-long list, packed for the kernel (room for all first:
-  // the queries point into it).
-  size_t packed = 0;
-  for (const DecodeAttentionItem& it : items) {
-    if (it.count == nullptr || it.indices == nullptr) continue;
-    const int64_t n = std::clamp<int64_t>(*it.count, 0, it.num_rows);
-    if (n < it.num_rows) packed += static_cast<size_t>(shape.num_kv_heads * n);
-  }
-  if (packed_indices_.size() < packed) packed_indices_.resize(packed);
-  decode_queries_.clear();
-  size_t at = 0;
-  for (const DecodeAttentionItem& it : items) {
-    int64_t n = it.num_rows;
-    const int32_t* indices = it.indices;
-    if (it.count != nullptr) {
-      n = std::clamp<int64_t>(*it.count, 0, it.num_rows);
-      if (indices != nullptr && n < it.num_rows) {
-        for (int64_t g = 0; g < shape.num_kv_heads; ++g) {
-          std::copy_n(it.indices + g * it.num_rows, n, packed_indices_.begin() + at + g * n);
-        }
-        indices = packed_indices_.data() + at;
-        at += static_cast<size_t>(shape.num_kv_heads * n);
-      }
-    }
-    IG_ASSIGN_OR_RETURN(const cpu::DecodeQuery d,
-                        DecodeQueryOf(it.q, it.k, it.v, indices, n, it.out));
-    decode_queries_.push_back(d);
-  }
-  cpu::AttentionDecodeBatch(decode_queries_, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                            shape.scale);
   return absl::OkStatus();
 }
 
