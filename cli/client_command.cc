@@ -118,6 +118,8 @@ int RunClient(int argc, char** argv) {
   s->set_top_p(options->sampling.top_p);
   s->set_min_p(options->sampling.min_p);
   s->set_repetition_penalty(options->sampling.repetition_penalty);
+  s->set_presence_penalty(options->sampling.presence_penalty);
+  s->set_frequency_penalty(options->sampling.frequency_penalty);
   if (options->sampling.seed != 0) s->set_seed(options->sampling.seed);  // 0: the server draws
   r.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(options->max_new_tokens));
   r.mutable_stopping()->set_ignore_eos(options->ignore_eos);

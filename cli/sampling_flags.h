@@ -19,6 +19,7 @@ namespace infinigen::cli {
 struct SamplingFlags {
   int64_t max_tokens = 64, top_k = 0, seed = 0;
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
+  double presence_penalty = 0.0, frequency_penalty = 0.0;
   bool ignore_eos = false;
 
   void Register(FlagSet& flags);

@@ -42,6 +42,8 @@ absl::StatusOr<GenerateOptions> RequestOptions(const v1::SamplingParams& s,
   o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
   o.sampling.min_p = s.min_p();
   o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
+  o.sampling.presence_penalty = s.presence_penalty();
+  o.sampling.frequency_penalty = s.frequency_penalty();
   o.sampling.seed = s.seed();
   o.logprobs = s.has_logprobs() ? s.logprobs() : -1;
   o.prompt_logprobs = s.has_prompt_logprobs() ? s.prompt_logprobs() : -1;

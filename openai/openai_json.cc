@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/sampling_params.h"
 
 namespace infinigen::openai {
 namespace {
@@ -164,11 +165,13 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
   v1::GenerateRequest& req = out.request;
   v1::SamplingParams& sampling = *req.mutable_sampling();
   v1::StoppingCriteria& stopping = *req.mutable_stopping();
-  std::optional<double> temperature, top_p, min_p, repetition;
+  std::optional<double> temperature, top_p, min_p, repetition, presence, frequency;
   std::optional<int64_t> seed, top_k, n, min_tokens, prompt_logprobs;
   std::optional<bool> ignore_eos, include_stop, skip_special;
   if (!r.Number("temperature", 0, 2, temperature) || !r.Number("top_p", 0, 1, top_p) ||
       !r.Number("min_p", 0, 1, min_p) || !r.Number("repetition_penalty", 0, 1e9, repetition) ||
+      !r.Number("presence_penalty", -kMaxOpenAiPenalty, kMaxOpenAiPenalty, presence) ||
+      !r.Number("frequency_penalty", -kMaxOpenAiPenalty, kMaxOpenAiPenalty, frequency) ||
       !r.Integer("seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
                  seed) ||
       !r.Integer("top_k", -1, std::numeric_limits<int32_t>::max(), top_k) ||
@@ -183,10 +186,9 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
     return r.Fail("n", absl::StrCat("`n` may be at most ", kMaxSamples));
   }
   out.n = static_cast<int>(n.value_or(1));
-  if (!r.Unsupported("best_of", 1, "") || !r.Unsupported("presence_penalty", 0, "") ||
-      !r.Unsupported("frequency_penalty", 0, " (repetition_penalty is)") ||
-      !r.Unsupported("suffix", "", "") || !r.Unsupported("tools", json::array(), "") ||
-      !r.Unsupported("tool_choice", "none", "") || !r.Unsupported("functions", json::array(), "") ||
+  if (!r.Unsupported("best_of", 1, "") || !r.Unsupported("suffix", "", "") ||
+      !r.Unsupported("tools", json::array(), "") || !r.Unsupported("tool_choice", "none", "") ||
+      !r.Unsupported("functions", json::array(), "") ||
       !r.Unsupported("parallel_tool_calls", false, "")) {
     return false;
   }
@@ -203,6 +205,8 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
   if (top_p) sampling.set_top_p(static_cast<float>(*top_p));
   if (min_p) sampling.set_min_p(static_cast<float>(*min_p));
   if (repetition) sampling.set_repetition_penalty(static_cast<float>(*repetition));
+  if (presence) sampling.set_presence_penalty(static_cast<float>(*presence));
+  if (frequency) sampling.set_frequency_penalty(static_cast<float>(*frequency));
   if (seed) sampling.set_seed(static_cast<uint64_t>(*seed));
   if (top_k && *top_k > 0) sampling.set_top_k(static_cast<int32_t>(*top_k));
   if (min_tokens) stopping.set_min_tokens(static_cast<int32_t>(*min_tokens));

@@ -599,8 +599,10 @@ void BatchEngine::Emit(Active& a, std::span<float> row) {
       if (stop >= 0 && stop < vocab) row[stop] = -INFINITY;
     }
   }
-  const int32_t token = SampleToken(row, a.request.options.sampling, a.history,
-                                    static_cast<uint64_t>(a.history.size()), scratch_);
+  const int32_t token =
+      SampleToken(row, a.request.options.sampling, a.history,
+                  std::span<const int32_t>(a.history).subspan(a.request.prompt.size()),
+                  static_cast<uint64_t>(a.history.size()), scratch_);
   const absl::Time now = absl::Now();
   if (a.generated == 0) a.first_token = now;
   a.last_token = now;

@@ -83,6 +83,7 @@ absl::StatusOr<GenerateResult> Generate(Model& model, KvCache& cache, SequenceId
       ++pos;
     }
     const int32_t token = SampleToken(logits, options.sampling, history,
+                                      std::span<const int32_t>(history).subspan(prompt.size()),
                                       static_cast<uint64_t>(history.size()), scratch);
     if (step == 0) {
       result.prefill_seconds = SecondsSince(t0);

@@ -9,7 +9,8 @@
 namespace infinigen {
 
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
-                    std::span<const int32_t> history, uint64_t position, SamplingScratch& scratch) {
+                    std::span<const int32_t> history, std::span<const int32_t> output,
+                    uint64_t position, SamplingScratch& scratch) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
   if (params.repetition_penalty != 1.0f && !history.empty()) {
     scratch.seen.assign(vocab, 0);
@@ -18,6 +19,20 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
       scratch.seen[id] = 1;
       float& l = logits[id];
       l = l > 0.0f ? l / params.repetition_penalty : l * params.repetition_penalty;
+    }
+  }
+  if (params.penalizes_output() && !output.empty()) {
+    // logit -= frequency x count + presence, once per distinct token (vLLM's and OpenAI's
+    // formula); the counts go back to zero as they are used.
+    if (scratch.counts.size() < static_cast<size_t>(vocab)) scratch.counts.assign(vocab, 0);
+    for (int32_t id : output) {
+      if (id >= 0 && id < vocab) ++scratch.counts[id];
+    }
+    for (int32_t id : output) {
+      if (id < 0 || id >= vocab || scratch.counts[id] == 0) continue;
+      logits[id] -= params.frequency_penalty * static_cast<float>(scratch.counts[id]) +
+                    params.presence_penalty;
+      scratch.counts[id] = 0;
     }
   }
   if (params.greedy()) {

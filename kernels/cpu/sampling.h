@@ -1,6 +1,6 @@
-// Token sampling: the reference for device-side sampling. Processors run in Hugging Face's
-// order: repetition penalty, temperature, top-k, top-p, min-p; then one draw from the
-// counter-based generator keyed by (seed, position).
+// Token sampling: the reference for device-side sampling. Processors run in vLLM's order:
+// repetition penalty, frequency and presence penalties, then Hugging Face's temperature, top-k,
+// top-p, min-p; then one draw from the counter-based generator keyed by (seed, position).
 #pragma once
 
 #include <cstdint>
@@ -16,13 +16,16 @@ namespace infinigen {
 struct SamplingScratch {
   std::vector<std::pair<float, int32_t>> candidates;
   std::vector<uint8_t> seen;
+  std::vector<int32_t> counts;  // all zero between calls
 };
 
 // Picks the token at `position` (its index in the whole sequence, prompt included) from
 // `logits` [vocab], which it modifies. `history` is every token id before it (prompt and
-// generated), used by the repetition penalty.
+// generated), used by the repetition penalty; `output` is its generated tail (tokens resumed
+// from another worker included), which the presence and frequency penalties count.
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
-                    std::span<const int32_t> history, uint64_t position, SamplingScratch& scratch);
+                    std::span<const int32_t> history, std::span<const int32_t> output,
+                    uint64_t position, SamplingScratch& scratch);
 
 // Log-probabilities under the model's own distribution: the log-softmax of `logits` [vocab]
 // as the model produced them, before temperature, penalties and truncation (what vLLM reports

@@ -1,6 +1,8 @@
 #include "kernels/cpu/sampling_params.h"
 
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -23,6 +25,13 @@ absl::Status SamplingParams::Validate() const {
   if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "repetition_penalty must be a finite number > 0 (1 = off), got ", repetition_penalty));
+  }
+  for (const auto& [name, value] : {std::pair{"presence_penalty", presence_penalty},
+                                    {"frequency_penalty", frequency_penalty}}) {
+    if (!(value >= -kMaxOpenAiPenalty && value <= kMaxOpenAiPenalty)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be in [-2, 2] (0 = off), got ", value));
+    }
   }
   return absl::OkStatus();
 }

@@ -396,7 +396,7 @@ TEST_F(CudaKernels, ArgmaxAndSamplingMatchTheHostSampler) {
       params.temperature = c.temperature, params.top_k = c.top_k, params.top_p = c.top_p;
       params.min_p = c.min_p, params.seed = seeds[r];
       std::vector<float> row(&logits[r * vocab], &logits[r * vocab] + vocab);
-      EXPECT_EQ(got[r], SampleToken(row, params, {}, positions[r], scratch))
+      EXPECT_EQ(got[r], SampleToken(row, params, {}, {}, positions[r], scratch))
           << "row " << r << " top_k " << c.top_k;
     }
   }

@@ -367,6 +367,13 @@ def check_api(openai, client, base, model):
     assert finish == whole.choices[0].finish_reason, finish
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
+    # OpenAI's penalties, as the official client sends them: greedy, they change the answer (its
+    # numbered list repeats "." and "\n"; the C++ test checks the formula token by token).
+    penalized = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                               temperature=0, presence_penalty=2,
+                                               frequency_penalty=2)
+    assert penalized.choices[0].message.content != content, penalized
+
     # A conversation (the gRPC API's session_id, not OpenAI's): the second turn, whose prompt
     # begins with the first turn's prompt and answer, takes the stored KV over.
     turn = [{"role": "user", "content": "Name a fruit."}]

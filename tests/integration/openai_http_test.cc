@@ -15,6 +15,7 @@
 #include <boost/beast/http.hpp>
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "infinigen/v1/generation.grpc.pb.h"
@@ -127,6 +128,7 @@ std::vector<json> Events(const std::string& body) {
 struct GrpcResult {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  std::vector<v1::Logprobs> token_logprobs;
   std::vector<v1::Logprobs> prompt_logprobs;
   v1::GenerateResponse last;
 };
@@ -141,6 +143,7 @@ GrpcResult Grpc(int port, const v1::GenerateRequest& request) {
   while (reader->Read(&m)) {
     for (int32_t t : m.token_ids()) r.tokens.push_back(t);
     for (const v1::Logprobs& lp : m.logprobs()) r.logprobs.push_back(lp.logprob());
+    for (const v1::Logprobs& lp : m.logprobs()) r.token_logprobs.push_back(lp);
     for (const v1::Logprobs& lp : m.prompt_logprobs()) r.prompt_logprobs.push_back(lp);
     r.last = m;
   }
@@ -223,6 +226,64 @@ TEST_F(OpenAiHttp, CompletionsEqualTheGrpcApiWholeAndStreamed) {
   const json& usage = events[events.size() - 2];
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["completion_tokens"], 12);
+}
+
+// OpenAI's presence and frequency penalties reach the worker through both doors. Each greedy
+// token beats the 20 most likely tokens once each score is its raw log-probability less
+// frequency x (the times it was generated before) and presence (if it was): OpenAI's formula,
+// written out here; and HTTP's tokens are gRPC's.
+TEST_F(OpenAiHttp, PresenceAndFrequencyPenaltiesDecideGreedyTokensThroughBothDoors) {
+  Start();
+  const std::vector<int32_t> prompt = {1, 5, 9, 2, 7};
+  constexpr int kTokens = 24;
+  constexpr float kPresence = -1.0f, kFrequency = 0.6f;  // repeats, then not
+  v1::GenerateRequest g;
+  testing::FillTokenRequest(g, prompt, kTokens, 0.0f, 0);
+  g.mutable_sampling()->set_logprobs(20);
+  const GrpcResult plain = Grpc(grpc_port_, g);
+  g.mutable_sampling()->set_presence_penalty(kPresence);
+  g.mutable_sampling()->set_frequency_penalty(kFrequency);
+  const GrpcResult penalized = Grpc(grpc_port_, g);
+  ASSERT_EQ(plain.tokens.size(), static_cast<size_t>(kTokens));
+  ASSERT_EQ(penalized.token_logprobs.size(), static_cast<size_t>(kTokens));
+  EXPECT_NE(penalized.tokens, plain.tokens);
+  std::map<int32_t, int> generated;
+  int overruled = 0;  // tokens that were not the most likely
+  for (int i = 0; i < kTokens; ++i) {
+    auto score = [&](int32_t id, float logprob) {
+      const int c = generated.count(id) ? generated[id] : 0;
+      return logprob - kFrequency * static_cast<float>(c) - (c > 0 ? kPresence : 0.0f);
+    };
+    const v1::Logprobs& lp = penalized.token_logprobs[i];
+    const int32_t chosen = penalized.tokens[i];
+    for (const v1::TokenLogprob& alt : lp.top()) {
+      EXPECT_GE(score(chosen, lp.logprob()) + 1e-5f, score(alt.token_id(), alt.logprob()))
+          << "token " << i << ": " << chosen << " over " << alt.token_id();
+    }
+    overruled += lp.rank() > 1;
+    generated[chosen] += 1;
+  }
+  EXPECT_GT(overruled, 0);
+
+  const Reply http = Post(http_port_, "/v1/completions",
+                          {{"prompt", prompt},
+                           {"max_tokens", kTokens},
+                           {"temperature", 0},
+                           {"logprobs", 1},
+                           {"ignore_eos", true},
+                           {"presence_penalty", kPresence},
+                           {"frequency_penalty", kFrequency}});
+  ASSERT_EQ(http.status, 200) << http.body;
+  const json body = http.Json();
+  const json& lps = body["choices"][0]["logprobs"]["token_logprobs"];
+  ASSERT_EQ(lps.size(), static_cast<size_t>(kTokens));
+  for (int i = 0; i < kTokens; ++i) {
+    EXPECT_FLOAT_EQ(lps[i].get<float>(), penalized.logprobs[i]) << i;
+  }
+  const Reply too_much = Post(http_port_, "/v1/completions",
+                              {{"prompt", prompt}, {"max_tokens", 2}, {"presence_penalty", 2.5}});
+  EXPECT_EQ(too_much.status, 400);
+  EXPECT_EQ(too_much.Json()["error"]["param"], "presence_penalty") << too_much.body;
 }
 
 // vLLM's prompt_logprobs: per completion choice (whole and in the first streamed chunk) and at
@@ -428,8 +489,8 @@ TEST_F(OpenAiHttp, ModelsHealthAndErrorsInOpenAisShape) {
   };
   expect_error(Call(http_port_, http::verb::post, "/v1/completions", "{not json"), 400, "");
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"n", 17}}), 400, "n");
-  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"presence_penalty", 1}}),
-               400, "presence_penalty");
+  expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"best_of", 2}}), 400,
+               "best_of");
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 2}}, {"temperature", 7}}), 400,
                "temperature");
   expect_error(Post(http_port_, "/v1/completions", {{"max_tokens", 3}}), 400, "prompt");

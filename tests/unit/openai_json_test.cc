@@ -137,7 +137,8 @@ TEST(OpenAiJson, SamplingFieldsMapOntoTheRequestOrAreRefusedByName) {
   ASSERT_TRUE(ParseRequest(Endpoint::kChatCompletions,
                            R"({"messages": [{"role": "user", "content": "hi"}],
                                "max_completion_tokens": 7, "top_p": 0.5, "user": "u-1",
-                               "logit_bias": {"42": -100, "7": 2.5}, "frequency_penalty": 0})",
+                               "logit_bias": {"42": -100, "7": 2.5}, "frequency_penalty": 0.5,
+                               "presence_penalty": -2})",
                            chat, error))
       << error.message;
   EXPECT_EQ(chat.request.stopping().max_new_tokens(), 7);
@@ -146,9 +147,12 @@ TEST(OpenAiJson, SamplingFieldsMapOntoTheRequestOrAreRefusedByName) {
   EXPECT_EQ(chat.request.sampling().logit_bias().size(), 2u);
   EXPECT_FLOAT_EQ(chat.request.sampling().logit_bias().at(42), -100.0f);
   EXPECT_FLOAT_EQ(chat.request.sampling().logit_bias().at(7), 2.5f);
+  EXPECT_FLOAT_EQ(chat.request.sampling().frequency_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(chat.request.sampling().presence_penalty(), -2.0f);
   for (const auto& [body, param] : std::vector<std::pair<const char*, const char*>>{
-           {R"({"prompt": "Hi", "frequency_penalty": 0.5})", "frequency_penalty"},
-           {R"({"prompt": "Hi", "presence_penalty": 1})", "presence_penalty"},
+           {R"({"prompt": "Hi", "frequency_penalty": 2.5})", "frequency_penalty"},
+           {R"({"prompt": "Hi", "presence_penalty": -3})", "presence_penalty"},
+           {R"({"prompt": "Hi", "presence_penalty": "1"})", "presence_penalty"},
            {R"({"prompt": "Hi", "user": 5})", "user"},
            {R"({"prompt": "Hi", "top_p": 1.5})", "top_p"},
            {R"({"prompt": "Hi", "logit_bias": {"x": 1}})", "logit_bias"},

@@ -65,6 +65,8 @@ TEST(RequestOptions, UnsetFieldsTakeTheServersDefaults) {
   EXPECT_EQ(o->sampling.temperature, 1.0f);
   EXPECT_EQ(o->sampling.top_p, 1.0f);
   EXPECT_EQ(o->sampling.repetition_penalty, 1.0f);
+  EXPECT_EQ(o->sampling.presence_penalty, 0.0f);
+  EXPECT_EQ(o->sampling.frequency_penalty, 0.0f);
   EXPECT_EQ(o->max_new_tokens, 77);
   EXPECT_EQ(o->logprobs, -1);
   EXPECT_EQ(o->prompt_logprobs, -1);
@@ -108,6 +110,9 @@ TEST(RequestOptions, EveryRangeIsCheckedAndNamed) {
   refused([](S& s, T&) { s.set_top_k(-2); }, "top_k");
   refused([](S& s, T&) { s.set_min_p(1.5f); }, "min_p");
   refused([](S& s, T&) { s.set_repetition_penalty(0.0f); }, "repetition_penalty");
+  refused([](S& s, T&) { s.set_presence_penalty(2.01f); }, "presence_penalty");
+  refused([](S& s, T&) { s.set_frequency_penalty(-2.5f); }, "frequency_penalty");
+  refused([](S& s, T&) { s.set_frequency_penalty(NAN); }, "frequency_penalty");
   refused([](S& s, T&) { s.set_logprobs(kMaxLogprobs + 1); }, "sampling.logprobs");
   refused([](S& s, T&) { s.set_prompt_logprobs(-3); }, "sampling.prompt_logprobs");
   refused([](S& s, T&) { s.set_n(kMaxSamples + 1); }, "sampling.n");

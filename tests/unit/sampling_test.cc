@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <span>
 #include <vector>
 
 #include "kernels/cpu/philox.h"
@@ -31,9 +33,10 @@ std::vector<float> LogitsFromProbs(const std::vector<double>& p) {
 }
 
 int32_t Sample(std::vector<float> logits, const SamplingParams& params, uint64_t position,
-               const std::vector<int32_t>& history = {}) {
+               const std::vector<int32_t>& history = {}, size_t prompt_tokens = 0) {
   SamplingScratch scratch;
-  return SampleToken(logits, params, history, position, scratch);
+  return SampleToken(logits, params, history,
+                     std::span<const int32_t>(history).subspan(prompt_tokens), position, scratch);
 }
 
 // Frequencies of each token over `n` positions.
@@ -118,6 +121,69 @@ TEST(Sampling, RepetitionPenaltyDividesPositiveAndMultipliesNegativeLogits) {
   EXPECT_EQ(Sample({-0.5f, -0.8f}, p, 0, {}), 0);
 }
 
+// OpenAI's formula, written out: logit - frequency x count - presence x (count > 0), counting the
+// generated tokens only.
+std::vector<float> PenalizedByOpenAisFormula(std::vector<float> logits,
+                                             const std::vector<int32_t>& output, float presence,
+                                             float frequency) {
+  std::map<int32_t, int> count;
+  for (int32_t t : output) count[t] += 1;
+  for (const auto& [t, c] : count) logits[t] -= frequency * c + presence * (c > 0 ? 1.0f : 0.0f);
+  return logits;
+}
+
+TEST(Sampling, PresenceAndFrequencyPenaltiesCountGeneratedTokensAsOpenAiSays) {
+  uint64_t counter = 0;
+  auto next = [&](uint32_t n) { return Philox4x32_10(7, counter++, 0).v[0] % n; };
+  SamplingScratch scratch;  // shared by every case: its counts must come back to zero
+  int changed = 0;
+  for (int c = 0; c < 200; ++c) {
+    const int vocab = 40;
+    std::vector<float> logits(vocab);
+    for (float& l : logits) l = static_cast<float>(next(1000)) / 250.0f - 2.0f;
+    std::vector<int32_t> history;
+    const size_t prompt = next(10), generated = next(30);
+    for (size_t i = 0; i < prompt + generated; ++i) history.push_back(next(12));  // repeats
+    SamplingParams p;
+    p.presence_penalty = static_cast<float>(next(9)) / 2.0f - 2.0f;   // [-2, 2]
+    p.frequency_penalty = static_cast<float>(next(9)) / 2.0f - 2.0f;  // [-2, 2]
+    ASSERT_TRUE(p.Validate().ok());
+    const std::vector<int32_t> output(history.begin() + prompt, history.end());
+    const std::vector<float> want =
+        PenalizedByOpenAisFormula(logits, output, p.presence_penalty, p.frequency_penalty);
+    const uint64_t position = history.size();
+    // Sampled: the same draw as from the penalized logits without penalties.
+    SamplingParams plain = p;
+    plain.presence_penalty = plain.frequency_penalty = 0.0f;
+    p.seed = plain.seed = c;
+    std::vector<float> got_logits = logits;
+    const int32_t got = SampleToken(got_logits, p, history, output, position, scratch);
+    std::vector<float> want_logits = want;
+    EXPECT_EQ(got, SampleToken(want_logits, plain, history, output, position, scratch)) << c;
+    for (int i = 0; i < vocab; ++i) EXPECT_FLOAT_EQ(got_logits[i], want[i]) << c << " " << i;
+    // Greedy: the penalized argmax.
+    p.temperature = 0.0f;
+    std::vector<float> greedy = logits;
+    const int32_t g = SampleToken(greedy, p, history, output, position, scratch);
+    EXPECT_EQ(g, std::max_element(want.begin(), want.end()) - want.begin()) << c;
+    changed += g != std::max_element(logits.begin(), logits.end()) - logits.begin();
+  }
+  EXPECT_GT(changed, 20);  // the penalties decided many of the cases
+  for (int32_t n : scratch.counts) ASSERT_EQ(n, 0);
+
+  // The prompt's tokens are not counted: token 0 only in the prompt keeps its lead.
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.presence_penalty = 2.0f;
+  p.frequency_penalty = 2.0f;
+  EXPECT_EQ(Sample({3.0f, 2.0f, 0.0f}, p, 0, {0, 0, 0}, /*prompt_tokens=*/3), 0);
+  EXPECT_EQ(Sample({3.0f, 2.0f, 0.0f}, p, 0, {0, 0, 0}, /*prompt_tokens=*/2), 1);  // 3 - 4 < 2
+  // Negative penalties favour what was generated.
+  p.presence_penalty = -1.5f;
+  p.frequency_penalty = 0.0f;
+  EXPECT_EQ(Sample({3.0f, 2.0f, 0.0f}, p, 0, {1}, /*prompt_tokens=*/0), 1);
+}
+
 TEST(Sampling, ValidateNamesTheBadField) {
   SamplingParams p;
   p.top_p = 0.0f;
@@ -131,6 +197,14 @@ TEST(Sampling, ValidateNamesTheBadField) {
   p = {};
   p.top_k = -3;
   EXPECT_FALSE(p.Validate().ok());
+  p = {};
+  p.presence_penalty = 2.5f;
+  EXPECT_NE(p.Validate().message().find("presence_penalty"), std::string::npos);
+  p = {};
+  p.frequency_penalty = -2.0f;
+  EXPECT_TRUE(p.Validate().ok());
+  p.frequency_penalty = NAN;
+  EXPECT_NE(p.Validate().message().find("frequency_penalty"), std::string::npos);
   EXPECT_TRUE(SamplingParams{}.Validate().ok());
 }
 
