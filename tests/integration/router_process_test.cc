@@ -286,6 +286,7 @@ TEST_F(RouterProcess, EachRequestIsLoggedByItsId) {
   EXPECT_TRUE(logged);
 }
 
+// Half of the streams with OpenAI's penalties, which count every token generated before.
 TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   constexpr int kStreams = 8, kNew = 220;
   std::vector<v1::GenerateRequest> requests;
@@ -293,7 +294,16 @@ TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
   for (int i = 0; i < kStreams; ++i) {
     requests.push_back(
         Request(RandomTokens(8 + i, kVocab, 40 + i), kNew, i % 2 ? 0.9f : 0.0f, 100 + i));
-    want.push_back(Direct(1, requests.back()));
+    if (i >= kStreams / 2) {
+      // Penalties count the tokens generated so far: a resumed stream counts the ones sent.
+      const std::vector<int32_t> plain = Direct(1, requests.back());
+      requests.back().mutable_sampling()->set_presence_penalty(0.4f);
+      requests.back().mutable_sampling()->set_frequency_penalty(0.3f);
+      want.push_back(Direct(1, requests.back()));
+      EXPECT_NE(want.back(), plain) << "stream " << i << ": the penalties changed nothing";
+    } else {
+      want.push_back(Direct(1, requests.back()));
+    }
   }
   std::vector<StreamResult> got(kStreams);
   std::atomic<int> started{0};
