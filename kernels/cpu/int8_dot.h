@@ -498,6 +498,10 @@ IG_VNNI __m512 PerBlockScales<F>::Scales16(const M& w, int64_t at) {
 template <typename K, int R>
 void RunCols(const QuantizedRows& x, int64_t r0, const typename K::Format::Matrix& w, int64_t c0,
              int64_t cols, Panel panel, float* y, int64_t ldy) {
+  if constexpr (K::kCols >= 6) {
+    if (cols == 6) return K::template Run<R, 6>(x, r0, w, c0, panel, y, ldy);
+    if (cols == 5) return K::template Run<R, 5>(x, r0, w, c0, panel, y, ldy);
+  }
   if constexpr (K::kCols >= 4) {
     if (cols == 4) return K::template Run<R, 4>(x, r0, w, c0, panel, y, ldy);
     if (cols == 3) return K::template Run<R, 3>(x, r0, w, c0, panel, y, ldy);
