@@ -80,6 +80,9 @@ int RunServe(int argc, char** argv) {
   SetHealth(*internal, {worker::v1::Worker::service_full_name()}, true);
   router.pool.channels.emplace_back("in-process",
                                     internal->InProcessChannel(grpc::ChannelArguments()));
+  // The in-process worker lives as long as the router: a late health answer means busy cores,
+  // and counting it down would only refuse requests (there is no other worker to move to).
+  router.pool.health_misses = 0;
   auto server = RouterServer::Start(router);
   if (!server.ok()) return ReportError("serve", server.status());
   std::cout << "infinigen serve: serving " << (*runtime)->description() << " on port "

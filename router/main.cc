@@ -36,6 +36,10 @@ int main(int argc, char** argv) {
                "reach workers over TLS, trusting this CA (presents --tls-cert when set: mTLS)");
   flags.Milliseconds("health-interval-ms", &config.pool.health_interval,
                      "how often workers' health is checked");
+  flags.Int("health-misses", &config.pool.health_misses,
+            "health checks in a row that get no answer within 800 ms before a worker counts as "
+            "down and its streams move (a refused or broken check counts at once; 0: never by "
+            "timeouts)");
   flags.Int("drain-seconds", &drain_seconds, "how long shutdown lets streams in progress finish");
   flags.Bool("check-flags", &check_flags, "validate the flags and exit (for deployment checks)");
   auto parsed = flags.Parse(argc - 1, argv + 1);

@@ -71,6 +71,10 @@ absl::Status WorkerPoolConfig::Validate() const {
   if (health_interval <= absl::ZeroDuration() || health_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("health check interval and timeout must be > 0");
   }
+  if (health_misses < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--health_misses must be >= 0 (0: never down by timeouts), got ", health_misses));
+  }
   return absl::OkStatus();
 }
 
@@ -181,13 +185,20 @@ void WorkerPool::Refresh() {
     Probe* raw = p.get();
     probes.push_back(std::move(p));
     const absl::Duration timeout = config_.health_timeout;
+    const int misses = config_.health_misses;
     w->health().async()->Check(
         &raw->context, &raw->request, &raw->response,
-        [w, raw, timeout, &done](grpc::Status status) {
+        [w, raw, timeout, misses, &done](grpc::Status status) {
           using S = grpc::health::v1::HealthCheckResponse;
           const bool was_serving = w->available();
+          if (status.ok()) w->CheckAnswered();
           if (!status.ok()) {
-            w->set_state(PooledWorker::State::kDown);
+            // Late (a worker whose cores are all busy may answer after the timeout and still
+            // serve): down after `misses` in a row. Refused or broken: down now.
+            const bool late = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+            if (!late || (misses > 0 && w->CountMissedCheck() >= misses)) {
+              w->set_state(PooledWorker::State::kDown);
+            }
           } else if (raw->response.status() == S::SERVING) {
             w->set_state(PooledWorker::State::kServing);
             if (!was_serving || w->info() == nullptr) {  // new, or back (maybe another model)

@@ -56,6 +56,11 @@ class PooledWorker {
   }
   bool available() const { return state() == State::kServing; }
 
+  // Health checks in a row that got no answer in time (DEADLINE_EXCEEDED), counted by the pool:
+  // a worker busy on every core may answer one late and still be serving.
+  int CountMissedCheck() { return missed_checks_.fetch_add(1, std::memory_order_relaxed) + 1; }
+  void CheckAnswered() { missed_checks_.store(0, std::memory_order_relaxed); }
+
   // What the worker said of itself (model, limits) when it last turned SERVING; null before.
   std::shared_ptr<const worker::v1::InfoResponse> info() const {
     absl::MutexLock l(&info_mu_);
@@ -73,6 +78,7 @@ class PooledWorker {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   std::atomic<int64_t> outstanding_{0};
   std::atomic<State> state_{State::kUnknown};
+  std::atomic<int> missed_checks_{0};
   mutable absl::Mutex info_mu_;
   std::shared_ptr<const worker::v1::InfoResponse> info_ ABSL_GUARDED_BY(info_mu_);
 };
@@ -85,6 +91,11 @@ struct WorkerPoolConfig {
   TlsFiles tls;  // TLS to the workers when tls.ca is set; tls.cert/key make it mTLS
   absl::Duration health_interval = absl::Seconds(1);
   absl::Duration health_timeout = absl::Milliseconds(800);
+  // Checks in a row that time out before a worker counts as down (its streams then move, and it
+  // gets no requests until a check finds it serving). A check refused or broken (no process, a
+  // reset connection) counts at once. 0: never by timeouts (the all-in-one server's in-process
+  // worker, which lives as long as the router: there, a late answer only means busy cores).
+  int health_misses = 3;
 
   absl::Status Validate() const;
 };

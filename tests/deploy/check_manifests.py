@@ -242,6 +242,18 @@ def check_pod(where, obj, template, configmaps, bin_dir, problems, tmp):
             continue
         d = tempfile.mkdtemp(dir=tmp)
         args, flags = effective_args(spec, c, configmaps, d, cwhere, problems)
+        if binary == "infinigen":
+            # `infinigen load` reads its TLS files at start: one on a mounted volume (a Secret,
+            # there in the cluster) is stood in for by a PEM block; any other is a problem.
+            for i, arg in enumerate(args):
+                k, _, v = arg[2:].partition("=")
+                if k in ("tls-ca", "tls-cert", "tls-key") and v.startswith("/"):
+                    if not is_mounted(c, v):
+                        problems.add(cwhere, f"--{k}={v} is on no mounted volume")
+                    local = os.path.join(d, f"stand-in-{k}.pem")
+                    with open(local, "w") as f:
+                        f.write("-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n")
+                    args[i] = f"--{k}={local}"
         check_binary_accepts(bin_dir, binary, args, cwhere, problems, c.get("args", []))
         # Security: non-root, read-only root, no privilege escalation, memory limit.
         sc = c.get("securityContext", {})

@@ -407,6 +407,60 @@ TEST_F(RouterProcess, AFrozenWorkersStreamsMoveOnAndModelInfoDoesNotWait) {
   WaitForWorkers(*stub_, 2);
 }
 
+// A worker that answers no health check for a moment (a pause of the process, every core busy)
+// is not taken for dead: SIGSTOP for 1.6 s, in which one or two checks time out (800 ms each),
+// moves none of its streams (they wait and go on there), whereas a check refused at once (a
+// killed worker, above) or --health_misses checks in a row (3, the frozen worker above) would.
+// With --health_misses=1 (the router before this rule) the streams on it moved.
+TEST_F(RouterProcess, AWorkerPausedForAMomentKeepsItsStreams) {
+  constexpr int kStreams = 6, kNew = 240;
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  for (int i = 0; i < kStreams; ++i) {
+    requests.push_back(
+        Request(RandomTokens(11 + i, kVocab, 30 + i), kNew, i % 2 ? 0.9f : 0.0f, 500 + i));
+    want.push_back(Direct(1, requests.back()));
+  }
+  std::vector<StreamResult> got(kStreams);
+  std::vector<double> longest_gap(kStreams, 0.0);  // seconds between two messages
+  std::atomic<int> started{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      bool counted = false;
+      auto last = std::chrono::steady_clock::now();
+      got[i] = Stream(*stub_, requests[i], nullptr, [&](int n) {
+        const auto now = std::chrono::steady_clock::now();
+        longest_gap[i] =
+            std::max(longest_gap[i], std::chrono::duration<double>(now - last).count());
+        last = now;
+        if (n >= 3 && !counted) {
+          counted = true;
+          started.fetch_add(1);
+        }
+      });
+    });
+  }
+  for (int i = 0; i < 500 && started.load() < kStreams; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(started.load(), kStreams) << "streams should still be running when the worker pauses";
+  workers_[0]->Signal(SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1600));
+  workers_[0]->Signal(SIGCONT);
+  for (auto& t : threads) t.join();
+  int moved = 0, paused = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i;
+    moved += got[i].last.failovers();
+    paused += longest_gap[i] > 1.2;
+  }
+  EXPECT_GT(paused, 0) << "no stream was on the paused worker";
+  EXPECT_EQ(moved, 0) << "a worker that missed a health check or two lost its streams";
+  EXPECT_FALSE(router_->Logged("stalled after"));
+}
+
 TEST_F(RouterProcess, NoWorkerLeftIsUnavailable) {
   workers_[0]->Kill();
   workers_[1]->Kill();
@@ -1102,7 +1156,8 @@ TEST(Binaries, HelpListsTheirFlagsAndServeTakesTheirServingFlags) {
   EXPECT_TRUE(worker.count("kv-transport") && worker.count("listen")) << worker.size();
   EXPECT_TRUE(kvstore.count("capacity-mb") && kvstore.count("listen")) << kvstore.size();
   EXPECT_GT(serve.size(), 40u);
-  const std::set<std::string> router_only = {"workers", "worker-tls-ca", "health-interval-ms"};
+  const std::set<std::string> router_only = {"workers", "worker-tls-ca", "health-interval-ms",
+                                             "health-misses"};
   const std::set<std::string> worker_only = {
       "kv-transport",     "kv-store",          "kv-store-tls-ca",          "kv-append-linger-ms",
       "kv-device-gather", "hold-loading-ms",   "kv-resident-dense-layers", "kv-row-reuse",
