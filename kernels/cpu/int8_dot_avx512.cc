@@ -2,6 +2,7 @@
 // as the AVX2 kernel of int8_dot_gemm.cc).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cpu/int8_dot.h"
@@ -76,6 +77,59 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
   AddTileSums<R, C>(v, y, ldy);
 }
 
+// [lo | hi].
+IG_VNNI inline __m512 Join(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// AddMinimums8 and AddTileSums for accumulators that hold two columns each ([column 2h's 8
+// lanes | column 2h + 1's]): each lane's FMAs (zeros in the lanes past the last block, as
+// AddMinimums8's masked loads give), then each column's HorizontalSum by HorizontalSum's
+// additions in its order (EightFoldedSums' steps from its pairs on), added to y.
+template <typename F, int R, int H>
+IG_VNNI void PairedMinimumsAndSums(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
+                                   int64_t c0, __m512 (&acc)[R][H], float* y, int64_t ldy) {
+  const float* m = F::Minimums(w);
+  const bool centered = m == nullptr;
+  const float* from = centered ? F::Scales(w) : m;
+  for (int64_t b = 0; b < x.blocks; b += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(x.blocks - b, 8));
+    const __mmask8 lanes = static_cast<__mmask8>((1u << n) - 1);
+    __m512 mv[H];
+    for (int h = 0; h < H; ++h) {
+      const float* a = from + (c0 + 2 * h) * x.blocks + b;
+      mv[h] = Join(_mm256_maskz_loadu_ps(lanes, a), _mm256_maskz_loadu_ps(lanes, a + x.blocks));
+      if (centered) mv[h] = _mm512_mul_ps(mv[h], _mm512_set1_ps(F::kCentered));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 s8 = _mm256_maskz_loadu_ps(lanes, x.Sums(r0 + r) + b);
+      const __m512 sv = Join(s8, s8);
+      for (int h = 0; h < H; ++h) acc[r][h] = _mm512_fmadd_ps(mv[h], sv, acc[r][h]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 pairs[4];  // EightFoldedSums' pairs; a missing fourth is zeros, its sums dropped
+    for (int p = 0; p < 4; ++p) pairs[p] = p < H ? acc[r][p] : _mm512_setzero_ps();
+    __m512 quads[2];  // 128-bit lane i: lanes 0-3 + 4-7 of sum 4q + i
+    for (int q = 0; q < 2; ++q) {
+      quads[q] = _mm512_add_ps(
+          _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+          _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    const __m512 halves =
+        _mm512_add_ps(_mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                      _mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 sums =
+        _mm512_add_ps(halves, _mm512_shuffle_ps(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256 eight = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+    float* yr = y + r * ldy;
+    const __mmask8 mine = static_cast<__mmask8>((1u << (2 * H)) - 1);
+    _mm256_mask_storeu_ps(yr, mine, _mm256_add_ps(_mm256_maskz_loadu_ps(mine, yr), eight));
+  }
+}
+
 // The summed formats (Q4_1, Q5_1): SummedTile8's 8 lanes of a pair (VNNI's 16 lanes, their two
 // halves added as integers), with SummedTile8's arithmetic from there on (its scales made per
 // pair). Two columns share one register: [column c's 8 lanes | column c + 1's]. VNNI sums the
@@ -142,6 +196,12 @@ IG_VNNI void SummedTile16(const QuantizedRows& x, int64_t r0, const typename F::
         acc1[r] = _mm256_fmadd_ps(
             _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm512_castps512_ps256(dx16)), dv1, acc1[r]);
       }
+    }
+  }
+  if constexpr (!kOddColumn) {
+    if (blocks % 2 == 0) {  // the common case: the last steps in 16 lanes too
+      PairedMinimumsAndSums<F, R, H>(x, r0, w, c0, acc2, y, ldy);
+      return;
     }
   }
   __m256 acc[R][C];
