@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/int8_dot.h"
+#include "kernels/cpu/simd.h"
 
 namespace infinigen::cpu::int8_dot {
 namespace {
@@ -66,15 +67,26 @@ IG_VNNI void Tile16(const QuantizedRows& x, int64_t r0, const typename F::Matrix
   } else {
     assert(blocks % 2 == 0);
   }
-  __m256 v[R][C];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
-      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
-      v[r][c] = _mm256_add_ps(lo, hi);
+  if constexpr (C == 4 && R % 2 == 0) {  // two rows' eight sums folded together
+    for (int r = 0; r < R; r += 2) {
+      const __m512 a[8] = {acc[r][0],     acc[r][1],     acc[r][2],     acc[r][3],
+                           acc[r + 1][0], acc[r + 1][1], acc[r + 1][2], acc[r + 1][3]};
+      const __m256 eight = EightFoldedSums(a);
+      float* y0 = y + r * ldy;
+      _mm_storeu_ps(y0, _mm_add_ps(_mm_loadu_ps(y0), _mm256_castps256_ps128(eight)));
+      _mm_storeu_ps(y0 + ldy, _mm_add_ps(_mm_loadu_ps(y0 + ldy), _mm256_extractf128_ps(eight, 1)));
     }
+  } else {
+    __m256 v[R][C];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) {
+        const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+        v[r][c] = _mm256_add_ps(lo, hi);
+      }
+    }
+    AddTileSums<R, C>(v, y, ldy);
   }
-  AddTileSums<R, C>(v, y, ldy);
 }
 
 // [lo | hi].
@@ -85,8 +97,8 @@ IG_VNNI inline __m512 Join(__m256 lo, __m256 hi) {
 
 // AddMinimums8 and AddTileSums for accumulators that hold two columns each ([column 2h's 8
 // lanes | column 2h + 1's]): each lane's FMAs (zeros in the lanes past the last block, as
-// AddMinimums8's masked loads give), then each column's HorizontalSum by HorizontalSum's
-// additions in its order (EightFoldedSums' steps from its pairs on), added to y.
+// AddMinimums8's masked loads give), then each column's HorizontalSum (EightHorizontalSums),
+// added to y.
 template <typename F, int R, int H>
 IG_VNNI void PairedMinimumsAndSums(const QuantizedRows& x, int64_t r0, const typename F::Matrix& w,
                                    int64_t c0, __m512 (&acc)[R][H], float* y, int64_t ldy) {
@@ -109,21 +121,9 @@ IG_VNNI void PairedMinimumsAndSums(const QuantizedRows& x, int64_t r0, const typ
     }
   }
   for (int r = 0; r < R; ++r) {
-    __m512 pairs[4];  // EightFoldedSums' pairs; a missing fourth is zeros, its sums dropped
+    __m512 pairs[4];  // a missing fourth is zeros, its sums dropped
     for (int p = 0; p < 4; ++p) pairs[p] = p < H ? acc[r][p] : _mm512_setzero_ps();
-    __m512 quads[2];  // 128-bit lane i: lanes 0-3 + 4-7 of sum 4q + i
-    for (int q = 0; q < 2; ++q) {
-      quads[q] = _mm512_add_ps(
-          _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-          _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    }
-    const __m512 halves =
-        _mm512_add_ps(_mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                      _mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 sums =
-        _mm512_add_ps(halves, _mm512_shuffle_ps(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m256 eight = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+    const __m256 eight = EightHorizontalSums(pairs);
     float* yr = y + r * ldy;
     const __mmask8 mine = static_cast<__mmask8>((1u << (2 * H)) - 1);
     _mm256_mask_storeu_ps(yr, mine, _mm256_add_ps(_mm256_maskz_loadu_ps(mine, yr), eight));

@@ -183,32 +183,6 @@ IG_AVX512 void Tile16(const float* x, int64_t ldx, const A& w, float* y, int64_t
   }
 }
 
-// HorizontalSum(lanes 0-7 + lanes 8-15) of each of eight 16-lane accumulators, by Tile16's
-// additions in Tile16's order, four or eight at a time in one register: the halves added (rows
-// in pairs), then each sum's 128-bit halves, then its lanes 0 + 2 and 1 + 3, then those two.
-IG_AVX512 inline __m256 EightFoldedSums(const __m512 (&a)[8]) {
-  __m512 pairs[4];  // [lanes 0-7 + 8-15 of a[2p] | of a[2p + 1]]
-  for (int p = 0; p < 4; ++p) {
-    pairs[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  __m512 quads[2];  // 128-bit lane r: lanes 0-3 + 4-7 of sum 4q + r
-  for (int q = 0; q < 2; ++q) {
-    quads[q] = _mm512_add_ps(
-        _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-        _mm512_shuffle_f32x4(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  // 128-bit lane r: [0 + 2, 1 + 3 of sum r, 0 + 2, 1 + 3 of sum r + 4].
-  const __m512 halves =
-      _mm512_add_ps(_mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                    _mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // 128-bit lane r: [sum r, sum r, sum r + 4, sum r + 4] (x + y and y + x are the same float).
-  const __m512 sums =
-      _mm512_add_ps(halves, _mm512_shuffle_ps(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
-}
-
 // Tile16's products, order and result for R x rows and `cols` (<= 8) weight rows of a table,
 // eight weight rows at a time (the missing ones repeat the last, their results dropped) with
 // their horizontal sums folded together: the tile of short dot products (attention scores, k a
