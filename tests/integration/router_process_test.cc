@@ -105,6 +105,51 @@ std::unique_ptr<v1::Generation::Stub> PublicStub(int port) {
       grpc::CreateChannel(Addr(port), grpc::InsecureChannelCredentials()));
 }
 
+// Requests streamed at once through the router, a thread each. AwaitStarted() waits (a second
+// at most) until every stream has 3 tokens and says how many have; Join() waits for their ends.
+// Each stream's longest gap between two messages is kept (longest_gap, seconds).
+class ConcurrentStreams {
+ public:
+  ConcurrentStreams(v1::Generation::Stub& stub, const std::vector<v1::GenerateRequest>& requests)
+      : got(requests.size()), longest_gap(requests.size(), 0.0) {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads_.emplace_back([this, &stub, &requests, i] {
+        bool counted = false;
+        auto last = std::chrono::steady_clock::now();
+        got[i] = Stream(stub, requests[i], nullptr, [&](int n) {
+          const auto now = std::chrono::steady_clock::now();
+          longest_gap[i] =
+              std::max(longest_gap[i], std::chrono::duration<double>(now - last).count());
+          last = now;
+          if (n >= 3 && !counted) {
+            counted = true;
+            started_.fetch_add(1);
+          }
+        });
+      });
+    }
+  }
+  ~ConcurrentStreams() { Join(); }
+  int AwaitStarted() {
+    for (int i = 0; i < 500 && started_.load() < static_cast<int>(got.size()); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return started_.load();
+  }
+  void Join() {
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+  std::vector<StreamResult> got;
+  std::vector<double> longest_gap;
+
+ private:
+  std::atomic<int> started_{0};
+  std::vector<std::thread> threads_;
+};
+
 class RouterProcess : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -305,27 +350,13 @@ TEST_F(RouterProcess, KillingAWorkerMidStreamLosesNoStream) {
       want.push_back(Direct(1, requests.back()));
     }
   }
-  std::vector<StreamResult> got(kStreams);
-  std::atomic<int> started{0};
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kStreams; ++i) {
-    threads.emplace_back([&, i] {
-      bool counted = false;
-      got[i] = Stream(*stub_, requests[i], nullptr, [&](int n) {
-        if (n >= 3 && !counted) {
-          counted = true;
-          started.fetch_add(1);
-        }
-      });
-    });
-  }
+  ConcurrentStreams streams(*stub_, requests);
   // Once every stream is under way, worker 0 dies without a word.
-  for (int i = 0; i < 500 && started.load() < kStreams; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  EXPECT_EQ(started.load(), kStreams) << "streams should still be running when the worker dies";
+  EXPECT_EQ(streams.AwaitStarted(), kStreams)
+      << "streams should still be running when the worker dies";
   workers_[0]->Kill();
-  for (auto& t : threads) t.join();
+  streams.Join();
+  const std::vector<StreamResult>& got = streams.got;
   int moved = 0, resumed = 0;
   for (int i = 0; i < kStreams; ++i) {
     ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
@@ -421,40 +452,20 @@ TEST_F(RouterProcess, AWorkerPausedForAMomentKeepsItsStreams) {
         Request(RandomTokens(11 + i, kVocab, 30 + i), kNew, i % 2 ? 0.9f : 0.0f, 500 + i));
     want.push_back(Direct(1, requests.back()));
   }
-  std::vector<StreamResult> got(kStreams);
-  std::vector<double> longest_gap(kStreams, 0.0);  // seconds between two messages
-  std::atomic<int> started{0};
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kStreams; ++i) {
-    threads.emplace_back([&, i] {
-      bool counted = false;
-      auto last = std::chrono::steady_clock::now();
-      got[i] = Stream(*stub_, requests[i], nullptr, [&](int n) {
-        const auto now = std::chrono::steady_clock::now();
-        longest_gap[i] =
-            std::max(longest_gap[i], std::chrono::duration<double>(now - last).count());
-        last = now;
-        if (n >= 3 && !counted) {
-          counted = true;
-          started.fetch_add(1);
-        }
-      });
-    });
-  }
-  for (int i = 0; i < 500 && started.load() < kStreams; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  EXPECT_EQ(started.load(), kStreams) << "streams should still be running when the worker pauses";
+  ConcurrentStreams streams(*stub_, requests);
+  EXPECT_EQ(streams.AwaitStarted(), kStreams)
+      << "streams should still be running when the worker pauses";
   workers_[0]->Signal(SIGSTOP);
   std::this_thread::sleep_for(std::chrono::milliseconds(1600));
   workers_[0]->Signal(SIGCONT);
-  for (auto& t : threads) t.join();
+  streams.Join();
+  const std::vector<StreamResult>& got = streams.got;
   int moved = 0, paused = 0;
   for (int i = 0; i < kStreams; ++i) {
     ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
     EXPECT_EQ(got[i].tokens, want[i]) << "stream " << i;
     moved += got[i].last.failovers();
-    paused += longest_gap[i] > 1.2;
+    paused += streams.longest_gap[i] > 1.2;
   }
   EXPECT_GT(paused, 0) << "no stream was on the paused worker";
   EXPECT_EQ(moved, 0) << "a worker that missed a health check or two lost its streams";
