@@ -172,10 +172,13 @@ class HttpFrontDoor::Impl {
     if (path == "/v1/chat/completions") {
       return !method(http::verb::post) ? keep : Generate(Endpoint::kChatCompletions, req, conn);
     }
+    if (path == "/tokenize" || path == "/detokenize") {
+      return !method(http::verb::post) ? keep : Tokenize(path == "/detokenize", req, conn);
+    }
     ApiError e{404,
                absl::StrCat("no route ", path,
                             "; this server has /v1/completions, /v1/chat/completions, "
-                            "/v1/models and /health"),
+                            "/v1/models, /tokenize, /detokenize and /health"),
                "not_found_error"};
     return WriteError(conn, req.version(), e, keep);
   }
@@ -237,6 +240,43 @@ class HttpFrontDoor::Impl {
                      req.keep_alive());
   }
 
+  // 404 for a request that names another model than the served one.
+  static ApiError UnknownModel(const std::string& asked, const std::string& served) {
+    return {404,
+            absl::StrCat("the model '", asked, "' does not exist here; this server serves '",
+                         served, "' (GET /v1/models)"),
+            "invalid_request_error", "model", "model_not_found"};
+  }
+
+  // vLLM's /tokenize and /detokenize: the gRPC API's Tokenize.
+  bool Tokenize(bool detokenize, const HttpRequest& req, HttpConnection& conn) {
+    const bool keep = req.keep_alive();
+    TokenizeCall call;
+    ApiError error;
+    if (!ParseTokenizeRequest(req.body(), detokenize, call, error)) {
+      return WriteError(conn, req.version(), error, keep);
+    }
+    v1::ModelInfo info;
+    grpc::ClientContext info_ctx;  // only for FromGrpc's metadata
+    if (const grpc::Status st = Info(req, info); !st.ok()) {
+      return WriteError(conn, req.version(), FromGrpc(st, info_ctx), keep);
+    }
+    if (!call.model.empty() && call.model != info.model()) {
+      return WriteError(conn, req.version(), UnknownModel(call.model, info.model()), keep);
+    }
+    grpc::ClientContext ctx;
+    Authorize(req, ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::TokenizeResponse answer;
+    if (const grpc::Status st = stub_->Tokenize(&ctx, call.request, &answer); !st.ok()) {
+      return WriteError(conn, req.version(), FromGrpc(st, ctx), keep);
+    }
+    return WriteJson(conn, req.version(), 200,
+                     detokenize ? DetokenizeJson(answer)
+                                : TokenizeJson(answer, info.max_context_tokens(), call.token_strs),
+                     keep);
+  }
+
   // A token's text (the model's decoding of that id alone), for logprobs.
   std::string TokenText(const HttpRequest& req, int32_t id) {
     {
@@ -294,14 +334,7 @@ class HttpFrontDoor::Impl {
     }
     v1::ModelInfo info;
     if (Info(req, info).ok() && !parsed.model.empty() && parsed.model != info.model()) {
-      return WriteError(conn, req.version(),
-                        {404,
-                         absl::StrCat("the model '", parsed.model,
-                                      "' does not exist here; this "
-                                      "server serves '",
-                                      info.model(), "' (GET /v1/models)"),
-                         "invalid_request_error", "model", "model_not_found"},
-                        keep);
+      return WriteError(conn, req.version(), UnknownModel(parsed.model, info.model()), keep);
     }
     const std::string model = info.model().empty() ? parsed.model : info.model();
     const std::string id =

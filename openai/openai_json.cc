@@ -340,6 +340,79 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
   return true;
 }
 
+bool ParseTokenizeRequest(absl::string_view body, bool detokenize, TokenizeCall& out,
+                          ApiError& error) {
+  const json parsed = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded() || !parsed.is_object()) {
+    error.http_status = 400;
+    error.message = "the body must be a JSON object";
+    return false;
+  }
+  Reader r{parsed, error};
+  if (const json* model = r.Get("model")) {
+    if (!model->is_string()) return r.Fail("model", "`model` must be a string");
+    out.model = model->get<std::string>();
+  }
+  if (detokenize) {
+    const json* tokens = r.Get("tokens");
+    if (tokens == nullptr || !tokens->is_array() ||
+        !ParseTokenIds(*tokens, *out.request.mutable_token_ids())) {
+      return r.Fail("tokens", "`tokens` must be a list of token ids");
+    }
+    return true;
+  }
+  std::optional<bool> add_special, add_generation_prompt, token_strs;
+  if (!r.Bool("add_special_tokens", add_special) ||
+      !r.Bool("add_generation_prompt", add_generation_prompt) ||
+      !r.Bool("return_token_strs", token_strs)) {
+    return false;
+  }
+  out.token_strs = token_strs.value_or(false);
+  const bool has_prompt = r.Get("prompt") != nullptr, has_messages = r.Get("messages") != nullptr;
+  if (has_prompt == has_messages) {
+    return r.Fail(has_prompt ? "messages" : "prompt",
+                  "give exactly one of `prompt` (a string) and `messages`");
+  }
+  if (has_prompt) {
+    const json& prompt = *r.Get("prompt");
+    if (!prompt.is_string()) return r.Fail("prompt", "`prompt` must be a string");
+    out.request.set_text(prompt.get<std::string>());
+    out.request.set_add_special(add_special.value_or(true));
+    return true;
+  }
+  if (!add_generation_prompt.value_or(true)) {
+    return r.Fail("add_generation_prompt",
+                  "messages are rendered as a chat completion renders them: with the generation "
+                  "prompt");
+  }
+  if (!r.Unsupported("add_special_tokens", false, " with `messages` (the template adds them)")) {
+    return false;
+  }
+  v1::GenerateRequest holder;
+  if (!ParseMessages(r, holder)) return false;
+  *out.request.mutable_messages() = std::move(*holder.mutable_messages());
+  return true;
+}
+
+std::string TokenizeJson(const v1::TokenizeResponse& response, int64_t max_model_len,
+                         bool token_strs) {
+  json body = {{"count", response.token_ids_size()},
+               {"max_model_len", max_model_len},
+               {"tokens", json(std::vector<int32_t>(response.token_ids().begin(),
+                                                    response.token_ids().end()))},
+               {"token_strs", nullptr}};
+  if (token_strs) {
+    body["token_strs"] =
+        json(std::vector<std::string>(response.pieces().begin(), response.pieces().end()));
+  }
+  // A piece of a multi-byte character may be invalid UTF-8: U+FFFD, never an exception.
+  return body.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string DetokenizeJson(const v1::TokenizeResponse& response) {
+  return json{{"prompt", response.text()}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id, int64_t created,
                                  std::string model, int top_logprobs, TokenText token_text, int n)
     : endpoint_(endpoint),

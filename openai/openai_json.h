@@ -1,8 +1,9 @@
 // The OpenAI-compatible API's JSON (docs/api.md, "OpenAI-compatible HTTP"): a completion or chat
 // completion request translated into an infinigen.v1 GenerateRequest, and the GenerateResponses
 // of its stream back into OpenAI's objects, streamed (server-sent event chunks) or whole. What
-// the API has and we do not (echo, penalties, tools) is refused by name, never ignored.
-// No I/O: the HTTP front door (openai/http_front_door.h) does that.
+// the API has and we do not (tools, best_of, suffix) is refused by name, never ignored. Also
+// vLLM's /tokenize and /detokenize bodies and answers. No I/O: the HTTP front door
+// (openai/http_front_door.h) does that.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +62,24 @@ struct ParsedRequest {
 // Parses `body` as a request of `endpoint`. False with `error` (400, naming the field) when it is
 // not one, or asks for something this server does not do.
 bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out, ApiError& error);
+
+// vLLM's tokenizer endpoints. /tokenize: {"prompt": text, "add_special_tokens": true (the
+// model's BOS, as a completion adds it)} or {"messages": [...], "add_generation_prompt": true}
+// (rendered with the chat template, as a chat completion renders them; the prompt of
+// add_generation_prompt false is not made); "return_token_strs" asks for each token's text.
+// /detokenize: {"tokens": [ids]}. False with `error` (400, naming the field) otherwise.
+struct TokenizeCall {
+  v1::TokenizeRequest request;
+  std::string model;  // as the client named it (empty: the served one)
+  bool token_strs = false;
+};
+bool ParseTokenizeRequest(absl::string_view body, bool detokenize, TokenizeCall& out,
+                          ApiError& error);
+// Their answers: {"count", "max_model_len", "tokens", "token_strs"} (token_strs: each token's
+// text as it adds to the decoding, or null) and {"prompt"}.
+std::string TokenizeJson(const v1::TokenizeResponse& response, int64_t max_model_len,
+                         bool token_strs);
+std::string DetokenizeJson(const v1::TokenizeResponse& response);
 
 // A token's text for logprobs (the model's decoding of that one id), for the entries that come
 // without it (a worker without a tokenizer; workers send it in Logprobs.token).

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <map>
 #include <thread>
+#include <tuple>
 
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -334,6 +335,73 @@ TEST_F(OpenAiHttp, PromptLogprobsEqualTheGrpcApis) {
                          {{"prompt", prompt}, {"max_tokens", 3}, {"prompt_logprobs", 21}});
   EXPECT_EQ(bad.status, 400) << bad.body;
   EXPECT_EQ(bad.Json()["error"]["param"], "prompt_logprobs") << bad.body;
+}
+
+// vLLM's /tokenize and /detokenize: a prompt's and a conversation's tokens are the gRPC API's
+// Tokenize and as many as a completion of them counts (usage.prompt_tokens), each token's text
+// adds up to the prompt, /detokenize gives the prompt back; bad bodies are 400s naming the field.
+TEST_F(OpenAiHttp, TokenizeAndDetokenizeAreTheServersTokenizer) {
+  const std::string smollm2 = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(smollm2, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  Start({}, smollm2);
+  const std::string text = "The lighthouse keeper's log, day 12: fog again.";
+  const Reply t = Post(http_port_, "/tokenize", {{"prompt", text}, {"return_token_strs", true}});
+  ASSERT_EQ(t.status, 200) << t.body;
+  const json tj = t.Json();
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(grpc_port_),
+                                                          grpc::InsecureChannelCredentials()));
+  v1::TokenizeRequest tr;
+  tr.set_text(text);
+  tr.set_add_special(true);
+  v1::TokenizeResponse want;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Tokenize(&ctx, tr, &want).ok());
+  }
+  ASSERT_GT(want.token_ids_size(), 5);
+  EXPECT_EQ(tj["tokens"].get<std::vector<int32_t>>(),
+            std::vector<int32_t>(want.token_ids().begin(), want.token_ids().end()));
+  EXPECT_EQ(tj["count"], want.token_ids_size());
+  EXPECT_GT(tj["max_model_len"].get<int64_t>(), 0);
+  std::string joined;
+  for (const json& piece : tj["token_strs"]) joined += piece.get<std::string>();
+  EXPECT_EQ(joined, text);
+  const Reply completion =
+      Post(http_port_, "/v1/completions", {{"prompt", text}, {"max_tokens", 1}});
+  ASSERT_EQ(completion.status, 200) << completion.body;
+  EXPECT_EQ(completion.Json()["usage"]["prompt_tokens"], tj["count"]);
+
+  const json messages = {{{"role", "system"}, {"content", "Be brief."}},
+                         {{"role", "user"}, {"content", "Name a color."}}};
+  const Reply chat_tokens = Post(http_port_, "/tokenize", {{"messages", messages}});
+  ASSERT_EQ(chat_tokens.status, 200) << chat_tokens.body;
+  EXPECT_EQ(chat_tokens.Json()["token_strs"], nullptr);
+  const Reply chat =
+      Post(http_port_, "/v1/chat/completions", {{"messages", messages}, {"max_tokens", 1}});
+  ASSERT_EQ(chat.status, 200) << chat.body;
+  EXPECT_EQ(chat.Json()["usage"]["prompt_tokens"], chat_tokens.Json()["count"]);
+
+  const Reply back = Post(http_port_, "/detokenize", {{"tokens", tj["tokens"]}});
+  ASSERT_EQ(back.status, 200) << back.body;
+  EXPECT_EQ(back.Json()["prompt"], text);
+
+  for (const auto& [route, body, param] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"/tokenize", json::object(), "prompt"},
+           {"/tokenize", {{"prompt", 5}}, "prompt"},
+           {"/tokenize", {{"prompt", "a"}, {"messages", messages}}, "messages"},
+           {"/tokenize",
+            {{"messages", messages}, {"add_generation_prompt", false}},
+            "add_generation_prompt"},
+           {"/detokenize", {{"tokens", "12"}}, "tokens"},
+           {"/detokenize", {{"tokens", {1, -2}}}, "tokens"}}) {
+    const Reply bad = Post(http_port_, route, body);
+    EXPECT_EQ(bad.status, 400) << route << " " << body.dump() << ": " << bad.body;
+    EXPECT_EQ(bad.Json()["error"]["param"], param) << bad.body;
+  }
+  const Reply outside = Post(http_port_, "/detokenize", {{"tokens", {1, 99999999}}});
+  EXPECT_EQ(outside.status, 400) << outside.body;
+  EXPECT_EQ(Post(http_port_, "/tokenize", {{"prompt", "a"}, {"model", "gpt-4"}}).status, 404);
+  EXPECT_EQ(Call(http_port_, http::verb::get, "/tokenize", "").status, 405);
 }
 
 // A chat completion's prompt_logprobs are at its top (vLLM's place), whole and streamed: one

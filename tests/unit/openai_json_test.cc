@@ -367,3 +367,36 @@ TEST(OpenAiJson, TheMoreLikelyOfTwoAlternativesWithOneTextIsKept) {
 
 }  // namespace
 }  // namespace infinigen::openai
+
+namespace infinigen::openai {
+namespace {
+
+// /tokenize's answer with a piece that is half of a multi-byte character (a byte-level token):
+// U+FFFD in its token_strs, never an exception; without return_token_strs, null.
+TEST(OpenAiJson, TokenizeAnswersSurviveHalfCharacters) {
+  v1::TokenizeResponse r;
+  r.add_token_ids(7);
+  r.add_token_ids(8);
+  r.add_pieces("\xe2\x82");
+  r.add_pieces("\xac");
+  const nlohmann::json with = nlohmann::json::parse(TokenizeJson(r, 4096, true));
+  EXPECT_EQ(with["count"], 2);
+  EXPECT_EQ(with["max_model_len"], 4096);
+  EXPECT_EQ(with["tokens"], nlohmann::json({7, 8}));
+  ASSERT_EQ(with["token_strs"].size(), 2u);
+  EXPECT_EQ(with["token_strs"][0], "\xef\xbf\xbd");  // the broken sequence: U+FFFD
+  EXPECT_TRUE(nlohmann::json::parse(TokenizeJson(r, 4096, false))["token_strs"].is_null());
+  TokenizeCall call;
+  ApiError e;
+  EXPECT_TRUE(ParseTokenizeRequest(R"({"tokens": [], "model": "m"})", true, call, e));
+  EXPECT_EQ(call.model, "m");
+  EXPECT_TRUE(call.request.has_token_ids());
+  EXPECT_FALSE(ParseTokenizeRequest(R"([1, 2])", true, call, e));
+  EXPECT_FALSE(ParseTokenizeRequest(R"({"messages": [{"role": "user", "content": "x"}],
+                                        "add_special_tokens": true})",
+                                    false, call, e));
+  EXPECT_EQ(e.param, "add_special_tokens");
+}
+
+}  // namespace
+}  // namespace infinigen::openai
