@@ -229,6 +229,9 @@ printf '\x00{"prompt":[[1,2,3]],"seed":-5,"temperature":0.5,"top_k":4,"min_token
   > build-fuzz/corpus-openai/ids
 printf '\x01{"messages":[{"role":"developer","content":[{"type":"text","text":"x"}]},{"role":"user","content":"y"}],"logprobs":true,"top_logprobs":3,"max_completion_tokens":9,"n":1}' \
   > build-fuzz/corpus-openai/chat
+printf '\x02{"tokens":[1,2,3],"model":"m"}' > build-fuzz/corpus-openai/detokenize
+printf '\x00{"prompt":"Hi","return_token_strs":true,"add_special_tokens":false}' \
+  > build-fuzz/corpus-openai/tokenize
 spawn openai_request_fuzz "$FILE_SECONDS" build-fuzz/corpus-openai -max_len=4096 \
   -dict=tests/fuzz/openai.dict
 failed=0

@@ -1,5 +1,5 @@
 // libFuzzer target for the OpenAI-compatible API's JSON (openai/openai_json.h): the input's first
-// byte picks the endpoint, the rest is an HTTP body. A body is either refused with a 400 whose
+// byte picks the endpoint, the rest is an HTTP body (also tried as a /tokenize body). A body is either refused with a 400 whose
 // error renders as JSON, or becomes a GenerateRequest with an input that serializes; and the
 // response objects built around it, with texts and token texts cut from the input (any bytes,
 // invalid UTF-8 included), are always valid JSON. scripts/fuzz.sh builds it with clang and runs
@@ -26,6 +26,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Endpoint endpoint =
       (data[0] & 1) != 0 ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
+  // The same body as vLLM's /tokenize or /detokenize (bit 1): refused with a 400, or a request
+  // with an input; answers with pieces of the input's bytes are valid JSON.
+  {
+    infinigen::openai::TokenizeCall call;
+    infinigen::openai::ApiError error;
+    if (!infinigen::openai::ParseTokenizeRequest(body, (data[0] & 2) != 0, call, error)) {
+      if (error.http_status != 400 || error.message.empty()) __builtin_trap();
+    } else if (call.request.input_case() == infinigen::v1::TokenizeRequest::INPUT_NOT_SET) {
+      __builtin_trap();
+    }
+    infinigen::v1::TokenizeResponse answer;
+    answer.add_pieces(body.substr(0, 5));
+    answer.set_text(body.substr(0, 9));
+    if (!IsJson(infinigen::openai::TokenizeJson(answer, 8, true)) ||
+        !IsJson(infinigen::openai::DetokenizeJson(answer))) {
+      __builtin_trap();
+    }
+  }
   infinigen::openai::ParsedRequest parsed;
   infinigen::openai::ApiError error;
   if (!infinigen::openai::ParseRequest(endpoint, body, parsed, error)) {
