@@ -368,6 +368,12 @@ bool ParseTokenizeRequest(absl::string_view body, bool detokenize, TokenizeCall&
     return false;
   }
   out.token_strs = token_strs.value_or(false);
+  if (!r.Unsupported("continue_final_message", false, "") ||
+      !r.Unsupported("chat_template", "", " (the model's own is used)") ||
+      !r.Unsupported("chat_template_kwargs", json::object(), "") ||
+      !r.Unsupported("tools", json::array(), "")) {
+    return false;
+  }
   const bool has_prompt = r.Get("prompt") != nullptr, has_messages = r.Get("messages") != nullptr;
   if (has_prompt == has_messages) {
     return r.Fail(has_prompt ? "messages" : "prompt",

@@ -146,8 +146,8 @@ IG_VNNI void SummedTile16(const QuantizedRows& x, int64_t r0, const typename F::
   // A pair's 2 block scales of column c and of c + 1 (or of x row r, twice) as 16 lanes.
   const __m512i two_columns = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i one_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-  auto two_floats = [](const float* v) {
-    return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)));
+  auto two_floats = [](const float* v) {  // v need not be 8-byte aligned
+    return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v)));
   };
   __m512 acc2[R][H > 0 ? H : 1];
   __m256 acc1[R];

@@ -107,19 +107,23 @@ std::unique_ptr<v1::Generation::Stub> PublicStub(int port) {
 
 // Requests streamed at once through the router, a thread each. AwaitStarted() waits (a second
 // at most) until every stream has 3 tokens and says how many have; Join() waits for their ends.
-// Each stream's longest gap between two messages is kept (longest_gap, seconds).
+// Each stream's longest gap between two of its messages is kept (longest_gap, seconds; from its
+// first message on).
 class ConcurrentStreams {
  public:
   ConcurrentStreams(v1::Generation::Stub& stub, const std::vector<v1::GenerateRequest>& requests)
       : got(requests.size()), longest_gap(requests.size(), 0.0) {
     for (size_t i = 0; i < requests.size(); ++i) {
       threads_.emplace_back([this, &stub, &requests, i] {
-        bool counted = false;
+        bool counted = false, seen = false;
         auto last = std::chrono::steady_clock::now();
         got[i] = Stream(stub, requests[i], nullptr, [&](int n) {
           const auto now = std::chrono::steady_clock::now();
-          longest_gap[i] =
-              std::max(longest_gap[i], std::chrono::duration<double>(now - last).count());
+          if (seen) {  // gaps between messages, not the wait for the first
+            longest_gap[i] =
+                std::max(longest_gap[i], std::chrono::duration<double>(now - last).count());
+          }
+          seen = true;
           last = now;
           if (n >= 3 && !counted) {
             counted = true;

@@ -396,6 +396,16 @@ TEST(OpenAiJson, TokenizeAnswersSurviveHalfCharacters) {
                                         "add_special_tokens": true})",
                                     false, call, e));
   EXPECT_EQ(e.param, "add_special_tokens");
+  // vLLM's fields that would change the count are refused, never ignored.
+  for (const char* field : {R"("continue_final_message": true)", R"("chat_template": "{{x}}")",
+                            R"("tools": [{"type": "function"}])"}) {
+    ApiError refused;
+    EXPECT_FALSE(ParseTokenizeRequest(
+        absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )", field, "}"), false,
+        call, refused))
+        << field;
+    EXPECT_NE(std::string(field).find(refused.param), std::string::npos) << refused.param;
+  }
 }
 
 }  // namespace
