@@ -63,6 +63,17 @@ struct Reader {
   }
 };
 
+// A request body as a JSON object; false with a 400 when it is none.
+bool ParseObject(absl::string_view body, json& out, ApiError& error) {
+  out = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (out.is_discarded() || !out.is_object()) {
+    error.http_status = 400;
+    error.message = "the body must be a JSON object";
+    return false;
+  }
+  return true;
+}
+
 bool ParseStop(Reader& r, v1::StoppingCriteria& stopping) {
   const json* stop = r.Get("stop");
   if (stop == nullptr) return true;
@@ -271,12 +282,8 @@ std::string ErrorJson(const ApiError& e) {
 }
 
 bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out, ApiError& error) {
-  const json parsed = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded() || !parsed.is_object()) {
-    error.http_status = 400;
-    error.message = "the body must be a JSON object";
-    return false;
-  }
+  json parsed;
+  if (!ParseObject(body, parsed, error)) return false;
   Reader r{parsed, error};
   v1::GenerateRequest& req = out.request;
   std::optional<int64_t> max_tokens, max_completion_tokens;
@@ -342,12 +349,8 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
 
 bool ParseTokenizeRequest(absl::string_view body, bool detokenize, TokenizeCall& out,
                           ApiError& error) {
-  const json parsed = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded() || !parsed.is_object()) {
-    error.http_status = 400;
-    error.message = "the body must be a JSON object";
-    return false;
-  }
+  json parsed;
+  if (!ParseObject(body, parsed, error)) return false;
   Reader r{parsed, error};
   if (const json* model = r.Get("model")) {
     if (!model->is_string()) return r.Fail("model", "`model` must be a string");
