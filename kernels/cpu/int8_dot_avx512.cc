@@ -143,9 +143,8 @@ IG_VNNI void SummedTile16(const QuantizedRows& x, int64_t r0, const typename F::
   constexpr int H = C / 2;  // column pairs
   constexpr bool kOddColumn = C % 2 == 1;
   const int64_t blocks = x.blocks, pairs = blocks / 2;
-  // A pair's 2 block scales of column c and of c + 1 (or of x row r, twice) as 16 lanes.
+  // A pair's 2 block scales of column c and of c + 1 as 16 lanes (x row r's: PairScales16).
   const __m512i two_columns = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i one_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
   auto two_floats = [](const float* v) {  // v need not be 8-byte aligned
     return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v)));
   };
@@ -177,8 +176,7 @@ IG_VNNI void SummedTile16(const QuantizedRows& x, int64_t r0, const typename F::
     }
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_loadu_si512(x.Values(r0 + r) + 64 * p);
-      const __m512 dx16 = _mm512_permutexvar_ps(
-          one_row, _mm512_castps128_ps512(two_floats(x.Scales(r0 + r) + 2 * p)));
+      const __m512 dx16 = PairScales16<F>(x.Scales(r0 + r) + 2 * p);  // [its 8 lanes, twice]
       if constexpr (H > 0) {
         const __m512i x_first = _mm512_shuffle_i64x2(xv, xv, 0x44);
         const __m512i x_last = _mm512_shuffle_i64x2(xv, xv, 0xEE);
