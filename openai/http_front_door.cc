@@ -25,7 +25,8 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/v1/generation.grpc.pb.h"
 #include "openai/http_server.h"
-#include "openai/openai_json.h"
+#include "openai/request_json.h"
+#include "openai/response_json.h"
 
 namespace infinigen::openai {
 namespace {

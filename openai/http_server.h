@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/tls_files.h"
-#include "openai/openai_json.h"
+#include "openai/api_error.h"
 
 namespace infinigen::openai {
 

@@ -1,15 +1,16 @@
-// libFuzzer target for the OpenAI-compatible API's JSON (openai/openai_json.h): the input's first
-// byte picks the endpoint, the rest is an HTTP body (also tried as a /tokenize body). A body is
-// either refused with a 400 whose error renders as JSON, or becomes a GenerateRequest with an input
-// that serializes; and the response objects built around it, with texts and token texts cut from
-// the input (any bytes, invalid UTF-8 included), are always valid JSON. scripts/fuzz.sh builds it
-// with clang and runs it for a bounded time.
+// libFuzzer target for the OpenAI-compatible API's JSON (openai/request_json.h, response_json.h):
+// the input's first byte picks the endpoint, the rest is an HTTP body (also tried as a /tokenize
+// body). A body is either refused with a 400 whose error renders as JSON, or becomes a
+// GenerateRequest with an input that serializes; and the response objects built around it, with
+// texts and token texts cut from the input (any bytes, invalid UTF-8 included), are always valid
+// JSON. scripts/fuzz.sh builds it with clang and runs it for a bounded time.
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "nlohmann/json.hpp"
-#include "openai/openai_json.h"
+#include "openai/request_json.h"
+#include "openai/response_json.h"
 
 namespace {
 

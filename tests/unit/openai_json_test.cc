@@ -2,7 +2,8 @@
 // one the worker sent with it (Logprobs.token, TokenLogprob.token), and only an entry without one
 // asks the TokenText callback (a worker without a tokenizer); completions' text_offset counts the
 // texts' bytes, chat's `bytes` lists them.
-#include "openai/openai_json.h"
+#include "openai/request_json.h"
+#include "openai/response_json.h"
 
 #include <gtest/gtest.h>
 

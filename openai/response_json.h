@@ -1,9 +1,7 @@
-// The OpenAI-compatible API's JSON (docs/api.md, "OpenAI-compatible HTTP"): a completion or chat
-// completion request translated into an infinigen.v1 GenerateRequest, and the GenerateResponses
-// of its stream back into OpenAI's objects, streamed (server-sent event chunks) or whole. What
-// the API has and we do not (tools, best_of, suffix) is refused by name, never ignored. Also
-// vLLM's /tokenize and /detokenize bodies and answers. No I/O: the HTTP front door
-// (openai/http_front_door.h) does that.
+// The OpenAI-compatible API's answers (docs/api.md, "OpenAI-compatible HTTP"): the
+// GenerateResponses of a request's streams as OpenAI's objects, streamed (server-sent event
+// chunks) or whole, and vLLM's /tokenize and /detokenize answers. No I/O: the HTTP front door
+// (openai/http_front_door.h) does that; openai/request_json.h parses the requests.
 #pragma once
 
 #include <cstdint>
@@ -11,70 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/string_view.h"
-#include "frontend/request_validation.h"  // kMaxSamples (n), kMaxLogprobs
 #include "infinigen/v1/generation.pb.h"
 #include "nlohmann/json.hpp"
+#include "openai/request_json.h"  // Endpoint
 
 namespace infinigen::openai {
 
-enum class Endpoint { kCompletions, kChatCompletions };
-
-// An error as OpenAI's clients expect it: an HTTP status and {"error": {...}}.
-struct ApiError {
-  ApiError() = default;
-  ApiError(int status, std::string text, std::string error_type = "invalid_request_error",
-           std::string field = "", std::string error_code = "")
-      : http_status(status),
-        message(std::move(text)),
-        type(std::move(error_type)),
-        param(std::move(field)),
-        code(std::move(error_code)) {}
-
-  int http_status = 400;
-  std::string message;
-  std::string type = "invalid_request_error";
-  std::string param;            // the request field at fault; empty: null
-  std::string code;             // empty: null
-  int retry_after_seconds = 0;  // sent as Retry-After when > 0 (429, 503)
-};
-std::string ErrorJson(const ApiError& error);
-
-struct ParsedRequest {
-  v1::GenerateRequest request;
-  std::string model;  // as the client named it (empty: the served one)
-  bool stream = false;
-  bool include_usage = false;  // stream_options.include_usage
-  int n = 1;                   // choices (each its own call of the gRPC API)
-  // Log probabilities to return: completions' `logprobs` (alternatives per token) or chat's
-  // `logprobs: true` with `top_logprobs`; -1: none.
-  int top_logprobs = -1;
-  // vLLM's `prompt_logprobs` (alternatives per prompt token); -1: none.
-  int prompt_logprobs = -1;
-  // Completions' `echo`: each choice's text starts with the prompt's, and with `logprobs` its
-  // entries with the prompt tokens' (the request then asks for prompt logprobs).
-  bool echo = false;
-  // Completions' `max_tokens: 0` with `echo`: the prompt alone (its text, and with `logprobs`
-  // its entries), no completion tokens (the gRPC request's max_new_tokens 0).
-  bool prompt_only = false;
-};
-
-// Parses `body` as a request of `endpoint`. False with `error` (400, naming the field) when it is
-// not one, or asks for something this server does not do.
-bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out, ApiError& error);
-
-// vLLM's tokenizer endpoints. /tokenize: {"prompt": text, "add_special_tokens": true (the
-// model's BOS, as a completion adds it)} or {"messages": [...], "add_generation_prompt": true}
-// (rendered with the chat template, as a chat completion renders them; the prompt of
-// add_generation_prompt false is not made); "return_token_strs" asks for each token's text.
-// /detokenize: {"tokens": [ids]}. False with `error` (400, naming the field) otherwise.
-struct TokenizeCall {
-  v1::TokenizeRequest request;
-  std::string model;  // as the client named it (empty: the served one)
-  bool token_strs = false;
-};
-bool ParseTokenizeRequest(absl::string_view body, bool detokenize, TokenizeCall& out,
-                          ApiError& error);
 // Their answers: {"count", "max_model_len", "tokens", "token_strs"} (token_strs: each token's
 // text as it adds to the decoding, or null) and {"prompt"}.
 std::string TokenizeJson(const v1::TokenizeResponse& response, int64_t max_model_len,
