@@ -24,6 +24,7 @@
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/v1/generation.grpc.pb.h"
+#include "openai/generate_calls.h"
 #include "openai/http_server.h"
 #include "openai/request_json.h"
 #include "openai/response_json.h"
@@ -297,13 +298,13 @@ class HttpFrontDoor::Impl {
     return answer.text();
   }
 
-  // Completions' echo: the prompt's text (the prompt string, or the decoding of its ids) and
-  // its first token's text, from the worker's tokenizer; the error to answer when there is none.
-  std::optional<ApiError> Echo(const HttpRequest& req, const ParsedRequest& parsed,
+  // Completions' echo of prompt `p`: its text (the prompt string, or the decoding of its ids)
+  // and its tokens' texts, from the worker's tokenizer; the error to answer when there is none.
+  std::optional<ApiError> Echo(const HttpRequest& req, const ParsedRequest& parsed, int p,
                                ResponseBuilder& builder) {
-    const v1::GenerateRequest& g = parsed.request;
+    const v1::GenerateRequest g = parsed.Request(p);
     if (g.has_text() && parsed.top_logprobs < 0) {  // the prompt string is all it needs
-      builder.Echo(g.text(), {}, parsed.prompt_logprobs >= 0, parsed.prompt_only);
+      builder.Echo(g.text(), {}, parsed.prompt_logprobs >= 0, parsed.prompt_only, p);
       return std::nullopt;
     }
     v1::TokenizeRequest tr;
@@ -322,7 +323,7 @@ class HttpFrontDoor::Impl {
     }
     builder.Echo(g.has_token_ids() ? answer.text() : g.text(),
                  {answer.pieces().begin(), answer.pieces().end()}, parsed.prompt_logprobs >= 0,
-                 parsed.prompt_only);
+                 parsed.prompt_only, p);
     return std::nullopt;
   }
 
@@ -340,49 +341,70 @@ class HttpFrontDoor::Impl {
     const std::string model = info.model().empty() ? parsed.model : info.model();
     const std::string id =
         absl::StrCat(endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-", RandomHex(12));
-    const int n = parsed.n;
+    const int n = parsed.n, prompts = parsed.prompts();
     ResponseBuilder builder(
         endpoint, id, static_cast<int64_t>(std::time(nullptr)), model, parsed.top_logprobs,
-        [this, &req](int32_t token) { return TokenText(req, token); }, n);
-    // One call of the gRPC API for every choice (sampling.n): the samples share the prompt's
-    // prefill, choice i draws with seed + i, and each message says its choice (index).
+        [this, &req](int32_t token) { return TokenText(req, token); }, n, prompts);
     if (parsed.echo) {
-      if (std::optional<ApiError> e = Echo(req, parsed, builder)) {
-        return WriteError(conn, req.version(), *e, keep);
+      for (int p = 0; p < prompts; ++p) {
+        if (std::optional<ApiError> e = Echo(req, parsed, p, builder)) {
+          return WriteError(conn, req.version(), *e, keep);
+        }
       }
     }
-    v1::GenerateRequest request = parsed.request;
-    request.set_request_id(id);
-    if (n > 1) request.mutable_sampling()->set_n(n);
-    grpc::ClientContext context;
-    Authorize(req, context);
-    auto cancel = [&context] { context.TryCancel(); };
+    // One call of the gRPC API for each prompt, with every choice of it (sampling.n): the
+    // samples share the prompt's prefill, choice i draws with seed + i, and each message says
+    // its choice (index). The calls of a batch run at once, as the server's other streams.
+    std::vector<v1::GenerateRequest> requests;
+    for (int p = 0; p < prompts; ++p) {
+      v1::GenerateRequest& r = requests.emplace_back(parsed.Request(p));
+      r.set_request_id(prompts == 1 ? id : absl::StrCat(id, "-", p));
+      if (n > 1) r.mutable_sampling()->set_n(n);
+    }
+    GenerateCalls calls(*stub_, std::move(requests),
+                        [&req](grpc::ClientContext& ctx) { Authorize(req, ctx); });
+    auto cancel = [&calls] { calls.CancelAll(); };
     conn.OnShutdown(cancel);
     absl::Cleanup forget = [&conn] { conn.OnShutdown(nullptr); };
     HangupWatch watch(conn.fd(), cancel);
-    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
-        stub_->Generate(&context, request);
-    v1::GenerateResponse m;
-    auto ours = [n](const v1::GenerateResponse& r) { return r.index() >= 0 && r.index() < n; };
-    auto failure = [&](const grpc::Status& st) { return FromGrpc(st, context); };
-    if (!parsed.stream) {
-      while (reader->Read(&m)) {
-        if (ours(m)) builder.Add(m.index(), m);
+    // The first failure answers for the request; the other calls are cancelled.
+    std::optional<ApiError> failed;
+    GenerateCalls::Event e;
+    // The choice of a message of ours (its call's prompt x n + its index), or -1.
+    auto choice = [n](const GenerateCalls::Event& e) {
+      const int index = e.message.index();
+      return e.end || index < 0 || index >= n ? -1 : e.call * n + index;
+    };
+    auto ended = [&](const GenerateCalls::Event& e) {
+      if (e.end && !e.status.ok() && !failed) {
+        failed = FromGrpc(e.status, calls.context(e.call));
+        calls.CancelAll();
       }
-      const grpc::Status st = reader->Finish();
+    };
+    if (!parsed.stream) {
+      while (calls.Next(e)) {
+        if (const int c = choice(e); c >= 0) builder.Add(c, e.message);
+        ended(e);
+      }
       if (watch.gone()) return false;
-      if (!st.ok()) return WriteError(conn, req.version(), failure(st), keep);
+      if (failed) return WriteError(conn, req.version(), *failed, keep);
       return WriteJson(conn, req.version(), 200, builder.Whole(), keep);
     }
-    // Stream: a request the server refuses is an HTTP error, not an event stream, so the first
-    // message (or the failure) comes before the header.
-    const bool any = reader->Read(&m);
-    if (!any) {
-      const grpc::Status st = reader->Finish();
-      if (!st.ok()) {
-        if (watch.gone()) return false;
-        return WriteError(conn, req.version(), failure(st), keep);
+    // Stream: a request the server refuses is an HTTP error (a 429 a client retries), not an
+    // event stream, so the header waits until every call has sent its first message or ended.
+    std::vector<GenerateCalls::Event> early;
+    std::vector<bool> answered(static_cast<size_t>(prompts), false);
+    for (int waiting = prompts; waiting > 0 && !failed && calls.Next(e);) {
+      ended(e);
+      if (!answered[static_cast<size_t>(e.call)]) {
+        answered[static_cast<size_t>(e.call)] = true;
+        --waiting;
       }
+      early.push_back(std::move(e));
+    }
+    if (failed) {
+      if (watch.gone()) return false;
+      return WriteError(conn, req.version(), *failed, keep);
     }
     HttpStreamHead head{http::status::ok, req.version()};
     head.set(http::field::content_type, "text/event-stream");
@@ -394,16 +416,16 @@ class HttpFrontDoor::Impl {
       written = conn.WriteChunk(absl::StrCat("data: ", data, "\n\n"));
       if (!written) cancel();  // the client is gone: stop generating for it
     };
-    grpc::Status st;
-    if (any) {
-      do {
-        if (!ours(m)) continue;
-        for (const std::string& chunk : builder.Chunks(m.index(), m)) event(chunk);
-      } while (reader->Read(&m));
-      st = reader->Finish();
-    }
-    if (!st.ok()) {
-      event(ErrorJson(failure(st)));
+    auto send = [&](const GenerateCalls::Event& e) {
+      if (const int c = choice(e); c >= 0 && !failed) {
+        for (const std::string& chunk : builder.Chunks(c, e.message)) event(chunk);
+      }
+      ended(e);
+    };
+    for (const GenerateCalls::Event& x : early) send(x);
+    while (calls.Next(e)) send(e);
+    if (failed) {
+      event(ErrorJson(*failed));
     } else if (parsed.include_usage) {
       event(builder.UsageChunk());
     }

@@ -100,34 +100,47 @@ bool ParseTokenIds(const json& v, v1::TokenIds& ids) {
   return true;
 }
 
-bool ParsePrompt(Reader& r, v1::GenerateRequest& req) {
-  const json* prompt = r.Get("prompt");
-  if (prompt == nullptr) return r.Fail("prompt", "`prompt` is required");
-  if (prompt->is_string()) {
-    req.set_text(prompt->get<std::string>());
+// One prompt: a string or a list of token ids; false when `v` is neither.
+bool ParseOnePrompt(const json& v, v1::GenerateRequest& req) {
+  if (v.is_string()) {
+    req.set_text(v.get<std::string>());
     return true;
   }
-  if (!prompt->is_array() || prompt->empty()) {
-    return r.Fail("prompt", "`prompt` must be a string, a list of token ids, or a list of one");
-  }
+  return v.is_array() && !v.empty() && ParseTokenIds(v, *req.mutable_token_ids());
+}
+
+bool ParsePrompt(Reader& r, ParsedRequest& out) {
+  const json* prompt = r.Get("prompt");
+  if (prompt == nullptr) return r.Fail("prompt", "`prompt` is required");
+  constexpr const char* kShapes =
+      "`prompt` must be a string, a list of token ids, or a list of either (a batch of prompts)";
+  if (prompt->is_string()) return ParseOnePrompt(*prompt, out.request);
+  if (!prompt->is_array() || prompt->empty()) return r.Fail("prompt", kShapes);
   if ((*prompt)[0].is_number()) {
-    if (!ParseTokenIds(*prompt, *req.mutable_token_ids())) {
+    if (!ParseOnePrompt(*prompt, out.request)) {
       return r.Fail("prompt", "`prompt` token ids must be integers in [0, 2^31)");
     }
     return true;
   }
-  if (prompt->size() > 1) {
-    return r.Fail("prompt",
-                  "one prompt per request: this server does not batch prompts in one request "
-                  "(send one request per prompt)");
+  if (prompt->size() > static_cast<size_t>(kMaxPrompts)) {
+    return r.Fail("prompt", absl::StrCat("a request lists at most ", kMaxPrompts, " prompts, not ",
+                                         prompt->size(), " (send several requests)"));
   }
-  const json& one = (*prompt)[0];
-  if (one.is_string()) {
-    req.set_text(one.get<std::string>());
-    return true;
+  std::vector<v1::GenerateRequest> batch(prompt->size());
+  for (size_t i = 0; i < prompt->size(); ++i) {
+    if (!ParseOnePrompt((*prompt)[i], batch[i])) {
+      return r.Fail("prompt", absl::StrCat("`prompt[", i,
+                                           "]` must be a string or a non-empty list of token ids "
+                                           "(integers in [0, 2^31))"));
+    }
   }
-  if (one.is_array() && ParseTokenIds(one, *req.mutable_token_ids())) return true;
-  return r.Fail("prompt", "`prompt` must be a string, a list of token ids, or a list of one");
+  if (batch.size() == 1) {
+    out.request = std::move(batch[0]);
+  } else {
+    out.request = batch[0];
+    out.batch = std::move(batch);
+  }
+  return true;
 }
 
 bool ParseMessages(Reader& r, v1::GenerateRequest& req) {
@@ -288,7 +301,7 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
     return false;
   }
   if (endpoint == Endpoint::kCompletions) {
-    if (!ParsePrompt(r, req)) return false;
+    if (!ParsePrompt(r, out)) return false;
     std::optional<int64_t> logprobs;
     std::optional<bool> echo;
     if (!r.Integer("logprobs", 0, kMaxLogprobs, logprobs) || !r.Bool("echo", echo)) return false;
@@ -327,6 +340,10 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
   if (out.prompt_only && out.n > 1) {
     return r.Fail("n", "`max_tokens: 0` returns the prompt once: it needs `n` 1");
   }
+  if (out.prompts() * out.n > kMaxChoices) {
+    return r.Fail("n", absl::StrCat("a request asks for at most ", kMaxChoices,
+                                    " choices (prompts x n), not ", out.prompts() * out.n));
+  }
   if (out.top_logprobs >= 0) req.mutable_sampling()->set_logprobs(out.top_logprobs);
   if (out.echo && out.top_logprobs >= 0) {
     // The prompt's entries are its prompt logprobs, which come with the first sample only.
@@ -338,6 +355,18 @@ bool ParseRequest(Endpoint endpoint, absl::string_view body, ParsedRequest& out,
     req.mutable_sampling()->set_prompt_logprobs(out.top_logprobs);
   }
   return true;
+}
+
+v1::GenerateRequest ParsedRequest::Request(int prompt) const {
+  if (batch.empty()) return request;
+  v1::GenerateRequest out = request;
+  const v1::GenerateRequest& input = batch.at(static_cast<size_t>(prompt));
+  if (input.has_token_ids()) {
+    *out.mutable_token_ids() = input.token_ids();
+  } else {
+    out.set_text(input.text());
+  }
+  return out;
 }
 
 bool ParseTokenizeRequest(absl::string_view body, bool detokenize, TokenizeCall& out,

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include "frontend/request_validation.h"  // kMaxSamples (n), kMaxLogprobs
@@ -34,7 +35,21 @@ struct ParsedRequest {
   // Completions' `max_tokens: 0` with `echo`: the prompt alone (its text, and with `logprobs`
   // its entries), no completion tokens (the gRPC request's max_new_tokens 0).
   bool prompt_only = false;
+  // Completions' `prompt` as a list of several prompts (OpenAI's batch): each one's input alone
+  // (its text or token ids), in order; `request` carries the first's input and every other field.
+  // Each prompt is its own call of the gRPC API; its choices are prompt x n + i, OpenAI's order.
+  // Empty for one prompt.
+  std::vector<v1::GenerateRequest> batch;
+
+  int prompts() const { return batch.empty() ? 1 : static_cast<int>(batch.size()); }
+  // `request` with the input of prompt `prompt` (< prompts()).
+  v1::GenerateRequest Request(int prompt) const;
 };
+
+// The most prompts one completions request may list, and the most choices (prompts x n) it may
+// ask for: each prompt is a stream of the server's, read on a thread of the front door's.
+inline constexpr int kMaxPrompts = 128;
+inline constexpr int kMaxChoices = 256;
 
 // Parses `body` as a request of `endpoint`. False with `error` (400, naming the field) when it is
 // not one, or asks for something this server does not do.

@@ -26,15 +26,21 @@ std::string DetokenizeJson(const v1::TokenizeResponse& response) {
 }
 
 ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id, int64_t created,
-                                 std::string model, int top_logprobs, TokenText token_text, int n)
+                                 std::string model, int top_logprobs, TokenText token_text, int n,
+                                 int prompts)
     : endpoint_(endpoint),
       id_(std::move(id)),
       created_(created),
       model_(std::move(model)),
       top_logprobs_(top_logprobs),
       token_text_(std::move(token_text)),
-      choices_(static_cast<size_t>(std::max(n, 1))) {
-  for (Choice& c : choices_) c.logprobs = EmptyLogprobs();
+      n_(std::max(n, 1)),
+      choices_(static_cast<size_t>(n_) * static_cast<size_t>(std::max(prompts, 1))),
+      echoes_(static_cast<size_t>(std::max(prompts, 1))) {
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    choices_[i].prompt = static_cast<int>(i / static_cast<size_t>(n_));
+    choices_[i].logprobs = EmptyLogprobs();
+  }
 }
 
 json ResponseBuilder::EmptyLogprobs() const {
@@ -94,8 +100,11 @@ json ResponseBuilder::Object(const char* object) const {
 }
 
 json ResponseBuilder::UsageJson() const {
-  const v1::Usage& first = choices_[0].usage;
-  const int64_t prompt = first.prompt_tokens();
+  int64_t prompt = 0, cached = 0;
+  for (size_t i = 0; i < choices_.size(); i += static_cast<size_t>(n_)) {
+    prompt += choices_[i].usage.prompt_tokens();
+    cached += choices_[i].usage.cached_tokens();
+  }
   int64_t completion = 0;
   if (!prompt_only_) {
     for (const Choice& c : choices_) completion += c.usage.generated_tokens();
@@ -103,7 +112,7 @@ json ResponseBuilder::UsageJson() const {
   return json{{"prompt_tokens", prompt},
               {"completion_tokens", completion},
               {"total_tokens", prompt + completion},
-              {"prompt_tokens_details", {{"cached_tokens", first.cached_tokens()}}}};
+              {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
 namespace {
@@ -148,11 +157,12 @@ void ResponseBuilder::AddLogprobs(Choice& choice, const v1::GenerateResponse& re
 }
 
 void ResponseBuilder::Echo(std::string prompt_text, std::vector<std::string> prompt_pieces,
-                           bool show_prompt_logprobs, bool prompt_only) {
+                           bool show_prompt_logprobs, bool prompt_only, int prompt) {
   echo_ = true;
   prompt_only_ = prompt_only;
-  echo_text_ = std::move(prompt_text);
-  echo_pieces_ = std::move(prompt_pieces);
+  Echoed& e = echoes_.at(static_cast<size_t>(prompt));
+  e.text = std::move(prompt_text);
+  e.pieces = std::move(prompt_pieces);
   show_prompt_logprobs_ = show_prompt_logprobs;
 }
 
@@ -160,16 +170,16 @@ std::string ResponseBuilder::EchoPrompt(Choice& choice, const v1::GenerateRespon
                                         json* logprobs) {
   if (!echo_ || choice.echoed) return Generated(response);
   choice.echoed = true;
+  const Echoed& e = echoes_[static_cast<size_t>(choice.prompt)];
   if (logprobs != nullptr) {
     json& into = *logprobs;
     // The prompt tokens' texts are their pieces (each as it adds to the decoded prompt, so that
     // they join to it); their offsets end where the prompt's text ends (a BOS the model adds,
     // whose text the prompt has not, starts before it: clamped to 0).
-    const bool pieces =
-        echo_pieces_.size() == static_cast<size_t>(response.prompt_logprobs_size()) + 1;
+    const bool pieces = e.pieces.size() == static_cast<size_t>(response.prompt_logprobs_size()) + 1;
     int64_t joined = 0;
-    for (const std::string& p : echo_pieces_) joined += static_cast<int64_t>(p.size());
-    int64_t offset = pieces ? static_cast<int64_t>(echo_text_.size()) - joined : 0;
+    for (const std::string& p : e.pieces) joined += static_cast<int64_t>(p.size());
+    int64_t offset = pieces ? static_cast<int64_t>(e.text.size()) - joined : 0;
     auto add = [&](const std::string& token, json logprob, json top) {
       into["tokens"].push_back(token);
       into["token_logprobs"].push_back(std::move(logprob));
@@ -177,17 +187,17 @@ std::string ResponseBuilder::EchoPrompt(Choice& choice, const v1::GenerateRespon
       into["text_offset"].push_back(std::max<int64_t>(offset, 0));
       offset += static_cast<int64_t>(token.size());
     };
-    add(echo_pieces_.empty() ? std::string() : echo_pieces_[0], nullptr, nullptr);
+    add(e.pieces.empty() ? std::string() : e.pieces[0], nullptr, nullptr);
     for (int j = 0; j < response.prompt_logprobs_size(); ++j) {
       const v1::Logprobs& lp = response.prompt_logprobs(j);
       json top = json::object();
       // Two alternatives can decode to the same text: the more likely (first) one keeps it.
       for (const v1::TokenLogprob& t : lp.top()) top.emplace(Text(t, t.token_id()), t.logprob());
-      add(pieces ? echo_pieces_[j + 1] : Text(lp, lp.token_id()), lp.logprob(), std::move(top));
+      add(pieces ? e.pieces[j + 1] : Text(lp, lp.token_id()), lp.logprob(), std::move(top));
     }
-    choice.text_offset = static_cast<int64_t>(echo_text_.size());
+    choice.text_offset = static_cast<int64_t>(e.text.size());
   }
-  return echo_text_ + Generated(response);
+  return e.text + Generated(response);
 }
 
 json ResponseBuilder::PromptLogprobs(const v1::GenerateResponse& response) {

@@ -25,13 +25,13 @@ std::string DetokenizeJson(const v1::TokenizeResponse& response);
 // without it (a worker without a tokenizer; workers send it in Logprobs.token).
 using TokenText = std::function<std::string(int32_t)>;
 
-// Turns one request's GenerateResponses into OpenAI's objects: `n` choices, each fed by its own
-// stream of GenerateResponses. Calls for different choices may come from different threads;
-// UsageChunk and Whole only after every choice's last message.
+// Turns one request's GenerateResponses into OpenAI's objects: `n` choices of each of `prompts`
+// prompts (choice prompt x n + i), each fed by its own stream of GenerateResponses. Not
+// thread-safe; UsageChunk and Whole only after every choice's last message.
 class ResponseBuilder {
  public:
   ResponseBuilder(Endpoint endpoint, std::string id, int64_t created, std::string model,
-                  int top_logprobs, TokenText token_text, int n = 1);
+                  int top_logprobs, TokenText token_text, int n = 1, int prompts = 1);
 
   // Stream: the server-sent event payloads (JSON) for one GenerateResponse of choice `index`, in
   // order (chat's first chunk of a choice carries the assistant role). The last message's
@@ -42,14 +42,15 @@ class ResponseBuilder {
   }
   // Stream with include_usage: the last chunk (no choices, the usage of all of them).
   std::string UsageChunk() const;
-  // Completions' echo: each choice's text starts with `prompt_text`; with logprobs its entries
-  // start with the prompt's tokens, `prompt_pieces` their texts as they join to the decoded
-  // prompt (Tokenize's pieces; the first has no logprob, the others' are the first message's
-  // prompt_logprobs). vLLM's `prompt_logprobs` field is then sent only when
-  // `show_prompt_logprobs`. `prompt_only` (ParsedRequest::prompt_only): the generated text and
-  // entries are left out, the finish reason is "length" and usage counts no completion tokens.
+  // Completions' echo, called for each prompt: the text of its choices starts with
+  // `prompt_text`; with logprobs their entries start with the prompt's tokens, `prompt_pieces`
+  // their texts as they join to the decoded prompt (Tokenize's pieces; the first has no logprob,
+  // the others' are the first message's prompt_logprobs). vLLM's `prompt_logprobs` field is then
+  // sent only when `show_prompt_logprobs`. `prompt_only` (ParsedRequest::prompt_only): the
+  // generated text and entries are left out, the finish reason is "length" and usage counts no
+  // completion tokens.
   void Echo(std::string prompt_text, std::vector<std::string> prompt_pieces,
-            bool show_prompt_logprobs, bool prompt_only = false);
+            bool show_prompt_logprobs, bool prompt_only = false, int prompt = 0);
   // Whole: after every message was given to Add, the one response object.
   void Add(int index, const v1::GenerateResponse& response);
   void Add(const v1::GenerateResponse& response) { Add(0, response); }
@@ -57,6 +58,7 @@ class ResponseBuilder {
 
  private:
   struct Choice {
+    int prompt = 0;  // the index of its prompt
     bool role_sent = false;
     nlohmann::json prompt_logprobs;  // whole: vLLM's list, null until the first message
     int64_t text_offset = 0;         // completions' logprobs.text_offset of the next token
@@ -86,7 +88,7 @@ class ResponseBuilder {
   std::string Text(const Entry& entry, int32_t id) const {
     return entry.has_token() ? entry.token() : token_text_(id);
   }
-  // Prompt tokens once (every choice has the same prompt), generated tokens of all choices.
+  // Each prompt's tokens once (its n choices share it), generated tokens of all choices.
   nlohmann::json UsageJson() const;
   static const char* FinishReason(v1::FinishReason reason);
   // The finish reason to send for `response` (null: not finished), and its generated text.
@@ -99,10 +101,14 @@ class ResponseBuilder {
   std::string model_;
   int top_logprobs_;
   TokenText token_text_;
+  int n_;
   std::vector<Choice> choices_;
   bool echo_ = false;
-  std::string echo_text_;
-  std::vector<std::string> echo_pieces_;
+  struct Echoed {
+    std::string text;
+    std::vector<std::string> pieces;
+  };
+  std::vector<Echoed> echoes_;  // by prompt
   bool show_prompt_logprobs_ = true;
   bool prompt_only_ = false;
 };

@@ -52,11 +52,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!IsJson(infinigen::openai::ErrorJson(error))) __builtin_trap();
     return 0;
   }
-  const infinigen::v1::GenerateRequest& r = parsed.request;
-  if (r.input_case() == infinigen::v1::GenerateRequest::INPUT_NOT_SET) __builtin_trap();
   if (parsed.top_logprobs > 20) __builtin_trap();
-  std::string bytes;
-  if (!r.SerializeToString(&bytes)) __builtin_trap();  // strings from JSON are valid UTF-8
+  // Every prompt of a batch is a request with an input that serializes.
+  if (parsed.prompts() < 1 || parsed.prompts() > infinigen::openai::kMaxPrompts ||
+      parsed.prompts() * parsed.n > infinigen::openai::kMaxChoices) {
+    __builtin_trap();
+  }
+  for (int p = 0; p < parsed.prompts(); ++p) {
+    const infinigen::v1::GenerateRequest r = parsed.Request(p);
+    if (r.input_case() == infinigen::v1::GenerateRequest::INPUT_NOT_SET) __builtin_trap();
+    std::string bytes;
+    if (!r.SerializeToString(&bytes)) __builtin_trap();  // strings from JSON are valid UTF-8
+  }
 
   // Responses whose texts are raw bytes of the input.
   auto cut = [&](size_t at, size_t n) { return body.substr(std::min(at, body.size()), n); };

@@ -432,6 +432,18 @@ def check_api(openai, client, base, model):
     assert s.logprobs.token_logprobs[1:] == elp.token_logprobs[1:-1], s.logprobs
     assert scored.usage.completion_tokens == 0, scored.usage
     assert scored.usage.prompt_tokens == echoed.usage.prompt_tokens, scored.usage
+    # lm-eval batches its loglikelihood requests: a list of prompts, a choice each, in order,
+    # each as if it came alone.
+    other = "Paris is the capital of"
+    batch = client.completions.create(model=model, prompt=[other, prompt], max_tokens=0,
+                                      temperature=0, logprobs=1, echo=True)
+    assert [c.index for c in batch.choices] == [0, 1], batch
+    assert batch.choices[0].text == other, batch.choices[0]
+    assert batch.choices[1].logprobs.tokens == s.logprobs.tokens, batch.choices[1]
+    assert batch.choices[1].logprobs.token_logprobs[1:] == s.logprobs.token_logprobs[1:]
+    alone = client.completions.create(model=model, prompt=other, max_tokens=0, echo=True)
+    assert batch.usage.prompt_tokens == (alone.usage.prompt_tokens
+                                         + scored.usage.prompt_tokens), batch.usage
     # `max_tokens: 0` is the gRPC API's prompt-only request (no token sampled, so a prompt
     # that fills the whole context is served: tests/integration/batch_engine_test.cc, 8192
     # tokens here would take a minute); one token more than the context is a 400.

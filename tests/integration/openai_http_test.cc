@@ -538,6 +538,80 @@ TEST_F(OpenAiHttp, NChoicesEqualGrpcRequestsWithConsecutiveSeeds) {
   EXPECT_EQ(events[events.size() - 2]["usage"]["completion_tokens"], 24);
 }
 
+// OpenAI's batch of prompts: each choice equals the gRPC API's answer to its prompt alone (prompt
+// p's choice i drawn with seed + i), whole and streamed; usage counts every prompt once. A batch
+// with a prompt the server refuses is refused whole, streamed or not, and the server goes on.
+TEST_F(OpenAiHttp, ABatchOfPromptsEqualsOneRequestPerPrompt) {
+  Start();
+  const std::vector<std::vector<int32_t>> prompts = {
+      {3, 1, 4, 1, 5}, {2, 7, 1}, {8, 8, 2, 6, 4, 3}};
+  std::vector<std::vector<float>> want;  // by choice: prompt x 2 + i
+  for (const std::vector<int32_t>& prompt : prompts) {
+    for (uint64_t seed : {40, 41}) {
+      v1::GenerateRequest g;
+      testing::FillTokenRequest(g, prompt, 6, 1.0f, seed);
+      g.mutable_sampling()->set_logprobs(0);
+      want.push_back(Grpc(grpc_port_, g).logprobs);
+      ASSERT_EQ(want.back().size(), 6u);
+    }
+  }
+  ASSERT_NE(want[0], want[2]) << "different prompts should sample differently";
+  const json request = {{"prompt", prompts},
+                        {"max_tokens", 6},
+                        {"temperature", 1.0},
+                        {"top_k", 30},
+                        {"ignore_eos", true},
+                        {"seed", 40},
+                        {"n", 2},
+                        {"logprobs", 0}};
+  const Reply whole = Post(http_port_, "/v1/completions", request);
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  const json w = whole.Json();
+  ASSERT_EQ(w["choices"].size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(w["choices"][i]["index"], i);
+    EXPECT_EQ(w["choices"][i]["logprobs"]["token_logprobs"].get<std::vector<float>>(), want[i])
+        << "choice " << i;
+  }
+  EXPECT_EQ(w["usage"]["prompt_tokens"], 14);
+  EXPECT_EQ(w["usage"]["completion_tokens"], 36);
+
+  json streamed = request;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  const Reply s = Post(http_port_, "/v1/completions", streamed);
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::vector<std::vector<float>> got(6);
+  const std::vector<json> events = Events(s.body);
+  for (const json& e : events) {
+    if (!e.is_object() || e["choices"].empty()) continue;
+    EXPECT_EQ(e["id"], events[0]["id"]);
+    const json& c = e["choices"][0];
+    if (c["logprobs"].is_object()) {
+      for (const json& lp : c["logprobs"]["token_logprobs"]) {
+        got.at(c["index"].get<size_t>()).push_back(lp.get<float>());
+      }
+    }
+  }
+  EXPECT_EQ(got, want);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events[events.size() - 2]["usage"]["prompt_tokens"], 14);
+  EXPECT_EQ(events[events.size() - 2]["usage"]["completion_tokens"], 36);
+
+  // The second prompt has a token id outside the vocabulary: the gRPC API refuses it.
+  for (bool stream : {false, true}) {
+    const Reply bad =
+        Post(http_port_, "/v1/completions",
+             {{"prompt", {{1, 2}, {1, 999999}, {3}}}, {"max_tokens", 4}, {"stream", stream}});
+    EXPECT_EQ(bad.status, 400) << bad.body;
+    EXPECT_TRUE(bad.Json().contains("error")) << bad.body;
+  }
+  EXPECT_EQ(Post(http_port_, "/v1/completions", {{"prompt", {{1, 2}, {3}}}, {"max_tokens", 2}})
+                .Json()["choices"]
+                .size(),
+            2u);
+}
+
 TEST_F(OpenAiHttp, ModelsHealthAndErrorsInOpenAisShape) {
   Start();
   const Reply health = Call(http_port_, http::verb::get, "/health", "");

@@ -2,9 +2,6 @@
 // one the worker sent with it (Logprobs.token, TokenLogprob.token), and only an entry without one
 // asks the TokenText callback (a worker without a tokenizer); completions' text_offset counts the
 // texts' bytes, chat's `bytes` lists them.
-#include "openai/request_json.h"
-#include "openai/response_json.h"
-
 #include <gtest/gtest.h>
 
 #include <tuple>
@@ -12,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "openai/request_json.h"
+#include "openai/response_json.h"
 
 namespace infinigen::openai {
 namespace {
@@ -407,6 +406,86 @@ TEST(OpenAiJson, TokenizeAnswersSurviveHalfCharacters) {
         << field;
     EXPECT_NE(std::string(field).find(refused.param), std::string::npos) << refused.param;
   }
+}
+
+// OpenAI's batch of prompts: a list of strings or of token-id lists, each its own request with the
+// shared fields; a single list of ids stays one prompt; the limits name their field.
+TEST(OpenAiJson, APromptListIsABatchOfRequestsWithTheSameFields) {
+  ParsedRequest texts;
+  ApiError error;
+  ASSERT_TRUE(ParseRequest(Endpoint::kCompletions,
+                           R"({"prompt": ["a", [5, 6], "c"], "max_tokens": 3, "n": 2, "seed": 9})",
+                           texts, error))
+      << error.message;
+  ASSERT_EQ(texts.prompts(), 3);
+  EXPECT_EQ(texts.Request(0).text(), "a");
+  EXPECT_EQ(texts.Request(1).token_ids().ids_size(), 2);
+  EXPECT_FALSE(texts.Request(1).has_text());
+  EXPECT_EQ(texts.Request(2).text(), "c");
+  for (int p = 0; p < 3; ++p) {
+    EXPECT_EQ(texts.Request(p).stopping().max_new_tokens(), 3) << p;
+    EXPECT_EQ(texts.Request(p).sampling().seed(), 9u) << p;
+  }
+  EXPECT_EQ(texts.n, 2);
+  for (const char* one : {R"({"prompt": [5, 6]})", R"({"prompt": [[5, 6]]})", R"({"prompt": "a"})",
+                          R"({"prompt": ["a"]})"}) {
+    ParsedRequest parsed;
+    ASSERT_TRUE(ParseRequest(Endpoint::kCompletions, one, parsed, error)) << one;
+    EXPECT_EQ(parsed.prompts(), 1) << one;
+    EXPECT_TRUE(parsed.batch.empty()) << one;
+  }
+  const std::string many = json{{"prompt", std::vector<std::string>(kMaxPrompts + 1, "x")}}.dump();
+  const std::string wide =
+      json{{"prompt", std::vector<std::string>(kMaxChoices / 16 + 1, "x")}, {"n", 16}}.dump();
+  for (const auto& [body, param] :
+       std::vector<std::pair<std::string, std::string>>{{R"({"prompt": ["a", []]})", "prompt"},
+                                                        {R"({"prompt": ["a", 5]})", "prompt"},
+                                                        {R"({"prompt": ["a", [-1]]})", "prompt"},
+                                                        {R"({"prompt": []})", "prompt"},
+                                                        {many, "prompt"},
+                                                        {wide, "n"}}) {
+    ParsedRequest parsed;
+    ApiError e;
+    EXPECT_FALSE(ParseRequest(Endpoint::kCompletions, body, parsed, e)) << body.substr(0, 60);
+    EXPECT_EQ(e.param, param) << body.substr(0, 60);
+    EXPECT_EQ(e.http_status, 400);
+  }
+  ParsedRequest at_limit;
+  EXPECT_TRUE(ParseRequest(
+      Endpoint::kCompletions,
+      json{{"prompt", std::vector<std::string>(kMaxChoices / 16, "x")}, {"n", 16}}.dump(), at_limit,
+      error))
+      << error.message;
+}
+
+// The choices of a batch are prompt x n + i; usage counts each prompt's tokens once (its n
+// choices share them) and every choice's generated tokens; echo prefixes each prompt's own text.
+TEST(OpenAiJson, ABatchsChoicesUsageAndEchoAreEachPromptsOwn) {
+  ResponseBuilder b(
+      Endpoint::kCompletions, "cmpl-b", 0, "m", -1, [](int32_t) { return std::string("?"); },
+      /*n=*/2, /*prompts=*/2);
+  b.Echo("first", {}, false, false, 0);
+  b.Echo("second", {}, false, false, 1);
+  for (int c = 0; c < 4; ++c) {
+    v1::GenerateResponse r;
+    r.set_text(absl::StrCat(" t", c));
+    r.set_finish_reason(v1::FINISH_REASON_LENGTH);
+    r.mutable_usage()->set_prompt_tokens(c < 2 ? 5 : 7);
+    r.mutable_usage()->set_cached_tokens(c < 2 ? 1 : 2);
+    r.mutable_usage()->set_generated_tokens(c + 1);
+    b.Add(c, r);
+  }
+  const json whole = json::parse(b.Whole());
+  ASSERT_EQ(whole["choices"].size(), 4u);
+  EXPECT_EQ(whole["choices"][0]["text"], "first t0");
+  EXPECT_EQ(whole["choices"][1]["text"], "first t1");
+  EXPECT_EQ(whole["choices"][2]["text"], "second t2");
+  EXPECT_EQ(whole["choices"][3]["text"], "second t3");
+  EXPECT_EQ(whole["choices"][3]["index"], 3);
+  EXPECT_EQ(whole["usage"]["prompt_tokens"], 12);
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 10);
+  EXPECT_EQ(whole["usage"]["total_tokens"], 22);
+  EXPECT_EQ(whole["usage"]["prompt_tokens_details"]["cached_tokens"], 3);
 }
 
 }  // namespace
