@@ -13,12 +13,17 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
                     uint64_t position, SamplingScratch& scratch) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
   if (params.repetition_penalty != 1.0f && !history.empty()) {
-    scratch.seen.assign(vocab, 0);
+    // Once per distinct token; the marks go back to zero after (the history is shorter than
+    // the vocabulary to clear, mostly).
+    if (scratch.seen.size() < static_cast<size_t>(vocab)) scratch.seen.assign(vocab, 0);
     for (int32_t id : history) {
       if (id < 0 || id >= vocab || scratch.seen[id]) continue;
       scratch.seen[id] = 1;
       float& l = logits[id];
       l = l > 0.0f ? l / params.repetition_penalty : l * params.repetition_penalty;
+    }
+    for (int32_t id : history) {
+      if (id >= 0 && id < vocab) scratch.seen[id] = 0;
     }
   }
   if (params.penalizes_output() && !output.empty()) {

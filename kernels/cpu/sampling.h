@@ -15,7 +15,7 @@ namespace infinigen {
 // Reusable buffers so that sampling allocates nothing in steady state.
 struct SamplingScratch {
   std::vector<std::pair<float, int32_t>> candidates;
-  std::vector<uint8_t> seen;
+  std::vector<uint8_t> seen;    // all zero between calls
   std::vector<int32_t> counts;  // all zero between calls
 };
 

@@ -119,6 +119,16 @@ TEST(Sampling, RepetitionPenaltyDividesPositiveAndMultipliesNegativeLogits) {
   // Negative logits of seen tokens get more negative: -0.5 * 2 = -1 < -0.8.
   EXPECT_EQ(Sample({-0.5f, -0.8f}, p, 0, {0}), 1);
   EXPECT_EQ(Sample({-0.5f, -0.8f}, p, 0, {}), 0);
+  // One scratch for a sequence of calls, as a worker keeps it: each call penalizes its own
+  // history only (the marks of the one before are gone).
+  SamplingScratch scratch;
+  std::vector<float> logits = {3.0f, 2.0f, -1.0f};
+  const std::vector<int32_t> first = {0, 2, 0};
+  EXPECT_EQ(SampleToken(logits, p, first, {}, 0, scratch), 1);
+  logits = {3.0f, 2.0f, -1.0f};
+  const std::vector<int32_t> second = {2, 0};
+  EXPECT_EQ(SampleToken(logits, p, second, {}, 0, scratch), 1);
+  EXPECT_EQ(logits, (std::vector<float>{1.5f, 2.0f, -2.0f}));
 }
 
 // OpenAI's formula, written out: logit - frequency x count - presence x (count > 0), counting the
