@@ -126,6 +126,21 @@ std::vector<json> Events(const std::string& body) {
   return out;
 }
 
+// The token logprobs of each choice (by `index`) of a completions event stream, in order.
+std::vector<std::vector<float>> StreamedLogprobs(const std::vector<json>& events, size_t choices) {
+  std::vector<std::vector<float>> out(choices);
+  for (const json& e : events) {
+    if (!e.is_object() || e["choices"].empty()) continue;
+    const json& c = e["choices"][0];
+    if (c["logprobs"].is_object()) {
+      for (const json& lp : c["logprobs"]["token_logprobs"]) {
+        out.at(c["index"].get<size_t>()).push_back(lp.get<float>());
+      }
+    }
+  }
+  return out;
+}
+
 struct GrpcResult {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
@@ -522,18 +537,8 @@ TEST_F(OpenAiHttp, NChoicesEqualGrpcRequestsWithConsecutiveSeeds) {
   streamed["stream_options"] = {{"include_usage", true}};
   const Reply s = Post(http_port_, "/v1/completions", streamed);
   ASSERT_EQ(s.status, 200) << s.body;
-  std::vector<std::vector<float>> got(3);
   const std::vector<json> events = Events(s.body);
-  for (const json& e : events) {
-    if (!e.is_object() || e["choices"].empty()) continue;
-    const json& c = e["choices"][0];
-    if (c["logprobs"].is_object()) {
-      for (const json& lp : c["logprobs"]["token_logprobs"]) {
-        got[c["index"].get<size_t>()].push_back(lp.get<float>());
-      }
-    }
-  }
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(StreamedLogprobs(events, 3), want);
   ASSERT_GE(events.size(), 2u);
   EXPECT_EQ(events[events.size() - 2]["usage"]["completion_tokens"], 24);
 }
@@ -581,19 +586,11 @@ TEST_F(OpenAiHttp, ABatchOfPromptsEqualsOneRequestPerPrompt) {
   streamed["stream_options"] = {{"include_usage", true}};
   const Reply s = Post(http_port_, "/v1/completions", streamed);
   ASSERT_EQ(s.status, 200) << s.body;
-  std::vector<std::vector<float>> got(6);
   const std::vector<json> events = Events(s.body);
   for (const json& e : events) {
-    if (!e.is_object() || e["choices"].empty()) continue;
-    EXPECT_EQ(e["id"], events[0]["id"]);
-    const json& c = e["choices"][0];
-    if (c["logprobs"].is_object()) {
-      for (const json& lp : c["logprobs"]["token_logprobs"]) {
-        got.at(c["index"].get<size_t>()).push_back(lp.get<float>());
-      }
-    }
+    if (e.is_object()) EXPECT_EQ(e["id"], events[0]["id"]);
   }
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(StreamedLogprobs(events, 6), want);
   ASSERT_GE(events.size(), 2u);
   EXPECT_EQ(events[events.size() - 2]["usage"]["prompt_tokens"], 14);
   EXPECT_EQ(events[events.size() - 2]["usage"]["completion_tokens"], 36);
