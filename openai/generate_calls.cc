@@ -4,58 +4,91 @@
 
 namespace infinigen::openai {
 
+// Reads one call's stream on gRPC's callback threads; deletes itself when the call ends.
+class GenerateCalls::Reader final : public grpc::ClientReadReactor<v1::GenerateResponse> {
+ public:
+  Reader(std::shared_ptr<State> state, int call) : state_(std::move(state)), call_(call) {}
+
+  void Start(v1::Generation::Stub& stub) {
+    Call& call = *state_->calls[call_];
+    stub.async()->Generate(&call.context, &call.request, this);
+    StartRead(&message_);
+    StartCall();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream ended: OnDone follows
+    Event event;
+    event.call = call_;
+    event.message = std::move(message_);
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->queue.push_back(std::move(event));
+    }
+    message_.Clear();
+    StartRead(&message_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    Event event;
+    event.call = call_;
+    event.end = true;
+    event.status = status;
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->queue.push_back(std::move(event));
+      --state_->running;
+    }
+    delete this;  // the last touch of the call; the state lives on while anyone holds it
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  const int call_;
+  v1::GenerateResponse message_;
+};
+
 GenerateCalls::GenerateCalls(v1::Generation::Stub& stub, std::vector<v1::GenerateRequest> requests,
-                             const std::function<void(grpc::ClientContext&)>& prepare) {
-  calls_.reserve(requests.size());
+                             const std::function<void(grpc::ClientContext&)>& prepare)
+    : state_(std::make_shared<State>()) {
+  state_->calls.reserve(requests.size());
   for (v1::GenerateRequest& r : requests) {
     auto call = std::make_unique<Call>();
     prepare(call->context);
     call->request = std::move(r);
-    calls_.push_back(std::move(call));
+    state_->calls.push_back(std::move(call));
   }
   {
-    absl::MutexLock lock(&mu_);
-    running_ = size();
+    absl::MutexLock lock(&state_->mu);
+    state_->running = size();
   }
-  for (int i = 0; i < size(); ++i) {
-    calls_[i]->thread = std::thread([this, &stub, i] { Read(stub, i); });
-  }
+  for (int i = 0; i < size(); ++i) (new Reader(state_, i))->Start(stub);
 }
 
 GenerateCalls::~GenerateCalls() {
   CancelAll();
-  for (auto& call : calls_) call->thread.join();
-}
-
-void GenerateCalls::Read(v1::Generation::Stub& stub, int i) {
-  Call& call = *calls_[i];
-  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
-      stub.Generate(&call.context, call.request);
-  Event event;
-  event.call = i;
-  while (reader->Read(&event.message)) {
-    absl::MutexLock lock(&mu_);
-    queue_.push_back(std::move(event));
-    event = Event();
-    event.call = i;
-  }
-  event.end = true;
-  event.status = reader->Finish();
-  absl::MutexLock lock(&mu_);
-  queue_.push_back(std::move(event));
-  --running_;
+  State& s = *state_;
+  absl::MutexLock lock(
+      &s.mu,
+      absl::Condition(
+          +[](State* st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) { return st->running == 0; }, &s));
 }
 
 bool GenerateCalls::Next(Event& out) {
-  absl::MutexLock lock(&mu_, absl::Condition(this, &GenerateCalls::Ready));
-  if (queue_.empty()) return false;
-  out = std::move(queue_.front());
-  queue_.pop_front();
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu, absl::Condition(
+                                  +[](State* st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) {
+                                    return !st->queue.empty() || st->running == 0;
+                                  },
+                                  &s));
+  if (s.queue.empty()) return false;
+  out = std::move(s.queue.front());
+  s.queue.pop_front();
   return true;
 }
 
 void GenerateCalls::CancelAll() {
-  for (auto& call : calls_) call->context.TryCancel();
+  for (auto& call : state_->calls) call->context.TryCancel();
 }
 
 }  // namespace infinigen::openai

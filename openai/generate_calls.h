@@ -1,13 +1,12 @@
 // The gRPC Generate calls of one HTTP request: one per prompt of a completions batch (one for
-// any other request), each read on a thread of its own into one queue, which the HTTP front
-// door takes in arrival order. Cancelling cancels them all; the destructor cancels what still
-// runs and waits for the threads.
+// any other request), read by gRPC's callback API (no thread of their own) into one queue, which
+// the HTTP front door takes in arrival order. Cancelling cancels them all; the destructor
+// cancels what still runs and waits until every call has ended.
 #pragma once
 
 #include <deque>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -17,7 +16,7 @@ namespace infinigen::openai {
 
 class GenerateCalls {
  public:
-  // What a call's thread read: one of its messages, or its end and status.
+  // What a call delivered: one of its messages, or its end and status.
   struct Event {
     int call = 0;  // the index of its request
     bool end = false;
@@ -26,7 +25,7 @@ class GenerateCalls {
   };
 
   // Starts `requests[i]` as call i on `stub`, each context prepared by `prepare` first (its
-  // metadata). `stub` outlives this.
+  // metadata).
   GenerateCalls(v1::Generation::Stub& stub, std::vector<v1::GenerateRequest> requests,
                 const std::function<void(grpc::ClientContext&)>& prepare);
   ~GenerateCalls();
@@ -38,23 +37,24 @@ class GenerateCalls {
   bool Next(Event& out);
   // Cancels every call (any thread).
   void CancelAll();
-  int size() const { return static_cast<int>(calls_.size()); }
+  int size() const { return static_cast<int>(state_->calls.size()); }
   // Call i's context (its trailing metadata once it ended).
-  const grpc::ClientContext& context(int call) const { return calls_[call]->context; }
+  const grpc::ClientContext& context(int call) const { return state_->calls[call]->context; }
 
  private:
+  class Reader;
   struct Call {
     grpc::ClientContext context;
     v1::GenerateRequest request;
-    std::thread thread;
   };
-  void Read(v1::Generation::Stub& stub, int call);
-  bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || running_ == 0; }
-
-  std::vector<std::unique_ptr<Call>> calls_;
-  absl::Mutex mu_;
-  std::deque<Event> queue_ ABSL_GUARDED_BY(mu_);
-  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  // Shared with the calls' readers, which outlive this object until their last callback.
+  struct State {
+    std::vector<std::unique_ptr<Call>> calls;
+    absl::Mutex mu;
+    std::deque<Event> queue ABSL_GUARDED_BY(mu);
+    int running ABSL_GUARDED_BY(mu) = 0;
+  };
+  std::shared_ptr<State> state_;
 };
 
 }  // namespace infinigen::openai
