@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
+#include "tests/support/health_check.h"
 #include "tests/support/process.h"
 
 namespace infinigen {
@@ -216,22 +217,8 @@ TEST(KvStoreProcess, HealthAnswersByServiceName) {
   const int port = FreePort();
   ServerProcess store("infinigen-kvstore", StoreArgs(port), port);
   ASSERT_TRUE(store.running());
-  auto health = grpc::health::v1::Health::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
-  for (const std::string name : {"", "infinigen.kvstore.v1.KvStore", "no.such.Service"}) {
-    grpc::ClientContext c;
-    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    grpc::health::v1::HealthCheckRequest request;
-    request.set_service(name);
-    grpc::health::v1::HealthCheckResponse response;
-    const grpc::Status st = health->Check(&c, request, &response);
-    if (name == "no.such.Service") {
-      EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
-    } else {
-      ASSERT_TRUE(st.ok()) << "'" << name << "': " << st.error_message();
-      EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << name;
-    }
-  }
+  testing::ExpectHealthByServiceName("127.0.0.1:" + std::to_string(port),
+                                     "infinigen.kvstore.v1.KvStore");
 }
 
 TEST(KvStoreProcess, SigtermDrainsAndExitsCleanly) {

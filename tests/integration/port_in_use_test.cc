@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/support/health_check.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
 
@@ -55,13 +56,7 @@ TEST(PortInUse, EveryServiceRefusesAPortAnotherServerHolds) {
         << command << ": " << r.output;
   }
   // The holder still answers.
-  auto health = grpc::health::v1::Health::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext c;
-  c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::health::v1::HealthCheckResponse response;
-  ASSERT_TRUE(health->Check(&c, grpc::health::v1::HealthCheckRequest(), &response).ok());
-  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(testing::CheckHealth(address), grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
 }  // namespace

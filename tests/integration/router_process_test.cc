@@ -28,6 +28,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/support/certificates.h"
 #include "tests/support/fixture_model.h"
+#include "tests/support/health_check.h"
 #include "tests/support/http_get.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
@@ -291,22 +292,7 @@ TEST_F(RouterProcess, UnseededRequestsDrawASeedAndReportIt) {
 // grpc.health.v1 on the router by the public service's name and "" (SERVING), an unknown
 // name NOT_FOUND.
 TEST_F(RouterProcess, HealthAnswersByServiceName) {
-  auto health = grpc::health::v1::Health::NewStub(
-      grpc::CreateChannel(Addr(router_port_), grpc::InsecureChannelCredentials()));
-  for (const std::string name : {"", "infinigen.v1.Generation", "no.such.Service"}) {
-    grpc::ClientContext c;
-    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    grpc::health::v1::HealthCheckRequest request;
-    request.set_service(name);
-    grpc::health::v1::HealthCheckResponse response;
-    const grpc::Status st = health->Check(&c, request, &response);
-    if (name == "no.such.Service") {
-      EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
-    } else {
-      ASSERT_TRUE(st.ok()) << "'" << name << "': " << st.error_message();
-      EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << name;
-    }
-  }
+  testing::ExpectHealthByServiceName(Addr(router_port_), "infinigen.v1.Generation");
 }
 
 // One log line per request: its id, its end user, the outcome and what was streamed (never the

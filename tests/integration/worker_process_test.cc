@@ -28,6 +28,7 @@
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 #include "kv_store/client/kv_store_client.h"
 #include "tests/support/fixture_model.h"
+#include "tests/support/health_check.h"
 #include "tests/support/http_get.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
@@ -478,19 +479,6 @@ TEST_F(WorkerProcess, MalformedRequestsAreInvalidArgument) {
   EXPECT_TRUE(StreamWorker(*stub_, TokenRequest({1, 2, 3}, 4, 0, 0)).status.ok());
 }
 
-grpc::health::v1::HealthCheckResponse::ServingStatus Health(grpc::Channel& channel,
-                                                            const std::string& service = "") {
-  auto stub = grpc::health::v1::Health::NewStub(
-      std::shared_ptr<grpc::Channel>(&channel, [](grpc::Channel*) {}));
-  grpc::ClientContext c;
-  c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::health::v1::HealthCheckResponse r;
-  grpc::health::v1::HealthCheckRequest request;
-  request.set_service(service);
-  auto st = stub->Check(&c, request, &r);
-  return st.ok() ? r.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
-}
-
 TEST_F(WorkerProcess, InfoHealthAndDrain) {
   grpc::ClientContext c1;
   wv1::InfoResponse info;
@@ -501,10 +489,10 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   EXPECT_EQ(info.default_policy(), "full");
   EXPECT_EQ(info.backend(), "cpu-f32");
   EXPECT_EQ(info.max_running(), 16);
-  EXPECT_EQ(Health(*channel_), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(testing::CheckHealth(channel_), grpc::health::v1::HealthCheckResponse::SERVING);
   // By the service's name too (grpc-health-probe -service, Kubernetes probes with `service:`).
   const std::string name = wv1::Worker::service_full_name();
-  EXPECT_EQ(Health(*channel_, name), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(testing::CheckHealth(channel_, name), grpc::health::v1::HealthCheckResponse::SERVING);
   // SIGTERM during a stream: health NOT_SERVING, new requests UNAVAILABLE, the stream finishes.
   grpc::health::v1::HealthCheckResponse::ServingStatus during = {};
   grpc::Status refused;
@@ -514,7 +502,7 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
         if (n != 1) return;
         worker_->Signal(SIGTERM);
         for (int i = 0; i < 100; ++i) {  // the signal is handled asynchronously
-          during = Health(*channel_);
+          during = testing::CheckHealth(channel_);
           if (during == grpc::health::v1::HealthCheckResponse::NOT_SERVING) break;
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
@@ -525,7 +513,7 @@ TEST_F(WorkerProcess, InfoHealthAndDrain) {
   // all), before a probe sees NOT_SERVING; what must never be seen is SERVING.
   EXPECT_NE(during, grpc::health::v1::HealthCheckResponse::SERVING);
   if (during == grpc::health::v1::HealthCheckResponse::NOT_SERVING) {
-    const auto after = Health(*channel_, name);
+    const auto after = testing::CheckHealth(channel_, name);
     EXPECT_NE(after, grpc::health::v1::HealthCheckResponse::SERVING);
   }
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
@@ -547,8 +535,8 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
   auto channel =
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
   auto stub = wv1::Worker::NewStub(channel);
-  EXPECT_EQ(Health(*channel), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
-  EXPECT_EQ(Health(*channel, wv1::Worker::service_full_name()),
+  EXPECT_EQ(testing::CheckHealth(channel), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(testing::CheckHealth(channel, wv1::Worker::service_full_name()),
             grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   const auto prompt = RandomTokens(8, vocab(), 3);
   const StreamResult early = StreamWorker(*stub, TokenRequest(prompt, 4, 0.0f, 0));
@@ -563,7 +551,7 @@ TEST_F(WorkerProcess, LoadingIsNotServingAndRefusesCallsUntilTheModelIsLoaded) {
   auto health = grpc::health::v1::HealthCheckResponse::UNKNOWN;
   for (int i = 0; i < 1200 && health != grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    health = Health(*channel);
+    health = testing::CheckHealth(channel);
   }
   ASSERT_EQ(health, grpc::health::v1::HealthCheckResponse::SERVING);
   const StreamResult r = StreamWorker(*stub, TokenRequest(prompt, 4, 0.0f, 0));
