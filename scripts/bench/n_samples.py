@@ -11,29 +11,12 @@ Usage: scripts/bench/n_samples.py --bin build/bin/infinigen --model M.gguf
 Standard library only.
 """
 import argparse
-import json
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(port, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
+from serve_http import Serve, post
 
 
 def main():
@@ -47,21 +30,7 @@ def main():
     ap.add_argument("serve_flags", nargs="*")
     a = ap.parse_args()
 
-    grpc_port, http_port = free_port(), free_port()
-    log = tempfile.NamedTemporaryFile(prefix="n-samples-serve-", suffix=".log", delete=False)
-    server = subprocess.Popen([a.bin, "serve", "--model", a.model, "--listen",
-                               f"127.0.0.1:{grpc_port}", "--http-listen",
-                               f"127.0.0.1:{http_port}", *a.serve_flags],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            sys.exit(f"the server did not come up (log: {log.name})")
+    with Serve(a.bin, a.model, a.serve_flags, "n-samples-serve-") as http_port:
         words = ("the quick brown fox jumps over the lazy dog while the river runs to the sea "
                  "and the mountains keep their snow").split()
         prompt = " ".join(words[i % len(words)] for i in range(a.prompt_words))
@@ -109,9 +78,6 @@ def main():
         print(f"shared prefill: {apart_med / n_med:.2f}x faster; completion tokens "
               f"{shared_usage['completion_tokens']}, cached prompt tokens reported "
               f"{shared_usage['prompt_tokens_details']['cached_tokens']} (choice 0's)")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 if __name__ == "__main__":
