@@ -35,6 +35,9 @@ struct GenerateOptions {
   int prompt_logprobs = -1;
   int64_t min_tokens = 0;  // stop and EOS tokens cannot end generation before this many
   std::vector<std::pair<int32_t, float>> logit_bias;  // added to the logits before sampling
+  // The text must be one JSON object (response_format JSON_OBJECT): the worker masks each
+  // token's logits with it (gpu_worker/structured/json_token_mask.h).
+  bool json_object = false;
 
   // INVALID_ARGUMENT naming the field.
   absl::Status Validate() const;

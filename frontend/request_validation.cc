@@ -44,6 +44,18 @@ absl::StatusOr<GenerateOptions> RequestOptions(const v1::SamplingParams& s,
   o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
   o.sampling.presence_penalty = s.presence_penalty();
   o.sampling.frequency_penalty = s.frequency_penalty();
+  switch (s.response_format()) {
+    case v1::RESPONSE_FORMAT_TEXT:
+      break;
+    case v1::RESPONSE_FORMAT_JSON_OBJECT:
+      o.json_object = true;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampling.response_format: ", static_cast<int>(s.response_format()),
+                       " is not a response format (TEXT 0, "
+                       "JSON_OBJECT 1)"));
+  }
   o.sampling.seed = s.seed();
   o.logprobs = s.has_logprobs() ? s.logprobs() : -1;
   o.prompt_logprobs = s.has_prompt_logprobs() ? s.prompt_logprobs() : -1;

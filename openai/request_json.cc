@@ -217,10 +217,15 @@ bool ParseSampling(Reader& r, ParsedRequest& out) {
       !r.Unsupported("parallel_tool_calls", false, "")) {
     return false;
   }
-  if (const json* format = r.Get("response_format");
-      format != nullptr && !(format->is_object() && format->contains("type") &&
-                             (*format)["type"].is_string() && (*format)["type"] == "text")) {
-    return r.Fail("response_format", "only {\"type\": \"text\"} responses are supported");
+  if (const json* format = r.Get("response_format")) {
+    const auto type = format->is_object() ? format->find("type") : format->end();
+    if (type == format->end() || !type->is_string() ||
+        (*type != "text" && *type != "json_object")) {
+      return r.Fail("response_format",
+                    "`response_format` must be {\"type\": \"text\"} or {\"type\": "
+                    "\"json_object\"} (json_schema is not supported by this server)");
+    }
+    if (*type == "json_object") sampling.set_response_format(v1::RESPONSE_FORMAT_JSON_OBJECT);
   }
   if (prompt_logprobs) {
     out.prompt_logprobs = static_cast<int>(*prompt_logprobs);

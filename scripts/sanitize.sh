@@ -60,6 +60,7 @@ address() {
   local targets=(common_test cpu_kernels_test checkpoint_test proto_test key_limits_test
                  utf8_fields_test health_test ghz_config_test metrics_exposer_test tokenizer_test
                  request_validation_test frontend_text_test cli_flags_test openai_json_test
+                 json_prefix_test
                  selection_test kv_store_test arena_prefaulter_test queued_client_test
                  staging_ring_test router_test
                  hf_fixture_test tokenizer_fixture_test infinigen_test infinigen_reference_test

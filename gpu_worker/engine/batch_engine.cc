@@ -599,10 +599,28 @@ void BatchEngine::Emit(Active& a, std::span<float> row) {
       if (stop >= 0 && stop < vocab) row[stop] = -INFINITY;
     }
   }
+  TokenConstraint* constraint = a.request.constraint.get();
+  if (constraint != nullptr && constraint->Complete()) {  // whole already (resumed so)
+    a.stop_token = -1;
+    Finish(a, FinishReason::kStop, absl::OkStatus());
+    return;
+  }
+  if (constraint != nullptr && !constraint->Mask(row, a.stops)) {
+    Finish(a, FinishReason::kCancelled,
+           absl::FailedPreconditionError(
+               "response_format: no token of the model's vocabulary continues the text"));
+    return;
+  }
   const int32_t token =
       SampleToken(row, a.request.options.sampling, a.history,
                   std::span<const int32_t>(a.history).subspan(a.request.prompt.size()),
                   static_cast<uint64_t>(a.history.size()), scratch_);
+  if (constraint != nullptr && !constraint->Accept(token)) {  // a mask that let it through
+    Finish(a, FinishReason::kCancelled,
+           absl::InternalError(absl::StrCat("response_format: token ", token,
+                                            " was drawn but does not continue the text")));
+    return;
+  }
   const absl::Time now = absl::Now();
   if (a.generated == 0) a.first_token = now;
   a.last_token = now;
@@ -623,6 +641,9 @@ void BatchEngine::Emit(Active& a, std::span<float> row) {
   a.sink(e);
   if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
     a.stop_token = token;
+    Finish(a, FinishReason::kStop, absl::OkStatus());
+  } else if (constraint != nullptr && constraint->Complete()) {  // the text is whole
+    a.stop_token = -1;
     Finish(a, FinishReason::kStop, absl::OkStatus());
   } else if (static_cast<int64_t>(a.history.size()) >= a.max_total) {
     Finish(a, FinishReason::kLength, absl::OkStatus());

@@ -27,6 +27,7 @@
 #include "gpu_worker/engine/decode_step.h"
 #include "gpu_worker/engine/generator.h"
 #include "gpu_worker/engine/session_table.h"
+#include "gpu_worker/engine/token_constraint.h"
 #include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/model/model.h"
 
@@ -85,6 +86,9 @@ struct EngineRequest {
   uint64_t prefill_from = 0;
   GenerateOptions options;
   std::unique_ptr<KvSelectionPolicy> policy;  // null: dense attention
+  // What the text must be (structured output), already past resume_tokens; null: anything.
+  // The sequence ends (FinishReason::kStop, no stop token) once it is whole.
+  std::unique_ptr<TokenConstraint> constraint;
   absl::Time deadline = absl::InfiniteFuture();
 };
 

@@ -119,6 +119,11 @@ absl::StatusOr<GenerateOptions> WorkerService::Options(const wv1::GenerateReques
           absl::StrCat("stopping.stop_token_ids: ", id, " is outside the vocabulary"));
     }
   }
+  if (o.json_object && tokenizer_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "sampling.response_format: JSON_OBJECT needs the text of each token, and this worker's "
+        "model has no tokenizer files");
+  }
   if (r.stopping().stop_strings_size() > 0 && tokenizer_ == nullptr) {
     return absl::FailedPreconditionError(
         "stopping.stop_strings: this worker's model has no tokenizer files to match text against");
@@ -147,6 +152,25 @@ absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> WorkerService::Policy(
         "selection.policy: infinigen needs a sidecar, and this worker was started without one");
   }
   return MakeSelectionPolicy(config, model_.config(), sidecar_, options_.skew_on_backend);
+}
+
+absl::StatusOr<std::unique_ptr<TokenConstraint>> WorkerService::JsonConstraint(
+    std::span<const int32_t> resumed) {
+  std::shared_ptr<const JsonVocabulary> vocabulary;
+  {
+    absl::MutexLock l(&json_mu_);
+    if (json_vocabulary_ == nullptr) json_vocabulary_ = JsonVocabulary::FromTokenizer(*tokenizer_);
+    vocabulary = json_vocabulary_;
+  }
+  auto mask = std::make_unique<JsonTokenMask>(std::move(vocabulary));
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    if (!mask->Accept(resumed[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("resumed tokens: token ", resumed[i], " at ", i,
+                       " does not continue a JSON object (sampling.response_format)"));
+    }
+  }
+  return mask;
 }
 
 grpc::Status WorkerService::Generate(grpc::ServerContext* context,
@@ -236,6 +260,14 @@ grpc::Status WorkerService::Generate(grpc::ServerContext* context,
       er.policy = std::move(*policy);
     }
     er.resume_tokens = x.resumed;
+    if (options.json_object) {
+      auto constraint = JsonConstraint(x.resumed);
+      if (!constraint.ok()) {
+        cancel_all();
+        return ToGrpcStatus(constraint.status());
+      }
+      er.constraint = std::move(*constraint);
+    }
     er.attach_home = n == 1                  ? request->resume_store_sequence_id()
                      : resumed[i] != nullptr ? resumed[i]->store_sequence_id()
                                              : 0;

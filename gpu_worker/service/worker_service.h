@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "gpu_worker/infinigen/infinigen_policy.h"
 #include "gpu_worker/infinigen/selection_config.h"
 #include "gpu_worker/infinigen/sidecar.h"
+#include "gpu_worker/structured/json_token_mask.h"
 #include "gpu_worker/tokenizer/tokenizer.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
 
@@ -70,6 +72,8 @@ class WorkerService final : public worker::v1::Worker::Service {
   absl::StatusOr<GenerateOptions> Options(const worker::v1::GenerateRequest& r) const;
   absl::StatusOr<std::unique_ptr<KvSelectionPolicy>> Policy(
       const worker::v1::GenerateRequest& r) const;
+  // response_format JSON_OBJECT's mask for one sample, past its `resumed` tokens.
+  absl::StatusOr<std::unique_ptr<TokenConstraint>> JsonConstraint(std::span<const int32_t> resumed);
 
   BatchEngine& engine_;
   const Model& model_;
@@ -79,6 +83,9 @@ class WorkerService final : public worker::v1::Worker::Service {
   const std::string backend_name_;  // Backend::Name(), asked once (CUDA queries the device)
   std::atomic<bool> draining_{false};
   WorkerLatencyMetrics latency_;
+  absl::Mutex json_mu_;
+  // The tokenizer's bytes per token, read at the first JSON_OBJECT request.
+  std::shared_ptr<const JsonVocabulary> json_vocabulary_ ABSL_GUARDED_BY(json_mu_);
 };
 
 }  // namespace infinigen

@@ -374,6 +374,13 @@ def check_api(openai, client, base, model):
                                                frequency_penalty=2)
     assert penalized.choices[0].message.content != content, penalized
 
+    # JSON mode (response_format json_object): the answer parses as one object.
+    shaped = client.chat.completions.create(
+        model=model, max_tokens=150, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with a name and an age."}])
+    assert shaped.choices[0].finish_reason == "stop", shaped
+    assert isinstance(json.loads(shaped.choices[0].message.content), dict), shaped
+
     # A conversation (the gRPC API's session_id, not OpenAI's): the second turn, whose prompt
     # begins with the first turn's prompt and answer, takes the stored KV over.
     turn = [{"role": "user", "content": "Name a fruit."}]

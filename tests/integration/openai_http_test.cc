@@ -588,7 +588,9 @@ TEST_F(OpenAiHttp, ABatchOfPromptsEqualsOneRequestPerPrompt) {
   ASSERT_EQ(s.status, 200) << s.body;
   const std::vector<json> events = Events(s.body);
   for (const json& e : events) {
-    if (e.is_object()) EXPECT_EQ(e["id"], events[0]["id"]);
+    if (e.is_object()) {
+      EXPECT_EQ(e["id"], events[0]["id"]);
+    }
   }
   EXPECT_EQ(StreamedLogprobs(events, 6), want);
   ASSERT_GE(events.size(), 2u);
@@ -639,6 +641,14 @@ TEST_F(OpenAiHttp, ModelsHealthAndErrorsInOpenAisShape) {
                "model");
   // Refused by the gRPC API behind it, with its message (a token id outside the vocabulary).
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", {1, 999999}}}), 400, "");
+  // JSON mode needs each token's text: the fixture has none (FAILED_PRECONDITION); a schema is
+  // not supported.
+  expect_error(Post(http_port_, "/v1/completions",
+                    {{"prompt", {1, 2}}, {"response_format", {{"type", "json_object"}}}}),
+               400, "");
+  expect_error(Post(http_port_, "/v1/completions",
+                    {{"prompt", {1, 2}}, {"response_format", {{"type", "json_schema"}}}}),
+               400, "response_format");
   // The fixture has no tokenizer: text prompts are the gRPC API's INVALID_ARGUMENT.
   expect_error(Post(http_port_, "/v1/completions", {{"prompt", "hello"}}), 400, "");
   // A content part whose `type` is a number: it ended the process (an exception in the parse).
@@ -683,6 +693,66 @@ TEST_F(OpenAiHttp, KeysAndAFullServerAnswer401And429WithRetryAfter) {
   EXPECT_EQ(busy.status, 429) << busy.body;
   EXPECT_FALSE(busy.retry_after.empty());
   EXPECT_EQ(busy.Json()["error"]["type"], "rate_limit_error");
+}
+
+// OpenAI's JSON mode on SmolLM2: the answer is one JSON object, greedy or sampled, whole or
+// streamed, and it ends when the object closes (finish_reason "stop"); the same greedy request
+// without it is not JSON (this model fences its JSON in markdown).
+TEST_F(OpenAiHttp, JsonModeAnswersOneObject) {
+  const std::string smollm2 = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(smollm2, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  Start({}, smollm2);
+  const json messages = {
+      {{"role", "user"}, {"content", "Describe a cat as JSON with fields name, age and color."}}};
+  const json request = {{"messages", messages},
+                        {"max_tokens", 150},
+                        {"temperature", 0},
+                        {"response_format", {{"type", "json_object"}}}};
+  const Reply greedy = Post(http_port_, "/v1/chat/completions", request);
+  ASSERT_EQ(greedy.status, 200) << greedy.body;
+  const json g = greedy.Json();
+  const json& choice = g["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "stop") << greedy.body;
+  const std::string text = choice["message"]["content"];
+  EXPECT_TRUE(json::parse(text, nullptr, false).is_object()) << text;
+
+  json plain = request;
+  plain.erase("response_format");
+  const Reply free = Post(http_port_, "/v1/chat/completions", plain);
+  ASSERT_EQ(free.status, 200) << free.body;
+  const std::string free_text = free.Json()["choices"][0]["message"]["content"];
+  EXPECT_TRUE(json::parse(free_text, nullptr, false).is_discarded()) << free_text;
+
+  json sampled = request;
+  sampled["temperature"] = 1.0;
+  sampled["seed"] = 11;
+  sampled["n"] = 4;
+  const Reply four = Post(http_port_, "/v1/chat/completions", sampled);
+  ASSERT_EQ(four.status, 200) << four.body;
+  int whole = 0;
+  const json samples = four.Json();
+  for (const json& c : samples["choices"]) {
+    const std::string t = c["message"]["content"];
+    if (c["finish_reason"] == "stop") {
+      EXPECT_TRUE(json::parse(t, nullptr, false).is_object()) << t;
+      ++whole;
+    }
+  }
+  EXPECT_GE(whole, 2) << four.body;
+
+  json streamed = request;
+  streamed["stream"] = true;
+  const Reply s = Post(http_port_, "/v1/chat/completions", streamed);
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::string joined, finish;
+  for (const json& e : Events(s.body)) {
+    if (!e.is_object() || e["choices"].empty()) continue;
+    const json& c = e["choices"][0];
+    if (c["delta"].contains("content")) joined += c["delta"]["content"].get<std::string>();
+    if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+  }
+  EXPECT_EQ(joined, text);
+  EXPECT_EQ(finish, "stop");
 }
 
 TEST_F(OpenAiHttp, AClientThatHangsUpEndsItsGeneration) {

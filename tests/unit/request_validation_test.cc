@@ -70,8 +70,10 @@ TEST(RequestOptions, UnsetFieldsTakeTheServersDefaults) {
   EXPECT_EQ(o->max_new_tokens, 77);
   EXPECT_EQ(o->logprobs, -1);
   EXPECT_EQ(o->prompt_logprobs, -1);
+  EXPECT_FALSE(o->json_object);
 
   v1::SamplingParams s;
+  s.set_response_format(v1::RESPONSE_FORMAT_JSON_OBJECT);
   s.set_temperature(0.0f);
   s.set_seed(9);
   s.set_logprobs(3);
@@ -91,6 +93,7 @@ TEST(RequestOptions, UnsetFieldsTakeTheServersDefaults) {
   EXPECT_EQ(o->stop_token_ids, std::vector<int32_t>{5});
   const std::vector<std::pair<int32_t, float>> bias = {{2, 1.5f}, {7, -5.0f}};  // by id
   EXPECT_EQ(o->logit_bias, bias);
+  EXPECT_TRUE(o->json_object);
 }
 
 TEST(RequestOptions, EveryRangeIsCheckedAndNamed) {
@@ -117,6 +120,8 @@ TEST(RequestOptions, EveryRangeIsCheckedAndNamed) {
   refused([](S& s, T&) { s.set_prompt_logprobs(-3); }, "sampling.prompt_logprobs");
   refused([](S& s, T&) { s.set_n(kMaxSamples + 1); }, "sampling.n");
   refused([](S& s, T&) { s.set_n(-1); }, "sampling.n");
+  refused([](S& s, T&) { s.set_response_format(static_cast<v1::ResponseFormat>(7)); },
+          "sampling.response_format");
   refused([](S& s, T&) { (*s.mutable_logit_bias())[3] = 101.0f; }, "sampling.logit_bias");
   refused([](S& s, T&) { (*s.mutable_logit_bias())[-3] = 1.0f; }, "sampling.logit_bias");
   refused(
