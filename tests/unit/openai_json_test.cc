@@ -198,7 +198,7 @@ TEST(OpenAiJson, ContentPartsOfTheWrongTypesAreRefused) {
     EXPECT_EQ(e.http_status, 400) << body;
     EXPECT_EQ(e.param, "messages[0].content") << body << ": " << e.message;
   }
-  for (const char* format : {R"({"type": 5})", R"({"type": "json_object"})", R"("text")"}) {
+  for (const char* format : {R"({"type": 5})", R"({"type": "json_schema"})", R"("text")"}) {
     const std::string body = absl::StrCat(
         R"({"messages": [{"role": "user", "content": "y"}], "response_format": )", format, "}");
     ParsedRequest bad;
@@ -206,6 +206,13 @@ TEST(OpenAiJson, ContentPartsOfTheWrongTypesAreRefused) {
     EXPECT_FALSE(ParseRequest(Endpoint::kChatCompletions, body, bad, e)) << body;
     EXPECT_EQ(e.param, "response_format") << body << ": " << e.message;
   }
+  ParsedRequest json_mode;
+  ASSERT_TRUE(ParseRequest(
+      Endpoint::kChatCompletions,
+      R"({"messages": [{"role": "user", "content": "y"}], "response_format": {"type": "json_object"}})",
+      json_mode, error))
+      << error.message;
+  EXPECT_EQ(json_mode.request.sampling().response_format(), v1::RESPONSE_FORMAT_JSON_OBJECT);
 }
 
 // The first message of an echoed completion: one generated token (id 9, " x") after a prompt of
