@@ -9,6 +9,7 @@
 #include "gpu_worker/model/loaded_model.h"
 #include "gpu_worker/tokenizer/chat_template.h"
 #include "infinigen/worker/v1/worker.grpc.pb.h"
+#include "nlohmann/json.hpp"
 #include "tests/support/fixture_model.h"
 #include "tests/support/process.h"
 #include "tests/support/test_paths.h"
@@ -197,6 +198,54 @@ TEST(WorkerSmolLm2, Bf16KvThroughTheStoreStreamsTheLocalEnginesTokens) {
   ASSERT_TRUE(got.status.ok()) << got.status.error_message();
   EXPECT_EQ(got.tokens, want->tokens);
   EXPECT_EQ(got.last.usage().backend(), "cpu-q4_1 (bf16 K/V)");
+}
+
+// JSON mode (sampling.response_format JSON_OBJECT) on the worker: the answer is one object and
+// ends when it closes; a stream resumed after k of its tokens (what the router sends the next
+// worker after a failover) replays them through the mask and continues with exactly the rest;
+// resumed tokens that are no JSON prefix are refused, and a resume whose object is whole ends at
+// once.
+TEST(WorkerSmolLm2, JsonModeResumesThroughTheMask) {
+  const std::string model_path = testing::SmolLm2Path();
+  IG_REQUIRE_FILE(model_path, "SmolLM2 GGUF (scripts/setup.sh fetches it)");
+  SmolLm2Worker worker({});
+  ASSERT_TRUE(worker.process.running());
+  auto& stub = worker.stub;
+  wv1::GenerateRequest r;
+  infinigen::v1::ChatMessage* m = r.mutable_messages()->add_messages();
+  m->set_role("user");
+  m->set_content("Describe a dog as JSON with fields name, age and color.");
+  r.mutable_sampling()->set_temperature(0);
+  r.mutable_sampling()->set_response_format(infinigen::v1::RESPONSE_FORMAT_JSON_OBJECT);
+  r.mutable_stopping()->set_max_new_tokens(150);
+  const testing::WorkerStreamResult full = StreamWorker(*stub, r);
+  ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+  EXPECT_EQ(full.last.finish_reason(), infinigen::v1::FINISH_REASON_STOP) << full.text;
+  EXPECT_FALSE(full.last.has_stop()) << "the object closed it, not a stop token";
+  EXPECT_TRUE(nlohmann::json::parse(full.text, nullptr, false).is_object()) << full.text;
+  ASSERT_GE(full.tokens.size(), 6u);
+
+  const size_t k = full.tokens.size() / 2;
+  wv1::GenerateRequest resumed = r;
+  for (size_t i = 0; i < k; ++i) resumed.add_resume_token_ids(full.tokens[i]);
+  const testing::WorkerStreamResult rest = StreamWorker(*stub, resumed);
+  ASSERT_TRUE(rest.status.ok()) << rest.status.error_message();
+  EXPECT_EQ(rest.tokens, std::vector<int32_t>(full.tokens.begin() + k, full.tokens.end()));
+  EXPECT_EQ(rest.last.finish_reason(), infinigen::v1::FINISH_REASON_STOP);
+
+  wv1::GenerateRequest whole = r;
+  for (int32_t t : full.tokens) whole.add_resume_token_ids(t);
+  const testing::WorkerStreamResult none = StreamWorker(*stub, whole);
+  ASSERT_TRUE(none.status.ok()) << none.status.error_message();
+  EXPECT_TRUE(none.tokens.empty());
+  EXPECT_EQ(none.last.finish_reason(), infinigen::v1::FINISH_REASON_STOP);
+
+  wv1::GenerateRequest broken = r;
+  broken.add_resume_token_ids(full.tokens.back());  // the closing brace first
+  const testing::WorkerStreamResult refused = StreamWorker(*stub, broken);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << refused.status.error_message();
+  EXPECT_NE(refused.status.error_message().find("JSON"), std::string::npos);
 }
 
 }  // namespace
