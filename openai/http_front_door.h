@@ -1,7 +1,8 @@
 // The OpenAI-compatible HTTP front door (docs/api.md, "OpenAI-compatible HTTP"): POST
 // /v1/completions and /v1/chat/completions (whole, or streamed as server-sent events), GET
 // /v1/models, vLLM's POST /tokenize and /detokenize, and GET /health. Every request becomes a call
-// of the public gRPC API (infinigen.v1.Generation) on `channel`, the router's own in-process
+// (a completions batch: one per prompt, openai/generate_calls.h) of the public gRPC API
+// (infinigen.v1.Generation) on `channel`, the router's own in-process
 // channel: API keys (the Authorization header is passed on), limits, admission, placement and
 // failover are the gRPC API's, not a second copy of them. A client that disconnects cancels its
 // generation. The connections (threads, limits, timeouts, TLS) are openai/http_server.h's.

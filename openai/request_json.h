@@ -23,7 +23,7 @@ struct ParsedRequest {
   std::string model;  // as the client named it (empty: the served one)
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
-  int n = 1;                   // choices (each its own call of the gRPC API)
+  int n = 1;                   // choices per prompt (one call with sampling.n)
   // Log probabilities to return: completions' `logprobs` (alternatives per token) or chat's
   // `logprobs: true` with `top_logprobs`; -1: none.
   int top_logprobs = -1;
@@ -47,7 +47,7 @@ struct ParsedRequest {
 };
 
 // The most prompts one completions request may list, and the most choices (prompts x n) it may
-// ask for: each prompt is a stream of the server's, read on a thread of the front door's.
+// ask for: each prompt is a stream of the server's (openai/generate_calls.h).
 inline constexpr int kMaxPrompts = 128;
 inline constexpr int kMaxChoices = 256;
 

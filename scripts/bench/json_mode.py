@@ -4,7 +4,7 @@
 completion asking for a JSON list, with `response_format: {"type": "json_object"}` (the worker
 masks every token) and without (`ignore_eos`, the same number of tokens); each round's time per
 output token is the gap from the first token to the last over the tokens between. Reports the
-median of each and their ratio, and checks that every JSON answer parses as an object.
+median of each and their ratio, and checks that every JSON answer is one whole object.
 
 Usage: scripts/bench/json_mode.py --bin build/bin/infinigen --model M.gguf [--rounds 5]
        [--max-tokens 200] [-- serve flags...]
@@ -64,14 +64,15 @@ def main():
         for _ in range(a.rounds):
             s, n, text, finish = stream(port, {**body,
                                                "response_format": {"type": "json_object"}})
-            if finish == "stop" and not isinstance(json.loads(text), dict):
-                raise SystemExit(f"JSON mode answered something else: {text!r}")
+            if finish != "stop" or not isinstance(json.loads(text), dict):
+                raise SystemExit(f"JSON mode did not answer one whole object ({finish}): "
+                                 f"{text!r}")
             tpot["json"].append(s)
             tokens["json"] = n
             s, n, _, _ = stream(port, {**body, "max_tokens": n, "ignore_eos": True})
             tpot["text"].append(s)
             tokens["text"] = n
-        print(f"{a.rounds} interleaved rounds, greedy; every JSON answer parsed as an object")
+        print(f"{a.rounds} interleaved rounds, greedy; every JSON answer a whole object")
         print("| response_format | output tokens | TPOT p50 (ms) | rounds (ms) |")
         print("|---|---:|---:|---|")
         for key, label in (("text", "text"), ("json", "json_object")):

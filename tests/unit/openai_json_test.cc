@@ -1,7 +1,9 @@
-// The OpenAI JSON a ResponseBuilder makes of GenerateResponses' logprobs: each token's text is the
-// one the worker sent with it (Logprobs.token, TokenLogprob.token), and only an entry without one
-// asks the TokenText callback (a worker without a tokenizer); completions' text_offset counts the
-// texts' bytes, chat's `bytes` lists them.
+// The OpenAI-compatible API's JSON: requests parsed (openai/request_json.h: batches of prompts,
+// response_format, echo, the fields refused by name), and what a ResponseBuilder makes of
+// GenerateResponses' logprobs: each token's text is the one the worker sent with it
+// (Logprobs.token, TokenLogprob.token), and only an entry without one asks the TokenText
+// callback (a worker without a tokenizer); completions' text_offset counts the texts' bytes,
+// chat's `bytes` lists them.
 #include <gtest/gtest.h>
 
 #include <tuple>
