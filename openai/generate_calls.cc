@@ -20,11 +20,19 @@ class GenerateCalls::Reader final : public grpc::ClientReadReactor<v1::GenerateR
     if (!ok) return;  // the stream ended: OnDone follows
     Event event;
     event.call = call_;
+    event.bytes = message_.ByteSizeLong();
     event.message = std::move(message_);
+    bool overflow = false;
     {
       absl::MutexLock lock(&state_->mu);
+      state_->queued_bytes += event.bytes;
       state_->queue.push_back(std::move(event));
+      if (state_->queued_bytes > state_->max_queued_bytes && !state_->overflowed) {
+        state_->overflowed = overflow = true;
+      }
     }
+    // Not under the lock: a cancel may run a call's OnDone on this thread.
+    if (overflow) state_->CancelAll();
     message_.Clear();
     StartRead(&message_);
   }
@@ -49,8 +57,10 @@ class GenerateCalls::Reader final : public grpc::ClientReadReactor<v1::GenerateR
 };
 
 GenerateCalls::GenerateCalls(v1::Generation::Stub& stub, std::vector<v1::GenerateRequest> requests,
-                             const std::function<void(grpc::ClientContext&)>& prepare)
+                             const std::function<void(grpc::ClientContext&)>& prepare,
+                             size_t max_queued_bytes)
     : state_(std::make_shared<State>()) {
+  state_->max_queued_bytes = max_queued_bytes;
   state_->calls.reserve(requests.size());
   for (v1::GenerateRequest& r : requests) {
     auto call = std::make_unique<Call>();
@@ -84,11 +94,10 @@ bool GenerateCalls::Next(Event& out) {
   if (s.queue.empty()) return false;
   out = std::move(s.queue.front());
   s.queue.pop_front();
+  s.queued_bytes -= out.bytes;
   return true;
 }
 
-void GenerateCalls::CancelAll() {
-  for (auto& call : state_->calls) call->context.TryCancel();
-}
+void GenerateCalls::CancelAll() { state_->CancelAll(); }
 
 }  // namespace infinigen::openai

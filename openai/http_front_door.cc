@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "infinigen/v1/generation.grpc.pb.h"
@@ -129,6 +130,33 @@ class HangupWatch {
   const int wake_;
   std::atomic<bool> stop_{false}, gone_{false};
   std::thread thread_;
+};
+
+// Cancels a request's calls from another thread (the hangup watch, the server shutting down),
+// whether they have started yet or not: once attached, they are cancelled at once if it came
+// before.
+class CallsCancel {
+ public:
+  void operator()() {
+    absl::MutexLock l(&mu_);
+    cancelled_ = true;
+    if (calls_ != nullptr) calls_->CancelAll();
+  }
+  // `calls` (null: none any more, before they are destroyed).
+  void Attach(GenerateCalls* calls) {
+    absl::MutexLock l(&mu_);
+    calls_ = calls;
+    if (cancelled_ && calls_ != nullptr) calls_->CancelAll();
+  }
+  bool cancelled() const {
+    absl::MutexLock l(&mu_);
+    return cancelled_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  GenerateCalls* calls_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 }  // namespace
@@ -345,12 +373,20 @@ class HttpFrontDoor::Impl {
     ResponseBuilder builder(
         endpoint, id, static_cast<int64_t>(std::time(nullptr)), model, parsed.top_logprobs,
         [this, &req](int32_t token) { return TokenText(req, token); }, n, prompts);
+    // A hangup (or the server shutting down) cancels the calls, also while the prompts' echo
+    // is tokenized before them.
+    CallsCancel cancel;
+    conn.OnShutdown([&cancel] { cancel(); });
+    absl::Cleanup forget = [&conn] { conn.OnShutdown(nullptr); };
+    HangupWatch watch(conn.fd(), [&cancel] { cancel(); });
     if (parsed.echo) {
-      for (int p = 0; p < prompts; ++p) {
+      for (int p = 0; p < prompts && !cancel.cancelled(); ++p) {
         if (std::optional<ApiError> e = Echo(req, parsed, p, builder)) {
+          if (watch.gone()) return false;
           return WriteError(conn, req.version(), *e, keep);
         }
       }
+      if (watch.gone()) return false;
     }
     // One call of the gRPC API for each prompt, with every choice of it (sampling.n): the
     // samples share the prompt's prefill, choice i draws with seed + i, and each message says
@@ -363,10 +399,8 @@ class HttpFrontDoor::Impl {
     }
     GenerateCalls calls(*stub_, std::move(requests),
                         [&req](grpc::ClientContext& ctx) { Authorize(req, ctx); });
-    auto cancel = [&calls] { calls.CancelAll(); };
-    conn.OnShutdown(cancel);
-    absl::Cleanup forget = [&conn] { conn.OnShutdown(nullptr); };
-    HangupWatch watch(conn.fd(), cancel);
+    cancel.Attach(&calls);
+    absl::Cleanup detach = [&cancel] { cancel.Attach(nullptr); };
     // The first failure answers for the request; the other calls are cancelled.
     std::optional<ApiError> failed;
     GenerateCalls::Event e;
@@ -378,6 +412,14 @@ class HttpFrontDoor::Impl {
     auto ended = [&](const GenerateCalls::Event& e) {
       if (e.end && !e.status.ok() && !failed) {
         failed = FromGrpc(e.status, calls.context(e.call));
+        if (calls.overflowed()) {
+          failed =
+              ApiError{503,
+                       absl::StrCat("the answer outgrew ", GenerateCalls::kMaxQueuedBytes >> 20,
+                                    " MiB while the client was not reading it; the "
+                                    "generation was stopped"),
+                       "server_error"};
+        }
         calls.CancelAll();
       }
     };

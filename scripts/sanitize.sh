@@ -68,7 +68,8 @@ address() {
                  store_kv_cache_test store_kv_device_plan_test store_kv_pool_test engine_attach_test
                  store_kv_reuse_shm_test batch_engine_test
                  kv_transport_test ucx_data_plane_test kv_store_process_test
-                 worker_process_test router_process_test netns_test openai_http_test cli_test)
+                 worker_process_test router_process_test netns_test generate_calls_test
+                 openai_http_test cli_test)
   suite_args[cli_test]="--gtest_filter=-Cli.PrepareThenEvalEveryPolicy"
   # clang at -O1 with line tables only: the build took 41 minutes on 2 cores with g++ -O2 -g
   # (its sanitizers make the big gRPC/Boost test files 4-5 times slower to compile), about a

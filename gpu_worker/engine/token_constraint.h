@@ -14,8 +14,8 @@ class TokenConstraint {
  public:
   virtual ~TokenConstraint() = default;
   // Sets to -infinity the logits in `row` [vocab] of the tokens that may not come next. The
-  // tokens of `stops` end the sequence, so they may come only where the text may end. False
-  // when no token may come next.
+  // tokens of `stops` end the sequence: they may come where the text may end, and where they
+  // continue it (the text then ends there, cut). False when no token may come next.
   virtual bool Mask(std::span<float> row, std::span<const int32_t> stops) = 0;
   // Takes `token` as the next one; false when it may not come.
   virtual bool Accept(int32_t token) = 0;

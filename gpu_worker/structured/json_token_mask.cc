@@ -95,10 +95,15 @@ bool JsonTokenMask::Mask(std::span<float> row, std::span<const int32_t> stops) {
     out[id] = ok ? out[id] : -INFINITY;
   }
   for (size_t id = known; id < row.size(); ++id) row[id] = -INFINITY;  // no bytes: no text
-  // A stop token ends the sequence: it may come exactly when the object is whole.
-  for (size_t i = 0; i < stops.size(); ++i) {
-    if (stops[i] < 0 || static_cast<size_t>(stops[i]) >= row.size()) continue;
-    row[stops[i]] = state_.Complete() ? stop_logits_[i] : -INFINITY;
+  // A stop token ends the sequence: once the object is whole any may come; before, one whose
+  // bytes continue the text may (a user's stop_token_ids naming "}", say), as the pass above
+  // decided, and an end-of-sequence token (special: no bytes) may not.
+  if (state_.Complete()) {
+    for (size_t i = 0; i < stops.size(); ++i) {
+      if (stops[i] >= 0 && static_cast<size_t>(stops[i]) < row.size()) {
+        row[stops[i]] = stop_logits_[i];
+      }
+    }
   }
   return std::any_of(row.begin(), row.end(), [](float x) { return x != -INFINITY; });
 }

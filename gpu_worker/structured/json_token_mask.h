@@ -1,8 +1,8 @@
 // OpenAI's `response_format: {"type": "json_object"}` over a tokenizer's vocabulary: a token may
 // come next only when the text with its bytes is still a prefix of one JSON object
-// (gpu_worker/structured/json_prefix.h); special tokens never come, and the sequence is
-// whole when the object closes. The vocabulary's bytes are read once per model
-// (JsonVocabulary) and shared by every sequence's mask.
+// (gpu_worker/structured/json_prefix.h); special tokens never come (end-of-sequence tokens only
+// once the object is whole), and the sequence is whole when the object closes. The vocabulary's
+// bytes are read once per model (JsonVocabulary) and shared by every sequence's mask.
 #pragma once
 
 #include <cstdint>

@@ -212,7 +212,7 @@ TEST(JsonPrefix, EditedDocumentsAreWholeExactlyWhenNlohmannAcceptsThem) {
     // nlohmann refuses numbers past a double's range, which JSON's grammar has not.
     bool accepted = true;
     try {
-      (void)json::parse(doc);
+      [[maybe_unused]] const json parsed = json::parse(doc);
     } catch (const json::exception& e) {
       accepted = false;
       if (std::string(e.what()).find("overflow") != std::string::npos) continue;
@@ -269,6 +269,18 @@ TEST(JsonTokenMask, LetsThroughTheTokensThatContinueTheObject) {
   }
   std::vector<float> none(tokens.size(), 0.0f);
   EXPECT_FALSE(whole.Mask(none, {})) << "nothing may follow a whole object but a stop token";
+  // A stop token with bytes (a user's stop_token_ids) may come where it continues the text:
+  // "}" (id 1) right after "{", not at the start.
+  JsonTokenMask cut(vocabulary);
+  std::vector<float> start(tokens.size(), 0.0f);
+  ASSERT_TRUE(cut.Mask(start, std::vector<int32_t>{1, eos}));
+  EXPECT_EQ(start[1], -INFINITY);
+  EXPECT_EQ(start[eos], -INFINITY);
+  ASSERT_TRUE(cut.Accept(0));
+  std::vector<float> open(tokens.size(), 0.0f);
+  ASSERT_TRUE(cut.Mask(open, std::vector<int32_t>{1, eos}));
+  EXPECT_EQ(open[1], 0.0f);
+  EXPECT_EQ(open[eos], -INFINITY);
 }
 
 // The mask's shortcuts (first bytes, tokens plain inside strings) against reading every token
